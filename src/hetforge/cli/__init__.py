@@ -1,0 +1,1 @@
+"""The ``hetforge`` command line: a thin layer over the library's stage functions."""

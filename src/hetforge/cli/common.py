@@ -1,0 +1,62 @@
+"""Shared CLI pieces: the Typer app, the console, JSON output and error → exit-code mapping.
+
+Each command module in ``hetforge.cli.commands`` registers its commands on ``app``; ``main`` imports
+them all, so adding a command is adding one file.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import typer
+from rich.console import Console
+
+from hetforge.errors import HetforgeError
+
+app = typer.Typer(
+    name="hetforge",
+    help="hetforge: a transparent compiler and runtime that runs LLMs across the CPU, GPU and NPU of one device.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+console = Console()
+err_console = Console(stderr=True)
+
+
+def _clean(o: Any) -> Any:
+    if isinstance(o, float) and (math.isnan(o) or math.isinf(o)):
+        return str(o)
+    if isinstance(o, dict):
+        return {str(k): _clean(v) for k, v in o.items()}
+    if isinstance(o, (list, tuple)):
+        return [_clean(v) for v in o]
+    return o
+
+
+def emit_json(obj: Any) -> None:
+    """Print one JSON document to stdout (nothing else goes to stdout with --json)."""
+    sys.stdout.write(json.dumps(_clean(obj), indent=2, default=str) + "\n")
+    sys.stdout.flush()
+
+
+def handles_errors(fn: Callable) -> Callable:
+    """Turn a HetforgeError into one readable line on stderr and its exit code (1, or 2 for usage)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except HetforgeError as e:
+            err_console.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+            raise typer.Exit(e.exit_code) from None
+        except KeyboardInterrupt:
+            err_console.print("interrupted")
+            raise typer.Exit(130) from None
+
+    return wrapper

@@ -1,0 +1,270 @@
+"""Named models built offline from ``transformers`` configs with seeded random weights.
+
+No hub access exists on the machines hetforge is built on, so every zoo entry is a config plus a seed:
+fine for speed, memory and numerical-fidelity work. Real weights come from a local Hugging Face folder
+(:func:`load_model` accepts a path) or the demo model the project trains and ships itself.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from hetforge.errors import ModelFolderError, UsageError
+
+ATTN_IMPLS = ("eager", "sdpa")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One zoo entry: how to build the config, and what kind of model it is."""
+
+    name: str
+    family: str
+    kind: str  # "causal-lm" or "masked-lm"
+    make_config: Callable[[], object]
+    description: str
+    tiny: bool = False
+    attn_impls: tuple[str, ...] = ATTN_IMPLS
+
+
+def _gpt2(**kw):
+    from transformers import GPT2Config
+
+    return GPT2Config(**kw)
+
+
+def _llama(**kw):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(**kw)
+
+
+def _mixtral(**kw):
+    from transformers import MixtralConfig
+
+    return MixtralConfig(**kw)
+
+
+def _qwen2(**kw):
+    from transformers import Qwen2Config
+
+    return Qwen2Config(**kw)
+
+
+def _bert(**kw):
+    from transformers import BertConfig
+
+    return BertConfig(**kw)
+
+
+_TINY_LLAMA = dict(
+    hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, vocab_size=256, max_position_embeddings=512,
+)
+
+ZOO: dict[str, ModelSpec] = {
+    s.name: s
+    for s in [
+        ModelSpec("gpt2", "gpt2", "causal-lm", lambda: _gpt2(), "GPT-2 124M (GPT2Config defaults)"),
+        ModelSpec(
+            "llama-110m", "llama", "causal-lm",
+            lambda: _llama(hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
+                           num_attention_heads=12, num_key_value_heads=12, vocab_size=32000,
+                           max_position_embeddings=2048),
+            "Llama-style, hidden 768, 12 layers, 12 heads, ffn 2048, vocab 32000",
+        ),
+        ModelSpec(
+            "mixtral-small", "mixtral", "causal-lm",
+            lambda: _mixtral(hidden_size=512, intermediate_size=1024, num_hidden_layers=4,
+                             num_attention_heads=8, num_key_value_heads=4, vocab_size=32000,
+                             num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=2048),
+            "Mixtral-style MoE, hidden 512, 4 layers, 8 experts, top-2",
+        ),
+        ModelSpec(
+            "gpt2-tiny", "gpt2", "causal-lm",
+            lambda: _gpt2(n_embd=64, n_layer=2, n_head=4, vocab_size=256, n_positions=512,
+                          bos_token_id=255, eos_token_id=255),
+            "GPT-2 family, 2 layers, hidden 64 (tests)", tiny=True,
+        ),
+        ModelSpec("llama-tiny", "llama", "causal-lm", lambda: _llama(**_TINY_LLAMA),
+                  "Llama family, 2 layers, hidden 64, GQA 4/2 (tests)", tiny=True),
+        ModelSpec(
+            "mixtral-tiny", "mixtral", "causal-lm",
+            lambda: _mixtral(**_TINY_LLAMA, num_local_experts=4, num_experts_per_tok=2),
+            "Mixtral family MoE, 2 layers, 4 experts, top-2 (tests)", tiny=True,
+        ),
+        ModelSpec("qwen2-tiny", "qwen2", "causal-lm", lambda: _qwen2(**_TINY_LLAMA),
+                  "Qwen2 family (q/k/v bias), 2 layers, hidden 64 (tests)", tiny=True),
+        ModelSpec(
+            "bert-tiny", "bert", "masked-lm",
+            lambda: _bert(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                          intermediate_size=128, vocab_size=256, max_position_embeddings=512),
+            "BERT encoder, 2 layers, hidden 64 (tests)", tiny=True,
+        ),
+    ]
+}
+
+
+class LogitsModule(nn.Module):
+    """Wraps a HF model as ``(input_ids, attention_mask) -> logits`` with no cache.
+
+    The attention mask is always passed: without it transformers 5 calls ``torch.diff`` in its
+    packed-sequence detection, which other compilers cannot convert.
+    """
+
+    def __init__(self, model: nn.Module, causal: bool = True):
+        super().__init__()
+        self.model = model
+        self.causal = causal
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        if self.causal:
+            return self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+        return self.model(input_ids=input_ids, attention_mask=attention_mask).logits
+
+
+@dataclass
+class LoadedModel:
+    """A built model ready to capture: the HF module, its config and where its weights came from."""
+
+    name: str
+    family: str
+    kind: str
+    model: nn.Module
+    config: object
+    attn: str
+    weights: str  # "seeded random (seed N)" or the folder path
+    tokenizer: object | None = None
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.config.vocab_size)
+
+    @property
+    def max_positions(self) -> int:
+        c = self.config
+        return int(getattr(c, "max_position_embeddings", None) or getattr(c, "n_positions", 1024))
+
+    @property
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.model.parameters())
+
+    def logits_module(self) -> LogitsModule:
+        return LogitsModule(self.model, causal=self.kind == "causal-lm")
+
+
+def list_models() -> list[ModelSpec]:
+    return list(ZOO.values())
+
+
+def count_parameters(spec: ModelSpec) -> int:
+    """Parameter count without allocating weights (built on the meta device)."""
+    with torch.device("meta"):
+        model = _build(spec, spec.make_config(), "sdpa")
+    return sum(p.numel() for p in model.parameters())
+
+
+def _build(spec: ModelSpec, config, attn: str) -> nn.Module:
+    from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
+
+    config._attn_implementation = attn
+    if spec.family == "mixtral":
+        # transformers' default CPU expert path is an opaque custom op (grouped_mm_fallback) that
+        # hides the expert matmuls from torch.export; batched_mm exposes them as bmm.
+        config._experts_implementation = "batched_mm"
+    auto = AutoModelForMaskedLM if spec.kind == "masked-lm" else AutoModelForCausalLM
+    return auto.from_config(config)
+
+
+def resolve(name: str) -> ModelSpec:
+    """Find a zoo entry, or explain which names exist."""
+    if name in ZOO:
+        return ZOO[name]
+    from hetforge.models import demo as _demo  # noqa: F401  (registers the demo model if shipped)
+
+    if name in ZOO:
+        return ZOO[name]
+    known = ", ".join(ZOO)
+    raise UsageError(f"unknown model '{name}'; known models: {known} (or a path to a local Hugging Face folder)")
+
+
+def load_model(name: str, attn: str = "sdpa", seed: int = 0, dtype: torch.dtype = torch.float32) -> LoadedModel:
+    """Build a zoo model with seeded random weights, or load a local Hugging Face folder."""
+    if attn not in ATTN_IMPLS:
+        raise UsageError(f"unknown attention implementation '{attn}'; allowed: {', '.join(ATTN_IMPLS)}")
+    path = Path(name)
+    if name not in ZOO and (path.is_dir() or "/" in name or name.startswith(".")):
+        return load_folder(path, attn=attn, dtype=dtype)
+    spec = resolve(name)
+    if attn not in spec.attn_impls:
+        raise UsageError(f"model '{name}' has no '{attn}' attention; allowed: {', '.join(spec.attn_impls)}")
+    loader = spec_loaders.get(spec.name)
+    if loader is not None:
+        return loader(attn=attn, dtype=dtype)
+    torch.manual_seed(seed)
+    model = _build(spec, spec.make_config(), attn).to(dtype).eval()
+    return LoadedModel(spec.name, spec.family, spec.kind, model, model.config, attn, f"seeded random (seed {seed})")
+
+
+# Entries whose weights come from files rather than a seed (the demo model) register a loader here.
+spec_loaders: dict[str, Callable[..., LoadedModel]] = {}
+
+
+def load_folder(path: Path, attn: str = "sdpa", dtype: torch.dtype = torch.float32) -> LoadedModel:
+    """Load a local Hugging Face folder (config.json + safetensors), naming any bad file."""
+    if not path.is_dir():
+        raise ModelFolderError(f"model folder '{path}' does not exist")
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise ModelFolderError(f"'{cfg_file}' is missing: a model folder needs config.json and weights")
+    try:
+        cfg_dict = json.loads(cfg_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ModelFolderError(f"'{cfg_file}' is not valid JSON: {e}") from None
+    if "model_type" not in cfg_dict:
+        raise ModelFolderError(f"'{cfg_file}' has no 'model_type' field, so its architecture is unknown")
+    weights = sorted(path.glob("*.safetensors")) + sorted(path.glob("pytorch_model*.bin"))
+    if not weights:
+        raise ModelFolderError(f"'{path}' has no weights: expected model.safetensors (or sharded *.safetensors)")
+    from safetensors import safe_open
+
+    for w in weights:
+        if w.suffix == ".safetensors":
+            try:
+                with safe_open(str(w), framework="pt") as f:
+                    list(f.keys())
+            except Exception as e:  # safetensors raises its own error types for corrupt headers
+                raise ModelFolderError(f"'{w}' is corrupt or truncated: {str(e).splitlines()[0]}") from None
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+        config._attn_implementation = attn
+        model = AutoModelForCausalLM.from_pretrained(str(path), config=config, local_files_only=True, dtype=dtype)
+    except Exception as e:
+        raise ModelFolderError(f"could not load '{path}': {str(e).splitlines()[0]}") from None
+    tokenizer = None
+    if (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file():
+        from transformers import AutoTokenizer
+
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        except Exception as e:
+            raise ModelFolderError(f"tokenizer in '{path}' could not be loaded: {str(e).splitlines()[0]}") from None
+    return LoadedModel(path.name, config.model_type, "causal-lm", model.eval(), config, attn, str(path), tokenizer)
+
+
+def example_inputs(loaded: LoadedModel, seq: int = 16, batch: int = 1, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """Deterministic token ids and an all-ones attention mask of shape [batch, seq]."""
+    if seq < 1 or seq > loaded.max_positions:
+        raise UsageError(f"--seq {seq} is outside 1..{loaded.max_positions} (the model's maximum context)")
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, loaded.vocab_size, (batch, seq), generator=g)
+    return ids, torch.ones_like(ids)

@@ -1,0 +1,27 @@
+"""Operator registry: every op hetforge knows how to cost, place or introduce lives here.
+
+Importing this package registers hetforge's own fused ops (``hetforge::*`` custom ops) and the ATen
+cost formulas, so ``lookup(...)`` sees all of them.
+"""
+
+from hetforge.ops.registry import (
+    REGISTRY,
+    OpCall,
+    OpInfo,
+    TensorMeta,
+    lookup,
+    op_call_from_node,
+    register_aten,
+    register_op,
+)
+
+__all__ = [
+    "REGISTRY",
+    "OpCall",
+    "OpInfo",
+    "TensorMeta",
+    "lookup",
+    "op_call_from_node",
+    "register_aten",
+    "register_op",
+]
