@@ -15,6 +15,7 @@ from typing import Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from hetforge.errors import HetforgeError
 
@@ -53,7 +54,7 @@ def handles_errors(fn: Callable) -> Callable:
         try:
             return fn(*args, **kwargs)
         except HetforgeError as e:
-            err_console.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+            err_console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
             raise typer.Exit(e.exit_code) from None
         except KeyboardInterrupt:
             err_console.print("interrupted")

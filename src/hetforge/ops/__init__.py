@@ -4,6 +4,11 @@ Importing this package registers hetforge's own fused ops (``hetforge::*`` custo
 cost formulas, so ``lookup(...)`` sees all of them.
 """
 
+from hetforge.ops import (
+    aten_costs,  # noqa: F401  (registers ATen cost formulas)
+    fused,  # noqa: F401  (registers the hetforge:: fused ops)
+    quant,  # noqa: F401  (registers the hetforge:: quantized linears)
+)
 from hetforge.ops.registry import (
     REGISTRY,
     OpCall,

@@ -1,0 +1,414 @@
+"""The peer benchmark harness: interleave systems, one process per measurement, aggregate, compare.
+
+Order of work, per model: repeat 1 runs eager first (it writes the reference logits every other
+system is compared with), then every other system; each later repeat rotates the order so slow drift
+of the machine's speed lands on all systems alike. A system with a cache (torch.compile's inductor
+cache, OpenVINO's CACHE_DIR) gets a second, fresh process right after its cold run, pointed at the
+cache folder the cold run filled: that is its warm preparation time.
+
+Each measurement runs in its own Python process (``isolate=True``) so peak RSS is that system's own
+(import + model + preparation + runs); ``isolate=False`` runs in this process (tests), and the RSS
+figures then say so. A run that raises, times out or whose peer is not installed becomes a row with
+the error's first line. A time budget stops starting new repeats once spent and the report says so.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from hetforge.benchmarks.systems import (
+    PEER_KEYS_FOR_PREP_TARGET,
+    SYSTEMS,
+    missing_requirement,
+)
+from hetforge.benchmarks.worker import RunResult, WorkerSpec, first_line, run_worker
+from hetforge.errors import UsageError
+
+DEFAULT_MODELS = ["gpt2", "llama-110m", "mixtral-small"]
+QUICK_MODELS = ["gpt2-tiny", "llama-tiny"]
+# Systems known (peer-baselines.md) to take minutes on an MoE model for no usable result are still run,
+# but with a short timeout so their row is recorded quickly.
+HEAVY_MODEL_PEER_TIMEOUT_S = {"mixtral-small": 300.0}
+
+
+@dataclass
+class SuiteConfig:
+    """What to run and how hard."""
+
+    models: list[str] = field(default_factory=lambda: list(DEFAULT_MODELS))
+    systems: list[str] = field(default_factory=lambda: list(SYSTEMS))
+    repeats: int = 3
+    quick: bool = False
+    seq: int = 128
+    threads: int = 2
+    isolate: bool = True
+    warm: bool = True  # measure warm (cached) preparation for systems with a cache
+    timeout_s: float = 600.0  # per process
+    budget_s: float | None = None  # soft: start no repeat after the first once this much time has passed
+    limit_s: float | None = None  # hard: start no process at all after this; what is left is a "not run" row
+    warm_repeats: int = 1  # warm (cached) preparation is measured in this many repeats
+    max_repeats: dict[str, int] = field(default_factory=dict)  # per-model cap (e.g. mixtral-small: 1)
+    workdir: str | None = None
+
+    def validate(self) -> None:
+        unknown = [s for s in self.systems if s not in SYSTEMS]
+        if unknown:
+            raise UsageError(f"unknown system(s) {', '.join(unknown)}; known: {', '.join(SYSTEMS)}")
+        from hetforge.models.zoo import resolve
+
+        for m in self.models:
+            resolve(m)
+        if self.repeats < 1:
+            raise UsageError(f"--repeats must be ≥ 1, got {self.repeats}")
+        if not 1 <= self.seq <= 4096:
+            raise UsageError(f"--seq must be in 1..4096, got {self.seq}")
+
+    def worker_spec(self, system: str, model: str, mode: str, workdir: Path, cache_dir: Path, ref: Path
+                    ) -> WorkerSpec:
+        if self.quick:
+            iters = dict(warmup=1, prefill_iters=3, step_iters=5, max_measure_s=2.0, decode_tokens=8)
+        else:
+            iters = dict(warmup=2, prefill_iters=10, step_iters=30, max_measure_s=3.0, decode_tokens=16)
+        return WorkerSpec(system=system, model=model, mode=mode, seq=self.seq, threads=self.threads,
+                          workdir=str(workdir), cache_dir=str(cache_dir), ref_path=str(ref), **iters)
+
+
+@dataclass
+class Stat:
+    """Median and spread (min, max) over repeats of one figure; ``n`` runs contributed."""
+
+    median: float
+    min: float
+    max: float
+    n: int
+
+    @classmethod
+    def of(cls, xs: list[float]) -> Stat | None:
+        xs = [x for x in xs if x is not None]
+        if not xs:
+            return None
+        return cls(statistics.median(xs), min(xs), max(xs), len(xs))
+
+
+@dataclass
+class Row:
+    """One system on one model, aggregated over repeats."""
+
+    model: str
+    system: str
+    label: str
+    status: str
+    error: str = ""
+    runs_ok: int = 0
+    runs: int = 0
+    precision: str = ""
+    prep_s: Stat | None = None
+    stages: dict[str, Stat] = field(default_factory=dict)
+    warm_prep_s: Stat | None = None
+    warm_stages: dict[str, Stat] = field(default_factory=dict)
+    prefill_ms: Stat | None = None
+    step_ms: Stat | None = None
+    ttft_ms: Stat | None = None
+    decode_ms_per_token: Stat | None = None
+    decode_prep_s: Stat | None = None  # one-time preparation of the decode path, not in prep_s
+    rss_peak_mb: Stat | None = None
+    rss_model_mb: Stat | None = None
+    max_abs_err: float | None = None  # worst over runs
+    kl_mean: float | None = None
+    kl_max: float | None = None
+    top1_agree: float | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class SuiteResult:
+    """Everything a suite run produced: raw runs, aggregated rows, comparisons and where it ran."""
+
+    config: dict
+    machine: dict
+    command: str
+    started: str
+    seconds: float
+    rows: list[Row]
+    runs: list[dict]
+    comparisons: list[dict]
+    skipped: list[str] = field(default_factory=list)
+    isolated: bool = True
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def machine_info(threads: int) -> dict:
+    """Where the suite ran: CPU model, cores, memory, library versions, load average."""
+    import psutil
+    import torch
+    import transformers
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    versions = {"python": platform.python_version(), "torch": torch.__version__,
+                "transformers": transformers.__version__}
+    for mod in ("onnxruntime", "openvino", "onnx", "onnxscript"):
+        try:
+            versions[mod] = __import__(mod).__version__
+        except Exception:  # not installed, or no __version__
+            versions[mod] = "not installed"
+    return {
+        "cpu": cpu, "logical_cpus": os.cpu_count(), "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
+        "os": f"{platform.system()} {platform.release()}", "threads": threads, "versions": versions,
+        "loadavg_start": [round(x, 2) for x in os.getloadavg()],
+    }
+
+
+def _run_isolated(spec: WorkerSpec, timeout_s: float, env_extra: dict[str, str]) -> RunResult:
+    with tempfile.TemporaryDirectory(prefix="hf-bench-") as td:
+        spec_path, out_path = Path(td) / "spec.json", Path(td) / "result.json"
+        spec_path.write_text(json.dumps(asdict(spec)))
+        env = dict(os.environ)
+        env.update({"OMP_NUM_THREADS": str(spec.threads), "MKL_NUM_THREADS": str(spec.threads),
+                    "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error", "TOKENIZERS_PARALLELISM": "false",
+                    "PYTHONWARNINGS": "ignore"})
+        env.update(env_extra)
+        cmd = [sys.executable, "-m", "hetforge.benchmarks.worker", str(spec_path), str(out_path)]
+        t0 = time.perf_counter()
+        try:
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return RunResult(system=spec.system, model=spec.model, mode=spec.mode, status="timeout",
+                             error=f"timed out after {timeout_s:.0f} s (process killed)",
+                             wall_s=time.perf_counter() - t0)
+        if out_path.is_file():
+            return RunResult(**json.loads(out_path.read_text()))
+        tail = (proc.stderr or proc.stdout or "").strip().splitlines()
+        msg = tail[-1] if tail else f"exit code {proc.returncode}"
+        return RunResult(system=spec.system, model=spec.model, mode=spec.mode, status="failed",
+                         error=f"worker died (exit {proc.returncode}): {first_line(msg)}",
+                         wall_s=time.perf_counter() - t0)
+
+
+def _run_inprocess(spec: WorkerSpec, env_extra: dict[str, str]) -> RunResult:
+    saved = {k: os.environ.get(k) for k in env_extra}
+    os.environ.update(env_extra)
+    try:
+        res = run_worker(spec)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    res.notes.append("in-process run: RSS figures are the whole test process's, not this system's own")
+    return res
+
+
+def _env_for(system: str, cache_dir: Path) -> dict[str, str]:
+    if system == "compile":
+        return {"TORCHINDUCTOR_CACHE_DIR": str(cache_dir / "inductor")}
+    return {}
+
+
+def run_suite(cfg: SuiteConfig, progress: Callable[[str], None] | None = None, command: str = "") -> SuiteResult:
+    """Run every (model, system) pair ``cfg.repeats`` times, interleaved, and aggregate."""
+    cfg.validate()
+    say = progress or (lambda _m: None)
+    t_suite = time.perf_counter()
+    started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
+    machine = machine_info(cfg.threads)
+    own_root = cfg.workdir is None
+    root = Path(cfg.workdir) if cfg.workdir else Path(tempfile.mkdtemp(prefix="hetforge-peers-"))
+    root.mkdir(parents=True, exist_ok=True)
+    runs: list[RunResult] = []
+    skipped: list[str] = []
+    systems = list(dict.fromkeys(cfg.systems))
+    # the eager run writes the reference logits; it goes first in repeat 1 when selected
+    active: dict[str, list[str]] = {}
+    for model in cfg.models:
+        missing = {s: missing_requirement(SYSTEMS[s]) for s in systems}
+        for s, msg in missing.items():
+            if msg:
+                runs.append(RunResult(system=s, model=model, mode="cold", status="not installed", error=msg,
+                                      label=SYSTEMS[s].label))
+        active[model] = [s for s in systems if not missing[s]]
+    # repeat-major: every model gets its first repeat before any model gets a second, so a time budget
+    # that runs out costs spread, never a whole model
+    for r in range(cfg.repeats):
+        for model in cfg.models:
+            reps = min(cfg.repeats, cfg.max_repeats.get(model, cfg.repeats))
+            if r >= reps:
+                continue
+            if cfg.budget_s is not None and r > 0 and time.perf_counter() - t_suite > cfg.budget_s:
+                skipped.append(f"{model}: repeat {r + 1} of {reps} not started (time budget {cfg.budget_s:.0f} s "
+                               "spent)")
+                continue
+            _run_block(cfg, model, r, reps, active[model], root, runs, say, t_suite)
+    if cfg.limit_s is not None and time.perf_counter() - t_suite > cfg.limit_s:
+        skipped.append(f"suite time limit {cfg.limit_s:.0f} s reached: processes after it were not started")
+    if own_root:
+        shutil.rmtree(root, ignore_errors=True)
+    machine["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
+    rows = aggregate(runs, cfg.models, systems)
+    return SuiteResult(
+        config=asdict(cfg), machine=machine, command=command or _default_command(), started=started,
+        seconds=time.perf_counter() - t_suite, rows=rows, runs=[r.to_dict() for r in runs],
+        comparisons=compare(rows), skipped=skipped, isolated=cfg.isolate,
+    )
+
+
+def _run_block(cfg: SuiteConfig, model: str, r: int, reps: int, active: list[str], root: Path,
+               runs: list[RunResult], say: Callable[[str], None], t_suite: float) -> None:
+    """Repeat ``r`` of every active system on ``model``: eager first in repeat 1, then rotated order."""
+    ref = root / f"ref-{model}-seq{cfg.seq}.pt"
+    order = active[r % len(active):] + active[:r % len(active)] if active else []
+    if r == 0 and "eager" in order:
+        order.remove("eager")
+        order.insert(0, "eager")
+    for s in order:
+        # a system that failed or timed out on this model is not retried in later repeats
+        prior = [x for x in runs if x.model == model and x.system == s and x.mode == "cold"]
+        if prior and all(x.status in ("failed", "timeout", "not run") for x in prior):
+            continue
+        cache = root / "cache" / f"{model}-{s}-r{r}"
+        work = root / "work" / f"{model}-{s}-r{r}"
+        timeout = cfg.timeout_s
+        if s not in ("eager", "hetforge") and model in HEAVY_MODEL_PEER_TIMEOUT_S:
+            timeout = min(timeout, HEAVY_MODEL_PEER_TIMEOUT_S[model])
+        for mode in ("cold", "warm"):
+            if mode == "warm" and not (cfg.warm and SYSTEMS[s].has_cache and runs[-1].status == "ok"
+                                       and r < cfg.warm_repeats):
+                continue
+            if cfg.limit_s is not None and time.perf_counter() - t_suite > cfg.limit_s:
+                if mode == "cold" and not prior:
+                    runs.append(RunResult(system=s, model=model, mode="cold", status="not run",
+                                          error=f"suite time limit ({cfg.limit_s:.0f} s) reached before this "
+                                                "system's turn", label=SYSTEMS[s].label))
+                break
+            spec = cfg.worker_spec(s, model, mode, work, cache, ref)
+            say(f"[{time.perf_counter() - t_suite:6.0f}s] {model} repeat {r + 1}/{reps}: {s} ({mode})")
+            env = _env_for(s, cache)
+            res = _run_isolated(spec, timeout, env) if cfg.isolate else _run_inprocess(spec, env)
+            runs.append(res)
+            extra = f" — {res.error}" if res.error else ""
+            say(f"        {res.status}{extra}")
+        # exported files and caches are large (an ONNX GPT-2 is ~0.5 GB): drop them once measured
+        shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(cache, ignore_errors=True)
+
+
+def _default_command() -> str:
+    return " ".join(shlex.quote(a) for a in [Path(sys.argv[0]).name, *sys.argv[1:]])
+
+
+def aggregate(runs: list[RunResult], models: list[str], systems: list[str]) -> list[Row]:
+    """One row per (model, system): medians and spread over the successful cold/warm runs."""
+    rows: list[Row] = []
+    for model in models:
+        for s in systems:
+            cold = [r for r in runs if r.model == model and r.system == s and r.mode == "cold"]
+            warm = [r for r in runs if r.model == model and r.system == s and r.mode == "warm" and r.status == "ok"]
+            ok = [r for r in cold if r.status == "ok"]
+            bad = [r for r in cold if r.status != "ok" and (r.status != "not run" or not ok)]
+            label = next((r.label for r in ok if r.label), None) or SYSTEMS[s].label
+            row = Row(model=model, system=s, label=label, status="ok" if ok else (bad[0].status if bad else "not run"),
+                      runs_ok=len(ok), runs=len(cold))
+            if bad:
+                row.error = bad[0].error
+                if ok:
+                    row.status = f"ok ({len(bad)}/{len(cold)} runs {bad[0].status})"
+            if ok:
+                row.precision = ok[0].precision
+                row.prep_s = Stat.of([r.prep_s for r in ok])
+                row.stages = {k: Stat.of([r.stages.get(k) for r in ok]) for k in ok[0].stages}
+                row.prefill_ms = Stat.of([statistics.median(r.prefill_ms) for r in ok if r.prefill_ms])
+                row.step_ms = Stat.of([statistics.median(r.step_ms) for r in ok if r.step_ms])
+                row.ttft_ms = Stat.of([r.ttft_ms for r in ok])
+                row.decode_ms_per_token = Stat.of([r.decode_ms_per_token for r in ok])
+                row.decode_prep_s = Stat.of([r.decode_prep_s for r in ok])
+                row.rss_peak_mb = Stat.of([r.rss_peak_mb for r in ok])
+                row.rss_model_mb = Stat.of([r.rss_model_mb for r in ok])
+                fids = [r.fidelity for r in ok if r.fidelity]
+                if fids:
+                    row.max_abs_err = max(f["max_abs_err"] for f in fids)
+                    row.kl_mean = max(f["kl_mean"] for f in fids)
+                    row.kl_max = max(f["kl_max"] for f in fids)
+                    row.top1_agree = min(f["top1_agree"] for f in fids)
+                row.notes = list(dict.fromkeys(n for r in ok for n in r.notes if len(n) < 200))
+            if warm:
+                row.warm_prep_s = Stat.of([r.prep_s for r in warm])
+                row.warm_stages = {k: Stat.of([r.stages.get(k) for r in warm]) for k in warm[0].stages}
+            rows.append(row)
+    return rows
+
+
+def _med(st: Stat | None) -> float | None:
+    return st.median if st is not None else None
+
+
+def compare(rows: list[Row]) -> list[dict]:
+    """Per model: hetforge ÷ each peer (median ÷ median) and the issue's targets, met or not."""
+    out: list[dict] = []
+    for model in dict.fromkeys(r.model for r in rows):
+        mine = next((r for r in rows if r.model == model and r.system == "hetforge" and r.runs_ok), None)
+        peers = [r for r in rows if r.model == model and r.system != "hetforge" and r.runs_ok]
+        entry: dict = {"model": model, "hetforge": mine is not None, "ratios": {}, "targets": {}}
+        if mine is None:
+            out.append(entry)
+            continue
+        for p in peers:
+            ratio = {}
+            for metric in ("prep_s", "prefill_ms", "step_ms", "decode_ms_per_token", "rss_peak_mb"):
+                a, b = _med(getattr(mine, metric)), _med(getattr(p, metric))
+                ratio[metric] = a / b if a is not None and b not in (None, 0) else None
+            entry["ratios"][p.system] = ratio
+        prep_peers = [p for p in peers if p.system in PEER_KEYS_FOR_PREP_TARGET and p.prep_s]
+        if prep_peers and mine.prep_s:
+            fastest = min(prep_peers, key=lambda p: p.prep_s.median)
+            speedup = fastest.prep_s.median / mine.prep_s.median if mine.prep_s.median > 0 else None
+            entry["targets"]["cold_prep_5x"] = {
+                "fastest_peer": fastest.system, "peer_s": fastest.prep_s.median, "hetforge_s": mine.prep_s.median,
+                "speedup": speedup, "met": speedup is not None and speedup >= 5.0}
+        f32 = [p for p in peers if _is_f32(p)]
+        for metric in ("prefill_ms", "step_ms", "decode_ms_per_token"):
+            cands = [p for p in f32 if getattr(p, metric) is not None]
+            mv = _med(getattr(mine, metric))
+            if cands and mv is not None:
+                best = min(cands, key=lambda p: getattr(p, metric).median)
+                bv = getattr(best, metric).median
+                entry["targets"][f"{metric}_at_or_below_best_f32_peer"] = {
+                    "best_peer": best.system, "peer": bv, "hetforge": mv, "ratio": mv / bv, "met": mv <= bv}
+        if mine.kl_max is not None:
+            entry["targets"]["kl_le_1e-8"] = {"kl_max": mine.kl_max, "met": mine.kl_max <= 1e-8}
+        out.append(entry)
+    return out
+
+
+def _is_f32(row: Row) -> bool:
+    p = (row.precision or "").lower()
+    return p in ("f32", "float32", "fp32", "")
+
+
+def save_json(result: SuiteResult, path: Path) -> None:
+    """Write the raw and aggregated results (atomically)."""
+    from hetforge.cli.common import _clean
+
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(_clean(result.to_dict()), indent=1, default=str))
+    tmp.replace(path)

@@ -1,0 +1,229 @@
+"""Turn a :class:`SuiteResult` into the markdown page and the bar chart (PNG) of ``docs/bench/peers.md``.
+
+The page is regenerated on every run; the hand-written analysis between ``<!-- notes:begin -->`` and
+``<!-- notes:end -->`` in an existing page is carried over unchanged, so the "why" survives reruns.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from hetforge.benchmarks.harness import Row, Stat, SuiteResult
+
+NOTES_BEGIN, NOTES_END = "<!-- notes:begin -->", "<!-- notes:end -->"
+_PALETTE = {"hetforge": "#d62728", "eager": "#7f7f7f", "export": "#bcbd22", "compile": "#1f77b4",
+            "ort": "#2ca02c", "ov-default": "#9467bd", "ov-f32": "#8c564b"}
+
+
+def fmt(st: Stat | None, digits: int = 1) -> str:
+    """``median (min–max)``, or ``—`` when there is no figure."""
+    if st is None:
+        return "—"
+    if st.n == 1 or st.min == st.max:
+        return f"{st.median:.{digits}f}"
+    return f"{st.median:.{digits}f} ({st.min:.{digits}f}–{st.max:.{digits}f})"
+
+
+def _sci(x: float | None) -> str:
+    return "—" if x is None else f"{x:.1e}"
+
+
+def _parts(stages: dict[str, Stat]) -> str:
+    return ", ".join(f"{k} {v.median:.2f}" for k, v in stages.items() if v is not None) or "—"
+
+
+def _status(r: Row) -> str:
+    if r.runs_ok and not r.error:
+        return "ok"
+    return f"{r.status}: {r.error.replace('|', '/')}"
+
+
+def _warm(r: Row) -> str:
+    if r.warm_prep_s is None:
+        return "—"
+    return f"{fmt(r.warm_prep_s, 2)} ({_parts(r.warm_stages)})"
+
+
+def _dprep(r: Row) -> str:
+    return f" (+{r.decode_prep_s.median:.1f} s to build the decode programs)" if r.decode_prep_s else ""
+
+
+def _ratio(x: float | None) -> str:
+    return "—" if x is None else f"{x:.2f}×"
+
+
+def model_table(rows: list[Row], seq: int) -> list[str]:
+    lines = [
+        "| system | status | cold prep s | prep parts, s (median) | warm (cached) prep s (parts) | "
+        f"prefill [1,{seq}] ms | one token [1,1] ms | decode ms/token | ttft ms | peak RSS MB | max abs err | "
+        "KL max | top-1 |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        label = r.label + (f" [{r.precision}]" if r.precision and r.precision.lower() not in ("f32", "float32") else "")
+        lines.append(
+            f"| {label} | {_status(r)} | {fmt(r.prep_s, 2)} | {_parts(r.stages)} | "
+            f"{_warm(r)} | {fmt(r.prefill_ms)} | {fmt(r.step_ms)} | "
+            f"{fmt(r.decode_ms_per_token)}{_dprep(r)} | {fmt(r.ttft_ms)} | {fmt(r.rss_peak_mb, 0)} | "
+            f"{_sci(r.max_abs_err)} | {_sci(r.kl_max)} | {'—' if r.top1_agree is None else f'{r.top1_agree:.3f}'} |"
+        )
+    return lines
+
+
+def ratio_table(cmp: dict, rows: list[Row]) -> list[str]:
+    if not cmp.get("hetforge"):
+        return ["hetforge produced no successful run on this model, so there are no ratios."]
+    labels = {r.system: r.label for r in rows}
+    lines = ["hetforge ÷ peer (median ÷ median; below 1 means hetforge is faster or smaller):", "",
+             "| peer | cold prep | prefill | one token | decode/token | peak RSS |", "|---|---|---|---|---|---|"]
+    for sys_key, rt in cmp["ratios"].items():
+        lines.append(f"| {labels.get(sys_key, sys_key)} | {_ratio(rt['prep_s'])} | {_ratio(rt['prefill_ms'])} | "
+                     f"{_ratio(rt['step_ms'])} | {_ratio(rt['decode_ms_per_token'])} | {_ratio(rt['rss_peak_mb'])} |")
+    return lines
+
+
+def target_lines(cmp: dict) -> list[str]:
+    t = cmp.get("targets", {})
+    out = []
+    mark = lambda ok: "**met**" if ok else "**not met**"
+    if "cold_prep_5x" in t:
+        x = t["cold_prep_5x"]
+        sp = "—" if x["speedup"] is None else f"{x['speedup']:.2f}×"
+        out.append(f"- cold preparation ≥ 5× faster than the fastest of torch.compile / ONNX Runtime / OpenVINO "
+                   f"({x['fastest_peer']}, {x['peer_s']:.2f} s): hetforge {x['hetforge_s']:.2f} s, {sp} — "
+                   f"{mark(x['met'])}")
+    names = {"prefill_ms": "prefill", "step_ms": "one-token forward", "decode_ms_per_token": "decode per token"}
+    for metric, name in names.items():
+        key = f"{metric}_at_or_below_best_f32_peer"
+        if key in t:
+            x = t[key]
+            out.append(f"- {name} at or below the best f32 peer ({x['best_peer']}, {x['peer']:.1f} ms): hetforge "
+                       f"{x['hetforge']:.1f} ms ({x['ratio']:.2f}×) — {mark(x['met'])}")
+    if "kl_le_1e-8" in t:
+        x = t["kl_le_1e-8"]
+        out.append(f"- fidelity KL ≤ 1e-8 at fp32: hetforge KL max {x['kl_max']:.1e} — {mark(x['met'])}")
+    return out or ["- no hetforge figures to check against the targets"]
+
+
+def render_markdown(res: SuiteResult, png_name: str | None, notes: str | None = None) -> str:
+    """The whole page: command, machine, chart, one table per model, ratios, targets, failures, notes."""
+    m = res.machine
+    cfg = res.config
+    v = m["versions"]
+    lines = [
+        "# hetforge against the systems users would pick instead",
+        "",
+        "<!-- generated by `hetforge bench peers` (src/hetforge/benchmarks); only the notes section below "
+        "is hand-written -->",
+        "",
+        "Every figure on this page is **measured** on the machine below in one run of the suite; nothing is "
+        "modeled or copied from elsewhere.",
+        "",
+        f"- command: `{res.command}`",
+        f"- machine: {m['cpu']}, {m['logical_cpus']} logical CPUs, {m['memory_gib']} GiB, {m['os']}; "
+        f"{cfg['threads']} threads for every system",
+        f"- versions: python {v['python']}, torch {v['torch']}, transformers {v['transformers']}, "
+        f"onnxruntime {v['onnxruntime']}, openvino {v['openvino']}, onnx {v['onnx']}, onnxscript {v['onnxscript']}",
+        f"- started {res.started}; the suite took {res.seconds / 60:.1f} min; load average "
+        f"{m['loadavg_start']} at start, {m.get('loadavg_end', '?')} at end (above {cfg['threads']} means other "
+        "work shared the machine)",
+        f"- {cfg['repeats']} repeat(s) per system{' (quick mode: fewer calls per figure)' if cfg['quick'] else ''}; "
+        "each repeat is a fresh process per system "
+        + ("(peak RSS is that process's own: Python + torch + the PyTorch model + the system)" if res.isolated
+           else "(in-process: RSS figures are the whole process's)")
+        + "; systems interleaved, order rotated per repeat",
+        "- figures: median over repeats, (min–max) over repeats; a latency figure of one repeat is the median "
+        "of its timed calls after warm-up. Prefill = one forward on [1, seq] without cache; one token = one "
+        "forward on [1, 1] without cache; decode = per new token with a KV cache (systems that have one), "
+        "ttft = time to the first generated token. Fidelity: prefill logits against HF eager's (same seeded "
+        "weights), worst over repeats.",
+        "- models have seeded random weights (no downloads here): fine for speed, memory and fidelity.",
+    ]
+    if res.skipped:
+        lines += [f"- skipped: {s}" for s in res.skipped]
+    if png_name:
+        lines += ["", f"![prep time, prefill and one-token latency per system]({png_name})"]
+    for model in dict.fromkeys(r.model for r in res.rows):
+        mrows = [r for r in res.rows if r.model == model]
+        cmp = next((c for c in res.comparisons if c["model"] == model), {})
+        lines += ["", f"## {model}", "", *model_table(mrows, cfg["seq"]), "", *ratio_table(cmp, mrows), "",
+                  "Targets (from the issue; publishing what we got):", "", *target_lines(cmp)]
+    notes_rows = [(r, n) for r in res.rows for n in r.notes]
+    fails = [r for r in res.rows if r.error]
+    if fails or notes_rows:
+        lines += ["", "## Failures and per-system notes", ""]
+        lines += [f"- {r.model} / {r.label}: {r.status} — {r.error}" for r in fails]
+        seen = set()
+        for r, n in notes_rows:
+            if (r.system, n) not in seen:
+                seen.add((r.system, n))
+                lines.append(f"- {r.label}: {n}")
+    lines += ["", NOTES_BEGIN, notes.strip() if notes else "_(no hand-written analysis yet)_", NOTES_END, ""]
+    return "\n".join(lines)
+
+
+def existing_notes(md_path: Path) -> str | None:
+    """The hand-written section of an existing page, if any."""
+    if not md_path.is_file():
+        return None
+    m = re.search(re.escape(NOTES_BEGIN) + r"\n(.*?)\n?" + re.escape(NOTES_END), md_path.read_text(), re.S)
+    return m.group(1) if m else None
+
+
+def render_chart(res: SuiteResult, path: Path) -> None:
+    """Grouped bars per model: cold prep (s, log), prefill (ms), one token (ms); whiskers = min–max."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = list(dict.fromkeys(r.model for r in res.rows))
+    systems = list(dict.fromkeys(r.system for r in res.rows))
+    metrics = [("prep_s", "cold preparation (s, log)", True), ("prefill_ms", f"prefill [1,{res.config['seq']}] ms",
+               False), ("step_ms", "one token [1,1] ms", False)]
+    fig, axes = plt.subplots(1, len(metrics), figsize=(13, 3.6))
+    width = 0.8 / max(1, len(systems))
+    for ax, (metric, title, log) in zip(axes, metrics, strict=True):
+        for i, s in enumerate(systems):
+            xs, ys, lo, hi = [], [], [], []
+            for j, model in enumerate(models):
+                row = next((r for r in res.rows if r.model == model and r.system == s), None)
+                st = getattr(row, metric) if row else None
+                if st is None:
+                    continue
+                xs.append(j + (i - (len(systems) - 1) / 2) * width)
+                ys.append(st.median)
+                lo.append(st.median - st.min)
+                hi.append(st.max - st.median)
+            if xs:
+                label = next((r.label for r in res.rows if r.system == s), s).split(" (")[0]
+                label += "" if s not in ("ov-default", "ov-f32") else (" default" if s == "ov-default" else " f32")
+                ax.bar(xs, ys, width, yerr=[lo, hi], label=label, color=_PALETTE.get(s), capsize=2)
+        ax.set_xticks(range(len(models)), models)
+        ax.set_title(title, fontsize=10)
+        if log:
+            ax.set_yscale("log")
+        ax.tick_params(labelsize=8)
+        ax.grid(axis="y", alpha=0.3)
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8, frameon=False)
+    fig.suptitle("hetforge vs peers (measured, median; whiskers min–max over repeats)", fontsize=10)
+    fig.tight_layout(rect=(0, 0.08, 1, 0.95))
+    fig.savefig(path, dpi=72)
+    plt.close(fig)
+
+
+def write_report(res: SuiteResult, out_dir: Path, stem: str = "peers") -> dict[str, Path]:
+    """Write ``<stem>.md``, ``<stem>.png`` and ``<stem>.json`` into ``out_dir``; returns their paths."""
+    from hetforge.benchmarks.harness import save_json
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    md, png, js = out_dir / f"{stem}.md", out_dir / f"{stem}.png", out_dir / f"{stem}.json"
+    render_chart(res, png)
+    text = render_markdown(res, png.name, existing_notes(md))
+    tmp = md.with_name(md.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(md)
+    save_json(res, js)
+    return {"markdown": md, "chart": png, "json": js}

@@ -1,0 +1,216 @@
+"""One measurement: one system on one model, normally in its own process so peak RSS is its own.
+
+``python -m hetforge.benchmarks.worker SPEC.json RESULT.json`` reads a :class:`WorkerSpec`, builds the
+model (seeded, so every process gets the same weights), prepares the system (timed per stage), times
+prefill and one-token forwards, decode where the system has a KV-cache path, compares the prefill
+logits with eager's, and writes a :class:`RunResult` as JSON. Any exception becomes a failed result
+carrying the error's first line; the worker itself never crashes the suite.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import statistics
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+
+@dataclass
+class WorkerSpec:
+    """What to measure and how hard."""
+
+    system: str
+    model: str
+    mode: str = "cold"  # "cold": prepare + measure; "warm": prepare only, cache folder already filled
+    seq: int = 128
+    threads: int = 2
+    workdir: str = "."
+    cache_dir: str = "."
+    ref_path: str = ""  # eager reference logits (torch.save); written by the eager run when missing
+    warmup: int = 2
+    prefill_iters: int = 10
+    step_iters: int = 30
+    max_measure_s: float = 4.0  # per latency figure: stop adding iterations after this long (≥ 3 kept)
+    decode_tokens: int = 16
+    decode: bool = True
+
+
+@dataclass
+class RunResult:
+    """Everything one run measured; every figure is measured on this machine in this process."""
+
+    system: str
+    model: str
+    mode: str
+    status: str  # "ok", "failed", "not installed", "timeout"
+    error: str = ""
+    label: str = ""
+    precision: str = ""
+    stages: dict[str, float] = field(default_factory=dict)
+    prep_s: float | None = None
+    prefill_ms: list[float] = field(default_factory=list)
+    step_ms: list[float] = field(default_factory=list)
+    ttft_ms: float | None = None
+    decode_ms_per_token: float | None = None
+    decode_prep_s: float | None = None
+    fidelity: dict | None = None
+    rss_model_mb: float | None = None
+    rss_peak_mb: float | None = None
+    wall_s: float | None = None
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def first_line(err: BaseException | str) -> str:
+    """The first non-empty line of an error, prefixed with its type, at most 240 characters."""
+    if isinstance(err, BaseException):
+        text = str(err)
+        line = next((ln.strip() for ln in text.splitlines() if ln.strip()), "")
+        line = f"{type(err).__name__}: {line}" if line else type(err).__name__
+    else:
+        line = next((ln.strip() for ln in err.splitlines() if ln.strip()), "")
+    return line[:240]
+
+
+def _rss_mb() -> float:
+    import psutil
+
+    return psutil.Process().memory_info().rss / 2**20
+
+
+def _peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+def time_calls(fn, args, warmup: int, iters: int, max_s: float) -> list[float]:
+    """Milliseconds per call; ``warmup`` untimed calls, then up to ``iters`` timed (≥ 3 if time runs out)."""
+    with torch.no_grad():
+        for _ in range(max(warmup, 0)):
+            fn(*args)
+        out: list[float] = []
+        start = time.perf_counter()
+        for i in range(iters):
+            t0 = time.perf_counter()
+            fn(*args)
+            out.append((time.perf_counter() - t0) * 1e3)
+            if i >= 2 and time.perf_counter() - start > max_s:
+                break
+    return out
+
+
+def _load_reference(spec: WorkerSpec, loaded, prefill_inputs, step_inputs) -> dict[str, torch.Tensor]:
+    """Eager logits for the prefill and one-token inputs (computed once, shared through a file)."""
+    path = Path(spec.ref_path) if spec.ref_path else None
+    if path is not None and path.is_file():
+        return torch.load(path)
+    module = loaded.logits_module().eval()
+    with torch.no_grad():
+        ref = {"prefill": module(*prefill_inputs), "step": module(*step_inputs)}
+    if path is not None:
+        tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
+        torch.save(ref, tmp)
+        tmp.replace(path)
+    return ref
+
+
+def run_worker(spec: WorkerSpec) -> RunResult:
+    """Run one measurement in this process; never raises."""
+    from hetforge.benchmarks.systems import SYSTEMS, PrepContext, missing_requirement
+
+    t_start = time.perf_counter()
+    res = RunResult(system=spec.system, model=spec.model, mode=spec.mode, status="failed")
+    system = SYSTEMS.get(spec.system)
+    if system is None:
+        res.error = f"unknown system '{spec.system}'"
+        return res
+    res.label = system.label
+    missing = missing_requirement(system)
+    if missing:
+        res.status, res.error = "not installed", missing
+        return res
+    try:
+        torch.set_num_threads(spec.threads)
+        from hetforge.models.zoo import example_inputs, load_model
+
+        loaded = load_model(spec.model)
+        prefill_inputs = example_inputs(loaded, seq=spec.seq)
+        step_inputs = example_inputs(loaded, seq=1, seed=1)
+        res.rss_model_mb = _rss_mb()
+        ref = _load_reference(spec, loaded, prefill_inputs, step_inputs) if spec.mode == "cold" else None
+        workdir = Path(spec.workdir)
+        workdir.mkdir(parents=True, exist_ok=True)
+        Path(spec.cache_dir).mkdir(parents=True, exist_ok=True)
+        ctx = PrepContext(loaded, loaded.logits_module().eval(), prefill_inputs, step_inputs, workdir,
+                          Path(spec.cache_dir), spec.threads)
+        prepared = system.prepare(ctx)
+        res.stages = dict(prepared.stages)
+        res.prep_s = sum(prepared.stages.values())
+        res.label = prepared.label or system.label
+        res.precision = prepared.precision
+        try:
+            if spec.mode == "cold":
+                _measure(spec, res, prepared, prefill_inputs, step_inputs, ref)
+        finally:
+            res.notes = list(prepared.notes)  # the decode path may add notes while it runs
+        res.status = "ok"
+    except Exception as e:  # a peer may fail anywhere in export/convert/run: that is a result, not a crash
+        res.status = "failed"
+        res.error = first_line(e)
+        res.notes.append("".join(traceback.format_exception_only(type(e), e)).strip()[:2000])
+    res.rss_peak_mb = _peak_rss_mb()
+    res.wall_s = time.perf_counter() - t_start
+    return res
+
+
+def _measure(spec: WorkerSpec, res: RunResult, prepared, prefill_inputs, step_inputs, ref) -> None:
+    from hetforge.verify import compare_logits
+
+    step = prepared.step_forward or prepared.forward
+    with torch.no_grad():
+        got = [_logits(prepared.forward(*prefill_inputs)), _logits(step(*step_inputs))]
+    # one comparison over the prefill positions and the one-token position together
+    want = torch.cat([ref["prefill"], ref["step"]], dim=1)
+    rep = compare_logits(want, torch.cat([g.reshape(r.shape).to(r.dtype) for g, r in
+                                          zip(got, (ref["prefill"], ref["step"]), strict=True)], dim=1))
+    res.fidelity = {k: v for k, v in rep.to_dict().items() if k not in ("kl_threshold", "abs_threshold", "passed")}
+    # the fidelity call above already warmed each path once
+    res.prefill_ms = time_calls(prepared.forward, prefill_inputs, spec.warmup - 1, spec.prefill_iters,
+                                spec.max_measure_s)
+    res.step_ms = time_calls(step, step_inputs, spec.warmup - 1, spec.step_iters, spec.max_measure_s)
+    if spec.decode and prepared.decode is not None:
+        d = prepared.decode(prefill_inputs, spec.decode_tokens)
+        res.ttft_ms, res.decode_ms_per_token = d.ttft_ms, d.decode_ms_per_token
+        res.decode_prep_s = d.prep_s or None
+
+
+def _logits(out) -> torch.Tensor:
+    if isinstance(out, (tuple, list)):
+        out = out[0]
+    return getattr(out, "logits", out)
+
+
+def median(xs: list[float]) -> float | None:
+    return statistics.median(xs) if xs else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    spec = WorkerSpec(**json.loads(Path(argv[0]).read_text()))
+    res = run_worker(spec)
+    Path(argv[1]).write_text(json.dumps(res.to_dict()))
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    sys.exit(main())

@@ -1,0 +1,157 @@
+"""``hetforge compile`` and ``hetforge run-graph``: the backend (lower, schedule, plan memory, execute)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+from rich.table import Table
+
+from hetforge.cli.common import app, console, emit_json, handles_errors
+from hetforge.errors import UsageError
+
+_SOC_HELP = "SoC profile name or file (see `hetforge socs`); 'host' is this machine"
+_PASSES_HELP = "run the six middle-end passes before lowering"
+
+
+def _mb(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB" if n >= 2**20 else f"{n / 1024:.1f} KiB"
+
+
+def _compile(model: str, seq: int, soc: str, strategy: str, attn: str, passes: bool, mode: str, build: bool):
+    from hetforge.compile import compile_model
+    from hetforge.executor import MODES
+    from hetforge.placement import get_strategy
+
+    get_strategy(strategy)  # unknown names fail before the model is built
+    if mode not in MODES:
+        raise UsageError(f"unknown --mode '{mode}'; allowed: {', '.join(MODES)}")
+    from hetforge.hardware import load_soc
+
+    soc_p = load_soc(soc)
+    return compile_model(model, seq=seq, soc=soc_p, strategy=strategy, attn=attn, passes=passes, mode=mode,
+                         build=build)
+
+
+@app.command("compile")
+@handles_errors
+def compile_cmd(
+    model: str = typer.Argument(..., help="zoo name (see `hetforge models`) or a local HF folder"),
+    soc: str = typer.Option("host", "--soc", help=_SOC_HELP),
+    seq: int = typer.Option(16, "--seq", help="sequence length of the (static) input"),
+    strategy: str = typer.Option("support", "--strategy", help="placement strategy"),
+    attn: str = typer.Option("sdpa", "--attn", help="attention implementation: eager or sdpa"),
+    passes: bool = typer.Option(True, "--passes/--no-passes", help=_PASSES_HELP),
+    out: Path | None = typer.Option(None, "--out", help="write the program (JSON; weights referenced) here"),
+    text: Path | None = typer.Option(None, "--text", help="write the program's text form here"),
+    json_out: bool = typer.Option(False, "--json", help="print JSON"),
+) -> None:
+    """Compile a model: instructions per device, transfers, device switches, memory plan, seconds per stage."""
+    for f in (out, text):
+        if f is not None and not f.parent.is_dir():
+            raise UsageError(f"cannot write '{f}': folder '{f.parent}' does not exist")
+    res = _compile(model, seq, soc, strategy, attn, passes, "arena", build=False)
+    if out is not None:
+        from hetforge.ir import save_program
+
+        save_program(res.program, out)
+    if text is not None:
+        from hetforge.cli.commands.frontend import _write_text_atomically
+
+        _write_text_atomically(text, res.program.text())
+    rep = res.report()
+    rep["seq"] = seq
+    s = rep["seconds"]
+    rep["seconds"] = {"capture": s.get("capture", 0.0), "passes": s.get("passes", 0.0), "place": s.get("place", 0.0),
+                      "lower": s["lower"], "schedule": s["schedule"], "memory": s["memory"], "total": s["total"]}
+    if out is not None:
+        rep["out"] = str(out)
+    if json_out:
+        emit_json(rep)
+        return
+    _print(rep)
+
+
+def _print(rep: dict) -> None:
+    console.print(f"[bold]{rep['model']}[/] on {rep['soc']} (strategy {rep['strategy']}, seq {rep['seq']}): "
+                  f"{rep['instructions']} instructions")
+    t = Table(title="per device")
+    for c in ("device", "instructions", "naive bytes", "planned arena", "lower bound", "algorithm"):
+        t.add_column(c, justify="left" if c in ("device", "algorithm") else "right")
+    per = rep["memory"]["per_device"]
+    for d, n in rep["instructions_by_device"].items():
+        m = per.get(d, {})
+        t.add_row(d, str(n), _mb(m.get("naive_bytes", 0)), _mb(m.get("planned_bytes", 0)),
+                  _mb(m.get("lower_bound_bytes", 0)), m.get("algorithm", "-"))
+    console.print(t)
+    mem = rep["memory"]
+    td = rep["transfers_detail"]
+    ms = td["modeled_seconds"]
+    console.print(f"  transfers : {rep['transfers']} ({td['zero_copy']} zero-copy, {_mb(td['bytes_moved'])} moved"
+                  + (f", {ms * 1e3:.3f} ms modeled)" if ms is not None else ")"))
+    sw = rep["switches"]
+    console.print(f"  switches  : {sw['naive']} in graph order → {sw['scheduled']} scheduled")
+    console.print(f"  memory    : naive {_mb(mem['naive_bytes'])} → planned {_mb(mem['planned_bytes'])} "
+                  f"(lower bound {_mb(mem['lower_bound_bytes'])}; exact figures from the plan)")
+    console.print("  seconds   : " + ", ".join(f"{k} {v:.3f}" for k, v in rep["seconds"].items()) + " (measured)")
+    if rep.get("out"):
+        console.print(f"  program written to {rep['out']}")
+
+
+@app.command("run-graph")
+@handles_errors
+def run_graph(
+    model: str = typer.Argument(..., help="zoo name (see `hetforge models`) or a local HF folder"),
+    soc: str = typer.Option("host", "--soc", help=_SOC_HELP),
+    seq: int = typer.Option(16, "--seq", help="sequence length of the (static) input"),
+    strategy: str = typer.Option("support", "--strategy", help="placement strategy"),
+    attn: str = typer.Option("sdpa", "--attn", help="attention implementation: eager or sdpa"),
+    passes: bool = typer.Option(True, "--passes/--no-passes", help=_PASSES_HELP),
+    mode: str = typer.Option("arena", "--mode", help="arena: every result in its planned slice; fast: ops without "
+                             "an out= kernel keep their own allocation"),
+    kl_threshold: float = typer.Option(1e-8, "--kl-threshold", help="KL(eager ‖ compiled) allowed"),
+    profile: int = typer.Option(0, "--profile", help="also time every instruction and list the N slowest ops"),
+    json_out: bool = typer.Option(False, "--json", help="print JSON"),
+) -> None:
+    """Compile a model, run the program once from its arenas, and compare with eager (measured)."""
+    import time
+
+    import torch
+
+    from hetforge.verify import compare_logits
+
+    if profile < 0:
+        raise UsageError("--profile must be >= 0")
+    res = _compile(model, seq, soc, strategy, attn, passes, mode, build=True)
+    module, inputs, exe = res.extra["module"], res.example_inputs, res.executable
+    with torch.no_grad():
+        ref = module(*inputs)
+        t0 = time.perf_counter()
+        got = exe(*inputs)
+        run_s = time.perf_counter() - t0
+    rep = compare_logits(ref, got, kl_threshold=kl_threshold)
+    d = {"model": res.name, "soc": rep_soc(res), "mode": mode, "seq": seq, "fidelity": rep.to_dict(),
+         "run_seconds": run_s, "compile_seconds": res.seconds, "arena_bytes": exe.arena_bytes(),
+         "labels": {"fidelity": "measured", "run_seconds": "measured (first call)", "compile_seconds": "measured"}}
+    if profile:
+        pr = exe.profile(*inputs, repeat=3)
+        d["profile"] = {"total_seconds": pr.total_seconds, "by_op": dict(list(pr.by_op().items())[:profile]),
+                        "label": "measured"}
+    if json_out:
+        emit_json(d)
+    else:
+        status = "[green]PASS[/]" if rep.passed else "[red]FAIL[/]"
+        console.print(f"{res.name} compiled ({rep_soc(res)}, mode {mode}) vs eager (measured): max_abs_err "
+                      f"{rep.max_abs_err:.3e}, kl_mean {rep.kl_mean:.3e}, kl_max {rep.kl_max:.3e}, top1_agree "
+                      f"{rep.top1_agree:.3f} (threshold KL ≤ {kl_threshold:g}) {status}")
+        console.print(f"  one run: {run_s * 1e3:.1f} ms (measured, first call); arenas "
+                      + ", ".join(f"{k} {_mb(v)}" for k, v in exe.arena_bytes().items()))
+        if profile:
+            for op, s in d["profile"]["by_op"].items():
+                console.print(f"  {op:45s} {s * 1e3:8.3f} ms (measured)")
+    if not rep.passed:
+        raise typer.Exit(1)
+
+
+def rep_soc(res) -> str:
+    return getattr(res.soc, "name", str(res.soc))

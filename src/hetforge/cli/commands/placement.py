@@ -1,0 +1,175 @@
+"""``hetforge explain`` (why a node went where it did) and ``hetforge pareto`` (PGSAM's front)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+from rich.table import Table
+
+from hetforge.cli.common import app, console, emit_json, handles_errors
+from hetforge.errors import UsageError
+
+_SOC_HELP = "SoC profile name or file (see `hetforge socs`)"
+_MODEL_HELP = "zoo name, a local HF folder, or llama-3.1-8b-shape (shape-only, meta device)"
+
+
+def placement_graph(model: str, seq: int, attn: str, passes: bool):
+    """Capture ``model`` (optionally through the six passes) and return its FX graph."""
+    from hetforge.models.shapes import capture_shaped, is_shaped
+
+    if is_shaped(model):  # meta tensors: constant folding cannot evaluate them, the other passes run
+        gm = capture_shaped(model, seq=seq, attn=attn).gm
+        if not passes:
+            return gm
+        from hetforge.passes import PASS_NAMES, optimize
+
+        return optimize(gm, passes=[p for p in PASS_NAMES if p != "constant_fold"]).gm
+    from hetforge.cli.commands.frontend import capture_model
+
+    _, inputs, cg = capture_model(model, seq, attn, False)
+    if not passes:
+        return cg.gm
+    from hetforge.passes import optimize
+
+    return optimize(cg.gm, inputs).gm
+
+
+def _f(x: float, unit: str) -> str:
+    if x == 0:
+        return "0"
+    for scale, pre in ((1, ""), (1e-3, "m"), (1e-6, "µ"), (1e-9, "n")):
+        if abs(x) >= scale:
+            return f"{x / scale:.3g} {pre}{unit}"
+    return f"{x:.2e} {unit}"
+
+
+@app.command()
+@handles_errors
+def explain(
+    model: str = typer.Argument(..., help=_MODEL_HELP),
+    soc: str = typer.Option(..., "--soc", help=_SOC_HELP),
+    node: str = typer.Option(..., "--node", help="graph node name (see `hetforge compile --text`)"),
+    strategy: str = typer.Option("rules", "--strategy", help="placement strategy"),
+    objective: str = typer.Option("balanced", "--objective", help="energy, latency or balanced"),
+    seq: int = typer.Option(16, "--seq", help="sequence length of the example input"),
+    attn: str = typer.Option("sdpa", "--attn", help="attention implementation: eager or sdpa"),
+    passes: bool = typer.Option(True, "--passes/--no-passes", help="run the six middle-end passes first"),
+    json_out: bool = typer.Option(False, "--json", help="print JSON"),
+) -> None:
+    """Why a node went where it did: its modeled cost on every device and the rule or objective that decided."""
+    from hetforge.hardware import load_soc
+    from hetforge.placement import get_strategy
+    from hetforge.placement.costs import NodeCosts, check_objective
+    from hetforge.placement.explain import explain_node
+
+    fn = get_strategy(strategy)
+    check_objective(objective)
+    soc_p = load_soc(soc)
+    gm = placement_graph(model, seq, attn, passes)
+    nc = NodeCosts.build(gm, soc_p)
+    if node not in nc.index:
+        explain_node(gm, nc, _dummy(strategy), node)  # raises the UsageError with suggestions
+    pl = fn(gm, soc_p, objective=objective)
+    rep = explain_node(gm, nc, pl, node)
+    rep["model"] = model
+    if json_out:
+        emit_json(rep)
+        return
+    console.print(f"[bold]{node}[/] ({rep['op']}, stage {rep['stage']}) → [bold]{rep['device']}[/] "
+                  f"under {strategy}/{objective} on {rep['soc']}")
+    console.print(f"reason: {rep['reason']}", highlight=False)
+    t = Table(title="cost on every device (modeled)")
+    for col in ("device", "runs?", "time", "energy", "DASI", "bound", "transfer in", "transfer out", "total time"):
+        t.add_column(col)
+    for r in rep["devices"]:
+        mark = "✓" if r["supported"] else f"✗ {r['why_not']}"
+        name = f"[bold]{r['device']}*[/]" if r["chosen"] else r["device"]
+        t.add_row(name, mark, _f(r["time_s"], "s"), _f(r["energy_j"], "J"), f"{r['dasi']:.3f}", r["bound"],
+                  _f(r["transfer_in_s"], "s"), _f(r["transfer_out_s"], "s"), _f(r["total_time_s"], "s"))
+    console.print(t)
+    for rj in rep["rejections"]:
+        console.print(f"rejected {rj['device']}: {rj['why']}", highlight=False)
+
+
+def _dummy(strategy: str):
+    from hetforge.placement import Placement
+
+    return Placement(strategy, {})
+
+
+@app.command()
+@handles_errors
+def pareto(
+    model: str = typer.Argument(..., help=_MODEL_HELP),
+    soc: str = typer.Option(..., "--soc", help=_SOC_HELP),
+    objective: str = typer.Option("balanced", "--objective", help="which point to mark: energy, latency, balanced"),
+    latency_mode: str = typer.Option("bottleneck", "--latency", help="f2: bottleneck (pipelined) or total"),
+    seed: int = typer.Option(0, "--seed", help="PGSAM random seed"),
+    aux: str = typer.Option("power", "--aux", help="embedding/LM-head routing: power (lowest TDP) or cost"),
+    seq: int = typer.Option(16, "--seq", help="sequence length of the example input"),
+    attn: str = typer.Option("sdpa", "--attn", help="attention implementation: eager or sdpa"),
+    passes: bool = typer.Option(True, "--passes/--no-passes", help="run the six middle-end passes first"),
+    plot: Path | None = typer.Option(None, "--plot", help="write a PNG of the front (energy vs latency)"),
+    json_out: bool = typer.Option(False, "--json", help="print JSON"),
+) -> None:
+    """PGSAM's Pareto front of decoder-layer placements (modeled energy, latency, min DASI)."""
+    from hetforge.hardware import load_soc
+    from hetforge.placement import get_strategy
+    from hetforge.placement.costs import check_objective
+
+    check_objective(objective)
+    if latency_mode not in ("bottleneck", "total"):
+        raise UsageError(f"unknown --latency '{latency_mode}'; valid: bottleneck, total")
+    if aux not in ("power", "cost"):
+        raise UsageError(f"unknown --aux '{aux}'; valid: power, cost")
+    if plot is not None and not plot.parent.is_dir():
+        raise UsageError(f"cannot write '{plot}': folder '{plot.parent}' does not exist")
+    soc_p = load_soc(soc)
+    gm = placement_graph(model, seq, attn, passes)
+    pl = get_strategy("pgsam")(gm, soc_p, objective=objective, seed=seed, latency_mode=latency_mode, aux=aux)
+    front = pl.extra["front"]
+    if plot is not None:
+        plot_front(front, plot, f"{model} on {soc_p.name}: PGSAM front (modeled, f2 = {latency_mode})")
+    rep = {"model": model, "soc": soc_p.name, "objective": objective, "latency_mode": latency_mode,
+           "front": front, "aux": pl.extra["aux"], "search": pl.extra["search"], "label": "modeled",
+           "plot": str(plot) if plot else None}
+    if json_out:
+        emit_json(rep)
+        return
+    s = pl.extra["search"]
+    t = Table(title=f"{model} on {soc_p.name}: {len(front)} Pareto-optimal layer placements (modeled); "
+              f"embedding → {pl.extra['aux']['embed']}, head → {pl.extra['aux']['head']}")
+    for col in ("#", "plan (device[layers])", "energy", f"{latency_mode} latency", "min DASI", ""):
+        t.add_column(col)
+    for i, p in enumerate(front):
+        t.add_row(str(i), p["plan"], _f(p["energy_j"], "J"), _f(p["latency_s"], "s"), f"{p['min_dasi']:.3f}",
+                  f"← {objective}" if p["chosen"] else "")
+    console.print(t)
+    console.print(f"PGSAM: {s['evaluations']} evaluations in {s['seconds']:.2f} s (measured), "
+                  f"{s['momentum_accepts']} moves accepted thanks to momentum; pick another point with "
+                  f"the strategy option point=#" + (f"; plot written to {plot}" if plot else ""), highlight=False)
+
+
+def plot_front(front: list[dict], path: Path, title: str) -> None:
+    """Energy vs latency scatter of the front, colored by min DASI, the chosen point ringed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    xs = [p["latency_s"] * 1e3 for p in front]
+    ys = [p["energy_j"] * 1e3 for p in front]
+    sc = ax.scatter(xs, ys, c=[p["min_dasi"] for p in front], cmap="viridis")
+    for i, p in enumerate(front):
+        ax.annotate(str(i), (xs[i], ys[i]), fontsize=7, xytext=(3, 3), textcoords="offset points")
+        if p["chosen"]:
+            ax.scatter([xs[i]], [ys[i]], s=160, facecolors="none", edgecolors="red")
+    fig.colorbar(sc, label="min DASI")
+    ax.set_xlabel("latency (ms, modeled)")
+    ax.set_ylabel("energy (mJ, modeled)")
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

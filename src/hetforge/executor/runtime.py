@@ -1,0 +1,363 @@
+"""The executor: run a scheduled, memory-planned program from real arenas.
+
+One preallocated ``uint8`` arena per device (on that device's torch device), and for every planned
+buffer a tensor view into its slice, made once. The program is turned into straight-line Python
+(one line per instruction, registers as local variables, as ``torch.fx`` codegen does), compiled once
+with ``compile()``; calling the executable is calling that function — no per-instruction dispatch loop.
+
+Devices map to torch devices: ``cpu`` → ``cpu``; a ``gpu`` → ``cuda`` when PyTorch sees one, else the
+CPU (emulated); an ``npu`` → the CPU (emulated: the partition runs on the CPU, its figures come from
+the cost model). Weights are moved once to every torch device that reads them; ``device=`` arguments
+baked into the graph are rewritten to the instruction's torch device.
+
+The arenas are reused on every call: the executable is not re-entrant, and graph outputs are never in
+an arena (they are fresh tensors each call), so a caller may keep them.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from hetforge.errors import UsageError
+from hetforge.executor.kernels import is_copy_like, out_variant
+from hetforge.ir.program import INPLACE, KERNEL, OUTPUT, TRANSFER, VIEW, WEIGHT, Program, Reg
+from hetforge.memplan import MemoryPlan
+
+MODES = ("arena", "fast")
+# views that return their input (or an equal view of it) when shape and dtype do not change
+IDENTITY_VIEW_OPS = {
+    "aten.alias.default", "aten.to.dtype", "aten.to.dtype_layout", "aten.to.device", "aten.to.other",
+    "aten.expand.default", "aten.view.default", "aten.reshape.default", "aten._unsafe_view.default",
+}
+
+
+def default_device_map(p: Program, soc=None) -> dict[str, torch.device]:
+    """SoC device name → the torch device that runs it on this host."""
+    kinds = {d.name: d.kind for d in soc.devices} if soc is not None else {}
+    out = {}
+    for d in p.devices:
+        kind = kinds.get(d, d)
+        out[d] = torch.device("cuda") if kind == "gpu" and torch.cuda.is_available() else torch.device("cpu")
+    return out
+
+
+@dataclass
+class InstrTime:
+    instr: int
+    op: str
+    device: str
+    kind: str
+    seconds: float  # measured, mean over repeats
+
+
+@dataclass
+class ProfileReport:
+    """Per-instruction wall time (measured) and the total of one profiled run."""
+
+    times: list[InstrTime]
+    total_seconds: float
+    repeats: int
+
+    def by_op(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for t in self.times:
+            out[t.op] = out.get(t.op, 0.0) + t.seconds
+        return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
+@dataclass
+class ExecStats:
+    """How instructions write their results (counts)."""
+
+    out_variant: int = 0
+    gemm_out: int = 0
+    copy_into: int = 0  # copy-like op done as slice.copy_(input)
+    functional_copy: int = 0  # functional op + copy into the slice
+    unplanned: int = 0  # functional result kept outside the arena (mode fast)
+    fresh_outputs: int = 0  # graph outputs (fresh each call)
+    views: int = 0
+    elided_views: int = 0  # views that return their input unchanged: bound, not called
+    inplace: int = 0
+    transfers: int = 0
+    by_op_fallback: dict[str, int] = field(default_factory=dict)
+
+
+class _Codegen:
+    def __init__(self, p: Program, plan: MemoryPlan, device_map: dict[str, torch.device], mode: str,
+                 arenas: dict[str, torch.Tensor]):
+        self.p, self.plan, self.dm, self.mode = p, plan, device_map, mode
+        self.g: dict[str, Any] = {"torch": torch}
+        self.lines: list[str] = []
+        self.stats = ExecStats()
+        self.arenas = arenas
+        self.weights_on: dict[tuple[int, str], str] = {}
+        self.const_ids: dict[int, str] = {}
+        self.moved: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+    def const(self, obj: Any, hint: str = "c") -> str:
+        key = id(obj)
+        if key not in self.const_ids:
+            name = f"_{hint}{len(self.g)}"
+            self.g[name] = obj
+            self.const_ids[key] = name
+        return self.const_ids[key]
+
+    def weight(self, vid: int, dev: torch.device) -> str:
+        key = (vid, str(dev))
+        if key not in self.weights_on:
+            t = self.p.tensors[vid]
+            mk = (id(t), dev)
+            if mk not in self.moved:
+                self.moved[mk] = t if t.device == dev else t.to(dev)
+            name = f"_w{vid}_{dev.type}{dev.index or 0}"
+            self.g[name] = self.moved[mk]
+            self.weights_on[key] = name
+        return self.weights_on[key]
+
+    def buffer(self, vid: int) -> str:
+        name = f"_b{vid}"
+        if name not in self.g:
+            v = self.p.values[vid]
+            arena = self.arenas[v.device]
+            off = self.plan.offsets[vid]
+            base = arena[off: off + v.nbytes].view(v.dtype)
+            self.g[name] = base.as_strided(v.shape, v.stride, base.storage_offset() + v.storage_offset)
+        return name
+
+    def expr(self, a: Any, dev: torch.device) -> str:
+        if isinstance(a, Reg):
+            v = self.p.values[a.id]
+            return self.weight(a.id, dev) if v.kind == WEIGHT else f"r{a.id}"
+        if isinstance(a, torch.device):
+            return self.const(dev, "dev")
+        if isinstance(a, (bool, int, str, type(None))):
+            return repr(a)
+        if isinstance(a, float):
+            return repr(a) if math.isfinite(a) else self.const(a)
+        if isinstance(a, list):
+            return "[" + ", ".join(self.expr(x, dev) for x in a) + "]"
+        if isinstance(a, tuple):
+            return "(" + "".join(self.expr(x, dev) + ", " for x in a) + ")"
+        return self.const(a)
+
+    def call(self, ins, fn_name: str, dev: torch.device, extra: str = "") -> str:
+        parts = [self.expr(a, dev) for a in ins.args]
+        parts += [f"{k}={self.expr(v, dev)}" for k, v in ins.kwargs.items()]
+        if extra:
+            parts.append(extra)
+        return f"{fn_name}({', '.join(parts)})"
+
+    def planned(self, vid: int) -> bool:
+        return vid in self.plan.offsets
+
+    def emit(self, ins) -> list[str]:
+        dev = self.dm[ins.device]
+        outs = [f"r{o}" for o in ins.outputs]
+        if ins.kind == TRANSFER:
+            self.stats.transfers += 1
+            src = self.expr(ins.args[0], dev)
+            o = ins.outputs[0]
+            if ins.attrs.get("zero_copy"):
+                src_dev = self.dm[self.p.values[ins.args[0].id].device]
+                return [f"{outs[0]} = {src}" if src_dev == dev else f"{outs[0]} = {src}.to({self.const(dev, 'dev')})"]
+            if self.planned(o):
+                return [f"{outs[0]} = {self.buffer(o)}.copy_({src})"]
+            return [f"{outs[0]} = {src}.to({self.const(dev, 'dev')}, copy=True)"]
+        fn = self.const(ins.target, "f")
+        if ins.kind in (VIEW, INPLACE):
+            if ins.kind == VIEW:
+                self.stats.views += 1
+                src = self.identity_view(ins)
+                if src is not None:
+                    self.stats.elided_views += 1
+                    return [f"{outs[0]} = {src}"]
+            else:
+                self.stats.inplace += 1
+            lhs = outs[0] if len(outs) == 1 else ", ".join(outs)
+            return [f"{lhs} = {self.call(ins, fn, dev)}"]
+        assert ins.kind == KERNEL, ins.kind
+        if len(ins.outputs) == 1:
+            o = ins.outputs[0]
+            v = self.p.values[o]
+            if not self.planned(o):
+                if v.kind == OUTPUT:
+                    self.stats.fresh_outputs += 1
+                return [f"{outs[0]} = {self.call(ins, fn, dev)}"]
+            buf = self.buffer(o)
+            line = self.gemm(ins, o, dev)
+            if line is not None:
+                self.stats.gemm_out += 1
+                return [line]
+            if is_copy_like(ins.op, ins.args, ins.kwargs) and isinstance(ins.args[0], Reg) \
+                    and tuple(self.p.values[ins.args[0].id].shape) == v.shape:
+                self.stats.copy_into += 1
+                return [f"{outs[0]} = {buf}.copy_({self.expr(ins.args[0], dev)})"]
+            ov = out_variant(ins.target)
+            if ov is not None:
+                self.stats.out_variant += 1
+                return [f"{outs[0]} = {self.call(ins, self.const(ov, 'fo'), dev, 'out=' + buf)}"]
+            self.stats.by_op_fallback[ins.op] = self.stats.by_op_fallback.get(ins.op, 0) + 1
+            if self.mode == "fast":
+                self.stats.unplanned += 1
+                return [f"{outs[0]} = {self.call(ins, fn, dev)}"]
+            self.stats.functional_copy += 1
+            return [f"{outs[0]} = {buf}.copy_({self.call(ins, fn, dev)})"]
+        lines = [f"{', '.join(outs)}, = {self.call(ins, fn, dev)}"]
+        self.stats.by_op_fallback[ins.op] = self.stats.by_op_fallback.get(ins.op, 0) + 1
+        for o in ins.outputs:
+            if self.planned(o):
+                if self.mode == "fast":
+                    self.stats.unplanned += 1
+                else:
+                    self.stats.functional_copy += 1
+                    lines.append(f"r{o} = {self.buffer(o)}.copy_(r{o})")
+        return lines
+
+    def identity_view(self, ins) -> str | None:
+        """The input register when this view returns its input unchanged (same shape, strides, offset,
+        dtype, for an op that then returns ``self`` or an equal view), else None."""
+        if ins.op not in IDENTITY_VIEW_OPS or len(ins.outputs) != 1 or not ins.args or not isinstance(ins.args[0], Reg):
+            return None
+        a, o = self.p.values[ins.args[0].id], self.p.values[ins.outputs[0]]
+        if a.kind == WEIGHT or self.dm[a.device] != self.dm[ins.device]:
+            return None
+        same = (a.shape, a.stride, a.storage_offset, a.dtype) == (o.shape, o.stride, o.storage_offset, o.dtype)
+        return f"r{a.id}" if same else None
+
+    def gemm(self, ins, o: int, dev: torch.device) -> str | None:
+        """linear(x, w, b) as addmm/mm into the 2-D view of the slice (x contiguous, w a weight)."""
+        if ins.op != "aten.linear.default" or ins.kwargs:
+            return None
+        x, w = ins.args[0], ins.args[1]
+        b = ins.args[2] if len(ins.args) > 2 else None
+        vx, vo = self.p.values[x.id], self.p.values[o]
+        if not (isinstance(w, Reg) and self.p.values[w.id].kind == WEIGHT and vx.is_contiguous and vo.is_contiguous
+                and len(vx.shape) >= 2 and (b is None or isinstance(b, Reg))):
+            return None
+        k, n = vx.shape[-1], vo.shape[-1]
+        wname = self.weight(w.id, dev)
+        wt = self.const(self.g[wname].t(), "wt")
+        buf = self.buffer(o)
+        out2d = self.const(self.g[buf].view(-1, n), "o2d")
+        if self.planned(x.id):  # the input's own slice: its 2-D view is made once
+            x2d = self.const(self.g[self.buffer(x.id)].view(-1, k), "x2d")
+        else:
+            x2d = f"r{x.id}.view(-1, {k})"
+        if b is None:
+            return f"{self.const(torch.ops.aten.mm.out, 'fo')}({x2d}, {wt}, out={out2d}); r{o} = {buf}"
+        return (f"{self.const(torch.ops.aten.addmm.out, 'fo')}({self.expr(b, dev)}, {x2d}, {wt}, out={out2d}); "
+                f"r{o} = {buf}")
+
+    def build(self, profile: bool) -> str:
+        p = self.p
+        last_use: dict[int, int] = {}
+        for k, ins in enumerate(p.instrs):
+            for r in ins.input_regs():
+                last_use[r] = k
+        keep = set(p.output_regs())
+        params = ", ".join(f"r{v}" for v in p.inputs)
+        body: list[str] = []
+        sync = any(d.type == "cuda" for d in self.dm.values())
+        if profile:
+            body.append("_t = _pc()")
+        for k, ins in enumerate(p.instrs):
+            body.extend(self.emit(ins))
+            if profile:
+                if sync:
+                    body.append("_sync()")
+                body.append(f"_T[{k}] += _pc() - _t; _t = _pc()")
+            dead = [f"r{r}" for r in ins.input_regs() if last_use.get(r) == k and r not in keep
+                    and p.values[r].kind != WEIGHT]
+            dead += [f"r{o}" for o in ins.outputs if o not in last_use and o not in keep]
+            if dead:
+                body.append(f"{' = '.join(dead)} = None")
+        ret = []
+        for o in p.outputs:
+            ret.append(self.expr(o, self.dm[p.devices[0]]) if isinstance(o, Reg) else repr(o))
+        body.append(f"return ({''.join(r + ', ' for r in ret)})")
+        return f"def run({params}):\n" + "\n".join("    " + ln for ln in body) + "\n"
+
+
+class Executable:
+    """A compiled program bound to arenas and weights; call it like the captured graph module."""
+
+    def __init__(self, program: Program, plan: MemoryPlan, device_map: dict[str, torch.device] | None = None,
+                 mode: str = "arena", soc=None):
+        if mode not in MODES:
+            raise UsageError(f"unknown executor mode '{mode}'; allowed: {', '.join(MODES)}")
+        self.program, self.plan, self.mode = program, plan, mode
+        self.device_map = dict(device_map or default_device_map(program, soc))
+        missing = [d for d in program.devices if d not in self.device_map]
+        if missing:
+            raise UsageError(f"device map lacks {', '.join(missing)}")
+        self.arenas = {d: torch.empty(plan.devices[d].arena_bytes if d in plan.devices else 0, dtype=torch.uint8,
+                                      device=self.device_map[d]) for d in program.devices}
+        cg = _Codegen(program, plan, self.device_map, mode, self.arenas)
+        self.source = cg.build(profile=False)
+        self.stats = cg.stats
+        self._fn = self._compile(self.source, cg.g, "run")
+        self._globals = cg.g
+        self._profile_fn = None
+        self._inputs = [program.values[v] for v in program.inputs]
+        spec = program.attrs.get("out_spec")
+        self._out_spec = torch.utils._pytree.treespec_loads(spec) if spec else None
+
+    @staticmethod
+    def _compile(src: str, g: dict[str, Any], name: str):
+        code = compile(src, f"<hetforge-program:{name}>", "exec")
+        ns: dict[str, Any] = {}
+        exec(code, g, ns)
+        return ns["run"]
+
+    def check_inputs(self, inputs: tuple[torch.Tensor, ...]) -> None:
+        if len(inputs) != len(self._inputs):
+            raise UsageError(f"program takes {len(self._inputs)} inputs, got {len(inputs)}")
+        for t, v in zip(inputs, self._inputs, strict=True):
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != v.shape or t.dtype != v.dtype:
+                got = f"{t.dtype}{list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+                raise UsageError(f"input '{v.name}' must be {v.dtype}{list(v.shape)} (compiled static shape), "
+                                 f"got {got}")
+
+    def run_flat(self, *inputs: torch.Tensor) -> tuple[Any, ...]:
+        """The hot path: no checks, flat outputs."""
+        return self._fn(*inputs)
+
+    def __call__(self, *inputs: torch.Tensor) -> Any:
+        self.check_inputs(inputs)
+        with torch.no_grad():
+            out = self._fn(*inputs)
+        if self._out_spec is not None:
+            return torch.utils._pytree.tree_unflatten(list(out), self._out_spec)
+        return out[0] if len(out) == 1 else out
+
+    def profile(self, *inputs: torch.Tensor, warmup: int = 1, repeat: int = 3) -> ProfileReport:
+        """Run ``repeat`` times with a timer around every instruction (measured; synchronizes CUDA)."""
+        self.check_inputs(inputs)
+        n = len(self.program.instrs)
+        if self._profile_fn is None:
+            cg = _Codegen(self.program, self.plan, self.device_map, self.mode, self.arenas)
+            src = cg.build(profile=True)
+            cg.g.update({"_pc": time.perf_counter, "_sync": torch.cuda.synchronize if torch.cuda.is_available()
+                         else (lambda: None), "_T": [0.0] * n})
+            self._profile_fn = self._compile(src, cg.g, "profile")
+            self._profile_globals = cg.g
+        times = self._profile_globals["_T"]
+        with torch.no_grad():
+            for _ in range(warmup):
+                self._profile_fn(*inputs)
+            for k in range(n):
+                times[k] = 0.0
+            t0 = time.perf_counter()
+            for _ in range(repeat):
+                self._profile_fn(*inputs)
+            total = (time.perf_counter() - t0) / repeat
+        return ProfileReport([InstrTime(ins.id, ins.op, ins.device, ins.kind, times[k] / repeat)
+                              for k, ins in enumerate(self.program.instrs)], total, repeat)
+
+    def arena_bytes(self) -> dict[str, int]:
+        return {d: int(a.numel()) for d, a in self.arenas.items()}

@@ -1,0 +1,156 @@
+"""Device, link and SoC profiles: the hardware description every other stage reads.
+
+Profiles are immutable dataclasses built from a validated file (:mod:`hetforge.hardware.schema`).
+``sources`` keeps, for every number, where it came from and whether it is an estimate.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from hetforge.errors import UsageError
+
+FLOAT_FALLBACK = ("fp16", "bf16", "fp32")
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    """One compute unit (CPU cluster, GPU, NPU) of an SoC.
+
+    ``peak_flops`` holds only the rates the file gives (FLOP/s, or OP/s for int8/int4);
+    :meth:`peak` falls back for a dtype the unit has no native rate for.
+    ``efficiency`` maps an op name, a cost group (``matmul``, ``attention``, ``elementwise``,
+    ``reduction``, ``movement``, ``view``) or an op class (``compute``/``memory``/``control``) to a factor
+    that scales both peak rate and bandwidth in the roofline (1.0 when absent); ``overhead_s`` maps the same
+    keys to a fixed time added to the dispatch overhead (0 when absent). Both are fitted by calibration.
+    """
+
+    name: str
+    kind: str
+    peak_flops: dict[str, float]
+    mem_bandwidth: float
+    mem_capacity: int
+    tdp_w: float
+    idle_w: float
+    dispatch_s: float
+    static_shapes: bool = False
+    dtypes: frozenset[str] = frozenset()
+    unsupported_ops: frozenset[str] = frozenset()
+    efficiency: dict[str, float] = field(default_factory=dict)
+    overhead_s: dict[str, float] = field(default_factory=dict)
+    t_ref_c: float = 60.0
+    thermal_sigma_c: float = 25.0
+    cpq_threshold: float = 0.8
+    sources: dict[str, dict[str, Any]] = field(default_factory=dict, compare=False, hash=False)
+
+    def __hash__(self) -> int:
+        return hash((self.name, self.kind, self.mem_bandwidth, self.mem_capacity))
+
+    def supports(self, op_name: str) -> bool:
+        """True when the registry says this device kind can run ``op_name`` and the profile does not exclude it.
+
+        An op the registry does not know is assumed runnable (it will be costed as a control op).
+        """
+        from hetforge.ops.registry import lookup
+
+        if op_name in self.unsupported_ops:
+            return False
+        info = lookup(op_name)
+        return info is None or self.kind in info.devices
+
+    def peak(self, dtype: str) -> float:
+        """Peak rate for ``dtype``; without a native rate, the best floating-point rate the unit has.
+
+        (An fp32 graph on an fp16-only NPU runs at the NPU's fp16 rate after conversion.)
+        """
+        if dtype in self.peak_flops:
+            return self.peak_flops[dtype]
+        for d in FLOAT_FALLBACK:
+            if d in self.peak_flops:
+                return self.peak_flops[d]
+        return max(self.peak_flops.values())
+
+    @property
+    def ridge(self) -> float:
+        """Ridge point π/β in FLOP/byte at fp32 (or the fallback rate)."""
+        return self.peak("fp32") / self.mem_bandwidth
+
+    def eff(self, *keys: str) -> float:
+        """First efficiency factor found among ``keys`` (most specific first), else 1.0."""
+        for k in keys:
+            if k in self.efficiency:
+                return self.efficiency[k]
+        return 1.0
+
+    def overhead(self, *keys: str) -> float:
+        """First fixed per-op overhead found among ``keys`` (most specific first), else 0."""
+        for k in keys:
+            if k in self.overhead_s:
+                return self.overhead_s[k]
+        return 0.0
+
+
+@dataclass(frozen=True)
+class LinkProfile:
+    """A data path between two devices: bandwidth (B/s), latency (s), or unified memory (zero-copy)."""
+
+    a: str
+    b: str
+    bandwidth: float
+    latency_s: float
+    unified: bool
+    energy_per_byte_j: float = 0.0
+
+
+@dataclass(frozen=True)
+class SocProfile:
+    """A whole SoC: its devices (CPU first) and the links between them."""
+
+    name: str
+    devices: list[DeviceProfile]
+    links: list[LinkProfile]
+    description: str = ""
+    source: str = ""
+    calibrated: bool = False
+    path: str = ""
+
+    def __hash__(self) -> int:
+        return hash((self.name, self.path))
+
+    @property
+    def device_names(self) -> list[str]:
+        return [d.name for d in self.devices]
+
+    def device(self, name: str) -> DeviceProfile:
+        for d in self.devices:
+            if d.name == name:
+                return d
+        raise UsageError(f"SoC '{self.name}' has no device '{name}'; devices: {', '.join(self.device_names)}")
+
+    def link(self, a: str, b: str) -> LinkProfile:
+        """The link between devices ``a`` and ``b``; ``a == b`` is a unified, zero-cost link."""
+        self.device(a)
+        self.device(b)
+        if a == b:
+            return LinkProfile(a, b, float("inf"), 0.0, True, 0.0)
+        for ln in self.links:
+            if {ln.a, ln.b} == {a, b}:
+                return ln
+        raise UsageError(f"SoC '{self.name}' has no link between '{a}' and '{b}'")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name, "description": self.description, "source": self.source,
+            "calibrated": self.calibrated, "path": self.path,
+            "devices": [
+                {"name": d.name, "kind": d.kind, "peak_flops": d.peak_flops, "mem_bandwidth": d.mem_bandwidth,
+                 "mem_capacity": d.mem_capacity, "tdp_w": d.tdp_w, "idle_w": d.idle_w, "dispatch_s": d.dispatch_s,
+                 "static_shapes": d.static_shapes, "dtypes": sorted(d.dtypes),
+                 "unsupported_ops": sorted(d.unsupported_ops), "efficiency": d.efficiency,
+                 "overhead_s": d.overhead_s, "sources": d.sources}
+                for d in self.devices
+            ],
+            "links": [{"a": ln.a, "b": ln.b, "bandwidth": ln.bandwidth, "latency_s": ln.latency_s,
+                       "unified": ln.unified, "energy_per_byte_j": ln.energy_per_byte_j} for ln in self.links],
+        }

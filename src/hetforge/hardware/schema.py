@@ -1,0 +1,138 @@
+"""The validated on-disk format of an SoC profile (pydantic), and its error messages.
+
+A profile file is JSON. Every number is a ``{"value": ..., "source": "...", "estimate": bool}`` object so
+that each figure carries where it came from; ``estimate: true`` marks a figure derived by arithmetic or
+assumed (per-unit power is always an estimate: no vendor publishes it). Units are SI base units:
+FLOP/s (or OP/s for int8/int4), bytes/s, bytes, watts, seconds, degrees Celsius.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+DTYPES = ("fp32", "fp16", "bf16", "int8", "int4")
+KINDS = ("cpu", "gpu", "npu")
+
+
+class Figure(BaseModel):
+    """One number with its provenance."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    value: float = Field(ge=0)
+    source: str = Field(min_length=1)
+    estimate: bool = False
+
+
+class PositiveFigure(Figure):
+    value: float = Field(gt=0)
+
+
+class DeviceSpec(BaseModel):
+    """One compute unit of an SoC as written in a profile file."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1, pattern=r"^[a-z][a-z0-9_-]*$")
+    kind: Literal["cpu", "gpu", "npu"]
+    peak_flops: dict[Literal["fp32", "fp16", "bf16", "int8", "int4"], PositiveFigure] = Field(min_length=1)
+    mem_bandwidth: PositiveFigure
+    mem_capacity: PositiveFigure
+    tdp_w: PositiveFigure
+    idle_w: Figure
+    dispatch_s: Figure
+    static_shapes: bool = False
+    dtypes: list[Literal["fp32", "fp16", "bf16", "int8", "int4"]] | None = None
+    unsupported_ops: list[str] = Field(default_factory=list)
+    unsupported_ops_source: str = ""
+    efficiency: dict[str, float] = Field(default_factory=dict)
+    overhead_s: dict[str, float] = Field(default_factory=dict)
+    efficiency_source: str = ""
+    t_ref_c: float = 60.0
+    thermal_sigma_c: float = Field(default=25.0, gt=0)
+    cpq_threshold: float = Field(default=0.8, gt=0, le=1)
+
+    @field_validator("efficiency")
+    @classmethod
+    def _positive_eff(cls, v: dict[str, float]) -> dict[str, float]:
+        for k, x in v.items():
+            if not x > 0:
+                raise ValueError(f"efficiency factor '{k}' must be > 0, got {x}")
+        return v
+
+    @field_validator("overhead_s")
+    @classmethod
+    def _nonneg_overhead(cls, v: dict[str, float]) -> dict[str, float]:
+        for k, x in v.items():
+            if not x >= 0:
+                raise ValueError(f"overhead_s '{k}' must be >= 0, got {x}")
+        return v
+
+    @model_validator(mode="after")
+    def _idle_below_tdp(self) -> DeviceSpec:
+        if self.idle_w.value > self.tdp_w.value:
+            raise ValueError(f"idle_w ({self.idle_w.value}) exceeds tdp_w ({self.tdp_w.value})")
+        return self
+
+
+class LinkSpec(BaseModel):
+    """A data path between two devices of the SoC."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    a: str
+    b: str
+    unified: bool
+    bandwidth: PositiveFigure
+    latency_s: Figure
+    energy_per_byte_j: Figure
+
+
+class SocSpec(BaseModel):
+    """A whole SoC profile file."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1)
+    description: str = ""
+    source: str = ""
+    calibrated: bool = False
+    devices: list[DeviceSpec] = Field(min_length=1)
+    links: list[LinkSpec] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> SocSpec:
+        names = [d.name for d in self.devices]
+        if len(set(names)) != len(names):
+            raise ValueError(f"device names must be unique, got {names}")
+        for ln in self.links:
+            for end in (ln.a, ln.b):
+                if end not in names:
+                    raise ValueError(f"link {ln.a}<->{ln.b}: unknown device '{end}'; devices are {names}")
+        for i, a in enumerate(names):
+            for b in names[i + 1:]:
+                if not any({ln.a, ln.b} == {a, b} for ln in self.links):
+                    raise ValueError(f"no link between '{a}' and '{b}': every pair of devices needs one")
+        return self
+
+
+def format_validation_error(path: str, err) -> str:
+    """Turn a pydantic ValidationError into lines naming the file, the field and the allowed values."""
+    lines = [f"invalid SoC profile '{path}':"]
+    for e in err.errors():
+        loc = ".".join(str(x) for x in e["loc"]) or "(top level)"
+        msg = e["msg"]
+        typ = e.get("type", "")
+        if typ == "missing":
+            msg = "missing (required field)"
+        elif typ == "literal_error":
+            ctx = e.get("ctx", {})
+            msg = f"got {e.get('input')!r}; allowed values: {ctx.get('expected', '')}"
+        elif typ == "extra_forbidden":
+            msg = "unknown field (not part of the profile format)"
+        elif typ in ("greater_than", "greater_than_equal"):
+            msg = f"got {e.get('input')!r}; {msg.lower()}"
+        lines.append(f"  field '{loc}': {msg}")
+    return "\n".join(lines)

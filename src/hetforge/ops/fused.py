@@ -1,0 +1,221 @@
+"""hetforge's fused operators: real ``torch.library`` custom ops the middle-end passes introduce.
+
+Each op is one :func:`~hetforge.ops.registry.register_op` definition: the Python function is both the CPU
+kernel and the reference implementation (it only calls ATen, so it also serves as the fake kernel and as the
+decomposition the OpenVINO backend uses), and the decorator records FLOP/byte formulas and device kinds.
+
+* ``hetforge::attention(q, k, v, mask?, scale, is_causal)`` — softmax(q·kᵀ·scale + mask)·v via
+  ``F.scaled_dot_product_attention``; ``k``/``v`` may have fewer heads than ``q`` (grouped-query attention:
+  query head ``h`` uses key/value head ``h // (Hq / Hkv)``). A boolean mask means True = attend; a float
+  mask is added to the scores.
+* ``hetforge::linear_act(x, weight, bias?, act, weight_t)`` — ``act(x·Wᵀ + b)``; ``weight`` is ``[out, in]``
+  (``F.linear`` layout) or ``[in, out]`` when ``weight_t`` (GPT-2's Conv1D / ``addmm`` / ``matmul`` layout,
+  so no transposed copy of the weight is ever made).
+* ``hetforge::gated_mlp(x, w_gate, w_up, w_down?, b_gate?, b_up?, b_down?, act)`` — the gated MLP
+  ``act(x·Wgᵀ) * (x·Wuᵀ)``, **followed by the down projection when ``w_down`` is given** (the pass includes
+  it when the product feeds exactly one linear), so a whole SwiGLU MLP is one op.
+* ``hetforge::rms_norm(x, weight?, eps)`` — Hugging Face's RMSNorm with its casts: computed in float32,
+  cast back to ``x``'s dtype, then multiplied by ``weight``.
+* ``hetforge::layer_norm(x, normalized_shape, weight?, bias?, eps)`` — ``F.layer_norm``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from hetforge.ops.registry import OpCall, TensorMeta, register_op
+
+ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu")
+_ACT_FLOPS = {"relu": 1, "gelu": 8, "gelu_tanh": 8, "silu": 4}
+
+
+def apply_act(y: torch.Tensor, act: str) -> torch.Tensor:
+    """Apply one of :data:`ACTIVATIONS` (exact GELU, tanh-approximated GELU, SiLU, ReLU)."""
+    if act == "relu":
+        return torch.relu(y)
+    if act == "gelu":
+        return F.gelu(y)
+    if act == "gelu_tanh":
+        return F.gelu(y, approximate="tanh")
+    if act == "silu":
+        return F.silu(y)
+    raise ValueError(f"unknown activation '{act}'; allowed: {', '.join(ACTIVATIONS)}")
+
+
+def _arg(call: OpCall, i: int) -> TensorMeta | None:
+    a = call.args[i] if i < len(call.args) else None
+    return a if isinstance(a, TensorMeta) else None
+
+
+def _str_arg(call: OpCall, i: int, name: str, default: str) -> str:
+    if i < len(call.args) and isinstance(call.args[i], str):
+        return call.args[i]
+    return str(call.kwargs.get(name, default))
+
+
+def _bool_arg(call: OpCall, i: int, name: str, default: bool) -> bool:
+    if i < len(call.args) and isinstance(call.args[i], bool):
+        return call.args[i]
+    return bool(call.kwargs.get(name, default))
+
+
+# ---------------------------------------------------------------- attention
+
+
+def _attention_flops(call: OpCall) -> float:
+    """``2·B·H·S·L·D`` (q·kᵀ) + ``2·B·H·S·L·Dv`` (p·v) + ``5·B·H·S·L`` (scale, mask, softmax)."""
+    q, k, v = _arg(call, 0), _arg(call, 1), _arg(call, 2)
+    if q is None or k is None or v is None:
+        return 0.0
+    bh_s = math.prod(q.shape[:-1])  # B·H·S
+    ell = k.shape[-2]
+    return float(bh_s * ell * (2 * q.shape[-1] + 2 * v.shape[-1] + 5))
+
+
+def _attention_fake(q, k, v, mask=None, scale=1.0, is_causal=False):
+    return q.new_empty((*q.shape[:-1], v.shape[-1]))
+
+
+@register_op(
+    "hetforge::attention(Tensor q, Tensor k, Tensor v, Tensor? mask=None, float scale=1.0, "
+    "bool is_causal=False) -> Tensor",
+    flops=_attention_flops,
+    devices=("cpu", "gpu", "npu"),
+    op_class="compute",
+    fake=_attention_fake,
+)
+def attention(q, k, v, mask=None, scale=1.0, is_causal=False):
+    """Scaled dot-product attention with optional mask, causality and grouped-query k/v."""
+    gqa = q.dim() >= 3 and k.dim() >= 3 and k.shape[-3] != q.shape[-3]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.0, is_causal=is_causal,
+                                          scale=scale, enable_gqa=gqa)
+
+
+# ---------------------------------------------------------------- linear + activation
+
+
+def _linear_act_flops(call: OpCall) -> float:
+    """``2·M·N·K`` + ``M·N`` (bias) + ``c·M·N`` (activation: relu 1, silu 4, gelu 8)."""
+    x = _arg(call, 0)
+    if x is None or not call.outputs:
+        return 0.0
+    n_out = call.outputs[0].numel
+    bias = _arg(call, 2) is not None
+    act = _str_arg(call, 3, "act", "relu")
+    return float(2 * n_out * x.shape[-1] + (n_out if bias else 0) + _ACT_FLOPS.get(act, 4) * n_out)
+
+
+def _linear(x, weight, bias, weight_t: bool):
+    if not weight_t:
+        return F.linear(x, weight, bias)
+    if x.dim() == 2 and bias is not None:
+        return torch.addmm(bias, x, weight)
+    y = torch.matmul(x, weight)
+    return y + bias if bias is not None else y
+
+
+def _linear_act_fake(x, weight, bias=None, act="relu", weight_t=False):
+    n = weight.shape[-1] if weight_t else weight.shape[0]
+    return x.new_empty((*x.shape[:-1], n))
+
+
+@register_op(
+    "hetforge::linear_act(Tensor x, Tensor weight, Tensor? bias=None, str act='relu', bool weight_t=False) -> Tensor",
+    flops=_linear_act_flops,
+    devices=("cpu", "gpu", "npu"),
+    op_class="compute",
+    fake=_linear_act_fake,
+)
+def linear_act(x, weight, bias=None, act="relu", weight_t=False):
+    """``act(x·Wᵀ + b)`` (``W`` is ``[in, out]`` when ``weight_t``); act in relu/gelu/gelu_tanh/silu."""
+    return apply_act(_linear(x, weight, bias, weight_t), act)
+
+
+# ---------------------------------------------------------------- gated MLP
+
+
+def _gated_mlp_flops(call: OpCall) -> float:
+    """Gate and up: ``2·(2·M·F·K)``; activation ``4·M·F``; product ``M·F``; down (if any) ``2·M·D·F``."""
+    x, wg, wd = _arg(call, 0), _arg(call, 1), _arg(call, 3)
+    if x is None or wg is None:
+        return 0.0
+    k = x.shape[-1]
+    m = x.numel // k if k else 0
+    f = wg.shape[0]
+    total = 4 * m * f * k + 5 * m * f
+    if wd is not None:
+        total += 2 * m * wd.shape[0] * f
+    return float(total)
+
+
+def _gated_mlp_fake(x, w_gate, w_up, w_down=None, b_gate=None, b_up=None, b_down=None, act="silu"):
+    n = w_down.shape[0] if w_down is not None else w_gate.shape[0]
+    return x.new_empty((*x.shape[:-1], n))
+
+
+@register_op(
+    "hetforge::gated_mlp(Tensor x, Tensor w_gate, Tensor w_up, Tensor? w_down=None, Tensor? b_gate=None, "
+    "Tensor? b_up=None, Tensor? b_down=None, str act='silu') -> Tensor",
+    flops=_gated_mlp_flops,
+    devices=("cpu", "gpu", "npu"),
+    op_class="compute",
+    fake=_gated_mlp_fake,
+)
+def gated_mlp(x, w_gate, w_up, w_down=None, b_gate=None, b_up=None, b_down=None, act="silu"):
+    """``act(x·Wgᵀ) * (x·Wuᵀ)``, then ``·Wdᵀ`` when ``w_down`` is given (SwiGLU with act='silu')."""
+    h = apply_act(F.linear(x, w_gate, b_gate), act) * F.linear(x, w_up, b_up)
+    return F.linear(h, w_down, b_down) if w_down is not None else h
+
+
+# ---------------------------------------------------------------- norms
+
+
+def _norm_flops(per_elem: int):
+    def f(call: OpCall) -> float:
+        x = _arg(call, 0)
+        return float(per_elem * x.numel) if x is not None else 0.0
+
+    f.__doc__ = f"``{per_elem}·numel(x)``"
+    return f
+
+
+def _rms_norm_fake(x, weight=None, eps=1e-6):
+    if weight is None:
+        return x.new_empty(x.shape)
+    shape = torch.broadcast_shapes(x.shape, weight.shape)
+    return x.new_empty(shape, dtype=torch.promote_types(weight.dtype, x.dtype))
+
+
+@register_op(
+    "hetforge::rms_norm(Tensor x, Tensor? weight=None, float eps=1e-06) -> Tensor",
+    flops=_norm_flops(5),
+    devices=("cpu", "gpu", "npu"),
+    op_class="memory",
+    fake=_rms_norm_fake,
+)
+def rms_norm(x, weight=None, eps=1e-6):
+    """Hugging Face RMSNorm: ``weight * (x32 * rsqrt(mean(x32², -1) + eps)).to(x.dtype)``."""
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    h = h.to(x.dtype)
+    return weight * h if weight is not None else h
+
+
+def _layer_norm_fake(x, normalized_shape, weight=None, bias=None, eps=1e-5):
+    return x.new_empty(x.shape)
+
+
+@register_op(
+    "hetforge::layer_norm(Tensor x, int[] normalized_shape, Tensor? weight=None, Tensor? bias=None, "
+    "float eps=1e-05) -> Tensor",
+    flops=_norm_flops(8),
+    devices=("cpu", "gpu", "npu"),
+    op_class="memory",
+    fake=_layer_norm_fake,
+)
+def layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5):
+    """``F.layer_norm`` over the trailing ``normalized_shape`` dims."""
+    return F.layer_norm(x, list(normalized_shape), weight, bias, eps)

@@ -1,0 +1,88 @@
+"""Pass 1, cleanup: drop nodes that compute nothing in inference, then dead-code elimination.
+
+Removed (each use rewired to the node's input): eval-mode or p=0 dropout; ``aten.to`` to the dtype/device
+the tensor already has; ``aten.alias``/``detach``; ``contiguous`` of an already-contiguous tensor;
+``view``/``reshape``/``expand`` to the input's own shape; ``_assert_tensor_metadata`` (an export-time check
+with no output). All of these return their input (or an alias of it), so removing them is exact. Dropout in
+training mode is random and stays (reported as a near-miss).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch.fx import GraphModule, Node
+
+from hetforge.passes.common import NearMiss, PassResult, Rewrite, aten, copy_gm, finish, num_nodes, scalar, tval
+
+_DROPOUTS = (aten.dropout.default, aten.feature_dropout.default, aten.alpha_dropout.default)
+_ALIASES = (aten.alias.default, aten.detach.default, aten.lift_fresh.default)
+_SAME_SHAPE = (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default)
+_ASSERTS = (aten._assert_tensor_metadata.default,)
+_TO = (aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten._to_copy.default)
+
+
+def _is_identity_to(n: Node) -> bool:
+    """``aten.to`` that changes nothing: same dtype, device and layout, no copy, no memory-format change."""
+    x, out = tval(n.args[0]), tval(n)
+    if x is None or out is None or n.target is aten._to_copy.default:
+        return False  # _to_copy always makes a new tensor; keep it (in-place users may rely on that)
+    if n.kwargs.get("copy") or n.kwargs.get("memory_format") not in (None, torch.preserve_format):
+        return False
+    if n.target is aten.to.dtype and len(n.args) > 3 and n.args[3]:  # to.dtype(self, dtype, non_blocking, copy)
+        return False
+    if n.target is aten.to.device and len(n.args) > 4 and n.args[4]:  # to.device(self, device, dtype, nb, copy)
+        return False
+    return x.dtype == out.dtype and x.device == out.device and x.layout == out.layout and x.shape == out.shape
+
+
+def _removal(n: Node) -> tuple[str, Node] | str | None:
+    """(kind, replacement) when ``n`` can go, a near-miss reason string, or None when it is not a candidate."""
+    t = n.target
+    if t in _DROPOUTS:
+        p = scalar(n.args[1]) if len(n.args) > 1 else 0.0
+        train = n.args[2] if len(n.args) > 2 else n.kwargs.get("train", True)
+        if train is False or p == 0.0:
+            return "dropout", n.args[0]
+        return f"dropout in training mode (p={p}) is random; kept"
+    if t in _TO:
+        return ("identity_cast", n.args[0]) if _is_identity_to(n) else None
+    if t in _ALIASES:
+        return "alias", n.args[0]
+    x, out = tval(n.args[0]) if n.args else None, tval(n)
+    if x is None or out is None:
+        return None
+    if t is aten.contiguous.default and x.is_contiguous():
+        return "noop_contiguous", n.args[0]
+    if t in _SAME_SHAPE and tuple(x.shape) == tuple(out.shape):
+        return "noop_view", n.args[0]
+    return None
+
+
+def cleanup(gm: GraphModule, inplace: bool = False) -> PassResult:
+    """Remove no-op nodes (see module doc) and dead code; returns a new GraphModule in the result."""
+    t0 = time.perf_counter()
+    before = num_nodes(gm)
+    gm = gm if inplace else copy_gm(gm)
+    rewrites: list[Rewrite] = []
+    misses: list[NearMiss] = []
+    for n in list(gm.graph.nodes):
+        if n.op != "call_function":
+            continue
+        if n.target in _ASSERTS:
+            rewrites.append(Rewrite("assert_metadata", [n.name], None))
+            gm.graph.erase_node(n)
+            continue
+        r = _removal(n)
+        if isinstance(r, str):
+            misses.append(NearMiss("dropout", n.name, r))
+        elif r is not None:
+            kind, repl = r
+            if not isinstance(repl, Node):
+                continue
+            n.replace_all_uses_with(repl)
+            rewrites.append(Rewrite(kind, [n.name], repl.name))
+            gm.graph.erase_node(n)  # explicitly: DCE keeps random ops such as dropout even when unused
+    finish(gm, standalone=not inplace)
+    return PassResult("cleanup", gm, before, num_nodes(gm), rewrites, misses, time.perf_counter() - t0)

@@ -1,0 +1,109 @@
+"""Strategy ``pgsam``: QEIL v2's Pareto-guided placement of decoder layers, plus auxiliary-stage routing.
+
+1. Group nodes into embedding / decoder layers / head (:mod:`.layers`).
+2. Cost every layer on every device from the cost model (:mod:`.layer_costs`), route the embedding and
+   LM-head stages to the lowest-power device with memory for them (``aux="power"``, the seed's rule) or
+   to the one with the lowest modeled cost for them (``aux="cost"``).
+3. Search stage plans with PGSAM (:mod:`.pgsam_search`) for the Pareto front of (energy, bottleneck
+   latency, −min DASI); ``objective`` picks one point: ``energy`` (min f1), ``latency`` (min f2) or
+   ``balanced`` (min of the larger normalized f1/f2). ``latency_mode="total"`` makes f2 the latency of
+   one request (sum of stages) instead of the pipelined bottleneck.
+4. Tag every node with its stage's device; a node that device cannot run is split off to its fastest
+   capable device (a rejection, and a fallback that ``strict=True`` refuses).
+
+``Placement.extra['front']`` holds the whole front (modeled), so a user can pick another point with
+``point=i``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hetforge.errors import HetforgeError, UsageError
+from hetforge.placement import Placement, Rejection, register_strategy
+from hetforge.placement.costs import NodeCosts, check_objective, resolve_soc
+from hetforge.placement.layer_costs import build_table, charge
+from hetforge.placement.layers import EMBED, HEAD, group_stages
+from hetforge.placement.pgsam_search import pgsam_search, pick
+from hetforge.placement.plan import check_pins, finish
+from hetforge.placement.stages import stages_of
+
+
+def describe(assign: tuple[int, ...], devices: list[str]) -> str:
+    """``gpu[0-5] npu[6-11]`` for a layer assignment."""
+    return " ".join(f"{devices[d]}[{s}-{e - 1}]" for d, s, e in stages_of(assign))
+
+
+@register_strategy("pgsam")
+def pgsam(gm: torch.fx.GraphModule, soc, objective: str | None = "balanced", strict: bool = False,
+          pin: dict[str, str] | None = None, seed: int = 0, point: int | None = None,
+          latency_mode: str = "bottleneck", aux: str = "power", **search: object) -> Placement:
+    """PGSAM layer placement; see module docstring. ``search`` options go to :func:`pgsam_search`."""
+    soc = resolve_soc(soc)
+    obj = check_objective(objective)
+    nc = NodeCosts.build(gm, soc)
+    pin = check_pins(nc, pin)
+    stages = group_stages(gm)
+    if stages.num_layers == 0:
+        raise UsageError("pgsam places decoder layers, but no node of this graph belongs to a layer "
+                         "(no '...layers.N' / '...h.N' in nn_module_stack); use the rules or greedy strategy")
+    if latency_mode not in ("bottleneck", "total"):
+        raise UsageError(f"unknown latency_mode '{latency_mode}'; valid: bottleneck, total")
+    if aux not in ("power", "cost"):
+        raise UsageError(f"unknown aux routing '{aux}'; valid: power, cost")
+    table, aux_choice = build_table(nc, stages, aux, obj)
+    table.latency_mode = latency_mode
+    res = pgsam_search(table, seed=seed, **search)  # type: ignore[arg-type]
+    if not res.archive.items:
+        need = table.weight_bytes.sum()
+        size = {a: b for ws in nc.weights.values() for a, b in ws.items()}
+        top = ", ".join(f"{a} ({size[a] / 2**20:.0f} MiB)" for a in sorted(size, key=lambda a: -size[a])[:3])
+        raise HetforgeError(f"pgsam: no stage plan fits in memory: decoder layers need {need / 2**30:.2f} GiB, "
+                            f"pools have {', '.join(f'{c / 2**30:.2f} GiB' for c in table.capacity)} left "
+                            f"after the embedding and head stages; largest tensors: {top}")
+    front = sorted(res.archive.items.items(), key=lambda kv: kv[1][0])
+    if point is not None:
+        if not 0 <= point < len(front):
+            raise UsageError(f"point {point} is outside the front (0..{len(front) - 1})")
+        chosen, f = front[point][0], front[point][1][0]
+        how = f"front point {point} chosen by the user"
+    else:
+        chosen, f = pick(res.archive, obj)
+        how = {"energy": "lowest energy f1", "latency": f"lowest {latency_mode} latency f2"}.get(
+            obj, "smallest max of normalized f1, f2")
+    devs = table.devices
+    layer_dev = {f"layer.{i}": devs[d] for i, d in enumerate(chosen)}
+    stage_dev = {**layer_dev, EMBED: aux_choice.embed, HEAD: aux_choice.head}
+    plan_text = describe(chosen, devs)
+    assignment: dict[str, str] = {}
+    reasons: dict[str, str] = {}
+    rejections: list[Rejection] = []
+    fallbacks: list[str] = []
+    for n in nc.nodes:
+        st = stages.of[n.name]
+        want = stage_dev[st]
+        if n.name in pin:
+            assignment[n.name], reasons[n.name] = pin[n.name], f"pinned to {pin[n.name]} by the user"
+            continue
+        if st in (EMBED, HEAD):
+            base = f"auxiliary-stage routing: {st} stage on {want}, {aux_choice.why[st]}"
+        else:
+            base = (f"PGSAM ({obj}: {how}): {st} in plan {plan_text}; front point energy {f[0]:.4g} J, "
+                    f"{latency_mode} latency {f[1]:.4g} s, min DASI {-f[2]:.3f} (modeled)")
+        ch = charge(nc, n.name, want)
+        if ch.runs_on != want:
+            rejections.append(Rejection(n.name, nc.ops[n.name], want, nc.why_not(n.name, want) or "unsupported"))
+            fallbacks.append(n.name)
+            base += f"; split off to {ch.runs_on} because {want} cannot run {nc.ops[n.name]}"
+        assignment[n.name], reasons[n.name] = ch.runs_on, base
+    extra = {
+        "plan": plan_text, "latency_mode": latency_mode,
+        "objectives": {"energy_j": f[0], "latency_s": f[1], "min_dasi": -f[2]},
+        "front": [{"plan": describe(k, devs), "energy_j": v[0][0], "latency_s": v[0][1], "min_dasi": -v[0][2],
+                   "chosen": k == chosen} for k, v in front],
+        "aux": {EMBED: aux_choice.embed, HEAD: aux_choice.head},
+        "search": {"evaluations": res.evaluations, "accepted": res.accepted,
+                   "momentum_accepts": res.momentum_accepts, "seconds": res.seconds, "seed": seed},
+        "layers": stages.num_layers, "label": "modeled",
+    }
+    return finish(gm, nc, "pgsam", assignment, reasons, rejections, fallbacks, obj, strict, extra)

@@ -1,0 +1,216 @@
+"""The generation loop: prefill once, then decode one token at a time against the static KV cache.
+
+Per request: tokenize, pick the prompt tier and the KV cache length, run the prefill program, write its
+K/V rows into the cache, sample on the CPU, then loop decode → write the new rows in place → sample.
+The per-token path reuses preallocated ``input_ids``/``pos`` tensors (``fill_``) and the cache, so it
+allocates no cache-sized memory. All times are measured with ``time.perf_counter``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from hetforge.errors import UsageError
+from hetforge.runtime.executors import Executor, make_executor
+from hetforge.runtime.programs import ProgramCache, pick_tier
+from hetforge.runtime.sampling import Sampler, SamplingParams
+from hetforge.tokenizers import StreamDecoder, Tokenizer, for_model
+
+
+@dataclass
+class GenerationResult:
+    """What one request produced and what it cost (all times measured)."""
+
+    text: str
+    tokens: list[int]
+    prompt_tokens: int
+    prefill_tier: int
+    cache_length: int
+    kv_cache_bytes: int
+    ttft_s: float  # prefill + first sample, excluding one-time compilation (in compile_s)
+    decode_s: list[float] = field(default_factory=list)  # one per decode step
+    compile_s: dict[str, float] = field(default_factory=dict)  # programs compiled by this request
+    stop_reason: str = "length"
+    executor: str = "fx"
+
+    @property
+    def decode_ms_per_token(self) -> float | None:
+        return 1e3 * sum(self.decode_s) / len(self.decode_s) if self.decode_s else None
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        total = self.ttft_s + sum(self.decode_s)
+        return len(self.tokens) / total if total > 0 and self.tokens else None
+
+    def to_dict(self) -> dict:
+        return {
+            "text": self.text, "tokens": self.tokens, "prompt_tokens": self.prompt_tokens,
+            "ttft_s": self.ttft_s, "decode_ms_per_token": self.decode_ms_per_token,
+            "tokens_per_s": self.tokens_per_s, "prefill_tier": self.prefill_tier,
+            "kv_cache_length": self.cache_length, "kv_cache_bytes": self.kv_cache_bytes,
+            "compile_s": self.compile_s, "stop_reason": self.stop_reason, "executor": self.executor,
+            "timing": "measured",
+        }
+
+
+class Engine:
+    """Generates text from one loaded model with compiled static-shape programs."""
+
+    def __init__(self, loaded, tokenizer: Tokenizer | None = None, executor: Executor | str = "auto",
+                 soc: str = "host", optimize: bool = True):
+        if loaded.kind != "causal-lm":
+            raise UsageError(f"model '{loaded.name}' is a {loaded.kind}; generation needs a causal LM")
+        self.loaded = loaded
+        self.tokenizer = tokenizer or for_model(loaded)
+        self.executor = make_executor(executor, soc) if isinstance(executor, str) else executor
+        self.programs = ProgramCache(loaded.model, loaded.max_positions, self.executor, optimize=optimize)
+        self.vocab_size = loaded.vocab_size
+        self._ids = torch.zeros((1, 1), dtype=torch.long)
+        self._pos = torch.zeros((1, 1), dtype=torch.long)
+
+    @property
+    def max_positions(self) -> int:
+        return self.loaded.max_positions
+
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise UsageError("the prompt is empty; give at least one token of text")
+        if len(ids) > self.max_positions:
+            raise UsageError(f"the prompt is {len(ids)} tokens but the model's maximum context is "
+                             f"{self.max_positions} tokens")
+        bad = [i for i in ids if not 0 <= i < self.vocab_size]
+        if bad:
+            raise UsageError(f"token id {bad[0]} is outside the model's vocabulary (0..{self.vocab_size - 1})")
+        return ids
+
+    def plan(self, n_prompt: int, max_new: int) -> tuple[int, int, int]:
+        """(prefill tier, KV cache length, new tokens that fit in the context)."""
+        tier = pick_tier(n_prompt, self.programs.tiers)
+        fit = min(max_new, self.max_positions - n_prompt + 1)  # the last token is never fed back
+        need = max(tier, n_prompt + fit - 1)
+        return tier, pick_tier(need, self.programs.tiers), fit
+
+    def stream(self, prompt: str | list[int], params: SamplingParams) -> Generation:
+        """A :class:`Generation`: iterate it for text pieces; its ``result`` holds tokens and timings."""
+        return Generation(self, self.encode(prompt), params)
+
+    def generate(self, prompt: str | list[int], params: SamplingParams) -> GenerationResult:
+        gen = self.stream(prompt, params)
+        for _ in gen:
+            pass
+        return gen.result
+
+
+class Generation:
+    """One request in progress. Iterating yields decoded text pieces as tokens arrive."""
+
+    def __init__(self, engine: Engine, prompt_ids: list[int], params: SamplingParams):
+        self.engine, self.prompt_ids, self.params = engine, prompt_ids, params
+        tier, length, fit = engine.plan(len(prompt_ids), params.max_new_tokens)
+        self.max_new = fit
+        cache = engine.programs.cache(length)
+        self.result = GenerationResult("", [], len(prompt_ids), tier, length, cache.nbytes, 0.0,
+                                       executor=engine.executor.name)
+        self.cache = cache
+        self.decoder = StreamDecoder(engine.tokenizer)
+        self._pending = ""  # decoded text not shown yet (may start a stop string)
+        self._shown = ""
+
+    def _compile(self, kind: str, length: int):
+        get = self.engine.programs.prefill if kind == "prefill" else self.engine.programs.decode
+        prog, fresh = get(length)
+        if fresh:
+            self.result.compile_s[f"{kind}-{length}"] = prog.total_s
+        return prog
+
+    def _emit(self, token: int) -> tuple[str, bool]:
+        """Record ``token``; return the text that may be shown now and whether generation must stop.
+
+        Text that could be the start of a stop string is held back until it is known not to be one,
+        so a stop string is never shown.
+        """
+        r, p = self.result, self.params
+        r.tokens.append(token)
+        self._pending += self.decoder.push(token)
+        eos = self.engine.tokenizer.eos_id
+        stop = False
+        if not p.ignore_eos and eos is not None and token == eos:
+            r.stop_reason, stop = "eos", True
+        elif len(r.tokens) >= self.max_new:
+            r.stop_reason = "length" if self.max_new == p.max_new_tokens else "context full"
+            stop = True
+        if stop:
+            self._pending += self.decoder.flush()
+        for s in p.stop:
+            cut = self._pending.find(s)
+            if cut >= 0:
+                r.stop_reason = f"stop string {s!r}"
+                self._pending = self._pending[:cut]
+                stop = True
+        hold = 0 if stop else _held_back(self._pending, p.stop)
+        show = self._pending[: len(self._pending) - hold]
+        self._pending = self._pending[len(show):]
+        self._shown += show
+        return show, stop
+
+    def __iter__(self) -> Iterator[str]:
+        """Text pieces as they become showable (a token may add none, e.g. half a UTF-8 character)."""
+        for _, piece in self.steps():
+            if piece:
+                yield piece
+
+    def steps(self) -> Iterator[tuple[int, str]]:
+        """One ``(token, showable text)`` pair per generated token."""
+        e, r = self.engine, self.result
+        n = len(self.prompt_ids)
+        prefill = self._compile("prefill", r.prefill_tier)
+        decode = self._compile("decode", r.cache_length) if self.max_new > 1 else None
+        sampler = Sampler(self.params, e.vocab_size)
+        sampler.observe(self.prompt_ids)
+        ids = torch.zeros((1, r.prefill_tier), dtype=torch.long)
+        ids[0, :n] = torch.tensor(self.prompt_ids)
+        last = torch.tensor([n - 1])
+        t0 = time.perf_counter()
+        out = prefill.run(ids, last)
+        self.cache.write(out[1:], 0)
+        token = sampler.pick(out[0])
+        r.ttft_s = time.perf_counter() - t0
+        try:
+            piece, stop = self._emit(token)
+            yield token, piece
+            pos = n
+            args = [e._ids, e._pos, *self.cache.buffers]
+            while not stop:
+                t0 = time.perf_counter()
+                sampler.observe(token)
+                e._ids.fill_(token)
+                e._pos.fill_(pos)
+                out = decode.run(*args)
+                self.cache.write(out[1:], pos)
+                token = sampler.pick(out[0])
+                r.decode_s.append(time.perf_counter() - t0)
+                pos += 1
+                piece, stop = self._emit(token)
+                yield token, piece
+        finally:
+            self.finish()
+
+    def finish(self) -> None:
+        """Settle ``result.text`` (also after an interruption): shown text plus any held-back text."""
+        self.result.text = self._shown + self._pending
+
+
+def _held_back(text: str, stops: tuple[str, ...]) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of a stop string."""
+    best = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:k]):
+                best = k
+                break
+    return best

@@ -1,0 +1,47 @@
+"""The KV cache: per-layer K/V buffers preallocated once, written in place by the CPU runtime.
+
+The cache lives outside every compiled program (it is a graph *input*, never an activation), so it is
+not part of any activation arena. A decode step's program returns the new K/V rows and
+:meth:`KVCache.write` copies them into position ``pos`` with ``Tensor.copy_`` on a view: no allocation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class KVCache:
+    """``layers`` pairs of ``[1, kv_heads, length, head_dim]`` buffers."""
+
+    layers: int
+    kv_heads: int
+    length: int
+    head_dim: int
+    dtype: torch.dtype = torch.float32
+
+    def __post_init__(self) -> None:
+        shape = (1, self.kv_heads, self.length, self.head_dim)
+        self.buffers: list[torch.Tensor] = [torch.zeros(shape, dtype=self.dtype) for _ in range(2 * self.layers)]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by all K and V buffers."""
+        return sum(b.numel() * b.element_size() for b in self.buffers)
+
+    def data_ptrs(self) -> list[int]:
+        return [b.data_ptr() for b in self.buffers]
+
+    def write(self, rows: tuple[torch.Tensor, ...] | list[torch.Tensor], start: int) -> None:
+        """Copy new rows (``[1, kv_heads, n, head_dim]`` per buffer, K/V interleaved) to positions ``start:start+n``."""
+        n = rows[0].shape[2]
+        if start + n > self.length:
+            raise ValueError(f"KV cache write {start}..{start + n} past its length {self.length}")
+        for buf, row in zip(self.buffers, rows, strict=True):
+            buf[:, :, start:start + n].copy_(row)
+
+    def clear(self) -> None:
+        for b in self.buffers:
+            b.zero_()

@@ -1,0 +1,103 @@
+"""The two programs per model (prefill per prompt tier, decode per cache length), compiled once and cached.
+
+A program is made on first use: capture the static-shape module with ``torch.export``, run the
+optimization passes when ``hetforge.passes`` is installed, then hand the graph to an :class:`Executor`.
+Each step is timed (measured) and kept on the :class:`Program`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from hetforge.runtime.executors import Executor
+from hetforge.runtime.kvcache import KVCache
+from hetforge.runtime.static_kv import DecodeModule, PrefillModule, model_dims
+
+TIERS = (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+
+def tiers_for(max_positions: int) -> tuple[int, ...]:
+    """The static lengths used for a model: the standard tiers up to its maximum context, plus that maximum."""
+    ts = [t for t in TIERS if t < max_positions]
+    return (*ts, max_positions)
+
+
+def pick_tier(n: int, tiers: Sequence[int]) -> int:
+    """The smallest tier that holds ``n`` (callers check ``n`` against the largest first)."""
+    return next(t for t in tiers if t >= n)
+
+
+@dataclass
+class Program:
+    """One compiled static-shape program and what making it cost (measured seconds)."""
+
+    kind: str  # "prefill" or "decode"
+    length: int  # prompt tier (prefill) or KV cache length (decode)
+    run: Callable[..., Sequence[torch.Tensor]]
+    executor: str
+    nodes: int
+    capture_s: float
+    optimize_s: float
+    compile_s: float
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def total_s(self) -> float:
+        return self.capture_s + self.optimize_s + self.compile_s
+
+    def to_dict(self) -> dict:
+        return {"kind": self.kind, "length": self.length, "executor": self.executor, "nodes": self.nodes,
+                "capture_s": round(self.capture_s, 4), "optimize_s": round(self.optimize_s, 4),
+                "compile_s": round(self.compile_s, 4), "total_s": round(self.total_s, 4), "notes": self.notes}
+
+
+class ProgramCache:
+    """Prefill and decode programs of one model, made on first use and kept in memory."""
+
+    def __init__(self, model: nn.Module, max_positions: int, executor: Executor, optimize: bool = True):
+        self.model = model.eval()
+        self.max_positions = max_positions
+        self.tiers = tiers_for(max_positions)
+        self.executor = executor
+        self.optimize = optimize
+        self.layers, self.kv_heads, self.head_dim = model_dims(model)
+        self.dtype = model.get_input_embeddings().weight.dtype
+        self.programs: dict[tuple[str, int], Program] = {}
+        self.caches: dict[int, KVCache] = {}
+
+    def cache(self, length: int) -> KVCache:
+        """The preallocated KV cache of ``length`` positions (made once, reused by later requests)."""
+        if length not in self.caches:
+            self.caches[length] = KVCache(self.layers, self.kv_heads, length, self.head_dim, self.dtype)
+        return self.caches[length]
+
+    def prefill(self, tier: int) -> tuple[Program, bool]:
+        """The prefill program for ``tier``; the flag says whether it was compiled by this call."""
+        key = ("prefill", tier)
+        if key in self.programs:
+            return self.programs[key], False
+        inputs = (torch.zeros((1, tier), dtype=torch.long), torch.tensor([tier - 1]))
+        self.programs[key] = self._make("prefill", tier, PrefillModule(self.model), inputs)
+        return self.programs[key], True
+
+    def decode(self, length: int) -> tuple[Program, bool]:
+        """The decode program over a KV cache of ``length`` positions."""
+        key = ("decode", length)
+        if key in self.programs:
+            return self.programs[key], False
+        cache = self.cache(length)
+        inputs = (torch.zeros((1, 1), dtype=torch.long), torch.zeros((1, 1), dtype=torch.long), *cache.buffers)
+        self.programs[key] = self._make("decode", length, DecodeModule(self.model), inputs)
+        return self.programs[key], True
+
+    def _make(self, kind: str, length: int, module: nn.Module, inputs: tuple) -> Program:
+        from hetforge.frontend import capture
+
+        cg = capture(module, inputs, name=f"{kind}-{length}")
+        b = self.executor.build(cg.gm, inputs, f"{kind}-{length}", self.optimize)
+        return Program(kind, length, b.run, self.executor.name, b.nodes, cg.seconds, b.optimize_s, b.compile_s,
+                       b.notes)

@@ -1,0 +1,96 @@
+"""Sampling on the CPU: greedy, temperature, top-k, top-p, repetition penalty; seeded per request.
+
+Follows the order and conventions of Hugging Face's logits processors so seeded results are
+comparable: repetition penalty (divide positive / multiply negative logits of seen tokens), then
+temperature, top-k, top-p (keep the smallest set whose probability reaches ``top_p``, always at least
+one token), then one draw from a ``torch.Generator`` owned by the request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from hetforge.errors import UsageError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick each next token. ``temperature == 0`` means greedy."""
+
+    max_new_tokens: int = 32
+    temperature: float = 0.0
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0
+    repetition_penalty: float = 1.0
+    stop: tuple[str, ...] = ()
+    seed: int = 0
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens <= 0:
+            raise UsageError(f"--max-new-tokens must be at least 1 (got {self.max_new_tokens})")
+        if not self.temperature >= 0:  # also rejects NaN
+            raise UsageError(f"--temperature must be >= 0 (got {self.temperature}); 0 means greedy")
+        if self.top_k < 0:
+            raise UsageError(f"--top-k must be >= 0 (got {self.top_k}); 0 turns it off")
+        if not 0 < self.top_p <= 1:
+            raise UsageError(f"--top-p must be in (0, 1] (got {self.top_p})")
+        if not self.repetition_penalty > 0:
+            raise UsageError(f"--repetition-penalty must be > 0 (got {self.repetition_penalty}); 1 turns it off")
+        if any(s == "" for s in self.stop):
+            raise UsageError("--stop strings must not be empty")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass
+class Sampler:
+    """Picks tokens for one request; owns its random generator so a seed reproduces the request."""
+
+    params: SamplingParams
+    vocab_size: int
+    generator: torch.Generator = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.generator = torch.Generator().manual_seed(self.params.seed)
+        self._seen = torch.zeros(self.vocab_size, dtype=torch.bool)
+
+    def observe(self, ids: list[int] | int) -> None:
+        """Record tokens (prompt and generated) for the repetition penalty."""
+        if self.params.repetition_penalty != 1.0:
+            idx = torch.as_tensor(ids if isinstance(ids, list) else [ids], dtype=torch.long)
+            self._seen[idx[(idx >= 0) & (idx < self.vocab_size)]] = True
+
+    def process(self, logits: torch.Tensor) -> torch.Tensor:
+        """The processed 1-D float logits (penalty, temperature, top-k, top-p); -inf marks removed tokens."""
+        p = self.params
+        x = logits.reshape(-1)[: self.vocab_size].float()
+        if p.repetition_penalty != 1.0 and bool(self._seen.any()):
+            seen = x[self._seen]
+            x = x.clone()
+            x[self._seen] = torch.where(seen > 0, seen / p.repetition_penalty, seen * p.repetition_penalty)
+        if p.greedy:
+            return x
+        x = x / p.temperature
+        if 0 < p.top_k < x.numel():
+            kth = torch.topk(x, p.top_k).values[-1]
+            x = x.masked_fill(x < kth, float("-inf"))
+        if p.top_p < 1.0:
+            sorted_x, order = torch.sort(x, descending=False)
+            cum = torch.softmax(sorted_x, dim=-1).cumsum(-1)
+            remove = cum <= (1 - p.top_p)
+            remove[-1] = False  # keep at least the most likely token
+            x = x.masked_fill(remove.scatter(0, order, remove), float("-inf"))
+        return x
+
+    def pick(self, logits: torch.Tensor) -> int:
+        """The next token id."""
+        x = self.process(logits)
+        if self.params.greedy:
+            return int(torch.argmax(x))
+        probs = torch.softmax(x, dim=-1)
+        return int(torch.multinomial(probs, 1, generator=self.generator))

@@ -1,0 +1,169 @@
+"""Static-shape prefill and decode modules around a Hugging Face causal LM.
+
+Both are plain ``nn.Module`` s that ``torch.export`` captures at one static shape:
+
+* :class:`PrefillModule` — ``(input_ids[1, T], last[1]) -> (logits[1, V], k_0, v_0, ..., k_L-1, v_L-1)``.
+  The prompt is right-padded to the tier length ``T``; under the causal mask a real token never sees a
+  pad token after it, so the real rows are exact. ``last`` selects the row whose logits are returned
+  (only one row goes through the LM head). The K/V rows of all ``T`` positions are returned.
+* :class:`DecodeModule` — ``(input_ids[1, 1], pos[1, 1], k_cache_0, v_cache_0, ...) -> (logits[1, V],
+  k_new_0, v_new_0, ...)``. Each cache is ``[1, kv_heads, S, head_dim]`` (``S`` static); cache positions
+  ``>= pos`` are masked.
+
+Neither graph writes the cache: it returns the new K/V rows and the CPU runtime copies them into the
+preallocated cache in place (``runtime.kvcache``). Why: an in-place cache write survives
+``torch.export``'s training IR as ``index_copy_``, but ``run_decompositions()`` (core ATen, what other
+backends consume) turns it into a functional ``index_put`` that builds a whole new cache each step — a
+full cache copy per token — and a side-effecting graph is harder for every pass, placement and memory
+plan to reason about. Returning rows keeps the graphs pure (see docs/arch/runtime.md).
+
+The attention is plugged into the HF model through transformers' ``AttentionInterface`` under the name
+``hetforge_kv``: the model computes q/k/v (with its own rotary / biases / scaling) and calls us. We
+attend over the cache and the new rows as two score blocks joined before one softmax, so the cache is
+only read, never concatenated or repeated: grouped-query heads are handled by viewing q as
+``[kv_heads, groups * T]`` rows instead of repeating K/V.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+ATTN_NAME = "hetforge_kv"
+_state = threading.local()
+
+
+@dataclass
+class _AttnContext:
+    """What one forward call of a wrapper passes to the attention function of every layer."""
+
+    new_mask: torch.Tensor  # additive [T, T] causal mask over the new rows
+    cache: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+    cache_mask: torch.Tensor | None = None  # additive [1, S] over cache positions
+    new_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+
+def _attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+               sliding_window: int | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """Attention over (read-only cache) + (new rows). Shapes: q [B, H, T, D], k/v [B, Hkv, T, D]."""
+    ctx: _AttnContext | None = getattr(_state, "ctx", None)
+    if ctx is None:
+        raise RuntimeError("hetforge_kv attention called outside a hetforge runtime module")
+    layer = module.layer_idx
+    span = key.shape[2] + (ctx.cache[layer][0].shape[2] if ctx.cache is not None else 0)
+    if sliding_window is not None and sliding_window < span:
+        raise NotImplementedError(f"sliding-window attention (window {sliding_window} < {span} positions) "
+                                  "is not supported by the hetforge runtime")
+    ctx.new_kv[layer] = (key, value)
+    b, h, t, d = query.shape
+    hkv = key.shape[1]
+    g = h // hkv
+    scale = d**-0.5 if scaling is None else scaling
+    qg = query.reshape(b, hkv, g * t, d)  # head = kv_head * g + i, row = i * t + position
+    s_new = torch.matmul(qg, key.transpose(-1, -2)) * scale + ctx.new_mask.repeat(g, 1)
+    if ctx.cache is None:
+        p = torch.softmax(s_new, dim=-1)
+        out = torch.matmul(p, value)
+    else:
+        kc, vc = ctx.cache[layer]
+        s_cache = torch.matmul(qg, kc.transpose(-1, -2)) * scale + ctx.cache_mask
+        p = torch.softmax(torch.cat([s_cache, s_new], dim=-1), dim=-1)
+        n = kc.shape[2]
+        out = torch.matmul(p[..., :n], vc) + torch.matmul(p[..., n:], value)
+    out = out.reshape(b, h, t, d).transpose(1, 2)
+    return out, None
+
+
+def register_attention() -> None:
+    """Register ``hetforge_kv`` with transformers (idempotent)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTN_NAME, _attention)
+
+
+class _Switch:
+    """Run the HF model with our attention and context, restoring its attention implementation."""
+
+    def __init__(self, model: nn.Module, ctx: _AttnContext):
+        self.model, self.ctx = model, ctx
+
+    def __enter__(self):
+        register_attention()
+        self.saved = self.model.config._attn_implementation
+        self.model.config._attn_implementation = ATTN_NAME
+        _state.ctx = self.ctx
+        return self.ctx
+
+    def __exit__(self, *exc):
+        _state.ctx = None
+        self.model.config._attn_implementation = self.saved
+        return False
+
+
+def _causal(t: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.full((t, t), float("-inf"), dtype=dtype).triu(1)
+
+
+def model_dims(model: nn.Module) -> tuple[int, int, int]:
+    """(layers, kv heads, head dim) of a HF causal LM config."""
+    c = model.config
+    layers = int(getattr(c, "num_hidden_layers", None) or c.n_layer)
+    heads = int(getattr(c, "num_attention_heads", None) or c.n_head)
+    kv = int(getattr(c, "num_key_value_heads", None) or heads)
+    hidden = int(getattr(c, "hidden_size", None) or c.n_embd)
+    head_dim = int(getattr(c, "head_dim", None) or hidden // heads)
+    return layers, kv, head_dim
+
+
+class _Base(nn.Module):
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+        self.layers = model_dims(model)[0]
+
+    def _hidden(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        base = self.model.base_model
+        out = base(input_ids=input_ids, position_ids=position_ids, use_cache=False)
+        return out.last_hidden_state
+
+    def _kv_outputs(self, ctx: _AttnContext) -> list[torch.Tensor]:
+        outs: list[torch.Tensor] = []
+        for i in range(self.layers):
+            k, v = ctx.new_kv[i]
+            outs += [k, v]
+        return outs
+
+
+class PrefillModule(_Base):
+    """``(input_ids[1, T], last[1]) -> (logits[1, V], k/v rows [1, Hkv, T, D] per layer)``."""
+
+    def forward(self, input_ids: torch.Tensor, last: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        t = input_ids.shape[1]
+        dtype = self.model.get_input_embeddings().weight.dtype
+        ctx = _AttnContext(new_mask=_causal(t, dtype))
+        with _Switch(self.model, ctx):
+            pos = torch.arange(t, dtype=torch.long).unsqueeze(0)
+            hidden = self._hidden(input_ids, pos)
+            row = hidden.index_select(1, last)
+            logits = self.model.get_output_embeddings()(row)[:, 0, :]
+            return (logits, *self._kv_outputs(ctx))
+
+
+class DecodeModule(_Base):
+    """``(input_ids[1, 1], pos[1, 1], k_cache_0, v_cache_0, ...) -> (logits[1, V], k/v rows [1, Hkv, 1, D])``."""
+
+    def forward(self, input_ids: torch.Tensor, pos: torch.Tensor, *cache: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        dtype = cache[0].dtype
+        s = cache[0].shape[2]
+        valid = torch.arange(s, dtype=torch.long).unsqueeze(0) < pos  # [1, S]
+        cache_mask = torch.zeros((1, s), dtype=dtype).masked_fill(~valid, float("-inf"))
+        pairs = [(cache[2 * i], cache[2 * i + 1]) for i in range(self.layers)]
+        ctx = _AttnContext(new_mask=torch.zeros((1, 1), dtype=dtype), cache=pairs, cache_mask=cache_mask)
+        with _Switch(self.model, ctx):
+            hidden = self._hidden(input_ids, pos)
+            logits = self.model.get_output_embeddings()(hidden)[:, 0, :]
+            return (logits, *self._kv_outputs(ctx))

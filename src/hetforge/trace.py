@@ -1,0 +1,83 @@
+"""Chrome-trace (Trace Event Format) writer: open the file in Perfetto (ui.perfetto.dev) or chrome://tracing.
+
+Measured and modeled timelines are kept in separate *processes* so they never share a lane: process 1 is
+"measured (this host)", process 2 "modeled (<soc> cost model)". Each device gets one lane (thread) in each;
+transfers get their own lane, device switches are instant events on a "switches" lane. Every event carries
+``args.figure = "measured" | "modeled"``. Times are in microseconds, as the format requires.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+MEASURED, MODELED = "measured", "modeled"
+
+
+@dataclass
+class Trace:
+    """Collects trace events; :meth:`write` saves them atomically."""
+
+    title: str = "hetforge"
+    processes: dict[str, int] = field(default_factory=dict)
+    lanes: dict[tuple[str, str], int] = field(default_factory=dict)
+    events: list[dict[str, Any]] = field(default_factory=list)
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    def _pid(self, process: str) -> int:
+        if process not in self.processes:
+            pid = len(self.processes) + 1
+            self.processes[process] = pid
+            self.events.append({"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": {"name": process}})
+            self.events.append({"ph": "M", "name": "process_sort_index", "pid": pid, "tid": 0,
+                                "args": {"sort_index": pid}})
+        return self.processes[process]
+
+    def lane(self, process: str, lane: str) -> tuple[int, int]:
+        """(pid, tid) of a lane, created (with its name) on first use."""
+        pid = self._pid(process)
+        key = (process, lane)
+        if key not in self.lanes:
+            tid = sum(1 for p, _ in self.lanes if p == process) + 1
+            self.lanes[key] = tid
+            self.events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": lane}})
+            self.events.append({"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": tid,
+                                "args": {"sort_index": tid}})
+        return pid, self.lanes[key]
+
+    def span(self, process: str, lane: str, name: str, start_s: float, dur_s: float, figure: str,
+             cat: str = "call", **args: Any) -> None:
+        """A complete event ("X") of ``dur_s`` seconds starting ``start_s`` seconds after the trace origin."""
+        pid, tid = self.lane(process, lane)
+        self.events.append({"ph": "X", "name": name, "cat": cat, "pid": pid, "tid": tid,
+                            "ts": round(start_s * 1e6, 3), "dur": round(max(dur_s, 0.0) * 1e6, 3),
+                            "args": {"figure": figure, **args}})
+
+    def instant(self, process: str, lane: str, name: str, at_s: float, figure: str, cat: str = "switch",
+                **args: Any) -> None:
+        pid, tid = self.lane(process, lane)
+        self.events.append({"ph": "i", "s": "t", "name": name, "cat": cat, "pid": pid, "tid": tid,
+                            "ts": round(at_s * 1e6, 3), "args": {"figure": figure, **args}})
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"traceEvents": self.events, "displayTimeUnit": "ms",
+                "otherData": {"title": self.title, **self.metadata}}
+
+    def write(self, path: str | Path) -> Path:
+        """Write the trace JSON to ``path`` atomically (never a half-written file)."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=str(path.parent))
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(self.to_dict(), f)
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+        return path

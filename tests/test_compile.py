@@ -1,0 +1,66 @@
+import json
+
+import torch
+from typer.testing import CliRunner
+
+from hetforge.cli.common import app
+from hetforge.cli.main import _load_commands
+from hetforge.ir import load_program
+from hetforge.models.zoo import load_model
+
+_load_commands()
+runner = CliRunner()
+
+
+def test_cli_compile_json_fields(tmp_path):
+    out = tmp_path / "prog.json"
+    r = runner.invoke(app, ["compile", "llama-tiny", "--soc", "test-npu-gaps", "--seq", "8", "--out", str(out),
+                            "--json"])
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.stdout)
+    assert set(d["instructions_by_device"]) == {"cpu", "npu"}
+    assert sum(d["instructions_by_device"].values()) == d["instructions"]
+    assert d["transfers"] > 0
+    assert d["switches"]["scheduled"] <= d["switches"]["naive"]
+    m = d["memory"]
+    assert m["lower_bound_bytes"] <= m["planned_bytes"] <= m["naive_bytes"]
+    assert set(m["per_device"]) == {"cpu", "npu"}
+    assert m["planned_bytes"] == sum(v["planned_bytes"] for v in m["per_device"].values())
+    assert set(d["seconds"]) == {"capture", "passes", "place", "lower", "schedule", "memory", "total"}
+    prog = load_program(out, load_model("llama-tiny").logits_module())
+    assert len(prog.instrs) == d["instructions"]
+
+
+def test_cli_run_graph_matches_eager():
+    r = runner.invoke(app, ["run-graph", "gpt2-tiny", "--seq", "8", "--json", "--profile", "3"])
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.stdout)
+    assert d["fidelity"]["kl_max"] < 1e-8 and d["fidelity"]["passed"]
+    assert len(d["profile"]["by_op"]) == 3 and d["labels"]["fidelity"] == "measured"
+
+
+def test_cli_bad_inputs(tmp_path):
+    r = runner.invoke(app, ["compile", "gpt2-tiny", "--strategy", "nope"])
+    assert r.exit_code == 2 and "valid strategies" in r.output
+    r = runner.invoke(app, ["compile", "gpt2-tiny", "--soc", "nope"])
+    assert r.exit_code == 2 and "unknown SoC" in r.output
+    r = runner.invoke(app, ["compile", "gpt2-tiny", "--out", str(tmp_path / "no" / "p.json")])
+    assert r.exit_code == 2 and not (tmp_path / "no").exists()
+    r = runner.invoke(app, ["run-graph", "gpt2-tiny", "--mode", "turbo"])
+    assert r.exit_code == 2 and "arena" in r.output
+    r = runner.invoke(app, ["compile", "gpt2-tiny", "--seq", "0"])
+    assert r.exit_code == 2
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_compile_model_api_reports_every_stage():
+    from hetforge.compile import compile_model
+
+    res = compile_model("bert-tiny", seq=8, soc="test-npu-gaps")
+    rep = res.report()
+    for k in ("capture", "passes", "place", "lower", "schedule", "memory", "build", "total"):
+        assert res.seconds[k] >= 0
+    assert rep["executor"]["mode"] == "arena"
+    with torch.no_grad():
+        ref = res.extra["module"](*res.example_inputs)
+    torch.testing.assert_close(res.executable(*res.example_inputs), ref, rtol=1e-4, atol=1e-4)

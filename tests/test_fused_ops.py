@@ -1,0 +1,130 @@
+"""The hetforge:: fused ops: real custom ops, equal to the unfused chains, with working fake kernels and costs."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import hetforge.ops  # noqa: F401  (registers the fused ops)
+from hetforge.ops import lookup, op_call_from_node
+from hetforge.ops.fused import ACTIVATIONS, apply_act
+
+ops = torch.ops.hetforge
+
+
+def _ref_attention(q, k, v, mask=None, scale=1.0, causal=False):
+    n = q.shape[-3] // k.shape[-3]
+    k, v = k.repeat_interleave(n, -3), v.repeat_interleave(n, -3)
+    s = (q @ k.transpose(-1, -2)) * scale
+    if causal:
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool).triu(1), float("-inf"))
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask
+    return s.softmax(-1) @ v
+
+
+@pytest.mark.parametrize("hkv", [4, 2, 1])
+@pytest.mark.parametrize("mask_kind", ["none", "float", "bool", "causal"])
+def test_attention_matches_unfused_chain(hkv, mask_kind):
+    g = torch.Generator().manual_seed(hkv)
+    q = torch.randn(2, 4, 7, 8, generator=g)
+    k, v = torch.randn(2, hkv, 7, 8, generator=g), torch.randn(2, hkv, 7, 8, generator=g)
+    mask = None
+    if mask_kind == "float":
+        mask = torch.randn(2, 1, 7, 7, generator=g)
+    elif mask_kind == "bool":
+        mask = torch.rand(1, 1, 7, 7, generator=g) > 0.3
+        mask[..., 0] = True  # no fully-masked rows
+    got = ops.attention(q, k, v, mask, 0.3, mask_kind == "causal")
+    want = _ref_attention(q, k, v, mask, 0.3, mask_kind == "causal")
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("act", ACTIVATIONS)
+@pytest.mark.parametrize("weight_t", [False, True])
+def test_linear_act_matches_linear_then_act(act, weight_t):
+    x, w, b = torch.randn(3, 5, 8), torch.randn(6, 8), torch.randn(6)
+    want = apply_act(F.linear(x, w, b), act)
+    wt = w.t().contiguous() if weight_t else w
+    torch.testing.assert_close(ops.linear_act(x, wt, b, act, weight_t), want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ops.linear_act(x, wt, None, act, weight_t), apply_act(F.linear(x, w), act),
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_gpt2_tanh_gelu_chain_equals_gelu_tanh():
+    x = torch.randn(1000) * 4
+    chain = 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
+    torch.testing.assert_close(apply_act(x, "gelu_tanh"), chain, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("down", [False, True])
+def test_gated_mlp_is_swiglu(down):
+    x, wg, wu, wd = torch.randn(2, 3, 8), torch.randn(16, 8), torch.randn(16, 8), torch.randn(8, 16)
+    h = F.silu(x @ wg.t()) * (x @ wu.t())
+    want = h @ wd.t() if down else h
+    torch.testing.assert_close(ops.gated_mlp(x, wg, wu, wd if down else None), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_rms_norm_matches_hugging_face(dtype):
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    norm = LlamaRMSNorm(16, eps=1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(16))
+    norm = norm.to(dtype)
+    x = torch.randn(2, 5, 16).to(dtype)
+    got = ops.rms_norm(x, norm.weight, 1e-5)
+    want = norm(x)
+    assert got.dtype == want.dtype
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+def test_layer_norm_matches_functional():
+    x, w, b = torch.randn(2, 5, 16), torch.randn(16), torch.randn(16)
+    torch.testing.assert_close(ops.layer_norm(x, [16], w, b, 1e-5), F.layer_norm(x, [16], w, b, 1e-5))
+
+
+@pytest.mark.parametrize("op, args", [
+    ("attention", lambda: (torch.randn(1, 4, 6, 8), torch.randn(1, 2, 6, 8), torch.randn(1, 2, 6, 8), None, 0.3, True)),
+    ("linear_act", lambda: (torch.randn(3, 4), torch.randn(4, 5), torch.randn(5), "silu", True)),
+    ("gated_mlp", lambda: (torch.randn(3, 4), torch.randn(6, 4), torch.randn(6, 4), torch.randn(4, 6))),
+    ("rms_norm", lambda: (torch.randn(3, 4, dtype=torch.bfloat16), torch.randn(4), 1e-6)),
+    ("layer_norm", lambda: (torch.randn(3, 4), [4], torch.randn(4), None, 1e-5)),
+])
+def test_custom_op_schema_and_fake_kernel(op, args):
+    """torch.library's own checker: schema matches behaviour, the fake kernel matches the real one."""
+    torch.library.opcheck(getattr(ops, op).default, args(), test_utils=("test_schema", "test_faketensor"))
+
+
+def test_fused_ops_export_and_carry_costs():
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(32, 16))
+
+        def forward(self, x):
+            h = ops.linear_act(x, self.w, None, "gelu", False)
+            q = h.view(1, 4, -1, 8)
+            return ops.attention(q, q, q, None, 0.35, True)
+
+    ep = torch.export.export(M(), (torch.randn(1, 6, 16),))
+    nodes = {n.target: n for n in ep.graph.nodes if n.op == "call_function"}
+    la, at = nodes[ops.linear_act.default], nodes[ops.attention.default]
+    assert tuple(at.meta["val"].shape) == (1, 4, 6, 8)
+    info = lookup(ops.linear_act.default)
+    assert info is not None and info.devices == frozenset({"cpu", "gpu", "npu"})
+    # 2·M·N·K + gelu 8·M·N, M = 6, N = 32, K = 16
+    assert info.flops(op_call_from_node(la)) == 2 * 6 * 32 * 16 + 8 * 6 * 32
+    # attention: B·H·S·L·(2D + 2Dv + 5)
+    assert lookup(ops.attention.default).flops(op_call_from_node(at)) == 4 * 6 * 6 * (16 + 16 + 5)
+
+
+def test_fake_kernels_propagate_gqa_and_dtypes():
+    with FakeTensorMode():
+        out = ops.attention(torch.empty(2, 8, 5, 16), torch.empty(2, 2, 9, 16), torch.empty(2, 2, 9, 4))
+        assert tuple(out.shape) == (2, 8, 5, 4)
+        y = ops.rms_norm(torch.empty(3, 8, dtype=torch.float16), torch.empty(8), 1e-6)
+        assert y.dtype == torch.float32  # weight (fp32) * normed (fp16) promotes, as in Hugging Face

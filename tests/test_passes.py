@@ -1,0 +1,379 @@
+"""The middle-end passes on the tiny zoo models and on small hand-written modules."""
+
+import functools
+import json
+
+import pytest
+import torch
+from torch import nn
+from typer.testing import CliRunner
+
+from hetforge.cli.common import app
+from hetforge.cli.main import _load_commands
+from hetforge.errors import UsageError
+from hetforge.frontend import capture, op_counts
+from hetforge.models.zoo import example_inputs, load_model
+from hetforge.passes import PASS_NAMES, cleanup, constant_fold, cse, optimize
+from hetforge.verify import compare_logits, verify
+
+_load_commands()
+runner = CliRunner()
+
+MODELS = ["gpt2-tiny", "llama-tiny", "qwen2-tiny", "mixtral-tiny"]
+UNFUSED_ACTS = ("aten.relu.default", "aten.gelu.default", "aten.silu.default", "aten.tanh.default")
+
+
+@functools.cache
+def _captured(name: str, attn: str):
+    loaded = load_model(name, attn=attn)
+    inputs = example_inputs(loaded, seq=10)
+    return loaded, inputs, capture(loaded.logits_module(), inputs, name=name)
+
+
+@functools.cache
+def _optimized(name: str, attn: str):
+    loaded, inputs, cg = _captured(name, attn)
+    return optimize(cg.gm, inputs)
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("name", MODELS)
+def test_zoo_models_fuse_fully_and_keep_logits(name, attn):
+    loaded, inputs, cg = _captured(name, attn)
+    code_before, nodes_before = cg.gm.code, len(cg.gm.graph.nodes)
+    res = _optimized(name, attn)
+    layers = loaded.config.num_hidden_layers
+    fused = res.fused
+    assert fused["attention"] == layers
+    counts = op_counts(res.gm)
+    assert counts["aten.softmax.int"] == (layers if name == "mixtral-tiny" else 0)  # mixtral: router softmax
+    assert counts["aten.scaled_dot_product_attention.default"] == 0
+    if name == "gpt2-tiny":
+        assert fused["layer_norm"] == 2 * layers + 1 and fused["linear_act"] == layers
+    else:
+        assert fused["rms_norm"] == 2 * layers + 1
+        assert counts["aten.rsqrt.default"] == 0
+    if name in ("llama-tiny", "qwen2-tiny"):
+        assert fused["gated_mlp"] == layers
+    if name == "mixtral-tiny":
+        # expert MLPs run as bmm on gathered weights: their SiLU is reported, not fused
+        misses = [m for p in res.passes for m in p.near_misses if p.name == "op_fusion"]
+        assert len(misses) == layers and all("chunk" in m.reason for m in misses)
+        assert counts["aten.silu.default"] == layers
+    else:
+        assert not any(counts[a] for a in UNFUSED_ACTS), counts
+    rep = verify(loaded.logits_module(), res.gm, inputs, kl_threshold=1e-8)
+    assert rep.passed and rep.top1_agree == 1.0, rep
+    # the input graph is untouched, and every node the passes made carries a fake value
+    assert cg.gm.code == code_before and len(cg.gm.graph.nodes) == nodes_before
+    for n in res.gm.graph.nodes:
+        if n.op in ("call_function", "get_attr") and n.target != torch.ops.aten._assert_scalar.default:
+            assert "val" in n.meta, n
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("name", MODELS)
+def test_pipeline_is_idempotent(name, attn):
+    first = _optimized(name, attn)
+    again = optimize(first.gm)
+    assert all(not p.rewrites for p in again.passes), [(p.name, p.rewrites[:2]) for p in again.passes]
+    assert again.nodes_after == first.nodes_after
+    assert op_counts(again.gm) == op_counts(first.gm)
+
+
+def test_bert_layer_norms_and_attention_fuse():
+    loaded = load_model("bert-tiny", attn="eager")
+    inputs = example_inputs(loaded, seq=8)
+    res = optimize(capture(loaded.logits_module(), inputs).gm, inputs)
+    assert res.fused["attention"] == 2 and res.fused["layer_norm"] == 6 and res.fused["linear_act"] >= 2
+    assert verify(loaded.logits_module(), res.gm, inputs, kl_threshold=1e-8).passed
+
+
+def test_dynamic_sequence_graph_fuses_and_runs_other_lengths():
+    loaded = load_model("llama-tiny", attn="eager")
+    cg = capture(loaded.logits_module(), example_inputs(loaded, seq=8),
+                 dynamic_dims={0: {1: ("seq", 2, 64)}, 1: {1: ("seq", 2, 64)}})
+    res = optimize(cg.gm)
+    assert res.fused["attention"] == 2 and res.fused["gated_mlp"] == 2 and res.fused["rms_norm"] == 5
+    assert verify(loaded.logits_module(), res.gm, example_inputs(loaded, seq=19), kl_threshold=1e-8).passed
+
+
+def test_verify_each_and_dump_dir(tmp_path):
+    loaded, inputs, cg = _captured("llama-tiny", "eager")
+    res = optimize(cg.gm, inputs, verify_each=True, dump_dir=tmp_path / "g")
+    files = sorted(p.name for p in (tmp_path / "g").iterdir())
+    assert files == ["00_input.txt"] + [f"{i + 1:02d}_{n}.txt" for i, n in enumerate(PASS_NAMES)]
+    assert "hetforge.attention.default" in (tmp_path / "g" / "04_attention.txt").read_text()
+    for p in res.passes:
+        assert p.fidelity is not None and p.fidelity["passed"], (p.name, p.fidelity)
+        assert p.seconds > 0
+
+
+def test_pass_subset_and_bad_names():
+    loaded, inputs, cg = _captured("gpt2-tiny", "sdpa")
+    res = optimize(cg.gm, passes="cleanup,attention")
+    assert [p.name for p in res.passes] == ["cleanup", "attention"] and res.fused["attention"] == 2
+    assert res.fused["layer_norm"] == 0
+    with pytest.raises(UsageError, match="valid passes: cleanup, constant_fold"):
+        optimize(cg.gm, passes=["cleanup", "fuse_everything"])
+    with pytest.raises(UsageError):
+        optimize(cg.gm, verify_each=True)  # needs inputs
+    with pytest.raises(UsageError, match="not a folder"):
+        optimize(cg.gm, dump_dir=__file__)
+
+
+# ---------------------------------------------------------------- hand-written modules
+
+
+class _Attn(nn.Module):
+    """Eager attention with knobs for the near-miss cases."""
+
+    def __init__(self, softmax_dim=-1, tensor_scale=False, mask="add", div=False, gqa=1, swap=False, upcast=False):
+        super().__init__()
+        self.softmax_dim, self.mask, self.div, self.gqa, self.swap = softmax_dim, mask, div, gqa, swap
+        self.upcast = upcast
+        self.scale = nn.Parameter(torch.rand(1, 4, 1, 1) + 0.5) if tensor_scale else None
+        self.proj = nn.Linear(16, 16 + 2 * 16 // gqa)
+
+    def forward(self, x, m):
+        b, s, _ = x.shape
+        q, k, v = self.proj(x).split([16, 16 // self.gqa, 16 // self.gqa], -1)
+        q = q.view(b, s, 4, 4).transpose(1, 2)
+        k = k.view(b, s, 4 // self.gqa, 4).transpose(1, 2)
+        v = v.view(b, s, 4 // self.gqa, 4).transpose(1, 2)
+        if self.gqa > 1:  # Hugging Face repeat_kv
+            k = k[:, :, None].expand(b, 4 // self.gqa, self.gqa, s, 4).reshape(b, 4, s, 4)
+            v = v[:, :, None].expand(b, 4 // self.gqa, self.gqa, s, 4).reshape(b, 4, s, 4)
+        w = q @ k.transpose(-1, -2)
+        if self.scale is not None:
+            w = self.scale * w if self.swap else w * self.scale
+        else:
+            w = w / 2.0 if self.div else (0.5 * w if self.swap else w * 0.5)
+        if self.mask == "add":
+            w = m + w if self.swap else w + m
+        elif self.mask == "where":
+            w = torch.where(m > -1.0, w, torch.finfo(w.dtype).min)
+        if self.upcast:  # Hugging Face eager in half precision
+            return torch.softmax(w, dim=self.softmax_dim, dtype=torch.float32).to(w.dtype) @ v
+        return torch.softmax(w, dim=self.softmax_dim) @ v
+
+
+def _run(module, inputs):
+    module = module.eval()
+    cg = capture(module, inputs)
+    res = optimize(cg.gm, inputs)
+    with torch.no_grad():
+        want = module(*inputs)
+        got = res.gm(*inputs)
+    return res, want, got
+
+
+def _inputs():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 6, 16, generator=g)
+    m = torch.zeros(1, 1, 6, 6).masked_fill(torch.ones(6, 6, dtype=torch.bool).triu(1), -1e9)
+    return x, m
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(div=True), dict(mask="where"), dict(mask="none"), dict(gqa=2),
+                                dict(swap=True)])
+def test_attention_variants_fuse(kw):
+    torch.manual_seed(0)
+    res, want, got = _run(_Attn(**kw), _inputs())
+    assert res.fused["attention"] == 1
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    rw = next(p for p in res.passes if p.name == "attention").rewrites[0]
+    assert ("gqa=4/2" in rw.detail) == (kw.get("gqa") == 2)
+    assert "scale=0.5" in rw.detail and ("mask=no" in rw.detail) == (kw.get("mask") == "none")
+
+
+@pytest.mark.parametrize("kw, reason", [
+    (dict(softmax_dim=-2), "softmax over dim -2"),
+    (dict(tensor_scale=True), "not a scalar constant"),
+    (dict(tensor_scale=True, swap=True), "not a scalar constant"),
+])
+def test_attention_near_misses_are_left_alone(kw, reason):
+    torch.manual_seed(0)
+    res, want, got = _run(_Attn(**kw), _inputs())
+    assert res.fused["attention"] == 0
+    misses = next(p for p in res.passes if p.name == "attention").near_misses
+    assert len(misses) == 1 and reason in misses[0].reason, misses
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+
+
+def test_bfloat16_attention_with_float32_softmax_fuses():
+    torch.manual_seed(0)
+    x, m = _inputs()
+    res, want, got = _run(_Attn(upcast=True).to(torch.bfloat16), (x.bfloat16(), m.bfloat16()))
+    assert res.fused["attention"] == 1
+    torch.testing.assert_close(got, want, atol=3e-2, rtol=3e-2)  # bf16 rounding of a different op order
+
+
+def test_linear_act_near_miss_when_preactivation_is_reused():
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+        def forward(self, x):
+            h = self.a(x)
+            y = torch.relu(self.b(x))  # fusable
+            return torch.nn.functional.gelu(h) + h + y  # h is used twice: not fusable
+
+    res, want, got = _run(M(), (torch.randn(3, 8),))
+    assert res.fused["linear_act"] == 1
+    misses = next(p for p in res.passes if p.name == "op_fusion").near_misses
+    assert len(misses) == 1 and "also used outside" in misses[0].reason
+    torch.testing.assert_close(got, want)
+
+
+def test_rms_norm_in_bfloat16_keeps_hugging_face_casts():
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm = LlamaRMSNorm(16)
+            self.lin = nn.Linear(16, 16)
+
+        def forward(self, x):
+            return self.lin(self.norm(x))
+
+    torch.manual_seed(0)
+    m = M().to(torch.bfloat16)
+    with torch.no_grad():
+        m.norm.weight.uniform_(0.5, 1.5)
+    res, want, got = _run(m, (torch.randn(2, 5, 16, dtype=torch.bfloat16),))
+    assert res.fused["rms_norm"] == 1
+    assert torch.equal(got, want)
+
+
+def test_rms_norm_over_wrong_dim_is_a_near_miss():
+    class M(nn.Module):
+        def forward(self, x):
+            return x * torch.rsqrt(x.pow(2).mean(1, keepdim=True) + 1e-6)
+
+    res, want, got = _run(M(), (torch.randn(2, 5, 16),))
+    assert res.fused["rms_norm"] == 0
+    misses = next(p for p in res.passes if p.name == "norm_fusion").near_misses
+    assert len(misses) == 1 and "mean over dims" in misses[0].reason
+    torch.testing.assert_close(got, want)
+
+
+def test_cse_and_folding_limit():
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(16, 16))
+
+        def forward(self, x):
+            a = torch.sin(x) * 2
+            b = torch.sin(x) * 2  # same expression
+            return a + b + x @ self.w.t().exp()  # the transpose+exp of the weight is constant
+
+    m = M().eval()
+    x = (torch.randn(4, 16),)
+    gm = capture(m, x).gm
+    c = cse(gm)
+    assert len(c.rewrites) == 2 and op_counts(c.gm)["aten.sin.default"] == 1
+    folded = constant_fold(gm)
+    assert [r.kind for r in folded.rewrites] == ["fold"] and op_counts(folded.gm)["aten.exp.default"] == 0
+    limited = constant_fold(gm, max_bytes=100)
+    assert not limited.rewrites and "folding limit" in limited.near_misses[0].reason
+    with torch.no_grad():
+        torch.testing.assert_close(folded.gm(*x), m(*x))
+        torch.testing.assert_close(c.gm(*x), m(*x))
+
+
+@torch.library.custom_op("hftest::mystery", mutates_args=())
+def _mystery(x: torch.Tensor) -> torch.Tensor:
+    return x * 3 + 1
+
+
+@_mystery.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+def test_unknown_ops_pass_through_and_are_reported():
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return torch.relu(self.lin(torch.ops.hftest.mystery(x)))
+
+    res, want, got = _run(M(), (torch.randn(2, 8),))
+    assert res.unknown_ops == {"hftest.mystery.default": 1} and res.fused["linear_act"] == 1
+    torch.testing.assert_close(got, want)
+
+
+def test_constants_written_in_place_are_not_folded():
+    class M(nn.Module):
+        def forward(self, x):
+            c = torch.arange(4.0)
+            c.add_(x.sum())  # a folded buffer would keep this write for the next call
+            return x + c
+
+    m = M()
+    x = torch.randn(3, 4)
+    res = optimize(capture(m, (x,)).gm, (x,))
+    fold = next(p for p in res.passes if p.name == "constant_fold")
+    assert not fold.rewrites and "in-place" in fold.near_misses[0].reason
+    for _ in range(2):
+        torch.testing.assert_close(res.gm(x), m(x))
+
+
+def test_cleanup_keeps_training_dropout_and_removes_eval_dropout():
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    a = g.call_function(torch.ops.aten.dropout.default, (x, 0.1, False))
+    b = g.call_function(torch.ops.aten.dropout.default, (a, 0.1, True))
+    g.output(b)
+    gm = torch.fx.GraphModule(nn.Module(), g)
+    res = cleanup(gm)
+    targets = [n.args for n in res.gm.graph.nodes if n.op == "call_function"]
+    assert len(targets) == 1 and targets[0][2] is True
+    assert len(res.rewrites) == 1 and "training mode" in res.near_misses[0].reason
+    assert len(gm.graph.nodes) == 4  # input untouched
+
+
+# ---------------------------------------------------------------- CLI
+
+
+def test_cli_optimize_json():
+    r = runner.invoke(app, ["optimize", "llama-tiny", "--seq", "8", "--attn", "eager", "--json"])
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.stdout)
+    assert [p["name"] for p in d["passes"]] == list(PASS_NAMES)
+    assert set(d["passes"][0]) >= {"name", "nodes_before", "nodes_after", "rewrites", "near_misses", "seconds"}
+    assert d["fused"] == {"attention": 2, "linear_act": 0, "gated_mlp": 2, "rms_norm": 5, "layer_norm": 0}
+    assert d["kl_mean"] < 1e-8 and d["max_abs_err"] < 1e-4
+
+
+def test_cli_table_and_bad_pass_name():
+    r = runner.invoke(app, ["optimize", "gpt2-tiny", "--seq", "8", "--passes", "cleanup,attention", "--verify-each"])
+    assert r.exit_code == 0, r.output
+    assert "attention" in r.output and "PASS" in r.output and "measured" in r.output
+    r = runner.invoke(app, ["optimize", "gpt2-tiny", "--passes", "cleanup,fusion"])
+    assert r.exit_code == 2
+    assert "unknown pass 'fusion'" in r.output and "norm_fusion" in r.output
+
+
+def test_compare_logits_sees_a_wrong_rewrite():
+    """The fidelity check used above can fail: a rewrite that changes the scale is caught."""
+    loaded, inputs, cg = _captured("llama-tiny", "sdpa")
+    res = _optimized("llama-tiny", "sdpa")
+    gm = res.gm
+    node = next(n for n in gm.graph.nodes if n.target == torch.ops.hetforge.attention.default)
+    old = node.args
+    node.args = (*old[:4], old[4] * 1.5, old[5])
+    gm.recompile()
+    try:
+        with torch.no_grad():
+            rep = compare_logits(loaded.logits_module()(*inputs), gm(*inputs), kl_threshold=1e-8)
+        assert not rep.passed
+    finally:
+        node.args = old
+        gm.recompile()

@@ -1,0 +1,189 @@
+"""The peer benchmark harness on tiny models: real runs, failure rows, interleaving, report files."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from hetforge.benchmarks import harness, systems
+from hetforge.benchmarks.harness import Row, Stat, SuiteConfig, compare, run_suite
+from hetforge.benchmarks.report import NOTES_BEGIN, NOTES_END, write_report
+from hetforge.benchmarks.systems import SYSTEMS, Prepared, System
+from hetforge.benchmarks.worker import WorkerSpec, first_line, run_worker
+from hetforge.cli.common import app
+from hetforge.cli.main import _load_commands
+
+_load_commands()
+MODEL = "gpt2-tiny"
+
+
+def _cfg(tmp_path, **kw) -> SuiteConfig:
+    base = dict(models=[MODEL], systems=["eager", "export", "hetforge"], repeats=1, quick=True, seq=16,
+                isolate=False, warm=False, workdir=str(tmp_path / "work"))
+    base.update(kw)
+    return SuiteConfig(**base)
+
+
+@pytest.fixture(scope="module")
+def suite(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("suite")
+    return run_suite(_cfg(tmp, repeats=2), command="pytest")
+
+
+def _row(res, system: str) -> Row:
+    return next(r for r in res.rows if r.system == system)
+
+
+def test_real_rows_have_measured_figures(suite):
+    for key in ("eager", "export", "hetforge"):
+        r = _row(suite, key)
+        assert r.status == "ok" and r.runs_ok == 2, (key, r.error)
+        assert r.prefill_ms.median > 0 and r.step_ms.median > 0
+        assert r.prefill_ms.min <= r.prefill_ms.median <= r.prefill_ms.max
+        assert r.kl_max is not None and r.kl_max <= 1e-9 and r.top1_agree == 1.0
+    assert "export" in _row(suite, "export").stages
+    assert "capture" in _row(suite, "hetforge").stages and _row(suite, "hetforge").prep_s.median > 0
+    eager = _row(suite, "eager")
+    assert eager.decode_ms_per_token.median > 0 and eager.ttft_ms.median > 0
+    cmp = next(c for c in suite.comparisons if c["model"] == MODEL)
+    assert set(cmp["ratios"]) == {"eager", "export"}
+    assert cmp["targets"]["kl_le_1e-8"]["met"]
+
+
+def test_repeats_interleave_and_eager_runs_first(suite):
+    order = [(r["system"], r["mode"]) for r in suite.runs]
+    assert order[0] == ("eager", "cold")
+    first, second = [s for s, _ in order[:3]], [s for s, _ in order[3:]]
+    assert sorted(first) == sorted(second) and first != second  # rotated, not repeated in the same order
+
+
+def test_report_files_and_notes_survive_rewrite(suite, tmp_path):
+    paths = write_report(suite, tmp_path)
+    md = paths["markdown"].read_text()
+    assert f"## {MODEL}" in md and "measured" in md and "| system | status | cold prep s" in md
+    assert "command: `pytest`" in md and "logical CPUs" in md
+    assert 0 < paths["chart"].stat().st_size < 200_000
+    assert json.loads(paths["json"].read_text())["rows"][0]["model"] == MODEL
+    paths["markdown"].write_text(md.replace("_(no hand-written analysis yet)_", "hetforge loses here because X"))
+    write_report(suite, tmp_path)
+    md2 = paths["markdown"].read_text()
+    assert "hetforge loses here because X" in md2 and md2.index(NOTES_BEGIN) < md2.index("because X")
+    assert md2.index("because X") < md2.index(NOTES_END)
+
+
+def _fake(monkeypatch, system: System) -> None:
+    monkeypatch.setitem(SYSTEMS, system.key, system)
+
+
+def _boom(ctx) -> Prepared:
+    raise RuntimeError("exporter exploded\nsecond line of the trace")
+
+
+def test_missing_and_failing_peers_become_rows(monkeypatch, tmp_path):
+    _fake(monkeypatch, System("absent", "Absent peer", _boom, requires=("no_such_module_hetforge_test",)))
+    _fake(monkeypatch, System("broken", "Broken peer", _boom))
+    res = run_suite(_cfg(tmp_path, systems=["eager", "absent", "broken"], repeats=2))
+    absent, broken = _row(res, "absent"), _row(res, "broken")
+    assert absent.status == "not installed" and "no_such_module_hetforge_test" in absent.error
+    assert broken.status == "failed" and broken.error == "RuntimeError: exporter exploded"
+    assert broken.runs == 1  # a failed peer is not retried in later repeats
+    assert _row(res, "eager").runs_ok == 2
+    md = write_report(res, tmp_path / "out")["markdown"].read_text()
+    assert "not installed" in md and "RuntimeError: exporter exploded" in md
+
+
+def test_unknown_system_is_usage_error(tmp_path):
+    from hetforge.errors import UsageError
+
+    with pytest.raises(UsageError, match="unknown system"):
+        run_suite(_cfg(tmp_path, systems=["eager", "tvm"]))
+
+
+def test_isolated_worker_reports_its_own_rss(tmp_path):
+    res = run_suite(_cfg(tmp_path, systems=["eager"], isolate=True, timeout_s=300))
+    r = _row(res, "eager")
+    assert r.status == "ok", r.error
+    assert r.rss_peak_mb.median >= r.rss_model_mb.median > 50
+    assert not any("in-process" in n for n in r.notes)
+
+
+def test_worker_timeout_becomes_row(tmp_path):
+    spec = _cfg(tmp_path).worker_spec("eager", MODEL, "cold", tmp_path, tmp_path, tmp_path / "ref.pt")
+    res = harness._run_isolated(spec, timeout_s=0.5, env_extra={})
+    assert res.status == "timeout" and "timed out" in res.error
+
+
+def test_first_line():
+    assert first_line(ValueError("a\nb")) == "ValueError: a"
+    assert first_line(KeyError()) == "KeyError"
+    assert first_line("\n  x  \ny") == "x"
+
+
+def _stat(x: float) -> Stat:
+    return Stat(x, x, x, 1)
+
+
+def test_compare_computes_ratios_and_targets():
+    mk = lambda s, prep, pre, step, prec="f32": Row(MODEL, s, s, "ok", runs_ok=1, runs=1, precision=prec,
+                                                     prep_s=_stat(prep), prefill_ms=_stat(pre), step_ms=_stat(step))
+    rows = [mk("hetforge", 1.0, 90.0, 30.0), mk("ort", 6.0, 100.0, 20.0), mk("ov-default", 4.0, 50.0, 10.0, "bf16"),
+            mk("eager", 0.0, 200.0, 25.0)]
+    rows[0].kl_max = 1e-12
+    cmp = compare(rows)[0]
+    t = cmp["targets"]
+    assert t["cold_prep_5x"]["fastest_peer"] == "ov-default" and t["cold_prep_5x"]["speedup"] == 4.0
+    assert not t["cold_prep_5x"]["met"]
+    # bf16 OpenVINO is excluded from the fp32 latency targets
+    assert t["prefill_ms_at_or_below_best_f32_peer"]["best_peer"] == "ort"
+    assert t["prefill_ms_at_or_below_best_f32_peer"]["met"]
+    assert t["step_ms_at_or_below_best_f32_peer"]["best_peer"] == "ort"
+    assert not t["step_ms_at_or_below_best_f32_peer"]["met"]
+    assert cmp["ratios"]["ort"]["prefill_ms"] == pytest.approx(0.9)
+    assert cmp["ratios"]["eager"]["prep_s"] is None  # eager prepares nothing: no ratio
+    assert t["kl_le_1e-8"]["met"]
+
+
+def test_cli_bench_peers_json(tmp_path):
+    res = CliRunner().invoke(app, ["bench", "peers", "-m", MODEL, "-s", "eager,export", "--quick", "--seq", "8",
+                                   "--in-process", "--json", "--out-dir", str(tmp_path)])
+    assert res.exit_code == 0, res.output
+    d = json.loads(res.stdout[res.stdout.index("{"):])
+    assert [r["system"] for r in d["rows"]] == ["eager", "export"]
+    assert all(r["status"] == "ok" for r in d["rows"])
+    assert (tmp_path / "peers.md").is_file() and (tmp_path / "peers.png").is_file()
+
+
+def test_cli_bad_model_is_usage_error():
+    res = CliRunner().invoke(app, ["bench", "peers", "-m", "no-such-model", "--quick", "--in-process"])
+    assert res.exit_code == 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("key", ["ort", "ov-f32"])
+def test_optional_peers_match_eager(key, tmp_path):
+    pytest.importorskip(SYSTEMS[key].requires[0])
+    spec = WorkerSpec(system=key, model=MODEL, seq=8, workdir=str(tmp_path / "w"), cache_dir=str(tmp_path / "c"),
+                      ref_path=str(tmp_path / "ref.pt"), warmup=1, prefill_iters=3, step_iters=3, decode=False)
+    res = run_worker(spec)
+    assert res.status == "ok", res.error
+    assert res.fidelity["kl_max"] <= 1e-8 and res.fidelity["top1_agree"] == 1.0
+    assert res.prep_s > 0 and len(res.stages) == 2 and len(res.prefill_ms) >= 3
+
+
+def test_systems_registry_is_complete():
+    assert {"hetforge", "eager", "export", "compile", "ort", "ov-default", "ov-f32"} <= set(SYSTEMS)
+    assert systems.missing_requirement(dataclasses.replace(SYSTEMS["eager"], requires=("no_such_mod_x",)))
+
+
+def test_time_limit_and_budget_become_rows_not_silence(tmp_path):
+    res = run_suite(_cfg(tmp_path, systems=["eager", "export"], limit_s=0.0))
+    assert [r.status for r in res.rows] == ["not run", "not run"]
+    assert "time limit" in res.rows[0].error and any("time limit" in s for s in res.skipped)
+    res = run_suite(_cfg(tmp_path, systems=["export"], repeats=2, budget_s=0.0))
+    assert _row(res, "export").runs_ok == 1  # the first repeat always runs, the second is skipped
+    assert any("repeat 2 of 2 not started" in s for s in res.skipped)
+    md = write_report(res, tmp_path / "out")["markdown"].read_text()
+    assert "repeat 2 of 2 not started" in md

@@ -1,0 +1,272 @@
+"""Weight quantization: schemes, the quantized ops, the graph pass on tiny models."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hetforge.errors import UsageError
+from hetforge.frontend import capture, op_counts, op_name
+from hetforge.models.zoo import example_inputs, load_model
+from hetforge.ops import lookup, op_call_from_node
+from hetforge.ops.quant import int8_decomposition, linear_w4, linear_w8, linear_w8a8
+from hetforge.quant import check_options, matches, quantize_graph, quantize_weight
+from hetforge.quant.schemes import dequantize_int4, dequantize_int8, pack_int4, quantize_int4, quantize_int8
+from hetforge.verify import compare_logits
+
+QOPS = {"w8": "hetforge.linear_w8.default", "w4": "hetforge.linear_w4.default", "w8a8": "hetforge.linear_w8a8.default"}
+KERNELS = {"w8": "aten::_weight_int8pack_mm", "w4": "aten::_weight_int4pack_mm_for_cpu",
+           "w8a8": "quantized::linear_dynamic"}
+
+
+@pytest.fixture(scope="module")
+def captured():
+    out = {}
+    for name in ("gpt2-tiny", "llama-tiny"):
+        loaded = load_model(name)
+        inputs = example_inputs(loaded, seq=12)
+        out[name] = (capture(loaded.logits_module(), inputs, name=name), inputs)
+    return out
+
+
+# ---------------------------------------------------------------- schemes
+
+
+def test_int8_per_channel_round_trip_bound():
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(96, 256, generator=g) * torch.logspace(-3, 1, 96)[:, None]  # rows of very different scale
+    q, s = quantize_int8(w)
+    assert q.dtype == torch.int8 and s.shape == (96,)
+    err = (w - dequantize_int8(q, s)).abs()
+    assert (err <= s[:, None] / 2 + 1e-7).all()  # rounding error ≤ half a step, per channel
+    rel = quantize_weight(w, "w8").rel_error
+    assert 1e-4 < rel < 0.01
+
+
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_int4_group_round_trip_bound(group):
+    w = torch.randn(64, 256, generator=torch.Generator().manual_seed(2))
+    q, s = quantize_int4(w, group)
+    assert int(q.min()) >= -8 and int(q.max()) <= 7 and s.shape == (64, 256 // group)
+    deq = dequantize_int4(q, s)
+    step = s.repeat_interleave(group, dim=1)
+    assert ((w - deq).abs() <= step / 2 + 1e-6).all()
+    rel = quantize_weight(w, "w4", group).rel_error
+    assert 0.02 < rel < 0.13  # ~0.09 expected for Gaussian weights at 4 bits
+    assert quantize_weight(w, "w4", 32).rel_error < quantize_weight(w, "w4", 128).rel_error  # smaller groups help
+
+
+def test_int4_rejects_group_not_dividing_k():
+    with pytest.raises(ValueError, match="does not divide"):
+        quantize_weight(torch.randn(32, 96), "w4", 64)
+
+
+# ---------------------------------------------------------------- ops vs dequantized reference
+
+
+def _ref(x, deq, b, act="none"):
+    y = F.linear(x, deq, b)
+    return F.silu(y) if act == "silu" else y
+
+
+@pytest.mark.parametrize("act", ["none", "silu"])
+def test_quant_ops_match_dequantized_reference(act):
+    g = torch.Generator().manual_seed(3)
+    w, b, x = torch.randn(48, 128, generator=g), torch.randn(48, generator=g), torch.randn(2, 5, 128, generator=g)
+    q, s = quantize_int8(w)
+    ref8 = _ref(x, dequantize_int8(q, s), b, act)
+    y8 = torch.ops.hetforge.linear_w8(x, q, s, b, act)
+    assert y8.shape == (2, 5, 48)
+    torch.testing.assert_close(y8, ref8, atol=1e-4, rtol=1e-4)
+
+    q4, s4 = quantize_int4(w, 32)
+    packed, sz = pack_int4(q4, s4)
+    assert packed.dtype == torch.uint8 and packed.numel() == w.numel() // 2
+    y4 = torch.ops.hetforge.linear_w4(x, packed, sz, 32, b, act)
+    torch.testing.assert_close(y4, _ref(x, dequantize_int4(q4, s4), b, act), atol=1e-4, rtol=1e-4)
+
+    torch.testing.assert_close(int8_decomposition(x, q, s, b, act), y8, atol=1e-4, rtol=1e-4)
+
+    ya = torch.ops.hetforge.linear_w8a8(x, q, s, b, act)  # activations quantized too: looser, but close
+    rel = float((ya - ref8).norm() / ref8.norm())
+    assert rel < 0.05, rel
+
+
+def test_quant_ops_registered_with_low_bit_attrs_and_bytes():
+    for op, wdt in (("hetforge.linear_w8.default", "int8"), ("hetforge.linear_w4.default", "int4"),
+                    ("hetforge.linear_w8a8.default", "int8")):
+        info = lookup(op)
+        assert info is not None and info.attrs["weight_dtype"] == wdt and info.attrs["group"] == "matmul"
+        assert {"cpu", "gpu", "npu"} <= set(info.devices)
+    assert linear_w8.reference is not None and linear_w4.reference is not None and linear_w8a8.reference is not None
+
+
+# ---------------------------------------------------------------- the pass on tiny models
+
+
+KL_BOUND = {"w8": 1e-5, "w4": 3e-3, "w8a8": 1e-4}  # random-weight tiny models, measured ~1e-6 / 3e-4 / 4e-6
+
+
+@pytest.mark.parametrize(("name", "scheme"), [("gpt2-tiny", "w8"), ("gpt2-tiny", "w4"), ("llama-tiny", "w8"),
+                                           ("llama-tiny", "w4"), ("llama-tiny", "w8a8")])
+def test_quantized_tiny_models_run_close_with_real_kernels(captured, name, scheme):
+    cg, inputs = captured[name]
+    before = {k: v.clone() for k, v in cg.gm.state_dict().items()}
+    n_nodes = len(cg.gm.graph.nodes)
+    ref = cg.gm(*inputs)
+    res = quantize_graph(cg.gm, scheme, group_size=32)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        out = res.gm(*inputs)
+    ran = {e.name for e in prof.events()}
+    assert KERNELS[scheme] in ran, sorted(n for n in ran if "mm" in n or "linear" in n)
+    assert "aten::linear" not in ran and "aten::addmm" not in ran  # no float matmul of any weight left
+    rep = compare_logits(ref, out)
+    assert rep.kl_mean < KL_BOUND[scheme], rep
+    assert 0.5 <= rep.top1_agree <= 1.0  # reported; random logits are flat so a few flips are normal
+    # input graph untouched
+    assert len(cg.gm.graph.nodes) == n_nodes
+    assert all(torch.equal(before[k], v) for k, v in cg.gm.state_dict().items())
+    # every linear became a quantized op; new nodes carry meta["val"]; cost formulas see the smaller bytes
+    counts = op_counts(res.gm)
+    assert counts[QOPS[scheme]] == len(res.report.entries) > 0
+    orig = {n.name: n for n in cg.gm.graph.nodes}
+    for n in res.gm.graph.nodes:
+        if n.op == "get_attr":
+            assert isinstance(n.meta.get("val"), torch.Tensor), n
+        if n.op == "call_function" and op_name(n) == QOPS[scheme]:
+            old = orig[n.meta["quant_of"]]
+            assert n.meta["val"].shape == old.meta["val"].shape and n.meta["val"].dtype == old.meta["val"].dtype
+            call = op_call_from_node(n)
+            assert call.args[1].dtype == (torch.uint8 if scheme == "w4" else torch.int8)
+            q_bytes = lookup(op_name(n)).nbytes(call)
+            fp_bytes = lookup(op_name(old)).nbytes(op_call_from_node(old))
+            w_fp = 4 * old.meta["val"].shape[-1] * call.args[0].shape[-1]
+            w_q = sum(a.nbytes for a in call.args[1:3])  # int8 / packed int4 weight + fp32 scales
+            extra = 2 * call.args[0].numel if scheme == "w8a8" else 0  # the int8 copy of the activations
+            assert q_bytes == fp_bytes - w_fp + w_q + extra and w_q < w_fp / 3
+    # the graph holds int8 / packed uint8 weights and no fp32 copy of a quantized weight
+    attrs = {str(n.target): n.meta["val"] for n in res.gm.graph.nodes if n.op == "get_attr"}
+    for e in res.report.quantized:
+        tied = "also read by" in e.reason
+        assert (e.target in attrs) == tied, e
+        assert e.bytes_after < e.bytes_before or tied
+    assert any(v.dtype == (torch.uint8 if scheme == "w4" else torch.int8) for v in attrs.values())
+    assert res.report.graph_bytes_after < res.report.graph_bytes_before
+
+
+def test_skip_list_and_unfit_group_size_are_listed(captured):
+    cg, inputs = captured["llama-tiny"]
+    res = quantize_graph(cg.gm, "w4", group_size=128, skip=("lm_head", "layers.0", "no_such_layer"))
+    by_path = {e.path: e for e in res.report.entries}
+    assert by_path["lm_head"].scheme == "fp32" and "skip pattern 'lm_head'" in by_path["lm_head"].reason
+    assert all(e.scheme == "fp32" for p, e in by_path.items() if ".layers.0." in f".{p}.")
+    # layer 1: down_proj has K=128 (fits), the others K=64 (group 128 does not divide 64)
+    assert by_path["model.layers.1.mlp.down_proj"].scheme == "w4"
+    q1 = by_path["model.layers.1.self_attn.q_proj"]
+    assert q1.scheme == "fp32" and "does not divide the input dimension 64" in q1.reason
+    assert res.report.unmatched_skip == ["no_such_layer"]
+    # skipped layers still run as float linears with their original weights
+    assert op_counts(res.gm)["aten.linear.default"] == len(res.report.skipped)
+    assert op_counts(res.gm)["hetforge.linear_w4.default"] == 1
+    res.gm(*inputs)
+
+
+def test_skip_pattern_matching():
+    assert matches("model.layers.1.mlp.up_proj", "layers.1")
+    assert not matches("model.layers.10.mlp.up_proj", "layers.1")
+    assert matches("transformer.h.0.attn.c_attn", "h.0.*")
+    assert matches("lm_head", "lm_head") and not matches("lm_head_2", "lm_head")
+
+
+def test_already_quantized_graph_is_left_alone(captured):
+    cg, inputs = captured["gpt2-tiny"]
+    once = quantize_graph(cg.gm, "w8")
+    twice = quantize_graph(once.gm, "w4", group_size=32)
+    assert twice.gm is once.gm and twice.report.already_quantized
+    assert "already" in twice.report.summary_line() and not twice.report.entries
+
+
+def test_scheme_none_changes_nothing(captured):
+    cg, inputs = captured["gpt2-tiny"]
+    res = quantize_graph(cg.gm, "none")
+    assert torch.equal(res.gm(*inputs), cg.gm(*inputs))
+    assert all(e.scheme == "fp32" for e in res.report.entries) and res.report.entries
+
+
+def test_bad_options_raise_usage_error():
+    with pytest.raises(UsageError, match="valid schemes: w8, w4, w8a8, none"):
+        check_options("int3", 128, ())
+    with pytest.raises(UsageError, match="32, 64, 128, 256"):
+        check_options("w4", 48, ())
+    with pytest.raises(UsageError):
+        check_options("w8", 128, ("",))
+
+
+class _Fused(torch.nn.Module):
+    """A block written directly with hetforge's fused ops (what the opfusion pass produces)."""
+
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator().manual_seed(5)
+        self.w1 = torch.nn.Parameter(torch.randn(32, 64, generator=g) * 0.2)  # [in, out]: weight_t layout
+        self.b1 = torch.nn.Parameter(torch.randn(64, generator=g) * 0.1)
+        self.wg = torch.nn.Parameter(torch.randn(96, 64, generator=g) * 0.2)
+        self.wu = torch.nn.Parameter(torch.randn(96, 64, generator=g) * 0.2)
+        self.wd = torch.nn.Parameter(torch.randn(64, 96, generator=g) * 0.2)
+
+    def forward(self, x):
+        h = torch.ops.hetforge.linear_act(x, self.w1, self.b1, "gelu_tanh", True)
+        return torch.ops.hetforge.gated_mlp(h, self.wg, self.wu, self.wd, None, None, None, "silu")
+
+
+@pytest.mark.parametrize("scheme", ["w8", "w4"])
+def test_fused_linear_ops_are_quantized(scheme):
+    x = torch.randn(1, 6, 32, generator=torch.Generator().manual_seed(6))
+    cg = capture(_Fused(), (x,))
+    assert op_counts(cg.gm)["hetforge.gated_mlp.default"] == 1
+    res = quantize_graph(cg.gm, scheme, group_size=32, skip=("wd",) if scheme == "w4" else ())
+    counts = op_counts(res.gm)
+    assert "hetforge.gated_mlp.default" not in counts and "hetforge.linear_act.default" not in counts
+    assert counts[QOPS[scheme]] == (4 if scheme == "w8" else 3)
+    assert counts["aten.mul.Tensor"] == 1
+    assert ("aten.linear.default" in counts) == (scheme == "w4")  # the skipped down projection stays float
+    # reference: the same fused ops with every quantized weight replaced by its dequantized value
+    ref = _Fused()
+    with torch.no_grad():
+        for name in ("w1", "wg", "wu", "wd"):
+            p = getattr(ref, name)
+            w = p.t() if name == "w1" else p
+            if scheme == "w8":
+                deq = dequantize_int8(*quantize_int8(w))
+            elif name != "wd":
+                deq = dequantize_int4(*quantize_int4(w, 32))
+            else:
+                continue
+            p.copy_(deq.t() if name == "w1" else deq)
+    torch.testing.assert_close(res.gm(x), ref(x), atol=1e-4, rtol=1e-4)
+    acts = [n.args[-1] for n in res.gm.graph.nodes if op_name(n) == QOPS[scheme]]
+    assert "gelu_tanh" in acts and "silu" in acts
+
+
+def test_rules_placement_sees_quantized_linears(captured):
+    from hetforge.placement.rules import categorize
+
+    cg, _ = captured["llama-tiny"]
+    res = quantize_graph(cg.gm, "w8")
+    cats = {categorize(n, op_name(n), 1, "cpu")[0] for n in res.gm.graph.nodes if op_name(n) == QOPS["w8"]}
+    assert cats == {"quantized-linear"}
+    linears = [n for n in cg.gm.graph.nodes if op_name(n) == "aten.linear.default"]
+    assert {categorize(n, op_name(n), 1, "cpu")[0] for n in linears} == {"matmul"}
+
+
+def test_quantize_after_optimize_passes(captured):
+    from hetforge.passes import optimize
+
+    cg, inputs = captured["llama-tiny"]
+    opt = optimize(cg.gm, inputs).gm
+    assert op_counts(opt)["hetforge.gated_mlp.default"] == 2
+    res = quantize_graph(opt, "w8")
+    counts = op_counts(res.gm)
+    assert counts["hetforge.linear_w8.default"] == 15 and "hetforge.gated_mlp.default" not in counts
+    assert compare_logits(cg.gm(*inputs), res.gm(*inputs)).kl_mean < KL_BOUND["w8"]

@@ -1,0 +1,183 @@
+"""The generation runtime: greedy tokens equal Hugging Face ``generate``, the KV cache is written in place,
+tiers are compiled once, stop strings and bad input behave."""
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from typer.testing import CliRunner
+
+from hetforge.cli.common import app
+from hetforge.cli.main import _load_commands
+from hetforge.errors import UsageError
+from hetforge.models.zoo import load_model
+from hetforge.runtime import Engine, SamplingParams
+
+_load_commands()
+runner = CliRunner()
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny models gain nothing from a second thread, and a busy machine makes two threads stall."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+PROMPT = [(7 * i + 3) % 200 + 1 for i in range(37)]  # 37 tokens: not a tier length
+_engines: dict[str, Engine] = {}
+
+
+def engine(name: str) -> Engine:
+    if name not in _engines:
+        try:
+            _engines[name] = Engine(load_model(name))
+        except UsageError:
+            pytest.skip(f"model {name} not available (demo assets not built?)")
+    return _engines[name]
+
+
+def hf_greedy(loaded, prompt: list[int], n: int) -> list[int]:
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = loaded.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny", "qwen2-tiny", "mixtral-tiny", "demo"])
+def test_greedy_matches_hugging_face_generate(name):
+    e = engine(name)
+    prompt = PROMPT if name != "demo" else e.tokenizer.encode("The with statement is used to wrap the execution")
+    r = e.generate(prompt, SamplingParams(max_new_tokens=32))
+    assert r.prefill_tier != len(prompt)
+    assert r.tokens == hf_greedy(e.loaded, prompt, 32)
+    assert len(r.tokens) == 32 or r.stop_reason == "eos"
+
+
+def test_second_request_in_the_same_tier_compiles_nothing():
+    e = engine("llama-tiny")
+    e.generate(PROMPT, SamplingParams(max_new_tokens=32))
+    prompt = PROMPT[:50] + PROMPT[:3]  # 40 tokens: same tier and cache length
+    r = e.generate(prompt, SamplingParams(max_new_tokens=31))
+    assert r.compile_s == {}
+    assert r.tokens == hf_greedy(e.loaded, prompt, 31)
+
+
+class _AllocCounter(TorchDispatchMode):
+    """Bytes of every new storage an ATen op returns (views and ``out=`` results share an input's storage)."""
+
+    def __init__(self):
+        super().__init__()
+        self.sizes: list[int] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        flat_in = torch.utils._pytree.tree_leaves((args, kwargs))
+        seen = {t.untyped_storage().data_ptr() for t in flat_in if isinstance(t, torch.Tensor)}
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in seen:
+                self.sizes.append(t.untyped_storage().nbytes())
+        return out
+
+
+def test_decode_writes_the_cache_in_place_without_cache_sized_allocations():
+    e = engine("llama-tiny")
+    gen = e.stream(PROMPT, SamplingParams(max_new_tokens=400, ignore_eos=True))  # plans a 512-position cache
+    it = gen.steps()
+    next(it)
+    cache = gen.cache
+    assert cache.length == 512
+    ptrs = cache.data_ptrs()
+    layer_bytes = cache.nbytes // len(cache.buffers)
+    per_step = []
+    for step in range(6):
+        before = [b.clone() for b in cache.buffers]
+        with _AllocCounter() as c:
+            next(it)
+        per_step.append(c.sizes)
+        pos = len(PROMPT) + step  # the position of the token fed in this step
+        for b, old in zip(cache.buffers, before, strict=True):
+            changed = (b != old).any(dim=-1).any(dim=1)[0]  # per position
+            assert changed.nonzero().flatten().tolist() == [pos]  # exactly this step's row was written
+    it.close()
+    assert cache.data_ptrs() == ptrs
+    totals = [sum(s) for s in per_step]
+    assert max(max(s) for s in per_step) < layer_bytes / 4, "a cache-sized tensor was allocated during decode"
+    assert max(totals) < cache.nbytes / 2
+    assert len(set(totals[1:])) == 1, f"allocation per step changes: {totals}"
+
+
+def test_stop_string_cuts_the_text_before_it():
+    e = engine("gpt2-tiny")
+    full = e.generate("Hello", SamplingParams(max_new_tokens=24)).text
+    stop = full[5:8]
+    cut = full.find(stop)
+    assert len(stop) == 3 and 0 <= cut <= 5
+    r = e.generate("Hello", SamplingParams(max_new_tokens=24, stop=(stop,)))
+    assert r.text == full[:cut] and stop not in r.text
+    assert r.stop_reason.startswith("stop string")
+    assert len(r.tokens) < 24
+
+
+def test_seeded_sampling_reproduces():
+    e = engine("gpt2-tiny")
+    p = SamplingParams(max_new_tokens=16, temperature=1.0, top_k=50, top_p=0.9, seed=3)
+    a = e.generate(PROMPT[:10], p).tokens
+    assert a == e.generate(PROMPT[:10], p).tokens
+    assert a != e.generate(PROMPT[:10], SamplingParams(max_new_tokens=16, temperature=1.0, seed=4)).tokens
+
+
+def test_prompt_longer_than_the_context_names_both_numbers():
+    e = engine("gpt2-tiny")
+    with pytest.raises(UsageError, match="600 tokens.*maximum context is 512"):
+        e.stream([1] * 600, SamplingParams())
+
+
+@pytest.mark.parametrize("args", [
+    ["--prompt", ""], ["--prompt", "x", "-n", "0"], ["--prompt", "x", "--top-p", "0"],
+    ["--prompt", "x", "--temperature", "-1"],
+])
+def test_cli_bad_input_exits_2_with_one_line(args):
+    res = runner.invoke(app, ["run", "gpt2-tiny", *args])
+    assert res.exit_code == 2, res.output
+    assert len(res.output.strip().splitlines()) == 1
+
+
+def test_cli_json_fields():
+    import json
+
+    res = runner.invoke(app, ["run", "gpt2-tiny", "--prompt", "Hi", "-n", "5", "--json"])
+    assert res.exit_code == 0, res.output
+    d = json.loads(res.stdout)
+    for k in ("text", "tokens", "ttft_s", "decode_ms_per_token", "prefill_tier", "kv_cache_bytes", "compile_s"):
+        assert k in d
+    assert len(d["tokens"]) == 5 and d["prefill_tier"] == 32 and d["kv_cache_bytes"] > 0
+
+
+def test_cli_demo_generates_and_matches_hugging_face():
+    import json
+
+    from hetforge.models import demo
+
+    if not demo.available():
+        pytest.skip("demo model assets not built (scripts/train_demo.py)")
+    res = runner.invoke(app, ["demo", "--json", "-n", "24", "--threads", "1"])
+    assert res.exit_code == 0, res.output
+    d = json.loads(res.stdout)
+    assert d["matches_hugging_face_generate"] is True
+    assert len(d["generation"]["tokens"]) == 24 or d["generation"]["stop_reason"] == "eos"
+    assert d["generation"]["text"].strip()
+
+
+def test_fx_fallback_executor_gives_the_same_tokens():
+    loaded = engine("llama-tiny").loaded
+    fx = Engine(loaded, executor="fx")
+    r = fx.generate(PROMPT, SamplingParams(max_new_tokens=16))
+    assert r.executor == "fx"
+    assert r.tokens == hf_greedy(loaded, PROMPT, 16)
+
+
+def test_unknown_executor_is_a_usage_error():
+    with pytest.raises(UsageError, match="unknown executor"):
+        Engine(engine("llama-tiny").loaded, executor="tpu")
