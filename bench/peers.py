@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from hetforge.benchmarks.harness import DEFAULT_MODELS, QUICK_MODELS, SuiteConfig, run_suite
-from hetforge.benchmarks.report import write_report
+from hetforge.benchmarks.report import load_json, write_report
 from hetforge.benchmarks.systems import SYSTEMS
 from hetforge.cli.common import _clean
 
@@ -33,7 +33,12 @@ def main() -> None:
     ap.add_argument("--timeout-s", type=float, default=600.0)
     ap.add_argument("--out-dir", type=Path, default=Path("docs/bench"))
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--render", type=Path, default=None, help="re-render the page and chart from a saved peers.json")
     a = ap.parse_args()
+    if a.render is not None:
+        paths = write_report(load_json(a.render), a.out_dir)
+        print(f"rendered {paths['markdown']} and {paths['chart']} from {a.render}")
+        return
     models = a.models or (QUICK_MODELS if a.quick else DEFAULT_MODELS)
     cfg = SuiteConfig(models=list(models), systems=a.systems, repeats=1 if a.quick else a.repeats, quick=a.quick,
                       seq=a.seq, threads=a.threads, warm=not (a.no_warm or a.quick), timeout_s=a.timeout_s,

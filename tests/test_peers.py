@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from hetforge.benchmarks import harness, systems
 from hetforge.benchmarks.harness import Row, Stat, SuiteConfig, compare, run_suite
-from hetforge.benchmarks.report import NOTES_BEGIN, NOTES_END, write_report
+from hetforge.benchmarks.report import NOTES_BEGIN, NOTES_END, load_json, render_markdown, write_report
 from hetforge.benchmarks.systems import SYSTEMS, Prepared, System
 from hetforge.benchmarks.worker import WorkerSpec, first_line, run_worker
 from hetforge.cli.common import app
@@ -67,6 +67,7 @@ def test_report_files_and_notes_survive_rewrite(suite, tmp_path):
     assert "command: `pytest`" in md and "logical CPUs" in md
     assert 0 < paths["chart"].stat().st_size < 200_000
     assert json.loads(paths["json"].read_text())["rows"][0]["model"] == MODEL
+    assert render_markdown(load_json(paths["json"]), "peers.png") == render_markdown(suite, "peers.png")
     paths["markdown"].write_text(md.replace("_(no hand-written analysis yet)_", "hetforge loses here because X"))
     write_report(suite, tmp_path)
     md2 = paths["markdown"].read_text()

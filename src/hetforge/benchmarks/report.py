@@ -136,8 +136,8 @@ def render_markdown(res: SuiteResult, png_name: str | None, notes: str | None = 
         "- figures: median over repeats, (min–max) over repeats; a latency figure of one repeat is the median "
         "of its timed calls after warm-up. Prefill = one forward on [1, seq] without cache; one token = one "
         "forward on [1, 1] without cache; decode = per new token with a KV cache (systems that have one), "
-        "ttft = time to the first generated token. Fidelity: prefill logits against HF eager's (same seeded "
-        "weights), worst over repeats.",
+        "ttft = time to the first generated token. Fidelity: prefill and one-token logits against HF eager's "
+        "(same seeded weights), worst over repeats.",
         "- models have seeded random weights (no downloads here): fine for speed, memory and fidelity.",
     ]
     if res.skipped:
@@ -180,8 +180,9 @@ def render_chart(res: SuiteResult, path: Path) -> None:
 
     models = list(dict.fromkeys(r.model for r in res.rows))
     systems = list(dict.fromkeys(r.system for r in res.rows))
-    metrics = [("prep_s", "cold preparation (s, log)", True), ("prefill_ms", f"prefill [1,{res.config['seq']}] ms",
-               False), ("step_ms", "one token [1,1] ms", False)]
+    metrics = [("prep_s", "cold preparation (s, log)", True),
+               ("prefill_ms", f"prefill [1,{res.config['seq']}] (ms, log)", True),
+               ("step_ms", "one token [1,1] (ms, log)", True)]
     fig, axes = plt.subplots(1, len(metrics), figsize=(13, 3.6))
     width = 0.8 / max(1, len(systems))
     for ax, (metric, title, log) in zip(axes, metrics, strict=True):
@@ -212,6 +213,27 @@ def render_chart(res: SuiteResult, path: Path) -> None:
     fig.tight_layout(rect=(0, 0.08, 1, 0.95))
     fig.savefig(path, dpi=72)
     plt.close(fig)
+
+
+def load_json(path: Path) -> SuiteResult:
+    """Rebuild a :class:`SuiteResult` from a ``peers.json`` written by :func:`write_report` (to re-render)."""
+    import json
+    from dataclasses import fields
+
+    d = json.loads(Path(path).read_text())
+
+    def stat(x):
+        return Stat(**x) if isinstance(x, dict) else None
+
+    stat_fields = {f.name for f in fields(Row) if "Stat" in str(f.type) and "dict" not in str(f.type)}
+    rows = []
+    for r in d["rows"]:
+        kw = {k: (stat(v) if k in stat_fields else v) for k, v in r.items()}
+        kw["stages"] = {k: stat(v) for k, v in r["stages"].items()}
+        kw["warm_stages"] = {k: stat(v) for k, v in r["warm_stages"].items()}
+        rows.append(Row(**kw))
+    d["rows"] = rows
+    return SuiteResult(**d)
 
 
 def write_report(res: SuiteResult, out_dir: Path, stem: str = "peers") -> dict[str, Path]:

@@ -18,7 +18,12 @@ def _mb(n: int) -> str:
     return f"{n / 2**20:.2f} MiB" if n >= 2**20 else f"{n / 1024:.1f} KiB"
 
 
-def _compile(model: str, seq: int, soc: str, strategy: str, attn: str, passes: bool, mode: str, build: bool):
+OBJECTIVES = ("energy", "latency", "balanced")
+
+
+def _compile(model: str, seq: int, soc: str, strategy: str, attn: str, passes: bool, mode: str, build: bool,
+             objective: str = "energy", strict: bool = False, quantize: str = "none", group_size: int = 128,
+             skip: tuple[str, ...] = ()):
     from hetforge.compile import compile_model
     from hetforge.executor import MODES
     from hetforge.placement import get_strategy
@@ -26,11 +31,22 @@ def _compile(model: str, seq: int, soc: str, strategy: str, attn: str, passes: b
     get_strategy(strategy)  # unknown names fail before the model is built
     if mode not in MODES:
         raise UsageError(f"unknown --mode '{mode}'; allowed: {', '.join(MODES)}")
+    if objective not in OBJECTIVES:
+        raise UsageError(f"unknown --objective '{objective}'; allowed: {', '.join(OBJECTIVES)}")
+    if quantize != "none":
+        from hetforge.quant import check_options
+
+        check_options(quantize, group_size, skip)
     from hetforge.hardware import load_soc
 
     soc_p = load_soc(soc)
+    options = {} if strategy == "support" else {"objective": objective, "strict": strict}
     return compile_model(model, seq=seq, soc=soc_p, strategy=strategy, attn=attn, passes=passes, mode=mode,
-                         build=build)
+                         build=build, strategy_options=options, quantize=quantize, group_size=group_size,
+                         quant_skip=skip)
+
+
+_QUANT_HELP = "weight quantization before placement: w8, w4, w8a8 or none"
 
 
 @app.command("compile")
@@ -39,7 +55,12 @@ def compile_cmd(
     model: str = typer.Argument(..., help="zoo name (see `hetforge models`) or a local HF folder"),
     soc: str = typer.Option("host", "--soc", help=_SOC_HELP),
     seq: int = typer.Option(16, "--seq", help="sequence length of the (static) input"),
-    strategy: str = typer.Option("support", "--strategy", help="placement strategy"),
+    strategy: str = typer.Option("support", "--strategy", help="placement strategy: support, rules, greedy, pgsam"),
+    objective: str = typer.Option("energy", "--objective", help="energy, latency or balanced (rules/greedy/pgsam)"),
+    strict: bool = typer.Option(False, "--strict", help="any placement fallback is an error (exit 1)"),
+    quantize: str = typer.Option("none", "--quantize", help=_QUANT_HELP),
+    group_size: int = typer.Option(128, "--group-size", help="int4 group size (32/64/128/256)"),
+    skip: list[str] = typer.Option([], "--skip", help="module path or glob kept in float (repeatable)"),
     attn: str = typer.Option("sdpa", "--attn", help="attention implementation: eager or sdpa"),
     passes: bool = typer.Option(True, "--passes/--no-passes", help=_PASSES_HELP),
     out: Path | None = typer.Option(None, "--out", help="write the program (JSON; weights referenced) here"),
@@ -50,7 +71,8 @@ def compile_cmd(
     for f in (out, text):
         if f is not None and not f.parent.is_dir():
             raise UsageError(f"cannot write '{f}': folder '{f.parent}' does not exist")
-    res = _compile(model, seq, soc, strategy, attn, passes, "arena", build=False)
+    res = _compile(model, seq, soc, strategy, attn, passes, "arena", build=False, objective=objective, strict=strict,
+                   quantize=quantize, group_size=group_size, skip=tuple(skip))
     if out is not None:
         from hetforge.ir import save_program
 
@@ -61,6 +83,10 @@ def compile_cmd(
         _write_text_atomically(text, res.program.text())
     rep = res.report()
     rep["seq"] = seq
+    rep["objective"] = objective if strategy != "support" else None
+    q = res.extra.get("quantize")
+    if q is not None:
+        rep["quantize"] = {"scheme": quantize, "group_size": group_size, **_quant_totals(q)}
     s = rep["seconds"]
     rep["seconds"] = {"capture": s.get("capture", 0.0), "passes": s.get("passes", 0.0), "place": s.get("place", 0.0),
                       "lower": s["lower"], "schedule": s["schedule"], "memory": s["memory"], "total": s["total"]}
@@ -70,6 +96,11 @@ def compile_cmd(
         emit_json(rep)
         return
     _print(rep)
+
+
+def _quant_totals(q) -> dict:
+    """Weight bytes before/after quantization (exact, from the rewritten graph)."""
+    return q.report.to_dict()["summary"]
 
 
 def _print(rep: dict) -> None:
@@ -94,6 +125,10 @@ def _print(rep: dict) -> None:
     console.print(f"  memory    : naive {_mb(mem['naive_bytes'])} → planned {_mb(mem['planned_bytes'])} "
                   f"(lower bound {_mb(mem['lower_bound_bytes'])}; exact figures from the plan)")
     console.print("  seconds   : " + ", ".join(f"{k} {v:.3f}" for k, v in rep["seconds"].items()) + " (measured)")
+    if rep.get("quantize"):
+        q = rep["quantize"]
+        console.print(f"  quantize  : {q['scheme']}: {q['quantized']} weights quantized, {q['skipped']} kept in float; "
+                      f"graph constants {_mb(q['graph_bytes_before'])} → {_mb(q['graph_bytes_after'])}")
     if rep.get("out"):
         console.print(f"  program written to {rep['out']}")
 
@@ -104,12 +139,16 @@ def run_graph(
     model: str = typer.Argument(..., help="zoo name (see `hetforge models`) or a local HF folder"),
     soc: str = typer.Option("host", "--soc", help=_SOC_HELP),
     seq: int = typer.Option(16, "--seq", help="sequence length of the (static) input"),
-    strategy: str = typer.Option("support", "--strategy", help="placement strategy"),
+    strategy: str = typer.Option("support", "--strategy", help="placement strategy: support, rules, greedy, pgsam"),
+    objective: str = typer.Option("energy", "--objective", help="energy, latency or balanced (rules/greedy/pgsam)"),
+    quantize: str = typer.Option("none", "--quantize", help=_QUANT_HELP),
+    group_size: int = typer.Option(128, "--group-size", help="int4 group size (32/64/128/256)"),
     attn: str = typer.Option("sdpa", "--attn", help="attention implementation: eager or sdpa"),
     passes: bool = typer.Option(True, "--passes/--no-passes", help=_PASSES_HELP),
     mode: str = typer.Option("arena", "--mode", help="arena: every result in its planned slice; fast: ops without "
                              "an out= kernel keep their own allocation"),
-    kl_threshold: float = typer.Option(1e-8, "--kl-threshold", help="KL(eager ‖ compiled) allowed"),
+    kl_threshold: float | None = typer.Option(None, "--kl-threshold", help="KL(eager ‖ compiled) allowed "
+                                              "(default 1e-8 at fp32, 1e-2 with --quantize)"),
     profile: int = typer.Option(0, "--profile", help="also time every instruction and list the N slowest ops"),
     json_out: bool = typer.Option(False, "--json", help="print JSON"),
 ) -> None:
@@ -122,7 +161,10 @@ def run_graph(
 
     if profile < 0:
         raise UsageError("--profile must be >= 0")
-    res = _compile(model, seq, soc, strategy, attn, passes, mode, build=True)
+    if kl_threshold is None:
+        kl_threshold = 1e-8 if quantize == "none" else 1e-2
+    res = _compile(model, seq, soc, strategy, attn, passes, mode, build=True, objective=objective,
+                   quantize=quantize, group_size=group_size)
     module, inputs, exe = res.extra["module"], res.example_inputs, res.executable
     with torch.no_grad():
         ref = module(*inputs)

@@ -23,7 +23,12 @@ def optimize(
     passes: str | None = typer.Option(None, "--passes", help=_PASSES_HELP),
     dump_dir: Path | None = typer.Option(None, "--dump-dir", help="write the graph after each pass as text here"),
     verify_each: bool = typer.Option(False, "--verify-each", help="check numerics after every pass"),
-    kl_threshold: float = typer.Option(1e-8, "--kl-threshold", help="KL(eager ‖ optimized) allowed"),
+    kl_threshold: float | None = typer.Option(None, "--kl-threshold", help="KL(eager ‖ optimized) allowed "
+                                              "(default 1e-8, or 1e-2 with --quantize)"),
+    quantize: str = typer.Option("none", "--quantize", help="then quantize weights: w8, w4, w8a8 or none"),
+    group_size: int = typer.Option(128, "--group-size", help="int4 group size (32/64/128/256)"),
+    skip: list[str] = typer.Option([], "--skip", help="module path or glob kept in float (repeatable)"),
+    quantize_report: bool = typer.Option(False, "--quantize-report", help="list every quantized tensor"),
     show: int = typer.Option(10, "--show", help="near-misses to list (0: none)"),
     json_out: bool = typer.Option(False, "--json", help="print JSON"),
 ) -> None:
@@ -34,10 +39,22 @@ def optimize(
     from hetforge.verify import verify
 
     names = resolve_passes(passes)  # bad names fail before the model is built
+    if quantize != "none":
+        from hetforge.quant import check_options
+
+        check_options(quantize, group_size, tuple(skip))
+    if kl_threshold is None:
+        kl_threshold = 1e-8 if quantize == "none" else 1e-2
     loaded, inputs, cg = capture_model(model, seq, attn, False)
     res = run_optimize(cg.gm, inputs, passes=names, verify_each=verify_each, dump_dir=dump_dir,
-                       kl_threshold=kl_threshold)
-    rep = verify(loaded.logits_module(), res.gm, inputs, kl_threshold=kl_threshold)
+                       kl_threshold=1e-8)
+    final_gm, quant = res.gm, None
+    if quantize != "none":
+        from hetforge.quant import quantize_graph
+
+        quant = quantize_graph(res.gm, scheme=quantize, group_size=group_size, skip=tuple(skip))
+        final_gm = quant.gm
+    rep = verify(loaded.logits_module(), final_gm, inputs, kl_threshold=kl_threshold)
     misses = [{"pass": p.name, "kind": m.kind, "node": m.node, "reason": m.reason}
               for p in res.passes for m in p.near_misses]
     if json_out:
@@ -48,11 +65,27 @@ def optimize(
             "kl_mean": rep.kl_mean, "kl_max": rep.kl_max, "max_abs_err": rep.max_abs_err,
             "top1_agree": rep.top1_agree, "passed": rep.passed, "near_misses": misses, "dumped": res.dumped,
             "unknown_ops": res.unknown_ops,
+            "quantize": quant.report.to_dict() if quant is not None else None,
         })
     else:
         _print_report(loaded.name, cg.seconds, res, rep, misses, show, verify_each)
+        if quant is not None:
+            _print_quant(quant.report, quantize_report)
     if not rep.passed:
         raise typer.Exit(1)
+
+
+def _print_quant(report, full: bool) -> None:
+    console.print("quantize : " + report.summary_line() + " (exact bytes)", highlight=False)
+    if not full:
+        return
+    t = Table(title="quantized tensors (error: relative Frobenius error of the dequantized weight, measured)")
+    for col in ("tensor", "scheme", "bytes before", "bytes after", "error / reason"):
+        t.add_column(col, justify="left" if col in ("tensor", "scheme", "error / reason") else "right")
+    for e in report.entries:
+        err = f"{e.rel_error:.2e}" if e.rel_error is not None else e.reason
+        t.add_row(e.path, e.scheme, str(e.bytes_before), str(e.bytes_after), err)
+    console.print(t)
 
 
 def _print_report(name, capture_s, res, rep, misses, show, verify_each) -> None:

@@ -1,0 +1,44 @@
+"""End-to-end CLI paths that cross several stages: passes → quantize → placement → backend."""
+
+import json
+
+from typer.testing import CliRunner
+
+from hetforge.cli.common import app
+from hetforge.cli.main import _load_commands
+
+_load_commands()
+runner = CliRunner()
+
+
+def test_compile_with_quantize_and_objective_reports_smaller_weights():
+    r = runner.invoke(app, ["compile", "llama-tiny", "--soc", "intel-core-ultra-155h", "--strategy", "greedy",
+                            "--objective", "latency", "--quantize", "w8", "--json"])
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.stdout)
+    q = d["quantize"]
+    assert q["scheme"] == "w8" and q["quantized"] > 0
+    assert q["graph_bytes_after"] < q["graph_bytes_before"]
+    assert d["objective"] == "latency" and d["strategy"] == "greedy"
+
+
+def test_run_graph_quantized_matches_eager_within_quantization_tolerance():
+    r = runner.invoke(app, ["run-graph", "llama-tiny", "--quantize", "w8", "--json"])
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.stdout)
+    assert 0 < d["fidelity"]["kl_max"] < 1e-2
+
+
+def test_optimize_quantize_report_and_bad_scheme():
+    r = runner.invoke(app, ["optimize", "gpt2-tiny", "--quantize", "w4", "--group-size", "32", "--skip", "lm_head",
+                            "--json"])
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.stdout)
+    assert d["fused"]["attention"] == 2
+    entries = {e["path"]: e for e in d["quantize"]["entries"]}
+    assert entries["lm_head"]["scheme"] == "fp32"
+    assert any(e["scheme"] == "w4" for e in entries.values())
+    r = runner.invoke(app, ["optimize", "gpt2-tiny", "--quantize", "w3"])
+    assert r.exit_code == 2 and "w8, w4, w8a8, none" in r.output
+    r = runner.invoke(app, ["compile", "gpt2-tiny", "--strategy", "greedy", "--objective", "speed"])
+    assert r.exit_code == 2 and "energy, latency, balanced" in r.output
