@@ -18,6 +18,6 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/ruff check src tests bench
-	$(BIN)/python -m pytest -q -p no:cacheprovider tests
+	$(BIN)/python -m pytest -p no:cacheprovider -rs tests
 
 .PHONY: install demo test

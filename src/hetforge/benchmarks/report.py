@@ -128,7 +128,8 @@ def render_markdown(res: SuiteResult, png_name: str | None, notes: str | None = 
         f"- started {res.started}; the suite took {res.seconds / 60:.1f} min; load average "
         f"{m['loadavg_start']} at start, {m.get('loadavg_end', '?')} at end (above {cfg['threads']} means other "
         "work shared the machine)",
-        f"- {cfg['repeats']} repeat(s) per system{' (quick mode: fewer calls per figure)' if cfg['quick'] else ''}; "
+        f"- up to {cfg['repeats']} repeat(s) per system (a figure without a range ran once)"
+        f"{' (quick mode: fewer calls per figure)' if cfg['quick'] else ''}; "
         "each repeat is a fresh process per system "
         + ("(peak RSS is that process's own: Python + torch + the PyTorch model + the system)" if res.isolated
            else "(in-process: RSS figures are the whole process's)")

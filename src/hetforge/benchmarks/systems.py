@@ -149,7 +149,7 @@ def _prepare_eager(ctx: PrepContext) -> Prepared:
     hf = ctx.loaded.model
     notes: list[str] = []
     current = getattr(hf.config, "_experts_implementation", None)
-    if current is not None and hasattr(hf, "set_experts_implementation"):
+    if current not in (None, "eager") and hasattr(hf, "set_experts_implementation"):
         try:
             hf.set_experts_implementation(None)  # None = transformers' own choice for this device/dtype
             notes.append(f"experts: transformers default ('{hf.config._experts_implementation}'), "
