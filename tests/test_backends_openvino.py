@@ -13,7 +13,7 @@ from hetforge.hetero.partition import partition_graph
 from hetforge.models.zoo import example_inputs, load_model
 from hetforge.verify import compare_logits
 
-pytest.importorskip("openvino")
+pytest.importorskip("openvino", reason="OpenVINO is the optional peers extra: pip install -e .[peers]")
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ from hetforge.hetero.partition import partition_graph
 from hetforge.models.zoo import example_inputs, load_model
 from hetforge.verify import compare_logits
 
-pytest.importorskip("openvino")
+pytest.importorskip("openvino", reason="OpenVINO is the optional peers extra: pip install -e .[peers]")
 
 
 def test_int8_weights_run_on_openvino_through_the_quant_decomposition():

@@ -96,7 +96,7 @@ def test_unified_links_hand_over_zero_copy(gpt2):
 
 
 def test_mixed_torch_and_openvino_matches_eager_and_traces(llama, tmp_path):
-    pytest.importorskip("openvino")
+    pytest.importorskip("openvino", reason="OpenVINO is the optional peers extra: pip install -e .[peers]")
     cg, inputs, _ = llama
     soc = load_soc(SOC)
     pp = partitions_from_placement(cg.gm, layer_assignment(cg.gm, "alternate:cpu,npu", soc.device_names), soc)

@@ -165,7 +165,7 @@ def test_cli_bad_model_is_usage_error():
 @pytest.mark.slow
 @pytest.mark.parametrize("key", ["ort", "ov-f32"])
 def test_optional_peers_match_eager(key, tmp_path):
-    pytest.importorskip(SYSTEMS[key].requires[0])
+    pytest.importorskip(SYSTEMS[key].requires[0], reason="optional peer not installed (pip install -e .[peers])")
     spec = WorkerSpec(system=key, model=MODEL, seq=8, workdir=str(tmp_path / "w"), cache_dir=str(tmp_path / "c"),
                       ref_path=str(tmp_path / "ref.pt"), warmup=1, prefill_iters=3, step_iters=3, decode=False)
     res = run_worker(spec)
