@@ -13,3 +13,28 @@ TINY = ["gpt2-tiny", "llama-tiny", "mixtral-tiny", "qwen2-tiny", "bert-tiny"]
 @pytest.fixture(scope="session")
 def tiny_names():
     return TINY
+
+
+@pytest.fixture(scope="module")
+def parts():
+    """qwen2-tiny cut into [cpu: embed+layer0, gpu: layer1+head] with the real inputs of every partition
+    (shared by the backend tests)."""
+    from hetforge.frontend import capture
+    from hetforge.hardware import load_soc
+    from hetforge.hetero.layouts import layer_assignment
+    from hetforge.hetero.partition import partition_graph
+    from hetforge.models.zoo import example_inputs, load_model
+
+    lm = load_model("qwen2-tiny")
+    inputs = example_inputs(lm, seq=8)
+    cg = capture(lm.logits_module(), inputs)
+    soc = load_soc("intel-core-ultra-155h")
+    pg = partition_graph(cg.gm, layer_assignment(cg.gm, "stages:cpu,gpu", soc.device_names))
+    vals = dict(zip(pg.graph_inputs, inputs, strict=True))
+    args = []
+    with torch.no_grad():
+        for p in pg.partitions:
+            a = [vals[n] for n in p.inputs]
+            args.append(a)
+            vals.update(zip(p.outputs, p.gm(*a), strict=True))
+    return pg, args, soc, cg

@@ -7,31 +7,11 @@ import torch
 
 from hetforge.backends import make_backend
 from hetforge.frontend import capture
-from hetforge.hardware import load_soc
-from hetforge.hetero.layouts import layer_assignment
 from hetforge.hetero.partition import partition_graph
 from hetforge.models.zoo import example_inputs, load_model
 from hetforge.verify import compare_logits
 
 pytest.importorskip("openvino", reason="OpenVINO is the optional peers extra: pip install -e .[peers]")
-
-
-@pytest.fixture(scope="module")
-def parts():
-    """qwen2-tiny cut into [cpu: embed+layer0, gpu: layer1+head] with the real inputs of every partition."""
-    lm = load_model("qwen2-tiny")
-    inputs = example_inputs(lm, seq=8)
-    cg = capture(lm.logits_module(), inputs)
-    soc = load_soc("intel-core-ultra-155h")
-    pg = partition_graph(cg.gm, layer_assignment(cg.gm, "stages:cpu,gpu", soc.device_names))
-    vals = dict(zip(pg.graph_inputs, inputs, strict=True))
-    args = []
-    with torch.no_grad():
-        for p in pg.partitions:
-            a = [vals[n] for n in p.inputs]
-            args.append(a)
-            vals.update(zip(p.outputs, p.gm(*a), strict=True))
-    return pg, args, soc, cg
 
 
 def test_openvino_compiles_the_partition_for_real_at_f32(parts):
