@@ -128,3 +128,26 @@ def test_fake_kernels_propagate_gqa_and_dtypes():
         assert tuple(out.shape) == (2, 8, 5, 4)
         y = ops.rms_norm(torch.empty(3, 8, dtype=torch.float16), torch.empty(8), 1e-6)
         assert y.dtype == torch.float32  # weight (fp32) * normed (fp16) promotes, as in Hugging Face
+
+
+@pytest.mark.parametrize(("hkv", "t"), [(4, 1), (2, 1), (1, 3), (2, 4)])
+def test_kv_attention_equals_attention_over_cache_plus_new_rows(hkv, t):
+    g = torch.Generator().manual_seed(hkv * 10 + t)
+    h, s, d = 4, 7, 8
+    q = torch.randn(1, h, t, d, generator=g)
+    k, v = torch.randn(1, hkv, t, d, generator=g), torch.randn(1, hkv, t, d, generator=g)
+    kc, vc = torch.randn(1, hkv, s, d, generator=g), torch.randn(1, hkv, s, d, generator=g)
+    valid = 5  # cache positions >= 5 are empty
+    cache_mask = torch.zeros(1, s).masked_fill(torch.arange(s)[None] >= valid, float("-inf"))
+    new_mask = torch.full((t, t), float("-inf")).triu(1) if t > 1 else None
+    scale = d**-0.5
+    got = ops.kv_attention(q, k, v, kc, vc, cache_mask, new_mask, scale)
+    keys, vals = torch.cat([kc[:, :, :valid], k], 2), torch.cat([vc[:, :, :valid], v], 2)
+    mask = torch.cat([torch.zeros(t, valid), new_mask if new_mask is not None else torch.zeros(t, t)], 1)
+    ref = _ref_attention(q, keys, vals, mask, scale)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    assert kc.shape == (1, hkv, s, d)  # the cache is read, not grown
+    with FakeTensorMode():
+        fake = ops.kv_attention(torch.empty(1, h, t, d), torch.empty(1, hkv, t, d), torch.empty(1, hkv, t, d),
+                                torch.empty(1, hkv, s, d), torch.empty(1, hkv, s, d), torch.empty(1, s))
+        assert fake.shape == (1, h, t, d)

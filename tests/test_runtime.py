@@ -177,3 +177,18 @@ def test_fx_fallback_executor_gives_the_same_tokens():
 def test_unknown_executor_is_a_usage_error():
     with pytest.raises(UsageError, match="unknown executor"):
         Engine(engine("llama-tiny").loaded, executor="tpu")
+
+
+def test_decode_graph_has_one_kv_attention_node_per_layer():
+    from hetforge.frontend import capture
+    from hetforge.runtime.kvcache import KVCache
+    from hetforge.runtime.static_kv import DecodeModule, model_dims
+
+    model = load_model("llama-tiny").model.eval()
+    layers, kv, hd = model_dims(model)
+    cache = KVCache(layers, kv, 16, hd, torch.float32)
+    inputs = (torch.zeros((1, 1), dtype=torch.long), torch.full((1, 1), 3, dtype=torch.long), *cache.buffers)
+    gm = capture(DecodeModule(model), inputs).gm
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert targets.count(torch.ops.hetforge.kv_attention.default) == layers
+    assert torch.ops.aten.softmax.int not in targets  # no unfused attention left in the decode step

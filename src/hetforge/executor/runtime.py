@@ -27,6 +27,7 @@ from hetforge.errors import UsageError
 from hetforge.executor.kernels import is_copy_like, out_variant
 from hetforge.ir.program import INPLACE, KERNEL, OUTPUT, TRANSFER, VIEW, WEIGHT, Program, Reg
 from hetforge.memplan import MemoryPlan
+from hetforge.ops import gemv, lookup
 
 MODES = ("arena", "fast")
 # views that return their input (or an equal view of it) when shape and dtype do not change
@@ -76,6 +77,7 @@ class ExecStats:
 
     out_variant: int = 0
     gemm_out: int = 0
+    split_gemv: int = 0  # one-row products run as a threaded bmm over output chunks (ops/gemv.py)
     copy_into: int = 0  # copy-like op done as slice.copy_(input)
     functional_copy: int = 0  # functional op + copy into the slice
     unplanned: int = 0  # functional result kept outside the arena (mode fast)
@@ -168,7 +170,7 @@ class _Codegen:
             if self.planned(o):
                 return [f"{outs[0]} = {self.buffer(o)}.copy_({src})"]
             return [f"{outs[0]} = {src}.to({self.const(dev, 'dev')}, copy=True)"]
-        fn = self.const(ins.target, "f")
+        fn = self.const(self.kernel(ins, dev), "f")
         if ins.kind in (VIEW, INPLACE):
             if ins.kind == VIEW:
                 self.stats.views += 1
@@ -184,12 +186,12 @@ class _Codegen:
         if len(ins.outputs) == 1:
             o = ins.outputs[0]
             v = self.p.values[o]
+            line = self.gemm(ins, o, dev)
             if not self.planned(o):
                 if v.kind == OUTPUT:
                     self.stats.fresh_outputs += 1
-                return [f"{outs[0]} = {self.call(ins, fn, dev)}"]
+                return [line or f"{outs[0]} = {self.call(ins, fn, dev)}"]
             buf = self.buffer(o)
-            line = self.gemm(ins, o, dev)
             if line is not None:
                 self.stats.gemm_out += 1
                 return [line]
@@ -218,6 +220,17 @@ class _Codegen:
                     lines.append(f"r{o} = {self.buffer(o)}.copy_(r{o})")
         return lines
 
+    @staticmethod
+    def kernel(ins, dev: torch.device) -> Any:
+        """What to call for a kernel: a ``hetforge::`` op on the CPU calls its Python implementation directly
+        (the op's registered CPU kernel, minus ~10 µs of dispatcher overhead per call); all else its target."""
+        t = ins.target
+        if dev.type == "cpu" and isinstance(t, torch._ops.OpOverload) and t.namespace == "hetforge":
+            info = lookup(t)
+            if info is not None and info.reference is not None:
+                return info.reference
+        return t
+
     def identity_view(self, ins) -> str | None:
         """The input register when this view returns its input unchanged (same shape, strides, offset,
         dtype, for an op that then returns ``self`` or an equal view), else None."""
@@ -230,28 +243,78 @@ class _Codegen:
         return f"r{a.id}" if same else None
 
     def gemm(self, ins, o: int, dev: torch.device) -> str | None:
-        """linear(x, w, b) as addmm/mm into the 2-D view of the slice (x contiguous, w a weight)."""
-        if ins.op != "aten.linear.default" or ins.kwargs:
+        """A linear-type product as a GEMM into the 2-D view of the slice (x contiguous, w a weight).
+
+        ``aten.linear(x, w, b)`` always becomes ``addmm.out``/``mm.out`` (weight transposed once at load);
+        ``aten.addmm(b, x, w)`` and ``aten.mm(x, w)`` with a ``[K, N]`` weight are handled here only for
+        the one-row case. One-row products on a multi-threaded CPU use the split GEMV of
+        :mod:`hetforge.ops.gemv` (a chunked view of the weight, one parallel ``bmm``; no copy)."""
+        if ins.kwargs:
             return None
-        x, w = ins.args[0], ins.args[1]
-        b = ins.args[2] if len(ins.args) > 2 else None
+        if ins.op == "aten.linear.default":
+            x, w, b, weight_t = ins.args[0], ins.args[1], (ins.args[2] if len(ins.args) > 2 else None), False
+        elif ins.op == "aten.addmm.default" and len(ins.args) == 3:
+            b, x, w, weight_t = ins.args[0], ins.args[1], ins.args[2], True
+        elif ins.op == "aten.mm.default":
+            x, w, b, weight_t = ins.args[0], ins.args[1], None, True
+        else:
+            return None
+        if not (isinstance(x, Reg) and isinstance(w, Reg) and self.p.values[w.id].kind == WEIGHT):
+            return None
         vx, vo = self.p.values[x.id], self.p.values[o]
-        if not (isinstance(w, Reg) and self.p.values[w.id].kind == WEIGHT and vx.is_contiguous and vo.is_contiguous
-                and len(vx.shape) >= 2 and (b is None or isinstance(b, Reg))):
+        if not (vx.is_contiguous and vo.is_contiguous and len(vx.shape) >= 2 and (b is None or isinstance(b, Reg))):
             return None
         k, n = vx.shape[-1], vo.shape[-1]
         wname = self.weight(w.id, dev)
-        wt = self.const(self.g[wname].t(), "wt")
+        wt = self.g[wname]
+        c = gemv.chunks_for(n) if dev.type == "cpu" and math.prod(vx.shape) == k and wt.is_contiguous() else None
+        if c is not None:
+            return self.split_gemv(x, wt, b, c, weight_t, o, dev)
+        if weight_t or not self.planned(o):  # the out= variant / functional op is the same GEMM
+            return None
         buf = self.buffer(o)
+        wt = self.const(wt.t(), "wt")
         out2d = self.const(self.g[buf].view(-1, n), "o2d")
-        if self.planned(x.id):  # the input's own slice: its 2-D view is made once
-            x2d = self.const(self.g[self.buffer(x.id)].view(-1, k), "x2d")
-        else:
-            x2d = f"r{x.id}.view(-1, {k})"
+        x2d = self.view_of(x.id, (-1, k))
         if b is None:
             return f"{self.const(torch.ops.aten.mm.out, 'fo')}({x2d}, {wt}, out={out2d}); r{o} = {buf}"
         return (f"{self.const(torch.ops.aten.addmm.out, 'fo')}({self.expr(b, dev)}, {x2d}, {wt}, out={out2d}); "
                 f"r{o} = {buf}")
+
+    def view_of(self, vid: int, shape: tuple[int, ...], expand: tuple[int, ...] | None = None,
+                column: bool = False) -> str:
+        """``r<vid>`` viewed as ``shape`` (then expanded, or as a :func:`gemv.column` of ``expand[0]`` copies):
+        made once when it lives in the arena."""
+        if self.planned(vid):
+            t = self.g[self.buffer(vid)].view(shape)
+            if column:
+                return self.const(gemv.column(t, expand[0]), "xv")
+            return self.const(t.expand(expand) if expand else t, "xv")
+        if column:
+            return f"{self.const(gemv.column, 'f')}(r{vid}.view({shape}), {expand[0]})"
+        return f"r{vid}.view({shape})" + (f".expand({expand})" if expand else "")
+
+    def split_gemv(self, x: Reg, w: torch.Tensor, b: Any, c: int, weight_t: bool, o: int, dev: torch.device) -> str:
+        """One-row product as one threaded ``bmm`` over ``c`` output chunks (see :mod:`hetforge.ops.gemv`),
+        into the planned slice, or into a fresh tensor when the result is a graph output."""
+        self.stats.split_gemv += 1
+        wc = self.const(gemv.split_weight(w, c, weight_t), "wc")
+        k = w.shape[0] if weight_t else w.shape[1]
+        vo = self.p.values[o]
+        m = vo.shape[-1] // c
+        if weight_t:
+            lhs, rhs, oshape = self.view_of(x.id, (1, 1, k), (c, 1, k)), wc, (c, 1, m)
+        else:
+            lhs, rhs, oshape = wc, self.view_of(x.id, (1, k), (c,), column=True), (c, m, 1)
+        bias = f".add_({self.expr(b, dev)})" if b is not None else ""
+        if not self.planned(o):
+            return f"r{o} = {self.const(torch.bmm, 'f')}({lhs}, {rhs}).view({tuple(vo.shape)}){bias}"
+        buf = self.buffer(o)
+        o3 = self.const(self.g[buf].view(oshape), "o3")
+        line = f"{self.const(torch.ops.aten.bmm.out, 'fo')}({lhs}, {rhs}, out={o3}); "
+        if b is not None:
+            line += f"{self.const(self.g[buf].view(1, -1), 'o1')}{bias}; "
+        return line + f"r{o} = {buf}"
 
     def build(self, profile: bool) -> str:
         p = self.p

@@ -8,6 +8,9 @@ decomposition the OpenVINO backend uses), and the decorator records FLOP/byte fo
   ``F.scaled_dot_product_attention``; ``k``/``v`` may have fewer heads than ``q`` (grouped-query attention:
   query head ``h`` uses key/value head ``h // (Hq / Hkv)``). A boolean mask means True = attend; a float
   mask is added to the scores.
+* ``hetforge::kv_attention(q, k, v, k_cache, v_cache, cache_mask, new_mask?, scale)`` — the decode step's
+  attention: new rows over a read-only KV cache plus themselves, one softmax, grouped-query heads as rows.
+  The runtime's decode modules call it directly, so a decode graph has one attention node per layer.
 * ``hetforge::linear_act(x, weight, bias?, act, weight_t)`` — ``act(x·Wᵀ + b)``; ``weight`` is ``[out, in]``
   (``F.linear`` layout) or ``[in, out]`` when ``weight_t`` (GPT-2's Conv1D / ``addmm`` / ``matmul`` layout,
   so no transposed copy of the weight is ever made).
@@ -26,6 +29,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from hetforge.ops import gemv
 from hetforge.ops.registry import OpCall, TensorMeta, register_op
 
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu")
@@ -94,6 +98,51 @@ def attention(q, k, v, mask=None, scale=1.0, is_causal=False):
                                           scale=scale, enable_gqa=gqa)
 
 
+def _kv_attention_flops(call: OpCall) -> float:
+    """Over ``L = S + T`` keys (``S`` cached, ``T`` new): ``2·B·H·T·L·D`` (q·kᵀ) + ``2·B·H·T·L·D`` (p·v)
+    + ``5·B·H·T·L`` (scale, mask, softmax)."""
+    q, kc = _arg(call, 0), _arg(call, 3)
+    if q is None or kc is None:
+        return 0.0
+    bht = math.prod(q.shape[:-1])
+    ell = kc.shape[-2] + q.shape[-2]
+    return float(bht * ell * (4 * q.shape[-1] + 5))
+
+
+def _kv_attention_fake(q, k, v, k_cache, v_cache, cache_mask, new_mask=None, scale=1.0):
+    return q.new_empty((*q.shape[:-1], v.shape[-1]))
+
+
+@register_op(
+    "hetforge::kv_attention(Tensor q, Tensor k, Tensor v, Tensor k_cache, Tensor v_cache, Tensor cache_mask, "
+    "Tensor? new_mask=None, float scale=1.0) -> Tensor",
+    flops=_kv_attention_flops,
+    devices=("cpu", "gpu", "npu"),
+    op_class="compute",
+    fake=_kv_attention_fake,
+)
+def kv_attention(q, k, v, k_cache, v_cache, cache_mask, new_mask=None, scale=1.0):
+    """Attention of new rows over a read-only KV cache plus themselves (the decode step's attention).
+
+    ``q [B, H, T, D]``, ``k``/``v [B, Hkv, T, D]`` (new rows), caches ``[B, Hkv, S, D]``, ``cache_mask [1, S]``
+    and ``new_mask [T, T]`` additive. The cache is only read: the two score blocks are joined before one
+    softmax, and grouped-query heads are rows of ``q`` viewed as ``[Hkv, G·T]`` (no K/V repeat)."""
+    b, h, t, d = q.shape
+    hkv, n = k.shape[1], k_cache.shape[2]
+    g = h // hkv
+    # 3-D batched products (bmm/baddbmm: no matmul reshape logic per call); head = kv_head * g + i,
+    # row = i * t + position
+    qg = q.reshape(b * hkv, g * t, d)
+    s_cache = torch.baddbmm(cache_mask, qg, k_cache.reshape(b * hkv, n, d).transpose(1, 2), alpha=scale)
+    s_new = torch.bmm(qg, k.reshape(b * hkv, t, d).transpose(1, 2)) * scale
+    if new_mask is not None:
+        s_new = s_new + (new_mask if g == 1 else new_mask.repeat(g, 1))
+    p = torch.softmax(torch.cat([s_cache, s_new], dim=-1), dim=-1)
+    new = torch.bmm(p[..., n:], v.reshape(b * hkv, t, -1))
+    out = torch.baddbmm(new, p[..., :n], v_cache.reshape(b * hkv, n, -1))
+    return out.reshape(b, h, t, v.shape[-1])
+
+
 # ---------------------------------------------------------------- linear + activation
 
 
@@ -109,6 +158,8 @@ def _linear_act_flops(call: OpCall) -> float:
 
 
 def _linear(x, weight, bias, weight_t: bool):
+    if gemv.usable(x, weight, weight_t) is not None:  # one row: the threaded split GEMV (ops/gemv.py)
+        return gemv.linear(x, weight, bias, weight_t)
     if not weight_t:
         return F.linear(x, weight, bias)
     if x.dim() == 2 and bias is not None:
@@ -166,8 +217,8 @@ def _gated_mlp_fake(x, w_gate, w_up, w_down=None, b_gate=None, b_up=None, b_down
 )
 def gated_mlp(x, w_gate, w_up, w_down=None, b_gate=None, b_up=None, b_down=None, act="silu"):
     """``act(x·Wgᵀ) * (x·Wuᵀ)``, then ``·Wdᵀ`` when ``w_down`` is given (SwiGLU with act='silu')."""
-    h = apply_act(F.linear(x, w_gate, b_gate), act) * F.linear(x, w_up, b_up)
-    return F.linear(h, w_down, b_down) if w_down is not None else h
+    h = apply_act(_linear(x, w_gate, b_gate, False), act) * _linear(x, w_up, b_up, False)
+    return _linear(h, w_down, b_down, False) if w_down is not None else h
 
 
 # ---------------------------------------------------------------- norms

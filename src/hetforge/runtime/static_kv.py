@@ -18,10 +18,12 @@ full cache copy per token — and a side-effecting graph is harder for every pas
 plan to reason about. Returning rows keeps the graphs pure (see docs/arch/runtime.md).
 
 The attention is plugged into the HF model through transformers' ``AttentionInterface`` under the name
-``hetforge_kv``: the model computes q/k/v (with its own rotary / biases / scaling) and calls us. We
-attend over the cache and the new rows as two score blocks joined before one softmax, so the cache is
-only read, never concatenated or repeated: grouped-query heads are handled by viewing q as
-``[kv_heads, groups * T]`` rows instead of repeating K/V.
+``hetforge_kv``: the model computes q/k/v (with its own rotary / biases / scaling) and calls us. In
+decode we call ``hetforge::kv_attention`` (ops/fused.py), so each layer's attention is one graph node: it
+attends over the cache and the new rows as two score blocks joined before one softmax, so the cache is
+only read, never concatenated or repeated, and grouped-query heads are handled by viewing q as
+``[kv_heads, groups * T]`` rows instead of repeating K/V. Prefill writes the same math out in ATen ops,
+which the attention pass fuses into ``hetforge::attention``.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+
+import hetforge.ops  # noqa: F401  (registers hetforge::kv_attention)
 
 ATTN_NAME = "hetforge_kv"
 _state = threading.local()
@@ -63,18 +67,15 @@ def _attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value:
     hkv = key.shape[1]
     g = h // hkv
     scale = d**-0.5 if scaling is None else scaling
-    qg = query.reshape(b, hkv, g * t, d)  # head = kv_head * g + i, row = i * t + position
-    s_new = torch.matmul(qg, key.transpose(-1, -2)) * scale + ctx.new_mask.repeat(g, 1)
-    if ctx.cache is None:
-        p = torch.softmax(s_new, dim=-1)
-        out = torch.matmul(p, value)
-    else:
+    if ctx.cache is None:  # prefill: plain attention over the new rows (the attention pass fuses it)
+        qg = query.reshape(b, hkv, g * t, d)  # head = kv_head * g + i, row = i * t + position
+        s_new = torch.matmul(qg, key.transpose(-1, -2)) * scale + ctx.new_mask.repeat(g, 1)
+        out = torch.matmul(torch.softmax(s_new, dim=-1), value)
+    else:  # decode: one hetforge::kv_attention node per layer (ops/fused.py)
         kc, vc = ctx.cache[layer]
-        s_cache = torch.matmul(qg, kc.transpose(-1, -2)) * scale + ctx.cache_mask
-        p = torch.softmax(torch.cat([s_cache, s_new], dim=-1), dim=-1)
-        n = kc.shape[2]
-        out = torch.matmul(p[..., :n], vc) + torch.matmul(p[..., n:], value)
-    out = out.reshape(b, h, t, d).transpose(1, 2)
+        new_mask = ctx.new_mask if t > 1 else None  # one new row sees itself: nothing to mask
+        out = torch.ops.hetforge.kv_attention(query, key, value, kc, vc, ctx.cache_mask, new_mask, scale)
+    out = out.reshape(b, h, t, value.shape[-1]).transpose(1, 2)
     return out, None
 
 
