@@ -1,7 +1,8 @@
 """Generation benchmark: hetforge's runtime vs Hugging Face eager ``generate``, and vs the bandwidth bound.
 
 Usage: python bench/generate.py [--models gpt2 llama-110m] [--prompt-tokens 32] [--new-tokens 64]
-                                [--rounds 5] [--threads 2] [--executor auto] [--json FILE]
+                                [--rounds 5] [--threads 2] [--executor auto] [--quantize none w8a8]
+                                [--json FILE]
 
 Per model, in one process: build both, warm both up (hetforge compiles its two programs here; the
 compile seconds are reported), then ``--rounds`` rounds, each running HF then hetforge on the same
@@ -13,6 +14,10 @@ seeded prompt (interleaved, so drift hits both). Greedy, end-of-text ignored by 
 * Bandwidth bound: bytes a decode step must read (every weight except the unused rows of input-only
   embedding tables, plus the live KV rows at the mean context) ÷ the read bandwidth measured here
   (``sum`` over a 512 MiB tensor, best of 5). A lower bound on decode time (modeled from measured inputs).
+  For a quantized run the linears' weights count at their quantized size (int8 + fp32 scales).
+* ``--quantize``: one hetforge row per scheme (``none`` = fp32, the same precision as HF). A quantized
+  row is *not* the same computation as HF's fp32 one: its tokens are compared with HF's (length of the
+  common prefix) and reported next to its speed.
 """
 
 from __future__ import annotations
@@ -55,6 +60,28 @@ def decode_bytes(model, kv_bytes_per_pos: int, mean_ctx: float) -> int:
     return int(total + kv_bytes_per_pos * mean_ctx)
 
 
+def quantized_bytes(model, scheme: str, fp32_bytes: int) -> int:
+    """``fp32_bytes`` with every linear weight (incl. the LM head) counted at its ``scheme`` size."""
+    from hetforge.ops.quant import weight_bytes
+
+    if scheme == "none":
+        return fp32_bytes
+    delta, seen = 0, set()
+    for mod in model.modules():
+        w = getattr(mod, "weight", None)
+        kind = type(mod).__name__
+        if w is None or w.dim() != 2 or kind not in ("Linear", "Conv1D") or w.data_ptr() in seen:
+            continue
+        seen.add(w.data_ptr())
+        n, k = (w.shape[1], w.shape[0]) if kind == "Conv1D" else tuple(w.shape)
+        delta += w.numel() * w.element_size() - weight_bytes(scheme, n, k)
+    return fp32_bytes - delta
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+
+
 def _owner(model, pname: str):
     mod = model
     for part in pname.split(".")[:-1]:
@@ -78,67 +105,86 @@ def bench_model(name: str, args, bw: float) -> dict:
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, loaded.vocab_size, (1, args.prompt_tokens), generator=g)
     n = args.new_tokens
-    t0 = time.perf_counter()
-    eng = Engine(loaded, executor=args.executor)
     params = SamplingParams(max_new_tokens=n, ignore_eos=True)
-    warm = eng.generate(prompt[0].tolist(), params)
-    setup_s = time.perf_counter() - t0
+    engines, warm, setup_s = {}, {}, {}
+    for scheme in args.quantize:
+        t0 = time.perf_counter()
+        engines[scheme] = Engine(loaded, executor=args.executor, quantize=scheme)
+        warm[scheme] = engines[scheme].generate(prompt[0].tolist(), params)
+        setup_s[scheme] = time.perf_counter() - t0
     hf_run(model, prompt, 2)
-    hf_ttft, hf_dec, our_ttft, our_dec = [], [], [], []
-    same = True
+    hf_ttft, hf_dec = [], []
+    ours = {s: {"ttft": [], "dec": [], "prefix": []} for s in args.quantize}
     for _ in range(args.rounds):
         t1, _ = hf_run(model, prompt, 1)
         tn, hf_tokens = hf_run(model, prompt, n)
-        r = eng.generate(prompt[0].tolist(), params)
         hf_ttft.append(t1)
         hf_dec.append((tn - t1) / (n - 1))
-        our_ttft.append(r.ttft_s)
-        our_dec.append(r.decode_ms_per_token / 1e3)
-        same &= r.tokens == hf_tokens
-    cache = eng.programs.cache(warm.cache_length)
+        for scheme, eng in engines.items():
+            r = eng.generate(prompt[0].tolist(), params)
+            ours[scheme]["ttft"].append(r.ttft_s)
+            ours[scheme]["dec"].append(r.decode_ms_per_token / 1e3)
+            ours[scheme]["prefix"].append(common_prefix(r.tokens, hf_tokens))
+    first = warm[args.quantize[0]]
+    cache = engines[args.quantize[0]].programs.cache(first.cache_length)
     per_pos = cache.nbytes // cache.length
     need = decode_bytes(model, per_pos, args.prompt_tokens + n / 2)
-    bound = need / bw
 
     def st(xs):
         return {"median": statistics.median(xs), "min": min(xs)}
 
-    res = {
-        "model": name, "parameters": loaded.num_parameters, "executor": warm.executor,
+    runs = {}
+    for scheme, o in ours.items():
+        need_q = quantized_bytes(model, scheme, need)
+        runs[scheme] = {
+            "executor": warm[scheme].executor, "compile_s": warm[scheme].compile_s, "setup_s": setup_s[scheme],
+            "ttft_s": st(o["ttft"]), "decode_s_per_token": st(o["dec"]),
+            "decode_ratio_vs_hf": statistics.median(o["dec"]) / statistics.median(hf_dec),
+            "decode_ratio_vs_hf_min": min(o["dec"]) / min(hf_dec),
+            "ttft_ratio_vs_hf": statistics.median(o["ttft"]) / statistics.median(hf_ttft),
+            "decode_bytes_per_token": need_q, "bandwidth_bound_s_per_token": need_q / bw,
+            "decode_ratio_vs_bound": statistics.median(o["dec"]) / (need_q / bw),
+            "tokens_equal_to_hf_prefix": min(o["prefix"]), "same_tokens_as_hf": min(o["prefix"]) == n,
+        }
+    return {
+        "model": name, "parameters": loaded.num_parameters,
         "prompt_tokens": args.prompt_tokens, "new_tokens": n, "rounds": args.rounds,
-        "prefill_tier": warm.prefill_tier, "kv_cache_length": warm.cache_length, "kv_cache_bytes": warm.kv_cache_bytes,
-        "compile_s": warm.compile_s, "setup_s": setup_s,
-        "hf": {"ttft_s": st(hf_ttft), "decode_s_per_token": st(hf_dec)},
-        "hetforge": {"ttft_s": st(our_ttft), "decode_s_per_token": st(our_dec)},
-        "decode_ratio_vs_hf": statistics.median(our_dec) / statistics.median(hf_dec),
-        "ttft_ratio_vs_hf": statistics.median(our_ttft) / statistics.median(hf_ttft),
-        "decode_bytes_per_token": need, "bandwidth_bound_s_per_token": bound,
-        "decode_ratio_vs_bound": statistics.median(our_dec) / bound,
-        "hf_decode_ratio_vs_bound": statistics.median(hf_dec) / bound,
-        "same_tokens_as_hf": same,
+        "prefill_tier": first.prefill_tier, "kv_cache_length": first.cache_length,
+        "kv_cache_bytes": first.kv_cache_bytes,
+        "hf": {"ttft_s": st(hf_ttft), "decode_s_per_token": st(hf_dec), "decode_bytes_per_token": need,
+               "bandwidth_bound_s_per_token": need / bw,
+               "decode_ratio_vs_bound": statistics.median(hf_dec) / (need / bw)},
+        "hetforge": runs,
     }
-    return res
 
 
 def table(results: list[dict], bw: float) -> str:
-    rows = ["| model | system | TTFT median (min) ms | decode median (min) ms/token | decode ÷ HF | decode ÷ bound |",
-            "|---|---|---|---|---|---|"]
+    rows = ["| model | system | TTFT median (min) ms | decode median (min) ms/token | decode ÷ HF median (min) | "
+            "decode ÷ bound | tokens equal to HF |", "|---|---|---|---|---|---|---|"]
     for r in results:
-        for sys_, key in (("HF eager generate", "hf"), (f"hetforge ({r['executor']})", "hetforge")):
-            d, t = r[key]["decode_s_per_token"], r[key]["ttft_s"]
-            ratio = f"{r['decode_ratio_vs_hf']:.2f}" if key == "hetforge" else "1"
-            bound = r["decode_ratio_vs_bound"] if key == "hetforge" else r["hf_decode_ratio_vs_bound"]
-            rows.append(f"| {r['model']} | {sys_} | {1e3 * t['median']:.1f} ({1e3 * t['min']:.1f}) | "
-                        f"{1e3 * d['median']:.2f} ({1e3 * d['min']:.2f}) | {ratio} | {bound:.2f} |")
+        h = r["hf"]
+        rows.append(f"| {r['model']} | HF eager generate (fp32) | {_ms(h['ttft_s'])} | "
+                    f"{_ms(h['decode_s_per_token'], 2)} | 1 | {h['decode_ratio_vs_bound']:.2f} | — |")
+        for scheme, o in r["hetforge"].items():
+            prec = "fp32" if scheme == "none" else scheme
+            rows.append(f"| {r['model']} | hetforge ({o['executor']}, {prec}) | {_ms(o['ttft_s'])} | "
+                        f"{_ms(o['decode_s_per_token'], 2)} | {o['decode_ratio_vs_hf']:.2f} "
+                        f"({o['decode_ratio_vs_hf_min']:.2f}) | {o['decode_ratio_vs_bound']:.2f} | "
+                        f"{o['tokens_equal_to_hf_prefix']}/{r['new_tokens']} |")
     rows.append("")
     for r in results:
-        comp = ", ".join(f"{k} {v:.1f} s" for k, v in r["compile_s"].items())
-        rows.append(f"- {r['model']}: bound {1e3 * r['bandwidth_bound_s_per_token']:.2f} ms/token = "
-                    f"{r['decode_bytes_per_token'] / 1e6:.1f} MB ÷ {bw / 1e9:.1f} GB/s; prefill tier "
-                    f"{r['prefill_tier']}, KV cache {r['kv_cache_length']} positions = "
-                    f"{r['kv_cache_bytes'] / 2**20:.1f} MiB; compiled {comp}; same greedy tokens as HF: "
-                    f"{r['same_tokens_as_hf']}")
+        bounds = "; ".join(f"{'fp32' if s == 'none' else s} {1e3 * o['bandwidth_bound_s_per_token']:.2f} ms/token = "
+                           f"{o['decode_bytes_per_token'] / 1e6:.1f} MB" for s, o in r["hetforge"].items())
+        comp = "; ".join(f"{s}: " + ", ".join(f"{k} {v:.1f} s" for k, v in o["compile_s"].items())
+                         for s, o in r["hetforge"].items())
+        rows.append(f"- {r['model']}: bound at {bw / 1e9:.1f} GB/s: {bounds}; prefill tier {r['prefill_tier']}, "
+                    f"KV cache {r['kv_cache_length']} positions = {r['kv_cache_bytes'] / 2**20:.1f} MiB; "
+                    f"compiled (measured) {comp}")
     return "\n".join(rows)
+
+
+def _ms(s: dict, nd: int = 1) -> str:
+    return f"{1e3 * s['median']:.{nd}f} ({1e3 * s['min']:.{nd}f})"
 
 
 def main() -> None:
@@ -149,6 +195,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--executor", default="auto")
+    ap.add_argument("--quantize", nargs="+", default=["none"], help="one hetforge row per scheme: none w8 w4 w8a8")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)

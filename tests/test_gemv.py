@@ -31,6 +31,8 @@ def test_chunk_count_follows_threads_and_divisors():
        bias=st.booleans())
 def test_split_gemv_equals_linear(k, m, c, weight_t, bias):
     n = m * c
+    if weight_t:  # a [K, N] weight is split over K
+        k, n = k * c, m
     g = torch.Generator().manual_seed(k * 1000 + n)
     x = torch.randn(1, k, generator=g)
     w = torch.randn((k, n) if weight_t else (n, k), generator=g)

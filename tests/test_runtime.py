@@ -133,7 +133,8 @@ def test_prompt_longer_than_the_context_names_both_numbers():
 
 @pytest.mark.parametrize("args", [
     ["--prompt", ""], ["--prompt", "x", "-n", "0"], ["--prompt", "x", "--top-p", "0"],
-    ["--prompt", "x", "--temperature", "-1"],
+    ["--prompt", "x", "--temperature", "-1"], ["--prompt", "x", "--quantize", "w3"],
+    ["--prompt", "x", "--quantize", "w4", "--group-size", "48"],
 ])
 def test_cli_bad_input_exits_2_with_one_line(args):
     res = runner.invoke(app, ["run", "gpt2-tiny", *args])
@@ -192,3 +193,23 @@ def test_decode_graph_has_one_kv_attention_node_per_layer():
     targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
     assert targets.count(torch.ops.hetforge.kv_attention.default) == layers
     assert torch.ops.aten.softmax.int not in targets  # no unfused attention left in the decode step
+
+
+@pytest.mark.parametrize(("executor", "scheme", "kernel"), [("backend", "w8a8", "quantized::linear_dynamic"),
+                                                          ("fx", "w8", "aten::_weight_int8pack_mm")])
+def test_quantized_generation_runs_int8_linears_in_both_programs(executor, scheme, kernel):
+    loaded = engine("llama-tiny").loaded
+    q = Engine(loaded, executor=executor, quantize=scheme)
+    r = q.generate(PROMPT, SamplingParams(max_new_tokens=6))
+    assert r.executor == f"{executor}+{scheme}" and len(r.tokens) == 6
+    progs = {p.kind: p for p in q.programs.programs.values()}
+    assert set(progs) == {"prefill", "decode"}
+    for p in progs.values():
+        assert any(n.startswith("quantization:") for n in p.notes), p.notes
+    cache = q.programs.cache(r.cache_length)
+    args = (torch.tensor([[5]]), torch.tensor([[len(PROMPT)]]), *cache.buffers)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        progs["decode"].run(*args)
+    ran = {e.name for e in prof.events()}
+    assert kernel in ran, sorted(n for n in ran if "mm" in n or "linear" in n)
+    assert "aten::linear" not in ran  # no float weight product left in the decode step

@@ -267,7 +267,8 @@ class _Codegen:
         k, n = vx.shape[-1], vo.shape[-1]
         wname = self.weight(w.id, dev)
         wt = self.g[wname]
-        c = gemv.chunks_for(n) if dev.type == "cpu" and math.prod(vx.shape) == k and wt.is_contiguous() else None
+        split = wt.shape[0]  # N of an [N, K] weight (split over outputs), K of a [K, N] one (split-K)
+        c = gemv.chunks_for(split) if dev.type == "cpu" and math.prod(vx.shape) == k and wt.is_contiguous() else None
         if c is not None:
             return self.split_gemv(x, wt, b, c, weight_t, o, dev)
         if weight_t or not self.planned(o):  # the out= variant / functional op is the same GEMM
@@ -295,23 +296,32 @@ class _Codegen:
         return f"r{vid}.view({shape})" + (f".expand({expand})" if expand else "")
 
     def split_gemv(self, x: Reg, w: torch.Tensor, b: Any, c: int, weight_t: bool, o: int, dev: torch.device) -> str:
-        """One-row product as one threaded ``bmm`` over ``c`` output chunks (see :mod:`hetforge.ops.gemv`),
-        into the planned slice, or into a fresh tensor when the result is a graph output."""
+        """One-row product as one threaded ``bmm`` over ``c`` chunks (see :mod:`hetforge.ops.gemv`), into the
+        planned slice, or into a fresh tensor when the result is a graph output."""
         self.stats.split_gemv += 1
         wc = self.const(gemv.split_weight(w, c, weight_t), "wc")
-        k = w.shape[0] if weight_t else w.shape[1]
         vo = self.p.values[o]
-        m = vo.shape[-1] // c
-        if weight_t:
-            lhs, rhs, oshape = self.view_of(x.id, (1, 1, k), (c, 1, k)), wc, (c, 1, m)
-        else:
-            lhs, rhs, oshape = wc, self.view_of(x.id, (1, k), (c,), column=True), (c, m, 1)
         bias = f".add_({self.expr(b, dev)})" if b is not None else ""
+        bmm = self.const(torch.ops.aten.bmm.out, "fo")
+        if weight_t:  # split-K: c partial rows into a scratch buffer made once, then summed
+            k, n = w.shape
+            lhs = self.view_of(x.id, (c, 1, k // c))
+            part = self.const(torch.empty((c, 1, n), dtype=w.dtype, device=dev), "part")
+            line = f"{bmm}({lhs}, {wc}, out={part}); "
+            ssum = self.const(torch.sum, "f")
+            if not self.planned(o):
+                return line + f"r{o} = {ssum}({part}, 0).view({tuple(vo.shape)}){bias}"
+            buf = self.buffer(o)
+            o1 = self.const(self.g[buf].view(1, n), "o1")
+            return line + f"{ssum}({part}, 0, out={o1}){bias}; r{o} = {buf}"
+        k = w.shape[1]
+        m = vo.shape[-1] // c
+        rhs = self.view_of(x.id, (1, k), (c,), column=True)
         if not self.planned(o):
-            return f"r{o} = {self.const(torch.bmm, 'f')}({lhs}, {rhs}).view({tuple(vo.shape)}){bias}"
+            return f"r{o} = {self.const(torch.bmm, 'f')}({wc}, {rhs}).view({tuple(vo.shape)}){bias}"
         buf = self.buffer(o)
-        o3 = self.const(self.g[buf].view(oshape), "o3")
-        line = f"{self.const(torch.ops.aten.bmm.out, 'fo')}({lhs}, {rhs}, out={o3}); "
+        o3 = self.const(self.g[buf].view(c, m, 1), "o3")
+        line = f"{bmm}({wc}, {rhs}, out={o3}); "
         if b is not None:
             line += f"{self.const(self.g[buf].view(1, -1), 'o1')}{bias}; "
         return line + f"r{o} = {buf}"

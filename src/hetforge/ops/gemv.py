@@ -8,14 +8,16 @@ its batch in parallel, so viewing the weight as ``c`` chunks of output features 
 them by the same row in one ``bmm`` uses every thread — and it is a *view* of the weight, so no memory
 is added:
 
-* ``[N, K]`` weight (``F.linear`` layout): ``w.view(c, N/c, K) @ x[K, 1]`` → ``[c, N/c, 1]``;
-* ``[K, N]`` weight (GPT-2 Conv1D / ``addmm`` layout): ``x[1, K] @ w.view(K, c, N/c).permute(1, 0, 2)``
-  → ``[c, 1, N/c]``.
+* ``[N, K]`` weight (``F.linear`` layout), split over outputs: ``w.view(c, N/c, K) @ x[K, 1]`` →
+  ``[c, N/c, 1]``, which read in order is the ``[1, N]`` row;
+* ``[K, N]`` weight (GPT-2 Conv1D / ``addmm`` layout), split over the reduction: ``x.view(c, 1, K/c) @
+  w.view(c, K/c, N)`` → ``c`` partial rows ``[c, 1, N]``, summed (a contiguous view of both operands;
+  measured 10.3 ms for gpt2's 48 layer GEMVs vs 13.0 ms splitting ``N`` through a permuted view and
+  16.2 ms for ``addmm``).
 
-Either result, read in order, is the ``[1, N]`` output row. It is used only when there is exactly one
-row and more than one torch thread (on one thread the split kernel is slower than plain ``linear``).
-``c`` is the smallest divisor of ``N`` that is at least the thread count (up to 64); an ``N`` without
-one keeps the plain kernel.
+It is used only when there is exactly one row and more than one torch thread (on one thread the split
+kernel is slower than plain ``linear``). ``c`` is the smallest divisor of the split dimension (``N``,
+or ``K`` for ``[K, N]``) that is at least the thread count (up to 64); without one the plain kernel runs.
 """
 
 from __future__ import annotations
@@ -35,28 +37,29 @@ def chunks_for(n: int, threads: int | None = None) -> int | None:
 
 
 def split_weight(w: torch.Tensor, c: int, weight_t: bool) -> torch.Tensor:
-    """The chunked view of ``w``: ``[c, N/c, K]`` for ``[N, K]``, ``[c, K, N/c]`` for ``[K, N]`` (weight_t)."""
+    """The chunked view of ``w``: ``[c, N/c, K]`` for ``[N, K]``; ``[c, K/c, N]`` for ``[K, N]`` (weight_t)."""
     if weight_t:
         k, n = w.shape
-        return w.view(k, c, n // c).permute(1, 0, 2)
+        return w.view(c, k // c, n)
     n, k = w.shape
     return w.view(c, n // c, k)
 
 
-def split_gemv(x: torch.Tensor, wc: torch.Tensor, weight_t: bool, out: torch.Tensor | None = None) -> torch.Tensor:
+def split_gemv(x: torch.Tensor, wc: torch.Tensor, weight_t: bool, out: torch.Tensor | None = None,
+               partial: torch.Tensor | None = None) -> torch.Tensor:
     """``x[1, K]`` times the chunked weight ``wc`` (from :func:`split_weight`) as one threaded ``bmm``.
 
-    Returns the ``[1, N]`` row (written into ``out``, a contiguous ``[1, N]`` tensor, when given)."""
+    Returns the ``[1, N]`` row (written into ``out``, a contiguous ``[1, N]`` tensor, when given; a
+    ``[K, N]`` weight's partial rows go to ``partial`` ``[c, 1, N]`` when given)."""
     c = wc.shape[0]
     if weight_t:
-        k, m = wc.shape[1], wc.shape[2]
-        lhs, rhs, shape = x.reshape(1, 1, k).expand(c, 1, k), wc, (c, 1, m)
-    else:
-        m, k = wc.shape[1], wc.shape[2]
-        lhs, rhs, shape = wc, column(x.reshape(1, k), c), (c, m, 1)
+        kc = wc.shape[1]
+        p = torch.bmm(x.reshape(c, 1, kc), wc, out=partial)
+        return torch.sum(p, 0, out=out) if out is not None else p.sum(0)
+    m, k = wc.shape[1], wc.shape[2]
     if out is None:
-        return torch.bmm(lhs, rhs).view(1, c * m)
-    torch.bmm(lhs, rhs, out=out.view(shape))
+        return torch.bmm(wc, column(x.reshape(1, k), c)).view(1, c * m)
+    torch.bmm(wc, column(x.reshape(1, k), c), out=out.view(c, m, 1))
     return out
 
 
@@ -72,7 +75,7 @@ def usable(x: torch.Tensor, w: torch.Tensor, weight_t: bool) -> int | None:
         return None
     if x.dtype != w.dtype or not x.dtype.is_floating_point:
         return None
-    return chunks_for(w.shape[1] if weight_t else w.shape[0])
+    return chunks_for(w.shape[0])  # K for a [K, N] weight (split-K), N for [N, K] (split-N)
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, weight_t: bool = False) -> torch.Tensor:

@@ -24,6 +24,7 @@ the scales, not an fp32 weight.
 from __future__ import annotations
 
 import math
+import warnings
 import weakref
 
 import torch
@@ -139,7 +140,9 @@ def _fbgemm_packed(qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tens
     if hit is not None and hit[0]() is qweight and hit[1] == key:
         return hit[2]
     zeros = torch.zeros(qweight.shape[0], dtype=torch.long)
-    qw = torch._make_per_channel_quantized_tensor(qweight, scales.double(), zeros, 0)
+    with warnings.catch_warnings():  # torch deprecates quantized tensors; FBGEMM's prepack still needs one
+        warnings.filterwarnings("ignore", message=".*quantized tensor creation functions.*")
+        qw = torch._make_per_channel_quantized_tensor(qweight, scales.double(), zeros, 0)
     packed = torch.ops.quantized.linear_prepack(qw, None if bias is None else bias.float().contiguous())
 
     def forget(ref: weakref.ref, i: int = id(qweight)) -> None:

@@ -61,12 +61,12 @@ class Engine:
     """Generates text from one loaded model with compiled static-shape programs."""
 
     def __init__(self, loaded, tokenizer: Tokenizer | None = None, executor: Executor | str = "auto",
-                 soc: str = "host", optimize: bool = True):
+                 soc: str = "host", optimize: bool = True, quantize: str = "none", group_size: int = 128):
         if loaded.kind != "causal-lm":
             raise UsageError(f"model '{loaded.name}' is a {loaded.kind}; generation needs a causal LM")
         self.loaded = loaded
         self.tokenizer = tokenizer or for_model(loaded)
-        self.executor = make_executor(executor, soc) if isinstance(executor, str) else executor
+        self.executor = make_executor(executor, soc, quantize, group_size) if isinstance(executor, str) else executor
         self.programs = ProgramCache(loaded.model, loaded.max_positions, self.executor, optimize=optimize)
         self.vocab_size = loaded.vocab_size
         self._ids = torch.zeros((1, 1), dtype=torch.long)

@@ -34,6 +34,8 @@ def run(
     soc: str = typer.Option("host", "--soc", help="SoC profile to compile for"),
     executor: str = typer.Option("auto", "--executor", help="auto, backend or fx (see docs/arch/runtime.md)"),
     threads: int = typer.Option(0, "--threads", help="CPU threads for torch (0 = torch's default)"),
+    quantize: str = typer.Option("none", "--quantize", help="weights of every linear: none, w8, w4 or w8a8"),
+    group_size: int = typer.Option(128, "--group-size", help="w4 quantization group size (32, 64, 128, 256)"),
     ignore_eos: bool = typer.Option(False, "--ignore-eos", help="keep going past the end-of-text token"),
     json_out: bool = typer.Option(False, "--json", help="print one JSON document instead of streaming"),
 ) -> None:
@@ -47,7 +49,7 @@ def run(
                             repetition_penalty=repetition_penalty, stop=tuple(stop or ()), seed=seed,
                             ignore_eos=ignore_eos)
     set_threads(threads)
-    engine = make_engine(model, soc, executor)
+    engine = make_engine(model, soc, executor, quantize, group_size)
     gen = engine.stream(prompt, params)
     interrupted = False
     try:
@@ -88,11 +90,14 @@ def set_threads(threads: int) -> None:
         torch.set_num_threads(threads)
 
 
-def make_engine(model: str, soc: str, executor: str):
-    """Load ``model`` and build an :class:`~hetforge.runtime.Engine` (validates the SoC name first)."""
+def make_engine(model: str, soc: str, executor: str, quantize: str = "none", group_size: int = 128):
+    """Load ``model`` and build an :class:`~hetforge.runtime.Engine` (validates the SoC name and the
+    quantization options first)."""
     from hetforge.hardware import load_soc
     from hetforge.models.zoo import load_model
+    from hetforge.quant import check_options
     from hetforge.runtime import Engine
 
     load_soc(soc)  # an unknown profile is a usage error before any model work
-    return Engine(load_model(model), executor=executor, soc=soc)
+    check_options(quantize, group_size, ())
+    return Engine(load_model(model), executor=executor, soc=soc, quantize=quantize, group_size=group_size)
