@@ -71,11 +71,11 @@ def test_gated_mlp_is_swiglu(down):
 def test_rms_norm_matches_hugging_face(dtype):
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-    norm = LlamaRMSNorm(16, eps=1e-5)
+    norm = LlamaRMSNorm(768, eps=1e-5)
     with torch.no_grad():
-        norm.weight.copy_(torch.randn(16))
+        norm.weight.copy_(torch.randn(768))
     norm = norm.to(dtype)
-    x = torch.randn(2, 5, 16).to(dtype)
+    x = torch.randn(2, 37, 768).to(dtype)
     got = ops.rms_norm(x, norm.weight, 1e-5)
     want = norm(x)
     assert got.dtype == want.dtype

@@ -348,7 +348,7 @@ def test_cli_optimize_json():
     d = json.loads(r.stdout)
     assert [p["name"] for p in d["passes"]] == list(PASS_NAMES)
     assert set(d["passes"][0]) >= {"name", "nodes_before", "nodes_after", "rewrites", "near_misses", "seconds"}
-    assert d["fused"] == {"attention": 2, "linear_act": 0, "gated_mlp": 2, "rms_norm": 5, "layer_norm": 0}
+    assert d["fused"] == {"attention": 2, "linear_act": 0, "gated_mlp": 2, "rotary": 4, "rms_norm": 5, "layer_norm": 0}
     assert d["kl_mean"] < 1e-8 and d["max_abs_err"] < 1e-4
 
 
@@ -377,3 +377,45 @@ def test_compare_logits_sees_a_wrong_rewrite():
     finally:
         node.args = old
         gm.recompile()
+
+
+class _Rope(nn.Module):
+    """Hugging Face's apply_rotary_pos_emb on q and k; ``half`` moves the split point for the negative case."""
+
+    def __init__(self, half: int | None = None):
+        super().__init__()
+        self.half = half
+
+    def forward(self, q, k, cos, sin):
+        def rot(x):
+            h = self.half or x.shape[-1] // 2
+            return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        return q * cos + rot(q) * sin, k * cos + rot(k) * sin
+
+
+def _rope_inputs():
+    g = torch.Generator().manual_seed(3)
+    return (torch.randn(1, 4, 5, 8, generator=g), torch.randn(1, 2, 5, 8, generator=g),
+            torch.randn(1, 5, 8, generator=g), torch.randn(1, 5, 8, generator=g))
+
+
+def test_rotary_embedding_fuses_to_one_node_bit_equal():
+    inputs = _rope_inputs()
+    cg = capture(_Rope(), inputs)
+    res = optimize(cg.gm, inputs)
+    assert res.fused["rotary"] == 2
+    counts = op_counts(res.gm)
+    assert not any(k in counts for k in ("aten.neg.default", "aten.cat.default", "aten.slice.Tensor"))
+    for got, want in zip(res.gm(*inputs), _Rope()(*inputs), strict=True):
+        assert torch.equal(got, want)
+
+
+def test_rotary_with_an_uneven_split_is_left_alone():
+    inputs = _rope_inputs()
+    cg = capture(_Rope(half=3), inputs)  # not rotate_half: x[..., 3:] / x[..., :3]
+    res = optimize(cg.gm, inputs)
+    assert res.fused["rotary"] == 0
+    for got, want in zip(res.gm(*inputs), _Rope(half=3)(*inputs), strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)

@@ -1,4 +1,5 @@
-"""Pass 5, operator fusion: Linear + activation → ``hetforge::linear_act``; SwiGLU MLP → ``hetforge::gated_mlp``.
+"""Pass 5, operator fusion: Linear + activation → ``hetforge::linear_act``; SwiGLU MLP → ``hetforge::gated_mlp``;
+rotary position embedding → ``hetforge::rotary``.
 
 Gated MLP first: ``act(linear(x, Wg, bg)) * linear(x, Wu, bu)`` with the same ``x`` (act = SiLU for SwiGLU,
 or exact/tanh GELU) becomes one op, and when the product's only user is ``linear(·, Wd, bd)`` the down
@@ -9,12 +10,17 @@ decomposed tanh-GELU chain GPT-2 produces, ``0.5·x·(1 + tanh(√(2/π)·(x + 0
 produced by ``linear``, ``addmm``, ``mm`` or ``matmul`` with a 2-D weight (possibly through one
 ``view``/``reshape``, as GPT-2's Conv1D does) becomes ``linear_act``. The pre-activation value must not be
 used anywhere else (it would have to be recomputed); activations that cannot be fused are near-misses.
+
+Last, Hugging Face's rotary embedding ``x·cos + cat(-x[..., h:], x[..., :h])·sin`` (``h`` = half the last
+dimension; seven nodes per q and per k) becomes ``rotary(x, cos, sin)`` when its inner nodes have no other
+users. A decode step of llama-110m loses 168 nodes to it.
 """
 
 from __future__ import annotations
 
 import math
 import time
+from typing import Any
 
 import torch
 from torch.fx import GraphModule, Node
@@ -32,6 +38,7 @@ from hetforge.passes.common import (
     finish,
     is_call,
     new_call,
+    norm_dim,
     num_nodes,
     only_user,
     scalar,
@@ -40,6 +47,7 @@ from hetforge.passes.common import (
 
 LINEAR_ACT = torch.ops.hetforge.linear_act.default
 GATED_MLP = torch.ops.hetforge.gated_mlp.default
+ROTARY = torch.ops.hetforge.rotary.default
 _VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 
@@ -199,6 +207,75 @@ def _fuse_linear_act(gm: GraphModule, fake, rewrites: list[Rewrite], misses: lis
         erase_unused(gm, [*reversed(chain), *([view] if view else []), p])
 
 
+_END = 2**62  # a slice end at or past this is "to the end"
+
+
+def _slice_of(n: Any, x: Node, dim: int, start: int, end: int | None) -> bool:
+    """``n`` is ``x[..., start:end]`` on ``dim`` (``end`` None = to the end)."""
+    if not is_call(n, aten.slice.Tensor) or n.args[0] is not x:
+        return False
+    args = list(n.args[1:]) + [None] * (4 - len(n.args))
+    d, s0, e0 = args[0], args[1] or 0, args[2]
+    rank = tval(x).dim()
+    if d is None or norm_dim(d, rank) != dim or s0 != start:
+        return False
+    size = tval(x).shape[dim]
+    return (e0 is None or e0 >= min(size, _END)) if end is None else e0 == end
+
+
+def _rotary_parts(n: Node) -> tuple[Node, Node, Node, list[Node]] | None:
+    """(x, cos, sin, chain) when ``n`` is ``x·cos + cat(-x[..., h:], x[..., :h])·sin``."""
+    if not is_call(n, aten.add.Tensor) or len(n.args) != 2 or n.kwargs.get("alpha", 1) != 1:
+        return None
+    for m_rot, m_x in ((n.args[0], n.args[1]), (n.args[1], n.args[0])):
+        if not (is_call(m_rot, aten.mul.Tensor) and is_call(m_x, aten.mul.Tensor)):
+            continue
+        for cat, sin in ((m_rot.args[0], m_rot.args[1]), (m_rot.args[1], m_rot.args[0])):
+            if not is_call(cat, aten.cat.default) or len(cat.args[0]) != 2:
+                continue
+            neg, lo = cat.args[0]
+            if not is_call(neg, aten.neg.default) or not is_call(lo, aten.slice.Tensor):
+                continue
+            x, hi = lo.args[0], neg.args[0]
+            tx = tval(x)
+            if tx is None or tx.shape[-1] % 2:
+                continue
+            dim, h = tx.dim() - 1, tx.shape[-1] // 2
+            cat_dim = cat.args[1] if len(cat.args) > 1 else cat.kwargs.get("dim", 0)
+            if norm_dim(cat_dim, tx.dim()) != dim:
+                continue
+            if not (_slice_of(lo, x, dim, 0, h) and _slice_of(hi, x, dim, h, None)):
+                continue
+            cos = _other(m_x, x)
+            if cos is None or not isinstance(cos, Node) or not isinstance(sin, Node):
+                continue
+            chain = [m_x, hi, neg, lo, cat, m_rot]
+            if any(len(c.users) != 1 for c in chain):
+                continue
+            return x, cos, sin, chain
+    return None
+
+
+def _fuse_rotary(gm: GraphModule, fake, rewrites: list[Rewrite], misses: list[NearMiss]) -> None:
+    for n in list(gm.graph.nodes):
+        if getattr(n, "_erased", False):
+            continue
+        parts = _rotary_parts(n)
+        if parts is None:
+            continue
+        x, cos, sin, chain = parts
+        new = new_call(gm, n, ROTARY, (x, cos, sin), like=n, fake_mode=fake)
+        tn, tr = tval(n), tval(new)
+        if tn is not None and tr is not None and (tuple(tn.shape) != tuple(tr.shape) or tn.dtype != tr.dtype):
+            misses.append(NearMiss("rotary", n.name, f"fused result {tuple(tr.shape)} {tr.dtype} differs from "
+                                                     f"{tuple(tn.shape)} {tn.dtype}"))
+            erase_unused(gm, [new])
+            continue
+        n.replace_all_uses_with(new)
+        rewrites.append(Rewrite("rotary", [m.name for m in [*chain, n]], new.name, f"half={tval(x).shape[-1] // 2}"))
+        erase_unused(gm, [n, *reversed(chain)])
+
+
 def fuse_operators(gm: GraphModule, inplace: bool = False) -> PassResult:
     """Fuse gated MLPs, then Linear+activation pairs; returns a new GraphModule in the result."""
     t0 = time.perf_counter()
@@ -209,5 +286,6 @@ def fuse_operators(gm: GraphModule, inplace: bool = False) -> PassResult:
     misses: list[NearMiss] = []
     _fuse_gated(gm, fake, rewrites)
     _fuse_linear_act(gm, fake, rewrites, misses)
+    _fuse_rotary(gm, fake, rewrites, misses)
     finish(gm, standalone=not inplace)
     return PassResult("op_fusion", gm, before, num_nodes(gm), rewrites, misses, time.perf_counter() - t0)
