@@ -1,26 +1,30 @@
-"""How well does the cost model predict per-node CPU time on this host? (issue 6, part 4)
+"""How well does the cost model predict the measured time of every instruction on this host? (issue 6)
 
-Measures every ``call_function`` node of ``gpt2`` and ``llama-110m`` (prefill ``--seq`` tokens and a one-token
-shape) on the CPU with a small timing ``torch.fx.Interpreter`` (each node timed once per pass, ``--passes``
-passes after one warm-up pass, minimum per node by default (``--stat median`` for the median) — measured),
-predicts the same nodes with the calibrated ``host`` profile (modeled), and reports:
+Compiles ``gpt2`` and ``llama-110m`` (prefill ``--seq`` tokens and a one-token shape) for the calibrated
+``host`` SoC with :func:`hetforge.compile.compile_graph` — with the six graph passes on and off — and runs
+each program with **hetforge's profiling executor** (``Executable.profile``: a timer around every
+instruction of the arena executor; one warm-up run, then ``--runs`` runs of one repeat each; per instruction
+the minimum (``--stat min``, default) or median of those runs — **measured**). Every instruction is predicted
+with the calibrated profile, in program order (:func:`hetforge.cost.estimate_program` — **modeled**), and the
+bench reports
 
-* per cost-group MAPE (all nodes, and nodes measured > 50 µs),
-* the error on the 20 most expensive nodes,
-* the whole-program error  (Σ predicted − Σ measured) / Σ measured,
+* MAPE per cost group (all instructions, and those measured above 50 µs),
+* the MAPE of the 20 most expensive instructions,
+* the whole-program error  (Σ modeled − Σ measured) / Σ measured,
 
-both for the plain roofline (efficiency factors and fixed overheads removed: "before") and with the per-op-group
-factors and overheads fitted by calibration ("after"). The calibration is run first (same thread count)
-unless ``--profile`` names a file.
+both for the plain roofline (the calibrated π, β and dispatch with efficiency factors and fixed overheads
+removed: "before") and with the factors and overheads calibration fitted ("after"). The calibration runs
+first (same thread count and clock) unless ``--profile`` names a file; it never sees these models.
 
-    python bench/costmodel.py [--threads 1] [--clock thread|wall] [--seq 128] [--passes 15] [--stat min|median]
-                              [--profile FILE] [--out results.json]
+    python bench/costmodel.py [--threads 1] [--clock thread|wall] [--seq 128] [--runs 15] [--stat min|median]
+                              [--passes on,off] [--models gpt2,llama-110m] [--profile FILE] [--out results.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
 import json
 import os
 import platform
@@ -31,7 +35,8 @@ from pathlib import Path
 
 import torch
 
-from hetforge.cost import analyze
+from hetforge.compile import compile_graph
+from hetforge.cost import estimate_program, write_mode
 from hetforge.frontend import capture
 from hetforge.hardware import load_file, save_spec
 from hetforge.hardware.calibrate import CLOCKS, host_spec, measure
@@ -40,45 +45,30 @@ from hetforge.hardware.profile import SocProfile
 from hetforge.models.zoo import example_inputs, load_model
 
 BIG_S = 50e-6
+STATS = {"min": min, "median": statistics.median}
 
 
-class TimingInterpreter(torch.fx.Interpreter):
-    """Runs the graph node by node and records the time of every ``call_function`` (measured).
+def profile_runs(exe, inputs, runs: int, clock: str) -> tuple[list[list[float]], list[float]]:
+    """Per-instruction seconds of ``runs`` profiled runs (one repeat each, after one warm-up run), measured, and
+    each run's total (wall clock, as ``Executable.profile`` reports it).
 
-    ``clock`` is ``time.perf_counter`` (wall) or ``time.thread_time`` (CPU time of this thread: with one torch
-    thread the op runs here, and time lost to other processes on a shared host is not counted).
+    ``clock='thread'`` times instructions with the calling thread's CPU time: through ``profile(clock=…)`` when
+    the executor takes one, else by replacing the timer in the profiling function's globals (``_pc``).
     """
-
-    def __init__(self, gm: torch.fx.GraphModule, clock=time.perf_counter):
-        super().__init__(gm)
-        self.clock = clock
-        self.times: dict[str, list[float]] = {}
-
-    def run_node(self, n: torch.fx.Node):
-        if n.op != "call_function":
-            return super().run_node(n)
-        args, kwargs = self.fetch_args_kwargs_from_env(n)
-        t0 = self.clock()
-        out = n.target(*args, **kwargs)
-        self.times.setdefault(n.name, []).append(self.clock() - t0)
-        return out
-
-
-def measure_nodes(gm: torch.fx.GraphModule, inputs, passes: int, stat=min,
-                  clock=time.perf_counter) -> tuple[dict[str, float], float]:
-    """Per-node time (``stat`` over ``passes`` timed passes after one warm-up) and the same statistic of plain runs
-    (the plain runs always on the wall clock)."""
-    with torch.no_grad():
-        TimingInterpreter(gm, clock).run(*inputs)
-        ti = TimingInterpreter(gm, clock)
-        for _ in range(passes):
-            ti.run(*inputs)
-        e2e = []
-        for _ in range(passes):
-            t0 = time.perf_counter()
-            gm(*inputs)
-            e2e.append(time.perf_counter() - t0)
-    return {k: stat(v) for k, v in ti.times.items()}, stat(e2e)
+    fn = CLOCKS[clock]
+    kw = {"clock": fn} if "clock" in inspect.signature(exe.profile).parameters else {}
+    exe.profile(*inputs, warmup=1, repeat=1, **kw)
+    if clock != "wall" and not kw:
+        g = getattr(exe, "_profile_globals", None)
+        if not isinstance(g, dict) or "_pc" not in g:
+            raise RuntimeError("this executor's profile() cannot use the thread clock; use --clock wall")
+        g["_pc"] = fn
+    per, totals = [], []
+    for _ in range(runs):
+        rep = exe.profile(*inputs, warmup=0, repeat=1, **kw)
+        per.append([t.seconds for t in rep.times])
+        totals.append(rep.total_seconds)
+    return per, totals
 
 
 def without_efficiency(soc: SocProfile) -> SocProfile:
@@ -90,75 +80,89 @@ def ape(pred: float, meas: float) -> float:
     return abs(pred - meas) / meas
 
 
+def _mape(rows: list[dict], key: str) -> float | None:
+    return statistics.mean(ape(r[key], r["measured_s"]) for r in rows) if rows else None
+
+
 def metrics(rows: list[dict], key: str) -> dict:
-    """MAPE per cost group, over big nodes, top-20 nodes, and whole-program error for prediction ``key``."""
-    out: dict = {}
-    groups = sorted({r["group"] for r in rows})
-    out["mape_by_group"] = {}
-    for g in groups:
+    """MAPE per cost group, over big instructions, the top 20, and the whole-program error for prediction ``key``."""
+    out: dict = {"mape_by_group": {}}
+    for g in sorted({r["group"] for r in rows}):
         rs = [r for r in rows if r["group"] == g]
         big = [r for r in rs if r["measured_s"] > BIG_S]
         out["mape_by_group"][g] = {
-            "nodes": len(rs), "mape_all": statistics.mean(ape(r[key], r["measured_s"]) for r in rs),
-            "nodes_gt_50us": len(big),
-            "mape_gt_50us": statistics.mean(ape(r[key], r["measured_s"]) for r in big) if big else None,
-            "measured_s": sum(r["measured_s"] for r in rs), "predicted_s": sum(r[key] for r in rs)}
+            "instructions": len(rs), "mape_all": _mape(rs, key), "instructions_gt_50us": len(big),
+            "mape_gt_50us": _mape(big, key), "measured_s": sum(r["measured_s"] for r in rs),
+            "modeled_s": sum(r[key] for r in rs)}
     big = [r for r in rows if r["measured_s"] > BIG_S]
-    out["mape_gt_50us"] = statistics.mean(ape(r[key], r["measured_s"]) for r in big) if big else None
-    out["nodes_gt_50us"] = len(big)
+    out["mape_gt_50us"], out["instructions_gt_50us"] = _mape(big, key), len(big)
     top = sorted(rows, key=lambda r: -r["measured_s"])[:20]
-    out["top20_mape"] = statistics.mean(ape(r[key], r["measured_s"]) for r in top)
-    out["top20"] = [{"node": r["node"], "op": r["op"], "measured_s": r["measured_s"], "predicted_s": r[key],
-                     "error": (r[key] - r["measured_s"]) / r["measured_s"]} for r in top]
+    out["top20_mape"] = _mape(top, key)
+    out["top20"] = [{"instr": r["instr"], "op": r["op"], "shape": r["shape"], "measured_s": r["measured_s"],
+                     "modeled_s": r[key], "error": (r[key] - r["measured_s"]) / r["measured_s"]} for r in top]
     meas, pred = sum(r["measured_s"] for r in rows), sum(r[key] for r in rows)
-    out["program_measured_s"], out["program_predicted_s"] = meas, pred
+    out["program_measured_s"], out["program_modeled_s"] = meas, pred
     out["program_error"] = (pred - meas) / meas
     return out
 
 
-STATS = {"min": min, "median": statistics.median}
-
-
-def run_case(model: str, seq: int, soc: SocProfile, plain: SocProfile, passes: int, stat: str, clock: str) -> dict:
+def run_case(model: str, seq: int, passes: bool, soc: SocProfile, plain: SocProfile, runs: int, stat: str,
+             clock: str) -> dict:
     loaded = load_model(model)
     inputs = example_inputs(loaded, seq=seq)
     cg = capture(loaded.logits_module(), inputs, name=model)
-    meas, e2e = measure_nodes(cg.gm, inputs, passes, STATS[stat], CLOCKS[clock])
-    after, before = analyze(cg.gm, soc), analyze(cg.gm, plain)
+    res = compile_graph(cg.gm, soc=soc, example_inputs=inputs, passes=passes, name=model)
+    exe, prog, planned = res.executable, res.program, res.memory.offsets
+    per, totals = profile_runs(exe, inputs, runs, clock)
+    meas = [STATS[stat](ts) for ts in zip(*per, strict=True)]
+    with torch.no_grad():  # plain executable calls, for reference (wall clock)
+        plain_runs = []
+        for _ in range(max(3, runs // 3)):
+            t0 = time.perf_counter()
+            exe.run_flat(*inputs)
+            plain_runs.append(time.perf_counter() - t0)
+    after, before = estimate_program(prog, soc, planned), estimate_program(prog, plain, planned)
     rows = []
-    for na, nb in zip(after.nodes, before.nodes, strict=True):
-        ca, cb = na.costs["cpu"], nb.costs["cpu"]
-        rows.append({"node": na.node, "op": na.op, "group": ca.group, "measured_s": max(meas[na.node], 1e-9),
-                     "predicted_s": ca.time_s, "plain_s": cb.time_s, "bound": ca.bound})
-    return {"model": model, "seq": seq, "nodes": len(rows), "plain_run_measured_s": e2e,
-            "after": metrics(rows, "predicted_s"), "before": metrics(rows, "plain_s"), "unknown_ops": after.unknown_ops}
+    for ins, m, a, b in zip(prog.instrs, meas, after, before, strict=True):
+        out = prog.values[ins.outputs[0]] if ins.outputs else None
+        rows.append({"instr": ins.id, "op": ins.op, "kind": ins.kind, "write": write_mode(ins, prog, planned),
+                     "shape": list(out.shape) if out is not None else [], "group": a.group,
+                     "measured_s": max(m, 1e-9), "modeled_s": a.time_s, "plain_s": b.time_s, "bound": a.bound})
+    return {"model": model, "seq": seq, "passes": passes, "instructions": len(rows),
+            "profile_run_total_s": {"min": min(totals), "median": statistics.median(totals)},
+            "plain_run_s": {"min": min(plain_runs), "median": statistics.median(plain_runs)},
+            "after": metrics(rows, "modeled_s"), "before": metrics(rows, "plain_s"), "rows": rows}
 
 
 def fmt_pct(x) -> str:
-    return "–" if x is None else f"{100 * x:.1f}%"
+    return "–" if x is None else f"{100 * x:+.1f}%" if x < 0 else f"{100 * x:.1f}%"
 
 
 def report(res: dict) -> str:
-    lines = [f"machine: {res['machine']}; torch threads {res['threads']}; {res['passes']} passes, per-node "
-             f"{res['stat']} of {res['clock']} time; load average at end {res['load_average_at_end']}", ""]
-    lines.append("| model | shape | nodes | measured Σ nodes (ms) | modeled before (ms) | modeled after (ms) | "
+    lines = [f"machine: {res['machine']}; torch threads {res['threads']}; {res['runs']} profiled runs, per-instruction "
+             f"{res['stat']} of {res['clock']} time; load average before {res['load_average_before']} "
+             f"after {res['load_average_at_end']}", "",
+             "Measured: Σ of the per-instruction times. Modeled: the cost model with the calibrated host profile "
+             "(before = plain roofline, after = with the fitted factors and overheads).", ""]
+    lines.append("| model | shape | passes | instrs | measured Σ (ms) | modeled before (ms) | modeled after (ms) | "
                  "program error before | after | MAPE >50µs before | after | top-20 MAPE before | after |")
-    lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for c in res["cases"]:
         b, a = c["before"], c["after"]
-        lines.append(f"| {c['model']} | seq {c['seq']} | {c['nodes']} | {a['program_measured_s'] * 1e3:.2f} | "
-                     f"{b['program_predicted_s'] * 1e3:.2f} | {a['program_predicted_s'] * 1e3:.2f} | "
-                     f"{fmt_pct(b['program_error'])} | {fmt_pct(a['program_error'])} | {fmt_pct(b['mape_gt_50us'])} "
-                     f"({b['nodes_gt_50us']} nodes) | {fmt_pct(a['mape_gt_50us'])} | {fmt_pct(b['top20_mape'])} | "
-                     f"{fmt_pct(a['top20_mape'])} |")
-    lines += ["", "| model | shape | group | nodes | nodes >50µs | measured (ms) | modeled after (ms) | "
-              "MAPE all before | after | MAPE >50µs before | after |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+        lines.append(f"| {c['model']} | seq {c['seq']} | {'on' if c['passes'] else 'off'} | {c['instructions']} | "
+                     f"{a['program_measured_s'] * 1e3:.2f} | {b['program_modeled_s'] * 1e3:.2f} | "
+                     f"{a['program_modeled_s'] * 1e3:.2f} | {fmt_pct(b['program_error'])} | "
+                     f"{fmt_pct(a['program_error'])} | {fmt_pct(b['mape_gt_50us'])} ({b['instructions_gt_50us']}) | "
+                     f"{fmt_pct(a['mape_gt_50us'])} | {fmt_pct(b['top20_mape'])} | {fmt_pct(a['top20_mape'])} |")
+    lines += ["", "| model | shape | passes | group | instrs | >50µs | measured (ms) | modeled after (ms) | "
+              "MAPE all before | after | MAPE >50µs before | after |", "|---" * 12 + "|"]
     for c in res["cases"]:
         for g, a in c["after"]["mape_by_group"].items():
             b = c["before"]["mape_by_group"][g]
-            lines.append(f"| {c['model']} | seq {c['seq']} | {g} | {a['nodes']} | {a['nodes_gt_50us']} | "
-                         f"{a['measured_s'] * 1e3:.3f} | {a['predicted_s'] * 1e3:.3f} | {fmt_pct(b['mape_all'])} | "
-                         f"{fmt_pct(a['mape_all'])} | {fmt_pct(b['mape_gt_50us'])} | {fmt_pct(a['mape_gt_50us'])} |")
+            lines.append(f"| {c['model']} | seq {c['seq']} | {'on' if c['passes'] else 'off'} | {g} | "
+                         f"{a['instructions']} | {a['instructions_gt_50us']} | {a['measured_s'] * 1e3:.3f} | "
+                         f"{a['modeled_s'] * 1e3:.3f} | {fmt_pct(b['mape_all'])} | {fmt_pct(a['mape_all'])} | "
+                         f"{fmt_pct(b['mape_gt_50us'])} | {fmt_pct(a['mape_gt_50us'])} |")
     return "\n".join(lines)
 
 
@@ -166,11 +170,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--passes", type=int, default=15)
+    ap.add_argument("--runs", type=int, default=15, help="profiled runs after one warm-up run")
     ap.add_argument("--clock", choices=sorted(CLOCKS), default="thread",
                     help="thread: CPU time of the calling thread (needs --threads 1), wall: perf_counter")
     ap.add_argument("--stat", choices=sorted(STATS), default="min",
-                    help="per-node statistic over passes (min: the host is shared and load only adds time)")
+                    help="per-instruction statistic over the runs (min: the host is shared and load only adds time)")
+    ap.add_argument("--passes", default="on,off", help="evaluate with the graph passes on, off, or both")
     ap.add_argument("--models", default="gpt2,llama-110m")
     ap.add_argument("--profile", type=Path, default=None, help="use this host profile instead of calibrating")
     ap.add_argument("--quick-calibration", action="store_true")
@@ -178,28 +183,40 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if a.clock == "thread" and a.threads != 1:
         ap.error("--clock thread needs --threads 1")
+    passes = [p.strip() for p in a.passes.split(",") if p.strip()]
+    if not passes or any(p not in ("on", "off") for p in passes):
+        ap.error("--passes takes on, off or on,off")
+    load_before = list(os.getloadavg())
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
+    calib_s = None
     if a.profile is None:
         t0 = time.perf_counter()
         spec = host_spec(measure(quick=a.quick_calibration, threads=a.threads, clock=a.clock), a.quick_calibration)
+        calib_s = time.perf_counter() - t0
         a.out.parent.mkdir(parents=True, exist_ok=True)
         prof_path = save_spec(spec, a.out.with_name(a.out.stem + "-host.json"))
-        print(f"calibrated in {time.perf_counter() - t0:.1f} s (measured) -> {prof_path}", file=sys.stderr)
+        print(f"calibrated in {calib_s:.1f} s (measured, wall) -> {prof_path}", file=sys.stderr)
     else:
         prof_path = a.profile
     soc = load_file(prof_path)
     plain = without_efficiency(soc)
+    torch.set_num_threads(a.threads)
     cases = []
     for model in a.models.split(","):
         for seq in (a.seq, 1):
-            t0 = time.perf_counter()
-            cases.append(run_case(model, seq, soc, plain, a.passes, a.stat, a.clock))
-            print(f"{model} seq {seq}: {time.perf_counter() - t0:.1f} s", file=sys.stderr)
-    res = {"machine": f"{cpu_name()}, {cpu_count()} cores, {platform.system()}", "threads": a.threads,
-           "passes": a.passes, "stat": a.stat, "clock": a.clock, "load_average_at_end": list(os.getloadavg()),
-           "profile": str(prof_path), "efficiency": soc.devices[0].efficiency, "overhead_s": soc.devices[0].overhead_s,
-           "host": soc.to_dict(), "command": "python bench/costmodel.py " + " ".join(argv or sys.argv[1:]),
+            for p in passes:
+                t0 = time.perf_counter()
+                cases.append(run_case(model, seq, p == "on", soc, plain, a.runs, a.stat, a.clock))
+                print(f"{model} seq {seq} passes {p}: {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    res = {"machine": f"{cpu_name()}, {cpu_count()} cores, {platform.system()}", "torch": torch.__version__,
+           "threads": a.threads, "runs": a.runs, "stat": a.stat, "clock": a.clock,
+           "labels": {"measured_s": "measured (profiling executor)", "modeled_s": "modeled (calibrated host profile)",
+                      "plain_s": "modeled (plain roofline)"},
+           "load_average_before": load_before, "load_average_at_end": list(os.getloadavg()),
+           "calibration_seconds": calib_s, "profile": str(prof_path), "efficiency": soc.devices[0].efficiency,
+           "overhead_s": soc.devices[0].overhead_s, "host": soc.to_dict(),
+           "command": "python bench/costmodel.py " + " ".join(argv if argv is not None else sys.argv[1:]),
            "cases": cases}
     a.out.parent.mkdir(parents=True, exist_ok=True)
     tmp = a.out.with_name(a.out.name + ".tmp")

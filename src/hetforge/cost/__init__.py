@@ -4,15 +4,18 @@ Every number it returns is a *model prediction* (label it "modeled" wherever it 
 """
 
 from hetforge.cost.analyze import GraphCost, NodeCost, analyze, param_bytes
+from hetforge.cost.context import CacheContext
 from hetforge.cost.energy import dasi, stage_energy, stage_power
+from hetforge.cost.instr import estimate_instr, estimate_program, write_mode
 from hetforge.cost.memory_pressure import cpq, cpq_penalty
-from hetforge.cost.model import UNKNOWN_OPS, OpCost, cost_group, dtype_key, estimate
+from hetforge.cost.model import UNKNOWN_OPS, OpCost, cost_group, dtype_key, estimate, estimate_parts
 from hetforge.cost.roofline import Roofline, arithmetic_intensity, roofline
 from hetforge.cost.thermal import phi
 from hetforge.cost.transfer import transfer_cost
 
 __all__ = [
     "UNKNOWN_OPS",
+    "CacheContext",
     "GraphCost",
     "NodeCost",
     "OpCost",
@@ -25,10 +28,14 @@ __all__ = [
     "dasi",
     "dtype_key",
     "estimate",
+    "estimate_instr",
+    "estimate_parts",
+    "estimate_program",
     "param_bytes",
     "phi",
     "roofline",
     "stage_energy",
     "stage_power",
     "transfer_cost",
+    "write_mode",
 ]

@@ -1,6 +1,9 @@
 """Whole-graph cost: every ``call_function`` node of an FX graph costed on every device of an SoC.
 
 Totals are plain sums over nodes on one device (no overlap, no transfers): the single-device program time.
+Each device's nodes are costed in graph order with that device's cache context
+(:mod:`hetforge.cost.context`: recently touched inputs are cache-hot, fixed costs grow after big streams), as
+if the whole graph ran on it, in a steady state (the graph is walked twice; the second pass is reported).
 CPQ uses ``resident = parameter bytes of the graph + the op's own bytes`` on each device.
 """
 
@@ -11,8 +14,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hetforge.cost.model import OpCost, estimate
+from hetforge.cost.context import CacheContext
+from hetforge.cost.model import OpCost, estimate, estimate_parts
 from hetforge.hardware.profile import SocProfile
+from hetforge.ops.registry import lookup
 
 
 @dataclass
@@ -76,6 +81,24 @@ def layer_of(node: torch.fx.Node) -> str:
     return path or "(model)"
 
 
+def _root(node: torch.fx.Node) -> torch.fx.Node:
+    """The node whose storage ``node``'s value lives in (follows view ops to their input)."""
+    from hetforge.frontend import op_name
+
+    seen = 0
+    while node.op == "call_function" and node.args and isinstance(node.args[0], torch.fx.Node) and seen < 10_000:
+        info = lookup(op_name(node))
+        if info is None or not info.is_view:
+            break
+        node, seen = node.args[0], seen + 1
+    return node
+
+
+def _nbytes(node: torch.fx.Node) -> float:
+    v = node.meta.get("val")
+    return float(v.numel() * v.element_size()) if isinstance(v, torch.Tensor) else 0.0
+
+
 def analyze(gm: torch.fx.GraphModule, soc: SocProfile, temp_c: float | None = None) -> GraphCost:
     """Cost every ``call_function`` node of ``gm`` on every device of ``soc``."""
     from hetforge.frontend import op_name
@@ -83,17 +106,25 @@ def analyze(gm: torch.fx.GraphModule, soc: SocProfile, temp_c: float | None = No
     pbytes = param_bytes(gm)
     unknown: set[str] = set()
     nodes = []
-    for n in gm.graph.nodes:
-        if n.op != "call_function":
-            continue
-        costs = {}
-        for d in soc.devices:
-            c = estimate(n, d, temp_c)
-            if c.bytes or c.flops:
-                c = estimate(n, d, temp_c, resident_bytes=pbytes + c.bytes)
-            costs[d.name] = c
-            if not c.known:
-                unknown.add(c.op)
-        name = op_name(n)
-        nodes.append(NodeCost(n.name, name, costs, {d.name: d.supports(name) for d in soc.devices}, layer_of(n)))
+    ctxs = {d.name: CacheContext(d) for d in soc.devices}
+    calls = [n for n in gm.graph.nodes if n.op == "call_function"]
+    roots = {n: {_root(a): a for a in n.all_input_nodes} for n in calls}
+    # two passes over the graph with the same contexts; the second (a steady-state run) is kept
+    for _ in range(2 if any(c.active for c in ctxs.values()) else 1):
+        nodes = []
+        for n in calls:
+            costs = {}
+            for d in soc.devices:
+                ctx = ctxs[d.name]
+                c = estimate(n, d, temp_c)
+                res = pbytes + c.bytes if (c.bytes or c.flops) else None
+                hot = sum(_nbytes(a) for r, a in roots[n].items() if ctx.hot(r)) if ctx.active else 0.0
+                c = ctx.run_all(estimate_parts(n, d, temp_c, resident_bytes=res, hot_bytes=hot))
+                ctx.touch([*roots[n], _root(n)])
+                costs[d.name] = c
+                if not c.known:
+                    unknown.add(c.op)
+            name = op_name(n)
+            nodes.append(NodeCost(n.name, name, costs, {d.name: d.supports(name) for d in soc.devices},
+                                  layer_of(n)))
     return GraphCost(soc.name, nodes, pbytes, sorted(unknown))

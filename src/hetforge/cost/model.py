@@ -3,11 +3,24 @@
 For an op with registry entry ``info`` on device ``d`` (formulas in the sibling modules):
 
     F, B      = info.flops(call), (0 if info.is_view else info.nbytes(call))
-    e         = d.eff(op name, 'group:roof class', group, class)      (first key present; 1.0 when none)
-    o         = d.overhead(same keys)                               (fixed per-op time; 0 when none)
-    t         = max(F / (π[dtype]·e), B / (β·e)) + dispatch + o      (roofline.py)
+    keys      = (op variant, op name, 'matmul:<row band>', 'group:roof class', group, class)   (op_keys)
+    e         = d.eff(*keys)                                         (first key present; 1.0 when none)
+    o         = d.overhead(*keys)                                    (fixed per-op time; 0 when none)
+    B'        = B − (1 − h)·hot_bytes  (+ R·c·β·e, matmul group)    h = d.efficiency['cache-hit'] (1 when absent)
+    t         = max(F / (π[dtype]·e), B' / (β·e)) + s·(dispatch + o) (roofline.py; s = d.efficiency['seq:warm'], 1
+                                                                      when absent: fixed costs inside a program)
     DASI      = clip(AI / (π/β), 0, 1)                               (energy.py)
     E         = P_TDP · (0.3 + 0.7·DASI) · t / Φ(T) · penalty(CPQ)   (energy.py, thermal.py, memory_pressure.py)
+
+A matmul-group op also pays ``c = overhead_s['matmul:per-row']`` per row ``R`` of its weight in memory order
+(:func:`weight_rows`), in its memory time: one-row products (GEMVs) stream a weight row by row. ``hot_bytes``
+(inputs in the last-level cache) comes from a caller that tracks the program (:mod:`hetforge.cost.context`).
+The op variant is ``op:<string arguments>`` (``aten.gelu.default:tanh``: the tanh GELU is ~4× slower than
+the exact one on a CPU); the row band (``rows<8``, ``rows<64``, ``rows>=64``) is that of the output rows of
+a matmul-group op. On a device of kind ``cpu``, a composite op — a ``hetforge::`` op, which the executor runs
+as its Python reference, or an ATen op marked ``composite`` (``scaled_dot_product_attention``) — is costed
+as the sum of the ATen ops its implementation runs (:mod:`hetforge.cost.composite`): time and energy are
+the sums over those ops, F and B stay the op's own formulas.
 
 An op with no registry entry is costed as a control op: ``F = B = 0``, ``t = dispatch``, ``known = False``;
 its name is remembered in :data:`UNKNOWN_OPS` so callers can warn (it is never silently free).
@@ -17,17 +30,18 @@ strides do not allow a view is costed as a copy (group ``movement``).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
+from hetforge.cost.composite import decompose
 from hetforge.cost.energy import dasi as dasi_of
 from hetforge.cost.energy import stage_energy
 from hetforge.cost.memory_pressure import cpq, cpq_penalty
 from hetforge.cost.roofline import arithmetic_intensity, roofline
 from hetforge.cost.thermal import phi
-from hetforge.hardware.profile import DeviceProfile
-from hetforge.ops.registry import OpCall, OpInfo, lookup, op_call_from_node
+from hetforge.hardware.profile import DeviceProfile, row_band
+from hetforge.ops.registry import OpCall, OpInfo, TensorMeta, lookup, op_call_from_node
 
 UNKNOWN_OPS: set[str] = set()
 
@@ -53,6 +67,7 @@ class OpCost:
     known: bool
     group: str = "other"
     dtype: str = "fp32"
+    fixed_s: float = 0.0  # dispatch + fitted overhead, before the in-program factor (the part cache context scales)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -104,18 +119,55 @@ def view_copies(node: torch.fx.Node) -> bool:
     return False
 
 
+def weight_rows(call: OpCall) -> int:
+    """Rows of a product's weight in memory order: dim 0 of its last 2-D tensor argument (``linear``'s
+    ``[N, K]``, ``addmm``/``mm``'s ``[K, N]``); 0 when it has none."""
+    mats = [a for a in call.args if isinstance(a, TensorMeta) and len(a.shape) == 2]
+    return mats[-1].shape[0] if mats else 0
+
+
+def op_keys(call: OpCall, group: str, roof_class: str, op_class: str) -> tuple[str, ...]:
+    """Efficiency/overhead keys for ``call``, most specific first (see the module docstring)."""
+    keys = []
+    strs = [a for a in (*call.args, *call.kwargs.values()) if isinstance(a, str)]
+    if strs:
+        keys.append(f"{call.op}:{','.join(strs)}")
+    keys.append(call.op)
+    if group == "matmul" and call.outputs and call.outputs[0].shape:
+        out = call.outputs[0]
+        keys.append(f"matmul:{row_band(out.numel // max(1, out.shape[-1]))}")
+    keys += [f"{group}:{roof_class}", group, op_class]
+    return tuple(keys)
+
+
 def estimate(call_or_node: OpCall | torch.fx.Node, device: DeviceProfile, temp_c: float | None = None,
-             resident_bytes: float | None = None) -> OpCost:
+             resident_bytes: float | None = None, hot_bytes: float = 0.0) -> OpCost:
     """Predict time and energy of one op (an :class:`OpCall` or a ``call_function`` FX node) on ``device``.
 
     ``resident_bytes`` (for CPQ) defaults to the op's own bytes; pass the bytes kept on the device
-    (weights + live activations) for a meaningful memory-pressure penalty. Non-op FX nodes
-    (placeholder, get_attr, output) cost nothing.
+    (weights + live activations) for a meaningful memory-pressure penalty. ``hot_bytes``: bytes of the
+    inputs known to be in the last-level cache (a caller that tracks the program, :mod:`hetforge.cost.context`);
+    they cost ``efficiency['cache-hit']`` of a DRAM byte. Non-op FX nodes (placeholder, get_attr, output)
+    cost nothing. A composite op on a CPU is the sum of :func:`estimate_parts`.
     """
+    parts = estimate_parts(call_or_node, device, temp_c, resident_bytes, hot_bytes)
+    if len(parts) == 1:
+        return parts[0][1]
+    whole = parts[0][1]
+    main = max((c for _, c in parts[1:]), key=lambda c: c.time_s)
+    return replace(whole, time_s=sum(c.time_s for _, c in parts[1:]), energy_j=sum(c.energy_j for _, c in parts[1:]),
+                   bound=main.bound, fixed_s=sum(c.fixed_s for _, c in parts[1:]))
+
+
+def estimate_parts(call_or_node: OpCall | torch.fx.Node, device: DeviceProfile, temp_c: float | None = None,
+                   resident_bytes: float | None = None, hot_bytes: float = 0.0) -> list[tuple[str, OpCost]]:
+    """``[(op, cost)]`` of what runs: one entry for an op that is one kernel; for a composite op on a CPU
+    (:mod:`hetforge.cost.composite`) the op itself (its F, B and class, time 0) followed by every ATen op its
+    implementation runs, each costed on its own (an intermediate it reads was just written: hot)."""
     if isinstance(call_or_node, torch.fx.Node):
         if call_or_node.op != "call_function":
-            return OpCost(call_or_node.op, device.name, 0.0, 0.0, 0.0, "control", 0.0, 0.0, 0.0, "dispatch", True,
-                          "control")
+            return [(call_or_node.op, OpCost(call_or_node.op, device.name, 0.0, 0.0, 0.0, "control", 0.0, 0.0, 0.0,
+                                             "dispatch", True, "control"))]
         call = op_call_from_node(call_or_node)
         copies = call.op in _MAYBE_COPY and view_copies(call_or_node)
     else:
@@ -124,9 +176,7 @@ def estimate(call_or_node: OpCall | torch.fx.Node, device: DeviceProfile, temp_c
     info = lookup(call.op)
     if info is None:
         UNKNOWN_OPS.add(call.op)
-        t = device.dispatch_s
-        e = stage_energy(device.tdp_w, 0.0, t, phi(temp_c, device.t_ref_c, device.thermal_sigma_c))
-        return OpCost(call.op, device.name, 0.0, 0.0, 0.0, "control", t, e, 0.0, "dispatch", False, "control")
+        return [(call.op, _dispatch_only(call.op, device, temp_c, known=False))]
     flops = float(info.flops(call))
     if copies:  # a reshape of a non-contiguous tensor is a copy: read + write
         nbytes = call.bytes_in() + call.bytes_out()
@@ -139,12 +189,37 @@ def estimate(call_or_node: OpCall | torch.fx.Node, device: DeviceProfile, temp_c
     ai = arithmetic_intensity(flops, nbytes)
     pre = roofline(flops, nbytes, peak, device.mem_bandwidth, device.dispatch_s)
     op_class = "control" if info.op_class == "control" else pre.roof_class
-    keys = (call.op, f"{group}:{pre.roof_class}", group, op_class)
-    rl = roofline(flops, nbytes, peak, device.mem_bandwidth, device.dispatch_s + device.overhead(*keys),
-                  device.eff(*keys))
     d = dasi_of(ai, peak, device.mem_bandwidth)
+    subs = decompose(call, info) if device.kind == "cpu" and not copies else None
+    if subs:
+        out = [(call.op, OpCost(call.op, device.name, flops, nbytes, ai, op_class, 0.0, 0.0, d, pre.bound, True,
+                                group, dt))]
+        for sub, hot in subs:
+            sinfo = lookup(sub.op)
+            c = (_dispatch_only(sub.op, device, temp_c, known=False) if sinfo is None
+                 else estimate(sub, device, temp_c, resident_bytes, hot))
+            out.append((sub.op, c))
+        return out
+    keys = op_keys(call, group, pre.roof_class, op_class)
+    fixed = device.dispatch_s + device.overhead(*keys)
+    eff = device.eff(*keys)
+    hit = min(1.0, device.efficiency.get("cache-hit", 1.0))
+    b_eff = nbytes - (1.0 - hit) * min(max(hot_bytes, 0.0), call.bytes_in(), nbytes)
+    per_row = device.overhead_s.get("matmul:per-row", 0.0) if group == "matmul" else 0.0
+    if per_row > 0:  # a product streams its weight row by row: a fixed cost per row, as bytes at β·e
+        b_eff += weight_rows(call) * per_row * device.mem_bandwidth * eff
+    rl = roofline(flops, b_eff, peak, device.mem_bandwidth, fixed * device.efficiency.get("seq:warm", 1.0), eff)
     res = nbytes if resident_bytes is None else resident_bytes
     pen = cpq_penalty(cpq(res, device.mem_capacity), device.cpq_threshold)
     f = phi(temp_c, device.t_ref_c, device.thermal_sigma_c)
     energy = stage_energy(device.tdp_w, d, rl.time, f, pen)
-    return OpCost(call.op, device.name, flops, nbytes, ai, op_class, rl.time, energy, d, rl.bound, True, group, dt)
+    return [(call.op, OpCost(call.op, device.name, flops, nbytes, ai, op_class, rl.time, energy, d, rl.bound, True,
+                             group, dt, fixed))]
+
+
+def _dispatch_only(op: str, device: DeviceProfile, temp_c: float | None, known: bool) -> OpCost:
+    """An op with no formula: one dispatch (control class)."""
+    t = device.dispatch_s * device.efficiency.get("seq:warm", 1.0)
+    e = stage_energy(device.tdp_w, 0.0, t, phi(temp_c, device.t_ref_c, device.thermal_sigma_c))
+    return OpCost(op, device.name, 0.0, 0.0, 0.0, "control", t, e, 0.0, "dispatch", known, "control", "fp32",
+                  device.dispatch_s)

@@ -1,7 +1,8 @@
 """``hetforge calibrate``: measure this host and write its ``host`` profile.
 
-Micro-benchmarks (each timed as the best of several runs after a warm-up, wall clock — the minimum, as STREAM
-reports, because load from other processes only adds time):
+Micro-benchmarks (each timed as the best of several runs after a warm-up, on the wall clock or, with
+``clock="thread"``, the calling thread's CPU time — the minimum, as STREAM reports, because load from other
+processes only adds time):
 
 * GEMM throughput per dtype — ``2·M·N·K / t`` for square fp32 and bf16 ``torch.mm`` at several sizes, int8 via
   ``torch._int_mm`` and ``aten._weight_int8pack_mm`` (best of both); the peak is the best size.
@@ -10,12 +11,24 @@ reports, because load from other processes only adds time):
 * dispatch overhead — one ``aten.add`` on one-element tensors.
 * efficiency factors and fixed overheads — representative ops of each cost group (matmul, attention,
   elementwise, transcendental — also per function —, softmax, norm, reduction, gather, movement, view,
-  control, creation) at LLM-like shapes; per key, ``m − dispatch ≈ o + r / e`` is fitted by least squares on
-  the relative error (:func:`fit_group`), where ``r`` is the plain-roofline time at the measured π and β and
-  ``m`` the measured time. ``e > 1`` means the ops beat the DRAM roof (cache-resident working set). Matmul
-  and attention are fitted separately for their compute-bound and memory-bound points (``group:class``).
-  Operands are cold: each call takes the next of several copies totalling twice the last-level cache, as in
-  a real graph run where every weight streams from DRAM once per pass and evicts the caches.
+  control, creation) at LLM-like shapes; per key, ``m ≈ dispatch + o + r / e`` is fitted by least squares on
+  the error relative to the whole measured time ``m`` (:func:`fit_group`), where ``r`` is the plain-roofline
+  time at the measured π and β. ``e > 1`` means the ops beat the DRAM roof. Keys: the cost group (matmul and
+  attention per roof class, ``group:compute``/``group:memory``), the GEMM row band (``matmul:rows<8``,
+  ``matmul:rows<64``, ``matmul:rows>=64``), op names (``aten.tanh.default`` …, ``aten.cat.default`` with a
+  wide and a rotary ``rotate_half`` concatenation, ``aten.copy_.default`` for the executor's copy into an
+  arena slice) and op variants (``aten.gelu.default:tanh``). Operands are cold: each call takes the next of
+  several copies totalling 8× the last-level cache, as in a real graph run where every weight streams from
+  DRAM once per pass and evicts the caches; elementwise ops write into a cold slice too (``out=``, as the arena
+  executor runs them).
+* in-program terms (:mod:`hetforge.cost.context`) — ``cache-hit``: the cost of a cache-resident input byte
+  relative to a DRAM byte (an add with hot inputs against the same add with cold ones, :func:`_cache_hit`);
+  ``seq:warm``/``seq:cold``: how much larger the fixed cost of an op is in a cycle of distinct tiny ops than in
+  a tight loop, without and with a flush of twice the last-level cache before each cycle (:func:`_sequence`);
+  ``seq:first`` and ``seq:first-tau``: the extra time of the first op after a long one, ``p·min(1, t_prev/τ)``,
+  from a ``view`` timed right after GEMMs of 2–20 ms (:func:`_first_after`); ``matmul:per-row``: the cost per
+  weight row of a one-row product (:func:`fit_rows`). The profile also records the last-level cache size
+  (``cache_bytes``, from sysfs).
 
 Power cannot be measured here (no RAPL/NVML readable): TDP and idle power stay labelled estimates.
 """
@@ -29,11 +42,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 
+import numpy as np
 import psutil
 import torch
 import torch.nn.functional as F
 
 from hetforge.hardware.host import POWER_SRC, TDP_PER_CORE_W, cpu_count, cpu_name
+from hetforge.hardware.profile import row_band
 from hetforge.hardware.schema import DeviceSpec, Figure, PositiveFigure, SocSpec
 
 Progress = Callable[[str], None]
@@ -52,7 +67,7 @@ class Measured:
     bw_triad: float
     dispatch_s: float
     efficiency: dict[str, float]
-    samples: dict[str, list[tuple[float, float]]]  # group -> [(roofline s, measured net s)]
+    samples: dict[str, list[tuple[float, float]]]  # key -> [(roofline s, measured s)]
     seconds: float
     threads: int = 1
     overhead_s: dict[str, float] = field(default_factory=dict)
@@ -149,17 +164,23 @@ def _dispatch(budget: float) -> float:
     return _best_time(lambda: add(x, y), 50, budget)
 
 
-Bench = tuple[tuple[str, ...], Callable[[], Callable[[], object]], float, float]
+# (keys, make_fn, FLOPs, bytes, weight rows in memory order — GEMMs only, else 0)
+Bench = tuple[tuple[str, ...], Callable[[], Callable[[], object]], float, float, int]
+
+
+COLD_FACTOR = 8  # cold pools span this many last-level caches
 
 
 def _cold(*ts: torch.Tensor) -> Callable[[], tuple[torch.Tensor, ...]]:
-    """Copies of ``ts`` totalling ≥ 2× the last-level cache, handed out in turn, so each call reads cold data.
+    """Copies of ``ts`` totalling ≥ 8× the last-level cache, handed out in turn, so each call reads cold data.
 
     In a real graph run every weight streams from DRAM once per pass and evicts the caches; a
-    micro-benchmark that reuses one tensor would measure it cache-hot.
+    micro-benchmark that reuses one tensor would measure it cache-hot. With a pool of only 2× the LLC the
+    best of many calls still found part of its data cached (elementwise ops beat the DRAM roof by ~1.6×,
+    while the same ops inside a graph run at it); 8× removes that.
     """
     size = max(1, sum(t.numel() * t.element_size() for t in ts))
-    k = max(2, min(_cold_cap[0], -(-2 * llc_bytes() // size)))
+    k = max(2, min(_cold_cap[0], -(-COLD_FACTOR * llc_bytes() // size)))
     pool = [ts] + [tuple(t.clone() for t in ts) for _ in range(k - 1)]
     state = [0]
 
@@ -174,14 +195,33 @@ def _rn(*shape: int) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(sum(shape)))
 
 
-def _mk_linear(m: int, n: int) -> Callable[[], object]:
-    x, nxt = _rn(m, 768), _cold(_rn(n, 768))
-    return lambda: F.linear(x, nxt()[0])
+def _linear_kernel() -> Callable[..., torch.Tensor]:
+    """The linear hetforge runs: ``hetforge.ops.gemv.linear`` (a one-row product split over the threads when
+    there are several; plain ``F.linear`` otherwise), or ``F.linear`` where that module is absent."""
+    try:
+        from hetforge.ops.gemv import linear
+    except ImportError:
+        return F.linear
+    return linear
+
+
+def _mk_linear(m: int, n: int, k: int = 768) -> Callable[[], object]:
+    """``x[m, k] · W[n, k]ᵀ`` (``F.linear`` layout: ``n`` weight rows of ``k``)."""
+    x, nxt, lin = _rn(m, k), _cold(_rn(n, k)), _linear_kernel()
+    return lambda: lin(x, nxt()[0])
+
+
+def _mk_addmm(m: int, n: int, k: int) -> Callable[[], object]:
+    """``b + x[m, k] · W[k, n]`` (GPT-2 ``Conv1D`` layout: ``k`` weight rows of ``n``)."""
+    x, b, nxt = _rn(m, k), _rn(n), _cold(_rn(k, n))
+    return lambda: torch.addmm(b, x, nxt()[0])
 
 
 def _mk_sdpa(L: int, S: int) -> Callable[[], object]:
+    """SDPA with an additive float mask: the fused CPU kernel alone (a boolean mask, as Hugging Face passes it,
+    is first turned into a float mask by ``where`` ops, which the cost model costs on their own)."""
     nxt = _cold(_rn(1, 12, L, 64), _rn(1, 12, S, 64), _rn(1, 12, S, 64))
-    mask = torch.ones(1, 1, L, S, dtype=torch.bool).tril(S - L)
+    mask = torch.zeros(1, 1, L, S).masked_fill(~torch.ones(L, S, dtype=torch.bool).tril(S - L), float("-inf"))
     return lambda: F.scaled_dot_product_attention(*nxt(), mask)
 
 
@@ -190,46 +230,87 @@ def _mk_apply(fn: Callable, *shapes: tuple[int, ...]) -> Callable[[], object]:
     return lambda: fn(*nxt())
 
 
+def _mk_binary_out(fn: Callable, n: int) -> Callable[[], object]:
+    """``fn(a, b, out=o)`` with cold inputs *and* a cold output slice, as the arena executor runs it."""
+    nxt = _cold(_rn(n), _rn(n) + 1, torch.empty(n))
+
+    def run() -> object:
+        a, b, o = nxt()
+        return fn(a, b, out=o)
+
+    return run
+
+
+def _mk_copy(n: int) -> Callable[[], object]:
+    """``slice.copy_(result)``: a just-computed (cache-hot) result copied into a cold arena slice."""
+    src, nxt = _rn(n), _cold(torch.empty(n))
+    return lambda: nxt()[0].copy_(src)
+
+
+def _mk_rotate_half_cat(n: int) -> Callable[[], object]:
+    """``cat((-x2, x1), -1)`` as rotary embeddings run it: ``x1``/``x2`` the halves of the head dim of a
+    ``[1, 12, L, 64]`` view of a ``[1, L, 768]`` activation (strided), ``-x2`` contiguous; ``n = 768·L``."""
+    L = max(1, n // 768)
+    nxt = _cold(_rn(1, L, 768), _rn(1, 12, L, 32))
+
+    def run() -> object:
+        a, neg = nxt()
+        q = a.view(1, L, 12, 64).transpose(1, 2)
+        return torch.cat((neg, q[..., :32]), -1)
+
+    return run
+
+
 def _mk_embedding(m: int) -> Callable[[], object]:
     idx, nxt = torch.randint(0, 8192, (1, m)), _cold(_rn(8192, 768))
     return lambda: F.embedding(idx, nxt()[0])
 
 
 UNARY = {"aten.tanh.default": torch.tanh, "aten.silu.default": F.silu, "aten.gelu.default": F.gelu,
+         "aten.gelu.default:tanh": partial(F.gelu, approximate="tanh"),
          "aten.rsqrt.default": torch.rsqrt, "aten.sin.default": torch.sin, "aten.cos.default": torch.cos,
          "aten.exp.default": torch.exp, "aten.pow.Tensor_Scalar": lambda a: torch.pow(a, 3.0)}
-
-
 def _group_benchmarks(quick: bool) -> list[Bench]:
     """(keys, make_fn, FLOPs, bytes) for representative ops; FLOPs/bytes use the same formulas as aten_costs.
 
     ``make_fn()`` allocates the operands (cold copies, see :func:`_cold`) and returns the function to time,
     so only one benchmark's tensors are alive at a time. ``keys`` are the efficiency/overhead keys the sample
-    is fitted under (a cost group, and for transcendental functions also the op name). Matmul and attention
-    get ``:compute``/``:memory`` appended.
+    is fitted under: a cost group (matmul and attention get ``:compute``/``:memory`` appended), and more
+    specific keys — the GEMM row band (``matmul:rows<8`` …), an op name (``aten.tanh.default``) or an op
+    variant (``aten.gelu.default:tanh``).
     """
     out: list[Bench] = []
+
+    def mm(m: int, n: int, k: int, make, rows: int) -> Bench:
+        return (("matmul", f"matmul:{row_band(m)}"), make, 2.0 * m * n * k, 4.0 * (m * k + n * k + m * n), rows)
+
     for n in [768, 3072] if quick else [768, 3072, 8192, 32000]:
         for m in [1, 32] if quick else [1, 16, 128]:
-            out.append((("matmul",), partial(_mk_linear, m, n), 2.0 * m * n * 768,
-                        4.0 * (m * 768 + n * 768 + m * n)))
+            out.append(mm(m, n, 768, partial(_mk_linear, m, n), n))
+    # one-row products whose weight rows are longer or in the other layout: separates the per-row cost
+    out.append(mm(1, 768, 3072, partial(_mk_linear, 1, 768, 3072), 768))
+    out.append(mm(1, 3072, 768, partial(_mk_addmm, 1, 3072, 768), 768))
+    out.append(mm(1, 768, 3072, partial(_mk_addmm, 1, 768, 3072), 3072))
     for L, S in ([(16, 16), (1, 32)] if quick else [(128, 128), (32, 32), (1, 128), (1, 16)]):
         out.append((("attention",), partial(_mk_sdpa, L, S), 12.0 * L * S * (2 * 64 + 2 * 64 + 5),
-                    4.0 * (2 * 12 * L * 64 + 2 * 12 * S * 64) + L * S))
+                    4.0 * (2 * 12 * L * 64 + 2 * 12 * S * 64 + L * S), 0))
     for n in ([768, 128 * 768] if quick else [768, 16 * 768, 128 * 768, 128 * 3072]):
         r = max(1, n // 768)
         for fn2 in (torch.add, torch.mul):
-            out.append((("elementwise",), partial(_mk_apply, fn2, (n,), (n,)), float(n), 12.0 * n))
+            out.append((("elementwise",), partial(_mk_binary_out, fn2, n), float(n), 12.0 * n, 0))
+        out.append((("aten.copy_.default",), partial(_mk_copy, n), float(n), 8.0 * n, 0))
         for name, fn1 in UNARY.items():
-            out.append((("transcendental", name), partial(_mk_apply, fn1, (n,)), 4.0 * n, 8.0 * n))
-        rowwise = [("softmax", partial(torch.softmax, dim=-1), 5.0 * n, 8.0 * n),
-                   ("norm", partial(F.layer_norm, normalized_shape=(768,)), 8.0 * n, 8.0 * n + 8 * 768),
-                   ("reduction", partial(torch.mean, dim=-1, keepdim=True), float(n), 4.0 * n + 4 * r),
-                   ("movement", lambda t: torch.cat([t, t], -1), 0.0, 16.0 * n)]
-        for key, fnr, fl, by in rowwise:
-            out.append(((key,), partial(_mk_apply, fnr, (r, 768)), fl, by))
+            keys = ("transcendental", name) if ":" not in name else (name,)
+            out.append((keys, partial(_mk_apply, fn1, (n,)), 4.0 * n, 8.0 * n, 0))
+        rowwise = [(("softmax",), partial(torch.softmax, dim=-1), 5.0 * n, 8.0 * n),
+                   (("norm",), partial(F.layer_norm, normalized_shape=(768,)), 8.0 * n, 8.0 * n + 8 * 768),
+                   (("reduction",), partial(torch.mean, dim=-1, keepdim=True), float(n), 4.0 * n + 4 * r),
+                   (("movement", "aten.cat.default"), lambda t: torch.cat([t, t], -1), 0.0, 16.0 * n)]
+        for keys, fnr, fl, by in rowwise:
+            out.append((keys, partial(_mk_apply, fnr, (r, 768)), fl, by, 0))
+        out.append((("aten.cat.default",), partial(_mk_rotate_half_cat, n), 0.0, 8.0 * n, 0))
     for m in [1, 128] if quick else [1, 16, 128]:
-        out.append((("gather",), partial(_mk_embedding, m), 0.0, 8.0 * m + 2 * 4.0 * m * 768))
+        out.append((("gather",), partial(_mk_embedding, m), 0.0, 8.0 * m + 2 * 4.0 * m * 768, 0))
     x = _rn(1, 128, 768)
     aten = torch.ops.aten
     tiny = [("view", lambda: aten.view.default(x, [128, 768])),
@@ -239,44 +320,49 @@ def _group_benchmarks(quick: bool) -> list[Bench]:
             ("control", lambda: aten._assert_tensor_metadata.default(x, dtype=torch.float32)),
             ("control", lambda: aten.to.device(x, torch.device("cpu"), torch.float32))]
     for key, fn in tiny:
-        out.append(((key,), partial(lambda f: f, fn), 0.0, 0.0))
-    out.append((("creation",), partial(lambda: (lambda: aten.arange.default(128))), 0.0, 128 * 8.0))
+        out.append(((key,), partial(lambda f: f, fn), 0.0, 0.0, 0))
+    out.append((("creation",), partial(lambda: (lambda: aten.arange.default(128))), 0.0, 128 * 8.0, 0))
     return out
 
 
-def fit_group(pts: list[tuple[float, float]]) -> tuple[float | None, float]:
-    """Fit ``net ≈ o + r / e`` minimizing the squared *relative* error; returns ``(e or None, o)``.
+def fit_group(pts: list[tuple[float, float]], dispatch: float = 0.0) -> tuple[float | None, float]:
+    """Fit ``measured ≈ dispatch + o + r / e`` minimizing the squared *relative* error; returns ``(e or None, o)``.
 
-    ``r`` = plain-roofline time, ``net`` = measured − dispatch. With no roofline time (views, control) only
-    ``o = median(net)`` is fitted. ``o`` is kept ≥ 0 and ``e`` is clipped to [0.01, 100].
+    ``pts`` are ``(r, measured)``: ``r`` the plain-roofline time, ``measured`` the whole measured time. The
+    error is relative to the whole measured time, so a small op measured at or below ``dispatch`` (its
+    net time ≤ 0) is just a point the model over-predicts a little, not one that dominates the fit. With no
+    roofline time (views, control), or fewer than two points with one, only
+    ``o = median(measured − dispatch − r)`` is fitted. ``o`` is kept ≥ 0
+    and ``e`` is clipped to [0.01, 100].
     """
-    pts = [(r, max(net, 1e-7)) for r, net in pts]
-    if all(r == 0 for r, _ in pts):
-        return None, max(0.0, float(statistics.median(net for _, net in pts)))
-    # weighted least squares on rows [1/net, r/net] · [o, k] ≈ 1
-    a11 = sum(1 / n ** 2 for _, n in pts)
-    a12 = sum(r / n ** 2 for r, n in pts)
-    a22 = sum((r / n) ** 2 for r, n in pts)
-    b1 = sum(1 / n for _, n in pts)
-    b2 = sum(r / n for r, n in pts)
+    pts = [(r, max(m, 1e-9)) for r, m in pts]
+    if sum(1 for r, _ in pts if r > 0) < 2:  # no roofline time, or one point: e is not identifiable
+        return None, max(0.0, float(statistics.median(m - dispatch - r for r, m in pts)))
+    # weighted least squares on rows [1/m, r/m] · [o, k] ≈ 1 − dispatch/m   (k = 1/e)
+    a11 = sum(1 / m ** 2 for _, m in pts)
+    a12 = sum(r / m ** 2 for r, m in pts)
+    a22 = sum((r / m) ** 2 for r, m in pts)
+    b1 = sum((1 - dispatch / m) / m for _, m in pts)
+    b2 = sum((1 - dispatch / m) * r / m for r, m in pts)
     det = a11 * a22 - a12 * a12
     o, k = (0.0, 0.0)
-    if len(pts) >= 2 and det > 0:
+    if len(pts) >= 2 and det > a11 * a22 * 1e-12:
         o = (b1 * a22 - a12 * b2) / det
         k = (a11 * b2 - a12 * b1) / det
     if not (o >= 0 and k > 0):
         o, k = 0.0, (b2 / a22 if a22 > 0 else 1.0)
-    e = 1.0 / k if k > 0 else 1.0
+    e = 1.0 / k if k > 0 else EFF_MAX
     return min(EFF_MAX, max(EFF_MIN, e)), o
 
 
 def _fit_efficiency(peak: float, bw: float, dispatch: float, quick: bool, budget: float,
                     tick: Progress) -> tuple[dict[str, float], dict[str, float], dict[str, list[tuple[float, float]]]]:
     samples: dict[str, list[tuple[float, float]]] = {}
+    one_row: list[tuple[float, float, float]] = []  # (roofline s, weight rows, measured s) of one-row GEMMs
     benches = _group_benchmarks(quick)
     if len(benches) != _n_group_benchmarks(quick):
         raise RuntimeError("internal: _n_group_benchmarks is out of date")
-    for keys, make, fl, by in benches:
+    for keys, make, fl, by, rows in benches:
         t_c, t_m = fl / peak, by / bw
         cls = "compute" if t_c >= t_m and t_c > 0 else "memory"
         fn = make()
@@ -284,15 +370,169 @@ def _fit_efficiency(peak: float, bw: float, dispatch: float, quick: bool, budget
         del fn
         for key in keys:
             key = f"{key}:{cls}" if key in ("matmul", "attention") else key
-            samples.setdefault(key, []).append((max(t_c, t_m), m - dispatch))
+            samples.setdefault(key, []).append((max(t_c, t_m), m))
+        if rows and f"matmul:{row_band(1)}" in keys:
+            one_row.append((max(t_c, t_m), float(rows), m))
         tick(f"op group {keys[-1]}")
     eff, over = {}, {}
     for key, pts in samples.items():
-        e, o = fit_group(pts)
+        e, o = fit_group(pts, dispatch)
         if e is not None:
             eff[key] = round(e, 4)
         over[key] = float(f"{o:.4g}")
+    if one_row:  # one-row products: streaming bytes plus a cost per weight row (see fit_rows)
+        e, o, c = fit_rows(one_row, dispatch)
+        key = f"matmul:{row_band(1)}"
+        eff[key], over[key], over["matmul:per-row"] = round(e, 4), float(f"{o:.4g}"), float(f"{c:.4g}")
     return eff, over, samples
+
+
+def _tiny_ops() -> list[Callable[[], object]]:
+    """Distinct small ops on one-token-sized tensors (each runs its own framework and kernel code)."""
+    aten = torch.ops.aten
+    x, q, w = _rn(1, 1, 768), _rn(1, 12, 1, 64), _rn(768)
+    o4, o3 = torch.empty(1, 12, 1, 64), torch.empty(1, 1, 768)
+    a, b = q[..., :32], q[..., 32:]
+    return [lambda: aten.view.default(x, [1, 1, 12, 64]), lambda: aten.transpose.int(q, 1, 2),
+            lambda: aten.slice.Tensor(q, 3, 0, 32), lambda: aten.neg.out(q, out=o4),
+            lambda: aten.cat.default([a, b], -1), lambda: aten.mul.out(q, q, out=o4),
+            lambda: aten.add.out(x, x, out=o3), lambda: aten.rsqrt.default(x),
+            lambda: aten.mean.dim(x, [-1], True), lambda: aten.pow.Tensor_Scalar(x, 2),
+            lambda: F.layer_norm(x, (768,), w), lambda: F.scaled_dot_product_attention(q, q, q),
+            lambda: aten.unsqueeze.default(x, 1), lambda: o3.copy_(x), lambda: torch.softmax(x, -1),
+            lambda: F.silu(x)]
+
+
+def _sequence(cycles: int) -> tuple[float, float]:
+    """``(s_warm, s_cold)``: the in-program fixed-cost factors of :mod:`hetforge.cost.context`.
+
+    Each of :func:`_tiny_ops` is timed alone (best of a tight loop: ``t``), then in turn in a cycle of all of
+    them (best per op over ``cycles`` cycles: ``w``), then again with a write of twice the last-level cache
+    before every cycle (``c``). ``s_warm = median(w/t)``, ``s_cold = median((c − w)/t)`` over all but the
+    first op (the first op after the stream pays more: :func:`_first_after`).
+    """
+    ops = _tiny_ops()
+    iso = [_best_time(f, 30, 0.02) for f in ops]
+    flush = torch.empty(2 * llc_bytes() // 4)
+    clock = _clock[0]
+    warm: list[list[float]] = [[] for _ in ops]
+    cold: list[list[float]] = [[] for _ in ops]
+    for evict, out in ((False, warm), (True, cold)):
+        for _ in range(cycles):
+            if evict:
+                flush.fill_(1.0)
+            for i, f in enumerate(ops):
+                t0 = clock()
+                f()
+                out[i].append(clock() - t0)
+    w, c = [min(x) for x in warm], [min(x) for x in cold]
+    s_warm = max(1.0, statistics.median(wi / ti for wi, ti in zip(w, iso, strict=True)))
+    s_cold = max(0.0, statistics.median((ci - wi) / ti for ci, wi, ti in zip(c[1:], w[1:], iso[1:], strict=True)))
+    return s_warm, s_cold
+
+
+def fit_rows(pts: list[tuple[float, float, float]], dispatch: float = 0.0) -> tuple[float, float, float]:
+    """Fit ``measured ≈ dispatch + o + r / e + R·c`` (least squares on the relative error); ``(e, o, c)``.
+
+    ``pts`` are ``(r, R, measured)``: ``r`` the plain-roofline time, ``R`` the rows of the weight in memory
+    order. One-row products (GEMVs) stream their weight a row at a time; each row costs a fixed ``c`` on top of
+    its bytes (here ~70 ns: a 768-float row streams at 17 GB/s, a 3072-float row at 25 GB/s). ``o, c ≥ 0``;
+    without a valid three-term fit, ``c = 0`` and :func:`fit_group` decides ``e`` and ``o``.
+    """
+    rows = [(1.0 / m, r / m, n / m, 1.0 - dispatch / m) for r, n, m in ((r, n, max(m, 1e-9)) for r, n, m in pts)]
+    a = np.array([x[:3] for x in rows], dtype=float)
+    b = np.array([x[3] for x in rows], dtype=float)
+    for cols in ((0, 1, 2), (1, 2)):
+        if len(pts) < len(cols) + 1:
+            continue
+        sub = a[:, cols]
+        scale = np.linalg.norm(sub, axis=0)
+        if not np.all(scale > 0):
+            continue
+        sol, _, rank, _ = np.linalg.lstsq(sub / scale, b, rcond=1e-9)
+        if rank < len(cols):  # rows proportional to bytes (one layout, one row length): not separable
+            continue
+        full = dict(zip(cols, sol / scale, strict=True))
+        o, k, c = full.get(0, 0.0), full.get(1, 0.0), full.get(2, 0.0)
+        if o >= 0 and k > 0 and c >= 0:
+            return min(EFF_MAX, max(EFF_MIN, 1.0 / k)), float(o), float(c)
+    e, o = fit_group([(r, m) for r, _, m in pts], dispatch)
+    return (e if e is not None else 1.0), o, 0.0
+
+
+def fit_saturating(pts: list[tuple[float, float]]) -> tuple[float, float]:
+    """Fit ``y ≈ p·min(1, t/τ)`` (least squares over a geometric grid of τ); returns ``(p, τ)``, ``p ≥ 0``."""
+    best = (float("inf"), 0.0, 1.0)
+    for i in range(61):
+        tau = 1e-5 * 10 ** (i / 15)  # 10 µs … 10 s
+        xs = [min(1.0, t / tau) for t, _ in pts]
+        den = sum(x * x for x in xs)
+        p = max(0.0, sum(x * y for x, (_, y) in zip(xs, pts, strict=True)) / den) if den > 0 else 0.0
+        err = sum((p * x - y) ** 2 for x, (_, y) in zip(xs, pts, strict=True))
+        if err < best[0] - 1e-18:
+            best = (err, p, tau)
+    return best[1], best[2]
+
+
+def _first_after(s_cold: float, quick: bool) -> tuple[float, float]:
+    """``(p_first, τ)``: the extra time of the first op after a long one, ``p_first·min(1, t_prev/τ)``.
+
+    A GEMM with cold weights (``[128, 768] × [N, 768]ᵀ``, N = 768 … 8192: 2 … 25 MB, ~2 … 20 ms) runs, then
+    a ``view`` twice; the extra of the first view (best first − best second, less the cold-code term
+    ``s_cold·t_view·min(1, B/2C)`` the model adds on its own) against the GEMM's time is fitted by
+    :func:`fit_saturating`. Long ops leave the caches cold through their own streams, their own code and —
+    on a shared host — the other processes that ran meanwhile.
+    """
+    aten = torch.ops.aten
+    y = torch.empty(128, 2304)
+
+    def view() -> object:
+        return aten.view.default(y, [1, 128, 2304])
+
+    t_view = _best_time(view, 30, 0.02)
+    clock, cap = _clock[0], llc_bytes()
+    pts = []
+    for n in [768, 3072] if quick else [768, 3072, 8192]:
+        x, nxt = _rn(128, 768), _cold(_rn(n, 768))
+        gemm = partial(lambda x, nxt: F.linear(x, nxt()[0]), x, nxt)
+        gemm()
+        durs, first, second = [], [], []
+        for _ in range(4 if quick else 8):
+            t0 = clock()
+            gemm()
+            t1 = clock()
+            view()
+            t2 = clock()
+            view()
+            t3 = clock()
+            durs.append(t1 - t0)
+            first.append(t2 - t1)
+            second.append(t3 - t2)
+        nbytes = 4.0 * (128 * 768 + n * 768 + 128 * n)
+        extra = min(first) - min(second) - s_cold * t_view * min(1.0, nbytes / (2 * cap))
+        pts.append((statistics.median(durs), max(0.0, extra)))
+        del nxt, gemm
+    return fit_saturating(pts)
+
+
+def _cache_hit(dispatch: float, sizes: list[int], budget: float) -> float:
+    """Cost of a cache-resident byte relative to a DRAM byte, ``h``.
+
+    ``add(a, b, out=slice)`` with the slice cold, timed with ``a``, ``b`` cold (``m_c``) and hot (reused every
+    call, well inside the last-level cache: ``m_h``), back to back at each size. With ``m − dispatch``
+    proportional to the bytes' cost, ``(m_h − d)/(m_c − d) = (8n·h + 4n)/(12n)``, so
+    ``h = 1.5·(m_h − d)/(m_c − d) − 0.5``; median over ``sizes``, clipped to [0.05, 1].
+    """
+    hs = []
+    for n in sizes:
+        cold = _mk_binary_out(torch.add, n)
+        m_c = _best_time(cold, 5, budget)
+        del cold
+        a, b, nxt = _rn(n), _rn(n) + 1, _cold(torch.empty(n))
+        m_h = _best_time(lambda a=a, b=b, nxt=nxt: torch.add(a, b, out=nxt()[0]), 5, budget)
+        del nxt
+        hs.append(1.5 * (m_h - dispatch) / max(m_c - dispatch, 1e-9) - 0.5)
+    return min(1.0, max(0.05, statistics.median(hs)))
 
 
 def measure(quick: bool = False, tick: Progress | None = None, threads: int | None = None,
@@ -345,20 +585,32 @@ def _measure(quick: bool, tick: Progress) -> Measured:
     disp = _dispatch(budget)
     tick("dispatch overhead")
     peak = max(gemm["fp32"].values())
-    eff, over, samples = _fit_efficiency(peak, max(bw_copy, bw_triad), disp, quick, budget / 2, tick)
+    bw = max(bw_copy, bw_triad)
+    eff, over, samples = _fit_efficiency(peak, bw, disp, quick, budget / 2, tick)
+    sizes = [128 * 768] if quick else [128 * 768, 256 * 768, 128 * 3072]
+    eff["cache-hit"] = round(_cache_hit(disp, sizes, budget / 2), 4)
+    tick("cache-hit bytes")
+    s_warm, s_cold = _sequence(5 if quick else 15)
+    eff["seq:warm"] = round(s_warm, 4)
+    if s_cold > 0:
+        eff["seq:cold"] = round(s_cold, 4)
+    tick("fixed costs in a program")
+    p_first, tau = _first_after(s_cold, quick)
+    over["seq:first"], over["seq:first-tau"] = float(f"{p_first:.4g}"), float(f"{tau:.4g}")
+    tick("first op after a long one")
     return Measured(gemm, bw_copy, bw_triad, disp, eff, samples, time.perf_counter() - t0, torch.get_num_threads(),
                     over)
 
 
 def n_steps(quick: bool) -> int:
     """Number of ``tick`` calls :func:`measure` makes (for a progress bar)."""
-    return 3 * (2 if quick else 3) + 2 + _n_group_benchmarks(quick)
+    return 3 * (2 if quick else 3) + 5 + _n_group_benchmarks(quick)
 
 
 def _n_group_benchmarks(quick: bool) -> int:
     """``len(_group_benchmarks(quick))`` without allocating the benchmark tensors (checked in ``_fit_efficiency``)."""
-    n_mm, n_attn, n_sizes, n_gather = (4, 2, 2, 2) if quick else (12, 4, 4, 3)
-    return n_mm + n_attn + n_sizes * 14 + n_gather + 8 + 1
+    n_mm, n_attn, n_sizes, n_gather = (4 + 3, 2, 2, 2) if quick else (12 + 3, 4, 4, 3)
+    return n_mm + n_attn + n_sizes * (8 + len(UNARY)) + n_gather + 8 + 1
 
 
 def host_spec(m: Measured, quick: bool) -> SocSpec:
@@ -382,8 +634,12 @@ def host_spec(m: Measured, quick: bool) -> SocSpec:
         idle_w=Figure(value=TDP_PER_CORE_W * n * 0.1, source=POWER_SRC, estimate=True),
         dispatch_s=Figure(value=m.dispatch_s, source=f"{tag}: best time of aten.add on 1-element tensors"),
         efficiency=m.efficiency, overhead_s=m.overhead_s,
-        efficiency_source=f"{tag}: per op group, fit of measured - dispatch = overhead + roofline / efficiency "
-                          "(least squares on relative error) over micro-benchmarks",
+        efficiency_source=f"{tag}: per op group, fit of measured = dispatch + overhead + roofline / efficiency "
+                          "(least squares on relative error) over micro-benchmarks with cold operands; seq:* from "
+                          "a cycle of distinct tiny ops with and without a cache flush and from a view after GEMMs; "
+                          "cache-hit from an add with cache-resident inputs",
+        cache_bytes=PositiveFigure(value=float(llc_bytes()), source="last-level cache size from sysfs "
+                                   "(/sys/devices/system/cpu/cpu0/cache; 32 MiB when unreadable)"),
     )
     desc = f"this machine: {cpu_name()}, {n} cores, calibrated with {m.threads} torch threads"
     return SocSpec(name="host", description=desc,

@@ -96,6 +96,8 @@ def _device(d: DeviceSpec) -> DeviceProfile:
         sources["unsupported_ops"] = {"source": d.unsupported_ops_source}
     if d.efficiency_source:
         sources["efficiency"] = {"source": d.efficiency_source}
+    if d.cache_bytes is not None:
+        sources["cache_bytes"] = d.cache_bytes.model_dump()
     return DeviceProfile(
         name=d.name, kind=d.kind,
         peak_flops={k: v.value for k, v in d.peak_flops.items()},
@@ -104,7 +106,7 @@ def _device(d: DeviceSpec) -> DeviceProfile:
         static_shapes=d.static_shapes,
         dtypes=frozenset(d.dtypes if d.dtypes is not None else d.peak_flops.keys()),
         unsupported_ops=frozenset(d.unsupported_ops), efficiency=dict(d.efficiency),
-        overhead_s=dict(d.overhead_s),
+        overhead_s=dict(d.overhead_s), cache_bytes=d.cache_bytes.value if d.cache_bytes is not None else 0.0,
         t_ref_c=d.t_ref_c, thermal_sigma_c=d.thermal_sigma_c, cpq_threshold=d.cpq_threshold, sources=sources,
     )
 

@@ -12,6 +12,14 @@ from typing import Any
 from hetforge.errors import UsageError
 
 FLOAT_FALLBACK = ("fp16", "bf16", "fp32")
+# GEMM row bands (M = output rows): calibration fits one efficiency per band, key ``matmul:<band>``, because
+# skinny products reuse each weight element less and run further below the peak than square ones
+ROW_BANDS: tuple[tuple[int | None, str], ...] = ((8, "rows<8"), (64, "rows<64"), (None, "rows>=64"))
+
+
+def row_band(rows: int) -> str:
+    """The GEMM row band of a product with ``rows`` output rows (``rows<8``, ``rows<64`` or ``rows>=64``)."""
+    return next(name for lim, name in ROW_BANDS if lim is None or rows < lim)
 
 
 @dataclass(frozen=True)
@@ -24,6 +32,10 @@ class DeviceProfile:
     ``reduction``, ``movement``, ``view``) or an op class (``compute``/``memory``/``control``) to a factor
     that scales both peak rate and bandwidth in the roofline (1.0 when absent); ``overhead_s`` maps the same
     keys to a fixed time added to the dispatch overhead (0 when absent). Both are fitted by calibration.
+    Calibration also writes the in-program fixed-cost factors (``efficiency['seq:warm']``,
+    ``efficiency['seq:cold']``, ``overhead_s['seq:first']``, ``overhead_s['seq:first-tau']``), the cache-hit
+    byte cost (``efficiency['cache-hit']``) that :mod:`hetforge.cost` uses with ``cache_bytes`` (the last-level
+    cache), and the per-weight-row cost of products (``overhead_s['matmul:per-row']``).
     """
 
     name: str
@@ -39,6 +51,7 @@ class DeviceProfile:
     unsupported_ops: frozenset[str] = frozenset()
     efficiency: dict[str, float] = field(default_factory=dict)
     overhead_s: dict[str, float] = field(default_factory=dict)
+    cache_bytes: float = 0.0  # last-level cache (bytes); 0 = unknown (no cache-context terms in the cost model)
     t_ref_c: float = 60.0
     thermal_sigma_c: float = 25.0
     cpq_threshold: float = 0.8
@@ -148,7 +161,7 @@ class SocProfile:
                  "mem_capacity": d.mem_capacity, "tdp_w": d.tdp_w, "idle_w": d.idle_w, "dispatch_s": d.dispatch_s,
                  "static_shapes": d.static_shapes, "dtypes": sorted(d.dtypes),
                  "unsupported_ops": sorted(d.unsupported_ops), "efficiency": d.efficiency,
-                 "overhead_s": d.overhead_s, "sources": d.sources}
+                 "overhead_s": d.overhead_s, "cache_bytes": d.cache_bytes, "sources": d.sources}
                 for d in self.devices
             ],
             "links": [{"a": ln.a, "b": ln.b, "bandwidth": ln.bandwidth, "latency_s": ln.latency_s,

@@ -50,6 +50,7 @@ class DeviceSpec(BaseModel):
     efficiency: dict[str, float] = Field(default_factory=dict)
     overhead_s: dict[str, float] = Field(default_factory=dict)
     efficiency_source: str = ""
+    cache_bytes: PositiveFigure | None = None
     t_ref_c: float = 60.0
     thermal_sigma_c: float = Field(default=25.0, gt=0)
     cpq_threshold: float = Field(default=0.8, gt=0, le=1)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 
-from hetforge.ops.registry import DEVICE_KINDS, OpCall, TensorMeta, register_aten
+from hetforge.ops.registry import DEVICE_KINDS, REGISTRY, OpCall, TensorMeta, register_aten
 
 CPU_GPU = ("cpu", "gpu")
 
@@ -147,10 +147,14 @@ _reg("aten._weight_int8pack_mm.default", "matmul", flops=matmul_flops(0))
 for _n in ("aten.scaled_dot_product_attention.default", "aten._scaled_dot_product_flash_attention_for_cpu.default",
            "aten._scaled_dot_product_efficient_attention.default", "aten._scaled_dot_product_flash_attention.default"):
     _reg(_n, "attention", flops=sdpa_flops, description="softmax(QKᵀ/√d + mask)·V")
+# CompositeImplicitAutograd: on a CPU it runs as the ops it decomposes into (a boolean mask becomes a float one
+# through ``where``, then the fused kernel); the CPU cost model sums those (hetforge.cost.composite)
+REGISTRY["aten.scaled_dot_product_attention.default"].attrs["composite"] = True
 
 # --- elementwise (memory class: AI well below any ridge point)
 ARITH = ["add.Tensor", "add.Scalar", "sub.Tensor", "sub.Scalar", "rsub.Scalar", "rsub.Tensor", "mul.Tensor",
          "mul.Scalar", "div.Tensor", "div.Scalar", "div.Tensor_mode", "div_.Tensor", "add_.Tensor", "mul_.Tensor",
+         "add_.Scalar", "sub_.Tensor", "sub_.Scalar", "mul_.Scalar", "div_.Scalar",
          "neg.default", "abs.default", "reciprocal.default", "square.default", "clamp.default", "clamp_min.default",
          "clamp_max.default", "maximum.default", "minimum.default", "relu.default", "where.self",
          "masked_fill.Scalar", "masked_fill.Tensor", "masked_fill_.Scalar", "le.Tensor", "le.Scalar", "lt.Tensor",
