@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import inspect
 import json
 import os
 import platform
@@ -52,17 +51,10 @@ def profile_runs(exe, inputs, runs: int, clock: str) -> tuple[list[list[float]],
     """Per-instruction seconds of ``runs`` profiled runs (one repeat each, after one warm-up run), measured, and
     each run's total (wall clock, as ``Executable.profile`` reports it).
 
-    ``clock='thread'`` times instructions with the calling thread's CPU time: through ``profile(clock=…)`` when
-    the executor takes one, else by replacing the timer in the profiling function's globals (``_pc``).
+    ``clock='thread'`` times instructions with the calling thread's CPU time (``profile(clock=…)``).
     """
-    fn = CLOCKS[clock]
-    kw = {"clock": fn} if "clock" in inspect.signature(exe.profile).parameters else {}
+    kw = {"clock": CLOCKS[clock]}
     exe.profile(*inputs, warmup=1, repeat=1, **kw)
-    if clock != "wall" and not kw:
-        g = getattr(exe, "_profile_globals", None)
-        if not isinstance(g, dict) or "_pc" not in g:
-            raise RuntimeError("this executor's profile() cannot use the thread clock; use --clock wall")
-        g["_pc"] = fn
     per, totals = [], []
     for _ in range(runs):
         rep = exe.profile(*inputs, warmup=0, repeat=1, **kw)

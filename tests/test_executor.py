@@ -64,6 +64,9 @@ def test_profile_times_every_instruction():
     assert all(t.seconds >= 0 for t in pr.times)
     assert sum(t.seconds for t in pr.times) <= pr.total_seconds * 1.5
     assert any(op.startswith("hetforge.") or op.startswith("aten.") for op in pr.by_op())
+    ticks = iter(range(10**6))  # a fake clock advancing one unit per reading: every instruction takes exactly 1
+    one = exe.profile(*inputs, warmup=0, repeat=1, clock=lambda: float(next(ticks)))
+    assert [t.seconds for t in one.times] == [1.0] * len(exe.program.instrs)
 
 
 def test_bad_inputs_are_usage_errors():
