@@ -282,17 +282,11 @@ class _Codegen:
         return (f"{self.const(torch.ops.aten.addmm.out, 'fo')}({self.expr(b, dev)}, {x2d}, {wt}, out={out2d}); "
                 f"r{o} = {buf}")
 
-    def view_of(self, vid: int, shape: tuple[int, ...], expand: tuple[int, ...] | None = None,
-                column: bool = False) -> str:
-        """``r<vid>`` viewed as ``shape`` (then expanded, or as a :func:`gemv.column` of ``expand[0]`` copies):
-        made once when it lives in the arena."""
+    def view_of(self, vid: int, shape: tuple[int, ...], expand: tuple[int, ...] | None = None) -> str:
+        """``r<vid>`` viewed as ``shape`` (then expanded): made once when it lives in the arena."""
         if self.planned(vid):
             t = self.g[self.buffer(vid)].view(shape)
-            if column:
-                return self.const(gemv.column(t, expand[0]), "xv")
             return self.const(t.expand(expand) if expand else t, "xv")
-        if column:
-            return f"{self.const(gemv.column, 'f')}(r{vid}.view({shape}), {expand[0]})"
         return f"r{vid}.view({shape})" + (f".expand({expand})" if expand else "")
 
     def split_gemv(self, x: Reg, w: torch.Tensor, b: Any, c: int, weight_t: bool, o: int, dev: torch.device) -> str:
@@ -316,12 +310,12 @@ class _Codegen:
             return line + f"{ssum}({part}, 0, out={o1}){bias}; r{o} = {buf}"
         k = w.shape[1]
         m = vo.shape[-1] // c
-        rhs = self.view_of(x.id, (1, k), (c,), column=True)
+        lhs = self.view_of(x.id, (1, 1, k), (c, 1, k))
         if not self.planned(o):
-            return f"r{o} = {self.const(torch.bmm, 'f')}({wc}, {rhs}).view({tuple(vo.shape)}){bias}"
+            return f"r{o} = {self.const(torch.bmm, 'f')}({lhs}, {wc}).view({tuple(vo.shape)}){bias}"
         buf = self.buffer(o)
-        o3 = self.const(self.g[buf].view(c, m, 1), "o3")
-        line = f"{bmm}({wc}, {rhs}, out={o3}); "
+        o3 = self.const(self.g[buf].view(c, 1, m), "o3")
+        line = f"{bmm}({lhs}, {wc}, out={o3}); "
         if b is not None:
             line += f"{self.const(self.g[buf].view(1, -1), 'o1')}{bias}; "
         return line + f"r{o} = {buf}"
