@@ -213,3 +213,26 @@ def test_quantized_generation_runs_int8_linears_in_both_programs(executor, schem
     ran = {e.name for e in prof.events()}
     assert kernel in ran, sorted(n for n in ran if "mm" in n or "linear" in n)
     assert "aten::linear" not in ran  # no float weight product left in the decode step
+
+
+def test_quantized_programs_share_one_int8_copy_and_prepack_at_compile_time():
+    loaded = engine("llama-tiny").loaded
+    q = Engine(loaded, executor="fx", quantize="w8")
+    q.generate(PROMPT, SamplingParams(max_new_tokens=3))
+    progs = {p.kind: p for p in q.programs.programs.values()}
+    assert all(any(n.startswith("warm-up call") for n in p.notes) for p in progs.values())
+
+    from hetforge.frontend import capture
+    from hetforge.quant import quantize_graph
+    from hetforge.runtime.static_kv import DecodeModule, PrefillModule
+
+    cache = q.programs.cache(16)
+    dec = capture(DecodeModule(loaded.model), (torch.zeros((1, 1), dtype=torch.long),
+                                               torch.zeros((1, 1), dtype=torch.long), *cache.buffers)).gm
+    pre = capture(PrefillModule(loaded.model), (torch.zeros((1, 8), dtype=torch.long), torch.tensor([7]))).gm
+
+    def int8_tensors(gm):
+        return {t.data_ptr() for t in quantize_graph(gm, "w8").gm.state_dict().values() if t.dtype == torch.int8}
+
+    a, b = int8_tensors(dec), int8_tensors(pre)
+    assert a and a == b  # the same int8 storage serves both programs

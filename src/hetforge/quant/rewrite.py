@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import fnmatch
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -72,6 +73,31 @@ def check_options(scheme: str, group_size: int, skip: tuple[str, ...] | list[str
     for p in skip:
         if not isinstance(p, str) or not p.strip():
             raise UsageError(f"empty --skip pattern {p!r}: give a module path or glob (e.g. 'lm_head', 'layers.0.*')")
+
+
+_SHARED: dict[tuple, tuple[weakref.ref, int, QuantizedWeight]] = {}
+
+
+def shared_quantized(src: torch.Tensor, w_nk: torch.Tensor, scheme: str, group_size: int,
+                     weight_t: bool) -> QuantizedWeight:
+    """``quantize_weight(w_nk, ...)``, shared by every graph quantized from the same weight tensor ``src``.
+
+    The runtime quantizes each static-shape program (a prefill tier, a decode length) from the same model
+    parameters; sharing keeps one int8/int4 copy (and one FBGEMM prepack, which is keyed by the int8
+    tensor) per weight instead of one per program. A cached entry holds only a weak reference to ``src``
+    and is dropped when ``src`` dies or is modified in place (its version changes)."""
+    key = (id(src), scheme, group_size, weight_t)
+    hit = _SHARED.get(key)
+    if hit is not None and hit[0]() is src and hit[1] == src._version:
+        return hit[2]
+    qw = quantize_weight(w_nk, scheme, group_size)
+
+    def forget(ref: weakref.ref, k: tuple = key) -> None:
+        if _SHARED.get(k, (None,))[0] is ref:
+            del _SHARED[k]
+
+    _SHARED[key] = (weakref.ref(src, forget), src._version, qw)
+    return qw
 
 
 def module_path(target: str) -> str:
@@ -197,7 +223,8 @@ class _Rewriter:
             if op not in entry.ops:
                 entry.ops.append(op)
             return self.qweights.get(key)
-        w = _tensor(self.gm, str(lin.weight.target)).detach()
+        src = _tensor(self.gm, str(lin.weight.target))
+        w = src.detach()
         w_nk = w.t() if lin.weight_t else w
         n_out, k_in = w_nk.shape
         path = module_path(str(lin.weight.target))
@@ -208,7 +235,7 @@ class _Rewriter:
         if reason:
             entry.reason = reason
             return None
-        qw = quantize_weight(w_nk, self.scheme, self.group_size)
+        qw = shared_quantized(src, w_nk, self.scheme, self.group_size, lin.weight_t)
         entry.scheme, entry.rel_error, entry.group_size = self.scheme, qw.rel_error, qw.group_size
         entry.bytes_after = qw.nbytes
         self.qweights[key] = qw
