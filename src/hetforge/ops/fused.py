@@ -159,15 +159,7 @@ def _linear_act_flops(call: OpCall) -> float:
     return float(2 * n_out * x.shape[-1] + (n_out if bias else 0) + _ACT_FLOPS.get(act, 4) * n_out)
 
 
-def _linear(x, weight, bias, weight_t: bool):
-    if gemv.usable(x, weight, weight_t) is not None:  # one row: the threaded split GEMV (ops/gemv.py)
-        return gemv.linear(x, weight, bias, weight_t)
-    if not weight_t:
-        return F.linear(x, weight, bias)
-    if x.dim() == 2 and bias is not None:
-        return torch.addmm(bias, x, weight)
-    y = torch.matmul(x, weight)
-    return y + bias if bias is not None else y
+_linear = gemv.linear  # one row on several threads: the split GEMV; otherwise linear / addmm / matmul
 
 
 def _linear_act_fake(x, weight, bias=None, act="relu", weight_t=False):

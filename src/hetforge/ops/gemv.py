@@ -47,16 +47,15 @@ def split_weight(w: torch.Tensor, c: int, weight_t: bool) -> torch.Tensor:
     return w.view(c, n // c, k).transpose(1, 2)
 
 
-def split_gemv(x: torch.Tensor, wc: torch.Tensor, weight_t: bool, out: torch.Tensor | None = None,
-               partial: torch.Tensor | None = None) -> torch.Tensor:
+def split_gemv(x: torch.Tensor, wc: torch.Tensor, weight_t: bool, out: torch.Tensor | None = None) -> torch.Tensor:
     """``x[1, K]`` times the chunked weight ``wc`` (from :func:`split_weight`) as one threaded ``bmm``.
 
-    Returns the ``[1, N]`` row (written into ``out``, a contiguous ``[1, N]`` tensor, when given; a
-    ``[K, N]`` weight's partial rows go to ``partial`` ``[c, 1, N]`` when given)."""
+    Returns the ``[1, N]`` row (written into ``out``, a contiguous ``[1, N]`` tensor, when given). The
+    executor's codegen (``executor/runtime.py``) emits the same ``bmm`` with views and buffers made once."""
     c = wc.shape[0]
     if weight_t:
         kc = wc.shape[1]
-        p = torch.bmm(x.reshape(c, 1, kc), wc, out=partial)
+        p = torch.bmm(x.reshape(c, 1, kc), wc)
         return torch.sum(p, 0, out=out) if out is not None else p.sum(0)
     k, m = wc.shape[1], wc.shape[2]
     row = x.reshape(1, 1, k).expand(c, 1, k)
@@ -66,7 +65,7 @@ def split_gemv(x: torch.Tensor, wc: torch.Tensor, weight_t: bool, out: torch.Ten
     return out
 
 
-def usable(x: torch.Tensor, w: torch.Tensor, weight_t: bool) -> int | None:
+def usable(x: torch.Tensor, w: torch.Tensor) -> int | None:
     """The chunk count when ``x @ w`` is a one-row product the split kernel should run, else None."""
     if w.dim() != 2 or not w.is_contiguous() or x.device.type != "cpu" or x.numel() != x.shape[-1]:
         return None
@@ -76,11 +75,14 @@ def usable(x: torch.Tensor, w: torch.Tensor, weight_t: bool) -> int | None:
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, weight_t: bool = False) -> torch.Tensor:
-    """``x·Wᵀ + b`` (``x·W + b`` when ``weight_t``), through the split GEMV when ``x`` is one row."""
-    c = usable(x, w, weight_t)
+    """``x·Wᵀ + b`` (``x·W + b`` when ``weight_t``), through the split GEMV when ``x`` is one row; otherwise
+    ``F.linear``, or for a ``[K, N]`` weight ``addmm`` (2-D input with bias) / ``matmul``."""
+    c = usable(x, w)
     if c is None:
         if not weight_t:
             return F.linear(x, w, bias)
+        if x.dim() == 2 and bias is not None:
+            return torch.addmm(bias, x, w)
         y = torch.matmul(x, w)
         return y + bias if bias is not None else y
     y = split_gemv(x, split_weight(w, c, weight_t), weight_t)

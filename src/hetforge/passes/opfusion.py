@@ -13,7 +13,7 @@ used anywhere else (it would have to be recomputed); activations that cannot be 
 
 Last, Hugging Face's rotary embedding ``x·cos + cat(-x[..., h:], x[..., :h])·sin`` (``h`` = half the last
 dimension; seven nodes per q and per k) becomes ``rotary(x, cos, sin)`` when its inner nodes have no other
-users. A decode step of llama-110m loses 168 nodes to it.
+users. A decode step of llama-110m loses 144 nodes to it (6 per q and k, 12 layers).
 """
 
 from __future__ import annotations
