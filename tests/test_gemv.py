@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hetforge.kernels import native
 from hetforge.ops import fused, gemv
 
 
@@ -17,6 +18,17 @@ def two_threads():
     torch.set_num_threads(2)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(params=["native", "bmm"])
+def kernel(request, monkeypatch):
+    """Each one-row path: the native kernel (skipped where it cannot be built) and the ``bmm`` split."""
+    if request.param == "native":
+        if native.library() is None:
+            pytest.skip(f"native kernels unavailable here: {native.status().reason}")
+    else:
+        monkeypatch.setattr(native, "_state", {"lib": None, "status": native.NativeStatus(False, reason="test")})
+    return request.param
 
 
 def test_chunk_count_follows_threads_and_divisors():
@@ -55,10 +67,11 @@ def test_split_weight_is_a_view_not_a_copy():
         assert v.untyped_storage().data_ptr() == w.untyped_storage().data_ptr()
 
 
-def test_fused_linear_ops_take_the_split_path_only_for_one_row(two_threads, monkeypatch):
+def test_fused_linear_ops_take_the_one_row_path_only_for_one_row(two_threads, kernel, monkeypatch):
     calls = []
-    real = gemv.split_gemv
-    monkeypatch.setattr(gemv, "split_gemv", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
+    mod, name = (native, "gemv") if kernel == "native" else (gemv, "split_gemv")
+    real = getattr(mod, name)
+    monkeypatch.setattr(mod, name, lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
     w, b = torch.randn(16, 8), torch.randn(16)
     one, many = torch.randn(1, 1, 8), torch.randn(1, 5, 8)
     for x in (one, many):
@@ -70,7 +83,7 @@ def test_fused_linear_ops_take_the_split_path_only_for_one_row(two_threads, monk
     assert all(torch.Size(s).numel() == s[-1] for s in calls)
 
 
-def test_executor_runs_one_row_linears_as_split_gemv(two_threads):
+def test_executor_runs_one_row_linears_on_the_one_row_path(two_threads, kernel):
     from hetforge.compile import compile_graph
     from hetforge.frontend import capture
 
@@ -89,10 +102,12 @@ def test_executor_runs_one_row_linears_as_split_gemv(two_threads):
     x = torch.randn(1, 8)
     cg = capture(m, (x,))
     res = compile_graph(cg.gm, soc="host", example_inputs=(x,), passes=False)
-    assert res.executable.stats.split_gemv == 3
-    torch.testing.assert_close(res.executable(x), m(x), rtol=1e-5, atol=1e-5)
+    stats = res.executable.stats
+    assert (stats.native_gemv, stats.split_gemv) == ((3, 0) if kernel == "native" else (0, 3))
+    for _ in range(2):  # pointers baked into the program stay valid across calls
+        torch.testing.assert_close(res.executable(x), m(x), rtol=1e-5, atol=1e-5)
     x5 = torch.randn(5, 8)
     cg5 = capture(m, (x5,))
     res5 = compile_graph(cg5.gm, soc="host", example_inputs=(x5,), passes=False)
-    assert res5.executable.stats.split_gemv == 0  # several rows: the ordinary GEMM
+    assert res5.executable.stats.split_gemv == res5.executable.stats.native_gemv == 0  # several rows: GEMM
     torch.testing.assert_close(res5.executable(x5), m(x5), rtol=1e-5, atol=1e-5)

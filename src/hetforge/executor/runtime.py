@@ -17,6 +17,7 @@ an arena (they are fresh tensors each call), so a caller may keep them.
 from __future__ import annotations
 
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +27,7 @@ import torch
 from hetforge.errors import UsageError
 from hetforge.executor.kernels import is_copy_like, out_variant
 from hetforge.ir.program import INPLACE, KERNEL, OUTPUT, TRANSFER, VIEW, WEIGHT, Program, Reg
+from hetforge.kernels import native
 from hetforge.memplan import MemoryPlan
 from hetforge.ops import gemv, lookup
 
@@ -78,6 +80,7 @@ class ExecStats:
     out_variant: int = 0
     gemm_out: int = 0
     split_gemv: int = 0  # one-row products run as a threaded bmm over output chunks (ops/gemv.py)
+    native_gemv: int = 0  # one-row fp32 products on the native C kernel (kernels/native.py)
     copy_into: int = 0  # copy-like op done as slice.copy_(input)
     functional_copy: int = 0  # functional op + copy into the slice
     unplanned: int = 0  # functional result kept outside the arena (mode fast)
@@ -270,7 +273,8 @@ class _Codegen:
         split = wt.shape[0]  # N of an [N, K] weight (split over outputs), K of a [K, N] one (split-K)
         c = gemv.chunks_for(split) if dev.type == "cpu" and math.prod(vx.shape) == k and wt.is_contiguous() else None
         if c is not None:
-            return self.split_gemv(x, wt, b, c, weight_t, o, dev)
+            line = self.native_gemv(x, wt, b, weight_t, o, dev)
+            return line if line is not None else self.split_gemv(x, wt, b, c, weight_t, o, dev)
         if weight_t or not self.planned(o):  # the out= variant / functional op is the same GEMM
             return None
         buf = self.buffer(o)
@@ -288,6 +292,50 @@ class _Codegen:
             t = self.g[self.buffer(vid)].view(shape)
             return self.const(t.expand(expand) if expand else t, "xv")
         return f"r{vid}.view({shape})" + (f".expand({expand})" if expand else "")
+
+    def native_gemv(self, x: Reg, w: torch.Tensor, b: Any, weight_t: bool, o: int, dev: torch.device) -> str | None:
+        """One-row fp32 product on the native kernel (:mod:`hetforge.kernels.native`), or None when it does
+        not apply (not built, other dtype, a bias that is not a contiguous ``[N]`` weight).
+
+        Arena slices never move, so the pointers of planned operands are baked into the line once."""
+        vx, vo = self.p.values[x.id], self.p.values[o]
+        k, n = (w.shape if weight_t else (w.shape[1], w.shape[0]))
+        if dev.type != "cpu" or vo.dtype != vx.dtype or not native.fits(w, None, weight_t, vx.dtype):
+            return None
+        bp = "None"
+        if b is not None:
+            vb = self.p.values[b.id]
+            if vb.kind == WEIGHT:
+                bt = self.g[self.weight(b.id, dev)]
+                if not native.fits(w, bt, weight_t, vx.dtype):
+                    return None
+                bp = str(bt.data_ptr())
+            elif vb.dtype == vx.dtype and vb.is_contiguous and math.prod(vb.shape) == n and self.dm[vb.device] == dev:
+                bp = self.ptr(b.id)
+            else:
+                return None
+        self.stats.native_gemv += 1
+        lib = native.library()
+        xp = self.ptr(x.id)
+        if self.planned(o):
+            buf = self.buffer(o)
+            yp, pre, post = str(self.g[buf].data_ptr()), "", f"; r{o} = {buf}"
+        else:
+            fresh = self.const(torch.empty, "f")
+            pre, yp, post = f"r{o} = {fresh}({tuple(vo.shape)}); ", f"r{o}.data_ptr()", ""
+        nt = self.const(torch.get_num_threads, "f")
+        wp = w.data_ptr()
+        if weight_t:
+            scratch = self.g.setdefault(f"_gemv_part{n}", torch.empty((max(os.cpu_count() or 1, 2), n)))
+            call = (f"{self.const(lib.hf_gemv_kn, 'nk')}({wp}, {xp}, {bp}, {yp}, {n}, {k}, {nt}(), "
+                    f"{scratch.data_ptr()}, {scratch.shape[0]})")
+        else:
+            call = f"{self.const(lib.hf_gemv_nk, 'nk')}({wp}, {xp}, {bp}, {yp}, {n}, {k}, {nt}())"
+        return pre + call + post
+
+    def ptr(self, vid: int) -> str:
+        """The data pointer of ``r<vid>``: a literal for an arena slice (they never move), else read per call."""
+        return str(self.g[self.buffer(vid)].data_ptr()) if self.planned(vid) else f"r{vid}.data_ptr()"
 
     def split_gemv(self, x: Reg, w: torch.Tensor, b: Any, c: int, weight_t: bool, o: int, dev: torch.device) -> str:
         """One-row product as one threaded ``bmm`` over ``c`` chunks (see :mod:`hetforge.ops.gemv`), into the

@@ -1,0 +1,1 @@
+"""Native CPU kernels (C, built on first use); see :mod:`hetforge.kernels.native`."""

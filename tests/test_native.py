@@ -1,0 +1,82 @@
+"""The native C kernels (kernels/native.py): a real build with the host's compiler, results equal to ATen's,
+clear reasons when they cannot be used, and the executor's use of them."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hetforge.kernels import native
+
+needs_cc = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
+                              reason="no C compiler on this host: the native kernels cannot be built")
+
+
+@pytest.fixture
+def fresh_state(monkeypatch, tmp_path):
+    """An empty loader state and a private cache folder (the module keeps one loaded library per process)."""
+    monkeypatch.setattr(native, "_state", {})
+    monkeypatch.setenv("HETFORGE_CACHE", str(tmp_path))
+    return tmp_path
+
+
+@needs_cc
+def test_builds_with_the_host_compiler_into_the_cache(fresh_state):
+    st_ = native.status()
+    assert st_.available, st_.reason
+    assert st_.path.startswith(str(fresh_state)) and st_.path.endswith(".so")
+    mtime = (fresh_state / "kernels").stat().st_mtime_ns
+    native._state.clear()
+    again = native.status()  # a second load reuses the built file
+    assert again.path == st_.path and (fresh_state / "kernels").stat().st_mtime_ns == mtime
+
+
+def test_disabled_by_environment(fresh_state, monkeypatch):
+    monkeypatch.setenv("HETFORGE_NATIVE", "0")
+    assert native.library() is None
+    assert native.status().reason == "disabled by HETFORGE_NATIVE=0"
+    assert not native.fits(torch.randn(4, 4))
+
+
+def test_a_failing_compiler_leaves_no_file_and_says_why(fresh_state, monkeypatch):
+    monkeypatch.setenv("CC", shutil.which("false") or "/bin/false")
+    assert native.library() is None
+    assert native.status().reason.startswith("could not build the native kernels")
+    assert not list((fresh_state / "kernels").glob("*.so"))
+
+
+@needs_cc
+@settings(max_examples=60, deadline=None)
+@given(k=st.integers(1, 70), n=st.integers(1, 70), weight_t=st.booleans(), bias=st.booleans(),
+       threads=st.integers(1, 4))
+def test_gemv_equals_linear(k, n, weight_t, bias, threads):
+    g = torch.Generator().manual_seed(k * 1000 + n)
+    x = torch.randn(1, k, generator=g)
+    w = torch.randn((k, n) if weight_t else (n, k), generator=g)
+    b = torch.randn(n, generator=g) if bias else None
+    assert native.fits(w, b, weight_t)
+    ref = (x @ w if weight_t else F.linear(x, w)) + (b if bias else 0)
+    out = torch.full((1, n), float("nan"))
+    native.gemv(x, w, b, out, weight_t, threads=threads)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+@needs_cc
+def test_split_k_scratch_with_fewer_slots_than_threads_and_a_wide_row():
+    x, w = torch.randn(1, 64), torch.randn(64, 50257)  # gpt2's vocabulary as N
+    out = torch.empty(1, 50257)
+    native.gemv(x, w, None, out, True, threads=4, scratch=torch.empty(2, 50257))
+    torch.testing.assert_close(out, x @ w, rtol=1e-4, atol=1e-4)
+
+
+def test_fits_refuses_what_the_kernel_cannot_read():
+    w = torch.randn(8, 4)
+    assert not native.fits(w.t(), None)  # not contiguous
+    assert not native.fits(w.double(), None, dtype=torch.float64)
+    assert not native.fits(w, torch.randn(3))  # bias length != N
+    assert not native.fits(w, None, dtype=torch.float16)
