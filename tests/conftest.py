@@ -10,6 +10,23 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 TINY = ["gpt2-tiny", "llama-tiny", "mixtral-tiny", "qwen2-tiny", "bert-tiny"]
 
 
+@pytest.fixture
+def no_native(monkeypatch):
+    """ATen kernels only: the native C kernels (hetforge.kernels.native) reported unavailable."""
+    from hetforge.kernels import native
+
+    monkeypatch.setattr(native, "_state", {"lib": None, "status": native.NativeStatus(False, reason="test")})
+
+
+@pytest.fixture
+def with_native():
+    """The native C kernels, built here (skips where there is no C compiler)."""
+    from hetforge.kernels import native
+
+    if native.library() is None:
+        pytest.skip(f"native kernels unavailable: {native.status().reason}")
+
+
 @pytest.fixture(scope="session")
 def tiny_names():
     return TINY

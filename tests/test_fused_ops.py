@@ -68,7 +68,8 @@ def test_gated_mlp_is_swiglu(down):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_rms_norm_matches_hugging_face(dtype):
+def test_rms_norm_matches_hugging_face(dtype, no_native):
+    """The ATen path is bit-equal to Hugging Face's module (the native one is tested to rounding below)."""
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
     norm = LlamaRMSNorm(768, eps=1e-5)
@@ -80,6 +81,51 @@ def test_rms_norm_matches_hugging_face(dtype):
     want = norm(x)
     assert got.dtype == want.dtype
     torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("rows", [1, 37, 200])
+def test_native_norms_match_aten_to_rounding(rows, with_native):
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    d = 768
+    x, w, b = torch.randn(1, rows, d) * 3, torch.randn(d), torch.randn(d)
+    norm = LlamaRMSNorm(d, eps=1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(w)
+    for got, want in [(ops.rms_norm(x, w, 1e-5), norm(x)), (ops.rms_norm(x, None, 1e-6), F.rms_norm(x, (d,), eps=1e-6)),
+                      (ops.layer_norm(x, [d], w, b, 1e-5), F.layer_norm(x, [d], w, b, 1e-5)),
+                      (ops.layer_norm(x, [d], None, None, 1e-5), F.layer_norm(x, [d], None, None, 1e-5))]:
+        torch.testing.assert_close(got, want, rtol=2e-6, atol=2e-6)
+
+
+def test_native_rotary_is_bit_equal_to_the_chain(with_native):
+    x = torch.randn(1, 12, 1, 64)  # one decode position for 12 heads
+    cos, sin = torch.randn(1, 1, 1, 64), torch.randn(1, 1, 1, 64)
+    want = x * cos + torch.cat((-x[..., 32:], x[..., :32]), dim=-1) * sin
+    assert torch.equal(ops.rotary(x, cos, sin), want)
+
+
+@pytest.mark.parametrize("heads, kv_heads", [(12, 12), (8, 2)])
+def test_native_decode_attention_matches_the_aten_chain(heads, kv_heads, with_native, monkeypatch):
+    from hetforge.kernels import native
+
+    g = torch.Generator().manual_seed(heads)
+    s, d = 40, 16
+    q = torch.randn(1, heads, 1, d, generator=g)
+    k, v = torch.randn(1, kv_heads, 1, d, generator=g), torch.randn(1, kv_heads, 1, d, generator=g)
+    kc, vc = torch.randn(1, kv_heads, s, d, generator=g), torch.randn(1, kv_heads, s, d, generator=g)
+    mask = torch.zeros(1, s)
+    mask[0, 25:] = float("-inf")  # positions not written yet
+    new_mask = torch.zeros(1, 1)
+    args = (q, k, v, kc, vc, mask, new_mask, 0.25)
+    assert native.decode_attention_fits(*args[:7])
+    got = ops.kv_attention(*args)
+    monkeypatch.setattr(native, "_state", {"lib": None, "status": native.NativeStatus(False, reason="test")})
+    want = ops.kv_attention(*args)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    kk = torch.cat([kc[:, :, :25], k], 2).repeat_interleave(heads // kv_heads, 1)
+    vv = torch.cat([vc[:, :, :25], v], 2).repeat_interleave(heads // kv_heads, 1)
+    torch.testing.assert_close(got, F.scaled_dot_product_attention(q, kk, vv, scale=0.25), rtol=1e-5, atol=1e-6)
 
 
 def test_layer_norm_matches_functional():

@@ -21,13 +21,9 @@ def two_threads():
 
 
 @pytest.fixture(params=["native", "bmm"])
-def kernel(request, monkeypatch):
+def kernel(request):
     """Each one-row path: the native kernel (skipped where it cannot be built) and the ``bmm`` split."""
-    if request.param == "native":
-        if native.library() is None:
-            pytest.skip(f"native kernels unavailable here: {native.status().reason}")
-    else:
-        monkeypatch.setattr(native, "_state", {"lib": None, "status": native.NativeStatus(False, reason="test")})
+    request.getfixturevalue("with_native" if request.param == "native" else "no_native")
     return request.param
 
 

@@ -2,7 +2,7 @@
 
 Why native code: a decode step is a chain of one-row products that must stream every weight at memory
 speed, and neither ATen's single-threaded GEMV nor a threaded ``bmm`` over a chunked view gets there on
-a small CPU (see ``gemv.c``). The kernels are plain C with OpenMP; they are built once per source and
+a small CPU (see ``native.c``). The kernels are plain C with OpenMP; they are built once per source and
 CPU into a cache folder (``$HETFORGE_CACHE``, else ``$XDG_CACHE_HOME/hetforge``, else
 ``~/.cache/hetforge``) in about a second, then loaded with :mod:`ctypes`. torch is imported first, so the
 library's ``libgomp.so.1`` resolves to the copy torch already loaded: one OpenMP thread pool, not two.
@@ -24,11 +24,22 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
-SOURCE = Path(__file__).with_name("gemv.c")
-FLAG_SETS = (["-O3", "-march=native", "-fopenmp"], ["-O3", "-fopenmp"])
+SOURCE = Path(__file__).with_name("native.c")
+# -ffp-contract=off: no fused multiply-adds where the C has a*b + c*d, so elementwise kernels round like the
+# separate ATen ops they replace (bit-equal); the memory-bound GEMVs do not need FMA for speed.
+FLAG_SETS = (["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"], ["-O3", "-fopenmp", "-ffp-contract=off"])
 
-_P, _L, _I = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
+_P, _L, _I, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
+SIGNATURES = {
+    "hf_gemv_nk": [_P, _P, _P, _P, _L, _L, _I],
+    "hf_gemv_kn": [_P, _P, _P, _P, _L, _L, _I, _P, _I],
+    "hf_rotary": [_P, _P, _P, _P, _L, _L, _I],
+    "hf_rms_norm": [_P, _P, _P, _L, _L, _F, _I],
+    "hf_layer_norm": [_P, _P, _P, _P, _L, _L, _F, _I],
+    "hf_decode_attention": [_P, _P, _P, _P, _P, _P, _P, _P, _P, _L, _L, _L, _L, _F, _I],
+}
 
 
 @dataclass
@@ -69,7 +80,7 @@ def _build(cc: str, flags: list[str], out: Path) -> str | None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        r = subprocess.run([cc, *flags, "-shared", "-fPIC", str(SOURCE), "-o", tmp], capture_output=True,
+        r = subprocess.run([cc, *flags, "-shared", "-fPIC", str(SOURCE), "-o", tmp, "-lm"], capture_output=True,
                            text=True, timeout=120)
         if r.returncode != 0:
             return (r.stderr.strip().splitlines() or ["failed"])[-1]
@@ -100,10 +111,9 @@ def _load() -> tuple[ctypes.CDLL | None, NativeStatus]:
             except OSError as e:
                 errors.append(str(e))
                 continue
-            lib.hf_gemv_nk.argtypes = [_P, _P, _P, _P, _L, _L, _I]
-            lib.hf_gemv_nk.restype = None
-            lib.hf_gemv_kn.argtypes = [_P, _P, _P, _P, _L, _L, _I, _P, _I]
-            lib.hf_gemv_kn.restype = None
+            for name, argtypes in SIGNATURES.items():
+                fn = getattr(lib, name)
+                fn.argtypes, fn.restype = argtypes, None
             return lib, NativeStatus(True, str(path), "", tuple(flags))
         errors.append(f"{cc} {' '.join(flags)}: {err}")
     return None, NativeStatus(False, reason="could not build the native kernels: " + "; ".join(errors))
@@ -123,6 +133,14 @@ def status() -> NativeStatus:
 
 def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
+
+
+def contiguous_ptr(t: torch.Tensor) -> int:
+    """``t``'s data pointer, for a kernel that reads it as dense rows; refuses a strided tensor rather than
+    let C read the wrong elements (the executor guards operands whose layout is only known at run time)."""
+    if not t.is_contiguous():
+        raise ValueError(f"native kernel operand {tuple(t.shape)} with strides {t.stride()} is not contiguous")
+    return t.data_ptr()
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, weight_t: bool,
@@ -151,8 +169,74 @@ def fits(w: torch.Tensor, bias: torch.Tensor | None = None, weight_t: bool = Fal
     """Whether a one-row product with weight ``w`` (and ``bias``) and a ``dtype`` input can run on the native
     kernel: everything fp32, contiguous and on the CPU (it reads raw pointers), and the library built.
     The caller checks that the input is one contiguous row of length ``K``."""
-    ok = (w.dim() == 2 and dtype == w.dtype == torch.float32 and w.device.type == "cpu" and w.is_contiguous())
+    ok = w.dim() == 2 and dtype == torch.float32 and _f32(w, bias)
     if ok and bias is not None:
-        ok = (bias.dtype == torch.float32 and bias.is_contiguous() and bias.device.type == "cpu"
-              and bias.numel() == w.shape[1 if weight_t else 0])
+        ok = bias.numel() == w.shape[1 if weight_t else 0]
     return ok and library() is not None
+
+
+def _f32(*ts: torch.Tensor | None) -> bool:
+    """Real (not fake, not traced) contiguous fp32 CPU tensors: a kernel that reads raw pointers can only
+    run eagerly; under export/tracing the op must stay an op (its ATen path is traced instead)."""
+    if torch._C._len_torch_dispatch_stack() or torch.compiler.is_compiling():
+        return False
+    return all(t is None or (t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
+                             and not is_fake(t)) for t in ts)
+
+
+def row_op_fits(x: torch.Tensor, *per_row: torch.Tensor | None) -> bool:
+    """Whether a row op (norm, rotary) over ``x``'s last dim can run natively: fp32 contiguous CPU tensors,
+    each of ``per_row`` (weight, bias, cos, sin; None allowed) one row of that width, library built."""
+    d = x.shape[-1] if x.dim() else 0
+    return (d > 0 and _f32(x, *per_row) and all(t is None or t.numel() == d for t in per_row)
+            and library() is not None)
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Hugging Face rotary with one position's ``cos``/``sin`` row for all of ``x``'s rows (bit-equal to the
+    ATen chain); check :func:`row_op_fits` first (and an even width, and ``cos.dim() <= x.dim()``)."""
+    y = torch.empty(x.shape)  # the broadcast shape: cos/sin are one row with no more dims than x
+    d = x.shape[-1]
+    library().hf_rotary(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), y.data_ptr(), x.numel() // d, d,
+                        torch.get_num_threads())
+    return y
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim (equal to ATen's to rounding); check :func:`row_op_fits` first."""
+    y = torch.empty_like(x)
+    d = x.shape[-1]
+    library().hf_rms_norm(x.data_ptr(), _ptr(weight), y.data_ptr(), x.numel() // d, d, eps, torch.get_num_threads())
+    return y
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """LayerNorm over the last dim (equal to ATen's to rounding); check :func:`row_op_fits` first."""
+    y = torch.empty_like(x)
+    d = x.shape[-1]
+    library().hf_layer_norm(x.data_ptr(), _ptr(weight), _ptr(bias), y.data_ptr(), x.numel() // d, d, eps,
+                            torch.get_num_threads())
+    return y
+
+
+def decode_attention_fits(q, k, v, k_cache, v_cache, cache_mask, new_mask) -> bool:
+    """Whether ``kv_attention`` is one new row (batch 1) of fp32 contiguous tensors the kernel can read."""
+    if q.dim() != 4 or q.shape[0] != 1 or q.shape[2] != 1 or library() is None:
+        return False
+    s = k_cache.shape[2]
+    return (_f32(q, k, v, k_cache, v_cache, cache_mask, new_mask) and cache_mask.numel() == s
+            and (new_mask is None or new_mask.numel() == 1) and k.shape[2] == 1 and v.shape == k.shape
+            and v.shape[-1] == q.shape[-1] and q.shape[1] % k.shape[1] == 0)
+
+
+def decode_attention(q, k, v, k_cache, v_cache, cache_mask, new_mask, scale: float) -> torch.Tensor:
+    """``kv_attention`` for one new row: softmax(scale·q·[Kc; k]ᵀ + mask)·[Vc; v], per head, heads in
+    parallel (equal to the ATen chain to rounding); check :func:`decode_attention_fits` first."""
+    _, h, _, d = q.shape
+    hkv, s = k_cache.shape[1], k_cache.shape[2]
+    out = torch.empty_like(q)
+    scratch = torch.empty((h, s + 1))
+    library().hf_decode_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                                  cache_mask.data_ptr(), _ptr(new_mask), out.data_ptr(), scratch.data_ptr(), h, hkv,
+                                  s, d, scale, torch.get_num_threads())
+    return out

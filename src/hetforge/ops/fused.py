@@ -31,6 +31,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from hetforge.kernels import native
 from hetforge.ops import gemv
 from hetforge.ops.registry import OpCall, TensorMeta, register_op
 
@@ -129,6 +130,8 @@ def kv_attention(q, k, v, k_cache, v_cache, cache_mask, new_mask=None, scale=1.0
     ``q [B, H, T, D]``, ``k``/``v [B, Hkv, T, D]`` (new rows), caches ``[B, Hkv, S, D]``, ``cache_mask [1, S]``
     and ``new_mask [T, T]`` additive. The cache is only read: the two score blocks are joined before one
     softmax, and grouped-query heads are rows of ``q`` viewed as ``[Hkv, G·T]`` (no K/V repeat)."""
+    if native.decode_attention_fits(q, k, v, k_cache, v_cache, cache_mask, new_mask):
+        return native.decode_attention(q, k, v, k_cache, v_cache, cache_mask, new_mask, scale)
     b, h, t, d = q.shape
     hkv, n = k.shape[1], k_cache.shape[2]
     g = h // hkv
@@ -238,6 +241,8 @@ def rotary(x, cos, sin):
     """Rotary position embedding, Hugging Face's ``x·cos + rotate_half(x)·sin`` with
     ``rotate_half(x) = cat(-x[..., d/2:], x[..., :d/2])`` (same ops, same order: bit-equal to the chain)."""
     h = x.shape[-1] // 2
+    if x.shape[-1] % 2 == 0 and cos.dim() <= x.dim() and native.row_op_fits(x, cos, sin):
+        return native.rotary(x, cos, sin)  # one position for every row: one C loop, same roundings
     return x * cos + torch.cat((-x[..., h:], x[..., :h]), dim=-1) * sin
 
 
@@ -269,6 +274,9 @@ def _rms_norm_fake(x, weight=None, eps=1e-6):
 )
 def rms_norm(x, weight=None, eps=1e-6):
     """Hugging Face RMSNorm: ``weight * (x32 * rsqrt(mean(x32², -1) + eps)).to(x.dtype)``."""
+    if weight is None or weight.dim() == 1:
+        if native.row_op_fits(x, weight):
+            return native.rms_norm(x, weight, eps)
     if x.dtype == torch.float32:  # one ATen call (it runs the same 5 kernels in C++; bit-equal here, see tests)
         h = F.rms_norm(x, (x.shape[-1],), None, eps)
         return weight * h if weight is not None else h
@@ -291,5 +299,7 @@ def _layer_norm_fake(x, normalized_shape, weight=None, bias=None, eps=1e-5):
     fake=_layer_norm_fake,
 )
 def layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5):
-    """``F.layer_norm`` over the trailing ``normalized_shape`` dims."""
+    """``F.layer_norm`` over the trailing ``normalized_shape`` dims (the native kernel for one fp32 dim)."""
+    if len(normalized_shape) == 1 and native.row_op_fits(x, weight, bias) and x.shape[-1] == normalized_shape[0]:
+        return native.layer_norm(x, weight, bias, eps)
     return F.layer_norm(x, list(normalized_shape), weight, bias, eps)

@@ -85,8 +85,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, w
     """``x·Wᵀ + b`` (``x·W + b`` when ``weight_t``). One fp32 row on a multi-threaded CPU runs on the native
     kernel (:mod:`hetforge.kernels.native`) when it is built, else through the split GEMV; otherwise
     ``F.linear``, or for a ``[K, N]`` weight ``addmm`` (2-D input with bias) / ``matmul``."""
-    if (torch.get_num_threads() > 1 and x.device.type == "cpu" and x.is_contiguous() and x.numel() == x.shape[-1]
-            and native.fits(w, bias, weight_t, x.dtype)):
+    if (torch.get_num_threads() > 1 and x.numel() == x.shape[-1] and native.fits(w, bias, weight_t, x.dtype)
+            and native.row_op_fits(x)):
         out = torch.empty((*x.shape[:-1], w.shape[1 if weight_t else 0]), dtype=x.dtype)
         return native.gemv(x, w, bias, out, weight_t)
     c = usable(x, w)

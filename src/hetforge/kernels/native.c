@@ -1,0 +1,165 @@
+/* hetforge native CPU kernels, fp32: one-row products (the GEMVs of a decode step) and the row ops
+ * between them (norms, rotary, the decode attention).
+ *
+ * Why: a decode step reads every weight once, so it is bound by memory bandwidth. ATen runs a one-row
+ * linear as a single-threaded MKL GEMV (~17 GB/s on the 2-core build host); a bmm over a chunked view
+ * of the weight uses both cores but still reaches only 25-29 GB/s. These loops give each thread one
+ * contiguous block of the weight and stream it once (33 GB/s there, the same as a plain read of memory).
+ * Plain C: the compiler vectorizes the loops (-O3 -march=native); OpenMP comes from the libgomp that
+ * torch has already loaded, so this shares torch's thread pool. Built and loaded by native.py. */
+#include <math.h>
+#include <omp.h>
+#include <string.h>
+
+static float dot(const float *restrict a, const float *restrict b, long k) {
+    float s = 0.f;
+#pragma omp simd reduction(+ : s)
+    for (long i = 0; i < k; i++) s += a[i] * b[i];
+    return s;
+}
+
+/* y[n] = sum_k w[n, k] x[k] (+ bias[n]); w is [N, K] row-major (F.linear layout). Rows split in
+ * contiguous blocks, one per thread. */
+void hf_gemv_nk(const float *w, const float *x, const float *bias, float *y, long n, long k, int threads) {
+#pragma omp parallel num_threads(threads)
+    {
+        int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        long r0 = n * t / nt, r1 = n * (t + 1) / nt;
+        for (long r = r0; r < r1; r++) {
+            float s = dot(w + r * k, x, k);
+            y[r] = bias ? s + bias[r] : s;
+        }
+    }
+}
+
+/* y[n] = sum_k x[k] w[k, n] (+ bias[n]); w is [K, N] row-major (GPT-2 Conv1D / addmm layout). Split-K:
+ * each thread streams a contiguous block of rows into its own row of ``part`` (a [slots, N] scratch the
+ * caller owns; at most ``slots`` threads run), then the partial rows are summed in thread order, so the
+ * result does not depend on timing. */
+void hf_gemv_kn(const float *w, const float *x, const float *bias, float *y, long n, long k, int threads,
+                float *part, int slots) {
+    if (threads > slots) threads = slots;
+#pragma omp parallel num_threads(threads)
+    {
+        int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        long k0 = k * t / nt, k1 = k * (t + 1) / nt;
+        float *restrict acc = part + (size_t)t * n;
+        memset(acc, 0, (size_t)n * sizeof(float));
+        for (long i = k0; i < k1; i++) {
+            const float xi = x[i];
+            const float *restrict wr = w + i * n;
+#pragma omp simd
+            for (long j = 0; j < n; j++) acc[j] += xi * wr[j];
+        }
+#pragma omp barrier
+        long j0 = n * t / nt, j1 = n * (t + 1) / nt;
+        for (long j = j0; j < j1; j++) {
+            float s = part[j];
+            for (int q = 1; q < nt; q++) s += part[(size_t)q * n + j];
+            y[j] = bias ? s + bias[j] : s;
+        }
+    }
+}
+
+/* ---------------------------------------------------------------- decode-step row ops
+ * The small per-token ops between the GEMVs. In ATen each is 3-6 kernel calls of ~3 µs dispatch on a
+ * 768-float row; here each is one call. Elementwise ones are bit-equal to ATen's chains (the library is
+ * built with -ffp-contract=off, so a*b + c*d is rounded like the separate ATen ops); the two norms sum
+ * in their own order, so they match ATen to rounding, not bitwise. */
+/* Hugging Face rotary on contiguous rows of width d: y = x*cos + rotate_half(x)*sin, with cos/sin one row
+ * of width d shared by all rows (one position). rotate_half(x) = cat(-x[d/2:], x[:d/2]). */
+void hf_rotary(const float *x, const float *cos_, const float *sin_, float *y, long rows, long d, int threads) {
+    long h = d / 2;
+#pragma omp parallel for num_threads(threads) if (rows * d >= 65536) schedule(static)
+    for (long r = 0; r < rows; r++) {
+        const float *xr = x + r * d;
+        float *yr = y + r * d;
+        for (long i = 0; i < h; i++) yr[i] = xr[i] * cos_[i] + (-xr[i + h]) * sin_[i];
+        for (long i = h; i < d; i++) yr[i] = xr[i] * cos_[i] + xr[i - h] * sin_[i];
+    }
+}
+
+/* RMSNorm of contiguous rows: y = w * (x * (1 / sqrt(mean(x^2) + eps))); w may be NULL. */
+void hf_rms_norm(const float *x, const float *w, float *y, long rows, long d, float eps, int threads) {
+#pragma omp parallel for num_threads(threads) if (rows * d >= 65536) schedule(static)
+    for (long r = 0; r < rows; r++) {
+        const float *xr = x + r * d;
+        float *yr = y + r * d;
+        float s = 0.f;
+#pragma omp simd reduction(+ : s)
+        for (long i = 0; i < d; i++) s += xr[i] * xr[i];
+        float inv = 1.f / sqrtf(s / (float)d + eps);
+        if (w) {
+            for (long i = 0; i < d; i++) yr[i] = w[i] * (xr[i] * inv);
+        } else {
+            for (long i = 0; i < d; i++) yr[i] = xr[i] * inv;
+        }
+    }
+}
+
+/* LayerNorm of contiguous rows (biased variance, two passes): y = (x - mean) * rstd * w + b; w, b may be NULL. */
+void hf_layer_norm(const float *x, const float *w, const float *b, float *y, long rows, long d, float eps,
+                   int threads) {
+#pragma omp parallel for num_threads(threads) if (rows * d >= 65536) schedule(static)
+    for (long r = 0; r < rows; r++) {
+        const float *xr = x + r * d;
+        float *yr = y + r * d;
+        float s = 0.f, q = 0.f;
+#pragma omp simd reduction(+ : s)
+        for (long i = 0; i < d; i++) s += xr[i];
+        float mean = s / (float)d;
+#pragma omp simd reduction(+ : q)
+        for (long i = 0; i < d; i++) q += (xr[i] - mean) * (xr[i] - mean);
+        float rstd = 1.f / sqrtf(q / (float)d + eps);
+        for (long i = 0; i < d; i++) {
+            float v = (xr[i] - mean) * rstd;
+            if (w) v = v * w[i];
+            if (b) v = v + b[i];
+            yr[i] = v;
+        }
+    }
+}
+
+/* One new query row per head against a read-only KV cache plus the new row (the decode step's attention).
+ * q [h, d], k_new/v_new [hkv, d], caches [hkv, s, d], mask [s] additive (may hold -inf), new_mask the
+ * additive mask of the new row against itself (one float, or NULL); out [h, d]. Head i reads kv head i / (h / hkv). Heads
+ * run in parallel; scores sit in a per-head buffer of s + 1 floats (scratch [h, s + 1]). */
+void hf_decode_attention(const float *q, const float *k_new, const float *v_new, const float *k_cache,
+                         const float *v_cache, const float *mask, const float *new_mask, float *out, float *scratch,
+                         long h, long hkv, long s, long d, float scale, int threads) {
+    long g = h / hkv;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (long i = 0; i < h; i++) {
+        long j = i / g;
+        const float *qi = q + i * d, *kc = k_cache + j * s * d, *vc = v_cache + j * s * d;
+        float *p = scratch + i * (s + 1), *o = out + i * d;
+        float mx = -INFINITY;
+        for (long t = 0; t < s; t++) {
+            float v = scale * dot(qi, kc + t * d, d) + mask[t];
+            p[t] = v;
+            if (v > mx) mx = v;
+        }
+        float vn = scale * dot(qi, k_new + j * d, d) + (new_mask ? *new_mask : 0.f);
+        p[s] = vn;
+        if (vn > mx) mx = vn;
+        float z = 0.f;
+        for (long t = 0; t <= s; t++) {
+            float e = expf(p[t] - mx);
+            p[t] = e;
+            z += e;
+        }
+        float iz = 1.f / z;
+        for (long c = 0; c < d; c++) o[c] = 0.f;
+        for (long t = 0; t < s; t++) {
+            float w = p[t] * iz;
+            if (w == 0.f) continue;
+            const float *vr = vc + t * d;
+#pragma omp simd
+            for (long c = 0; c < d; c++) o[c] += w * vr[c];
+        }
+        float w = p[s] * iz;
+        const float *vr = v_new + j * d;
+#pragma omp simd
+        for (long c = 0; c < d; c++) o[c] += w * vr[c];
+    }
+}
