@@ -80,3 +80,18 @@ def test_fits_refuses_what_the_kernel_cannot_read():
     assert not native.fits(w.double(), None, dtype=torch.float64)
     assert not native.fits(w, torch.randn(3))  # bias length != N
     assert not native.fits(w, None, dtype=torch.float16)
+
+
+@needs_cc
+def test_a_strided_operand_is_refused_not_misread():
+    t = torch.randn(4, 6)
+    assert native.contiguous_ptr(t) == t.data_ptr()
+    with pytest.raises(ValueError, match="not contiguous"):
+        native.contiguous_ptr(t.t())
+
+
+@needs_cc
+def test_read_stream_reads_everything():
+    x = torch.arange(1003, dtype=torch.float32)  # not a multiple of 4 streams x threads
+    for threads in (1, 2, 3):
+        assert native.library().hf_read_stream(x.data_ptr(), x.numel(), threads) == pytest.approx(float(x.sum()))

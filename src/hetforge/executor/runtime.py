@@ -95,7 +95,7 @@ class ExecStats:
 
 
 NATIVE_ROW_OPS = ("hetforge.rms_norm.default", "hetforge.layer_norm.default", "hetforge.rotary.default",
-                  "hetforge.kv_attention.default")
+                  "hetforge.kv_attention.default", "hetforge.linear_act.default", "hetforge.gated_mlp.default")
 
 
 def bind_args(ins) -> dict[str, Any] | None:
@@ -463,6 +463,34 @@ class _Codegen:
             if d % 2 or not (self.native_operand(cos, dev, d) and self.native_operand(sin, dev, d)):
                 return None
             call = f"hf_rotary({p(x)}, {p(cos)}, {p(sin)}, {{y}}, {rows}, {d}, {nt})"
+        elif ins.op == "hetforge.linear_act.default":
+            w, wt = args["weight"], bool(args["weight_t"])
+            if not (self.native_operand(x, dev) and isinstance(w, Reg) and self.p.values[w.id].kind == WEIGHT):
+                return None
+            ws = self.p.values[w.id].shape
+            kk = math.prod(self.p.values[x.id].shape)
+            if rows != 1 or args["act"] not in native.ACT_CODES or len(ws) != 2 or ws != ((kk, d) if wt else (d, kk)) \
+                    or not (self.native_operand(w, dev) and opt(args["bias"], d)):
+                return None
+            part = self.g.setdefault(f"_gemv_part{d}", torch.empty((max(os.cpu_count() or 1, 2), d)))
+            call = (f"hf_linear_act({p(w)}, {p(x)}, {p(args['bias'])}, {{y}}, {d}, {kk}, {int(wt)}, "
+                    f"{native.ACT_CODES[args['act']]}, {nt}, {part.data_ptr()}, {part.shape[0]})")
+        elif ins.op == "hetforge.gated_mlp.default":
+            wg, wu, wd = args["w_gate"], args["w_up"], args["w_down"]
+            if not self.native_operand(x, dev) or any(args[b] is not None for b in ("b_gate", "b_up", "b_down")):
+                return None
+            dm = math.prod(self.p.values[x.id].shape)
+            if not all(isinstance(a, Reg) and self.p.values[a.id].kind == WEIGHT and self.native_operand(a, dev)
+                       for a in ([wg, wu] if wd is None else [wg, wu, wd])):
+                return None
+            f = self.p.values[wg.id].shape[0]
+            want = [(f, dm), (f, dm)] + ([] if wd is None else [(dm, f)])
+            if rows != 1 or args["act"] not in native.ACT_CODES or d != (f if wd is None else dm) or \
+                    [tuple(self.p.values[a.id].shape) for a in [wg, wu] + ([] if wd is None else [wd])] != want:
+                return None
+            h = "{y}" if wd is None else str(self.g[self.const(torch.empty(f), "scr")].data_ptr())
+            call = (f"hf_gated_mlp({p(x)}, {p(wg)}, {p(wu)}, {p(wd)}, {h}, {{y}}, {f}, {dm}, "
+                    f"{native.ACT_CODES[args['act']]}, {nt})")
         else:  # kv_attention, one new row
             q, k, v, kc, vc = (args[n] for n in ("q", "k", "v", "k_cache", "v_cache"))
             if not all(isinstance(a, Reg) for a in (q, k, v, kc, vc)):

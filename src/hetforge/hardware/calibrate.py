@@ -72,6 +72,7 @@ class Measured:
     threads: int = 1
     overhead_s: dict[str, float] = field(default_factory=dict)
     clock: str = "wall"
+    bw_read: float = 0.0  # read_stream_bandwidth (reported; the cost model uses max(copy, triad))
 
 
 def _best_time(fn: Callable[[], object], min_reps: int, budget_s: float,
@@ -156,6 +157,28 @@ def _bandwidth(n_bytes: int, budget: float) -> tuple[float, float]:
     t_copy = _best_time(lambda: a.copy_(b), 3, budget)
     t_triad = _best_time(lambda: torch.add(b, c, alpha=1.5, out=a), 3, budget)
     return 2 * n * 4 / t_copy, 3 * n * 4 / t_triad
+
+
+def read_stream_bandwidth(n_bytes: int = 512 * 2**20, repeat: int = 5) -> float:
+    """Bytes/s of reading a large fp32 buffer once, best of ``repeat``: the bandwidth a weight-streaming
+    decode step can use (measured).
+
+    With the native kernels built it reads like hetforge's GEMVs do (four streams per thread,
+    ``hf_read_stream``); one stream per core, which ATen's ``sum`` uses, leaves bandwidth unused on small
+    CPUs (33 vs 38-56 GB/s on the 2-core build host, where the figure also moves with where the buffer
+    lands in memory). Without them it is ``sum``."""
+    from hetforge.kernels import native
+
+    x = torch.ones(max(1, n_bytes // 4))
+    lib = native.library()
+    threads = torch.get_num_threads()
+    fn = (lambda: lib.hf_read_stream(x.data_ptr(), x.numel(), threads)) if lib is not None else x.sum
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return x.numel() * 4 / best
 
 
 def _dispatch(budget: float) -> float:
@@ -581,6 +604,7 @@ def _measure(quick: bool, tick: Progress) -> Measured:
                     slow = 2 * n ** 3 / r > budget  # larger sizes would take too long
             tick(f"GEMM {dt} {n}")
     bw_copy, bw_triad = _bandwidth((16 if quick else 128) * 2 ** 20, budget * 2)
+    bw_read = read_stream_bandwidth((64 if quick else 512) * 2 ** 20, 3 if quick else 5)
     tick("memory bandwidth")
     disp = _dispatch(budget)
     tick("dispatch overhead")
@@ -599,7 +623,7 @@ def _measure(quick: bool, tick: Progress) -> Measured:
     over["seq:first"], over["seq:first-tau"] = float(f"{p_first:.4g}"), float(f"{tau:.4g}")
     tick("first op after a long one")
     return Measured(gemm, bw_copy, bw_triad, disp, eff, samples, time.perf_counter() - t0, torch.get_num_threads(),
-                    over)
+                    over, bw_read=bw_read)
 
 
 def n_steps(quick: bool) -> int:
@@ -628,7 +652,9 @@ def host_spec(m: Measured, quick: bool) -> SocSpec:
     dev = DeviceSpec(
         name="cpu", kind="cpu", peak_flops=peak,
         mem_bandwidth=meas(max(m.bw_copy, m.bw_triad),
-                           f"max of copy {m.bw_copy / 1e9:.2f} GB/s and triad {m.bw_triad / 1e9:.2f} GB/s"),
+                           f"max of copy {m.bw_copy / 1e9:.2f} GB/s and triad {m.bw_triad / 1e9:.2f} GB/s"
+                           + (f" (a read-only stream as the GEMVs read: {m.bw_read / 1e9:.2f} GB/s)"
+                              if m.bw_read else "")),
         mem_capacity=PositiveFigure(value=float(psutil.virtual_memory().total), source="psutil total RAM (measured)"),
         tdp_w=PositiveFigure(value=TDP_PER_CORE_W * n, source=POWER_SRC, estimate=True),
         idle_w=Figure(value=TDP_PER_CORE_W * n * 0.1, source=POWER_SRC, estimate=True),

@@ -39,7 +39,11 @@ SIGNATURES = {
     "hf_rms_norm": [_P, _P, _P, _L, _L, _F, _I],
     "hf_layer_norm": [_P, _P, _P, _P, _L, _L, _F, _I],
     "hf_decode_attention": [_P, _P, _P, _P, _P, _P, _P, _P, _P, _L, _L, _L, _L, _F, _I],
+    "hf_read_stream": [_P, _L, _I],
+    "hf_linear_act": [_P, _P, _P, _P, _L, _L, _I, _I, _I, _P, _I],
+    "hf_gated_mlp": [_P, _P, _P, _P, _P, _P, _L, _L, _I, _I],
 }
+ACT_CODES = {"relu": 1, "gelu": 2, "gelu_tanh": 3, "silu": 4}  # native.c's ACT_* (linear_act, gated_mlp)
 
 
 @dataclass
@@ -114,6 +118,7 @@ def _load() -> tuple[ctypes.CDLL | None, NativeStatus]:
             for name, argtypes in SIGNATURES.items():
                 fn = getattr(lib, name)
                 fn.argtypes, fn.restype = argtypes, None
+            lib.hf_read_stream.restype = _F
             return lib, NativeStatus(True, str(path), "", tuple(flags))
         errors.append(f"{cc} {' '.join(flags)}: {err}")
     return None, NativeStatus(False, reason="could not build the native kernels: " + "; ".join(errors))

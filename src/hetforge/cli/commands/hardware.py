@@ -78,14 +78,16 @@ def calibrate(
     rep = {"path": str(path), "seconds": m.seconds, "label": "measured", "quick": quick, "threads": m.threads,
            "clock": m.clock,
            "gemm_flops": {k: {str(n): v for n, v in r.items()} for k, r in m.gemm.items()},
-           "bandwidth_copy": m.bw_copy, "bandwidth_triad": m.bw_triad, "dispatch_s": m.dispatch_s,
+           "bandwidth_copy": m.bw_copy, "bandwidth_triad": m.bw_triad, "bandwidth_read": m.bw_read,
+           "dispatch_s": m.dispatch_s,
            "efficiency": m.efficiency, "overhead_s": m.overhead_s}
     if json_out:
         emit_json(rep)
         return
     console.print(f"host profile written to {path} (calibrated in {m.seconds:.1f} s, measured)")
     console.print("  peak (measured): " + ", ".join(f"{k} {v / 1e9:.1f} GFLOP/s" for k, v in d.peak_flops.items()))
-    console.print(f"  memory bandwidth (measured): copy {m.bw_copy / 1e9:.2f} GB/s, triad {m.bw_triad / 1e9:.2f} GB/s")
+    console.print(f"  memory bandwidth (measured): copy {m.bw_copy / 1e9:.2f} GB/s, triad {m.bw_triad / 1e9:.2f} GB/s, "
+                  f"read stream {m.bw_read / 1e9:.2f} GB/s")
     console.print(f"  dispatch overhead (measured): {m.dispatch_s * 1e6:.2f} µs")
     console.print("  efficiency factors (fitted): " + ", ".join(f"{k} {v:.3g}" for k, v in m.efficiency.items()))
     console.print("  fixed overheads (fitted): " + ", ".join(f"{k} {v * 1e6:.2g} µs" for k, v in m.overhead_s.items()))
