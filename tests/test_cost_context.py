@@ -228,3 +228,49 @@ def test_estimate_program_matches_instructions_without_context_and_adds_with_it(
     assert with_ctx[0].time_s > estimate_instr(first, prog, ctx.device(first.device), planned).time_s
     assert sum(c.time_s for c in with_ctx) > sum(c.time_s for c in estimate_program(prog, _with(ctx, cache_bytes=0.0),
                                                                                       planned))
+
+
+# ------------------------------------------------------------------ native kernels and static views
+
+
+def test_a_native_op_is_one_roofline_under_the_native_keys_not_its_aten_parts():
+    x, w = T(1, 1, 768), T(768)
+    c = call("hetforge.rms_norm.default", [x, w, 1e-5], [T(1, 1, 768)])
+    d = dev(efficiency={"native:hetforge.rms_norm.default": 0.5}, overhead_s={"native:hetforge.rms_norm.default": 1e-6})
+    parts = estimate_parts(c, d)
+    assert len(parts) > 2  # on a CPU the ATen path is its parts (pow, mean, add, rsqrt, mul, mul)
+    (op, nat), = estimate_parts(c, d, native=True)
+    assert op == c.op and nat.fixed_s == pytest.approx(d.dispatch_s + 1e-6)
+    plain = estimate_parts(c, dev(), native=True)[0][1]
+    assert nat.time_s > plain.time_s  # efficiency 0.5 under the op's native key
+
+
+def test_estimate_program_follows_the_executors_recorded_modes():
+    from hetforge.compile import compile_graph
+    from hetforge.frontend import capture
+    from hetforge.hardware import load_soc
+
+    class M(torch.nn.Module):
+        def forward(self, x, w):
+            h = torch.ops.hetforge.rms_norm(x, w, 1e-5)
+            return h.view(1, 12, 64).transpose(0, 1) * 2
+
+    inputs = (torch.randn(1, 768), torch.randn(768))
+    cg = capture(M(), inputs)
+    res = compile_graph(cg.gm, soc="host", example_inputs=inputs, passes=False)
+    modes, prog, planned = res.executable.write_modes, res.program, res.memory.offsets
+    soc = load_soc("host")
+    with_modes = estimate_program(prog, soc, planned, modes)
+    without = estimate_program(prog, soc, planned)
+    for ins, a, b in zip(prog.instrs, with_modes, without, strict=True):
+        mode = modes.get(ins.id)
+        if mode == "static":
+            assert a.time_s == 0.0 and b.time_s > 0.0
+        elif mode == "native":
+            assert a.time_s != b.time_s
+        else:
+            assert a.time_s == pytest.approx(b.time_s)
+    from hetforge.kernels import native
+
+    if native.library() is not None:
+        assert "native" in modes.values() and "static" in modes.values()

@@ -16,6 +16,13 @@ arena slice (:func:`write_mode`):
 * ``elided``: a view that returns its input unchanged (same shape, strides, offset and dtype, an op of the
   executor's ``IDENTITY_VIEW_OPS``): the executor binds the register without a call — free.
 
+Two modes depend on what the executor could prove while generating code, so it records them
+(``Executable.write_modes``) and :func:`estimate_program` takes them as ``modes``:
+
+* ``static``: a view of an arena slice or a weight, made once at build time — free at run time;
+* ``native``: a ``hetforge::`` op run as one native kernel (``hetforge.kernels.native``) writing its slice —
+  one roofline under the calibrated ``native`` efficiency and overhead (:func:`hetforge.cost.estimate_parts`).
+
 Transfers cost :func:`hetforge.cost.transfer_cost` over the SoC's link (0 on one device).
 :func:`estimate_instr` costs one instruction on its own; :func:`estimate_program` costs a whole program in
 order, with the cache context of :mod:`hetforge.cost.context` (hot inputs, cold code after big streams).
@@ -93,7 +100,7 @@ def _copy_cost(out: TensorMeta, device: DeviceProfile) -> OpCost:
 
 
 def _seq(ins: Instr, program: Program, device: DeviceProfile, planned, hot_bytes: float,
-         soc) -> tuple[OpCost, list[tuple[str, OpCost]]]:
+         soc, modes: dict[int, str] | None = None) -> tuple[OpCost, list[tuple[str, OpCost]]]:
     """The instruction's reported cost (F, B, class, group) and the ops it runs, in order (op, cost)."""
     if ins.kind == TRANSFER:
         from hetforge.cost.transfer import transfer_cost
@@ -103,8 +110,11 @@ def _seq(ins: Instr, program: Program, device: DeviceProfile, planned, hot_bytes
         c = OpCost(ins.op, device.name, 0.0, float(nbytes), 0.0, "memory", t, e, 0.0, "memory", True, "transfer")
         return c, [(ins.op, c)]
     call = op_call_from_instr(ins, program)
-    mode = write_mode(ins, program, planned)
-    if mode == "elided":
+    mode = (modes or {}).get(ins.id) or write_mode(ins, program, planned)
+    if mode == "native":
+        parts = estimate_parts(call, device, hot_bytes=hot_bytes, native=True)
+        return parts[0][1], parts
+    if mode in ("elided", "static"):
         c = OpCost(ins.op, device.name, 0.0, 0.0, 0.0, "memory", 0.0, 0.0, 0.0, "dispatch", True, "view")
         return c, [(ins.op, c)]
     if mode == "view-copy":
@@ -134,12 +144,15 @@ def estimate_instr(ins: Instr, program: Program, device: DeviceProfile, planned:
     return _total(head, [c for _, c in seq])
 
 
-def estimate_program(program: Program, soc, planned: set[int] | dict[int, Any]) -> list[OpCost]:
+def estimate_program(program: Program, soc, planned: set[int] | dict[int, Any],
+                     modes: dict[int, str] | None = None) -> list[OpCost]:
     """Modeled cost of every instruction of ``program`` in order, each on its device of ``soc``, with the
     cache context of the instructions before it on that device (:mod:`hetforge.cost.context`): inputs touched
     recently are cache-hot, and fixed costs grow after code was evicted. The program is walked twice and the
     second pass is returned: a steady-state run, whose first instructions follow the previous run's last ones
-    (as when a model is called again, and as ``Executable.profile`` measures after its warm-up run)."""
+    (as when a model is called again, and as ``Executable.profile`` measures after its warm-up run).
+    ``modes``: the executor's recorded write modes (``Executable.write_modes``), which override
+    :func:`write_mode` where given."""
     ctxs: dict[str, CacheContext] = {}
     out: list[OpCost] = []
     for _ in range(2):
@@ -156,7 +169,7 @@ def estimate_program(program: Program, soc, planned: set[int] | dict[int, Any]) 
                     if ctx.hot(root):
                         v = program.values[r]
                         hot += v.numel * v.itemsize
-            head, seq = _seq(ins, program, device, planned, hot, soc)
+            head, seq = _seq(ins, program, device, planned, hot, soc, modes)
             out.append(_total(head, [ctx.run(op, c) for op, c in seq]))
             ctx.touch(list(ins_roots) + [program.root(o) for o in ins.outputs])
         if not any(c.active for c in ctxs.values()):

@@ -160,10 +160,14 @@ def estimate(call_or_node: OpCall | torch.fx.Node, device: DeviceProfile, temp_c
 
 
 def estimate_parts(call_or_node: OpCall | torch.fx.Node, device: DeviceProfile, temp_c: float | None = None,
-                   resident_bytes: float | None = None, hot_bytes: float = 0.0) -> list[tuple[str, OpCost]]:
+                   resident_bytes: float | None = None, hot_bytes: float = 0.0,
+                   native: bool = False) -> list[tuple[str, OpCost]]:
     """``[(op, cost)]`` of what runs: one entry for an op that is one kernel; for a composite op on a CPU
     (:mod:`hetforge.cost.composite`) the op itself (its F, B and class, time 0) followed by every ATen op its
-    implementation runs, each costed on its own (an intermediate it reads was just written: hot)."""
+    implementation runs, each costed on its own (an intermediate it reads was just written: hot).
+
+    ``native``: the executor runs the op as one native kernel (:mod:`hetforge.kernels.native`): one roofline
+    over the op's F and B under the calibrated ``native`` efficiency and overhead, not its ATen parts."""
     if isinstance(call_or_node, torch.fx.Node):
         if call_or_node.op != "call_function":
             return [(call_or_node.op, OpCost(call_or_node.op, device.name, 0.0, 0.0, 0.0, "control", 0.0, 0.0, 0.0,
@@ -190,7 +194,7 @@ def estimate_parts(call_or_node: OpCall | torch.fx.Node, device: DeviceProfile, 
     pre = roofline(flops, nbytes, peak, device.mem_bandwidth, device.dispatch_s)
     op_class = "control" if info.op_class == "control" else pre.roof_class
     d = dasi_of(ai, peak, device.mem_bandwidth)
-    subs = decompose(call, info) if device.kind == "cpu" and not copies else None
+    subs = decompose(call, info) if device.kind == "cpu" and not copies and not native else None
     if subs:
         out = [(call.op, OpCost(call.op, device.name, flops, nbytes, ai, op_class, 0.0, 0.0, d, pre.bound, True,
                                 group, dt))]
@@ -201,11 +205,13 @@ def estimate_parts(call_or_node: OpCall | torch.fx.Node, device: DeviceProfile, 
             out.append((sub.op, c))
         return out
     keys = op_keys(call, group, pre.roof_class, op_class)
+    if native:
+        keys = (f"native:{call.op}", "native", *keys)
     fixed = device.dispatch_s + device.overhead(*keys)
     eff = device.eff(*keys)
     hit = min(1.0, device.efficiency.get("cache-hit", 1.0))
     b_eff = nbytes - (1.0 - hit) * min(max(hot_bytes, 0.0), call.bytes_in(), nbytes)
-    per_row = device.overhead_s.get("matmul:per-row", 0.0) if group == "matmul" else 0.0
+    per_row = device.overhead_s.get("matmul:per-row", 0.0) if group == "matmul" and not native else 0.0
     if per_row > 0:  # a product streams its weight row by row: a fixed cost per row, as bytes at β·e
         b_eff += weight_rows(call) * per_row * device.mem_bandwidth * eff
     rl = roofline(flops, b_eff, peak, device.mem_bandwidth, fixed * device.efficiency.get("seq:warm", 1.0), eff)

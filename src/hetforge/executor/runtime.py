@@ -128,6 +128,9 @@ class _Codegen:
         self.const_ids: dict[int, str] = {}
         self.moved: dict[tuple[int, torch.device], torch.Tensor] = {}
         self.static: dict[int, torch.Tensor] = {}  # views bound at build time (static_view)
+        # instructions run other than write_mode's rules say (hetforge.cost.instr): "static" views made at
+        # build time (free at run time), "native" ops (one native kernel writing the slice)
+        self.modes: dict[int, str] = {}
 
     def const(self, obj: Any, hint: str = "c") -> str:
         key = id(obj)
@@ -209,6 +212,7 @@ class _Codegen:
                 bound = self.static_view(ins)
                 if bound is not None:
                     self.stats.static_views += 1
+                    self.modes[ins.id] = "static"
                     return [f"{', '.join(outs)}{',' if len(outs) == 1 and len(bound) > 1 else ''} = "
                             f"{', '.join(bound)}"]
             else:
@@ -512,6 +516,7 @@ class _Codegen:
         fn, rest = call.split("(", 1)
         call = f"{self.const(getattr(lib, fn), 'nk')}({rest}"
         self.stats.native_ops += 1
+        self.modes[ins.id] = "native"
         if self.planned(o):
             buf = self.buffer(o)
             return call.format(y=self.g[buf].data_ptr()) + f"; r{o} = {buf}"
@@ -596,6 +601,7 @@ class Executable:
         cg = _Codegen(program, plan, self.device_map, mode, self.arenas)
         self.source = cg.build(profile=False)
         self.stats = cg.stats
+        self.write_modes = cg.modes  # for the cost model (hetforge.cost.estimate_program(modes=…))
         self._fn = self._compile(self.source, cg.g, "run")
         self._globals = cg.g
         self._profile_fn = None

@@ -36,6 +36,8 @@ Power cannot be measured here (no RAPL/NVML readable): TDP and idle power stay l
 from __future__ import annotations
 
 import datetime as _dt
+import math
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -293,6 +295,102 @@ UNARY = {"aten.tanh.default": torch.tanh, "aten.silu.default": F.silu, "aten.gel
          "aten.gelu.default:tanh": partial(F.gelu, approximate="tanh"),
          "aten.rsqrt.default": torch.rsqrt, "aten.sin.default": torch.sin, "aten.cos.default": torch.cos,
          "aten.exp.default": torch.exp, "aten.pow.Tensor_Scalar": lambda a: torch.pow(a, 3.0)}
+def _native_specs(quick: bool) -> list[tuple[str, tuple, dict]]:
+    """(hetforge op, argument shapes/values, options) of the native-kernel benchmarks: two shapes per op, so
+    each op's key gets its own efficiency and overhead (one point would fit only an overhead); empty when the
+    native kernels are not built here. ``quick`` does not shorten the list (the kernels take microseconds)."""
+    from hetforge.kernels import native
+
+    if native.library() is None:
+        return []
+    return [
+        ("rms_norm", ((1, 1, 768), (768,)), {}), ("rms_norm", ((1, 128, 768), (768,)), {}),
+        ("layer_norm", ((1, 1, 768), (768,), (768,)), {}), ("layer_norm", ((1, 128, 768), (768,), (768,)), {}),
+        ("rotary", ((1, 12, 1, 64),), {}), ("rotary", ((1, 32, 1, 128),), {}),
+        ("kv_attention", (128,), {}), ("kv_attention", (512,), {}),
+        ("linear_act", ((1, 1, 768), (3072, 768)), {"act": "gelu_tanh"}),
+        ("linear_act", ((1, 1, 3072), (3072, 768)), {"act": "relu"}),
+        ("gated_mlp", ((1, 1, 768), (2048, 768), (2048, 768), (768, 2048)), {}),
+        ("gated_mlp", ((1, 1, 512), (1024, 512), (1024, 512), (512, 1024)), {}),
+    ]
+
+
+def _native_bench(op: str, shapes: tuple, opts: dict) -> Bench:
+    """One native kernel called as the executor calls it (ctypes, raw pointers, result into a slice), cold
+    operands; F and B from the op's registered formulas, as the cost model computes them."""
+    from hetforge.kernels import native
+    from hetforge.ops.registry import OpCall, TensorMeta, lookup
+
+    lib, nt = native.library(), torch.get_num_threads
+    meta = lambda *ss: tuple(TensorMeta(tuple(sh), torch.float32) for sh in ss)  # noqa: E731
+    if op == "kv_attention":
+        s = shapes[0]
+        q, kv, cache, mask = (1, 12, 1, 64), (1, 12, 1, 64), (1, 12, s, 64), (1, s)
+        args = (*meta(q, kv, kv, cache, cache, mask), None, 0.125)
+        out = meta(q)
+        scratch = torch.empty(12, s + 1)
+
+        def make() -> Callable[[], object]:
+            nxt = _cold(_rn(*q), _rn(*kv), _rn(*kv), _rn(*cache), _rn(*cache), torch.zeros(mask), torch.empty(q))
+
+            def run() -> object:
+                t = [a.data_ptr() for a in nxt()]
+                return lib.hf_decode_attention(*t[:6], None, t[6], scratch.data_ptr(), 12, 12, s, 64, 0.125, nt())
+
+            return run
+    elif op in ("rms_norm", "layer_norm", "rotary"):
+        x = shapes[0]
+        d, rows = x[-1], math.prod(x) // x[-1]
+        extra = [(d,)] * (len(shapes) - 1) if op != "rotary" else [(1, 1, 1, d), (1, 1, 1, d)]
+        args = (*meta(x, *extra), 1e-5) if op == "rms_norm" else \
+            ((meta(x)[0], [d], *meta(*extra), 1e-5) if op == "layer_norm" else meta(x, *extra))
+        out = meta(x)
+
+        def make() -> Callable[[], object]:
+            nxt = _cold(_rn(*x), *(_rn(*e) for e in extra), torch.empty(x))
+
+            def run() -> object:
+                t = [a.data_ptr() for a in nxt()]
+                if op == "rms_norm":
+                    return lib.hf_rms_norm(t[0], t[1], t[2], rows, d, 1e-5, nt())
+                if op == "layer_norm":
+                    return lib.hf_layer_norm(t[0], t[1], t[2], t[3], rows, d, 1e-5, nt())
+                return lib.hf_rotary(t[0], t[1], t[2], t[3], rows, d, nt())
+
+            return run
+    elif op == "linear_act":
+        x, w = shapes
+        wt = w[0] == x[-1]  # [K, N]
+        n = w[1] if wt else w[0]
+        args = (*meta(x, w), None, opts["act"], wt)
+        out = meta((1, 1, n))
+        part = torch.empty(max(2, os.cpu_count() or 1), n)
+
+        def make() -> Callable[[], object]:
+            xx, y, nxt = _rn(*x), torch.empty(n), _cold(_rn(*w))
+            return lambda: lib.hf_linear_act(nxt()[0].data_ptr(), xx.data_ptr(), None, y.data_ptr(), n, x[-1],
+                                             int(wt), native.ACT_CODES[opts["act"]], nt(), part.data_ptr(),
+                                             part.shape[0])
+    else:  # gated_mlp
+        x, wg, wu, wd = shapes
+        args = (*meta(x, wg, wu, wd), None, None, None, "silu")
+        out = meta(x)
+
+        def make() -> Callable[[], object]:
+            xx, h, y, nxt = _rn(*x), torch.empty(wg[0]), torch.empty(x), _cold(_rn(*wg), _rn(*wu), _rn(*wd))
+
+            def run() -> object:
+                g, u, dn = nxt()
+                return lib.hf_gated_mlp(xx.data_ptr(), g.data_ptr(), u.data_ptr(), dn.data_ptr(), h.data_ptr(),
+                                        y.data_ptr(), wg[0], x[-1], native.ACT_CODES["silu"], nt())
+
+            return run
+    name = f"hetforge.{op}.default"
+    info = lookup(name)
+    call = OpCall(name, args, {}, out)
+    return (("native", f"native:{name}"), make, float(info.flops(call)), float(info.nbytes(call)), 0)
+
+
 def _group_benchmarks(quick: bool) -> list[Bench]:
     """(keys, make_fn, FLOPs, bytes) for representative ops; FLOPs/bytes use the same formulas as aten_costs.
 
@@ -345,6 +443,7 @@ def _group_benchmarks(quick: bool) -> list[Bench]:
     for key, fn in tiny:
         out.append(((key,), partial(lambda f: f, fn), 0.0, 0.0, 0))
     out.append((("creation",), partial(lambda: (lambda: aten.arange.default(128))), 0.0, 128 * 8.0, 0))
+    out += [_native_bench(*spec) for spec in _native_specs(quick)]
     return out
 
 
@@ -634,7 +733,7 @@ def n_steps(quick: bool) -> int:
 def _n_group_benchmarks(quick: bool) -> int:
     """``len(_group_benchmarks(quick))`` without allocating the benchmark tensors (checked in ``_fit_efficiency``)."""
     n_mm, n_attn, n_sizes, n_gather = (4 + 3, 2, 2, 2) if quick else (12 + 3, 4, 4, 3)
-    return n_mm + n_attn + n_sizes * (8 + len(UNARY)) + n_gather + 8 + 1
+    return n_mm + n_attn + n_sizes * (8 + len(UNARY)) + n_gather + 8 + 1 + len(_native_specs(quick))
 
 
 def host_spec(m: Measured, quick: bool) -> SocSpec:
