@@ -95,3 +95,11 @@ def test_read_stream_reads_everything():
     x = torch.arange(1003, dtype=torch.float32)  # not a multiple of 4 streams x threads
     for threads in (1, 2, 3):
         assert native.library().hf_read_stream(x.data_ptr(), x.numel(), threads) == pytest.approx(float(x.sum()))
+
+
+def test_an_unwritable_cache_is_a_reason_not_a_crash(fresh_state, monkeypatch, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv("HETFORGE_CACHE", str(blocker))  # kernels/ would have to be made inside a file
+    assert native.library() is None
+    assert "cannot write the kernel cache" in native.status().reason

@@ -80,9 +80,12 @@ def _cpu_tag() -> str:
 
 def _build(cc: str, flags: list[str], out: Path) -> str | None:
     """Compile ``SOURCE`` into ``out`` atomically (temp file, then rename); the compiler's error or None."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-    os.close(fd)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+        os.close(fd)
+    except OSError as e:
+        return f"cannot write the kernel cache {out.parent}: {e}"
     try:
         r = subprocess.run([cc, *flags, "-shared", "-fPIC", str(SOURCE), "-o", tmp, "-lm"], capture_output=True,
                            text=True, timeout=120)
