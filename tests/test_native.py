@@ -82,12 +82,12 @@ def test_fits_refuses_what_the_kernel_cannot_read():
     assert not native.fits(w, None, dtype=torch.float16)
 
 
-@needs_cc
-def test_a_strided_operand_is_refused_not_misread():
+def test_a_strided_operand_is_read_through_a_contiguous_copy_not_misread():
     t = torch.randn(4, 6)
-    assert native.contiguous_ptr(t) == t.data_ptr()
-    with pytest.raises(ValueError, match="not contiguous"):
-        native.contiguous_ptr(t.t())
+    assert native.contiguous_ptr(t, 1) == t.data_ptr()
+    p = native.contiguous_ptr(t.t(), 1)
+    kept = native._KEEP[1]
+    assert p == kept.data_ptr() and kept.is_contiguous() and torch.equal(kept, t.t())
 
 
 @needs_cc
@@ -103,3 +103,9 @@ def test_an_unwritable_cache_is_a_reason_not_a_crash(fresh_state, monkeypatch, t
     monkeypatch.setenv("HETFORGE_CACHE", str(blocker))  # kernels/ would have to be made inside a file
     assert native.library() is None
     assert "cannot write the kernel cache" in native.status().reason
+
+
+@needs_cc
+def test_gemv_refuses_a_row_that_does_not_fit_the_weight():
+    with pytest.raises(ValueError, match="do not fit"):
+        native.gemv(torch.randn(1, 5), torch.randn(8, 4), None, torch.empty(1, 8), False)

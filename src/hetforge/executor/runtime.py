@@ -128,6 +128,8 @@ class _Codegen:
         self.const_ids: dict[int, str] = {}
         self.moved: dict[tuple[int, torch.device], torch.Tensor] = {}
         self.static: dict[int, torch.Tensor] = {}  # views bound at build time (static_view)
+        self.rebound: set[int] = set()  # planned values whose register is bound to another tensor
+        self.sites = 0  # run-time pointer reads (native.contiguous_ptr call sites)
         # instructions run other than write_mode's rules say (hetforge.cost.instr): "static" views made at
         # build time (free at run time), "native" ops (one native kernel writing the slice)
         self.modes: dict[int, str] = {}
@@ -196,6 +198,7 @@ class _Codegen:
             src = self.expr(ins.args[0], dev)
             o = ins.outputs[0]
             if ins.attrs.get("zero_copy"):
+                self.rebound.add(o)  # r<o> is the source tensor, not o's slice (if o has one)
                 src_dev = self.dm[self.p.values[ins.args[0].id].device]
                 return [f"{outs[0]} = {src}" if src_dev == dev else f"{outs[0]} = {src}.to({self.const(dev, 'dev')})"]
             if self.planned(o):
@@ -276,6 +279,8 @@ class _Codegen:
         (planned results are written into their slice, never rebound), a weight, or a view made of those."""
         if vid in self.static:
             return self.static[vid]
+        if vid in self.rebound:
+            return None
         if self.planned(vid):
             return self.g[self.buffer(vid)]
         if self.p.values[vid].kind == WEIGHT:
@@ -406,16 +411,22 @@ class _Codegen:
             yp, pre, post = str(self.g[buf].data_ptr()), "", f"; r{o} = {buf}"
         else:
             fresh = self.const(torch.empty, "f")
-            pre, yp, post = f"r{o} = {fresh}({tuple(vo.shape)}); ", f"r{o}.data_ptr()", ""
+            f32 = self.const(torch.float32, "dt")
+            pre, yp, post = f"r{o} = {fresh}({tuple(vo.shape)}, dtype={f32}); ", f"r{o}.data_ptr()", ""
         nt = self.const(torch.get_num_threads, "f")
         wp = w.data_ptr()
         if weight_t:
-            scratch = self.g.setdefault(f"_gemv_part{n}", torch.empty((max(os.cpu_count() or 1, 2), n)))
+            scratch = self.gemv_scratch(n)
             call = (f"{self.const(lib.hf_gemv_kn, 'nk')}({wp}, {xp}, {bp}, {yp}, {n}, {k}, {nt}(), "
                     f"{scratch.data_ptr()}, {scratch.shape[0]})")
         else:
             call = f"{self.const(lib.hf_gemv_nk, 'nk')}({wp}, {xp}, {bp}, {yp}, {n}, {k}, {nt}())"
         return pre + call + post
+
+    def gemv_scratch(self, n: int) -> torch.Tensor:
+        """The split-K partial rows of a native ``[K, N]`` GEMV (one row per possible thread; shared by the
+        program's products of width ``n``, which run one at a time)."""
+        return self.g.setdefault(f"_gemv_part{n}", torch.empty((max(os.cpu_count() or 1, 2), n), dtype=torch.float32))
 
     def ptr(self, vid: int, dev: torch.device) -> str:
         """The data pointer of ``r<vid>`` for a native kernel: a literal when the tensor is known at build
@@ -424,7 +435,8 @@ class _Codegen:
         t = self.static_tensor(vid, dev)
         if t is not None:
             return str(t.data_ptr())
-        return f"{self.const(native.contiguous_ptr, 'f')}(r{vid})"
+        self.sites += 1
+        return f"{self.const(native.contiguous_ptr, 'f')}(r{vid}, {self.sites})"
 
     def native_operand(self, a: Any, dev: torch.device, numel: int | None = None) -> bool:
         """Whether ``a`` is a register a native kernel can read: fp32, contiguous, on this CPU (and ``numel``)."""
@@ -476,7 +488,7 @@ class _Codegen:
             if rows != 1 or args["act"] not in native.ACT_CODES or len(ws) != 2 or ws != ((kk, d) if wt else (d, kk)) \
                     or not (self.native_operand(w, dev) and opt(args["bias"], d)):
                 return None
-            part = self.g.setdefault(f"_gemv_part{d}", torch.empty((max(os.cpu_count() or 1, 2), d)))
+            part = self.gemv_scratch(d)
             call = (f"hf_linear_act({p(w)}, {p(x)}, {p(args['bias'])}, {{y}}, {d}, {kk}, {int(wt)}, "
                     f"{native.ACT_CODES[args['act']]}, {nt}, {part.data_ptr()}, {part.shape[0]})")
         elif ins.op == "hetforge.gated_mlp.default":
@@ -492,7 +504,7 @@ class _Codegen:
             if rows != 1 or args["act"] not in native.ACT_CODES or d != (f if wd is None else dm) or \
                     [tuple(self.p.values[a.id].shape) for a in [wg, wu] + ([] if wd is None else [wd])] != want:
                 return None
-            h = "{y}" if wd is None else str(self.g[self.const(torch.empty(f), "scr")].data_ptr())
+            h = "{y}" if wd is None else str(self.g[self.const(torch.empty(f, dtype=torch.float32), "scr")].data_ptr())
             call = (f"hf_gated_mlp({p(x)}, {p(wg)}, {p(wu)}, {p(wd)}, {h}, {{y}}, {f}, {dm}, "
                     f"{native.ACT_CODES[args['act']]}, {nt})")
         else:  # kv_attention, one new row
@@ -500,7 +512,7 @@ class _Codegen:
             if not all(isinstance(a, Reg) for a in (q, k, v, kc, vc)):
                 return None
             sq, sk, sc = (self.p.values[a.id].shape for a in (q, k, kc))
-            if len(sq) != 4 or sq[0] != 1 or sq[2] != 1 or len(sk) != 4 or sk[2] != 1 or len(sc) != 4:
+            if len(sq) != 4 or sq[0] != 1 or sq[2] != 1 or len(sk) != 4 or sk[0] != 1 or sk[2] != 1 or len(sc) != 4:
                 return None
             h, hd, hkv, s = sq[1], sq[3], sk[1], sc[2]
             if sk != self.p.values[v.id].shape or sk[3] != hd or h % hkv or tuple(sc) != (1, hkv, s, hd) \
@@ -509,7 +521,7 @@ class _Codegen:
             if not (all(self.native_operand(a, dev) for a in (q, k, v, kc, vc))
                     and self.native_operand(args["cache_mask"], dev, s) and opt(args["new_mask"], 1)):
                 return None
-            scratch = self.const(torch.empty((h, s + 1)), "scr")
+            scratch = self.const(torch.empty((h, s + 1), dtype=torch.float32), "scr")
             call = (f"hf_decode_attention({p(q)}, {p(k)}, {p(v)}, {p(kc)}, {p(vc)}, {p(args['cache_mask'])}, "
                     f"{p(args['new_mask'])}, {{y}}, {self.g[scratch].data_ptr()}, {h}, {hkv}, {s}, {hd}, "
                     f"{float(args['scale'])!r}, {nt})")
@@ -521,7 +533,8 @@ class _Codegen:
             buf = self.buffer(o)
             return call.format(y=self.g[buf].data_ptr()) + f"; r{o} = {buf}"
         fresh = self.const(torch.empty, "f")
-        return f"r{o} = {fresh}({tuple(vo.shape)}); " + call.format(y=f"r{o}.data_ptr()")
+        return f"r{o} = {fresh}({tuple(vo.shape)}, dtype={self.const(torch.float32, 'dt')}); " + \
+            call.format(y=f"r{o}.data_ptr()")
 
     def split_gemv(self, x: Reg, w: torch.Tensor, b: Any, c: int, weight_t: bool, o: int, dev: torch.device) -> str:
         """One-row product as one threaded ``bmm`` over ``c`` chunks (see :mod:`hetforge.ops.gemv`), into the

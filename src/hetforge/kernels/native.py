@@ -143,11 +143,16 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-def contiguous_ptr(t: torch.Tensor) -> int:
-    """``t``'s data pointer, for a kernel that reads it as dense rows; refuses a strided tensor rather than
-    let C read the wrong elements (the executor guards operands whose layout is only known at run time)."""
+_KEEP: dict[int, torch.Tensor] = {}  # contiguous copies made by contiguous_ptr, one per call site
+
+
+def contiguous_ptr(t: torch.Tensor, site: int = 0) -> int:
+    """``t``'s data pointer, for a kernel that reads it as dense rows. The executor reads an operand's pointer
+    this way when its layout is only known at run time; a strided tensor (which the IR said would be
+    contiguous) is copied into a contiguous one first, kept until the same call site's next call, rather than
+    let C read the wrong elements."""
     if not t.is_contiguous():
-        raise ValueError(f"native kernel operand {tuple(t.shape)} with strides {t.stride()} is not contiguous")
+        t = _KEEP[site] = t.contiguous()
     return t.data_ptr()
 
 
@@ -159,6 +164,10 @@ def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: torch
     partial-row buffer (``[slots, N]``) for ``weight_t``, made here when not given."""
     lib = library()
     assert lib is not None, status().reason
+    k_w, n_w = w.shape if weight_t else (w.shape[1], w.shape[0])
+    if x.numel() != k_w or out.numel() != n_w or not (x.is_contiguous() and out.is_contiguous()):
+        raise ValueError(f"one-row product: input {tuple(x.shape)} and output {tuple(out.shape)} do not fit a "
+                         f"{'[K, N]' if weight_t else '[N, K]'} weight {tuple(w.shape)}")
     threads = torch.get_num_threads() if threads is None else threads
     if weight_t:
         k, n = w.shape
@@ -203,7 +212,7 @@ def row_op_fits(x: torch.Tensor, *per_row: torch.Tensor | None) -> bool:
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Hugging Face rotary with one position's ``cos``/``sin`` row for all of ``x``'s rows (bit-equal to the
     ATen chain); check :func:`row_op_fits` first (and an even width, and ``cos.dim() <= x.dim()``)."""
-    y = torch.empty(x.shape)  # the broadcast shape: cos/sin are one row with no more dims than x
+    y = torch.empty(x.shape, dtype=x.dtype)  # the broadcast shape: cos/sin are one row, no more dims than x
     d = x.shape[-1]
     library().hf_rotary(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), y.data_ptr(), x.numel() // d, d,
                         torch.get_num_threads())
@@ -231,10 +240,13 @@ def decode_attention_fits(q, k, v, k_cache, v_cache, cache_mask, new_mask) -> bo
     """Whether ``kv_attention`` is one new row (batch 1) of fp32 contiguous tensors the kernel can read."""
     if q.dim() != 4 or q.shape[0] != 1 or q.shape[2] != 1 or library() is None:
         return False
-    s = k_cache.shape[2]
+    if k.dim() != 4 or k_cache.dim() != 4:
+        return False
+    hkv, s, d = k.shape[1], k_cache.shape[2], q.shape[3]
     return (_f32(q, k, v, k_cache, v_cache, cache_mask, new_mask) and cache_mask.numel() == s
-            and (new_mask is None or new_mask.numel() == 1) and k.shape[2] == 1 and v.shape == k.shape
-            and v.shape[-1] == q.shape[-1] and q.shape[1] % k.shape[1] == 0)
+            and (new_mask is None or new_mask.numel() == 1) and tuple(k.shape) == (1, hkv, 1, d)
+            and v.shape == k.shape and tuple(k_cache.shape) == (1, hkv, s, d) and v_cache.shape == k_cache.shape
+            and q.shape[1] % hkv == 0)
 
 
 def decode_attention(q, k, v, k_cache, v_cache, cache_mask, new_mask, scale: float) -> torch.Tensor:
@@ -243,7 +255,7 @@ def decode_attention(q, k, v, k_cache, v_cache, cache_mask, new_mask, scale: flo
     _, h, _, d = q.shape
     hkv, s = k_cache.shape[1], k_cache.shape[2]
     out = torch.empty_like(q)
-    scratch = torch.empty((h, s + 1))
+    scratch = torch.empty((h, s + 1), dtype=q.dtype)
     library().hf_decode_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
                                   cache_mask.data_ptr(), _ptr(new_mask), out.data_ptr(), scratch.data_ptr(), h, hkv,
                                   s, d, scale, torch.get_num_threads())

@@ -21,9 +21,9 @@ kernel is slower than plain ``linear``). ``c`` is the smallest divisor of the sp
 or ``K`` for ``[K, N]``) that is at least the thread count (up to 64); without one the plain kernel runs.
 
 Where the native kernels of :mod:`hetforge.kernels.native` are built (a C compiler is on the host), an
-fp32 row runs on them instead: each thread streams one contiguous block of the weight, 33 GB/s on the
-build host against 25-29 GB/s for the ``bmm`` split. The ``bmm`` split stays as the fallback (no
-compiler, other float dtypes).
+fp32 row runs on them instead: each thread streams one contiguous block of the weight as four streams,
+35 GB/s on a 768 MiB weight on the build host against 25-29 GB/s for the ``bmm`` split. The ``bmm``
+split stays as the fallback (no compiler, other float dtypes).
 """
 
 from __future__ import annotations
