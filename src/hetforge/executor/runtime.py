@@ -339,8 +339,9 @@ class _Codegen:
 
         ``aten.linear(x, w, b)`` always becomes ``addmm.out``/``mm.out`` (weight transposed once at load);
         ``aten.addmm(b, x, w)`` and ``aten.mm(x, w)`` with a ``[K, N]`` weight are handled here only for
-        the one-row case. One-row products on a multi-threaded CPU use the split GEMV of
-        :mod:`hetforge.ops.gemv` (a chunked view of the weight, one parallel ``bmm``; no copy)."""
+        the one-row case. One-row fp32 products on the CPU run on the native GEMV (:meth:`native_gemv`);
+        without it, on a multi-threaded CPU, on the split GEMV of :mod:`hetforge.ops.gemv` (a chunked view
+        of the weight, one parallel ``bmm``; no copy)."""
         if ins.kwargs:
             return None
         if ins.op == "aten.linear.default":
@@ -359,11 +360,13 @@ class _Codegen:
         k, n = vx.shape[-1], vo.shape[-1]
         wname = self.weight(w.id, dev)
         wt = self.g[wname]
-        split = wt.shape[0]  # N of an [N, K] weight (split over outputs), K of a [K, N] one (split-K)
-        c = gemv.chunks_for(split) if dev.type == "cpu" and math.prod(vx.shape) == k and wt.is_contiguous() else None
-        if c is not None:
+        if dev.type == "cpu" and math.prod(vx.shape) == k and wt.is_contiguous():  # one row
             line = self.native_gemv(x, wt, b, weight_t, o, dev)
-            return line if line is not None else self.split_gemv(x, wt, b, c, weight_t, o, dev)
+            if line is not None:
+                return line
+            c = gemv.chunks_for(wt.shape[0])  # N of an [N, K] weight (split over outputs), K of a [K, N] one
+            if c is not None:
+                return self.split_gemv(x, wt, b, c, weight_t, o, dev)
         if weight_t or not self.planned(o):  # the out= variant / functional op is the same GEMM
             return None
         buf = self.buffer(o)

@@ -221,8 +221,8 @@ def _rn(*shape: int) -> torch.Tensor:
 
 
 def _linear_kernel() -> Callable[..., torch.Tensor]:
-    """The linear hetforge runs: ``hetforge.ops.gemv.linear`` (a one-row product split over the threads when
-    there are several; plain ``F.linear`` otherwise), or ``F.linear`` where that module is absent."""
+    """The linear hetforge runs: ``hetforge.ops.gemv.linear`` (a one-row product on the native GEMV, or split
+    over the threads without it; plain ``F.linear`` otherwise), or ``F.linear`` where that module is absent."""
     try:
         from hetforge.ops.gemv import linear
     except ImportError:
@@ -237,9 +237,12 @@ def _mk_linear(m: int, n: int, k: int = 768) -> Callable[[], object]:
 
 
 def _mk_addmm(m: int, n: int, k: int) -> Callable[[], object]:
-    """``b + x[m, k] · W[k, n]`` (GPT-2 ``Conv1D`` layout: ``k`` weight rows of ``n``)."""
-    x, b, nxt = _rn(m, k), _rn(n), _cold(_rn(k, n))
-    return lambda: torch.addmm(b, x, nxt()[0])
+    """``b + x[m, k] · W[k, n]`` (GPT-2 ``Conv1D`` layout: ``k`` weight rows of ``n``), through the linear
+    hetforge runs (:func:`_linear_kernel` with ``weight_t``: the native GEMV for one row) or ``addmm``."""
+    x, b, nxt, lin = _rn(m, k), _rn(n), _cold(_rn(k, n)), _linear_kernel()
+    if lin is F.linear:
+        return lambda: torch.addmm(b, x, nxt()[0])
+    return lambda: lin(x, nxt()[0], b, weight_t=True)
 
 
 def _mk_sdpa(L: int, S: int) -> Callable[[], object]:
