@@ -101,3 +101,23 @@ def test_cuda_path_matches_eager():
     res = compile_graph(cg.gm, soc="jetson-orin-nano", example_inputs=inputs)
     assert any(a.device.type == "cuda" for a in res.executable.arenas.values())
     assert verify(module, res.executable, inputs, kl_threshold=1e-6).passed
+
+
+def test_fast_mode_never_bakes_a_slice_a_result_was_not_written_to():
+    """In mode fast a planned op with no out= variant keeps its result in a fresh tensor; a native kernel
+    reading that value must read the fresh tensor, not the (unwritten) arena slice."""
+    from hetforge.compile import compile_graph
+    from hetforge.frontend import capture
+
+    class M(torch.nn.Module):
+        def forward(self, q, w):
+            a = torch.ops.hetforge.attention(q, q, q, None, 0.25, False)
+            return torch.ops.hetforge.rms_norm(a, w, 1e-5) * 2
+
+    inputs = (torch.randn(1, 4, 3, 16), torch.randn(16))
+    cg = capture(M(), inputs)
+    want = M()(*inputs)
+    for mode in ("arena", "fast"):
+        exe = compile_graph(cg.gm, soc="host", example_inputs=inputs, passes=False, mode=mode).executable
+        for _ in range(2):
+            torch.testing.assert_close(exe(*inputs), want, rtol=1e-5, atol=1e-5)

@@ -83,11 +83,39 @@ def test_fits_refuses_what_the_kernel_cannot_read():
 
 
 def test_a_strided_operand_is_read_through_a_contiguous_copy_not_misread():
-    t = torch.randn(4, 6)
-    assert native.contiguous_ptr(t, 1) == t.data_ptr()
-    p = native.contiguous_ptr(t.t(), 1)
-    kept = native._KEEP[1]
-    assert p == kept.data_ptr() and kept.is_contiguous() and torch.equal(kept, t.t())
+    t, keep = torch.randn(4, 6), {}
+    assert native.contiguous_ptr(t, keep, 1) == t.data_ptr() and not keep
+    p = native.contiguous_ptr(t.t(), keep, 1)
+    assert p == keep[1].data_ptr() and keep[1].is_contiguous() and torch.equal(keep[1], t.t())
+    with pytest.raises(ValueError, match="float32 on the CPU"):
+        native.contiguous_ptr(t.double(), keep, 2)
+
+
+@needs_cc
+@pytest.mark.parametrize("act", ["relu", "gelu", "gelu_tanh", "silu"])
+@pytest.mark.parametrize("weight_t", [False, True])
+def test_linear_act_kernel_matches_aten_including_nan(act, weight_t):
+    from hetforge.ops.fused import apply_act
+
+    g = torch.Generator().manual_seed(3)
+    x, w, b = torch.randn(1, 40, generator=g), torch.randn(24, 40, generator=g), torch.randn(24, generator=g)
+    x[0, 0] = float("nan") if act == "relu" else x[0, 0]  # one NaN input: every output is NaN, as in ATen
+    wk = w.t().contiguous() if weight_t else w
+    y, part = torch.empty(24), torch.empty(2, 24)
+    native.library().hf_linear_act(wk.data_ptr(), x.data_ptr(), b.data_ptr(), y.data_ptr(), 24, 40, int(weight_t),
+                                   native.ACT_CODES[act], 2, part.data_ptr(), 2)
+    torch.testing.assert_close(y, apply_act(F.linear(x, w, b), act)[0], rtol=1e-5, atol=1e-5, equal_nan=True)
+    if act == "relu":
+        assert y.isnan().all()
+
+
+@needs_cc
+def test_rotary_with_a_cos_that_is_not_one_row_keeps_the_aten_path():
+    from hetforge.ops import fused
+
+    x, cos, sin = torch.randn(1, 1, 1, 4), torch.randn(4, 1), torch.randn(4, 1)  # broadcasts to [1, 1, 4, 4]
+    assert not native.row_op_fits(x, cos, sin)
+    assert fused.rotary.reference(x, cos, sin).shape == (1, 1, 4, 4)
 
 
 @needs_cc

@@ -98,6 +98,16 @@ NATIVE_ROW_OPS = ("hetforge.rms_norm.default", "hetforge.layer_norm.default", "h
                   "hetforge.kv_attention.default", "hetforge.linear_act.default", "hetforge.gated_mlp.default")
 
 
+def _tensors_in(obj: Any) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (list, tuple)):
+        return [t for a in obj for t in _tensors_in(a)]
+    if isinstance(obj, dict):
+        return [t for a in obj.values() for t in _tensors_in(a)]
+    return []
+
+
 def bind_args(ins) -> dict[str, Any] | None:
     """The instruction's arguments by schema name, defaults filled in (None when they do not bind)."""
     schema = getattr(ins.target, "_schema", None)
@@ -128,7 +138,9 @@ class _Codegen:
         self.const_ids: dict[int, str] = {}
         self.moved: dict[tuple[int, torch.device], torch.Tensor] = {}
         self.static: dict[int, torch.Tensor] = {}  # views bound at build time (static_view)
-        self.rebound: set[int] = set()  # planned values whose register is bound to another tensor
+        # planned values whose register is their arena slice once written (every arena-mode write does that;
+        # mode fast keeps some results in fresh tensors, a zero-copy transfer binds the source)
+        self.bound: set[int] = set()
         self.sites = 0  # run-time pointer reads (native.contiguous_ptr call sites)
         # instructions run other than write_mode's rules say (hetforge.cost.instr): "static" views made at
         # build time (free at run time), "native" ops (one native kernel writing the slice)
@@ -198,10 +210,10 @@ class _Codegen:
             src = self.expr(ins.args[0], dev)
             o = ins.outputs[0]
             if ins.attrs.get("zero_copy"):
-                self.rebound.add(o)  # r<o> is the source tensor, not o's slice (if o has one)
                 src_dev = self.dm[self.p.values[ins.args[0].id].device]
                 return [f"{outs[0]} = {src}" if src_dev == dev else f"{outs[0]} = {src}.to({self.const(dev, 'dev')})"]
             if self.planned(o):
+                self.bound.add(o)
                 return [f"{outs[0]} = {self.buffer(o)}.copy_({src})"]
             return [f"{outs[0]} = {src}.to({self.const(dev, 'dev')}, copy=True)"]
         fn = self.const(self.kernel(ins, dev), "f")
@@ -237,20 +249,24 @@ class _Codegen:
             buf = self.buffer(o)
             if line is not None:
                 self.stats.gemm_out += gemm
+                self.bound.add(o)
                 return [line]
             if is_copy_like(ins.op, ins.args, ins.kwargs) and isinstance(ins.args[0], Reg) \
                     and tuple(self.p.values[ins.args[0].id].shape) == v.shape:
                 self.stats.copy_into += 1
+                self.bound.add(o)
                 return [f"{outs[0]} = {buf}.copy_({self.expr(ins.args[0], dev)})"]
             ov = out_variant(ins.target)
             if ov is not None:
                 self.stats.out_variant += 1
+                self.bound.add(o)
                 return [f"{outs[0]} = {self.call(ins, self.const(ov, 'fo'), dev, 'out=' + buf)}"]
             self.stats.by_op_fallback[ins.op] = self.stats.by_op_fallback.get(ins.op, 0) + 1
             if self.mode == "fast":
                 self.stats.unplanned += 1
                 return [f"{outs[0]} = {self.call(ins, fn, dev)}"]
             self.stats.functional_copy += 1
+            self.bound.add(o)
             return [f"{outs[0]} = {buf}.copy_({self.call(ins, fn, dev)})"]
         lines = [f"{', '.join(outs)}, = {self.call(ins, fn, dev)}"]
         self.stats.by_op_fallback[ins.op] = self.stats.by_op_fallback.get(ins.op, 0) + 1
@@ -260,6 +276,7 @@ class _Codegen:
                     self.stats.unplanned += 1
                 else:
                     self.stats.functional_copy += 1
+                    self.bound.add(o)
                     lines.append(f"r{o} = {self.buffer(o)}.copy_(r{o})")
         return lines
 
@@ -275,13 +292,11 @@ class _Codegen:
         return t
 
     def static_tensor(self, vid: int, dev: torch.device) -> torch.Tensor | None:
-        """The tensor ``r<vid>`` always is at run time, when that is known at build time: an arena slice
-        (planned results are written into their slice, never rebound), a weight, or a view made of those."""
+        """The tensor ``r<vid>`` always is at run time, when that is known at build time: an arena slice whose
+        emitted write binds the register to it (``self.bound``), a weight, or a view made of those."""
         if vid in self.static:
             return self.static[vid]
-        if vid in self.rebound:
-            return None
-        if self.planned(vid):
+        if vid in self.bound:
             return self.g[self.buffer(vid)]
         if self.p.values[vid].kind == WEIGHT:
             return self.g[self.weight(vid, dev)]
@@ -314,11 +329,12 @@ class _Codegen:
         outs = list(got) if isinstance(got, (list, tuple)) else [got]
         if len(outs) != len(ins.outputs):
             return None
+        sources = {t.untyped_storage().data_ptr() for t in _tensors_in((args, kwargs))}
         for o, t in zip(ins.outputs, outs, strict=True):
             v = self.p.values[o]
             if not isinstance(t, torch.Tensor) or (tuple(t.shape), tuple(t.stride()), t.dtype) != \
-                    (tuple(v.shape), tuple(v.stride), v.dtype):
-                return None
+                    (tuple(v.shape), tuple(v.stride), v.dtype) or t.untyped_storage().data_ptr() not in sources:
+                return None  # not the layout lowering expects, or not a view (a copy would be a stale snapshot)
         for o, t in zip(ins.outputs, outs, strict=True):
             self.static[o] = t
         return [self.const(t, "sv") for t in outs]
@@ -380,7 +396,7 @@ class _Codegen:
 
     def view_of(self, vid: int, shape: tuple[int, ...], expand: tuple[int, ...] | None = None) -> str:
         """``r<vid>`` viewed as ``shape`` (then expanded): made once when it lives in the arena."""
-        if self.planned(vid):
+        if vid in self.bound:
             t = self.g[self.buffer(vid)].view(shape)
             return self.const(t.expand(expand) if expand else t, "xv")
         return f"r{vid}.view({shape})" + (f".expand({expand})" if expand else "")
@@ -392,7 +408,8 @@ class _Codegen:
         Arena slices never move, so the pointers of planned operands are baked into the line once."""
         vx, vo = self.p.values[x.id], self.p.values[o]
         k, n = (w.shape if weight_t else (w.shape[1], w.shape[0]))
-        if dev.type != "cpu" or vo.dtype != vx.dtype or not native.fits(w, None, weight_t, vx.dtype):
+        if dev.type != "cpu" or vo.dtype != vx.dtype or not native.fits(w, None, weight_t, vx.dtype) \
+                or self.dm[vx.device] != dev or vx.shape[-1] != k or math.prod(vo.shape) != n:
             return None
         bp = "None"
         if b is not None:
@@ -433,13 +450,15 @@ class _Codegen:
 
     def ptr(self, vid: int, dev: torch.device) -> str:
         """The data pointer of ``r<vid>`` for a native kernel: a literal when the tensor is known at build
-        time (arena slices never move; weights; views of those), else read per call, refusing a tensor
-        that is not contiguous (the kernels read dense rows)."""
+        time (arena slices never move; weights; views of those), else read per call through
+        :func:`hetforge.kernels.native.contiguous_ptr` (a strided tensor is read through a contiguous copy
+        kept in this program's ``_keep``; a non-fp32 or non-CPU one is refused)."""
         t = self.static_tensor(vid, dev)
         if t is not None:
             return str(t.data_ptr())
         self.sites += 1
-        return f"{self.const(native.contiguous_ptr, 'f')}(r{vid}, {self.sites})"
+        self.g.setdefault("_keep", {})
+        return f"{self.const(native.contiguous_ptr, 'f')}(r{vid}, _keep, {self.sites})"
 
     def native_operand(self, a: Any, dev: torch.device, numel: int | None = None) -> bool:
         """Whether ``a`` is a register a native kernel can read: fp32, contiguous, on this CPU (and ``numel``)."""

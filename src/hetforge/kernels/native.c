@@ -12,6 +12,10 @@
 #include <omp.h>
 #include <string.h>
 
+/* An OpenMP team size: at least one (num_threads(0) would mean "the default", possibly more threads than
+ * a caller's per-thread scratch has rows). */
+static int clamp_threads(int threads) { return threads < 1 ? 1 : threads; }
+
 static float dot(const float *restrict a, const float *restrict b, long k) {
     float s = 0.f;
 #pragma omp simd reduction(+ : s)
@@ -38,6 +42,7 @@ static void dot4(const float *restrict a0, const float *restrict a1, const float
  * one stream per core leaves memory bandwidth unused on the build host (29 GB/s vs 35 GB/s for four,
  * measured on one 768 MiB weight). */
 void hf_gemv_nk(const float *w, const float *x, const float *bias, float *y, long n, long k, int threads) {
+    threads = clamp_threads(threads);
 #pragma omp parallel num_threads(threads)
     {
         int t = omp_get_thread_num(), nt = omp_get_num_threads();
@@ -59,25 +64,27 @@ void hf_gemv_nk(const float *w, const float *x, const float *bias, float *y, lon
  * are summed in thread order, so the result does not depend on timing. */
 void hf_gemv_kn(const float *w, const float *x, const float *bias, float *y, long n, long k, int threads,
                 float *part, int slots) {
-    if (threads > slots) threads = slots;
+    threads = clamp_threads(threads > slots ? slots : threads);
 #pragma omp parallel num_threads(threads)
     {
         int t = omp_get_thread_num(), nt = omp_get_num_threads();
-        long k0 = k * t / nt, k1 = k * (t + 1) / nt, q = (k1 - k0) / 4;
-        float *restrict acc = part + (size_t)t * n;
-        memset(acc, 0, (size_t)n * sizeof(float));
-        for (long i = k0; i < k0 + q; i++) {
-            const float x0 = x[i], x1 = x[i + q], x2 = x[i + 2 * q], x3 = x[i + 3 * q];
-            const float *restrict w0 = w + i * n, *restrict w1 = w0 + q * n;
-            const float *restrict w2 = w1 + q * n, *restrict w3 = w2 + q * n;
+        {  /* acc is this thread's row of part; its restrict scope ends before part is read across rows */
+            long k0 = k * t / nt, k1 = k * (t + 1) / nt, q = (k1 - k0) / 4;
+            float *restrict acc = part + (size_t)t * n;
+            memset(acc, 0, (size_t)n * sizeof(float));
+            for (long i = k0; i < k0 + q; i++) {
+                const float x0 = x[i], x1 = x[i + q], x2 = x[i + 2 * q], x3 = x[i + 3 * q];
+                const float *restrict w0 = w + i * n, *restrict w1 = w0 + q * n;
+                const float *restrict w2 = w1 + q * n, *restrict w3 = w2 + q * n;
 #pragma omp simd
-            for (long j = 0; j < n; j++) acc[j] += (x0 * w0[j] + x1 * w1[j]) + (x2 * w2[j] + x3 * w3[j]);
-        }
-        for (long i = k0 + 4 * q; i < k1; i++) {
-            const float xi = x[i];
-            const float *restrict wr = w + i * n;
+                for (long j = 0; j < n; j++) acc[j] += (x0 * w0[j] + x1 * w1[j]) + (x2 * w2[j] + x3 * w3[j]);
+            }
+            for (long i = k0 + 4 * q; i < k1; i++) {
+                const float xi = x[i];
+                const float *restrict wr = w + i * n;
 #pragma omp simd
-            for (long j = 0; j < n; j++) acc[j] += xi * wr[j];
+                for (long j = 0; j < n; j++) acc[j] += xi * wr[j];
+            }
         }
 #pragma omp barrier
         long j0 = n * t / nt, j1 = n * (t + 1) / nt;
@@ -92,6 +99,7 @@ void hf_gemv_kn(const float *w, const float *x, const float *bias, float *y, lon
 /* Reads ``n`` floats as ``threads`` x four streams, like the GEMVs above (a memory-bandwidth probe for
  * calibration: the fastest weight stream this host sustains). Returns their sum so nothing is elided. */
 float hf_read_stream(const float *a, long n, int threads) {
+    threads = clamp_threads(threads);
     float total = 0.f;
 #pragma omp parallel num_threads(threads) reduction(+ : total)
     {
@@ -115,6 +123,7 @@ float hf_read_stream(const float *a, long n, int threads) {
 /* Hugging Face rotary on contiguous rows of width d: y = x*cos + rotate_half(x)*sin, with cos/sin one row
  * of width d shared by all rows (one position). rotate_half(x) = cat(-x[d/2:], x[:d/2]). */
 void hf_rotary(const float *x, const float *cos_, const float *sin_, float *y, long rows, long d, int threads) {
+    threads = clamp_threads(threads);
     long h = d / 2;
 #pragma omp parallel for num_threads(threads) if (rows * d >= 65536) schedule(static)
     for (long r = 0; r < rows; r++) {
@@ -127,6 +136,7 @@ void hf_rotary(const float *x, const float *cos_, const float *sin_, float *y, l
 
 /* RMSNorm of contiguous rows: y = w * (x * (1 / sqrt(mean(x^2) + eps))); w may be NULL. */
 void hf_rms_norm(const float *x, const float *w, float *y, long rows, long d, float eps, int threads) {
+    threads = clamp_threads(threads);
 #pragma omp parallel for num_threads(threads) if (rows * d >= 65536) schedule(static)
     for (long r = 0; r < rows; r++) {
         const float *xr = x + r * d;
@@ -146,6 +156,7 @@ void hf_rms_norm(const float *x, const float *w, float *y, long rows, long d, fl
 /* LayerNorm of contiguous rows (biased variance, two passes): y = (x - mean) * rstd * w + b; w, b may be NULL. */
 void hf_layer_norm(const float *x, const float *w, const float *b, float *y, long rows, long d, float eps,
                    int threads) {
+    threads = clamp_threads(threads);
 #pragma omp parallel for num_threads(threads) if (rows * d >= 65536) schedule(static)
     for (long r = 0; r < rows; r++) {
         const float *xr = x + r * d;
@@ -173,6 +184,7 @@ void hf_layer_norm(const float *x, const float *w, const float *b, float *y, lon
 void hf_decode_attention(const float *q, const float *k_new, const float *v_new, const float *k_cache,
                          const float *v_cache, const float *mask, const float *new_mask, float *out, float *scratch,
                          long h, long hkv, long s, long d, float scale, int threads) {
+    threads = clamp_threads(threads);
     long g = h / hkv;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (long i = 0; i < h; i++) {
@@ -212,16 +224,18 @@ void hf_decode_attention(const float *q, const float *k_new, const float *v_new,
 
 /* ---------------------------------------------------------------- one-row MLP blocks */
 
-/* act(v) for ACT_RELU, ACT_GELU (erf), ACT_GELU_TANH, ACT_SILU (the formulas of ATen's kernels). */
+/* act(v) for ACT_RELU, ACT_GELU (erf), ACT_GELU_TANH, ACT_SILU: the formulas of ATen's kernels (results equal
+ * to rounding: libm's erff/tanhf/expf are not ATen's vectorized ones). */
 enum { ACT_NONE = 0, ACT_RELU = 1, ACT_GELU = 2, ACT_GELU_TANH = 3, ACT_SILU = 4 };
 
 static float act_of(float v, int act) {
     switch (act) {
-    case ACT_RELU: return v > 0.f ? v : 0.f;
+    case ACT_RELU: return v <= 0.f ? 0.f : v; /* NaN stays NaN, as in torch.relu */
     case ACT_GELU: return v * 0.5f * (1.f + erff(v * (float)M_SQRT1_2));
     case ACT_GELU_TANH: {
         const float beta = (float)(M_SQRT2 * M_2_SQRTPI * 0.5), kappa = 0.044715f;
-        float inner = beta * (v + kappa * v * v * v);
+        float cube = v * v * v;
+        float inner = beta * (v + kappa * cube);
         return 0.5f * v * (1.f + tanhf(inner));
     }
     case ACT_SILU: return v / (1.f + expf(-v));
@@ -232,6 +246,7 @@ static float act_of(float v, int act) {
 /* y = act(x·W (+ b)) for one row: the GEMV above, then the activation over the row, split over threads. */
 void hf_linear_act(const float *w, const float *x, const float *bias, float *y, long n, long k, int weight_t,
                    int act, int threads, float *part, int slots) {
+    threads = clamp_threads(threads);
     if (weight_t)
         hf_gemv_kn(w, x, bias, y, n, k, threads, part, slots);
     else
@@ -245,6 +260,7 @@ void hf_linear_act(const float *w, const float *x, const float *bias, float *y, 
  * (rows i and i + q of each: four streams), one parallel region for both products. */
 void hf_gated_mlp(const float *x, const float *wg, const float *wu, const float *wd, float *h, float *y,
                   long f, long d, int act, int threads) {
+    threads = clamp_threads(threads);
 #pragma omp parallel num_threads(threads)
     {
         int t = omp_get_thread_num(), nt = omp_get_num_threads();

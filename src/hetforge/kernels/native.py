@@ -143,16 +143,16 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-_KEEP: dict[int, torch.Tensor] = {}  # contiguous copies made by contiguous_ptr, one per call site
-
-
-def contiguous_ptr(t: torch.Tensor, site: int = 0) -> int:
-    """``t``'s data pointer, for a kernel that reads it as dense rows. The executor reads an operand's pointer
-    this way when its layout is only known at run time; a strided tensor (which the IR said would be
-    contiguous) is copied into a contiguous one first, kept until the same call site's next call, rather than
-    let C read the wrong elements."""
+def contiguous_ptr(t: torch.Tensor, keep: dict[int, torch.Tensor], site: int) -> int:
+    """``t``'s data pointer, for a kernel that reads it as dense fp32 rows on the CPU. The executor reads an
+    operand's pointer this way when its layout is only known at run time. A strided tensor (which the IR said
+    would be contiguous) is copied into a contiguous one first, kept in ``keep[site]`` (the program's own
+    dict) until that call site's next call, rather than let C read the wrong elements; a tensor that is not
+    fp32 on the CPU is refused (C would misread it or read another device's memory)."""
+    if t.dtype != torch.float32 or t.device.type != "cpu":
+        raise ValueError(f"native kernel operand must be float32 on the CPU, got {t.dtype} on {t.device}")
     if not t.is_contiguous():
-        t = _KEEP[site] = t.contiguous()
+        t = keep[site] = t.contiguous()
     return t.data_ptr()
 
 
@@ -169,10 +169,15 @@ def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: torch
         raise ValueError(f"one-row product: input {tuple(x.shape)} and output {tuple(out.shape)} do not fit a "
                          f"{'[K, N]' if weight_t else '[N, K]'} weight {tuple(w.shape)}")
     threads = torch.get_num_threads() if threads is None else threads
+    threads = max(1, threads)
     if weight_t:
         k, n = w.shape
         if scratch is None:
             scratch = torch.empty((threads, n), dtype=torch.float32)
+        if (scratch.dtype != torch.float32 or not scratch.is_contiguous() or scratch.dim() != 2
+                or scratch.shape[0] < 1 or scratch.shape[1] != n):
+            raise ValueError(f"split-K scratch must be contiguous float32 [slots >= 1, {n}], got "
+                             f"{scratch.dtype} {tuple(scratch.shape)}")
         lib.hf_gemv_kn(w.data_ptr(), x.data_ptr(), _ptr(bias), out.data_ptr(), n, k, threads, scratch.data_ptr(),
                        scratch.shape[0])
     else:
@@ -205,7 +210,7 @@ def row_op_fits(x: torch.Tensor, *per_row: torch.Tensor | None) -> bool:
     """Whether a row op (norm, rotary) over ``x``'s last dim can run natively: fp32 contiguous CPU tensors,
     each of ``per_row`` (weight, bias, cos, sin; None allowed) one row of that width, library built."""
     d = x.shape[-1] if x.dim() else 0
-    return (d > 0 and _f32(x, *per_row) and all(t is None or t.numel() == d for t in per_row)
+    return (d > 0 and _f32(x, *per_row) and all(t is None or (t.numel() == d and t.shape[-1] == d) for t in per_row)
             and library() is not None)
 
 

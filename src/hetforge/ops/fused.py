@@ -300,6 +300,7 @@ def _layer_norm_fake(x, normalized_shape, weight=None, bias=None, eps=1e-5):
 )
 def layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5):
     """``F.layer_norm`` over the trailing ``normalized_shape`` dims (the native kernel for one fp32 dim)."""
-    if len(normalized_shape) == 1 and native.row_op_fits(x, weight, bias) and x.shape[-1] == normalized_shape[0]:
+    if (len(normalized_shape) == 1 and x.shape[-1] == normalized_shape[0] and native.row_op_fits(x, weight, bias)
+            and all(t is None or t.dim() == 1 for t in (weight, bias))):
         return native.layer_norm(x, weight, bias, eps)
     return F.layer_norm(x, list(normalized_shape), weight, bias, eps)
