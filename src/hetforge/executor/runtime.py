@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_leaves
 
 from hetforge.errors import UsageError
 from hetforge.executor.kernels import is_copy_like, out_variant
@@ -96,16 +97,6 @@ class ExecStats:
 
 NATIVE_ROW_OPS = ("hetforge.rms_norm.default", "hetforge.layer_norm.default", "hetforge.rotary.default",
                   "hetforge.kv_attention.default", "hetforge.linear_act.default", "hetforge.gated_mlp.default")
-
-
-def _tensors_in(obj: Any) -> list[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, (list, tuple)):
-        return [t for a in obj for t in _tensors_in(a)]
-    if isinstance(obj, dict):
-        return [t for a in obj.values() for t in _tensors_in(a)]
-    return []
 
 
 def bind_args(ins) -> dict[str, Any] | None:
@@ -329,7 +320,7 @@ class _Codegen:
         outs = list(got) if isinstance(got, (list, tuple)) else [got]
         if len(outs) != len(ins.outputs):
             return None
-        sources = {t.untyped_storage().data_ptr() for t in _tensors_in((args, kwargs))}
+        sources = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
         for o, t in zip(ins.outputs, outs, strict=True):
             v = self.p.values[o]
             if not isinstance(t, torch.Tensor) or (tuple(t.shape), tuple(t.stride()), t.dtype) != \
