@@ -137,3 +137,31 @@ def test_an_unwritable_cache_is_a_reason_not_a_crash(fresh_state, monkeypatch, t
 def test_gemv_refuses_a_row_that_does_not_fit_the_weight():
     with pytest.raises(ValueError, match="do not fit"):
         native.gemv(torch.randn(1, 5), torch.randn(8, 4), None, torch.empty(1, 8), False)
+
+
+@needs_cc
+@settings(max_examples=40, deadline=None)
+@given(k=st.integers(1, 70), n=st.integers(1, 70), bias=st.booleans(), threads=st.integers(1, 4),
+       act=st.sampled_from(["none", "relu", "silu", "gelu", "gelu_tanh"]))
+def test_int8_gemv_equals_weight_int8pack_mm(k, n, bias, threads, act):
+    from hetforge.ops.quant import _act
+
+    g = torch.Generator().manual_seed(k * 100 + n)
+    x = torch.randn(1, k, generator=g)
+    q = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
+    s, b = torch.rand(n, generator=g) / 50, (torch.randn(n, generator=g) if bias else None)
+    assert native.q8_fits(x, q, s, b, act)
+    want = torch.ops.aten._weight_int8pack_mm(x, q, s)
+    want = _act(want + b if bias else want, act)
+    y = torch.empty(1, n)
+    native.library().hf_gemv_q8(q.data_ptr(), s.data_ptr(), x.data_ptr(), None if b is None else b.data_ptr(),
+                                y.data_ptr(), n, k, native.ACT_CODES[act], threads)
+    torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5)
+
+
+def test_int8_fits_refuses_what_the_kernel_cannot_read():
+    x, q, s = torch.randn(1, 8), torch.zeros(4, 8, dtype=torch.int8), torch.ones(4)
+    assert not native.q8_fits(x, q.to(torch.uint8), s, None, "none")  # not int8
+    assert not native.q8_fits(torch.randn(2, 8), q, s, None, "none")  # two rows
+    assert not native.q8_fits(x, q, torch.ones(3), None, "none")  # scales of the wrong length
+    assert not native.q8_fits(x, q, s, None, "tanh")  # not an activation the kernel knows

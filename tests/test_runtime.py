@@ -197,7 +197,8 @@ def test_decode_graph_has_one_kv_attention_node_per_layer():
 
 @pytest.mark.parametrize(("executor", "scheme", "kernel"), [("backend", "w8a8", "quantized::linear_dynamic"),
                                                           ("fx", "w8", "aten::_weight_int8pack_mm")])
-def test_quantized_generation_runs_int8_linears_in_both_programs(executor, scheme, kernel):
+def test_quantized_generation_runs_int8_linears_in_both_programs(executor, scheme, kernel, no_native):
+    """The ATen int8 kernels (the native one-row int8 GEMV is tested below; the profiler cannot see it)."""
     loaded = engine("llama-tiny").loaded
     q = Engine(loaded, executor=executor, quantize=scheme)
     r = q.generate(PROMPT, SamplingParams(max_new_tokens=6))
@@ -284,3 +285,34 @@ def test_decode_program_runs_its_row_ops_and_gemvs_natively(name, with_native):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
     finally:
         torch.set_num_threads(before)
+
+
+def test_w8_decode_runs_its_int8_products_on_the_native_kernel(with_native):
+    """One-row int8 weight-only products (``--quantize w8``) run on the native int8 GEMV; outputs match the
+    ATen ``_weight_int8pack_mm`` path to rounding."""
+    from hetforge.compile import compile_graph
+    from hetforge.frontend import capture
+    from hetforge.kernels import native
+    from hetforge.runtime.kvcache import KVCache
+    from hetforge.runtime.programs import model_dims
+    from hetforge.runtime.static_kv import DecodeModule
+
+    m = load_model("llama-tiny").model.eval()
+    layers, kv_heads, hd = model_dims(m)
+    cache = KVCache(layers, kv_heads, 16, hd, torch.float32)
+    inputs = (torch.tensor([[7]]), torch.tensor([[3]]), *cache.buffers)
+    cg = capture(DecodeModule(m), inputs)
+    exe = compile_graph(cg.gm, soc="host", example_inputs=inputs, quantize="w8").executable
+    assert "hetforge.linear_w8.default" not in exe.stats.by_op_fallback
+    assert sum(1 for ins in exe.program.instrs if ins.op == "hetforge.linear_w8.default"
+               and exe.write_modes.get(ins.id) == "native") >= 7 * layers
+    got = [t.clone() for t in exe.run_flat(*inputs)]
+    state = dict(native._state)
+    native._state.update({"lib": None, "status": native.NativeStatus(False, reason="test")})
+    try:
+        want = compile_graph(cg.gm, soc="host", example_inputs=inputs, quantize="w8").executable.run_flat(*inputs)
+    finally:
+        native._state.clear()
+        native._state.update(state)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)

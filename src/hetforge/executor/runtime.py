@@ -96,7 +96,8 @@ class ExecStats:
 
 
 NATIVE_ROW_OPS = ("hetforge.rms_norm.default", "hetforge.layer_norm.default", "hetforge.rotary.default",
-                  "hetforge.kv_attention.default", "hetforge.linear_act.default", "hetforge.gated_mlp.default")
+                  "hetforge.kv_attention.default", "hetforge.linear_act.default", "hetforge.gated_mlp.default",
+                  "hetforge.linear_w8.default")
 
 
 def bind_args(ins) -> dict[str, Any] | None:
@@ -492,13 +493,26 @@ class _Codegen:
             if d % 2 or not (self.native_operand(cos, dev, d) and self.native_operand(sin, dev, d)):
                 return None
             call = f"hf_rotary({p(x)}, {p(cos)}, {p(sin)}, {{y}}, {rows}, {d}, {nt})"
+        elif ins.op == "hetforge.linear_w8.default":  # int8 weight-only, one row
+            qw, sc = args["qweight"], args["scales"]
+            if not (isinstance(qw, Reg) and isinstance(sc, Reg)) or args["act"] not in native.ACT_CODES:
+                return None
+            vq = self.p.values[qw.id]
+            kk = math.prod(self.p.values[x.id].shape) if isinstance(x, Reg) else 0
+            if not (rows == 1 and self.native_operand(x, dev, kk) and vq.kind == WEIGHT and vq.dtype == torch.int8
+                    and vq.is_contiguous and tuple(vq.shape) == (d, kk) and self.dm[vq.device] == dev
+                    and self.native_operand(sc, dev, d) and opt(args["bias"], d)):
+                return None
+            call = (f"hf_gemv_q8({p(qw)}, {p(sc)}, {p(x)}, {p(args['bias'])}, {{y}}, {d}, {kk}, "
+                    f"{native.ACT_CODES[args['act']]}, {nt})")
         elif ins.op == "hetforge.linear_act.default":
             w, wt = args["weight"], bool(args["weight_t"])
             if not (self.native_operand(x, dev) and isinstance(w, Reg) and self.p.values[w.id].kind == WEIGHT):
                 return None
             ws = self.p.values[w.id].shape
             kk = math.prod(self.p.values[x.id].shape)
-            if rows != 1 or args["act"] not in native.ACT_CODES or len(ws) != 2 or ws != ((kk, d) if wt else (d, kk)) \
+            if rows != 1 or args["act"] in ("none", None) or args["act"] not in native.ACT_CODES or len(ws) != 2 \
+                    or ws != ((kk, d) if wt else (d, kk)) \
                     or not (self.native_operand(w, dev) and opt(args["bias"], d)):
                 return None
             part = self.gemv_scratch(d)
@@ -514,7 +528,8 @@ class _Codegen:
                 return None
             f = self.p.values[wg.id].shape[0]
             want = [(f, dm), (f, dm)] + ([] if wd is None else [(dm, f)])
-            if rows != 1 or args["act"] not in native.ACT_CODES or d != (f if wd is None else dm) or \
+            if rows != 1 or args["act"] in ("none", None) or args["act"] not in native.ACT_CODES or \
+                    d != (f if wd is None else dm) or \
                     [tuple(self.p.values[a.id].shape) for a in [wg, wu] + ([] if wd is None else [wd])] != want:
                 return None
             h = "{y}" if wd is None else str(self.g[self.const(torch.empty(f, dtype=torch.float32), "scr")].data_ptr())

@@ -373,6 +373,7 @@ def _native_specs(quick: bool) -> list[tuple[str, tuple, dict]]:
         ("linear_act", ((1, 1, 3072), (3072, 768)), {"act": "relu"}),
         ("gated_mlp", ((1, 1, 768), (2048, 768), (2048, 768), (768, 2048)), {}),
         ("gated_mlp", ((1, 1, 512), (1024, 512), (1024, 512), (512, 1024)), {}),
+        ("linear_w8", ((1, 1, 768), (3072, 768)), {}), ("linear_w8", ((1, 1, 768), (768, 768)), {}),
     ]
 
 
@@ -432,6 +433,17 @@ def _native_bench(op: str, shapes: tuple, opts: dict) -> Bench:
             return lambda: lib.hf_linear_act(nxt()[0].data_ptr(), xx.data_ptr(), None, y.data_ptr(), n, x[-1],
                                              int(wt), native.ACT_CODES[opts["act"]], nt(), part.data_ptr(),
                                              part.shape[0])
+    elif op == "linear_w8":
+        x, w = shapes
+        n, k = w
+        args = (meta(x)[0], TensorMeta(tuple(w), torch.int8), meta((n,))[0], None, "none")
+        out = meta((1, 1, n))
+
+        def make() -> Callable[[], object]:
+            xx, y, sc = _rn(*x), torch.empty(n), torch.rand(n)
+            nxt = _cold(torch.randint(-127, 128, tuple(w), dtype=torch.int8))
+            return lambda: lib.hf_gemv_q8(nxt()[0].data_ptr(), sc.data_ptr(), xx.data_ptr(), None, y.data_ptr(), n, k,
+                                          0, nt())
     else:  # gated_mlp
         x, wg, wu, wd = shapes
         args = (*meta(x, wg, wu, wd), None, None, None, "silu")

@@ -10,6 +10,7 @@
 #define _GNU_SOURCE
 #include <math.h>
 #include <omp.h>
+#include <stdint.h>
 #include <string.h>
 
 /* An OpenMP team size: at least one (num_threads(0) would mean "the default", possibly more threads than
@@ -274,4 +275,45 @@ void hf_gated_mlp(const float *x, const float *wg, const float *wu, const float 
         for (long i = r0 + 2 * q; i < r1; i++) h[i] = act_of(dot(wg + i * d, x, d), act) * dot(wu + i * d, x, d);
     }
     if (wd) hf_gemv_nk(wd, h, 0, y, d, f, threads);
+}
+
+/* ---------------------------------------------------------------- int8 weight-only one-row product */
+
+static float dot_q8(const int8_t *restrict q, const float *restrict x, long k) {
+    float s = 0.f;
+#pragma omp simd reduction(+ : s)
+    for (long i = 0; i < k; i++) s += (float)q[i] * x[i];
+    return s;
+}
+
+/* y[n] = act(scale[n] * sum_k q[n, k] x[k] (+ bias[n])) for one fp32 row x and int8 weights q [N, K] with
+ * per-output-channel fp32 scales (hetforge::linear_w8; ATen's _weight_int8pack_mm scales the same way).
+ * A quarter of the bytes of the fp32 product, read like hf_gemv_nk: four streams per thread. */
+void hf_gemv_q8(const int8_t *q, const float *scales, const float *x, const float *bias, float *y, long n, long k,
+                int act, int threads) {
+    threads = clamp_threads(threads);
+#pragma omp parallel num_threads(threads)
+    {
+        int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        long r0 = n * t / nt, r1 = n * (t + 1) / nt, qn = (r1 - r0) / 4;
+        for (long i = r0; i < r0 + qn; i++) {
+            const int8_t *restrict a0 = q + i * k, *restrict a1 = q + (i + qn) * k;
+            const int8_t *restrict a2 = q + (i + 2 * qn) * k, *restrict a3 = q + (i + 3 * qn) * k;
+            float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
+#pragma omp simd reduction(+ : s0, s1, s2, s3)
+            for (long c = 0; c < k; c++) {
+                s0 += (float)a0[c] * x[c];
+                s1 += (float)a1[c] * x[c];
+                s2 += (float)a2[c] * x[c];
+                s3 += (float)a3[c] * x[c];
+            }
+            y[i] = s0, y[i + qn] = s1, y[i + 2 * qn] = s2, y[i + 3 * qn] = s3;
+        }
+        for (long r = r0 + 4 * qn; r < r1; r++) y[r] = dot_q8(q + r * k, x, k);
+        for (long r = r0; r < r1; r++) {
+            float v = y[r] * scales[r];
+            if (bias) v = v + bias[r];
+            y[r] = act_of(v, act);
+        }
+    }
 }

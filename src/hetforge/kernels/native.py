@@ -42,8 +42,9 @@ SIGNATURES = {
     "hf_read_stream": [_P, _L, _I],
     "hf_linear_act": [_P, _P, _P, _P, _L, _L, _I, _I, _I, _P, _I],
     "hf_gated_mlp": [_P, _P, _P, _P, _P, _P, _L, _L, _I, _I],
+    "hf_gemv_q8": [_P, _P, _P, _P, _P, _L, _L, _I, _I],
 }
-ACT_CODES = {"relu": 1, "gelu": 2, "gelu_tanh": 3, "silu": 4}  # native.c's ACT_* (linear_act, gated_mlp)
+ACT_CODES = {"none": 0, "relu": 1, "gelu": 2, "gelu_tanh": 3, "silu": 4}  # native.c's ACT_* (linear_act, gated_mlp)
 
 
 @dataclass
@@ -265,3 +266,25 @@ def decode_attention(q, k, v, k_cache, v_cache, cache_mask, new_mask, scale: flo
                                   cache_mask.data_ptr(), _ptr(new_mask), out.data_ptr(), scratch.data_ptr(), h, hkv,
                                   s, d, scale, torch.get_num_threads())
     return out
+
+
+def q8_fits(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, act: str) -> bool:
+    """Whether ``hetforge::linear_w8`` is one fp32 row the int8 kernel can read: int8 ``[N, K]`` weights, fp32
+    ``[N]`` scales (and bias), all contiguous CPU tensors, a known activation, the library built."""
+    if qweight.dim() != 2 or act not in ACT_CODES or x.numel() != x.shape[-1] or x.shape[-1] != qweight.shape[1]:
+        return False
+    n = qweight.shape[0]
+    return (qweight.dtype == torch.int8 and qweight.is_contiguous() and qweight.device.type == "cpu"
+            and not is_fake(qweight) and _f32(x, scales, bias) and scales.numel() == n
+            and (bias is None or bias.numel() == n) and library() is not None)
+
+
+def gemv_q8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
+            act: str) -> torch.Tensor:
+    """``act(x·(q·s)ᵀ + b)`` for one fp32 row (equal to ``_weight_int8pack_mm`` to rounding); check
+    :func:`q8_fits` first."""
+    n, k = qweight.shape
+    y = torch.empty((*x.shape[:-1], n), dtype=torch.float32)
+    library().hf_gemv_q8(qweight.data_ptr(), scales.data_ptr(), x.data_ptr(), _ptr(bias), y.data_ptr(), n, k,
+                         ACT_CODES[act], torch.get_num_threads())
+    return y

@@ -29,6 +29,7 @@ import weakref
 
 import torch
 
+from hetforge.kernels import native
 from hetforge.ops.fused import apply_act
 from hetforge.ops.registry import OpCall, TensorMeta, register_op
 
@@ -96,7 +97,10 @@ def _w8_fake(x, qweight, scales, bias=None, act="none"):
     fake=_w8_fake,
 )
 def linear_w8(x, qweight, scales, bias=None, act="none"):
-    """``act(x·(q·s)ᵀ + b)`` with int8 ``q`` [N,K] and per-channel ``s`` [N]: ``aten._weight_int8pack_mm``."""
+    """``act(x·(q·s)ᵀ + b)`` with int8 ``q`` [N,K] and per-channel ``s`` [N]: ``aten._weight_int8pack_mm``,
+    or for one fp32 row the native int8 GEMV (:mod:`hetforge.kernels.native`: a quarter of the fp32 bytes)."""
+    if native.q8_fits(x, qweight, scales, bias, act):
+        return native.gemv_q8(x, qweight, scales, bias, act)
     y = torch.ops.aten._weight_int8pack_mm(_flat(x), qweight, scales.to(x.dtype))
     if bias is not None:
         y = y + bias
