@@ -64,3 +64,26 @@ def test_compile_model_api_reports_every_stage():
     with torch.no_grad():
         ref = res.extra["module"](*res.example_inputs)
     torch.testing.assert_close(res.executable(*res.example_inputs), ref, rtol=1e-4, atol=1e-4)
+
+
+def test_views_of_fused_op_outputs_lower_as_views_not_copies():
+    """After fusion a fused op's output has a fresh fake tensor while the views after it keep the storage of the
+    tensor it replaced; lowering replays such a view on the input's layout and makes it an alias."""
+    from hetforge.compile import compile_graph
+    from hetforge.frontend import capture
+    from hetforge.ir.program import KERNEL, VIEW
+    from hetforge.models.zoo import example_inputs, load_model
+
+    lm = load_model("gpt2-tiny")
+    inputs = example_inputs(lm, seq=8)
+    cg = capture(lm.logits_module(), inputs)
+    res = compile_graph(cg.gm, soc="host", example_inputs=inputs, passes=True)
+    views = [i for i in res.program.instrs if i.op == "aten.view.default"]
+    assert views and all(i.kind == VIEW for i in views), [(i.op, i.kind) for i in views if i.kind == KERNEL]
+    # a transpose of the fused attention's output stays a copy: the graph expects SDPA's output layout (the
+    # transposed result contiguous), which the fused op's contiguous output does not give as a view
+    for i in res.program.instrs:
+        if i.op == "aten.transpose.int" and i.kind == KERNEL:
+            assert res.program.values[i.outputs[0]].is_contiguous
+    with torch.no_grad():
+        torch.testing.assert_close(res.executable(*inputs), cg.gm(*inputs), rtol=1e-5, atol=1e-5)
