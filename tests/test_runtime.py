@@ -245,27 +245,34 @@ def test_without_native_kernels_the_aten_path_gives_the_same_tokens(no_native):
     assert r.tokens == hf_greedy(e.loaded, PROMPT, 16)
 
 
-@pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny"])
-def test_decode_program_runs_its_row_ops_and_gemvs_natively(name, with_native):
-    """At 2 threads every one-row op of the decode step is one native call; outputs equal the ATen path's."""
-    from hetforge.compile import compile_graph
+def _decode_graph(name: str, length: int, token: int, pos: int):
+    """The captured decode step of ``name`` over a ``length``-position KV cache filled with seeded values, its
+    inputs (one token at ``pos``) and the layer count."""
     from hetforge.frontend import capture
-    from hetforge.kernels import native
     from hetforge.runtime.kvcache import KVCache
     from hetforge.runtime.programs import model_dims
     from hetforge.runtime.static_kv import DecodeModule
 
+    m = load_model(name).model.eval()
+    layers, kv_heads, hd = model_dims(m)
+    cache = KVCache(layers, kv_heads, length, hd, torch.float32)
+    g = torch.Generator().manual_seed(0)
+    for b in cache.buffers:
+        b.copy_(torch.randn(b.shape, generator=g))
+    inputs = (torch.tensor([[token]]), torch.tensor([[pos]]), *cache.buffers)
+    return capture(DecodeModule(m), inputs), inputs, layers
+
+
+@pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny"])
+def test_decode_program_runs_its_row_ops_and_gemvs_natively(name, with_native):
+    """At 2 threads every one-row op of the decode step is one native call; outputs equal the ATen path's."""
+    from hetforge.compile import compile_graph
+    from hetforge.kernels import native
+
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        m = load_model(name).model.eval()
-        layers, kv_heads, hd = model_dims(m)
-        cache = KVCache(layers, kv_heads, 32, hd, torch.float32)
-        g = torch.Generator().manual_seed(0)
-        for b in cache.buffers:
-            b.copy_(torch.randn(b.shape, generator=g))
-        inputs = (torch.tensor([[5]]), torch.tensor([[20]]), *cache.buffers)
-        cg = capture(DecodeModule(m), inputs)
+        cg, inputs, layers = _decode_graph(name, 32, token=5, pos=20)
         exe = compile_graph(cg.gm, soc="host", example_inputs=inputs, name="decode").executable
         st = exe.stats
         assert st.native_gemv >= 2 * layers and st.native_ops >= 3 * layers
@@ -274,13 +281,8 @@ def test_decode_program_runs_its_row_ops_and_gemvs_natively(name, with_native):
         assert not set(NATIVE_ROW_OPS) & set(st.by_op_fallback), st.by_op_fallback  # none ran in Python
         assert st.static_views > 0
         got = [t.clone() for t in exe.run_flat(*inputs)]
-        state = dict(native._state)
-        native._state.update({"lib": None, "status": native.NativeStatus(False, reason="test")})
-        try:
+        with native.disabled():
             want = compile_graph(cg.gm, soc="host", example_inputs=inputs, name="decode").executable.run_flat(*inputs)
-        finally:
-            native._state.clear()
-            native._state.update(state)
         for a, b in zip(got, want, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
     finally:
@@ -291,28 +293,15 @@ def test_w8_decode_runs_its_int8_products_on_the_native_kernel(with_native):
     """One-row int8 weight-only products (``--quantize w8``) run on the native int8 GEMV; outputs match the
     ATen ``_weight_int8pack_mm`` path to rounding."""
     from hetforge.compile import compile_graph
-    from hetforge.frontend import capture
     from hetforge.kernels import native
-    from hetforge.runtime.kvcache import KVCache
-    from hetforge.runtime.programs import model_dims
-    from hetforge.runtime.static_kv import DecodeModule
 
-    m = load_model("llama-tiny").model.eval()
-    layers, kv_heads, hd = model_dims(m)
-    cache = KVCache(layers, kv_heads, 16, hd, torch.float32)
-    inputs = (torch.tensor([[7]]), torch.tensor([[3]]), *cache.buffers)
-    cg = capture(DecodeModule(m), inputs)
+    cg, inputs, layers = _decode_graph("llama-tiny", 16, token=7, pos=3)
     exe = compile_graph(cg.gm, soc="host", example_inputs=inputs, quantize="w8").executable
     assert "hetforge.linear_w8.default" not in exe.stats.by_op_fallback
     assert sum(1 for ins in exe.program.instrs if ins.op == "hetforge.linear_w8.default"
                and exe.write_modes.get(ins.id) == "native") >= 7 * layers
     got = [t.clone() for t in exe.run_flat(*inputs)]
-    state = dict(native._state)
-    native._state.update({"lib": None, "status": native.NativeStatus(False, reason="test")})
-    try:
+    with native.disabled():
         want = compile_graph(cg.gm, soc="host", example_inputs=inputs, quantize="w8").executable.run_flat(*inputs)
-    finally:
-        native._state.clear()
-        native._state.update(state)
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)

@@ -13,6 +13,7 @@ Everything here is optional: with no C compiler, a failed build, or ``HETFORGE_N
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import os
@@ -20,6 +21,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -133,6 +135,20 @@ def library() -> ctypes.CDLL | None:
     if "lib" not in _state:
         _state["lib"], _state["status"] = _load()
     return _state["lib"]  # type: ignore[return-value]
+
+
+@contextlib.contextmanager
+def disabled(reason: str = "disabled in this block") -> Iterator[None]:
+    """Within the block the kernels count as unavailable (callers take their ATen paths), as with
+    ``HETFORGE_NATIVE=0``; for A/B runs and tests. Programs built inside keep the ATen path afterwards."""
+    saved = dict(_state)
+    _state.clear()
+    _state.update({"lib": None, "status": NativeStatus(False, reason=reason)})
+    try:
+        yield
+    finally:
+        _state.clear()
+        _state.update(saved)
 
 
 def status() -> NativeStatus:
