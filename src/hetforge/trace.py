@@ -63,6 +63,19 @@ class Trace:
         self.events.append({"ph": "i", "s": "t", "name": name, "cat": cat, "pid": pid, "tid": tid,
                             "ts": round(at_s * 1e6, 3), "args": {"figure": figure, **args}})
 
+    def flow(self, process: str, src_lane: str, dst_lane: str, name: str, start_s: float, end_s: float, flow_id: int,
+             figure: str, **args: Any) -> None:
+        """A transfer: a span on the ``transfers`` lane plus a flow arrow from ``src_lane`` (at ``start_s``) to
+        ``dst_lane`` (at ``end_s``)."""
+        self.span(process, "transfers", name, start_s, end_s - start_s, figure, "transfer", **args)
+        for ph, lane, at in (("s", src_lane, start_s), ("f", dst_lane, end_s)):
+            pid, tid = self.lane(process, lane)
+            ev = {"ph": ph, "id": flow_id, "name": name, "cat": "transfer", "pid": pid, "tid": tid,
+                  "ts": round(at * 1e6, 3), "args": {"figure": figure}}
+            if ph == "f":
+                ev["bp"] = "e"
+            self.events.append(ev)
+
     def to_dict(self) -> dict[str, Any]:
         return {"traceEvents": self.events, "displayTimeUnit": "ms",
                 "otherData": {"title": self.title, **self.metadata}}

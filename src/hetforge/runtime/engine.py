@@ -11,11 +11,13 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from hetforge.errors import UsageError
 from hetforge.runtime.executors import Executor, make_executor
+from hetforge.runtime.ledger import Ledger
 from hetforge.runtime.programs import ProgramCache, pick_tier
 from hetforge.runtime.sampling import Sampler, SamplingParams
 from hetforge.tokenizers import StreamDecoder, Tokenizer, for_model
@@ -36,6 +38,7 @@ class GenerationResult:
     compile_s: dict[str, float] = field(default_factory=dict)  # programs compiled by this request
     stop_reason: str = "length"
     executor: str = "fx"
+    placed: dict | None = None  # Ledger.summary(): modeled SoC figures and measured runner overheads
 
     @property
     def decode_ms_per_token(self) -> float | None:
@@ -53,7 +56,7 @@ class GenerationResult:
             "tokens_per_s": self.tokens_per_s, "prefill_tier": self.prefill_tier,
             "kv_cache_length": self.cache_length, "kv_cache_bytes": self.kv_cache_bytes,
             "compile_s": self.compile_s, "stop_reason": self.stop_reason, "executor": self.executor,
-            "timing": "measured",
+            "timing": "measured", "placed": self.placed,
         }
 
 
@@ -61,12 +64,17 @@ class Engine:
     """Generates text from one loaded model with compiled static-shape programs."""
 
     def __init__(self, loaded, tokenizer: Tokenizer | None = None, executor: Executor | str = "auto",
-                 soc: str = "host", optimize: bool = True, quantize: str = "none", group_size: int = 128):
+                 soc: Any = "host", optimize: bool = True, quantize: str = "none", group_size: int = 128,
+                 strategy: str = "rules", objective: str = "energy", backends: dict[str, str] | None = None,
+                 policy: str = "exact"):
         if loaded.kind != "causal-lm":
             raise UsageError(f"model '{loaded.name}' is a {loaded.kind}; generation needs a causal LM")
         self.loaded = loaded
         self.tokenizer = tokenizer or for_model(loaded)
-        self.executor = make_executor(executor, soc, quantize, group_size) if isinstance(executor, str) else executor
+        self.executor = (make_executor(executor, soc, quantize, group_size, strategy, objective, backends, policy)
+                         if isinstance(executor, str) else executor)
+        prof = getattr(self.executor, "soc_profile", None)
+        self.soc_name = prof.name if prof is not None else str(soc)
         self.programs = ProgramCache(loaded.model, loaded.max_positions, self.executor, optimize=optimize)
         self.vocab_size = loaded.vocab_size
         self._ids = torch.zeros((1, 1), dtype=torch.long)
@@ -90,10 +98,13 @@ class Engine:
 
     def plan(self, n_prompt: int, max_new: int) -> tuple[int, int, int]:
         """(prefill tier, KV cache length, new tokens that fit in the context)."""
-        tier = pick_tier(n_prompt, self.programs.tiers)
+        fixed = self.programs.fixed  # a generation plan: only its tiers exist
+        pre = sorted(n for k, n in fixed if k == "prefill") if fixed is not None else self.programs.tiers
+        dec = sorted(n for k, n in fixed if k == "decode") if fixed is not None else self.programs.tiers
+        tier = next((t for t in pre if t >= n_prompt), pick_tier(n_prompt, self.programs.tiers))
         fit = min(max_new, self.max_positions - n_prompt + 1)  # the last token is never fed back
         need = max(tier, n_prompt + fit - 1)
-        return tier, pick_tier(need, self.programs.tiers), fit
+        return tier, next((t for t in dec if t >= need), pick_tier(need, self.programs.tiers)), fit
 
     def stream(self, prompt: str | list[int], params: SamplingParams) -> Generation:
         """A :class:`Generation`: iterate it for text pieces; its ``result`` holds tokens and timings."""
@@ -117,6 +128,7 @@ class Generation:
         self.result = GenerationResult("", [], len(prompt_ids), tier, length, cache.nbytes, 0.0,
                                        executor=engine.executor.name)
         self.cache = cache
+        self.ledger = Ledger(engine.soc_name)
         self.decoder = StreamDecoder(engine.tokenizer)
         self._pending = ""  # decoded text not shown yet (may start a stop string)
         self._shown = ""
@@ -175,8 +187,9 @@ class Generation:
         ids = torch.zeros((1, r.prefill_tier), dtype=torch.long)
         ids[0, :n] = torch.tensor(self.prompt_ids)
         last = torch.tensor([n - 1])
-        t0 = time.perf_counter()
+        t0 = start = time.perf_counter()
         out = prefill.run(ids, last)
+        self.ledger.add("prefill", 0.0, prefill.placed)
         self.cache.write(out[1:], 0)
         token = sampler.pick(out[0])
         r.ttft_s = time.perf_counter() - t0
@@ -194,6 +207,7 @@ class Generation:
                 self.cache.write(out[1:], pos)
                 token = sampler.pick(out[0])
                 r.decode_s.append(time.perf_counter() - t0)
+                self.ledger.add("decode", t0 - start, decode.placed)
                 pos += 1
                 piece, stop = self._emit(token)
                 yield token, piece
@@ -203,6 +217,7 @@ class Generation:
     def finish(self) -> None:
         """Settle ``result.text`` (also after an interruption): shown text plus any held-back text."""
         self.result.text = self._shown + self._pending
+        self.result.placed = self.ledger.summary()
 
 
 def _held_back(text: str, stops: tuple[str, ...]) -> int:

@@ -1,12 +1,13 @@
-"""Pluggable program executors: how a captured graph becomes something to call.
+"""Program executors: how a captured graph becomes something to call.
 
-* ``backend`` — hetforge's own compile pipeline (``hetforge.compile.compile_graph``: passes, placement
-  for a SoC profile, lowering, scheduling, liveness memory plan, arena codegen). The default.
-* ``fx`` — run the optimization passes (when installed) and call the ``torch.fx.GraphModule``
-  directly. The fallback when the backend is not installed, and a reference.
-
-``auto`` picks ``backend`` when it can be imported and ``fx`` otherwise; the chosen name is reported
-with every result so output always says which one ran.
+* ``backend`` (= ``auto``, the default) — the one execution path: hetforge's compiler for an SoC profile
+  with a placement strategy (passes, quantization, placement, lowering, scheduling, memory plan), the
+  scheduled program cut into same-device partitions, each compiled on its device's backend (the CPU
+  executor with arenas and native kernels, OpenVINO, CUDA, or an emulated device that enforces its op set,
+  static shapes, dtypes and memory) and run partition by partition with explicit transfers. A plan for one
+  device is one partition. Every call leaves a :class:`~hetforge.hetero.runner.RunReport` (measured call
+  and transfer times, modeled ones from the cost model) for the runtime's per-token figures.
+* ``fx`` — the optimized ``torch.fx.GraphModule`` called as is: the reference, no placement.
 
 Either executor can quantize the weights of every linear after the passes (``quantize`` = ``w8`` /
 ``w4`` / ``w8a8``; ``hetforge.quant``), so prefill and decode programs run the int8/int4 kernels; the
@@ -18,7 +19,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -36,6 +37,7 @@ class Built:
     compile_s: float
     nodes: int
     notes: list[str] = field(default_factory=list)
+    placed: Any = None  # a :class:`Placed` for placed programs (partitions, per-call reports); None for fx
 
 
 class Executor(Protocol):
@@ -61,10 +63,8 @@ def _quantize(gm: torch.fx.GraphModule, quantize: str, group_size: int) -> tuple
 
 
 def _passes(gm: torch.fx.GraphModule, inputs: tuple) -> tuple[torch.fx.GraphModule, str]:
-    try:
-        from hetforge.passes import optimize
-    except ImportError:
-        return gm, "passes: hetforge.passes not installed, graph left as captured"
+    from hetforge.passes import optimize
+
     res = optimize(gm, inputs)
     fused = ", ".join(f"{k} x{v}" for k, v in res.fused.items() if v) or "none"
     return res.gm, f"passes: {res.nodes_before} -> {res.nodes_after} nodes; fused ops: {fused}"
@@ -102,46 +102,92 @@ class FxExecutor:
         return Built(run, t1 - t0, 0.0, len(gm.graph.nodes), notes)
 
 
-def backend_available() -> bool:
-    try:
-        from hetforge.compile import compile_graph  # noqa: F401
-    except ImportError:
-        return False
-    return True
+@dataclass
+class Placed:
+    """What a placed program is made of: the compile result, its partitions, their compiled backends."""
+
+    compiled: Any  # hetforge.compile.CompileResult (build=False: the scheduled Program, placement, memory plan)
+    partitions: Any  # hetforge.hetero.partition.PartitionedGraph
+    exe: Any  # hetforge.hetero.runner.HeteroExecutable
+    build: Any  # hetforge.hetero.runner.BuildReport
+    last: Any = None  # RunReport of the latest call
+
+    def to_dict(self) -> dict[str, Any]:
+        pg = self.partitions
+        return {"partitions": [{"index": p.index, "device": p.device, "nodes": len(p.nodes),
+                                "backend": self.exe.bindings[p.device].spec} for p in pg.partitions],
+                "switches": pg.switches, "strategy": getattr(self.compiled.placement, "strategy", None),
+                "objective": getattr(self.compiled.placement, "objective", None),
+                "instructions_by_device": self.compiled.program.count_by_device()}
 
 
 @dataclass
-class BackendExecutor:
-    """hetforge.compile for one SoC profile; runs the generated arena program (``run_flat``)."""
+class PlacedExecutor:
+    """The one execution path: hetforge.compile for an SoC with a placement strategy, cut into same-device
+    partitions, each compiled on its device's backend (the CPU executor, OpenVINO, CUDA, or an emulated
+    device enforcing its constraints) and run partition by partition with explicit transfers.
 
-    soc: str = "host"
-    mode: str = "arena"
+    A single-device plan is one partition on one backend: the same runner, no second path.
+    """
+
+    soc: Any = "host"  # a name, a path or a SocProfile
+    strategy: str = "rules"
+    objective: str = "energy"
     quantize: str = "none"
     group_size: int = 128
+    backends: dict[str, str] = field(default_factory=dict)  # device → backend spec overrides
+    policy: str = "exact"
     name: str = "backend"
 
     def __post_init__(self) -> None:
+        from hetforge.backends.mapping import resolve
+        from hetforge.hardware import load_soc
+        from hetforge.placement import get_strategy
+        from hetforge.placement.costs import check_objective
+
         _check_quant(self.quantize, self.group_size)
+        get_strategy(self.strategy)
+        check_objective(self.objective)
+        self.soc_profile = load_soc(self.soc) if isinstance(self.soc, str) else self.soc
+        self.bindings = resolve(self.soc_profile, self.backends, self.policy)
         if self.quantize != "none":
             self.name = f"backend+{self.quantize}"
 
-    def build(self, gm: torch.fx.GraphModule, inputs: tuple, label: str, optimize: bool) -> Built:
+    def options(self) -> dict[str, Any]:
+        return {} if self.strategy == "support" else {"objective": self.objective}
+
+    def place(self, gm: torch.fx.GraphModule, inputs: tuple, label: str, optimize: bool, placement: Any = None):
+        """Passes → quantization → placement (the strategy, or ``placement`` as given) → lower → schedule →
+        memory plan (no arenas: each partition's backend builds its own)."""
         from hetforge.compile import compile_graph
 
-        res = compile_graph(gm, soc=self.soc, example_inputs=inputs, passes=optimize, name=label, mode=self.mode,
-                            quantize=self.quantize, group_size=self.group_size)
-        exe = res.executable
-        secs = res.seconds
-        mem = res.memory.to_dict()
-        run = exe.run_flat
+        return compile_graph(gm, soc=self.soc_profile, strategy=self.strategy, strategy_options=self.options(),
+                             example_inputs=inputs, passes=optimize, name=label, quantize=self.quantize,
+                             group_size=self.group_size, build=False, placement=placement)
+
+    def build(self, gm: torch.fx.GraphModule, inputs: tuple, label: str, optimize: bool) -> Built:
+        return self.build_program(self.place(gm, inputs, label, optimize))
+
+    def build_program(self, res) -> Built:
+        """Partition a compiled (scheduled) program and compile each partition on its device's backend."""
+        from hetforge.hetero.program import partition_program
+        from hetforge.hetero.runner import build
+
+        t0 = time.perf_counter()
+        pg = partition_program(res.program)
+        exe, breport = build(pg, self.soc_profile, self.bindings)
+        placed = Placed(res, pg, exe, breport)
 
         def call(*args: torch.Tensor) -> Sequence[torch.Tensor]:
             with torch.no_grad():
-                return run(*args)
+                out, placed.last = exe.run(args)
+            return out
 
-        notes = [f"executor: hetforge.compile ({self.mode}) for soc '{getattr(res.soc, 'name', self.soc)}', "
-                 f"{len(res.program.instrs)} instructions, devices {res.program.count_by_device()}",
-                 f"memory plan: {mem}"]
+        devs = ", ".join(f"{p.device}:{self.bindings[p.device].spec}" for p in pg.partitions)
+        notes = [f"executor: {len(pg.partitions)} partition(s) on soc '{self.soc_profile.name}' "
+                 f"(strategy {self.strategy}), {len(res.program.instrs)} instructions, devices "
+                 f"{res.program.count_by_device()}; partitions {devs}",
+                 f"memory plan: {res.memory.to_dict()}"]
         quant = res.extra.get("quantize")
         if quant is not None:
             notes.append(f"quantization: {quant.report.summary_line()}")
@@ -149,22 +195,26 @@ class BackendExecutor:
             fused = ", ".join(f"{k} x{v}" for k, v in res.optimized.fused.items() if v) or "none"
             notes.insert(0, f"passes: {res.optimized.nodes_before} -> {res.optimized.nodes_after} nodes; "
                             f"fused ops: {fused}")
+        for row in breport.partitions:
+            notes += [f"p{row['partition']} ({row['device']}): {n}" for n in row["notes"]]
+        secs = res.seconds
         passes_s = secs.get("passes", 0.0)
-        return Built(call, passes_s, secs.get("total", 0.0) - passes_s, len(res.gm.graph.nodes), notes)
+        compile_s = secs.get("total", 0.0) - passes_s + time.perf_counter() - t0
+        return Built(call, passes_s, compile_s, len(res.gm.graph.nodes), notes, placed)
 
 
 EXECUTORS = ("auto", "fx", "backend")
 
 
-def make_executor(kind: str = "auto", soc: str = "host", quantize: str = "none", group_size: int = 128) -> Executor:
-    """Build the executor called ``kind`` (``auto`` prefers the backend when installed), quantizing the
-    linears' weights with ``quantize`` (``none``, ``w8``, ``w4``, ``w8a8``)."""
+def make_executor(kind: str = "auto", soc: Any = "host", quantize: str = "none", group_size: int = 128,
+                  strategy: str = "rules", objective: str = "energy", backends: dict[str, str] | None = None,
+                  policy: str = "exact") -> Executor:
+    """Build the executor called ``kind``: ``backend`` (= ``auto``) places and partitions for ``soc``;
+    ``fx`` runs the optimized GraphModule itself (the reference). Both quantize every linear's weights with
+    ``quantize`` (``none``, ``w8``, ``w4``, ``w8a8``)."""
     if kind not in EXECUTORS:
         raise UsageError(f"unknown executor '{kind}'; allowed: {', '.join(EXECUTORS)}")
-    if kind == "auto":
-        kind = "backend" if backend_available() else "fx"
-    if kind == "backend":
-        if not backend_available():
-            raise UsageError("executor 'backend' needs hetforge.compile, which is not installed; use 'fx'")
-        return BackendExecutor(soc=soc, quantize=quantize, group_size=group_size)
-    return FxExecutor(quantize=quantize, group_size=group_size)
+    if kind == "fx":
+        return FxExecutor(quantize=quantize, group_size=group_size)
+    return PlacedExecutor(soc=soc, strategy=strategy, objective=objective, quantize=quantize,
+                          group_size=group_size, backends=dict(backends or {}), policy=policy)

@@ -1,7 +1,7 @@
 """The two programs per model (prefill per prompt tier, decode per cache length), compiled once and cached.
 
 A program is made on first use: capture the static-shape module with ``torch.export``, run the
-optimization passes when ``hetforge.passes`` is installed, then hand the graph to an :class:`Executor`.
+optimization passes, then hand the graph to an :class:`Executor`.
 Each step is timed (measured) and kept on the :class:`Program`.
 """
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -45,15 +46,19 @@ class Program:
     optimize_s: float
     compile_s: float
     notes: list[str] = field(default_factory=list)
+    placed: Any = None  # executors.Placed for placed programs (partitions, bindings, the latest RunReport)
 
     @property
     def total_s(self) -> float:
         return self.capture_s + self.optimize_s + self.compile_s
 
     def to_dict(self) -> dict:
-        return {"kind": self.kind, "length": self.length, "executor": self.executor, "nodes": self.nodes,
-                "capture_s": round(self.capture_s, 4), "optimize_s": round(self.optimize_s, 4),
-                "compile_s": round(self.compile_s, 4), "total_s": round(self.total_s, 4), "notes": self.notes}
+        d = {"kind": self.kind, "length": self.length, "executor": self.executor, "nodes": self.nodes,
+             "capture_s": round(self.capture_s, 4), "optimize_s": round(self.optimize_s, 4),
+             "compile_s": round(self.compile_s, 4), "total_s": round(self.total_s, 4), "notes": self.notes}
+        if self.placed is not None:
+            d["placement"] = self.placed.to_dict()
+        return d
 
 
 class ProgramCache:
@@ -69,6 +74,8 @@ class ProgramCache:
         self.dtype = model.get_input_embeddings().weight.dtype
         self.programs: dict[tuple[str, int], Program] = {}
         self.caches: dict[int, KVCache] = {}
+        self.fixed: dict[tuple[str, int], dict] | None = None  # from a generation plan (runtime.genplan)
+        self.fixed_source = ""
 
     def cache(self, length: int) -> KVCache:
         """The preallocated KV cache of ``length`` positions (made once, reused by later requests)."""
@@ -98,11 +105,35 @@ class ProgramCache:
     def _make(self, kind: str, length: int, module: nn.Module, inputs: tuple) -> Program:
         from hetforge.frontend import capture
 
-        cg = capture(module, inputs, name=f"{kind}-{length}")
-        b = self.executor.build(cg.gm, inputs, f"{kind}-{length}", self.optimize)
+        label = f"{kind}-{length}"
+        entry = None
+        if self.fixed is not None:
+            from hetforge.runtime.genplan import GenPlanError, missing_message
+
+            entry = self.fixed.get((kind, length))
+            if entry is None:
+                raise GenPlanError(missing_message(self.fixed, self.fixed_source, kind, length))
+        cg = capture(module, inputs, name=label)
+        if entry is None:
+            b = self.executor.build(cg.gm, inputs, label, self.optimize)
+        else:
+            b = self._build_fixed(cg.gm, inputs, label, entry)
         t0 = time.perf_counter()
         b.run(*inputs)  # one warm-up call: one-time kernel work (e.g. FBGEMM weight prepacking) is paid here
         warm = time.perf_counter() - t0
         notes = [*b.notes, f"warm-up call {warm:.3f} s (measured), counted in compile_s"]
         return Program(kind, length, b.run, self.executor.name, b.nodes, cg.seconds, b.optimize_s,
-                       b.compile_s + warm, notes)
+                       b.compile_s + warm, notes, b.placed)
+
+    def _build_fixed(self, gm, inputs: tuple, label: str, entry: dict):
+        """Build with a generation plan's stored placement; the program must come out as stored."""
+        from hetforge.placement import Placement
+        from hetforge.runtime.genplan import check_rebuilt
+
+        ex = self.executor
+        placement = Placement(f"plan:{ex.strategy}", dict(entry["assignment"]), objective=ex.objective)
+        res = ex.place(gm, inputs, label, self.optimize, placement=placement)
+        check_rebuilt(entry, res.program, self.fixed_source, label)
+        b = ex.build_program(res)
+        b.notes.append(f"placement from plan '{self.fixed_source}' (program checked against the stored one)")
+        return b

@@ -65,12 +65,19 @@ def compile_cmd(
     passes: bool = typer.Option(True, "--passes/--no-passes", help=_PASSES_HELP),
     out: Path | None = typer.Option(None, "--out", help="write the program (JSON; weights referenced) here"),
     text: Path | None = typer.Option(None, "--text", help="write the program's text form here"),
+    generate: bool = typer.Option(False, "--generate", help="compile the prefill/decode programs of text "
+                                  "generation (with --tiers, --cache) into a plan for `hetforge run --plan`"),
+    tiers: str = typer.Option("32,64,128", "--tiers", help="--generate: prompt tiers to compile, comma-separated"),
+    cache: str = typer.Option("128,256", "--cache", help="--generate: KV cache lengths to compile"),
     json_out: bool = typer.Option(False, "--json", help="print JSON"),
 ) -> None:
     """Compile a model: instructions per device, transfers, device switches, memory plan, seconds per stage."""
     for f in (out, text):
         if f is not None and not f.parent.is_dir():
             raise UsageError(f"cannot write '{f}': folder '{f.parent}' does not exist")
+    if generate:
+        _compile_generation(model, soc, strategy, objective, quantize, group_size, tiers, cache, out, json_out)
+        return
     res = _compile(model, seq, soc, strategy, attn, passes, "arena", build=False, objective=objective, strict=strict,
                    quantize=quantize, group_size=group_size, skip=tuple(skip))
     if out is not None:
@@ -197,3 +204,36 @@ def run_graph(
 
 def rep_soc(res) -> str:
     return getattr(res.soc, "name", str(res.soc))
+
+
+def _lengths(option: str, text: str) -> list[int]:
+    try:
+        out = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UsageError(f"{option} must be comma-separated positive integers, got '{text}'") from None
+    if not out or any(n <= 0 for n in out):
+        raise UsageError(f"{option} must be comma-separated positive integers, got '{text}'")
+    return out
+
+
+def _compile_generation(model: str, soc: str, strategy: str, objective: str, quantize: str, group_size: int,
+                        tiers: str, cache: str, out: Path | None, json_out: bool) -> None:
+    """``compile --generate``: the prefill tiers and decode programs, placed, written as one plan."""
+    from hetforge.cli.commands.run import make_engine
+    from hetforge.runtime.genplan import save_genplan
+
+    if out is None:
+        raise UsageError("--generate writes a plan: give --out FILE")
+    pre, dec = _lengths("--tiers", tiers), _lengths("--cache", cache)
+    engine = make_engine(model, soc, "backend", quantize, group_size, strategy, objective)
+    doc = save_genplan(engine, pre, dec, out)
+    rep = {"model": doc["model"], "soc": doc["soc"], "strategy": strategy, "objective": objective,
+           "quantize": quantize, "out": str(out),
+           "programs": {k: {"instructions": len(v["instructions"]), "partitions": v["partitions"],
+                            "devices": v["devices"]} for k, v in doc["programs"].items()}}
+    if json_out:
+        emit_json(rep)
+        return
+    console.print(f"[bold]{rep['model']}[/] on {rep['soc']} (strategy {strategy}): generation plan -> {out}")
+    for k, v in rep["programs"].items():
+        console.print(f"  {k}: {v['instructions']} instructions, {v['partitions']} partitions, {v['devices']}")
