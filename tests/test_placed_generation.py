@@ -45,7 +45,8 @@ def _w8_model(model):
     for mod in m.modules():
         if isinstance(mod, torch.nn.Linear):
             q, s = quantize_int8(mod.weight)
-            mod.weight.data = dequantize_int8(q, s).to(mod.weight.dtype)
+            # a new Parameter: a tied input embedding keeps its fp32 values (w8 quantizes linears only)
+            mod.weight = torch.nn.Parameter(dequantize_int8(q, s).to(mod.weight.dtype), requires_grad=False)
     return m
 
 

@@ -139,6 +139,9 @@ class OpenVinoBackend(Backend):
         threads = self.threads or torch.get_num_threads()
         if self.plugin == "CPU":
             config["INFERENCE_NUM_THREADS"] = threads
+            # int8 weights stay weight-only: without this the CPU plugin quantizes activations of compressed-weight
+            # MatMuls on the fly (dynamic quantization), which is not the computation the plan asked for
+            config["DYNAMIC_QUANTIZATION_GROUP_SIZE"] = 0
         compiled = _core().compile_model(model, self.plugin, config)
         notes = [f"INFERENCE_PRECISION_HINT={self.precision}"]
         if self.plugin == "CPU":

@@ -61,7 +61,8 @@ class DeviceProfile:
         return hash((self.name, self.kind, self.mem_bandwidth, self.mem_capacity))
 
     def supports(self, op_name: str) -> bool:
-        """True when the registry says this device kind can run ``op_name`` and the profile does not exclude it.
+        """True when the registry says this device kind can run ``op_name``, the profile does not exclude it, and,
+        for a quantized op, the device lists its integer weight/activation types (e.g. int8, int4).
 
         An op the registry does not know is assumed runnable (it will be costed as a control op).
         """
@@ -70,7 +71,14 @@ class DeviceProfile:
         if op_name in self.unsupported_ops:
             return False
         info = lookup(op_name)
-        return info is None or self.kind in info.devices
+        if info is None:
+            return True
+        if self.kind not in info.devices:
+            return False
+        if info.attrs.get("quantized") and self.dtypes:  # a quantized op needs its integer types here
+            need = {str(info.attrs.get(r, "")) for r in ("weight_dtype", "act_dtype")}
+            return all(d in self.dtypes for d in need if d.startswith("int"))
+        return True
 
     def peak(self, dtype: str) -> float:
         """Peak rate for ``dtype``; without a native rate, the best floating-point rate the unit has.

@@ -146,22 +146,31 @@ class PlacedExecutor:
         from hetforge.placement.costs import check_objective
 
         _check_quant(self.quantize, self.group_size)
-        get_strategy(self.strategy)
-        check_objective(self.objective)
         self.soc_profile = load_soc(self.soc) if isinstance(self.soc, str) else self.soc
+        base, _, self.device = self.strategy.partition(":")  # "single:gpu" = everything on one named device
+        if self.device:
+            if base != "single":
+                raise UsageError(f"strategy '{self.strategy}': only 'single' takes a device (single:DEVICE)")
+            self.soc_profile.device(self.device)  # names the SoC's devices when unknown
+        get_strategy(base)
+        self.base_strategy = base
+        check_objective(self.objective)
         self.bindings = resolve(self.soc_profile, self.backends, self.policy)
         if self.quantize != "none":
             self.name = f"backend+{self.quantize}"
 
     def options(self) -> dict[str, Any]:
-        return {} if self.strategy == "support" else {"objective": self.objective}
+        opts: dict[str, Any] = {} if self.base_strategy == "support" else {"objective": self.objective}
+        if self.device:
+            opts["device"] = self.device
+        return opts
 
     def place(self, gm: torch.fx.GraphModule, inputs: tuple, label: str, optimize: bool, placement: Any = None):
         """Passes → quantization → placement (the strategy, or ``placement`` as given) → lower → schedule →
         memory plan (no arenas: each partition's backend builds its own)."""
         from hetforge.compile import compile_graph
 
-        return compile_graph(gm, soc=self.soc_profile, strategy=self.strategy, strategy_options=self.options(),
+        return compile_graph(gm, soc=self.soc_profile, strategy=self.base_strategy, strategy_options=self.options(),
                              example_inputs=inputs, passes=optimize, name=label, quantize=self.quantize,
                              group_size=self.group_size, build=False, placement=placement)
 

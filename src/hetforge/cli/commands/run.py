@@ -11,7 +11,8 @@ import typer
 from hetforge.cli.commands.hetero import BACKEND_HELP, POLICY_HELP
 from hetforge.cli.common import app, console, emit_json, err_console, handles_errors
 
-STRATEGY_HELP = "placement strategy: rules, greedy, pgsam, support or single (see `hetforge compile --help`)"
+STRATEGY_HELP = ("placement strategy: rules, greedy, pgsam, support, single (everything on the CPU) or single:DEVICE "
+                 "(everything on that device)")
 
 
 def check_output_path(path: Path, suffix: str) -> None:
@@ -166,7 +167,7 @@ def make_engine(model: str, soc: str, executor: str, quantize: str = "none", gro
         soc, strategy, objective, quantize, group_size = (head["soc_profile"], head["strategy"], head["objective"],
                                                           head["quantize"], head["group_size"])
     prof = soc if not isinstance(soc, str) else load_soc(soc)  # an unknown profile is a usage error first
-    get_strategy(strategy)
+    get_strategy(strategy.partition(":")[0])
     check_objective(objective)
     if policy not in POLICIES:
         raise UsageError(f"unknown --policy '{policy}'; allowed: {', '.join(POLICIES)}")
