@@ -90,27 +90,21 @@ class CompileResult:
 
 
 def _run_passes(gm: torch.fx.GraphModule, example_inputs, passes) -> tuple[torch.fx.GraphModule, Any, str]:
+    from hetforge.passes import optimize
+
     if passes is False:
         return gm, None, "disabled"
-    try:
-        from hetforge.passes import optimize
-    except ImportError:
-        return gm, None, "unavailable (hetforge.passes not installed)"
     names = None if passes in (True, None) else passes
     res = optimize(gm, example_inputs=example_inputs, passes=names)
     return res.gm, res, ""
 
 
-def _transfer_seconds(p: Program, soc) -> float | None:
-    """Modeled time of all transfers (cost model), or None when no cost model/links."""
-    try:
-        from hetforge.cost import transfer_cost
-    except ImportError:
-        return None
-    total = 0.0
-    for ins in p.transfers():
-        total += transfer_cost(int(ins.attrs.get("bytes", 0)), soc.link(ins.attrs["src"], ins.attrs["dst"]))[0]
-    return total
+def _transfer_seconds(p: Program, soc) -> float:
+    """Modeled time of all transfers (cost model)."""
+    from hetforge.cost import transfer_cost
+
+    return sum(transfer_cost(int(ins.attrs.get("bytes", 0)), soc.link(ins.attrs["src"], ins.attrs["dst"]))[0]
+               for ins in p.transfers())
 
 
 def compile_graph(
