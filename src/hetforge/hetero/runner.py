@@ -68,6 +68,17 @@ class RunReport:
     calls: list[CallRecord] = field(default_factory=list)
     transfers: list[TransferRecord] = field(default_factory=list)
     output_copies: int = 0
+    pg: Any = field(default=None, repr=False)  # the PartitionedGraph and SoC that ran: for the modeled timeline
+    soc: Any = field(default=None, repr=False)
+    _timeline: Any = field(default=None, repr=False)
+
+    def timeline(self):
+        """The modeled list schedule of this run (:mod:`hetforge.hetero.timeline`), made on first use."""
+        if self._timeline is None:
+            from hetforge.hetero.timeline import schedule_run
+
+            self._timeline = schedule_run(self.pg, self, self.soc)
+        return self._timeline
 
     @property
     def switches(self) -> int:
@@ -94,7 +105,9 @@ class RunReport:
             "calls_measured_s": sum(c.measured_s for c in self.calls),
             "overhead_measured_s": self.wall_s - sum(c.measured_s for c in self.calls)
             - sum(t.measured_s for t in self.transfers),
-            "modeled_s": sum(c.modeled_s for c in self.calls) + sum(t.modeled_s for t in self.transfers),
+            "modeled_s": self.timeline().makespan_s,  # list-scheduled: devices overlap where the DAG allows
+            "modeled_serial_s": sum(c.modeled_s for c in self.calls) + sum(t.modeled_s for t in self.transfers),
+            "modeled_switch_s": self.timeline().switch_s,
             "modeled_j": sum(c.modeled_j for c in self.calls) + sum(t.modeled_j for t in self.transfers),
             "by_device": by_device,
         }
@@ -180,7 +193,7 @@ class HeteroExecutable:
             raise ValueError(f"expected {len(pg.graph_inputs)} inputs ({', '.join(pg.graph_inputs)}), "
                              f"got {len(inputs)}")
         start = time.perf_counter()
-        report = RunReport(0.0)
+        report = RunReport(0.0, pg=pg, soc=self.soc)
         where: dict[str, str] = {}  # value → device it was produced on
         values: dict[str, Any] = {}
         for name, x in zip(pg.graph_inputs, inputs, strict=True):
@@ -226,38 +239,41 @@ class HeteroExecutable:
             out = out[0]  # no output spec recorded: one output comes back bare, as the executor does
         report.wall_s = time.perf_counter() - start
         if trace is not None:
-            record_trace(trace, report, self.soc.name)
+            record_trace(trace, report)
         return out, report
 
 
-def record_trace(trace: Trace, report: RunReport, soc_name: str, offset_s: float = 0.0) -> None:
-    """Add one run to ``trace``: measured lanes at their real times, modeled lanes end to end."""
-    mproc, cproc = "measured (this host)", f"modeled ({soc_name} cost model)"
-    events: list[tuple[float, str, Any]] = [(c.start_s, "call", c) for c in report.calls]
-    events += [(t.start_s, "transfer", t) for t in report.transfers]
-    events.sort(key=lambda e: e[0])
-    cursor = offset_s  # modeled clock: calls and transfers back to back
-    prev_device = None
-    for _, kind, rec in events:
-        if kind == "call":
-            lane = f"{rec.device} [{rec.backend}]"
-            name = f"p{rec.partition} ({rec.nodes} nodes)"
-            trace.span(mproc, lane, name, offset_s + rec.start_s, rec.measured_s, MEASURED, "call",
-                       device=rec.device, backend=rec.backend)
-            trace.span(cproc, rec.device, name, cursor, rec.modeled_s, MODELED, "call", energy_j=rec.modeled_j)
-            if prev_device is not None and prev_device != rec.device:
-                label = f"switch {prev_device}->{rec.device}"
-                trace.instant(mproc, "switches", label, offset_s + rec.start_s, MEASURED)
-                trace.instant(cproc, "switches", label, cursor, MODELED)
-            prev_device = rec.device
-            cursor += rec.modeled_s
+def record_trace(trace: Trace, report: RunReport, offset_s: float = 0.0, modeled_offset_s: float | None = None,
+                 label: str = "") -> float:
+    """Add one run to ``trace``: measured lanes (this host) at their real times, and the modeled lanes from the
+    run's list schedule (one lane per device, switches, transfers as flows between device lanes). Returns the
+    modeled end time (to lay the next run after it)."""
+    mproc, cproc = "measured (this host)", f"modeled ({report.soc.name} cost model)"
+    cursor = offset_s if modeled_offset_s is None else modeled_offset_s
+    prefix = f"{label} " if label else ""
+    for c in report.calls:
+        trace.span(mproc, f"{c.device} [{c.backend}]", f"{prefix}p{c.partition}", offset_s + c.start_s, c.measured_s,
+                   MEASURED, "call", device=c.device, backend=c.backend)
+    prev = None
+    for c in sorted(report.calls, key=lambda c: c.start_s):
+        if prev is not None and prev != c.device:
+            trace.instant(mproc, "switches", f"switch {prev}->{c.device}", offset_s + c.start_s, MEASURED)
+        prev = c.device
+    for t in report.transfers:
+        trace.span(mproc, "transfers", f"{t.value} {t.src}->{t.dst} ({t.mode}, {t.nbytes} B)", offset_s + t.start_s,
+                   t.measured_s, MEASURED, "transfer", nbytes=t.nbytes, mode=t.mode)
+    tl = report.timeline()
+    for s in tl.spans:
+        if s.kind == "transfer":
+            trace.flow(cproc, s.args["src"], s.args["dst"], s.name, cursor + s.start_s, cursor + s.end_s,
+                       len(trace.events), MODELED, nbytes=s.args["nbytes"], energy_j=s.energy_j)
+        elif s.kind == "switch":
+            trace.instant(cproc, "switches", s.name, cursor + s.start_s, MODELED)
+            trace.span(cproc, s.lane, s.name, cursor + s.start_s, s.dur_s, MODELED, "switch")
         else:
-            name = f"{rec.value} {rec.src}->{rec.dst} ({rec.mode}, {rec.nbytes} B)"
-            trace.span(mproc, "transfers", name, offset_s + rec.start_s, rec.measured_s, MEASURED, "transfer",
-                       nbytes=rec.nbytes, mode=rec.mode)
-            trace.span(cproc, "transfers", name, cursor, rec.modeled_s, MODELED, "transfer",
-                       nbytes=rec.nbytes, energy_j=rec.modeled_j)
-            cursor += rec.modeled_s
+            trace.span(cproc, s.lane, f"{prefix}{s.name}", cursor + s.start_s, s.dur_s, MODELED, "call",
+                       energy_j=s.energy_j)
+    return cursor + tl.makespan_s
 
 
 @dataclass

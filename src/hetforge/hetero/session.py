@@ -93,5 +93,5 @@ def write_trace(exe: HeteroExecutable, result: HeteroResult, soc, path: str | Pa
         "bindings": {d: b.spec for d, b in result.bindings.items()},
         "note": "process 'measured' = wall time on this host; process 'modeled' = cost-model prediction for the SoC",
     })
-    record_trace(tr, result.median, soc.name)
+    record_trace(tr, result.median)
     return tr.write(path)

@@ -20,9 +20,9 @@ from pathlib import Path
 from statistics import fmean
 from typing import Any
 
-from hetforge.hetero.runner import RunReport
-from hetforge.hetero.timeline import Timeline, schedule_run
-from hetforge.trace import MEASURED, MODELED, Trace
+from hetforge.hetero.runner import RunReport, record_trace
+from hetforge.hetero.timeline import Timeline
+from hetforge.trace import Trace
 
 
 @dataclass
@@ -31,13 +31,10 @@ class Step:
     start_s: float  # measured: from the generation's start
     report: RunReport
     placed: Any  # runtime.executors.Placed
-    _timeline: Timeline | None = None
 
     @property
     def timeline(self) -> Timeline:
-        if self._timeline is None:
-            self._timeline = schedule_run(self.placed.partitions, self.report, self.placed.exe.soc)
-        return self._timeline
+        return self.report.timeline()
 
 
 def _step_figures(step: Step) -> dict[str, Any]:
@@ -99,33 +96,12 @@ class Ledger:
 
     def trace(self, path: str | Path, title: str = "hetforge generation") -> Path:
         """A Chrome/Perfetto trace of the whole generation: measured lanes (this host, at real times) and
-        modeled lanes (the SoC's list schedule, steps back to back), one lane per device, transfers as
-        flows from the producing device to the consuming one."""
+        modeled lanes (each step's list schedule, steps back to back), one lane per device, switches, and
+        transfers as flows from the producing device's lane to the consuming one."""
         tr = Trace(title)
-        mproc, cproc = "measured (this host)", f"modeled ({self.soc} cost model)"
         cursor = 0.0
-        flow = 0
         for k, step in enumerate(self.steps):
-            label = f"{step.kind} {k}" if step.kind == "decode" else "prefill"
-            for c in step.report.calls:
-                tr.span(mproc, f"{c.device} [{c.backend}]", f"{label} p{c.partition}", step.start_s + c.start_s,
-                        c.measured_s, MEASURED, "call", device=c.device, backend=c.backend)
-            for t in step.report.transfers:
-                tr.span(mproc, "transfers", f"{t.value} {t.src}->{t.dst}", step.start_s + t.start_s, t.measured_s,
-                        MEASURED, "transfer", nbytes=t.nbytes, mode=t.mode)
-            tl = step.timeline
-            for s in tl.spans:
-                if s.kind == "transfer":
-                    src, dst = s.args["src"], s.args["dst"]
-                    flow += 1
-                    tr.flow(cproc, src, dst, f"{s.name}", cursor + s.start_s, cursor + s.end_s, flow, MODELED,
-                            nbytes=s.args["nbytes"], energy_j=s.energy_j)
-                elif s.kind == "switch":
-                    tr.instant(cproc, s.lane, s.name, cursor + s.start_s, MODELED)
-                    tr.span(cproc, s.lane, s.name, cursor + s.start_s, s.dur_s, MODELED, "switch")
-                else:
-                    tr.span(cproc, s.lane, f"{label} {s.name}", cursor + s.start_s, s.dur_s, MODELED, "call",
-                            energy_j=s.energy_j)
-            cursor += tl.makespan_s
+            label = f"decode {k}" if step.kind == "decode" else "prefill"
+            cursor = record_trace(tr, step.report, step.start_s, cursor, label)
         tr.metadata["soc"] = self.soc
         return tr.write(path)
