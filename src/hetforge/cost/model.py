@@ -7,8 +7,9 @@ For an op with registry entry ``info`` on device ``d`` (formulas in the sibling 
     e         = d.eff(*keys)                                         (first key present; 1.0 when none)
     o         = d.overhead(*keys)                                    (fixed per-op time; 0 when none)
     B'        = B − (1 − h)·hot_bytes  (+ R·c·β·e, matmul group)    h = d.efficiency['cache-hit'] (1 when absent)
-    t         = max(F / (π[dtype]·e), B' / (β·e)) + s·(dispatch + o) (roofline.py; s = d.efficiency['seq:warm'], 1
-                                                                      when absent: fixed costs inside a program)
+    t         = max(F / (π[dtype]·ce·e), B' / (β·be·e)) + s·(dispatch + o)
+                (roofline.py; ce, be = d.compute_efficiency, d.bandwidth_efficiency: the profile's per-unit terms,
+                 1 when absent; s = d.efficiency['seq:warm'], 1 when absent: fixed costs inside a program)
     DASI      = clip(AI / (π/β), 0, 1)                               (energy.py)
     E         = P_TDP · (0.3 + 0.7·DASI) · t / Φ(T) · penalty(CPQ)   (energy.py, thermal.py, memory_pressure.py)
 
