@@ -178,7 +178,7 @@ def _pct(x: float) -> str:
 
 
 def _gap(g: list[float]) -> str:
-    return " / ".join(f"{100 * x:.1f}%" for x in g)
+    return " / ".join(f"{100 * x:.2g}%" for x in g)
 
 
 def markdown(res: dict) -> str:
