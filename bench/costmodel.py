@@ -287,6 +287,16 @@ def page(res: dict) -> str:
                 lines.append(f"| {c['model']} | seq {c['seq']} | {g} | {a['instructions_gt_50us']} | "
                              f"{a['measured_s'] * 1e3:.3f} | {a['modeled_s'] * 1e3:.3f} | "
                              f"{fmt_pct(a['mape_gt_50us'])} |")
+    lines += ["", "## Largest errors among the 20 most expensive instructions (all models)", "",
+              "Compare an op's error in and out of sample: a similar error in both points at the op's model "
+              "rather than at shapes calibration did not see.", "",
+              "| model | sample | shape | op | output shape | measured (µs) | modeled (µs) | error |", "|---" * 8 + "|"]
+    for c in res["cases"]:
+        worst = sorted(c["after"]["top20"], key=lambda t: -abs(t["error"]))[:3]
+        for t in worst:
+            lines.append(f"| {c['model']} | {'out' if c['model'] in OUT_OF_SAMPLE else 'in'} | seq {c['seq']} | "
+                         f"`{t['op']}` | {t['shape']} | {t['measured_s'] * 1e6:.0f} | {t['modeled_s'] * 1e6:.0f} | "
+                         f"{fmt_pct(t['error'])} |")
     return "\n".join(lines) + "\n"
 
 
