@@ -45,8 +45,8 @@ def same_points(a: np.ndarray, b: np.ndarray) -> bool:
     return all(np.any(np.all(np.isclose(b, p, rtol=1e-9, atol=1e-15), axis=1)) for p in a)
 
 
-@settings(max_examples=60, deadline=None)
-@given(L=st.integers(1, 7), D=st.integers(1, 4), seed=st.integers(0, 10**6),
+@settings(max_examples=150, deadline=None)
+@given(L=st.integers(1, 9), D=st.integers(1, 4), seed=st.integers(0, 10**6),
        cap=st.sampled_from([2.0, 1.0, 0.7, 0.5, 0.3]), shared=st.booleans(), cpq=st.booleans(),
        mode=st.sampled_from(["bottleneck", "total"]), entry=st.none() | st.integers(0, 3),
        exit_=st.none() | st.integers(0, 3))
