@@ -63,6 +63,18 @@ def test_dp_front_equals_brute_force_and_holds_no_dominated_point(L, D, seed, ca
         assert evaluate(table, key) == pytest.approx(f)
 
 
+@pytest.mark.parametrize("seed, L, D, cap, shared", [(1, 6, 2, 1.0, False), (1, 6, 3, 1.0, False),
+                                                     (0, 7, 3, 0.7, True)])
+def test_dp_keeps_per_device_energy_when_cpq_penalties_differ_between_plans(seed, L, D, cap, shared):
+    # several pools whose usage varies between plans and CPQ thresholds below full: the penalty of each
+    # device depends on the final plan, so the DP must not merge raw energies; merging them makes these
+    # tables fail, while the random test above catches it only on some draws
+    table = make_table(L, D, seed, cap, shared, True, "bottleneck", 0, 0)
+    brute = exhaustive_front(table)[0].points()
+    got = exact_front(table).archive.points()
+    assert same_points(got, brute) and same_points(brute, got)
+
+
 def test_count_plans_counts_distinct_assignments():
     for L, D in [(1, 3), (4, 2), (5, 3), (6, 4)]:
         distinct = {p.assignment(L) for p in all_plans(L, D)}
