@@ -14,7 +14,7 @@ from hetforge.models.zoo import example_inputs, load_model
 from hetforge.placement import get_strategy, list_strategies
 from hetforge.placement.layers import EMBED, HEAD, group_stages
 
-STRATEGIES = ("rules", "greedy", "pgsam", "single")
+STRATEGIES = ("rules", "greedy", "pgsam", "stages", "single")
 
 
 @pytest.fixture(scope="module")

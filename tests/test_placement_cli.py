@@ -51,3 +51,13 @@ def test_pareto_json_and_plot(tmp_path):
     for i, a in enumerate(pts):  # the printed front is non-dominated
         assert not any(all(x <= y for x, y in zip(b, a, strict=True)) and b != a for j, b in enumerate(pts) if j != i)
     assert png.stat().st_size > 1000 and png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_pareto_uses_the_exact_front_and_refuses_a_budget_below_any_plan():
+    r = runner.invoke(app, ["pareto", "llama-tiny", "--soc", "intel-core-ultra-155h", "--json"])
+    assert r.exit_code == 0, r.output
+    s = json.loads(r.stdout)["search"]
+    assert s["method"] == "exact" and s["plans"] == 9  # 2 layers × 3 devices
+    r = runner.invoke(app, ["pareto", "llama-tiny", "--soc", "intel-core-ultra-155h", "--budget", "2"])
+    assert r.exit_code == 2
+    assert "search budget 2 is too small for any plan" in r.output and "9 possible stage plans" in r.output

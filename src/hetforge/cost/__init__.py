@@ -11,7 +11,7 @@ from hetforge.cost.memory_pressure import cpq, cpq_penalty
 from hetforge.cost.model import UNKNOWN_OPS, OpCost, cost_group, dtype_key, estimate, estimate_parts
 from hetforge.cost.roofline import Roofline, arithmetic_intensity, roofline
 from hetforge.cost.thermal import phi
-from hetforge.cost.transfer import transfer_cost
+from hetforge.cost.transfer import switch_cost_s, transfer_cost
 
 __all__ = [
     "UNKNOWN_OPS",
@@ -37,5 +37,6 @@ __all__ = [
     "stage_energy",
     "stage_power",
     "transfer_cost",
+    "switch_cost_s",
     "write_mode",
 ]

@@ -7,8 +7,9 @@ For an op with registry entry ``info`` on device ``d`` (formulas in the sibling 
     e         = d.eff(*keys)                                         (first key present; 1.0 when none)
     o         = d.overhead(*keys)                                    (fixed per-op time; 0 when none)
     B'        = B − (1 − h)·hot_bytes  (+ R·c·β·e, matmul group)    h = d.efficiency['cache-hit'] (1 when absent)
-    t         = max(F / (π[dtype]·e), B' / (β·e)) + s·(dispatch + o) (roofline.py; s = d.efficiency['seq:warm'], 1
-                                                                      when absent: fixed costs inside a program)
+    t         = max(F / (π[dtype]·ce·e), B' / (β·be·e)) + s·(dispatch + o)
+                (roofline.py; ce, be = d.compute_efficiency, d.bandwidth_efficiency: the profile's per-unit terms,
+                 1 when absent; s = d.efficiency['seq:warm'], 1 when absent: fixed costs inside a program)
     DASI      = clip(AI / (π/β), 0, 1)                               (energy.py)
     E         = P_TDP · (0.3 + 0.7·DASI) · t / Φ(T) · penalty(CPQ)   (energy.py, thermal.py, memory_pressure.py)
 
@@ -191,7 +192,8 @@ def estimate_parts(call_or_node: OpCall | torch.fx.Node, device: DeviceProfile, 
     dt = dtype_key(call, info)
     peak = device.peak(dt)
     ai = arithmetic_intensity(flops, nbytes)
-    pre = roofline(flops, nbytes, peak, device.mem_bandwidth, device.dispatch_s)
+    pre = roofline(flops, nbytes, peak * device.compute_efficiency,
+                   device.mem_bandwidth * device.bandwidth_efficiency, device.dispatch_s)
     op_class = "control" if info.op_class == "control" else pre.roof_class
     d = dasi_of(ai, peak, device.mem_bandwidth)
     subs = decompose(call, info) if device.kind == "cpu" and not copies and not native else None
@@ -214,7 +216,8 @@ def estimate_parts(call_or_node: OpCall | torch.fx.Node, device: DeviceProfile, 
     per_row = device.overhead_s.get("matmul:per-row", 0.0) if group == "matmul" and not native else 0.0
     if per_row > 0:  # a product streams its weight row by row: a fixed cost per row, as bytes at β·e
         b_eff += weight_rows(call) * per_row * device.mem_bandwidth * eff
-    rl = roofline(flops, b_eff, peak, device.mem_bandwidth, fixed * device.efficiency.get("seq:warm", 1.0), eff)
+    rl = roofline(flops, b_eff, peak * device.compute_efficiency, device.mem_bandwidth * device.bandwidth_efficiency,
+                  fixed * device.efficiency.get("seq:warm", 1.0), eff)
     res = nbytes if resident_bytes is None else resident_bytes
     pen = cpq_penalty(cpq(res, device.mem_capacity), device.cpq_threshold)
     f = phi(temp_c, device.t_ref_c, device.thermal_sigma_c)
@@ -229,3 +232,26 @@ def _dispatch_only(op: str, device: DeviceProfile, temp_c: float | None, known: 
     e = stage_energy(device.tdp_w, 0.0, t, phi(temp_c, device.t_ref_c, device.thermal_sigma_c))
     return OpCost(op, device.name, 0.0, 0.0, 0.0, "control", t, e, 0.0, "dispatch", known, "control", "fp32",
                   device.dispatch_s)
+
+
+def model_terms(device: DeviceProfile) -> dict[str, dict]:
+    """Which per-device terms the model applies to ``device``'s figures, each with its value and provenance.
+
+    ``compute_efficiency``/``bandwidth_efficiency`` scale π and β, ``dispatch_s`` is added per op,
+    ``switch_overhead_us`` per device change into the unit; ``calibrated`` lists the fitted per-op keys
+    (``efficiency``/``overhead_s``) when the profile has any. A term the profile does not give says so.
+    """
+    out: dict[str, dict] = {}
+    for k, default in (("compute_efficiency", 1.0), ("bandwidth_efficiency", 1.0), ("dispatch_s", None),
+                       ("switch_overhead_us", 0.0)):
+        src = device.sources.get(k)
+        val = getattr(device, k)
+        if src is None:
+            out[k] = {"value": val, "source": "not in the profile (default)" if default is not None else "",
+                      "estimate": None}
+        else:
+            out[k] = {"value": val, "source": src.get("source", ""), "estimate": bool(src.get("estimate", False))}
+    keys = sorted(set(device.efficiency) | set(device.overhead_s))
+    out["calibrated"] = {"value": len(keys), "keys": keys,
+                         "source": device.sources.get("efficiency", {}).get("source", "") if keys else "none"}
+    return out

@@ -98,6 +98,9 @@ def _device(d: DeviceSpec) -> DeviceProfile:
         sources["efficiency"] = {"source": d.efficiency_source}
     if d.cache_bytes is not None:
         sources["cache_bytes"] = d.cache_bytes.model_dump()
+    for k in ("compute_efficiency", "bandwidth_efficiency", "switch_overhead_us"):
+        if getattr(d, k) is not None:
+            sources[k] = getattr(d, k).model_dump()
     return DeviceProfile(
         name=d.name, kind=d.kind,
         peak_flops={k: v.value for k, v in d.peak_flops.items()},
@@ -108,6 +111,9 @@ def _device(d: DeviceSpec) -> DeviceProfile:
         unsupported_ops=frozenset(d.unsupported_ops), efficiency=dict(d.efficiency),
         overhead_s=dict(d.overhead_s), cache_bytes=d.cache_bytes.value if d.cache_bytes is not None else 0.0,
         t_ref_c=d.t_ref_c, thermal_sigma_c=d.thermal_sigma_c, cpq_threshold=d.cpq_threshold, sources=sources,
+        compute_efficiency=d.compute_efficiency.value if d.compute_efficiency is not None else 1.0,
+        bandwidth_efficiency=d.bandwidth_efficiency.value if d.bandwidth_efficiency is not None else 1.0,
+        switch_overhead_us=d.switch_overhead_us.value if d.switch_overhead_us is not None else 0.0,
     )
 
 

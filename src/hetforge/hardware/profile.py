@@ -36,6 +36,9 @@ class DeviceProfile:
     ``efficiency['seq:cold']``, ``overhead_s['seq:first']``, ``overhead_s['seq:first-tau']``), the cache-hit
     byte cost (``efficiency['cache-hit']``) that :mod:`hetforge.cost` uses with ``cache_bytes`` (the last-level
     cache), and the per-weight-row cost of products (``overhead_s['matmul:per-row']``).
+    ``compute_efficiency`` and ``bandwidth_efficiency`` (in (0, 1]) scale the peak rate and the bandwidth
+    separately (published or estimated per-unit terms, ``sources`` says which); ``switch_overhead_us`` is the
+    cost of handing work to this unit from another one (:func:`hetforge.cost.transfer.switch_cost_s`).
     """
 
     name: str
@@ -52,6 +55,9 @@ class DeviceProfile:
     efficiency: dict[str, float] = field(default_factory=dict)
     overhead_s: dict[str, float] = field(default_factory=dict)
     cache_bytes: float = 0.0  # last-level cache (bytes); 0 = unknown (no cache-context terms in the cost model)
+    compute_efficiency: float = 1.0  # achieved / peak FLOP rate (profile term; 1 = plain roofline)
+    bandwidth_efficiency: float = 1.0  # achieved / peak DRAM bandwidth
+    switch_overhead_us: float = 0.0  # dispatch + synchronisation per device change into this unit (µs)
     t_ref_c: float = 60.0
     thermal_sigma_c: float = 25.0
     cpq_threshold: float = 0.8

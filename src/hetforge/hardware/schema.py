@@ -30,6 +30,17 @@ class PositiveFigure(Figure):
     value: float = Field(gt=0)
 
 
+class EfficiencyFigure(Figure):
+    """A fraction of a peak the unit reaches in practice: in (0, 1]."""
+
+    value: float = Field(gt=0, le=1)
+
+
+# allowed ranges named in error messages (field name → range)
+RANGES = {"compute_efficiency": "(0, 1]", "bandwidth_efficiency": "(0, 1]", "switch_overhead_us": ">= 0 (µs)",
+          "dispatch_s": ">= 0 (s)", "idle_w": ">= 0 (W)", "latency_s": ">= 0 (s)", "energy_per_byte_j": ">= 0 (J)"}
+
+
 class DeviceSpec(BaseModel):
     """One compute unit of an SoC as written in a profile file."""
 
@@ -50,6 +61,10 @@ class DeviceSpec(BaseModel):
     efficiency: dict[str, float] = Field(default_factory=dict)
     overhead_s: dict[str, float] = Field(default_factory=dict)
     efficiency_source: str = ""
+    # published/estimated per-unit efficiency and overhead terms (shipped SoCs; a calibrated host fits its own)
+    compute_efficiency: EfficiencyFigure | None = None  # achieved / peak FLOP rate on large dense work
+    bandwidth_efficiency: EfficiencyFigure | None = None  # achieved / peak DRAM bandwidth (STREAM-like)
+    switch_overhead_us: Figure | None = None  # dispatch + synchronisation paid once per device change into this unit
     cache_bytes: PositiveFigure | None = None
     t_ref_c: float = 60.0
     thermal_sigma_c: float = Field(default=25.0, gt=0)
@@ -133,7 +148,9 @@ def format_validation_error(path: str, err) -> str:
             msg = f"got {e.get('input')!r}; allowed values: {ctx.get('expected', '')}"
         elif typ == "extra_forbidden":
             msg = "unknown field (not part of the profile format)"
-        elif typ in ("greater_than", "greater_than_equal"):
-            msg = f"got {e.get('input')!r}; {msg.lower()}"
+        elif typ in ("greater_than", "greater_than_equal", "less_than", "less_than_equal"):
+            field = next((str(x) for x in reversed(e["loc"]) if str(x) in RANGES), None)
+            allowed = RANGES[field] if field else msg.lower().removeprefix("input should be ")
+            msg = f"got {e.get('input')!r}; allowed range: {allowed}"
         lines.append(f"  field '{loc}': {msg}")
     return "\n".join(lines)

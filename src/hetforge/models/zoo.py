@@ -79,6 +79,20 @@ ZOO: dict[str, ModelSpec] = {
                            max_position_embeddings=2048),
             "Llama-style, hidden 768, 12 layers, 12 heads, ffn 2048, vocab 32000",
         ),
+        # out-of-sample shapes for the cost-model accuracy bench: no width, FFN or head size of these is
+        # among the shapes `hetforge calibrate` measures (K = 768; heads 12 × 64; FFN 2048 / 3072)
+        ModelSpec(
+            "llama-oos-1536", "llama", "causal-lm",
+            lambda: _llama(hidden_size=1536, intermediate_size=4096, num_hidden_layers=4,
+                           num_attention_heads=16, num_key_value_heads=4, vocab_size=32000,
+                           max_position_embeddings=2048),
+            "Llama-style, hidden 1536, 4 layers, 16 heads of 96 (GQA 16/4), ffn 4096 (cost-model bench)",
+        ),
+        ModelSpec(
+            "gpt2-oos-1024", "gpt2", "causal-lm",
+            lambda: _gpt2(n_embd=1024, n_layer=4, n_head=16),
+            "GPT-2 family, hidden 1024, 4 layers, 16 heads of 64, ffn 4096 (cost-model bench)",
+        ),
         ModelSpec(
             "mixtral-small", "mixtral", "causal-lm",
             lambda: _mixtral(hidden_size=512, intermediate_size=1024, num_hidden_layers=4,

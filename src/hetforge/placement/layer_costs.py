@@ -5,7 +5,8 @@
   and its output back (what the placement will really do: split it off).
 * Layer DASI on ``d``: the time-weighted mean of its nodes' DASI.
 * Boundary transfers: the bytes of every activation a layer reads from outside itself (hidden state,
-  rotary tables, mask), moved over the SoC link between the two stages' devices.
+  rotary tables, mask), moved over the SoC link between the two stages' devices, plus the receiving
+  device's switch cost (``switch_overhead_us``: dispatch + synchronisation, from the profile).
 * Auxiliary stages (seed 004): the embedding and LM-head stages go to the lowest-TDP device that can
   run their weight-bearing ops (the embedding gather, the LM-head matmul) and whose memory takes their
   weights (``aux="power"``), or to the capable device with the lowest modeled stage cost (``aux="cost"``:
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from hetforge.cost.transfer import switch_cost_s
 from hetforge.placement.costs import NodeCosts
 from hetforge.placement.layers import EMBED, HEAD, Stages
 from hetforge.placement.plan import pool_capacity, pools
@@ -154,6 +156,7 @@ def build_table(nc: NodeCosts, stages: Stages, aux: str = "power",
         for a in range(D):
             for b in range(D):
                 xt[li, a, b], xe[li, a, b] = nc.transfer(nbytes, devs[a], devs[b])
+                xt[li, a, b] += switch_cost_s(nc.soc, devs[a], devs[b])  # dispatch + sync into b
     et, ee, ed = _stage_sum(nc, embed_names, e_dev)
     ht, he, hd = _stage_sum(nc, head_names, h_dev)
     capacity = np.array([free[p] for p in pool_ids])

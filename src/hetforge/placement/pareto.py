@@ -1,8 +1,6 @@
-"""Pareto tools: dominance, the non-dominated filter, an archive, and normalized hypervolume.
+"""Pareto tools: dominance, the non-dominated filter and an archive (all objectives minimized).
 
-All objectives are minimized. Hypervolume uses pymoo's exact indicator on points normalized to
-[0, 1] by a common ideal/nadir pair, with the reference point at 1.1 in every dimension, so two fronts
-are compared on the same scale (pass the same ``lo``/``hi`` to both).
+Quality indicators (hypervolume, dominated gaps) live with the benchmarks (``bench/search_baselines.py``).
 """
 
 from __future__ import annotations
@@ -52,6 +50,8 @@ class Archive:
         return True
 
     def points(self) -> np.ndarray:
+        if not self.items:
+            return np.empty((0, 0))
         return np.array([f for f, _ in self.items.values()], dtype=float).reshape(-1, self._dim())
 
     def _dim(self) -> int:
@@ -59,20 +59,3 @@ class Archive:
 
     def __len__(self) -> int:
         return len(self.items)
-
-
-def bounds(*fronts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Common ideal (min) and nadir (max) over the given fronts."""
-    allp = np.vstack([f for f in fronts if len(f)])
-    return allp.min(axis=0), allp.max(axis=0)
-
-
-def hypervolume(points: np.ndarray, lo: np.ndarray, hi: np.ndarray, ref: float = 1.1) -> float:
-    """Hypervolume of ``points`` normalized by ``lo``/``hi`` against the reference point ``ref``·1."""
-    from pymoo.indicators.hv import HV
-
-    if len(points) == 0:
-        return 0.0
-    span = np.where(hi - lo > 0, hi - lo, 1.0)
-    norm = (np.asarray(points, dtype=float) - lo) / span
-    return float(HV(ref_point=np.full(norm.shape[1], ref))(norm))

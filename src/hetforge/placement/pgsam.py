@@ -1,10 +1,14 @@
-"""Strategy ``pgsam``: QEIL v2's Pareto-guided placement of decoder layers, plus auxiliary-stage routing.
+"""Strategies ``stages`` and ``pgsam``: contiguous placement of decoder layers, plus auxiliary-stage routing.
+
+``stages`` finds the front exactly (:mod:`.exact`) when the plan count fits the budget and runs PGSAM
+beyond it (:mod:`.stage_search`, ``search="auto"``); ``pgsam`` always runs PGSAM (QEIL v2's Pareto-guided
+search). Both:
 
 1. Group nodes into embedding / decoder layers / head (:mod:`.layers`).
 2. Cost every layer on every device from the cost model (:mod:`.layer_costs`), route the embedding and
    LM-head stages to the lowest-power device with memory for them (``aux="power"``, the seed's rule) or
    to the one with the lowest modeled cost for them (``aux="cost"``).
-3. Search stage plans with PGSAM (:mod:`.pgsam_search`) for the Pareto front of (energy, bottleneck
+3. Search stage plans (exact DP or PGSAM) for the Pareto front of (energy, bottleneck
    latency, −min DASI); ``objective`` picks one point: ``energy`` (min f1), ``latency`` (min f2) or
    ``balanced`` (min of the larger normalized f1/f2). ``latency_mode="total"`` makes f2 the latency of
    one request (sum of stages) instead of the pipelined bottleneck.
@@ -24,8 +28,9 @@ from hetforge.placement import Placement, Rejection, register_strategy
 from hetforge.placement.costs import NodeCosts, check_objective, resolve_soc
 from hetforge.placement.layer_costs import build_table, charge
 from hetforge.placement.layers import EMBED, HEAD, group_stages
-from hetforge.placement.pgsam_search import pgsam_search, pick
+from hetforge.placement.pgsam_search import pick
 from hetforge.placement.plan import check_pins, finish
+from hetforge.placement.stage_search import search_front
 from hetforge.placement.stages import stages_of
 
 
@@ -36,29 +41,37 @@ def describe(assign: tuple[int, ...], devices: list[str]) -> str:
 
 @register_strategy("pgsam")
 def pgsam(gm: torch.fx.GraphModule, soc, objective: str | None = "balanced", strict: bool = False,
-          pin: dict[str, str] | None = None, seed: int = 0, point: int | None = None,
-          latency_mode: str = "bottleneck", aux: str = "power", **search: object) -> Placement:
-    """PGSAM layer placement; see module docstring. ``search`` options go to :func:`pgsam_search`."""
+          pin: dict[str, str] | None = None, search: str = "pgsam", **opts: object) -> Placement:
+    """Contiguous layer placement searched by PGSAM (``search="pgsam"``); see :func:`stages`."""
+    return stages(gm, soc, objective, strict, pin, search=search, **opts)  # type: ignore[arg-type]
+
+
+@register_strategy("stages")
+def stages(gm: torch.fx.GraphModule, soc, objective: str | None = "balanced", strict: bool = False,
+           pin: dict[str, str] | None = None, seed: int = 0, point: int | None = None,
+           latency_mode: str = "bottleneck", aux: str = "power", search: str = "auto", budget: int | None = None,
+           **pgsam_opts: object) -> Placement:
+    """Contiguous layer placement; see module docstring. ``pgsam_opts`` go to :func:`pgsam_search`."""
     soc = resolve_soc(soc)
     obj = check_objective(objective)
     nc = NodeCosts.build(gm, soc)
     pin = check_pins(nc, pin)
-    stages = group_stages(gm)
-    if stages.num_layers == 0:
+    groups = group_stages(gm)
+    if groups.num_layers == 0:
         raise UsageError("pgsam places decoder layers, but no node of this graph belongs to a layer "
                          "(no '...layers.N' / '...h.N' in nn_module_stack); use the rules or greedy strategy")
     if latency_mode not in ("bottleneck", "total"):
         raise UsageError(f"unknown latency_mode '{latency_mode}'; valid: bottleneck, total")
     if aux not in ("power", "cost"):
         raise UsageError(f"unknown aux routing '{aux}'; valid: power, cost")
-    table, aux_choice = build_table(nc, stages, aux, obj)
+    table, aux_choice = build_table(nc, groups, aux, obj)
     table.latency_mode = latency_mode
-    res = pgsam_search(table, seed=seed, **search)  # type: ignore[arg-type]
+    res = search_front(table, search, budget, seed=seed, **pgsam_opts)
     if not res.archive.items:
         need = table.weight_bytes.sum()
         size = {a: b for ws in nc.weights.values() for a, b in ws.items()}
         top = ", ".join(f"{a} ({size[a] / 2**20:.0f} MiB)" for a in sorted(size, key=lambda a: -size[a])[:3])
-        raise HetforgeError(f"pgsam: no stage plan fits in memory: decoder layers need {need / 2**30:.2f} GiB, "
+        raise HetforgeError(f"{res.method}: no stage plan fits in memory: decoder layers need {need / 2**30:.2f} GiB, "
                             f"pools have {', '.join(f'{c / 2**30:.2f} GiB' for c in table.capacity)} left "
                             f"after the embedding and head stages; largest tensors: {top}")
     front = sorted(res.archive.items.items(), key=lambda kv: kv[1][0])
@@ -80,7 +93,7 @@ def pgsam(gm: torch.fx.GraphModule, soc, objective: str | None = "balanced", str
     rejections: list[Rejection] = []
     fallbacks: list[str] = []
     for n in nc.nodes:
-        st = stages.of[n.name]
+        st = groups.of[n.name]
         want = stage_dev[st]
         if n.name in pin:
             assignment[n.name], reasons[n.name] = pin[n.name], f"pinned to {pin[n.name]} by the user"
@@ -88,7 +101,8 @@ def pgsam(gm: torch.fx.GraphModule, soc, objective: str | None = "balanced", str
         if st in (EMBED, HEAD):
             base = f"auxiliary-stage routing: {st} stage on {want}, {aux_choice.why[st]}"
         else:
-            base = (f"PGSAM ({obj}: {how}): {st} in plan {plan_text}; front point energy {f[0]:.4g} J, "
+            who = "exact front" if res.method == "exact" else "PGSAM"
+            base = (f"{who} ({obj}: {how}): {st} in plan {plan_text}; front point energy {f[0]:.4g} J, "
                     f"{latency_mode} latency {f[1]:.4g} s, min DASI {-f[2]:.3f} (modeled)")
         ch = charge(nc, n.name, want)
         if ch.runs_on != want:
@@ -102,8 +116,8 @@ def pgsam(gm: torch.fx.GraphModule, soc, objective: str | None = "balanced", str
         "front": [{"plan": describe(k, devs), "energy_j": v[0][0], "latency_s": v[0][1], "min_dasi": -v[0][2],
                    "chosen": k == chosen} for k, v in front],
         "aux": {EMBED: aux_choice.embed, HEAD: aux_choice.head},
-        "search": {"evaluations": res.evaluations, "accepted": res.accepted,
-                   "momentum_accepts": res.momentum_accepts, "seconds": res.seconds, "seed": seed},
-        "layers": stages.num_layers, "label": "modeled",
+        "search": {"method": res.method, "plans": res.plans, **res.stats},
+        "layers": groups.num_layers, "label": "modeled",
     }
-    return finish(gm, nc, "pgsam", assignment, reasons, rejections, fallbacks, obj, strict, extra)
+    name = "pgsam" if search == "pgsam" else "stages"
+    return finish(gm, nc, name, assignment, reasons, rejections, fallbacks, obj, strict, extra)

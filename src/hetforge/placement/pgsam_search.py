@@ -65,16 +65,23 @@ class SearchResult:
 Objs = tuple[float, float, float]
 
 
+class _BudgetSpent(Exception):
+    """Raised when the evaluation budget is used up; the search stops with what it archived."""
+
+
 class _Evaluator:
     """Objectives and memory overflow of a plan; every call counts as one evaluation."""
 
-    def __init__(self, table: LayerTable):
+    def __init__(self, table: LayerTable, max_calls: int | None = None):
         self.table = table
         self.cache: dict[tuple[int, ...], tuple[Objs, float]] = {}
         self.calls = 0
+        self.max_calls = max_calls
 
     def __call__(self, plan: StagePlan) -> tuple[tuple[int, ...], Objs, float]:
         a = plan.assignment(self.table.num_layers)
+        if self.max_calls is not None and self.calls >= self.max_calls:
+            raise _BudgetSpent
         self.calls += 1
         if a not in self.cache:
             self.cache[a] = (objectives(self.table, a), overflow(self.table, a))
@@ -135,17 +142,32 @@ def pgsam_search(
     seed: int = 0,
     polish_rounds: int = 2,
     random_starts: int = 30,
+    max_evaluations: int | None = None,
 ) -> SearchResult:
-    """Run PGSAM on ``table``: ``steps`` annealing steps per lattice weight vector, then Pareto polishing."""
+    """Run PGSAM on ``table``: ``steps`` annealing steps per lattice weight vector, then Pareto polishing.
+
+    ``max_evaluations`` caps the objective evaluations (the search stops early with what it archived)."""
     t_start = time.perf_counter()
     rng = np.random.default_rng(seed)
-    L, D = table.num_layers, table.num_devices
-    ev = _Evaluator(table)
+    ev = _Evaluator(table, max_evaluations)
+    stats = {"accepted": 0, "momentum": 0}
     arch = Archive()
+    trajectory: list[tuple[int, ...]] = []
+    try:
+        _run(table, ev, arch, trajectory, stats, rng, divisions, steps, t0, t_end, mu, polish_rounds, random_starts)
+    except _BudgetSpent:
+        pass
+    return SearchResult(arch, ev.calls, stats["accepted"], stats["momentum"], time.perf_counter() - t_start,
+                        trajectory)
+
+
+def _run(table: LayerTable, ev: _Evaluator, arch: Archive, trajectory: list, stats: dict[str, int],
+         rng: np.random.Generator, divisions: int, steps: int, t0: float, t_end: float, mu: float,
+         polish_rounds: int, random_starts: int) -> None:
+    """The search proper (seeds, annealing sweep, polishing); counts accepted moves into ``stats``."""
+    L, D = table.num_layers, table.num_devices
     lo = np.full(3, np.inf)
     hi = np.full(3, -np.inf)
-    trajectory: list[tuple[int, ...]] = []
-
     total_w = float(table.weight_bytes.sum()) or 1.0
 
     def offer(plan: StagePlan) -> tuple[Objs, float]:
@@ -163,7 +185,6 @@ def pgsam_search(
     for _ in range(random_starts):
         cuts = tuple(sorted(int(c) for c in rng.integers(0, L + 1, D - 1)))
         offer(StagePlan(tuple(int(x) for x in rng.permutation(D)), cuts))
-    accepted = momentum_accepts = 0
     cooling = (t_end / t0) ** (1.0 / max(steps - 1, 1))
     for w in simplex_weights(divisions):
         wv = np.array(w)
@@ -193,9 +214,9 @@ def pgsam_search(
                 p_plain = math.exp(-dg / temp)
                 ok = u < math.exp(-max(0.0, dg - mu * gain) / temp)
                 if ok and u >= p_plain:
-                    momentum_accepts += 1
+                    stats["momentum"] += 1
             if ok:
-                accepted += 1
+                stats["accepted"] += 1
                 span_e = float(hi[0] - lo[0]) if hi[0] > lo[0] else 1.0
                 gain = max((cur_f[0] - f[0]) / span_e, 0.0)
                 cur_plan, cur_f, cur_over = cand, f, over
@@ -206,7 +227,6 @@ def pgsam_search(
     for _ in range(polish_rounds):
         if not _polish(arch, offer, L):
             break
-    return SearchResult(arch, ev.calls, accepted, momentum_accepts, time.perf_counter() - t_start, trajectory)
 
 
 def pick(archive: Archive, objective: str) -> tuple[tuple[int, ...], tuple[float, float, float]]:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hetforge.cost import cpq, cpq_penalty
+from hetforge.cost import cpq, cpq_penalty, switch_cost_s
 from hetforge.errors import HetforgeError, UsageError
 from hetforge.placement import Placement, Rejection
 from hetforge.placement.costs import NodeCosts
@@ -147,12 +147,13 @@ class PlanCost:
     transfer_energy_j: float
     switches: int  # device changes between consecutive call_function nodes in graph (FX) order
     by_device: dict[str, dict[str, float]]
+    switch_time_s: float = 0.0  # Σ the destination's switch_overhead_us over those changes (in time_s)
 
     def to_dict(self) -> dict:
         return {"time_s": self.time_s, "energy_j": self.energy_j, "transfers": self.transfers,
                 "transfer_bytes": self.transfer_bytes, "transfer_time_s": self.transfer_time_s,
                 "transfer_energy_j": self.transfer_energy_j, "switches_fx_order": self.switches,
-                "by_device": self.by_device, "label": "modeled"}
+                "switch_time_s": self.switch_time_s, "by_device": self.by_device, "label": "modeled"}
 
 
 def evaluate_plan(nc: NodeCosts, assignment: dict[str, str]) -> PlanCost:
@@ -162,6 +163,7 @@ def evaluate_plan(nc: NodeCosts, assignment: dict[str, str]) -> PlanCost:
     moved: set[tuple[str, str]] = set()
     xt = xe = xb = 0.0
     switches = 0
+    sw_t = 0.0
     prev = None
     for n in nc.nodes:
         d = assignment[n.name]
@@ -178,6 +180,7 @@ def evaluate_plan(nc: NodeCosts, assignment: dict[str, str]) -> PlanCost:
                 xt, xe, xb = xt + t, xe + e, xb + nc.out_bytes.get(a.name, 0)
         if prev is not None and d != prev:
             switches += 1
+            sw_t += switch_cost_s(nc.soc, prev, d)
         prev = d
     energy = xe
     for d in nc.soc.devices:
@@ -188,8 +191,8 @@ def evaluate_plan(nc: NodeCosts, assignment: dict[str, str]) -> PlanCost:
         by[d.name]["cpq_penalty"] = pen
         by[d.name]["energy_j"] *= pen
         energy += by[d.name]["energy_j"]
-    time_s = sum(v["time_s"] for v in by.values()) + xt
-    return PlanCost(time_s, energy, len(moved), xb, xt, xe, switches, by)
+    time_s = sum(v["time_s"] for v in by.values()) + xt + sw_t
+    return PlanCost(time_s, energy, len(moved), xb, xt, xe, switches, by, sw_t)
 
 
 def memory_check(nc: NodeCosts, assignment: dict[str, str]) -> None:

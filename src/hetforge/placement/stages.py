@@ -1,4 +1,4 @@
-"""Decoder-layer placement as contiguous stages: the state space PGSAM, NSGA-II and exhaustive search share.
+"""Decoder-layer placement as contiguous stages: the state space the exact DP, PGSAM and brute force share.
 
 A plan is an *ordered device list* plus a *boundary vector*: ``order = (d0, d1, d2)`` and
 ``cuts = (c1, c2)`` with ``0 <= c1 <= c2 <= L`` put layers ``[0, c1)`` on ``d0``, ``[c1, c2)`` on ``d1``
@@ -173,22 +173,3 @@ def exhaustive_front(table: LayerTable) -> tuple[Archive, int]:
         if f is not None:
             arch.offer(a, f, plan)
     return arch, len(seen)
-
-
-def random_table(num_layers: int, num_devices: int = 3, seed: int = 0, capacity_frac: float = 1.0) -> LayerTable:
-    """A seeded heterogeneous table for tests and search-quality benches (no hardware meaning)."""
-    rng = np.random.default_rng(seed)
-    speed = rng.uniform(0.5, 4.0, num_devices)
-    power = rng.uniform(2.0, 30.0, num_devices)
-    work = rng.uniform(0.5, 2.0, num_layers)
-    time = np.outer(work, 1.0 / speed) * rng.uniform(0.8, 1.25, (num_layers, num_devices)) * 1e-3
-    energy = time * power * rng.uniform(0.7, 1.3, (num_layers, num_devices))
-    dasi = np.clip(rng.uniform(0.05, 1.0, (num_layers, num_devices)), 0, 1)
-    wb = rng.uniform(1.0, 2.0, num_layers) * 1e6
-    cap = np.full(num_devices, wb.sum() * capacity_frac)
-    xt = rng.uniform(0.05, 0.3, (num_layers + 1, num_devices, num_devices)) * 1e-3
-    xe = xt * 5.0
-    for i in range(num_devices):
-        xt[:, i, i] = 0.0
-        xe[:, i, i] = 0.0
-    return LayerTable([f"dev{i}" for i in range(num_devices)], time, energy, dasi, wb, cap, xt, xe, entry=0, exit=0)

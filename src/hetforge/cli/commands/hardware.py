@@ -118,6 +118,18 @@ def _layers(gc, devices: list[str]) -> list[dict]:
     return rows
 
 
+def _terms_line(name: str, terms: dict[str, dict]) -> str:
+    """``gpu: compute eff 0.75 (estimate), …`` — which efficiency/overhead terms the modeled figures used."""
+    def prov(t: dict) -> str:
+        return "default" if t["estimate"] is None else "estimate" if t["estimate"] else "published"
+
+    c, b, d, sw, cal = (terms[k] for k in ("compute_efficiency", "bandwidth_efficiency", "dispatch_s",
+                                          "switch_overhead_us", "calibrated"))
+    return (f"{name}: compute eff {c['value']:.2f} ({prov(c)}), bandwidth eff {b['value']:.2f} ({prov(b)}), "
+            f"dispatch {d['value'] * 1e6:.0f} µs/op ({prov(d)}), switch-in {sw['value']:.0f} µs ({prov(sw)}), "
+            f"calibrated per-op factors: {cal['value'] or 'none'}")
+
+
 @app.command()
 @handles_errors
 def profile(
@@ -132,6 +144,7 @@ def profile(
     """Cost model of a model on an SoC: per-layer FLOPs, bytes, AI, class, modeled time and energy per device."""
     from hetforge.cli.commands.frontend import capture_model
     from hetforge.cost import analyze
+    from hetforge.cost.model import model_terms
     from hetforge.hardware import load_soc
 
     if seq < 1:
@@ -155,7 +168,7 @@ def profile(
         emit_json({"model": loaded.name, "soc": prof.name, "soc_calibrated": prof.calibrated, "seq": seq,
                    "label": "modeled", "temp_c": temp, "devices": devs, "totals": totals, "layers": layers,
                    "unknown_ops": gc.unknown_ops, "nodes": [n.to_dict() for n in gc.nodes],
-                   "plot": str(plot) if plot else None})
+                   "terms": {d.name: model_terms(d) for d in prof.devices}, "plot": str(plot) if plot else None})
         return
     t = Table(title=f"{loaded.name} seq {seq} on {prof.name}: modeled time and energy per device"
               + ("" if prof.name != "host" or prof.calibrated else " [yellow](host NOT calibrated)[/]"))
@@ -179,6 +192,9 @@ def profile(
     console.print("times (µs) and energies (mJ) are modeled, not measured; "
                   "* = the layer has ops this device cannot run (" + ", ".join(
         f"{d}: {totals[d]['unsupported_nodes']} nodes" for d in devs) + "); times assume single-device execution")
+    console.print("terms used per device (value, provenance):", highlight=False)
+    for dev in prof.devices:
+        console.print("  " + _terms_line(dev.name, model_terms(dev)), highlight=False, soft_wrap=True)
     if gc.unknown_ops:
         err_console.print(f"[yellow]warning:[/] no cost formula for {', '.join(gc.unknown_ops)}: "
                           "costed as control ops (dispatch time only)")

@@ -106,6 +106,9 @@ def pareto(
     objective: str = typer.Option("balanced", "--objective", help="which point to mark: energy, latency, balanced"),
     latency_mode: str = typer.Option("bottleneck", "--latency", help="f2: bottleneck (pipelined) or total"),
     seed: int = typer.Option(0, "--seed", help="PGSAM random seed"),
+    search: str = typer.Option("auto", "--search", help="auto (exact front when the plan count fits the budget, "
+                               "else PGSAM), exact or pgsam"),
+    budget: int | None = typer.Option(None, "--budget", help="most stage plans the search may evaluate"),
     aux: str = typer.Option("power", "--aux", help="embedding/LM-head routing: power (lowest TDP) or cost"),
     seq: int = typer.Option(16, "--seq", help="sequence length of the example input"),
     attn: str = typer.Option("sdpa", "--attn", help="attention implementation: eager or sdpa"),
@@ -113,7 +116,7 @@ def pareto(
     plot: Path | None = typer.Option(None, "--plot", help="write a PNG of the front (energy vs latency)"),
     json_out: bool = typer.Option(False, "--json", help="print JSON"),
 ) -> None:
-    """PGSAM's Pareto front of decoder-layer placements (modeled energy, latency, min DASI)."""
+    """The Pareto front of contiguous decoder-layer placements (modeled energy, latency, min DASI)."""
     from hetforge.hardware import load_soc
     from hetforge.placement import get_strategy
     from hetforge.placement.costs import check_objective
@@ -127,17 +130,21 @@ def pareto(
         raise UsageError(f"cannot write '{plot}': folder '{plot.parent}' does not exist")
     soc_p = load_soc(soc)
     gm = placement_graph(model, seq, attn, passes)
-    pl = get_strategy("pgsam")(gm, soc_p, objective=objective, seed=seed, latency_mode=latency_mode, aux=aux)
+    if search not in ("auto", "exact", "pgsam"):
+        raise UsageError(f"unknown --search '{search}'; valid: auto, exact, pgsam")
+    pl = get_strategy("stages")(gm, soc_p, objective=objective, seed=seed, latency_mode=latency_mode, aux=aux,
+                                search=search, budget=budget)
     front = pl.extra["front"]
+    s = pl.extra["search"]
+    who = "exact front" if s["method"] == "exact" else "PGSAM front"
     if plot is not None:
-        plot_front(front, plot, f"{model} on {soc_p.name}: PGSAM front (modeled, f2 = {latency_mode})")
+        plot_front(front, plot, f"{model} on {soc_p.name}: {who} (modeled, f2 = {latency_mode})")
     rep = {"model": model, "soc": soc_p.name, "objective": objective, "latency_mode": latency_mode,
            "front": front, "aux": pl.extra["aux"], "search": pl.extra["search"], "label": "modeled",
            "plot": str(plot) if plot else None}
     if json_out:
         emit_json(rep)
         return
-    s = pl.extra["search"]
     t = Table(title=f"{model} on {soc_p.name}: {len(front)} Pareto-optimal layer placements (modeled); "
               f"embedding → {pl.extra['aux']['embed']}, head → {pl.extra['aux']['head']}")
     for col in ("#", "plan (device[layers])", "energy", f"{latency_mode} latency", "min DASI", ""):
@@ -146,9 +153,14 @@ def pareto(
         t.add_row(str(i), p["plan"], _f(p["energy_j"], "J"), _f(p["latency_s"], "s"), f"{p['min_dasi']:.3f}",
                   f"← {objective}" if p["chosen"] else "")
     console.print(t)
-    console.print(f"PGSAM: {s['evaluations']} evaluations in {s['seconds']:.2f} s (measured), "
-                  f"{s['momentum_accepts']} moves accepted thanks to momentum; pick another point with "
-                  f"the strategy option point=#" + (f"; plot written to {plot}" if plot else ""), highlight=False)
+    if s["method"] == "exact":
+        how = (f"exact front of all {s['plans']:,} stage plans (dynamic program, {s['labels']:,} partial plans "
+               f"kept) in {s['seconds']:.2f} s (measured)")
+    else:
+        how = (f"PGSAM (the {s['plans']:,} plans exceed the exact budget): {s['evaluations']} evaluations in "
+               f"{s['seconds']:.2f} s (measured), {s['momentum_accepts']} moves accepted thanks to momentum")
+    console.print(how + "; pick another point with the strategy option point=#"
+                  + (f"; plot written to {plot}" if plot else ""), highlight=False)
 
 
 def plot_front(front: list[dict], path: Path, title: str) -> None:
