@@ -12,8 +12,9 @@ import torch
 
 from hetforge.cli.common import app
 from hetforge.cli.main import _load_commands
+from hetforge.cost.transfer import switch_cost_s
 from hetforge.hardware import list_socs, load_soc
-from hetforge.hetero.timeline import schedule_run, switch_cost_s
+from hetforge.hetero.timeline import schedule_run
 from hetforge.models.zoo import load_model
 from hetforge.quant.schemes import dequantize_int8, quantize_int8
 from hetforge.runtime import Engine, SamplingParams

@@ -5,8 +5,8 @@ Each partition call is placed on its device's lane at the earliest time when (a)
 devices, transferred (the transfer starts when its producer ends and takes the cost model's link time).
 Devices therefore overlap wherever the partition DAG allows it. A *device switch* — a partition whose
 program-order predecessor ran on another device — costs what the SoC profile says it costs to hand work to
-that device (dispatch + synchronisation: :func:`switch_cost_s`), charged on the receiving device's lane
-before the call.
+that device (the receiving device's ``switch_overhead_us``: dispatch + synchronisation,
+:func:`hetforge.cost.transfer.switch_cost_s`), charged on its lane before the call.
 
 Modeled latency of a run = the makespan of this schedule (the end of the last partition or of the final
 transfer back to the host). Modeled energy = the partitions' modeled energy + the transfers' link energy
@@ -19,20 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from hetforge.cost.transfer import switch_cost_s
 from hetforge.hetero.partition import PartitionedGraph
-
-
-def switch_cost_s(soc, src: str, dst: str) -> float:
-    """Modeled cost of handing work from device ``src`` to device ``dst`` (0 when they are the same).
-
-    The profile's per-device ``overhead_s['switch']`` term when it has one (dispatch + synchronisation as
-    measured or published for that device), else the device's per-call ``dispatch_s``.
-    """
-    if src == dst:
-        return 0.0
-    dev = soc.device(dst)
-    term = dev.overhead_s.get("switch") if isinstance(dev.overhead_s, dict) else None
-    return float(term) if term is not None else float(dev.dispatch_s)
 
 
 @dataclass
