@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from functools import lru_cache
@@ -122,13 +123,11 @@ def build(spec: SocSpec, label: str) -> SocProfile:
 
 def save_spec(spec: SocSpec, path: Path) -> Path:
     """Write a profile file atomically (temporary file + rename); creates the folder if needed."""
+    from hetforge.files import write_text
+
     path = Path(path)
-    try:
+    with contextlib.suppress(OSError):  # a folder that cannot be made is reported by write_text, in one line
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(spec.model_dump_json(indent=1, exclude_defaults=False) + "\n")
-        tmp.replace(path)
-    except OSError as e:
-        raise UsageError(f"cannot write SoC profile '{path}': {e.strerror}") from None
+    write_text(path, spec.model_dump_json(indent=1, exclude_defaults=False) + "\n", "SoC profile")
     _load_text.cache_clear()
     return path

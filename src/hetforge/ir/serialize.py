@@ -13,8 +13,6 @@ from __future__ import annotations
 import base64
 import json
 import operator
-import os
-import tempfile
 import zlib
 from pathlib import Path
 from typing import Any
@@ -137,21 +135,12 @@ def program_to_dict(p: Program) -> dict[str, Any]:
             "attrs": _enc(p.attrs)}
 
 
-def save_program(p: Program, path: str | Path) -> Path:
-    """Write ``p`` as JSON (atomically: a temp file renamed into place)."""
-    path = Path(path)
-    if not path.parent.is_dir():
-        raise UsageError(f"cannot write '{path}': folder '{path.parent}' does not exist")
-    text = json.dumps(program_to_dict(p), indent=1)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".json")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+def save_program(p: Program, path: str | Path, what: str = "") -> Path:
+    """Write ``p`` as JSON, atomically (:func:`hetforge.files.write_text`: nothing half-written, mode per umask)."""
+    from hetforge.files import check_output, write_text
+
+    path = check_output(path, what, example="plan.json")
+    return write_text(path, json.dumps(program_to_dict(p), indent=1), what)
 
 
 def _lookup_tensor(module: torch.nn.Module, path: str) -> torch.Tensor | None:

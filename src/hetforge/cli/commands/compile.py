@@ -68,19 +68,22 @@ def compile_cmd(
     json_out: bool = typer.Option(False, "--json", help="print JSON"),
 ) -> None:
     """Compile a model: instructions per device, transfers, device switches, memory plan, seconds per stage."""
-    for f in (out, text):
-        if f is not None and not f.parent.is_dir():
-            raise UsageError(f"cannot write '{f}': folder '{f.parent}' does not exist")
+    from hetforge.files import check_output
+
+    if out is not None:
+        check_output(out, "--out", example="plan.json")  # a bad path fails before any work
+    if text is not None:
+        check_output(text, "--text", example="program.txt")
     res = _compile(model, seq, soc, strategy, attn, passes, "arena", build=False, objective=objective, strict=strict,
                    quantize=quantize, group_size=group_size, skip=tuple(skip))
     if out is not None:
         from hetforge.ir import save_program
 
-        save_program(res.program, out)
+        save_program(res.program, out, "--out")
     if text is not None:
-        from hetforge.cli.commands.frontend import _write_text_atomically
+        from hetforge.files import write_text
 
-        _write_text_atomically(text, res.program.text())
+        write_text(text, res.program.text(), "--text")
     rep = res.report()
     rep["seq"] = seq
     rep["objective"] = objective if strategy != "support" else None
@@ -163,6 +166,9 @@ def run_graph(
         raise UsageError("--profile must be >= 0")
     if kl_threshold is None:
         kl_threshold = 1e-8 if quantize == "none" else 1e-2
+    from hetforge.verify import check_kl_threshold
+
+    check_kl_threshold(kl_threshold)
     res = _compile(model, seq, soc, strategy, attn, passes, mode, build=True, objective=objective,
                    quantize=quantize, group_size=group_size)
     module, inputs, exe = res.extra["module"], res.example_inputs, res.executable

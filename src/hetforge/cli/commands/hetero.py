@@ -115,8 +115,10 @@ def hetero(
 
 
 def _check_counts(repeat: int, warmup: int, trace: Path | None = None) -> None:
-    if trace is not None and trace.is_dir():
-        raise UsageError(f"--trace '{trace}' is a folder; give a file name such as {trace / 'trace.json'}")
+    if trace is not None:
+        from hetforge.files import check_output
+
+        check_output(trace, "--trace", example="trace.json")  # a bad path fails before any work
     if repeat < 1:
         raise UsageError(f"--repeat must be ≥ 1, got {repeat}")
     if warmup < 0:

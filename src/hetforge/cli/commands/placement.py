@@ -123,14 +123,16 @@ def pareto(
         raise UsageError(f"unknown --latency '{latency_mode}'; valid: bottleneck, total")
     if aux not in ("power", "cost"):
         raise UsageError(f"unknown --aux '{aux}'; valid: power, cost")
-    if plot is not None and not plot.parent.is_dir():
-        raise UsageError(f"cannot write '{plot}': folder '{plot.parent}' does not exist")
+    if plot is not None:
+        from hetforge.files import check_output
+
+        check_output(plot, "--plot", (".png", ".svg"), example="front.png")  # before the search
     soc_p = load_soc(soc)
     gm = placement_graph(model, seq, attn, passes)
     pl = get_strategy("pgsam")(gm, soc_p, objective=objective, seed=seed, latency_mode=latency_mode, aux=aux)
     front = pl.extra["front"]
     if plot is not None:
-        plot_front(front, plot, f"{model} on {soc_p.name}: PGSAM front (modeled, f2 = {latency_mode})")
+        plot = plot_front(front, plot, f"{model} on {soc_p.name}: PGSAM front (modeled, f2 = {latency_mode})")
     rep = {"model": model, "soc": soc_p.name, "objective": objective, "latency_mode": latency_mode,
            "front": front, "aux": pl.extra["aux"], "search": pl.extra["search"], "label": "modeled",
            "plot": str(plot) if plot else None}
@@ -151,7 +153,7 @@ def pareto(
                   f"the strategy option point=#" + (f"; plot written to {plot}" if plot else ""), highlight=False)
 
 
-def plot_front(front: list[dict], path: Path, title: str) -> None:
+def plot_front(front: list[dict], path: Path, title: str, what: str = "--plot") -> Path:
     """Energy vs latency scatter of the front, colored by min DASI, the chosen point ringed."""
     import matplotlib
 
@@ -171,5 +173,9 @@ def plot_front(front: list[dict], path: Path, title: str) -> None:
     ax.set_ylabel("energy (mJ, modeled)")
     ax.set_title(title, fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    from hetforge.files import save_figure
+
+    try:
+        return save_figure(fig, path, what, dpi=120)
+    finally:
+        plt.close(fig)
