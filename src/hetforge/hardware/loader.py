@@ -56,22 +56,30 @@ def load_soc(name_or_path: str) -> SocProfile:
         p = host_profile_path()
         if p.is_file():
             return load_file(p)
+        if p.exists():  # a folder (or a device) where the profile file should be
+            from hetforge.files import check_input_file
+
+            env = " (HETFORGE_HOST_PROFILE)" if os.environ.get("HETFORGE_HOST_PROFILE") else ""
+            check_input_file(p, f"host profile{env}", "write one with `hetforge calibrate --out FILE`")
         from hetforge.hardware.host import default_host_spec
 
         return build(default_host_spec(), "host (built-in default, not calibrated)")
     p = Path(name_or_path)
     if p.suffix == ".json" or p.exists() or os.sep in name_or_path:
-        if not p.is_file():
-            raise UsageError(f"SoC profile file '{p}' does not exist")
+        from hetforge.files import check_input_file
+
+        check_input_file(p, "SoC profile file")
         return load_file(p)
     raise UsageError(f"unknown SoC '{name_or_path}'; known: {', '.join(list_socs())} (or a path to a profile .json)")
 
 
 def load_file(path: Path) -> SocProfile:
     try:
-        text = Path(path).read_text()
+        text = Path(path).read_text(encoding="utf-8")
     except OSError as e:
         raise UsageError(f"cannot read SoC profile '{path}': {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise UsageError(f"invalid SoC profile '{path}': not a text (UTF-8 JSON) file") from None
     prof = _load_text(text, str(path))
     return prof
 

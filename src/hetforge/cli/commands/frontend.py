@@ -66,7 +66,7 @@ def capture(
     if dump is not None:
         write_text(dump, cg.gm.print_readable(print_output=False), "--dump")
     report = {
-        "model": loaded.name, "seq": seq, "attn": attn, "strict": strict, "nodes": cg.num_nodes,
+        "model": loaded.name, "seq": seq, "attn": loaded.attn, "strict": strict, "nodes": cg.num_nodes,
         "parameters": cg.num_parameters, "capture_seconds": cg.seconds,
         "ops": dict(counts.most_common()), "weights": loaded.weights,
     }
