@@ -126,7 +126,16 @@ def build(spec: SocSpec, label: str) -> SocProfile:
     devs = sorted((_device(d) for d in spec.devices), key=lambda d: order[d.kind])
     links = [LinkProfile(ln.a, ln.b, ln.bandwidth.value, ln.latency_s.value, ln.unified, ln.energy_per_byte_j.value)
              for ln in spec.links]
-    return SocProfile(spec.name, devs, links, spec.description, spec.source, spec.calibrated, label)
+    return SocProfile(spec.name, devs, links, spec.description, spec.source, spec.calibrated, label,
+                      spec=spec.model_dump(mode="json"))
+
+
+def from_spec_dict(raw: dict, label: str) -> SocProfile:
+    """A profile from an already-parsed profile document (the one a plan file embeds), validated."""
+    try:
+        return build(SocSpec.model_validate(raw), label)
+    except ValidationError as e:
+        raise UsageError(format_validation_error(label, e).replace("\n", ";")) from None
 
 
 def save_spec(spec: SocSpec, path: Path) -> Path:
