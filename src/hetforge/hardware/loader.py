@@ -135,7 +135,7 @@ def from_spec_dict(raw: dict, label: str) -> SocProfile:
     try:
         return build(SocSpec.model_validate(raw), label)
     except ValidationError as e:
-        raise UsageError(format_validation_error(label, e).replace("\n", ";")) from None
+        raise UsageError(format_validation_error(label, e)) from None
 
 
 def save_spec(spec: SocSpec, path: Path) -> Path:

@@ -120,8 +120,8 @@ class SocSpec(BaseModel):
 
 
 def format_validation_error(path: str, err) -> str:
-    """Turn a pydantic ValidationError into lines naming the file, the field and the allowed values."""
-    lines = [f"invalid SoC profile '{path}':"]
+    """Turn a pydantic ValidationError into one line naming the file, each field and the allowed values."""
+    lines = []
     for e in err.errors():
         loc = ".".join(str(x) for x in e["loc"]) or "(top level)"
         msg = e["msg"]
@@ -135,5 +135,5 @@ def format_validation_error(path: str, err) -> str:
             msg = "unknown field (not part of the profile format)"
         elif typ in ("greater_than", "greater_than_equal"):
             msg = f"got {e.get('input')!r}; {msg.lower()}"
-        lines.append(f"  field '{loc}': {msg}")
-    return "\n".join(lines)
+        lines.append(f"field '{loc}': {msg}")
+    return f"invalid SoC profile '{path}': " + "; ".join(lines)
