@@ -186,6 +186,10 @@ CASES: list[tuple[str, list[str], int, str]] = [
     ("demo-model", ["demo", "--model", "nope", "--json"], 2, "unknown model"),
     ("bench-models", ["bench", "peers", "--models", "nope", "--json"], 2, "nope"),
     ("bench-systems", ["bench", "peers", "--systems", "bogus", "--json"], 2, "bogus"),
+    ("bench-out-dir-is-file", ["bench", "peers", "--quick", "--out-dir", "{fx}/file.txt", "--json"], 2,
+     "is a file, not a folder"),
+    ("bench-out-dir-under-file", ["bench", "peers", "--quick", "--out-dir", "{fx}/file.txt/out", "--json"], 2,
+     "is a file, not a folder"),
 ]
 ENV_CASES: list[tuple[str, list[str], dict[str, str], int, str]] = [
     ("host-profile-binary", ["socs", "--json"], {"HETFORGE_HOST_PROFILE": "{fx}/bin.json"}, 2, "not a text"),

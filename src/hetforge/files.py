@@ -71,6 +71,21 @@ def check_output(path: str | Path, what: str = "", suffixes: tuple[str, ...] | N
     return path
 
 
+def check_output_dir(path: str | Path, what: str = "") -> Path:
+    """A folder to write into (made later if missing): refuse a regular file there or above it, or an existing
+    folder that cannot be written, before any work is done (UsageError, one line)."""
+    path = Path(path)
+    label = _label(what, path)
+    if path.exists() and not path.is_dir():
+        raise UsageError(f"{label} is a file, not a folder")
+    bad = _file_ancestor(path)
+    if bad is not None:
+        raise UsageError(f"{label}: '{bad}' is a file, not a folder")
+    if path.is_dir():
+        check_output(path / "probe.txt", what)
+    return path
+
+
 def check_input_file(path: str | Path, what: str, hint: str = "") -> Path:
     """An input file that must exist and be a regular file; a folder or a missing file is a one-line UsageError."""
     path = Path(path)
