@@ -159,3 +159,17 @@ def test_concurrent_capture_dump_same_file(tmp_path):
     assert all(rc == 0 for rc, _ in errs), errs
     assert "GraphModule" in target.read_text()
     assert _leftovers(tmp_path, {"same.txt"}) == []
+
+
+def test_compile_out_and_text_are_0644_and_leave_no_temp(tmp_path, umask022):
+    from typer.testing import CliRunner
+
+    from hetforge.cli.common import app
+    from hetforge.cli.main import _load_commands
+
+    _load_commands()
+    r = CliRunner().invoke(app, ["compile", "llama-tiny", "--seq", "4", "--out", str(tmp_path / "p.json"),
+                                 "--text", str(tmp_path / "p.txt"), "--json"])
+    assert r.exit_code == 0, r.output
+    assert _mode(tmp_path / "p.json") == 0o644 and _mode(tmp_path / "p.txt") == 0o644
+    assert _leftovers(tmp_path, {"p.json", "p.txt"}) == []
