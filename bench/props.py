@@ -31,22 +31,30 @@ DEFAULT_OUT = ROOT / "docs" / "bench" / "props.json"
 PAGE = ROOT / "docs" / "bench" / "props.md"
 
 
+ROW_FIELDS = ["seed", "placement", "ok", "max_abs_err", "instructions", "transfers", "devices_used", "mode",
+              "seconds", "error"]
+SPEC_FIELDS = ["soc", "attn", "norm", "mlp", "layers", "seq", "batch"]
+
+
 def run(models: int, placements: int, first_seed: int, progress: bool = True) -> dict:
+    """Check ``models`` × ``placements`` graphs; the raw result: one compact row per graph, one spec per model."""
     import torch
 
     from hetforge.props import TOLERANCE, check_model, draw
 
     torch.set_num_threads(1)
     t0 = time.perf_counter()
-    rows = []
+    rows, specs = [], {}
     for k, seed in enumerate(range(first_seed, first_seed + models)):
-        rs = check_model(seed, placements)
         spec = draw(seed)
-        for r in rs:
-            rows.append({**r.to_dict(), "soc": spec.soc, "attn": spec.attn, "norm": spec.norm, "mlp": spec.mlp,
-                         "layers": spec.layers, "seq": spec.seq, "batch": spec.batch})
+        specs[str(seed)] = {f: getattr(spec, f) for f in SPEC_FIELDS}
+        for r in check_model(seed, placements):
+            d = r.to_dict()
+            d["max_abs_err"] = float(f"{d['max_abs_err']:.3g}")
+            d["seconds"] = round(d["seconds"], 4)
+            rows.append([d[f] for f in ROW_FIELDS])
         if progress and (k + 1) % 10 == 0:
-            bad = sum(1 for r in rows if not r["ok"])
+            bad = sum(1 for r in rows if not r[2])
             print(f"{k + 1}/{models} models, {len(rows)} graphs, {bad} mismatches, "
                   f"{time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
     return {
@@ -57,12 +65,22 @@ def run(models: int, placements: int, first_seed: int, progress: bool = True) ->
                  "load_average_at_end": list(os.getloadavg()) if hasattr(os, "getloadavg") else None},
         "models": models, "placements": placements, "first_seed": first_seed,
         "tolerance": {"atol": TOLERANCE[0], "rtol": TOLERANCE[1]},
-        "seconds": time.perf_counter() - t0, "rows": rows,
+        "seconds": time.perf_counter() - t0, "row_fields": ROW_FIELDS, "model_specs": specs, "rows": rows,
     }
 
 
+def _rows(doc: dict) -> list[dict]:
+    """Rows as dicts, each with its model's spec fields."""
+    out = []
+    for r in doc["rows"]:
+        d = dict(zip(doc["row_fields"], r, strict=True))
+        out.append({**d, **doc["model_specs"][str(d["seed"])]})
+    return out
+
+
 def report(doc: dict) -> str:
-    rows = doc["rows"]
+    """The markdown page, computed from the raw JSON only."""
+    rows = _rows(doc)
     bad = [r for r in rows if not r["ok"]]
     errs = [r["max_abs_err"] for r in rows if r["ok"]]
     by = Counter((r["soc"], r["mode"]) for r in rows)
@@ -120,10 +138,10 @@ def main() -> None:
         doc = json.loads(a.out.read_text())
     else:
         doc = run(a.models, a.placements, a.first_seed)
-        a.out.write_text(json.dumps(doc, indent=0) + "\n")
+        a.out.write_text(json.dumps(doc, separators=(",", ":")) + "\n")
     if a.out.resolve() == DEFAULT_OUT.resolve():
         PAGE.write_text(report(doc))
-    bad = sum(1 for r in doc["rows"] if not r["ok"])
+    bad = sum(1 for r in _rows(doc) if not r["ok"])
     print(f"{len(doc['rows'])} graphs, {bad} mismatches; wrote {a.out}", file=sys.stderr)
     sys.exit(1 if bad else 0)
 
