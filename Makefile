@@ -19,5 +19,6 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check src tests bench
 	$(BIN)/python -m pytest -p no:cacheprovider -rs tests
+	$(BIN)/python -m pytest -p no:cacheprovider -rs -m "slow and not scale" tests
 
 .PHONY: install demo test

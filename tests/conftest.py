@@ -7,6 +7,19 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
+def pytest_collection_modifyitems(config, items):
+    """``slow`` tests run only when asked for: ``pytest -m slow`` (any -m expression naming slow or scale) or
+    HETFORGE_SLOW=1; otherwise they are skipped with that reason (``make test`` runs the slow ones not marked
+    ``scale`` in a second pass)."""
+    expr = config.option.markexpr or ""
+    if "slow" in expr or "scale" in expr or os.environ.get("HETFORGE_SLOW") == "1":
+        return
+    skip = pytest.mark.skip(reason="slow: run with `pytest -m slow` (or HETFORGE_SLOW=1)")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
+
+
 TINY = ["gpt2-tiny", "llama-tiny", "mixtral-tiny", "qwen2-tiny", "bert-tiny"]
 
 

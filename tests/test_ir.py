@@ -169,6 +169,8 @@ def test_save_load_round_trips_random_programs(tmp_path_factory, seed, n, extra)
                               p.values[vid].device, KERNEL, {"node": f"n{i}", "extra": list(extra)}))
     p.outputs = [Reg(n)]
     f = save_program(p, tmp_path_factory.mktemp("rt") / "p.json")
-    q = load_program(f)
+    # these random programs exercise the file format only: they read registers across devices without
+    # transfers, which the program verifier rightly refuses (tests/test_ir_verify.py), so it is off here
+    q = load_program(f, verify=False)
     assert str(q) == str(p)
     assert [i.attrs["extra"] for i in q.instrs] == [i.attrs["extra"] for i in p.instrs]

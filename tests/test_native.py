@@ -4,6 +4,7 @@ clear reasons when they cannot be used, and the executor's use of them."""
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -165,3 +166,48 @@ def test_int8_fits_refuses_what_the_kernel_cannot_read():
     assert not native.q8_fits(torch.randn(2, 8), q, s, None, "none")  # two rows
     assert not native.q8_fits(x, q, torch.ones(3), None, "none")  # scales of the wrong length
     assert not native.q8_fits(x, q, s, None, "tanh")  # not an activation the kernel knows
+
+
+def _first_path() -> Path:
+    cc = shutil.which("cc") or shutil.which("gcc")
+    return native.library_path(cc, native.FLAG_SETS[0])
+
+
+def _foreign_library(path) -> None:
+    """A real shared library with none of hetforge's symbols."""
+    import subprocess
+
+    src = path.with_name("foreign.c")
+    src.write_text("int not_hetforge(void) { return 42; }\n")
+    subprocess.run([shutil.which("cc") or shutil.which("gcc"), "-shared", "-fPIC", str(src), "-o", str(path)],
+                   check=True)
+    src.unlink()
+
+
+@needs_cc
+@pytest.mark.parametrize("damage", ["empty", "garbage", "truncated", "foreign"])
+def test_a_damaged_cached_library_is_rebuilt_and_used(fresh_state, monkeypatch, damage):
+    monkeypatch.delenv("CC", raising=False)
+    path = _first_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if damage == "empty":
+        path.write_bytes(b"")
+    elif damage == "garbage":
+        path.write_bytes(b"\x7fELF" + bytes(range(256)) * 8)
+    elif damage == "truncated":  # a real build elsewhere (never loaded here), cut in half
+        whole = path.with_name("whole.so")
+        assert native._build(shutil.which("cc") or shutil.which("gcc"), native.FLAG_SETS[0], whole) is None
+        data = whole.read_bytes()
+        path.write_bytes(data[: len(data) // 2])
+        whole.unlink()
+    else:
+        _foreign_library(path)
+    before = path.stat().st_ino
+    st_ = native.status()
+    assert st_.available, st_.reason
+    assert st_.path == str(path) and st_.rebuilt.startswith("rebuilt") and "could not be used" in st_.rebuilt
+    assert path.stat().st_ino != before  # a new file took its place
+    assert native.library().hf_read_stream is not None
+    native._state.clear()
+    again = native.status()  # the next load uses the rebuilt file as it is
+    assert again.available and again.rebuilt == ""

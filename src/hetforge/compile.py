@@ -21,6 +21,7 @@ import torch
 from hetforge.errors import UsageError
 from hetforge.executor import Executable
 from hetforge.ir.program import Program
+from hetforge.ir.verify import memory_record, verify_program
 from hetforge.lower import LowerResult, lower
 from hetforge.memplan import MemoryPlan, plan_memory
 from hetforge.schedule import ScheduleResult, schedule
@@ -157,12 +158,17 @@ def compile_graph(
     secs["place"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     low = lower(gm2, placement, soc_p, name=name, rehome_views=rehome_views)
+    verify_program(low.program, "lower")
     secs["lower"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     sch = schedule(low.program, lookahead=lookahead, exact_limit=exact_limit)
+    verify_program(sch.program, "schedule")
     secs["schedule"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     mem = plan_memory(sch.program)
+    arenas = {d: dp.arena_bytes for d, dp in mem.devices.items()}
+    verify_program(sch.program, "memory", mem.offsets, arenas)
+    sch.program.memory = memory_record(mem.offsets, arenas)  # saved with the program, re-checked on load
     secs["memory"] = time.perf_counter() - t0
     exe = None
     if build:

@@ -105,7 +105,7 @@ class _Lowerer:
         if bad:
             raise UsageError(f"placement uses device(s) {', '.join(bad)} that SoC '{getattr(soc, 'name', '?')}' "
                              f"does not have; devices: {', '.join(self.devices)}")
-        self.p = Program(name, getattr(soc, "name", "none"), self.devices)
+        self.p = Program(name, getattr(soc, "name", "none"), self.devices, soc_spec=getattr(soc, "spec", None))
         self.env: dict[torch.fx.Node, Any] = {}
         self.storage_root: dict[Any, int] = {}
         self.transfer_cache: dict[tuple[int, str], int] = {}

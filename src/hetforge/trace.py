@@ -8,9 +8,7 @@ transfers get their own lane, device switches are instant events on a "switches"
 
 from __future__ import annotations
 
-import json
-import os
-import tempfile
+import contextlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -80,17 +78,11 @@ class Trace:
         return {"traceEvents": self.events, "displayTimeUnit": "ms",
                 "otherData": {"title": self.title, **self.metadata}}
 
-    def write(self, path: str | Path) -> Path:
-        """Write the trace JSON to ``path`` atomically (never a half-written file)."""
+    def write(self, path: str | Path, what: str = "") -> Path:
+        """Write the trace JSON to ``path`` atomically (never a half-written file; see :mod:`hetforge.files`)."""
+        from hetforge.files import write_json
+
         path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=str(path.parent))
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump(self.to_dict(), f)
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
-        return path
+        with contextlib.suppress(OSError):  # a folder that cannot be made is reported by write_json, in one line
+            path.parent.mkdir(parents=True, exist_ok=True)
+        return write_json(path, self.to_dict(), what)

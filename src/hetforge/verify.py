@@ -7,10 +7,13 @@ says whether each passed.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
 import torch
+
+from hetforge.errors import UsageError
 
 
 @dataclass
@@ -60,6 +63,13 @@ def compare_logits(
         kl_threshold=kl_threshold,
         abs_threshold=abs_threshold,
     )
+
+
+def check_kl_threshold(value: float, option: str = "--kl-threshold") -> float:
+    """A KL threshold must be a finite number ≥ 0 (NaN would make every comparison fail silently)."""
+    if not (math.isfinite(value) and value >= 0):
+        raise UsageError(f"{option} must be a finite number ≥ 0 (e.g. 1e-8), got {value}")
+    return value
 
 
 def _first_tensor(out) -> torch.Tensor:

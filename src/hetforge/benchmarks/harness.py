@@ -408,7 +408,6 @@ def _is_f32(row: Row) -> bool:
 def save_json(result: SuiteResult, path: Path) -> None:
     """Write the raw and aggregated results (atomically)."""
     from hetforge.cli.common import _clean
+    from hetforge.files import write_text
 
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(_clean(result.to_dict()), indent=1, default=str))
-    tmp.replace(path)
+    write_text(path, json.dumps(_clean(result.to_dict()), indent=1, default=str), "--out-dir file")

@@ -212,8 +212,12 @@ def render_chart(res: SuiteResult, path: Path) -> None:
     fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8, frameon=False)
     fig.suptitle("hetforge vs peers (measured, median; whiskers min–max over repeats)", fontsize=10)
     fig.tight_layout(rect=(0, 0.08, 1, 0.95))
-    fig.savefig(path, dpi=72)
-    plt.close(fig)
+    from hetforge.files import save_figure
+
+    try:
+        save_figure(fig, path, "--out-dir file", dpi=72)
+    finally:
+        plt.close(fig)
 
 
 def load_json(path: Path) -> SuiteResult:
@@ -245,8 +249,8 @@ def write_report(res: SuiteResult, out_dir: Path, stem: str = "peers") -> dict[s
     md, png, js = out_dir / f"{stem}.md", out_dir / f"{stem}.png", out_dir / f"{stem}.json"
     render_chart(res, png)
     text = render_markdown(res, png.name, existing_notes(md))
-    tmp = md.with_name(md.name + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(md)
+    from hetforge.files import write_text
+
+    write_text(md, text, "--out-dir file")
     save_json(res, js)
     return {"markdown": md, "chart": png, "json": js}

@@ -13,7 +13,9 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+import click
 import typer
+import typer.rich_utils
 from rich.console import Console
 from rich.markup import escape
 
@@ -28,6 +30,20 @@ app = typer.Typer(
 )
 console = Console()
 err_console = Console(stderr=True)
+
+
+def _one_line_click_error(e: click.ClickException) -> None:
+    """Typer/click's own usage errors (a bad option value, a missing argument) as one line, like hetforge's."""
+    if e.__class__.__name__ == "NoArgsIsHelpError":  # help was printed instead
+        return
+    ctx = getattr(e, "ctx", None)
+    hint = f" (see `{ctx.command_path} --help`)" if ctx is not None else ""
+    msg = " ".join(e.format_message().split())
+    err_console.print(f"[bold red]error:[/] {escape(msg)}{escape(hint)}", highlight=False, soft_wrap=True)
+
+
+# typer prints click errors through this function (a usage line, a hint line and a boxed message): one line instead
+typer.rich_utils.rich_format_error = _one_line_click_error
 
 
 def _clean(o: Any) -> Any:

@@ -9,7 +9,7 @@ from hetforge.cost.analyze import GraphCost
 from hetforge.hardware.profile import SocProfile
 
 
-def roofline_plot(gc: GraphCost, soc: SocProfile, path: Path, title: str = "") -> Path:
+def roofline_plot(gc: GraphCost, soc: SocProfile, path: Path, title: str = "", what: str = "") -> Path:
     """Write a log-log roofline plot (PNG or SVG by suffix) atomically; returns ``path``."""
     import matplotlib
 
@@ -39,9 +39,9 @@ def roofline_plot(gc: GraphCost, soc: SocProfile, path: Path, title: str = "") -
     ax.set_title(title or f"roofline on {soc.name} (modeled)")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7, loc="lower right")
-    path = Path(path)
-    tmp = path.with_name(path.stem + ".tmp" + path.suffix)
-    fig.savefig(tmp, dpi=120, bbox_inches="tight")
-    plt.close(fig)
-    tmp.replace(path)
-    return path
+    from hetforge.files import save_figure
+
+    try:
+        return save_figure(fig, Path(path), what, dpi=120, bbox_inches="tight")
+    finally:
+        plt.close(fig)

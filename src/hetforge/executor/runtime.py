@@ -50,6 +50,14 @@ def default_device_map(p: Program, soc=None) -> dict[str, torch.device]:
     return out
 
 
+def returns_alias(target: Any) -> bool:
+    """Whether an op's result may share its input's storage (``transpose``, ``view``...: an alias annotation
+    in its schema). Mode ``fast`` keeps a kernel's result in its own allocation only when it cannot: a view of
+    an arena slice would outlive the slice's planned lifetime, so such a result is copied into its own slice."""
+    schema = getattr(target, "_schema", None)
+    return schema is not None and any(r.alias_info is not None for r in schema.returns)
+
+
 @dataclass
 class InstrTime:
     instr: int
@@ -254,7 +262,7 @@ class _Codegen:
                 self.bound.add(o)
                 return [f"{outs[0]} = {self.call(ins, self.const(ov, 'fo'), dev, 'out=' + buf)}"]
             self.stats.by_op_fallback[ins.op] = self.stats.by_op_fallback.get(ins.op, 0) + 1
-            if self.mode == "fast":
+            if self.mode == "fast" and not returns_alias(ins.target):
                 self.stats.unplanned += 1
                 return [f"{outs[0]} = {self.call(ins, fn, dev)}"]
             self.stats.functional_copy += 1
@@ -264,7 +272,7 @@ class _Codegen:
         self.stats.by_op_fallback[ins.op] = self.stats.by_op_fallback.get(ins.op, 0) + 1
         for o in ins.outputs:
             if self.planned(o):
-                if self.mode == "fast":
+                if self.mode == "fast" and not returns_alias(ins.target):
                     self.stats.unplanned += 1
                 else:
                     self.stats.functional_copy += 1

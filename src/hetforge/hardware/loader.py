@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from functools import lru_cache
@@ -55,22 +56,30 @@ def load_soc(name_or_path: str) -> SocProfile:
         p = host_profile_path()
         if p.is_file():
             return load_file(p)
+        if p.exists():  # a folder (or a device) where the profile file should be
+            from hetforge.files import check_input_file
+
+            env = " (HETFORGE_HOST_PROFILE)" if os.environ.get("HETFORGE_HOST_PROFILE") else ""
+            check_input_file(p, f"host profile{env}", "write one with `hetforge calibrate --out FILE`")
         from hetforge.hardware.host import default_host_spec
 
         return build(default_host_spec(), "host (built-in default, not calibrated)")
     p = Path(name_or_path)
     if p.suffix == ".json" or p.exists() or os.sep in name_or_path:
-        if not p.is_file():
-            raise UsageError(f"SoC profile file '{p}' does not exist")
+        from hetforge.files import check_input_file
+
+        check_input_file(p, "SoC profile file")
         return load_file(p)
     raise UsageError(f"unknown SoC '{name_or_path}'; known: {', '.join(list_socs())} (or a path to a profile .json)")
 
 
 def load_file(path: Path) -> SocProfile:
     try:
-        text = Path(path).read_text()
+        text = Path(path).read_text(encoding="utf-8")
     except OSError as e:
         raise UsageError(f"cannot read SoC profile '{path}': {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise UsageError(f"invalid SoC profile '{path}': not a text (UTF-8 JSON) file") from None
     prof = _load_text(text, str(path))
     return prof
 
@@ -123,18 +132,25 @@ def build(spec: SocSpec, label: str) -> SocProfile:
     devs = sorted((_device(d) for d in spec.devices), key=lambda d: order[d.kind])
     links = [LinkProfile(ln.a, ln.b, ln.bandwidth.value, ln.latency_s.value, ln.unified, ln.energy_per_byte_j.value)
              for ln in spec.links]
-    return SocProfile(spec.name, devs, links, spec.description, spec.source, spec.calibrated, label)
+    return SocProfile(spec.name, devs, links, spec.description, spec.source, spec.calibrated, label,
+                      spec=spec.model_dump(mode="json"))
+
+
+def from_spec_dict(raw: dict, label: str) -> SocProfile:
+    """A profile from an already-parsed profile document (the one a plan file embeds), validated."""
+    try:
+        return build(SocSpec.model_validate(raw), label)
+    except ValidationError as e:
+        raise UsageError(format_validation_error(label, e)) from None
 
 
 def save_spec(spec: SocSpec, path: Path) -> Path:
     """Write a profile file atomically (temporary file + rename); creates the folder if needed."""
+    from hetforge.files import write_text
+
     path = Path(path)
-    try:
+    with contextlib.suppress(OSError):  # a folder that cannot be made is reported by write_text, in one line
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(spec.model_dump_json(indent=1, exclude_defaults=False) + "\n")
-        tmp.replace(path)
-    except OSError as e:
-        raise UsageError(f"cannot write SoC profile '{path}': {e.strerror}") from None
+    write_text(path, spec.model_dump_json(indent=1, exclude_defaults=False) + "\n", "SoC profile")
     _load_text.cache_clear()
     return path

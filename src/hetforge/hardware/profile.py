@@ -141,6 +141,7 @@ class SocProfile:
     source: str = ""
     calibrated: bool = False
     path: str = ""
+    spec: dict[str, Any] | None = field(default=None, repr=False, compare=False)  # the validated file, as JSON
 
     def __hash__(self) -> int:
         return hash((self.name, self.path))

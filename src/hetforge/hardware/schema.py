@@ -135,8 +135,8 @@ class SocSpec(BaseModel):
 
 
 def format_validation_error(path: str, err) -> str:
-    """Turn a pydantic ValidationError into lines naming the file, the field and the allowed values."""
-    lines = [f"invalid SoC profile '{path}':"]
+    """Turn a pydantic ValidationError into one line naming the file, each field and the allowed values."""
+    lines = []
     for e in err.errors():
         loc = ".".join(str(x) for x in e["loc"]) or "(top level)"
         msg = e["msg"]
@@ -152,5 +152,5 @@ def format_validation_error(path: str, err) -> str:
             field = next((str(x) for x in reversed(e["loc"]) if str(x) in RANGES), None)
             allowed = RANGES[field] if field else msg.lower().removeprefix("input should be ")
             msg = f"got {e.get('input')!r}; allowed range: {allowed}"
-        lines.append(f"  field '{loc}': {msg}")
-    return "\n".join(lines)
+        lines.append(f"field '{loc}': {msg}")
+    return f"invalid SoC profile '{path}': " + "; ".join(lines)

@@ -20,17 +20,46 @@ class PlanFileError(HetforgeError):
 
 
 def read_header(path: str | Path) -> dict:
-    """``format``, ``name``, ``soc`` and ``devices`` of a plan file (UsageError if it is not one)."""
-    path = Path(path)
-    if not path.is_file():
-        raise UsageError(f"plan file '{path}' does not exist (write one with `hetforge compile MODEL --out {path}`)")
+    """``format``, ``name``, ``soc``, ``devices`` and ``soc_profile`` of a plan file (UsageError if it is not
+    one). A file in this hetforge's format is checked field by field here, before any model is built."""
+    from hetforge.files import check_input_file
+    from hetforge.ir.serialize import FORMAT, validate_program_dict
+
+    path = check_input_file(path, "plan file", f"write one with `hetforge compile MODEL --out {path}`")
     try:
         d = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise UsageError(f"'{path}' is not a hetforge plan file (not JSON: {e})") from None
     if not isinstance(d, dict) or "format" not in d:
         raise UsageError(f"'{path}' is not a hetforge plan file (no 'format' field)")
-    return {k: d.get(k) for k in ("format", "name", "soc", "devices")}
+    if d.get("format") == FORMAT:
+        validate_program_dict(d, f"plan file '{path}'")
+    return {k: d.get(k) for k in ("format", "name", "soc", "devices", "soc_profile")}
+
+
+def plan_soc(path: str | Path, header: dict, soc: str | None = None):
+    """The SoC profile to run a plan on: the one embedded in the plan (checked against its sha256). ``soc``
+    (a ``--soc`` given by the user) must be the same profile, or the run is refused; a plan from before
+    profiles were embedded is looked up by ``soc`` or, failing that, by its stored name."""
+    from hetforge.hardware import load_soc
+    from hetforge.hardware.loader import from_spec_dict
+    from hetforge.ir.serialize import spec_digest
+
+    emb = header.get("soc_profile")
+    if emb is None:
+        return load_soc(soc if soc is not None else str(header.get("soc")))
+    spec = emb.get("spec") if isinstance(emb, dict) else None
+    if not isinstance(spec, dict) or emb.get("sha256") != spec_digest(spec):
+        raise UsageError(f"plan file '{path}' is malformed: its embedded SoC profile does not match its sha256")
+    prof = from_spec_dict(spec, f"{header.get('soc')} (embedded in plan '{path}')")
+    if soc is not None:
+        given = load_soc(soc)
+        if given.spec is None or spec_digest(given.spec) != emb["sha256"]:
+            got = spec_digest(given.spec)[:19] if given.spec is not None else "unknown"
+            raise UsageError(f"plan '{path}' was compiled for SoC profile '{prof.name}' ({emb['sha256'][:19]}…) but "
+                             f"--soc {soc} is a different profile ({got}…); drop --soc to use the plan's own, or "
+                             f"recompile with `hetforge compile {header.get('name')} --soc {soc} --out {path}`")
+    return prof
 
 
 def _version(fmt: str) -> tuple[str, int] | None:

@@ -199,6 +199,8 @@ class Program:
     weights: dict[int, WeightRef] = field(default_factory=dict)
     attrs: dict[str, Any] = field(default_factory=dict)  # out_spec, dropped-node counts, ...
     tensors: dict[int, Any] = field(default_factory=dict, repr=False, compare=False)  # weight id → bound tensor
+    soc_spec: dict[str, Any] | None = field(default=None, repr=False, compare=False)  # the SoC profile, as JSON
+    memory: dict[str, Any] | None = field(default=None, repr=False, compare=False)  # saved arena offsets
 
     # --- queries -------------------------------------------------------------------------------
     def root(self, vid: int) -> int:
@@ -241,7 +243,8 @@ class Program:
         if sorted(order) != sorted(by_id):
             raise ValueError("order must be a permutation of the program's instruction ids")
         return Program(self.name, self.soc, list(self.devices), self.values, [by_id[i] for i in order],
-                       list(self.inputs), list(self.outputs), self.weights, dict(self.attrs), self.tensors)
+                       list(self.inputs), list(self.outputs), self.weights, dict(self.attrs), self.tensors,
+                       self.soc_spec, self.memory)
 
     # --- text form -----------------------------------------------------------------------------
     def _value_decl(self, v: Value) -> str:

@@ -11,15 +11,17 @@ Round trip: ``str(load_program(save_program(p, f), model)) == str(p)`` (the test
 from __future__ import annotations
 
 import base64
+import binascii
+import hashlib
 import json
+import math
 import operator
-import os
-import tempfile
 import zlib
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from hetforge.errors import HetforgeError, UsageError
 from hetforge.ir.program import Instr, Program, Reg, Value, WeightRef, dtype_from_short, dtype_short
@@ -30,6 +32,102 @@ INLINE_MAX_BYTES = 64 * 1024 * 1024  # buffers/constants above this are only ref
 
 class ProgramFileError(HetforgeError):
     """A saved program cannot be loaded or does not match the model it is bound to (exit code 1)."""
+
+
+class MalformedProgramError(UsageError, ProgramFileError):
+    """A program file that is JSON but not a well-formed program: a wrong field, a cut-off list (exit code 2)."""
+
+
+# --- the file's shape, checked before anything is built from it ------------------------------------------------
+_Id = Annotated[int, Field(strict=True, ge=0)]
+_Dim = Annotated[int, Field(strict=True, ge=0)]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+
+class _ValueSpec(_Model):
+    id: _Id
+    shape: list[_Dim]
+    stride: list[Annotated[int, Field(strict=True)]]
+    dtype: str
+    kind: Literal["input", "weight", "temp", "output"]
+    device: str
+    producer: _Id | None
+    alias_of: _Id | None
+    offset: _Dim
+    name: str
+
+
+class _InstrSpec(_Model):
+    id: _Id
+    op: str
+    args: list[Any]
+    kwargs: dict[str, Any]
+    outputs: list[_Id]
+    device: str
+    kind: Literal["kernel", "view", "inplace", "transfer"]
+    attrs: dict[str, Any]
+
+
+class _WeightSpec(_Model):
+    value: _Id
+    path: str
+    shape: list[_Dim]
+    dtype: str
+    checksum: str
+    param: bool = True
+    inline: str | None = None
+
+
+class _ProgramSpec(_Model):
+    format: str
+    name: str
+    soc: str
+    devices: list[str]
+    values: list[_ValueSpec]
+    instrs: list[_InstrSpec]
+    inputs: list[_Id]
+    outputs: list[Any]
+    weights: list[_WeightSpec]
+    attrs: dict[str, Any]
+    soc_profile: dict[str, Any] | None = None
+    memory: dict[str, Any] | None = None
+
+
+def _where(loc: tuple, d: dict[str, Any]) -> str:
+    """``instrs[12].outputs[0]`` for a pydantic error location."""
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out or "(top level)"
+
+
+def validate_program_dict(d: Any, label: str) -> None:
+    """Refuse a JSON document that is not a well-formed program, naming the first bad field in one line."""
+    if not isinstance(d, dict):
+        raise MalformedProgramError(f"{label} is not a program file (a JSON {type(d).__name__}, not an object)")
+    try:
+        _ProgramSpec.model_validate(d)
+    except ValidationError as e:
+        errs = e.errors()
+        first = errs[0]
+        msg = "missing (required field)" if first.get("type") == "missing" else first["msg"]
+        more = f" (and {len(errs) - 1} more problem(s))" if len(errs) > 1 else ""
+        raise MalformedProgramError(f"{label} is malformed: field '{_where(first['loc'], d)}': {msg}{more}") \
+            from None
+    for i, v in enumerate(d["values"]):
+        if len(v["shape"]) != len(v["stride"]):
+            raise MalformedProgramError(f"{label} is malformed: values[{i}] has {len(v['shape'])} dims but "
+                                        f"{len(v['stride'])} strides")
+    for where, items in (("values", d["values"]), ("weights", d["weights"])):
+        for i, v in enumerate(items):
+            try:
+                dtype_from_short(v["dtype"])
+            except ValueError:
+                raise MalformedProgramError(f"{label} is malformed: {where}[{i}].dtype '{v['dtype']}' is not a "
+                                            "dtype this PyTorch knows") from None
 
 
 def checksum(t: torch.Tensor) -> str:
@@ -88,6 +186,8 @@ def _dec(x: Any) -> Any:
         return [_dec(a) for a in x]
     if not isinstance(x, dict):
         return x
+    if len(x) != 1:
+        raise MalformedProgramError(f"unknown encoded argument {x!r}")
     (k, v), = x.items()
     if k == "r":
         return Reg(v)
@@ -105,7 +205,7 @@ def _dec(x: Any) -> Any:
         return tuple(_dec(a) for a in v)
     if k == "dict":
         return {kk: _dec(vv) for kk, vv in v.items()}
-    raise ProgramFileError(f"unknown encoded argument {x!r}")
+    raise MalformedProgramError(f"unknown encoded argument {x!r}")
 
 
 def program_to_dict(p: Program) -> dict[str, Any]:
@@ -132,26 +232,22 @@ def program_to_dict(p: Program) -> dict[str, Any]:
         if w.inline is not None:
             d["inline"] = base64.b64encode(w.inline).decode()
         weights.append(d)
-    return {"format": FORMAT, "name": p.name, "soc": p.soc, "devices": p.devices, "values": values,
-            "instrs": instrs, "inputs": p.inputs, "outputs": _enc(list(p.outputs)), "weights": weights,
-            "attrs": _enc(p.attrs)}
+    d = {"format": FORMAT, "name": p.name, "soc": p.soc, "devices": p.devices, "values": values,
+         "instrs": instrs, "inputs": p.inputs, "outputs": _enc(list(p.outputs)), "weights": weights,
+         "attrs": _enc(p.attrs)}
+    if p.soc_spec is not None:  # the whole profile the program was compiled for, so run-plan uses that one
+        d["soc_profile"] = {"name": p.soc, "sha256": spec_digest(p.soc_spec), "spec": p.soc_spec}
+    if p.memory is not None:  # arena offsets, re-checked against the instructions on load
+        d["memory"] = p.memory
+    return d
 
 
-def save_program(p: Program, path: str | Path) -> Path:
-    """Write ``p`` as JSON (atomically: a temp file renamed into place)."""
-    path = Path(path)
-    if not path.parent.is_dir():
-        raise UsageError(f"cannot write '{path}': folder '{path.parent}' does not exist")
-    text = json.dumps(program_to_dict(p), indent=1)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".json")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+def save_program(p: Program, path: str | Path, what: str = "") -> Path:
+    """Write ``p`` as JSON, atomically (:func:`hetforge.files.write_text`: nothing half-written, mode per umask)."""
+    from hetforge.files import check_output, write_text
+
+    path = check_output(path, what, example="plan.json")
+    return write_text(path, json.dumps(program_to_dict(p), indent=1), what)
 
 
 def _lookup_tensor(module: torch.nn.Module, path: str) -> torch.Tensor | None:
@@ -163,11 +259,37 @@ def _lookup_tensor(module: torch.nn.Module, path: str) -> torch.Tensor | None:
     return obj if isinstance(obj, torch.Tensor) else None
 
 
-def program_from_dict(d: dict[str, Any], module: torch.nn.Module | None = None, check: bool = True) -> Program:
-    if d.get("format") != FORMAT:
-        raise ProgramFileError(f"not a hetforge program file (format {d.get('format')!r}, expected {FORMAT})")
+def program_from_dict(d: dict[str, Any], module: torch.nn.Module | None = None, check: bool = True,
+                      label: str = "the program", verify: bool = True) -> Program:
+    """Rebuild a Program from its JSON form (checked field by field first), weights bound against ``module``;
+    ``verify`` runs the program verifier (:mod:`hetforge.ir.verify`, with any saved memory plan) on it."""
+    if not isinstance(d, dict) or d.get("format") != FORMAT:
+        fmt = d.get("format") if isinstance(d, dict) else None
+        raise ProgramFileError(f"not a hetforge program file (format {fmt!r}, expected {FORMAT})")
+    validate_program_dict(d, label)
+    try:
+        p = _build_program(d)
+    except MalformedProgramError as e:
+        raise MalformedProgramError(f"{label} is malformed: {e}") from None
+    except (KeyError, TypeError, ValueError, IndexError, binascii.Error) as e:
+        raise MalformedProgramError(f"{label} is malformed: {type(e).__name__}: {e}") from None
+    from hetforge.ir.verify import ProgramVerifyError, verify_program
+
+    try:
+        if verify:
+            verify_program(p, stage="load")
+    except ProgramVerifyError as e:
+        raise MalformedProgramError(f"{label} is malformed: {e}") from None
+    for vid, ref in p.weights.items():
+        p.tensors[vid] = bind_weight(ref, module, check)
+    return p
+
+
+def _build_program(d: dict[str, Any]) -> Program:
     p = Program(d["name"], d["soc"], list(d["devices"]))
     for v in d["values"]:
+        if v["id"] in p.values:
+            raise ValueError(f"value %{v['id']} is declared twice")
         p.values[v["id"]] = Value(v["id"], tuple(v["shape"]), tuple(v["stride"]), dtype_from_short(v["dtype"]),
                                   v["kind"], v["device"], v["producer"], v["alias_of"], v["offset"], v["name"])
     for i in d["instrs"]:
@@ -177,12 +299,27 @@ def program_from_dict(d: dict[str, Any], module: torch.nn.Module | None = None, 
     p.outputs = _dec(d["outputs"])
     p.attrs = _dec(d["attrs"])
     for w in d["weights"]:
-        inline = base64.b64decode(w["inline"]) if "inline" in w else None
+        inline = base64.b64decode(w["inline"], validate=True) if w.get("inline") is not None else None
         ref = WeightRef(w["path"], tuple(w["shape"]), dtype_from_short(w["dtype"]), w["checksum"], inline,
                         bool(w.get("param", True)))
+        if inline and len(inline) != math.prod(ref.shape) * torch.empty((), dtype=ref.dtype).element_size():
+            raise ValueError(f"weight '{ref.path}' has {len(inline)} inline bytes, not {list(ref.shape)} of "
+                             f"{dtype_short(ref.dtype)}")
         p.weights[w["value"]] = ref
-        p.tensors[w["value"]] = bind_weight(ref, module, check)
+    prof = d.get("soc_profile")
+    if prof is not None:
+        spec, digest = prof.get("spec"), prof.get("sha256")
+        if not isinstance(spec, dict) or digest != spec_digest(spec):
+            raise ValueError("its embedded SoC profile does not match its sha256 (edited or cut off)")
+        p.soc_spec = spec
+    if d.get("memory") is not None:
+        p.memory = d["memory"]
     return p
+
+
+def spec_digest(spec: dict[str, Any]) -> str:
+    """sha256 of a SoC profile's canonical JSON (sorted keys): two profiles with equal figures match."""
+    return "sha256:" + hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()
 
 
 def bind_weight(ref: WeightRef, module: torch.nn.Module | None, check: bool = True) -> torch.Tensor:
@@ -205,15 +342,16 @@ def bind_weight(ref: WeightRef, module: torch.nn.Module | None, check: bool = Tr
     return t.detach()
 
 
-def load_program(path: str | Path, module: torch.nn.Module | None = None, check: bool = True) -> Program:
-    """Read a program file and bind its weights against ``module``."""
+def load_program(path: str | Path, module: torch.nn.Module | None = None, check: bool = True,
+                 verify: bool = True) -> Program:
+    """Read a program file, check it (shape, then the program verifier) and bind its weights against ``module``."""
     path = Path(path)
     if not path.is_file():
         raise UsageError(f"program file '{path}' does not exist")
     try:
         d = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ProgramFileError(f"'{path}' is not a program file: {e}") from None
+        raise MalformedProgramError(f"'{path}' is not a program file: {e}") from None
     if not isinstance(d, dict):
-        raise ProgramFileError(f"'{path}' is not a program file")
-    return program_from_dict(d, module, check)
+        raise MalformedProgramError(f"'{path}' is not a program file")
+    return program_from_dict(d, module, check, label=f"program file '{path}'", verify=verify)

@@ -57,6 +57,7 @@ class NativeStatus:
     path: str | None = None
     reason: str = ""
     flags: tuple[str, ...] = ()
+    rebuilt: str = ""  # set when a corrupt, empty or foreign cached library was replaced by a fresh build
 
 
 _state: dict[str, object] = {}
@@ -103,29 +104,93 @@ def _build(cc: str, flags: list[str], out: Path) -> str | None:
             os.unlink(tmp)
 
 
+def library_path(cc: str, flags: list[str]) -> Path:
+    """Where the library built from this source with ``cc flags`` for this CPU is cached."""
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join([cc, *flags]).encode() + _cpu_tag().encode()).hexdigest()
+    return cache_dir() / f"hetforge_native_{key[:16]}.so"
+
+
+def elf_damage(path: Path) -> str:
+    """Why an ELF file is cut short ("" when whole, or when it is not ELF at all: the loader judges those).
+    ``dlopen`` maps a truncated library's segments past the end of the file and the process dies of SIGBUS
+    on first touch, so the segment and section tables are checked against the file size first."""
+    import struct
+
+    data = path.read_bytes()
+    if data[:4] != b"\x7fELF":
+        return ""
+    if len(data) < 64 or data[4] not in (1, 2) or data[5] not in (1, 2):
+        return "its ELF header is cut short"
+    bits64, end = data[4] == 2, "<" if data[5] == 1 else ">"
+    try:
+        if bits64:
+            phoff, shoff = struct.unpack_from(end + "QQ", data, 0x20)
+            phentsize, phnum, shentsize, shnum = struct.unpack_from(end + "HHHH", data, 0x36)
+        else:
+            phoff, shoff = struct.unpack_from(end + "II", data, 0x1C)
+            phentsize, phnum, shentsize, shnum = struct.unpack_from(end + "HHHH", data, 0x2A)
+        if phoff + phnum * phentsize > len(data) or shoff + shnum * shentsize > len(data):
+            return f"it is cut short ({len(data)} bytes; its headers point past the end)"
+        for k in range(phnum):
+            at = phoff + k * phentsize
+            if bits64:
+                _, _, off, _, _, filesz = struct.unpack_from(end + "IIQQQQ", data, at)
+            else:
+                _, off, _, _, filesz = struct.unpack_from(end + "IIIII", data, at)
+            if off + filesz > len(data):
+                return f"it is cut short ({len(data)} bytes; a segment ends at byte {off + filesz})"
+    except struct.error:
+        return "its ELF headers are cut short"
+    return ""
+
+
+def _open(path: Path) -> tuple[ctypes.CDLL | None, str]:
+    """Load ``path`` and bind every kernel's signature; (None, why) when it is not a loadable library with all
+    of hetforge's symbols (an empty, truncated or foreign file in the cache)."""
+    try:
+        damage = elf_damage(path)
+    except OSError as e:
+        return None, str(e)
+    if damage:
+        return None, damage
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as e:
+        return None, str(e).splitlines()[0]
+    missing = [name for name in SIGNATURES if not hasattr(lib, name)]
+    if missing:
+        with contextlib.suppress(Exception):  # unload it so the rebuilt file at the same path is really read
+            import _ctypes
+
+            _ctypes.dlclose(lib._handle)
+        return None, f"it lacks hetforge's symbol(s) {', '.join(missing[:3])}"
+    for name, argtypes in SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = argtypes, None
+    lib.hf_read_stream.restype = _F
+    return lib, ""
+
+
 def _load() -> tuple[ctypes.CDLL | None, NativeStatus]:
     if os.environ.get("HETFORGE_NATIVE", "1") == "0":
         return None, NativeStatus(False, reason="disabled by HETFORGE_NATIVE=0")
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         return None, NativeStatus(False, reason="no C compiler (cc/gcc) on PATH")
-    src = SOURCE.read_bytes()
     errors = []
     for flags in FLAG_SETS:
-        key = hashlib.sha256(src + " ".join([cc, *flags]).encode() + _cpu_tag().encode()).hexdigest()[:16]
-        path = cache_dir() / f"hetforge_native_{key}.so"
-        err = None if path.exists() else _build(cc, flags, path)
-        if err is None:
-            try:
-                lib = ctypes.CDLL(str(path))
-            except OSError as e:
-                errors.append(str(e))
-                continue
-            for name, argtypes in SIGNATURES.items():
-                fn = getattr(lib, name)
-                fn.argtypes, fn.restype = argtypes, None
-            lib.hf_read_stream.restype = _F
-            return lib, NativeStatus(True, str(path), "", tuple(flags))
+        path = library_path(cc, flags)
+        rebuilt = ""
+        lib, why = _open(path) if path.exists() else (None, "")
+        if lib is None:
+            if path.exists():  # a cached file that does not load is rebuilt, never used (or skipped) forever
+                rebuilt = f"rebuilt {path.name}: the cached file could not be used ({why})"
+            err = _build(cc, flags, path)
+            if err is None:
+                lib, why = _open(path)
+                err = None if lib is not None else f"built but not loadable: {why}"
+        if lib is not None:
+            return lib, NativeStatus(True, str(path), "", tuple(flags), rebuilt)
         errors.append(f"{cc} {' '.join(flags)}: {err}")
     return None, NativeStatus(False, reason="could not build the native kernels: " + "; ".join(errors))
 

@@ -8,6 +8,7 @@ fine for speed, memory and numerical-fidelity work. Real weights come from a loc
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -214,7 +215,7 @@ def load_model(name: str, attn: str = "sdpa", seed: int = 0, dtype: torch.dtype 
     if attn not in ATTN_IMPLS:
         raise UsageError(f"unknown attention implementation '{attn}'; allowed: {', '.join(ATTN_IMPLS)}")
     path = Path(name)
-    if name not in ZOO and (path.is_dir() or "/" in name or name.startswith(".")):
+    if name not in ZOO and (path.exists() or "/" in name or name.startswith(".")):
         return load_folder(path, attn=attn, dtype=dtype)
     spec = resolve(name)
     if attn not in spec.attn_impls:
@@ -230,19 +231,76 @@ def load_model(name: str, attn: str = "sdpa", seed: int = 0, dtype: torch.dtype 
 # Entries whose weights come from files rather than a seed (the demo model) register a loader here.
 spec_loaders: dict[str, Callable[..., LoadedModel]] = {}
 
+log = logging.getLogger("hetforge")
+
+# encoder-only families: a folder of one of these is a masked LM (never generated from as if causal)
+MASKED_LM_TYPES = frozenset({"bert", "roberta", "distilbert", "albert", "electra", "deberta", "deberta-v2",
+                             "xlm-roberta", "camembert", "mpnet", "modernbert", "megatron-bert", "ernie"})
+
+
+def folder_kind(cfg: dict) -> str:
+    """``masked-lm`` for an encoder-only checkpoint (by architecture name or model type), else ``causal-lm``."""
+    archs = cfg.get("architectures") or []
+    if any(isinstance(a, str) and a.endswith("ForMaskedLM") for a in archs):
+        return "masked-lm"
+    if any(isinstance(a, str) and a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs):
+        return "causal-lm"
+    return "masked-lm" if cfg.get("model_type") in MASKED_LM_TYPES else "causal-lm"
+
+
+def _no_sdpa(e: Exception) -> bool:
+    return isinstance(e, ValueError) and "scaled_dot_product_attention" in str(e)
+
+
+def _from_pretrained(auto, path: Path, attn: str, dtype: torch.dtype):
+    """``auto.from_pretrained`` with the loading report (missing/unexpected/mismatched tensors) and no
+    progress bars (hetforge prints its own measured timings; stdout/stderr stay clean under ``--json``)."""
+    from transformers import AutoConfig
+    from transformers.utils import logging as hf_logging
+
+    bars, verbosity = hf_logging.is_progress_bar_enabled(), hf_logging.get_verbosity()
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()  # its multi-line load report: hetforge checks the same facts below, in one line
+    try:
+        config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+        config._attn_implementation = attn
+        return auto.from_pretrained(str(path), config=config, local_files_only=True, dtype=dtype,
+                                    output_loading_info=True)
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
+
+
+def _names(keys, limit: int = 5) -> str:
+    keys = sorted(str(k[0] if isinstance(k, tuple) else k) for k in keys)
+    more = f" and {len(keys) - limit} more" if len(keys) > limit else ""
+    return ", ".join(keys[:limit]) + more
+
 
 def load_folder(path: Path, attn: str = "sdpa", dtype: torch.dtype = torch.float32) -> LoadedModel:
-    """Load a local Hugging Face folder (config.json + safetensors), naming any bad file."""
+    """Load a local Hugging Face folder (config.json + safetensors), naming any bad file.
+
+    Every tensor the architecture expects must be in the checkpoint and every checkpoint tensor must be used:
+    a missing one would otherwise run with random weights. An architecture whose transformers code has no
+    SDPA attention is loaded with eager attention, and a warning says so."""
+    if path.is_file():
+        raise UsageError(f"'{path}' is a file; give a model folder (config.json + weights) or a zoo name")
     if not path.is_dir():
         raise ModelFolderError(f"model folder '{path}' does not exist")
     cfg_file = path / "config.json"
+    if cfg_file.is_dir():
+        raise ModelFolderError(f"'{cfg_file}' is a folder, not a file: a model folder needs config.json and weights")
     if not cfg_file.is_file():
         raise ModelFolderError(f"'{cfg_file}' is missing: a model folder needs config.json and weights")
     try:
         cfg_dict = json.loads(cfg_file.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ModelFolderError(f"'{cfg_file}' is not valid JSON: {e}") from None
-    if "model_type" not in cfg_dict:
+    if not isinstance(cfg_dict, dict):
+        raise ModelFolderError(f"'{cfg_file}' holds {type(cfg_dict).__name__ if cfg_dict is not None else 'null'}, "
+                               "not a JSON object of model settings")
+    if not isinstance(cfg_dict.get("model_type"), str):
         raise ModelFolderError(f"'{cfg_file}' has no 'model_type' field, so its architecture is unknown")
     weights = sorted(path.glob("*.safetensors")) + sorted(path.glob("pytorch_model*.bin"))
     if not weights:
@@ -256,14 +314,36 @@ def load_folder(path: Path, attn: str = "sdpa", dtype: torch.dtype = torch.float
                     list(f.keys())
             except Exception as e:  # safetensors raises its own error types for corrupt headers
                 raise ModelFolderError(f"'{w}' is corrupt or truncated: {str(e).splitlines()[0]}") from None
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
 
+    kind = folder_kind(cfg_dict)
+    auto = AutoModelForMaskedLM if kind == "masked-lm" else AutoModelForCausalLM
     try:
-        config = AutoConfig.from_pretrained(str(path), local_files_only=True)
-        config._attn_implementation = attn
-        model = AutoModelForCausalLM.from_pretrained(str(path), config=config, local_files_only=True, dtype=dtype)
+        try:
+            model, info = _from_pretrained(auto, path, attn, dtype)
+        except Exception as e:
+            if not (attn == "sdpa" and _no_sdpa(e)):
+                raise
+            log.warning("note: %s has no SDPA attention in transformers; loading it with eager attention",
+                        cfg_dict["model_type"])
+            attn = "eager"
+            model, info = _from_pretrained(auto, path, attn, dtype)
     except Exception as e:
-        raise ModelFolderError(f"could not load '{path}': {str(e).splitlines()[0]}") from None
+        raise ModelFolderError(f"could not load '{path}': {str(e).splitlines()[0] if str(e) else type(e).__name__}") \
+            from None
+    bad = []
+    if info.get("missing_keys"):
+        bad.append(f"missing {len(info['missing_keys'])} tensor(s) the model needs: {_names(info['missing_keys'])}")
+    if info.get("unexpected_keys"):
+        bad.append(f"{len(info['unexpected_keys'])} tensor(s) the model does not use: "
+                   f"{_names(info['unexpected_keys'])}")
+    if info.get("mismatched_keys"):
+        bad.append(f"{len(info['mismatched_keys'])} tensor(s) of the wrong shape: {_names(info['mismatched_keys'])}")
+    if bad:
+        why = " (refusing to run with randomly initialised weights)" if info.get("missing_keys") else ""
+        raise ModelFolderError(f"checkpoint in '{path}' does not match its config ({cfg_dict['model_type']}): "
+                               + "; ".join(bad) + why)
+    config = model.config
     tokenizer = None
     if (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file():
         from transformers import AutoTokenizer
@@ -272,7 +352,7 @@ def load_folder(path: Path, attn: str = "sdpa", dtype: torch.dtype = torch.float
             tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
         except Exception as e:
             raise ModelFolderError(f"tokenizer in '{path}' could not be loaded: {str(e).splitlines()[0]}") from None
-    return LoadedModel(path.name, config.model_type, "causal-lm", model.eval(), config, attn, str(path), tokenizer)
+    return LoadedModel(path.name, config.model_type, kind, model.eval(), config, attn, str(path), tokenizer)
 
 
 def example_inputs(loaded: LoadedModel, seq: int = 16, batch: int = 1, seed: int = 0) -> tuple[torch.Tensor, ...]:

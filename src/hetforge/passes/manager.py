@@ -166,7 +166,9 @@ class _Pipeline:
             return
         path = self.dump_dir / f"{index:02d}_{name}.txt"
         text = "\n".join(f"# {ln}" for ln in header.splitlines()) + "\n\n" + gm.print_readable(print_output=False)
-        path.write_text(text)
+        from hetforge.files import write_text
+
+        write_text(path, text, "--dump-dir file")
         self.dumped.append(str(path))
 
 

@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -95,20 +93,10 @@ def save_genplan(engine, prefill_tiers: list[int], cache_lengths: list[int], pat
     doc = {"format": FORMAT, "model": engine.loaded.name, "weights": weights_fingerprint(engine.loaded.model),
            "soc": soc.name, "soc_hash": soc_hash(soc), "soc_text": _soc_text(soc), "strategy": ex.strategy,
            "objective": ex.objective, "quantize": ex.quantize, "group_size": ex.group_size, "programs": programs}
-    _write_atomic(path, json.dumps(doc))
+    from hetforge.files import write_text
+
+    write_text(path, json.dumps(doc), "--out")
     return doc
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def _read(path: Path) -> dict[str, Any]:

@@ -8,11 +8,11 @@ one token), then one draw from a ``torch.Generator`` owned by the request.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
-from hetforge.errors import UsageError
+from hetforge.errors import HetforgeError, UsageError
 
 
 @dataclass(frozen=True)
@@ -41,6 +41,8 @@ class SamplingParams:
             raise UsageError(f"--repetition-penalty must be > 0 (got {self.repetition_penalty}); 1 turns it off")
         if any(s == "" for s in self.stop):
             raise UsageError("--stop strings must not be empty")
+        if not -(2**63) <= self.seed < 2**64:  # what torch.Generator.manual_seed accepts
+            raise UsageError(f"--seed must be in -2**63..2**64-1 (got {self.seed})")
 
     @property
     def greedy(self) -> bool:
@@ -93,4 +95,20 @@ class Sampler:
         if self.params.greedy:
             return int(torch.argmax(x))
         probs = torch.softmax(x, dim=-1)
+        if not bool(torch.isfinite(probs).all()):
+            return self._non_finite(logits, x)
         return int(torch.multinomial(probs, 1, generator=self.generator))
+
+    def _non_finite(self, logits: torch.Tensor, x: torch.Tensor) -> int:
+        """Softmax overflowed: NaN logits are the model's fault (an error); +inf logits come from a tiny
+        temperature, whose limit is greedy decoding among the largest values."""
+        if bool(torch.isnan(logits.reshape(-1)[: self.vocab_size]).any()):
+            raise HetforgeError("the model produced NaN logits, so no token can be sampled (are its weights "
+                                "finite? try the same prompt with --temperature 0 to see whether it runs at all)")
+        saved = self.params
+        self.params = replace(saved, temperature=1.0)  # same order of tokens, no overflow
+        try:
+            y = self.process(logits)
+        finally:
+            self.params = saved
+        return int(torch.argmax(y.masked_fill(x == float("-inf"), float("-inf"))))

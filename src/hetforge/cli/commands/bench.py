@@ -65,6 +65,10 @@ def peers(
     from hetforge.benchmarks.report import fmt, write_report
     from hetforge.benchmarks.systems import SYSTEMS
 
+    if out_dir is not None:
+        from hetforge.files import check_output_dir
+
+        check_output_dir(out_dir, "--out-dir")  # before minutes of benchmarking
     model_list = _split(models) or (list(QUICK_MODELS) if quick else list(DEFAULT_MODELS))
     cfg = SuiteConfig(models=model_list, systems=_split(systems) or list(SYSTEMS), repeats=1 if quick else repeats,
                       quick=quick, seq=seq, threads=threads, isolate=not in_process, warm=not (no_warm or quick),

@@ -72,9 +72,12 @@ def compile_cmd(
     json_out: bool = typer.Option(False, "--json", help="print JSON"),
 ) -> None:
     """Compile a model: instructions per device, transfers, device switches, memory plan, seconds per stage."""
-    for f in (out, text):
-        if f is not None and not f.parent.is_dir():
-            raise UsageError(f"cannot write '{f}': folder '{f.parent}' does not exist")
+    from hetforge.files import check_output
+
+    if out is not None:
+        check_output(out, "--out", example="plan.json")  # a bad path fails before any work
+    if text is not None:
+        check_output(text, "--text", example="program.txt")
     if generate:
         _compile_generation(model, soc, strategy, objective, quantize, group_size, tiers, cache, out, json_out)
         return
@@ -83,11 +86,11 @@ def compile_cmd(
     if out is not None:
         from hetforge.ir import save_program
 
-        save_program(res.program, out)
+        save_program(res.program, out, "--out")
     if text is not None:
-        from hetforge.cli.commands.frontend import _write_text_atomically
+        from hetforge.files import write_text
 
-        _write_text_atomically(text, res.program.text())
+        write_text(text, res.program.text(), "--text")
     rep = res.report()
     rep["seq"] = seq
     rep["objective"] = objective if strategy != "support" else None
@@ -170,6 +173,9 @@ def run_graph(
         raise UsageError("--profile must be >= 0")
     if kl_threshold is None:
         kl_threshold = 1e-8 if quantize == "none" else 1e-2
+    from hetforge.verify import check_kl_threshold
+
+    check_kl_threshold(kl_threshold)
     res = _compile(model, seq, soc, strategy, attn, passes, mode, build=True, objective=objective,
                    quantize=quantize, group_size=group_size)
     module, inputs, exe = res.extra["module"], res.example_inputs, res.executable
@@ -224,6 +230,9 @@ def _compile_generation(model: str, soc: str, strategy: str, objective: str, qua
 
     if out is None:
         raise UsageError("--generate writes a plan: give --out FILE")
+    from hetforge.files import check_output
+
+    check_output(out, "--out", example="plan.hfp")
     pre, dec = _lengths("--tiers", tiers), _lengths("--cache", cache)
     engine = make_engine(model, soc, "backend", quantize, group_size, strategy, objective)
     doc = save_genplan(engine, pre, dec, out)

@@ -8,7 +8,6 @@ import typer
 from rich.table import Table
 
 from hetforge.cli.common import app, console, emit_json, handles_errors
-from hetforge.errors import UsageError
 
 ATTN_HELP = "attention implementation: eager or sdpa"
 
@@ -58,12 +57,16 @@ def capture(
     json_out: bool = typer.Option(False, "--json", help="print JSON"),
 ) -> None:
     """Capture a model with torch.export: node counts by op, parameter count, capture time."""
+    from hetforge.files import check_output, write_text
+
+    if dump is not None:
+        check_output(dump, "--dump", example="graph.txt")  # a bad path fails before the model is built
     loaded, _, cg = capture_model(model, seq, attn, strict)
     counts = cg.op_counts()
     if dump is not None:
-        _write_text_atomically(dump, cg.gm.print_readable(print_output=False))
+        write_text(dump, cg.gm.print_readable(print_output=False), "--dump")
     report = {
-        "model": loaded.name, "seq": seq, "attn": attn, "strict": strict, "nodes": cg.num_nodes,
+        "model": loaded.name, "seq": seq, "attn": loaded.attn, "strict": strict, "nodes": cg.num_nodes,
         "parameters": cg.num_parameters, "capture_seconds": cg.seconds,
         "ops": dict(counts.most_common()), "weights": loaded.weights,
     }
@@ -81,15 +84,6 @@ def capture(
         console.print(f"graph written to {dump}")
 
 
-def _write_text_atomically(path: Path, text: str) -> None:
-    """Write via a temporary file so a failure never leaves half a file behind."""
-    if path.parent and not path.parent.exists():
-        raise UsageError(f"cannot write '{path}': folder '{path.parent}' does not exist")
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
-
-
 @app.command()
 @handles_errors
 def verify(
@@ -100,8 +94,10 @@ def verify(
     json_out: bool = typer.Option(False, "--json", help="print JSON"),
 ) -> None:
     """Capture a model and compare the captured graph with eager: abs error, KL, top-1 agreement."""
+    from hetforge.verify import check_kl_threshold
     from hetforge.verify import verify as run_verify
 
+    check_kl_threshold(kl_threshold)
     loaded, inputs, cg = capture_model(model, seq, attn, False)
     rep = run_verify(loaded.logits_module(), cg.gm, inputs, kl_threshold=kl_threshold)
     d = {"model": loaded.name, "stage": "capture", **rep.to_dict()}

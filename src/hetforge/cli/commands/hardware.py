@@ -61,8 +61,14 @@ def calibrate(
         raise UsageError(f"--clock must be 'wall' or 'thread', got '{clock}'")
     if clock == "thread" and threads != 1:
         raise UsageError("--clock thread needs --threads 1 (thread CPU time misses other threads' work)")
-    if path.exists() and path.is_dir():
-        raise UsageError(f"--out '{path}' is a folder; give a file name such as {path / 'host.json'}")
+    if out is not None:
+        import contextlib
+
+        from hetforge.files import check_output
+
+        with contextlib.suppress(OSError):  # the profile's folder is made if needed (a bad one is reported next)
+            out.parent.mkdir(parents=True, exist_ok=True)
+        check_output(out, "--out", example="host.json")  # before the minutes of measuring
     with Progress(TextColumn("[bold]calibrate[/] {task.description}"), BarColumn(), TimeElapsedColumn(),
                   console=err_console, transient=True, disable=json_out) as prog:
         task = prog.add_task("starting", total=n_steps(quick))
@@ -130,6 +136,9 @@ def _terms_line(name: str, terms: dict[str, dict]) -> str:
             f"calibrated per-op factors: {cal['value'] or 'none'}")
 
 
+TEMP_RANGE_C = (-40.0, 150.0)  # industrial ambient minimum .. silicon junction maximum
+
+
 @app.command()
 @handles_errors
 def profile(
@@ -149,10 +158,13 @@ def profile(
 
     if seq < 1:
         raise UsageError(f"--seq must be ≥ 1, got {seq}")
-    if plot is not None and plot.suffix.lower() not in (".png", ".svg"):
-        raise UsageError(f"--plot '{plot}': the file must end in .png or .svg")
-    if plot is not None and not plot.parent.exists():
-        raise UsageError(f"--plot '{plot}': folder '{plot.parent}' does not exist")
+    if temp is not None and not TEMP_RANGE_C[0] <= temp <= TEMP_RANGE_C[1]:  # also refuses NaN
+        raise UsageError(f"--temp must be a device temperature in {TEMP_RANGE_C[0]:g}..{TEMP_RANGE_C[1]:g} °C, "
+                         f"got {temp}")
+    if plot is not None:
+        from hetforge.files import check_output
+
+        check_output(plot, "--plot", (".png", ".svg"), example="roofline.png")  # before any work
     prof = load_soc(soc)
     loaded, _, cg = capture_model(model, seq, attn, False)
     gc = analyze(cg.gm, prof, temp)
@@ -163,7 +175,7 @@ def profile(
     if plot is not None:
         from hetforge.cost.plot import roofline_plot
 
-        roofline_plot(gc, prof, plot, title=f"{loaded.name} seq {seq} on {prof.name} (modeled)")
+        roofline_plot(gc, prof, plot, title=f"{loaded.name} seq {seq} on {prof.name} (modeled)", what="--plot")
     if json_out:
         emit_json({"model": loaded.name, "soc": prof.name, "soc_calibrated": prof.calibrated, "seq": seq,
                    "label": "modeled", "temp_c": temp, "devices": devs, "totals": totals, "layers": layers,

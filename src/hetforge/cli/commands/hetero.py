@@ -115,8 +115,10 @@ def hetero(
 
 
 def _check_counts(repeat: int, warmup: int, trace: Path | None = None) -> None:
-    if trace is not None and trace.is_dir():
-        raise UsageError(f"--trace '{trace}' is a folder; give a file name such as {trace / 'trace.json'}")
+    if trace is not None:
+        from hetforge.files import check_output
+
+        check_output(trace, "--trace", example="trace.json")  # a bad path fails before any work
     if repeat < 1:
         raise UsageError(f"--repeat must be ≥ 1, got {repeat}")
     if warmup < 0:
@@ -189,6 +191,8 @@ def _print_result(res, header: dict) -> None:
 def run_plan(
     model: str = typer.Argument(..., help="the model the plan was compiled for (zoo name or local HF folder)"),
     plan: Path = typer.Option(..., "--plan", help="plan file written by `hetforge compile MODEL --out FILE`"),
+    soc: str | None = typer.Option(None, "--soc", help="check the plan was compiled for this SoC profile (the plan "
+                                   "carries its own; a different one is refused)"),
     backend: list[str] = typer.Option(None, "--backend", help=BACKEND_HELP),
     policy: str = typer.Option("exact", "--policy", help=POLICY_HELP),
     repeat: int = typer.Option(5, "--repeat", help="timed runs (median reported)"),
@@ -197,14 +201,13 @@ def run_plan(
     json_out: bool = typer.Option(False, "--json", help="print JSON"),
 ) -> None:
     """Run a compiled plan: its partitions on their devices' backends (real or emulated), verified against eager."""
-    from hetforge.hardware import load_soc
-    from hetforge.hetero.plan import load_plan, plan_inputs, read_header
+    from hetforge.hetero.plan import load_plan, plan_inputs, plan_soc, read_header
     from hetforge.hetero.program import partition_program
     from hetforge.models.zoo import load_model
 
     _check_counts(repeat, warmup, trace)
-    header = read_header(plan)  # a missing or non-plan file fails before the model is built
-    prof = load_soc(str(header.get("soc")))
+    header = read_header(plan)  # a missing, non-plan or malformed file fails before the model is built
+    prof = plan_soc(plan, header, soc)
     bindings = _bindings(prof, backend, policy)
     loaded = load_model(model)
     module = loaded.logits_module().eval()

@@ -36,7 +36,7 @@ def optimize(
     from hetforge.cli.commands.frontend import capture_model
     from hetforge.passes import optimize as run_optimize
     from hetforge.passes import resolve_passes
-    from hetforge.verify import verify
+    from hetforge.verify import check_kl_threshold, verify
 
     names = resolve_passes(passes)  # bad names fail before the model is built
     if quantize != "none":
@@ -45,6 +45,7 @@ def optimize(
         check_options(quantize, group_size, tuple(skip))
     if kl_threshold is None:
         kl_threshold = 1e-8 if quantize == "none" else 1e-2
+    check_kl_threshold(kl_threshold)
     loaded, inputs, cg = capture_model(model, seq, attn, False)
     res = run_optimize(cg.gm, inputs, passes=names, verify_each=verify_each, dump_dir=dump_dir,
                        kl_threshold=1e-8)

@@ -126,8 +126,10 @@ def pareto(
         raise UsageError(f"unknown --latency '{latency_mode}'; valid: bottleneck, total")
     if aux not in ("power", "cost"):
         raise UsageError(f"unknown --aux '{aux}'; valid: power, cost")
-    if plot is not None and not plot.parent.is_dir():
-        raise UsageError(f"cannot write '{plot}': folder '{plot.parent}' does not exist")
+    if plot is not None:
+        from hetforge.files import check_output
+
+        check_output(plot, "--plot", (".png", ".svg"), example="front.png")  # before the search
     soc_p = load_soc(soc)
     gm = placement_graph(model, seq, attn, passes)
     if search not in ("auto", "exact", "pgsam"):
@@ -138,7 +140,7 @@ def pareto(
     s = pl.extra["search"]
     who = "exact front" if s["method"] == "exact" else "PGSAM front"
     if plot is not None:
-        plot_front(front, plot, f"{model} on {soc_p.name}: {who} (modeled, f2 = {latency_mode})")
+        plot = plot_front(front, plot, f"{model} on {soc_p.name}: {who} (modeled, f2 = {latency_mode})")
     rep = {"model": model, "soc": soc_p.name, "objective": objective, "latency_mode": latency_mode,
            "front": front, "aux": pl.extra["aux"], "search": pl.extra["search"], "label": "modeled",
            "plot": str(plot) if plot else None}
@@ -163,7 +165,7 @@ def pareto(
                   + (f"; plot written to {plot}" if plot else ""), highlight=False)
 
 
-def plot_front(front: list[dict], path: Path, title: str) -> None:
+def plot_front(front: list[dict], path: Path, title: str, what: str = "--plot") -> Path:
     """Energy vs latency scatter of the front, colored by min DASI, the chosen point ringed."""
     import matplotlib
 
@@ -183,5 +185,9 @@ def plot_front(front: list[dict], path: Path, title: str) -> None:
     ax.set_ylabel("energy (mJ, modeled)")
     ax.set_title(title, fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    from hetforge.files import save_figure
+
+    try:
+        return save_figure(fig, path, what, dpi=120)
+    finally:
+        plt.close(fig)

@@ -15,16 +15,6 @@ STRATEGY_HELP = ("placement strategy: rules, greedy, pgsam, support, single (eve
                  "(everything on that device)")
 
 
-def check_output_path(path: Path, suffix: str) -> None:
-    """Refuse an output path whose folder is missing or that names a folder, before any work."""
-    from hetforge.errors import UsageError
-
-    if path.is_dir():
-        raise UsageError(f"'{path}' is a folder; give a file name ending in {suffix}")
-    if not path.parent.is_dir():
-        raise UsageError(f"the folder of '{path}' does not exist; create it or choose another path")
-
-
 def placed_lines(r) -> list[str]:
     """Modeled SoC figures (prefill, decode per token, per device) and measured runner overheads."""
     pl = r.placed
@@ -96,7 +86,9 @@ def run(
                             ignore_eos=ignore_eos)
     set_threads(threads)
     if trace is not None:
-        check_output_path(trace, ".json")
+        from hetforge.files import check_output
+
+        check_output(trace, "--trace", example="trace.json")
     engine = make_engine(model, soc, executor, quantize, group_size, strategy, objective, backend, policy, plan)
     gen = engine.stream(prompt, params)
     interrupted = False
