@@ -14,8 +14,8 @@ from hetforge.kforge.platforms import ALLOWED_OPS
 DOWNCAST = re.compile(r"(\.half\(|torch\.half\b|\bHalf\b|\bBFloat16\b|float16|bfloat16|__half\b|__nv_bfloat16|kHalf|"
                       r"kBFloat16|float8\w*|_Float16|__fp16)")
 REFERENCE_CALL = re.compile(r"(?<![\w.])(Model\s*\(|get_inputs\s*\(|get_init_inputs\s*\(|kforge_reference)")
-TIMER_PATCH = re.compile(r"(time\.(perf_counter|perf_counter_ns|time|monotonic)\s*=|torch\.cuda\.(synchronize|Event)\s*=|"
-                         r"elapsed_time\s*=)")
+TIMER_PATCH = re.compile(r"(time\.(perf_counter|perf_counter_ns|time|monotonic)\s*=|"
+                         r"torch\.cuda\.(synchronize|Event)\s*=|elapsed_time\s*=)")
 
 
 def static_violations(code: str) -> list[str]:

@@ -587,9 +587,17 @@ SEARCH_ORDER = {
 }
 
 
-def next_tunables(tried: list[Tunables], best: Tunables, knobs: list[str]) -> Tunables | None:
-    """The next untried setting: turn the advised knobs first (from the best so far), then any other."""
-    for knob in list(knobs) + [k for k in SEARCH_ORDER if k not in knobs]:
+GEMM_KNOBS = ("mb", "nb")
+
+
+def has_gemm(ep) -> bool:
+    return any(str(n.target) in ("aten.mm.default", "aten.addmm.default") for n in ep.graph.nodes)
+
+
+def next_tunables(tried: list[Tunables], best: Tunables, knobs: list[str], gemm: bool = True) -> Tunables | None:
+    """The next untried setting: turn the advised knobs first (from the best so far), then any other that applies."""
+    order = list(dict.fromkeys(list(knobs) + list(SEARCH_ORDER)))
+    for knob in [k for k in order if k in SEARCH_ORDER and (gemm or k not in GEMM_KNOBS)]:
         for v in SEARCH_ORDER.get(knob, []):
             t = replace(best, **{knob: v})
             if t not in tried:

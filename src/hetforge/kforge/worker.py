@@ -250,7 +250,8 @@ def candidate(spec: dict) -> None:
             # Double run with uninitialised memory filled with NaN: an output that reads memory it never wrote changes.
             torch.use_deterministic_algorithms(True, warn_only=True)
             torch.utils.deterministic.fill_uninitialized_memory = True
-            again = [x.detach().clone() if isinstance(x, torch.Tensor) else x for x in _as_list(model(*refs["inputs"][0]))]
+            again = [x.detach().clone() if isinstance(x, torch.Tensor) else x
+                     for x in _as_list(model(*refs["inputs"][0]))]
             torch.use_deterministic_algorithms(False)
     except Exception as e:
         res.phase("run", False, error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc()[-4000:])
