@@ -155,3 +155,69 @@ def run_cmd(
     if usage.calls and usage.tokens_in:
         console.print(f"tokens: {usage.tokens_in} in, {usage.tokens_out} out, ${usage.cost_usd:.4f}")
     console.print(f"attempts, code and logs: {out}")
+
+
+@kforge_app.command("register")
+@handles_errors
+def register_cmd(
+    problem: str = typer.Argument(..., help="the problem (shipped name or file) the kernel solves"),
+    kernel: Path | None = typer.Option(None, "--kernel", help="a passing offline-format candidate file"),
+    run: Path | None = typer.Option(None, "--run", help="a `kforge run` folder: take this problem's best kernel"),
+    json_out: bool = typer.Option(False, "--json", help="print JSON"),
+) -> None:
+    """Turn a passing kernel into a hetforge op, substitute it into captured graphs, and check fidelity end to end."""
+    import torch
+
+    from hetforge.kforge import register
+    from hetforge.kforge.harness import cache_root
+    from hetforge.kforge.problems import resolve
+
+    ps = resolve(problem)
+    if len(ps) != 1:
+        raise UsageError("register takes exactly one problem")
+    p = ps[0]
+    measured = None
+    if (kernel is None) == (run is None):
+        raise UsageError("give exactly one of --kernel FILE or --run DIR")
+    if run is not None:
+        sj = run / "summary.json"
+        if not sj.is_file():
+            raise UsageError(f"'{run}' holds no summary.json (is it a `kforge run` folder?)")
+        row = next((r for r in json.loads(sj.read_text())["problems"] if r["name"] == p.name), None)
+        if row is None or not row["correct"] or not row["best_code"]:
+            raise UsageError(f"run '{run}' has no passing kernel for '{p.name}'")
+        kernel, measured = Path(row["best_code"]), row["time_s"]
+    if not kernel.is_file():
+        raise UsageError(f"kernel file '{kernel}' does not exist")
+    reg = register.register_kernel(p, kernel, measured)
+    mod = p.load()
+    torch.manual_seed(0)
+    inner = mod.Model(*mod.get_init_inputs()).eval()
+    xs = tuple(mod.get_inputs())
+
+    class Wrapped(torch.nn.Module):
+        """The problem inside a larger model: a tanh before it and a +1 after it."""
+
+        def __init__(self):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, *a):
+            return self.inner(torch.tanh(a[0]), *a[1:]) + 1.0
+
+    checks = {"problem model": register.fidelity(inner, xs, reg), "wrapped model": register.fidelity(Wrapped(), xs,
+                                                                                                      reg)}
+    manifest = register.save_manifest(reg, cache_root() / "ops")
+    rep = {"op": reg.op_name, "kernel": str(kernel), "measured_s": measured, "devices": ["cpu"],
+           "manifest": str(manifest), "fidelity": checks}
+    if json_out:
+        emit_json(rep)
+    else:
+        console.print(f"registered {reg.op_name} (cpu; kernel {kernel})")
+        for k, c in checks.items():
+            console.print(f"  {k}: substituted {c['substituted']}x, max abs error {c['max_abs_err']:.3g} "
+                          f"({'ok' if c['ok'] else 'FAILED'})")
+    if not all(c["ok"] for c in checks.values()):
+        from hetforge.errors import HetforgeError
+
+        raise HetforgeError(f"fidelity check failed for {reg.op_name}")
