@@ -1,0 +1,22 @@
+"""Linear plus residual, ReLU (GEMM + tail ops)."""
+
+import torch
+import torch.nn as nn
+
+
+class Model(nn.Module):
+    def __init__(self, in_features, out_features):
+        super().__init__()
+        self.linear = nn.Linear(in_features, out_features)
+
+    def forward(self, x, residual):
+        y = self.linear(x)
+        return torch.relu(y + residual)
+
+
+def get_inputs():
+    return [torch.randn(128, 512), torch.randn(128, 512)]
+
+
+def get_init_inputs():
+    return [512, 512]

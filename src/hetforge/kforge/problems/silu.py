@@ -1,0 +1,22 @@
+"""SiLU / swish (single op)."""
+
+import torch
+import torch.nn as nn
+
+SHAPE = (512, 1024)
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+
+    def forward(self, x):
+        return torch.nn.functional.silu(x)
+
+
+def get_inputs():
+    return [torch.randn(SHAPE)]
+
+
+def get_init_inputs():
+    return []

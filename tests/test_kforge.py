@@ -1,0 +1,178 @@
+"""KForge: the problem set, the offline generator, and the harness's guardrails against cheating candidates.
+
+Every harness test runs real worker subprocesses and real load_inline builds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from hetforge.errors import UsageError
+from hetforge.kforge import harness, offline, platforms, problems
+
+sys.path.insert(0, str(Path(__file__).parent))
+import kforge_cands as C  # noqa: E402
+
+PEAK, BW = 1e12, 1e12  # a generous roofline so no honest time is flagged (the roofline test sets its own)
+
+
+@pytest.fixture(scope="module")
+def cfg(tmp_path_factory):
+    return harness.Config(trials=3, threads=1, warmup=1, reps=5, budget_s=0.2, flush_bytes=1 << 20, timeout_s=120,
+                          compile_baseline=False, cache=tmp_path_factory.mktemp("kforge_cache"))
+
+
+@pytest.fixture(scope="module")
+def relu(cfg):
+    p = problems.resolve("relu")[0]
+    return p, harness.reference(p, cfg)
+
+
+def _eval(relu, cfg, code, tmp_path, **kw):
+    p, ref = relu
+    return harness.evaluate(p, code, platforms.get("cpp"), kw.pop("ref", ref), tmp_path / "att", cfg,
+                            kw.pop("peak", PEAK), kw.pop("bw", BW))
+
+
+def test_shipped_set_has_at_least_30_problems_covering_the_categories():
+    ps = problems.resolve("all")
+    assert len(ps) >= 30
+    cats = {p.category for p in ps}
+    for want in ("single op", "GEMM + tail ops", "norm", "softmax", "attention piece", "MoE combine"):
+        assert want in cats, want
+
+
+def test_problem_file_missing_get_inputs_names_it(tmp_path):
+    f = tmp_path / "bad.py"
+    f.write_text("import torch\nclass Model(torch.nn.Module):\n    pass\ndef get_init_inputs():\n    return []\n")
+    with pytest.raises(UsageError, match="lacks get_inputs"):
+        problems.resolve(str(f))
+    with pytest.raises(UsageError, match="unknown problem 'nosuch'"):
+        problems.resolve("nosuch")
+
+
+def test_user_folder_in_the_format_is_read(tmp_path):
+    (tmp_path / "double.py").write_text(
+        '"""Double (single op)."""\nimport torch\nclass Model(torch.nn.Module):\n    def forward(self, x):\n'
+        '        return x * 2\ndef get_inputs():\n    return [torch.randn(4, 8)]\n'
+        'def get_init_inputs():\n    return []\n')
+    ps = problems.resolve(str(tmp_path))
+    assert [p.name for p in ps] == ["double"] and ps[0].category == "single op"
+
+
+@pytest.mark.parametrize("name", ["linear_layernorm", "softmax", "add_rmsnorm", "matmul", "logsumexp"])
+def test_offline_kernel_matches_reference(name, cfg, monkeypatch):
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(cfg.cache / "extensions"))
+    p = problems.resolve(name)[0]
+    code = offline.generate(p, offline.Tunables(nb=8, mb=4))
+    f = cfg.cache / f"gen_{name}.py"
+    f.write_text(code)
+    cand = problems.load_module(f, f"gen_{name}")
+    ref_mod = p.load()
+    init = ref_mod.get_init_inputs()
+    torch.manual_seed(0)
+    ref = ref_mod.Model(*init)
+    new = cand.ModelNew(*init)
+    new.load_state_dict(ref.state_dict())
+    xs = ref_mod.get_inputs()
+    torch.testing.assert_close(new(*xs), ref(*xs), atol=1e-4, rtol=1e-4)
+
+
+def test_offline_generator_names_what_it_cannot_do():
+    with pytest.raises(offline.Unsupported, match="more than one GEMM"):
+        offline.generate(problems.resolve("swiglu_mlp")[0], offline.Tunables())
+
+
+def test_next_tunables_follows_the_advised_knob_and_skips_gemm_knobs_without_a_gemm():
+    base = offline.Tunables()
+    assert offline.next_tunables([base], base, ["fast_math"]).fast_math is True
+    t = offline.next_tunables([base], base, ["nb"], gemm=False)
+    assert t.nb == base.nb and t != base
+
+
+def test_honest_candidate_is_correct_and_timed(relu, cfg, tmp_path):
+    att = _eval(relu, cfg, C.HONEST, tmp_path)
+    assert att.compiled and att.correct, att.error
+    assert att.time_s and att.time_s > 0 and att.speedup and att.profile["top"]
+    assert (tmp_path / "att" / "candidate.py").exists() and (tmp_path / "att" / "candidate.log").exists()
+
+
+def test_guard_precision_downcast(relu, cfg, tmp_path):
+    att = _eval(relu, cfg, C.DOWNCAST, tmp_path)
+    assert not att.correct and "precision downcast" in att.error
+
+
+def test_guard_calling_the_reference(relu, cfg, tmp_path):
+    att = _eval(relu, cfg, C.CALLS_REFERENCE, tmp_path)
+    assert not att.correct and "calls the reference" in att.error
+
+
+def test_guard_torch_ops_doing_the_work(relu, cfg, tmp_path):
+    att = _eval(relu, cfg, C.TORCH_DOES_WORK, tmp_path)
+    assert not att.correct and "torch ops do the work" in att.error and "relu" in att.error
+
+
+def test_guard_caching_outputs_across_calls(relu, cfg, tmp_path):
+    att = _eval(relu, cfg, C.CACHES, tmp_path)
+    assert not att.correct and "caches outputs across calls" in att.error
+
+
+def test_guard_mutating_inputs(relu, cfg, tmp_path):
+    att = _eval(relu, cfg, C.MUTATES, tmp_path)
+    assert not att.correct and "mutates its inputs" in att.error
+
+
+def test_guard_uninitialised_memory(relu, cfg, tmp_path):
+    att = _eval(relu, cfg, C.UNINIT, tmp_path)
+    assert not att.correct and "uninitialised memory" in att.error
+
+
+def test_guard_timer_tampering_at_run_time(relu, cfg, tmp_path):
+    assert "perf_counter_ns =" not in C.TIMER  # the static scan cannot see it; the worker must
+    att = _eval(relu, cfg, C.TIMER, tmp_path)
+    assert not att.correct and "timer tampering" in att.error and "perf_counter_ns" in att.error
+
+
+def test_time_below_roofline_bound_is_flagged_not_credited(relu, cfg, tmp_path):
+    p, ref = relu
+    # A baseline slower than the bound (so the bound is trusted) and a bound of 0.1 s no kernel here can beat honestly.
+    slow_ref = dataclasses.replace(ref, eager_s=10.0)
+    bw = ref.nbytes / 0.1
+    att = _eval(relu, cfg, C.HONEST, tmp_path, ref=slow_ref, peak=1e15, bw=bw)
+    assert att.correct and att.flagged and "below the roofline bound" in att.flagged
+    from hetforge.kforge.loop import ProblemResult, fast_p
+
+    assert fast_p([ProblemResult("relu", "x", True, True, att.speedup, flagged=att.flagged)], 0.0) == 0.0
+
+
+def test_segfault_fails_the_attempt_with_the_signal(relu, cfg, tmp_path):
+    att = _eval(relu, cfg, C.SEGFAULT, tmp_path)
+    assert not att.correct and "SIGSEGV" in att.error
+
+
+def test_hang_is_killed_at_the_timeout(relu, cfg, tmp_path):
+    short = dataclasses.replace(cfg, timeout_s=25)
+    p, ref = relu
+    att = harness.evaluate(p, C.HANGS, platforms.get("cpp"), ref, tmp_path / "att", short, PEAK, BW)
+    assert not att.correct and "timed out after 25 s" in att.error
+
+
+def test_platform_slots_say_not_available():
+    for name in ("sycl", "metal"):
+        ok, why = platforms.get(name).available()
+        assert not ok and "not available on this host" in why
+    if not torch.cuda.is_available():
+        ok, why = platforms.get("cuda").available()
+        assert not ok and "not available on this host" in why
+    import importlib.util
+
+    if importlib.util.find_spec("triton") is None:
+        ok, why = platforms.get("triton").available()
+        assert not ok and "not available on this host" in why
+    with pytest.raises(UsageError):
+        platforms.get("opencl")
