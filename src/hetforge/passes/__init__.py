@@ -11,6 +11,7 @@ from hetforge.passes.common import FUSED_OPS, NearMiss, PassResult, Rewrite, cop
 from hetforge.passes.constfold import constant_fold
 from hetforge.passes.cse import cse
 from hetforge.passes.manager import PASS_NAMES, PASSES, OptimizeResult, optimize, resolve_passes, unknown_ops
+from hetforge.passes.moe import fuse_moe
 from hetforge.passes.normfusion import fuse_norms
 from hetforge.passes.opfusion import fuse_operators
 
@@ -27,6 +28,7 @@ __all__ = [
     "copy_gm",
     "cse",
     "fuse_attention",
+    "fuse_moe",
     "fuse_norms",
     "fuse_operators",
     "fused_counts",

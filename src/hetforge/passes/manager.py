@@ -26,6 +26,7 @@ from hetforge.passes.cleanup import cleanup
 from hetforge.passes.common import PassResult, copy_gm, fused_counts, num_nodes
 from hetforge.passes.constfold import DEFAULT_MAX_BYTES, constant_fold
 from hetforge.passes.cse import cse
+from hetforge.passes.moe import fuse_moe
 from hetforge.passes.normfusion import fuse_norms
 from hetforge.passes.opfusion import fuse_operators
 
@@ -33,6 +34,7 @@ PASSES: dict[str, Callable[..., PassResult]] = {
     "cleanup": cleanup,
     "constant_fold": constant_fold,
     "cse": cse,
+    "moe": fuse_moe,
     "attention": fuse_attention,
     "op_fusion": fuse_operators,
     "norm_fusion": fuse_norms,
