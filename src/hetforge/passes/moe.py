@@ -234,11 +234,12 @@ def _fuse_one(gm: GraphModule, tk: Node, layer: int, fm) -> tuple[Node, list[Nod
     else:
         raise _Miss(f"candidate MoE op differs from the block on a random input (max |Δ| = {worst:.3g}); "
                     "variant not recognised")
-    args = (x, lin.args[1], gu, dn, p.get("s_gate"), p.get("s_up"), p.get("s_down"), p.get("s_router"))
-    kwargs = {"top_k": top_k, "norm_topk": norm, "act": act, "transposed": tr, "layer": layer}
+    # every schema argument positionally, as torch.export writes a direct call of the op
+    args = (x, lin.args[1], gu, dn, p.get("s_gate"), p.get("s_up"), p.get("s_down"), p.get("s_router"), top_k, norm,
+            act, tr, 0, [], [], layer)
     last = _last(gm, rset)
     with gm.graph.inserting_after(last):
-        new = gm.graph.call_function(torch.ops.hetforge.moe.default, args, kwargs)
+        new = gm.graph.call_function(torch.ops.hetforge.moe.default, args)
     set_val(new, fm)
     inherit_meta(new, out)
     out.replace_all_uses_with(new)
