@@ -13,7 +13,7 @@ from torch import nn
 import hetforge.ops  # noqa: F401  (registers hetforge::moe)
 from hetforge.frontend import capture, op_counts
 from hetforge.models.zoo import example_inputs, load_model
-from hetforge.ops.moe import moe_forward, recording
+from hetforge.ops.moe import auto_group_size, moe_forward, recording
 from hetforge.passes import fuse_moe, optimize
 from hetforge.verify import verify
 
@@ -200,7 +200,7 @@ def test_grouped_execution_equals_per_token_reference(t, group, k, seed):
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
     c = rec.calls[0]
     assert sum(c.routed) == t * k and c.dropped == 0 and c.used == t * k
-    assert c.groups == -(-8 // (group or 8)) and c.groups_run <= c.groups
+    assert c.groups == -(-8 // (group or auto_group_size(t, k, 8))) and c.groups_run <= c.groups
     assert abs(sum(c.mass) - t) < 1e-4  # every token's full softmax sums to 1
 
 
