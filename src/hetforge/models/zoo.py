@@ -120,7 +120,8 @@ ZOO: dict[str, ModelSpec] = {
         ),
         ModelSpec(
             "olmoe-tiny", "olmoe", "causal-lm",
-            lambda: _olmoe(**_TINY_LLAMA, num_experts=8, num_experts_per_tok=2, norm_topk_prob=False),
+            lambda: _olmoe(**_TINY_LLAMA, num_experts=8, num_experts_per_tok=2, norm_topk_prob=False,
+                           bos_token_id=1, eos_token_id=2, pad_token_id=0),
             "OLMoE family: 8 experts top-2, q/k norms (tests)", tiny=True,
         ),
         ModelSpec("qwen2-tiny", "qwen2", "causal-lm", lambda: _qwen2(**_TINY_LLAMA),
