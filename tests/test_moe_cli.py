@@ -82,3 +82,20 @@ def test_calibrate_a_dense_model_is_refused_and_writes_nothing(calib, tmp_path):
     data = calib[0]
     r = runner.invoke(app, ["moe", "calibrate", "llama-tiny", "--data", str(data), "--out", str(tmp_path / "c.json")])
     assert r.exit_code == 2 and "no MoE block" in r.stderr and not (tmp_path / "c.json").exists()
+
+
+def test_residency_json_and_explain_show_each_group(calib):
+    _, out, _, _ = calib
+    r = runner.invoke(app, ["moe", "residency", "mixtral-tiny", "--calib", str(out), "--soc", "snapdragon-x-elite",
+                            "--seq", "512", "--group-size", "2", "--json"])
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.stdout)
+    assert len(d["groups"]) == 2 * 2 and all(g["reason"] and g["device"] in ("cpu", "gpu", "npu") for g in d["groups"])
+    assert set(d["modeled"]) == {"residency", "host_only", "all_groups_on_npu", "npu_per_expert_calls"}
+    best = min(d["modeled"]["host_only"]["time_per_token_s"], d["modeled"]["all_groups_on_npu"]["time_per_token_s"])
+    assert d["modeled"]["residency"]["time_per_token_s"] <= best * (1 + 1e-9)
+    r = runner.invoke(app, ["explain", "mixtral-tiny", "--soc", "snapdragon-x-elite", "--node", "moe_default",
+                            "--moe-calib", str(out), "--json"])
+    assert r.exit_code == 0, r.output
+    e = json.loads(r.stdout)
+    assert e["op"] == "hetforge.moe.default" and {g["layer"] for g in e["moe_residency"]["groups"]} == {0}

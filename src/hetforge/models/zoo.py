@@ -272,6 +272,8 @@ def load_folder(path: Path, attn: str = "sdpa", dtype: torch.dtype = torch.float
     try:
         config = AutoConfig.from_pretrained(str(path), local_files_only=True)
         config._attn_implementation = attn
+        if config.model_type in MOE_FAMILIES:  # expert matmuls visible to torch.export (see _build)
+            config._experts_implementation = "batched_mm"
         model = AutoModelForCausalLM.from_pretrained(str(path), config=config, local_files_only=True, dtype=dtype)
     except Exception as e:
         raise ModelFolderError(f"could not load '{path}': {str(e).splitlines()[0]}") from None

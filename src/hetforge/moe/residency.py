@@ -148,3 +148,36 @@ def summarize(choices: list[GroupChoice], tokens: int) -> dict[str, float]:
     on_npu = sum(1 for c in choices if c.device == "npu")
     return {"time_per_token_s": t / tokens, "energy_per_token_j": e / tokens, "groups_on_npu": on_npu,
             "groups": len(choices)}
+
+
+def expert_dims(model) -> tuple[int, int, int]:
+    """``(hidden D, expert FFN F, dtype bytes)`` from a model's first stacked ``down_proj`` ``[E, D, F]``."""
+    for name, p in model.named_parameters():
+        if name.endswith("down_proj") and p.dim() == 3:
+            return int(p.shape[1]), int(p.shape[2]), p.element_size()
+    from hetforge.errors import UsageError
+
+    raise UsageError("model has no stacked expert weights ([E, D, F] down_proj)")
+
+
+def residency_report(loaded, cal: dict[str, Any], soc, tokens: int, share: float = 0.9, group_size: int = 0,
+                     capacity_factor: float = 1.0, npu_budget_bytes: float | None = None,
+                     layer: int | None = None) -> dict[str, Any]:
+    """Groups, their modeled costs and device, and per-token time/energy with and without residency (modeled)."""
+    from hetforge.moe import choose_tiers
+
+    d, f, nb = expert_dims(loaded.model)
+    plan = choose_tiers(cal, tokens, share=share, group_size=group_size, capacity_factor=capacity_factor)
+    if layer is not None:
+        cal = {**cal, "layers": [lay for lay in cal["layers"] if int(lay["layer"]) == layer]}
+    res = plan_residency(soc, cal, plan, d, f, tokens, nb, npu_budget_bytes)
+    host = plan_residency(soc, cal, plan, d, f, tokens, nb, npu_budget_bytes, force="host")
+    all_npu = plan_residency(soc, cal, plan, d, f, tokens, nb, npu_budget_bytes, force="npu")
+    per_expert = choose_tiers(cal, tokens, share=share, group_size=1, capacity_factor=capacity_factor)
+    naive = plan_residency(soc, cal, per_expert, d, f, tokens, nb, npu_budget_bytes, force="npu")
+    return {"model": loaded.name, "soc": soc.name, "tokens_per_call": tokens, "share": share,
+            "group_size": group_size, "capacity_factor": capacity_factor,
+            "groups": [c.to_dict() for c in res],
+            "modeled": {"residency": summarize(res, tokens), "host_only": summarize(host, tokens),
+                        "all_groups_on_npu": summarize(all_npu, tokens),
+                        "npu_per_expert_calls": summarize(naive, tokens)}}

@@ -142,3 +142,59 @@ def tiers_cmd(
                   f"({ev.ppl_change:+.2%}) (measured)")
     console.print(f"time: unlimited {ev.seconds_unlimited * 1e3:.0f} ms, tiered {ev.seconds_tiered * 1e3:.0f} ms "
                   "(measured, all calls)")
+
+
+@moe_app.command("residency")
+@handles_errors
+def residency_cmd(
+    model: str = typer.Argument(..., help="zoo name or local HF folder of an MoE model"),
+    calib: Path = typer.Option(..., "--calib", help="calibration JSON from `hetforge moe calibrate`"),
+    soc: str = typer.Option(..., "--soc", help="SoC profile (see `hetforge hardware list`)"),
+    seq: int = typer.Option(512, "--seq", help="tokens per call (512: a prefill; 1: a decode step)"),
+    share: float = typer.Option(0.9, "--share", help="hot tier: the most popular experts covering this share"),
+    group_size: int = typer.Option(0, "--group-size", help="experts per grouped call (0 = one group per tier)"),
+    capacity_factor: float = typer.Option(1.0, "--capacity-factor", help="slots = factor × expected assignments"),
+    npu_budget_mb: float = typer.Option(None, "--npu-budget-mb", help="NPU memory for resident experts "
+                                        "(default: the profile's NPU memory)"),
+    json_out: bool = typer.Option(False, "--json", help="print one JSON document"),
+) -> None:
+    """Which expert groups stay resident on the NPU and why, and the modeled time/energy per token it gives."""
+    from hetforge.hardware import load_soc
+    from hetforge.models.zoo import load_model
+    from hetforge.moe import check_plan_options, load_calibration
+    from hetforge.moe.residency import residency_report
+
+    check_plan_options(group_size, capacity_factor, None, share)
+    if seq < 1:
+        raise UsageError(f"--seq {seq} must be ≥ 1")
+    if npu_budget_mb is not None and npu_budget_mb < 0:
+        raise UsageError(f"--npu-budget-mb {npu_budget_mb} must be ≥ 0")
+    soc_p = load_soc(soc)
+    loaded = load_model(model)
+    cal = load_calibration(calib, loaded)
+    rep = residency_report(loaded, cal, soc_p, seq, share, group_size, capacity_factor,
+                           None if npu_budget_mb is None else npu_budget_mb * 1e6)
+    if json_out:
+        emit_json(rep)
+        return
+    print_residency(rep)
+
+
+def print_residency(rep: dict) -> None:
+    """The per-group table and the with/without-residency summary (all modeled)."""
+    console.print(f"[bold]{rep['model']}[/] on {rep['soc']}: expert groups for calls of {rep['tokens_per_call']} "
+                  "tokens (all figures modeled)")
+    t = Table(title="expert groups")
+    for col in ("layer", "group", "experts", "slots", "rows/call", "p(run)", "npu µs", "cpu µs", "gpu µs", "device"):
+        t.add_column(col)
+    for g in rep["groups"]:
+        ts = g["t_s"]
+        t.add_row(str(g["layer"]), str(g["group"]), ",".join(map(str, g["experts"])), str(g["slots"]),
+                  f"{g['expected_rows']:.1f}", f"{g['p_run']:.2f}",
+                  *(f"{ts[d] * 1e6:.0f}" if d in ts else "—" for d in ("npu", "cpu", "gpu")), g["device"])
+    console.print(t)
+    for g in rep["groups"]:
+        console.print(f"  layer {g['layer']} group {g['group']}: {g['reason']}", highlight=False)
+    for name, s in rep["modeled"].items():
+        console.print(f"  {name}: {s['time_per_token_s'] * 1e6:.2f} µs/token, {s['energy_per_token_j'] * 1e6:.2f} "
+                      f"µJ/token of expert work, {s['groups_on_npu']}/{s['groups']} groups on the NPU (modeled)")
