@@ -147,6 +147,7 @@ def save(model, out: Path, record: dict) -> None:
     cfg.to_json_file(str(tmp / "config.json"))
     sd = {k: v.to(torch.float16).contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
     save_file(sd, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    (tmp / "model.safetensors").chmod(0o644)
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(DEMO_ASSETS / f, tmp / f)
     (tmp / "training.json").write_text(json.dumps(record, indent=2) + "\n")

@@ -56,10 +56,15 @@ def _device_cost(dev, flops: float, nbytes: float, fixed_s: float) -> tuple[floa
 
 def plan_residency(soc, cal: dict[str, Any], plan: dict[str, Any], d_model: int, d_ff: int, tokens: int,
                    dtype_bytes: int = 4, npu_budget_bytes: float | None = None,
-                   force: str | None = None) -> list[GroupChoice]:
+                   force: str | None = None, objective: str = "latency") -> list[GroupChoice]:
     """Place every group of ``plan`` for calls of ``tokens`` tokens on ``soc`` (see module docstring).
 
-    ``force``: ``"npu"`` puts every group on the NPU, ``"host"`` none (the baselines the bench compares)."""
+    ``force``: ``"npu"`` puts every group on the NPU, ``"host"`` none (the baselines the bench compares).
+    ``objective``: ``"latency"`` compares expected time per group, ``"energy"`` expected energy."""
+    if objective not in ("latency", "energy"):
+        from hetforge.errors import UsageError
+
+        raise UsageError(f"objective '{objective}' must be latency or energy")
     names = {d.kind: d for d in soc.devices}
     npu, cpu, gpu = names.get("npu"), names.get("cpu"), names.get("gpu")
     link = None
@@ -106,14 +111,14 @@ def plan_residency(soc, cal: dict[str, Any], plan: dict[str, Any], d_model: int,
                                                          0.0)
             choices.append(GroupChoice(layer, gi, list(ids), slots, rows, p_run, t, en, "", "",
                                        len(ids) * per_expert_w))
-    _decide(choices, npu, npu_budget_bytes, force)
+    _decide(choices, npu, npu_budget_bytes, force, objective)
     return choices
 
 
-def _decide(choices: list[GroupChoice], npu, budget: float | None, force: str | None) -> None:
-    host = [c for c in choices]
-    for c in host:
-        others = {d: v for d, v in c.t_s.items() if d != "npu"}
+def _decide(choices: list[GroupChoice], npu, budget: float | None, force: str | None, objective: str) -> None:
+    for c in choices:
+        m = c.t_s if objective == "latency" else c.e_j
+        others = {d: v for d, v in m.items() if d != "npu"}
         best = min(others, key=others.get) if others else "npu"
         c.device, c.reason = best, ""
     if npu is None or force == "host":
@@ -121,14 +126,20 @@ def _decide(choices: list[GroupChoice], npu, budget: float | None, force: str | 
             c.reason = "no NPU on this SoC" if npu is None else "baseline: host devices only"
         return
     left = npu.mem_capacity if budget is None else budget
-    gain = {id(c): c.p_run * (c.t_s[c.device] - c.t_s["npu"]) for c in choices}
+    def metric(c):
+        return c.t_s if objective == "latency" else c.e_j
+
+    gain = {id(c): c.p_run * (metric(c)[c.device] - metric(c)["npu"]) for c in choices}
     for c in sorted(choices, key=lambda c: -gain[id(c)]):
         other = c.device
         tn, to = c.t_s["npu"], c.t_s[other]
         if force == "npu":
             c.device, c.reason = "npu", "baseline: every group on the NPU"
             continue
-        if tn >= to:
+        if objective == "energy" and metric(c)["npu"] >= metric(c)[other]:
+            c.reason = (f"{other}: an NPU call costs {c.e_j['npu'] * 1e6:.1f} µJ vs {c.e_j[other] * 1e6:.1f} µJ on "
+                        f"{other} for the {c.expected_rows:.1f} rows expected")
+        elif objective == "latency" and tn >= to:
             c.reason = (f"{other}: an NPU call costs {tn * 1e6:.0f} µs (static {c.slots} slots + dispatch/sync) vs "
                         f"{to * 1e6:.0f} µs on {other} for the {c.expected_rows:.1f} rows expected")
         elif c.weight_bytes > left:
@@ -137,8 +148,9 @@ def _decide(choices: list[GroupChoice], npu, budget: float | None, force: str | 
         else:
             left -= c.weight_bytes
             c.device = "npu"
-            c.reason = (f"npu (resident, {c.weight_bytes / 1e6:.1f} MB): {tn * 1e6:.0f} µs vs {to * 1e6:.0f} µs on "
-                        f"{other} per call, runs with p={c.p_run:.2f}")
+            c.reason = (f"npu (resident, {c.weight_bytes / 1e6:.1f} MB): {tn * 1e6:.0f} µs / "
+                        f"{c.e_j['npu'] * 1e6:.1f} µJ vs {to * 1e6:.0f} µs / {c.e_j[other] * 1e6:.1f} µJ on {other} "
+                        f"per call, runs with p={c.p_run:.2f}")
 
 
 def summarize(choices: list[GroupChoice], tokens: int) -> dict[str, float]:
@@ -162,7 +174,7 @@ def expert_dims(model) -> tuple[int, int, int]:
 
 def residency_report(loaded, cal: dict[str, Any], soc, tokens: int, share: float = 0.9, group_size: int = 0,
                      capacity_factor: float = 1.0, npu_budget_bytes: float | None = None,
-                     layer: int | None = None) -> dict[str, Any]:
+                     layer: int | None = None, objective: str = "latency") -> dict[str, Any]:
     """Groups, their modeled costs and device, and per-token time/energy with and without residency (modeled)."""
     from hetforge.moe import choose_tiers
 
@@ -170,12 +182,12 @@ def residency_report(loaded, cal: dict[str, Any], soc, tokens: int, share: float
     plan = choose_tiers(cal, tokens, share=share, group_size=group_size, capacity_factor=capacity_factor)
     if layer is not None:
         cal = {**cal, "layers": [lay for lay in cal["layers"] if int(lay["layer"]) == layer]}
-    res = plan_residency(soc, cal, plan, d, f, tokens, nb, npu_budget_bytes)
+    res = plan_residency(soc, cal, plan, d, f, tokens, nb, npu_budget_bytes, objective=objective)
     host = plan_residency(soc, cal, plan, d, f, tokens, nb, npu_budget_bytes, force="host")
     all_npu = plan_residency(soc, cal, plan, d, f, tokens, nb, npu_budget_bytes, force="npu")
     per_expert = choose_tiers(cal, tokens, share=share, group_size=1, capacity_factor=capacity_factor)
     naive = plan_residency(soc, cal, per_expert, d, f, tokens, nb, npu_budget_bytes, force="npu")
-    return {"model": loaded.name, "soc": soc.name, "tokens_per_call": tokens, "share": share,
+    return {"model": loaded.name, "soc": soc.name, "tokens_per_call": tokens, "share": share, "objective": objective,
             "group_size": group_size, "capacity_factor": capacity_factor,
             "groups": [c.to_dict() for c in res],
             "modeled": {"residency": summarize(res, tokens), "host_only": summarize(host, tokens),

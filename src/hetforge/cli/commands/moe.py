@@ -156,6 +156,7 @@ def residency_cmd(
     capacity_factor: float = typer.Option(1.0, "--capacity-factor", help="slots = factor × expected assignments"),
     npu_budget_mb: float = typer.Option(None, "--npu-budget-mb", help="NPU memory for resident experts "
                                         "(default: the profile's NPU memory)"),
+    objective: str = typer.Option("latency", "--objective", help="latency or energy: what a group's device minimises"),
     json_out: bool = typer.Option(False, "--json", help="print one JSON document"),
 ) -> None:
     """Which expert groups stay resident on the NPU and why, and the modeled time/energy per token it gives."""
@@ -165,6 +166,8 @@ def residency_cmd(
     from hetforge.moe.residency import residency_report
 
     check_plan_options(group_size, capacity_factor, None, share)
+    if objective not in ("latency", "energy"):
+        raise UsageError(f"--objective '{objective}' must be latency or energy")
     if seq < 1:
         raise UsageError(f"--seq {seq} must be ≥ 1")
     if npu_budget_mb is not None and npu_budget_mb < 0:
@@ -173,7 +176,7 @@ def residency_cmd(
     loaded = load_model(model)
     cal = load_calibration(calib, loaded)
     rep = residency_report(loaded, cal, soc_p, seq, share, group_size, capacity_factor,
-                           None if npu_budget_mb is None else npu_budget_mb * 1e6)
+                           None if npu_budget_mb is None else npu_budget_mb * 1e6, objective=objective)
     if json_out:
         emit_json(rep)
         return
