@@ -66,13 +66,29 @@ def block_prefill(args, loaded, cal: dict) -> list[dict]:
     return [_block_one(args, t, block, cfg, rw, wgu, wd, per_expert_bytes, cal) for t in args.tokens]
 
 
+def _block_input(block, loaded, t: int) -> torch.Tensor:
+    """The block's real input on ``t`` tokens of the corpus (a forward hook on the model's own run), so routing
+    follows the same distribution as the calibration."""
+    from hetforge.models.demo import corpus
+    from hetforge.tokenizers import for_model
+
+    ids = torch.tensor([for_model(loaded).encode(corpus()[1][300_000:300_000 + 8 * t])[:t]])
+    seen = []
+    h = block.register_forward_hook(lambda m, a, o: seen.append(a[0].detach().clone()))
+    try:
+        with torch.no_grad():
+            loaded.model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False)
+    finally:
+        h.remove()
+    return seen[0]
+
+
 def _block_one(args, t, block, cfg, rw, wgu, wd, per_expert_bytes, cal) -> dict:
     from hetforge.moe import choose_tiers
     from hetforge.ops.moe import moe_forward, recording
 
     e, k = wgu.shape[0], cfg.num_experts_per_tok
-    g = torch.Generator().manual_seed(t)
-    x = torch.randn(1, t, cfg.hidden_size, generator=g)
+    x = _block_input(block, args.model_ref, t)
     plan = choose_tiers(cal, t, share=args.share, group_size=args.group_size, capacity_factor=args.capacity_factor)
     p0 = plan["layers"][0]
     wgu_o, wd_o = wgu[p0["order"]].contiguous(), wd[p0["order"]].contiguous()
@@ -231,7 +247,8 @@ def markdown(r: dict) -> str:
              "absolute times are noisy; systems were timed interleaved and the ratios are the figures to read). "
              "**Modeled** = hetforge's cost model on the SoC profiles.", ""]
     lines += ["## 1. MoE block prefill on this CPU (measured, ms per call, median of interleaved runs)", "",
-              f"`mixtral-small` layer 0 (8 experts, top-2, hidden 512, expert FFN 1024), real zoo weights; tiers from "
+              f"`mixtral-small` layer 0 (8 experts, top-2, hidden 512, expert FFN 1024), real zoo weights, its real "
+              "input on corpus text (not the calibration's text); tiers from "
               f"its calibration (share {m['share']}, capacity factor {m['capacity_factor']}).", ""]
     for row in r["block"]:
         s = row["systems"]
@@ -354,6 +371,7 @@ def main() -> None:
     _, text = corpus()
     cal_small = calibration(small, text[:200_000], 128, 8, tmp)
     result = {"meta": meta}
+    args.model_ref = small
     result["block"] = block_prefill(args, small, cal_small)
     result["whole"] = whole_model(args, small)
     print(f"whole: decode ratio {result['whole']['decode_ratio_median']:.2f}", flush=True)

@@ -4,9 +4,9 @@ perplexity.
 * :func:`calibrate` runs a model's optimized graph (its MoE blocks are ``hetforge::moe`` ops) over a text file
   and records, per layer, how many assignments each expert received and its summed router probability; the
   result is tied to the model by name and a hash of its config and weights (:func:`fingerprint`).
-* :func:`choose_tiers` turns a calibration into a static plan per layer: experts sorted by popularity, the
-  smallest hot set covering a target share of the routed tokens (rounded up to whole groups) gets the large
-  capacity tier, the rest the small one; experts are stored hot-first so that each group of ``G`` is one tier.
+* :func:`choose_tiers` turns a calibration into a static plan per layer: experts stored by popularity, hottest
+  first, in groups of ``G``; each group is one capacity tier sized to its hottest expert's expected load (hot
+  groups large, cold small); the hot set is the smallest covering a target share of the routed tokens.
 * :func:`apply_tiers` writes a plan into a graph's ``hetforge::moe`` nodes (capacity, order, group size, the
   weights stored in the plan's order); :func:`evaluate` measures unlimited vs tiered execution on the same
   data: perplexity, and per layer the drop rate and the padding waste.
@@ -132,12 +132,14 @@ def check_plan_options(group_size: int, capacity_factor: float, capacity: tuple[
 
 def choose_tiers(cal: dict[str, Any], tokens: int, share: float = 0.9, group_size: int = 0,
                  capacity_factor: float = 1.0, capacity: tuple[int, int] | None = None) -> dict[str, Any]:
-    """A static two-tier plan per layer for calls of ``tokens`` tokens.
+    """A static capacity plan per layer for calls of ``tokens`` tokens.
 
-    Hot tier: the most popular experts covering ``share`` of the calibration's assignments, rounded up to whole
-    groups; capacity ``ceil(capacity_factor · T·k · the hottest expert's share)``. Cold tier: the rest, capacity
-    ``ceil(capacity_factor · T·k · the hottest cold expert's share)`` (≥ 1). ``capacity=(hot, cold)`` overrides
-    both. ``group_size`` 0 = one group per tier."""
+    Experts are stored by calibrated popularity, hottest first, and cut into groups of ``group_size``
+    (0 = one group for the hot tier, the same size for the rest). Hot tier: the most popular experts covering
+    ``share`` of the calibration's assignments, rounded up to whole groups. Every group is one static tier:
+    capacity ``ceil(capacity_factor · T·k · share of its hottest expert)`` (≥ 1) for each of its experts, so
+    popular groups get many slots and cold groups few. ``capacity=(hot, cold)`` gives the hot and the cold
+    groups fixed capacities instead."""
     check_plan_options(group_size, capacity_factor, capacity, share)
     layers = {}
     for lay in cal["layers"]:
@@ -153,15 +155,21 @@ def choose_tiers(cal: dict[str, Any], tokens: int, share: float = 0.9, group_siz
         if g:
             n_hot = min(e, math.ceil(n_hot / g) * g)
         work = tokens * k
-        hot_cap = capacity[0] if capacity else max(1, math.ceil(capacity_factor * work * sh[order[0]]))
-        cold_cap = (capacity[1] if capacity else
-                    max(1, math.ceil(capacity_factor * work * sh[order[n_hot]]))) if n_hot < e else 0
-        caps = [hot_cap] * n_hot + [cold_cap] * (e - n_hot)
         # group size 0: one group per tier (tiers of different size cannot share one G, so G = the hot tier)
         gs = g or (n_hot if n_hot and e % n_hot == 0 else e)
+        caps: list[int] = []
+        for g0 in range(0, e, gs):  # each group of popularity neighbours is one static capacity tier
+            hot = g0 < n_hot
+            if capacity:
+                c = capacity[0] if hot else capacity[1]
+            else:
+                c = max(1, math.ceil(capacity_factor * work * sh[order[g0]]))  # the group's hottest expert
+            caps += [c] * len(order[g0:g0 + gs])
+        hot_cap = caps[0]
+        cold_cap = caps[n_hot] if n_hot < e else 0
         layers[int(lay["layer"])] = {"order": order, "capacity": caps, "group_size": gs,
-                                     "hot": order[:n_hot], "hot_share": cum, "hot_capacity": hot_cap,
-                                     "cold_capacity": cold_cap}
+                                     "group_capacity": caps[::gs], "hot": order[:n_hot], "hot_share": cum,
+                                     "hot_capacity": hot_cap, "cold_capacity": cold_cap}
     return {"model": cal["model"], "tokens_per_call": tokens, "share": share, "capacity_factor": capacity_factor,
             "layers": layers}
 

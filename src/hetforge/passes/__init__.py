@@ -1,8 +1,8 @@
-"""The middle-end: six graph → graph passes over the captured ATen FX graph, and the pipeline that runs them.
+"""The middle-end: seven graph → graph passes over the captured ATen FX graph, and the pipeline that runs them.
 
 ``optimize(gm, example_inputs=None, passes=None, verify_each=False, dump_dir=None) -> OptimizeResult`` runs
-cleanup, constant folding, CSE, attention fusion, operator fusion and norm fusion (:data:`PASS_NAMES`) on a
-copy of ``gm``. Each pass is also callable alone and returns a :class:`PassResult`.
+cleanup, constant folding, CSE, MoE fusion, attention fusion, operator fusion and norm fusion
+(:data:`PASS_NAMES`) on a copy of ``gm``. Each pass is also callable alone and returns a :class:`PassResult`.
 """
 
 from hetforge.passes.attention import fuse_attention

@@ -15,7 +15,7 @@ _MODEL_HELP = "zoo name, a local HF folder, or llama-3.1-8b-shape (shape-only, m
 
 
 def placement_graph(model: str, seq: int, attn: str, passes: bool):
-    """Capture ``model`` (optionally through the six passes) and return its FX graph."""
+    """Capture ``model`` (optionally through the middle-end passes) and return its FX graph."""
     from hetforge.models.shapes import capture_shaped, is_shaped
 
     if is_shaped(model):  # meta tensors: constant folding cannot evaluate them, the other passes run
@@ -54,7 +54,7 @@ def explain(
     objective: str = typer.Option("balanced", "--objective", help="energy, latency or balanced"),
     seq: int = typer.Option(16, "--seq", help="sequence length of the example input"),
     attn: str = typer.Option("sdpa", "--attn", help="attention implementation: eager or sdpa"),
-    passes: bool = typer.Option(True, "--passes/--no-passes", help="run the six middle-end passes first"),
+    passes: bool = typer.Option(True, "--passes/--no-passes", help="run the middle-end passes first"),
     moe_calib: Path | None = typer.Option(None, "--moe-calib", help="for a hetforge::moe node: also explain where "
                                           "each expert group runs (residency, from `hetforge moe calibrate`)"),
     json_out: bool = typer.Option(False, "--json", help="print JSON"),
@@ -134,7 +134,7 @@ def pareto(
     aux: str = typer.Option("power", "--aux", help="embedding/LM-head routing: power (lowest TDP) or cost"),
     seq: int = typer.Option(16, "--seq", help="sequence length of the example input"),
     attn: str = typer.Option("sdpa", "--attn", help="attention implementation: eager or sdpa"),
-    passes: bool = typer.Option(True, "--passes/--no-passes", help="run the six middle-end passes first"),
+    passes: bool = typer.Option(True, "--passes/--no-passes", help="run the middle-end passes first"),
     plot: Path | None = typer.Option(None, "--plot", help="write a PNG of the front (energy vs latency)"),
     json_out: bool = typer.Option(False, "--json", help="print JSON"),
 ) -> None:
