@@ -5,8 +5,9 @@ plus an optional (sigmoid-gated) shared expert. Its CPU kernel is the grouped ex
 
 * **Grouped experts.** Experts ``[g0, g0 + G)`` run as *one* ``bmm`` over their stacked weights
   (``w_gate_up[g0:g1]`` is a view: no weight is gathered or copied) on slots ``[G, C, D]``, one dispatch
-  per group instead of one per expert (``group_size`` ``G``; 0 = all experts in one group). A group no
-  token was routed to is skipped (a CPU fallback can; a static NPU program of the group would run it).
+  per group instead of one per expert (``group_size`` ``G``; 0 = one expert per group with unlimited capacity,
+  see :func:`auto_group_size`, one group of all experts with capacities). A group no token was routed to is
+  skipped (a CPU fallback can; a static NPU program of the group would run it).
 * **Static capacity.** ``capacity`` gives every expert (in the op's order) its slot count; a group's slots
   are the largest capacity in it (experts of one tier share it), so the group's shape is static. Tokens
   beyond an expert's capacity are dropped by importance, lowest router weight first (a dropped
@@ -114,17 +115,19 @@ def route(h: torch.Tensor, router_w: torch.Tensor, top_k: int, norm_topk: bool
 
 
 def auto_group_size(t: int, k: int, e: int) -> int:
-    """``group_size=0``: one expert per group when fewer assignments than experts (decode: only the hit experts'
-    weights are read, measured 0.7 ms vs 5.9 ms per mixtral-small layer for one group of 8), else one group of all
-    experts (prefill: one dispatch; on this CPU as fast as per-expert groups, see docs/bench/moe.md)."""
-    return 1 if t * k <= e else e
+    """``group_size=0`` with unlimited capacity: one expert per group. On a CPU an expert group of one runs on
+    exactly its rows (no slots, no padding; one-row products on the native GEMV), while one static group of all
+    experts pads every expert to the busiest one — measured on mixtral-small's real routing at 512 tokens, 2.8×
+    slower (docs/bench/moe.md). Grouping pays where a call is expensive (an NPU: modeled by
+    :mod:`hetforge.moe.residency`) or shapes must be static (capacities given: then 0 means one group)."""
+    return 1
 
 
 def _experts(h, w, idx, w_gate_up, w_down, act, transposed, group_size, capacity, order, stats):
     """Dispatch the ``T·k`` assignments into per-expert slots and run each group as one pair of bmm calls."""
     t, k = idx.shape
     e = w_gate_up.shape[0]
-    g_size = group_size if group_size > 0 else auto_group_size(t, k, e)
+    g_size = group_size if group_size > 0 else (e if capacity else auto_group_size(t, k, e))
     out = torch.zeros_like(h)
     pos = idx
     if order:
@@ -243,7 +246,7 @@ def expert_slots(call: OpCall) -> float:
     cap = list(_arg(call, "capacity") or [])
     if not cap:
         return float(t * k)
-    g = int(_arg(call, "group_size") or 0) or auto_group_size(t, k, e)
+    g = int(_arg(call, "group_size") or 0) or e
     return float(sum((min(g0 + g, e) - g0) * max(cap[g0:g0 + g]) for g0 in range(0, e, g)))
 
 
@@ -276,7 +279,7 @@ def _moe_bytes(call: OpCall) -> float:
     if dims is None:
         return call.bytes_in() + call.bytes_out()
     t, _, e, _, k = dims
-    g = int(_arg(call, "group_size") or 0) or auto_group_size(t, k, e)
+    g = int(_arg(call, "group_size") or 0) or (e if _arg(call, "capacity") else auto_group_size(t, k, e))
     x, rw, wgu, wd = (_arg(call, n) for n in ("x", "router_w", "w_gate_up", "w_down"))
     per_expert = (wgu.nbytes + wd.nbytes) / e
     hit = expected_groups_hit(t, k, e, g)
