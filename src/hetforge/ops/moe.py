@@ -117,7 +117,7 @@ def route(h: torch.Tensor, router_w: torch.Tensor, top_k: int, norm_topk: bool
 def auto_group_size(t: int, k: int, e: int) -> int:
     """``group_size=0`` with unlimited capacity: one expert per group. On a CPU an expert group of one runs on
     exactly its rows (no slots, no padding; one-row products on the native GEMV), while one static group of all
-    experts pads every expert to the busiest one — measured on mixtral-small's real routing at 512 tokens, 2.8×
+    experts pads every expert to the busiest one — measured on mixtral-small's real routing at 512 tokens, 2.9×
     slower (docs/bench/moe.md). Grouping pays where a call is expensive (an NPU: modeled by
     :mod:`hetforge.moe.residency`) or shapes must be static (capacities given: then 0 means one group)."""
     return 1
