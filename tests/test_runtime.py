@@ -41,10 +41,11 @@ def hf_greedy(loaded, prompt: list[int], n: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
-@pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny", "qwen2-tiny", "mixtral-tiny", "demo"])
+@pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny", "qwen2-tiny", "mixtral-tiny", "demo", "moe-demo"])
 def test_greedy_matches_hugging_face_generate(name):
     e = engine(name)
-    prompt = PROMPT if name != "demo" else e.tokenizer.encode("The with statement is used to wrap the execution")
+    text = "The with statement is used to wrap the execution"
+    prompt = PROMPT if name not in ("demo", "moe-demo") else e.tokenizer.encode(text)
     r = e.generate(prompt, SamplingParams(max_new_tokens=32))
     assert r.prefill_tier != len(prompt)
     assert r.tokens == hf_greedy(e.loaded, prompt, 32)

@@ -78,6 +78,44 @@ def validation_text() -> str:
     return corpus()[1][rec["val_start_char"]:]
 
 
+MOE_ASSETS = ASSETS.parent / "moe-demo"
+MOE_NAME = "moe-demo"
+
+
+def moe_available() -> bool:
+    """Whether the MoE demo model (``scripts/train_moe.py``) is shipped."""
+    return all((MOE_ASSETS / f).is_file() for f in ("config.json", "model.safetensors", "tokenizer.json"))
+
+
+def load_moe(attn: str = "sdpa", dtype: torch.dtype = torch.float32) -> LoadedModel:
+    """The MoE demo model (8 experts, top-2, trained routing) as the zoo entry ``moe-demo``."""
+    from transformers.utils import logging as hf_logging
+
+    bar = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        loaded = load_folder(MOE_ASSETS, attn=attn, dtype=dtype)
+    finally:
+        if bar:
+            hf_logging.enable_progress_bar()
+    loaded.name = MOE_NAME
+    loaded.weights = "trained MoE demo weights (hetforge/assets/moe-demo, scripts/train_moe.py)"
+    f = MOE_ASSETS / "training.json"
+    loaded.extra["training"] = json.loads(f.read_text()) if f.is_file() else {}
+    return loaded
+
+
+def _moe_config():
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(str(MOE_ASSETS), local_files_only=True)
+
+
+if moe_available() and MOE_NAME not in ZOO:
+    ZOO[MOE_NAME] = ModelSpec(MOE_NAME, "mixtral", "causal-lm", _moe_config,
+                              "Mixtral-style MoE demo trained on CPython's docs (8 experts, top-2; shipped weights)")
+    spec_loaders[MOE_NAME] = load_moe
+
 if available() and NAME not in ZOO:
     ZOO[NAME] = ModelSpec(NAME, "llama", "causal-lm", _config,
                           "Llama-style demo model trained on CPython's docs (shipped weights, GQA 8/2)")

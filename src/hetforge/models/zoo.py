@@ -19,6 +19,7 @@ from torch import nn
 from hetforge.errors import ModelFolderError, UsageError
 
 ATTN_IMPLS = ("eager", "sdpa")
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "olmoe")
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,18 @@ def _qwen2(**kw):
     from transformers import Qwen2Config
 
     return Qwen2Config(**kw)
+
+
+def _qwen2_moe(**kw):
+    from transformers import Qwen2MoeConfig
+
+    return Qwen2MoeConfig(**kw)
+
+
+def _olmoe(**kw):
+    from transformers import OlmoeConfig
+
+    return OlmoeConfig(**kw)
 
 
 def _bert(**kw):
@@ -113,6 +126,18 @@ ZOO: dict[str, ModelSpec] = {
             "mixtral-tiny", "mixtral", "causal-lm",
             lambda: _mixtral(**_TINY_LLAMA, num_local_experts=4, num_experts_per_tok=2),
             "Mixtral family MoE, 2 layers, 4 experts, top-2 (tests)", tiny=True,
+        ),
+        ModelSpec(
+            "qwen2-moe-tiny", "qwen2_moe", "causal-lm",
+            lambda: _qwen2_moe(**_TINY_LLAMA, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                               shared_expert_intermediate_size=128, norm_topk_prob=False),
+            "Qwen2-MoE family: 4 experts top-2 (no renormalisation) + gated shared expert (tests)", tiny=True,
+        ),
+        ModelSpec(
+            "olmoe-tiny", "olmoe", "causal-lm",
+            lambda: _olmoe(**_TINY_LLAMA, num_experts=8, num_experts_per_tok=2, norm_topk_prob=False,
+                           bos_token_id=1, eos_token_id=2, pad_token_id=0),
+            "OLMoE family: 8 experts top-2, q/k norms (tests)", tiny=True,
         ),
         ModelSpec("qwen2-tiny", "qwen2", "causal-lm", lambda: _qwen2(**_TINY_LLAMA),
                   "Qwen2 family (q/k/v bias), 2 layers, hidden 64 (tests)", tiny=True),
@@ -190,7 +215,7 @@ def _build(spec: ModelSpec, config, attn: str) -> nn.Module:
     from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
 
     config._attn_implementation = attn
-    if spec.family == "mixtral":
+    if spec.family in MOE_FAMILIES:
         # transformers' default CPU expert path is an opaque custom op (grouped_mm_fallback) that
         # hides the expert matmuls from torch.export; batched_mm exposes them as bmm.
         config._experts_implementation = "batched_mm"
@@ -264,6 +289,8 @@ def _from_pretrained(auto, path: Path, attn: str, dtype: torch.dtype):
     try:
         config = AutoConfig.from_pretrained(str(path), local_files_only=True)
         config._attn_implementation = attn
+        if config.model_type in MOE_FAMILIES:  # expert matmuls visible to torch.export (see _build)
+            config._experts_implementation = "batched_mm"
         return auto.from_pretrained(str(path), config=config, local_files_only=True, dtype=dtype,
                                     output_loading_info=True)
     finally:

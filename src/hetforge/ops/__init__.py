@@ -7,6 +7,7 @@ cost formulas, so ``lookup(...)`` sees all of them.
 from hetforge.ops import (
     aten_costs,  # noqa: F401  (registers ATen cost formulas)
     fused,  # noqa: F401  (registers the hetforge:: fused ops)
+    moe,  # noqa: F401  (registers hetforge::moe)
     quant,  # noqa: F401  (registers the hetforge:: quantized linears)
 )
 from hetforge.ops.registry import (

@@ -258,4 +258,4 @@ def fused_counts(gm: GraphModule) -> dict[str, int]:
     return counts
 
 
-FUSED_OPS = ("attention", "linear_act", "gated_mlp", "rotary", "rms_norm", "layer_norm")
+FUSED_OPS = ("attention", "linear_act", "gated_mlp", "rotary", "rms_norm", "layer_norm", "moe")

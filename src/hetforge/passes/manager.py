@@ -1,4 +1,4 @@
-"""The pass pipeline: runs the six passes in order through ``torch.fx.passes.infra.PassManager``.
+"""The pass pipeline: runs the seven passes in order through ``torch.fx.passes.infra.PassManager``.
 
 Each pass is wrapped as a ``PassBase`` step; the manager lints the graph after every step. Optionally each
 step's graph is checked numerically against the previous step's on the given inputs (``verify_each``) and
@@ -26,6 +26,7 @@ from hetforge.passes.cleanup import cleanup
 from hetforge.passes.common import PassResult, copy_gm, fused_counts, num_nodes
 from hetforge.passes.constfold import DEFAULT_MAX_BYTES, constant_fold
 from hetforge.passes.cse import cse
+from hetforge.passes.moe import fuse_moe
 from hetforge.passes.normfusion import fuse_norms
 from hetforge.passes.opfusion import fuse_operators
 
@@ -33,6 +34,7 @@ PASSES: dict[str, Callable[..., PassResult]] = {
     "cleanup": cleanup,
     "constant_fold": constant_fold,
     "cse": cse,
+    "moe": fuse_moe,
     "attention": fuse_attention,
     "op_fusion": fuse_operators,
     "norm_fusion": fuse_norms,
@@ -74,7 +76,7 @@ def unknown_ops(gm: GraphModule) -> dict[str, int]:
 
 
 def resolve_passes(passes: Sequence[str] | str | None) -> list[str]:
-    """Validate pass names (a list or a comma-separated string); None means all six, in order."""
+    """Validate pass names (a list or a comma-separated string); None means all seven, in order."""
     if passes is None:
         return list(PASS_NAMES)
     names = [p.strip() for p in passes.split(",")] if isinstance(passes, str) else [str(p).strip() for p in passes]
@@ -181,7 +183,7 @@ def optimize(
     kl_threshold: float = 1e-8,
     fold_max_bytes: int = DEFAULT_MAX_BYTES,
 ) -> OptimizeResult:
-    """Run the middle-end passes (all six by default, in :data:`PASS_NAMES` order) on a copy of ``gm``.
+    """Run the middle-end passes (all seven by default, in :data:`PASS_NAMES` order) on a copy of ``gm``.
 
     ``verify_each`` (needs ``example_inputs``) compares each pass's graph with the previous one's outputs;
     ``dump_dir`` receives the graph after each pass as text. The input GraphModule is never modified.

@@ -10,8 +10,8 @@ from rich.table import Table
 
 from hetforge.cli.common import app, console, emit_json, handles_errors
 
-_PASSES_HELP = "comma-separated passes to run, in order (default: all six: cleanup,constant_fold,cse,attention," \
-               "op_fusion,norm_fusion)"
+_PASSES_HELP = "comma-separated passes to run, in order (default: all seven: cleanup,constant_fold,cse,moe," \
+               "attention,op_fusion,norm_fusion)"
 
 
 @app.command()

@@ -15,7 +15,7 @@ _MODEL_HELP = "zoo name, a local HF folder, or llama-3.1-8b-shape (shape-only, m
 
 
 def placement_graph(model: str, seq: int, attn: str, passes: bool):
-    """Capture ``model`` (optionally through the six passes) and return its FX graph."""
+    """Capture ``model`` (optionally through the middle-end passes) and return its FX graph."""
     from hetforge.models.shapes import capture_shaped, is_shaped
 
     if is_shaped(model):  # meta tensors: constant folding cannot evaluate them, the other passes run
@@ -54,7 +54,9 @@ def explain(
     objective: str = typer.Option("balanced", "--objective", help="energy, latency or balanced"),
     seq: int = typer.Option(16, "--seq", help="sequence length of the example input"),
     attn: str = typer.Option("sdpa", "--attn", help="attention implementation: eager or sdpa"),
-    passes: bool = typer.Option(True, "--passes/--no-passes", help="run the six middle-end passes first"),
+    passes: bool = typer.Option(True, "--passes/--no-passes", help="run the middle-end passes first"),
+    moe_calib: Path | None = typer.Option(None, "--moe-calib", help="for a hetforge::moe node: also explain where "
+                                          "each expert group runs (residency, from `hetforge moe calibrate`)"),
     json_out: bool = typer.Option(False, "--json", help="print JSON"),
 ) -> None:
     """Why a node went where it did: its modeled cost on every device and the rule or objective that decided."""
@@ -73,6 +75,8 @@ def explain(
     pl = fn(gm, soc_p, objective=objective)
     rep = explain_node(gm, nc, pl, node)
     rep["model"] = model
+    if moe_calib is not None:
+        rep["moe_residency"] = _moe_residency(model, gm, node, soc_p, seq, moe_calib)
     if json_out:
         emit_json(rep)
         return
@@ -90,6 +94,27 @@ def explain(
     console.print(t)
     for rj in rep["rejections"]:
         console.print(f"rejected {rj['device']}: {rj['why']}", highlight=False)
+    if moe_calib is not None:
+        from hetforge.cli.commands.moe import print_residency
+
+        print_residency(rep["moe_residency"])
+
+
+def _moe_residency(model: str, gm, node: str, soc_p, seq: int, calib: Path) -> dict:
+    """Residency of the expert groups of one ``hetforge::moe`` node (its layer), for calls of ``seq`` tokens."""
+    import torch
+
+    from hetforge.errors import UsageError
+    from hetforge.models.zoo import load_model
+    from hetforge.moe import load_calibration
+    from hetforge.moe.residency import residency_report
+
+    n = next(x for x in gm.graph.nodes if x.name == node)
+    if n.target is not torch.ops.hetforge.moe.default:
+        raise UsageError(f"--moe-calib needs a hetforge::moe node; '{node}' is {n.target}")
+    loaded = load_model(model)
+    layer = int(n.args[15]) if len(n.args) > 15 else -1
+    return residency_report(loaded, load_calibration(calib, loaded), soc_p, seq, layer=layer)
 
 
 def _dummy(strategy: str):
@@ -112,7 +137,7 @@ def pareto(
     aux: str = typer.Option("power", "--aux", help="embedding/LM-head routing: power (lowest TDP) or cost"),
     seq: int = typer.Option(16, "--seq", help="sequence length of the example input"),
     attn: str = typer.Option("sdpa", "--attn", help="attention implementation: eager or sdpa"),
-    passes: bool = typer.Option(True, "--passes/--no-passes", help="run the six middle-end passes first"),
+    passes: bool = typer.Option(True, "--passes/--no-passes", help="run the middle-end passes first"),
     plot: Path | None = typer.Option(None, "--plot", help="write a PNG of the front (energy vs latency)"),
     json_out: bool = typer.Option(False, "--json", help="print JSON"),
 ) -> None:

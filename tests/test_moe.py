@@ -1,0 +1,238 @@
+"""The MoE pass and ``hetforge::moe``: recognition on real HF MoE families, a before/expected rewrite, near-misses
+for variants it must not fuse, and the grouped / capacity-limited kernel against a plain per-token reference."""
+
+import functools
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import hetforge.ops  # noqa: F401  (registers hetforge::moe)
+from hetforge.frontend import capture, op_counts
+from hetforge.models.zoo import example_inputs, load_model
+from hetforge.ops.moe import auto_group_size, moe_forward, recording
+from hetforge.passes import fuse_moe, optimize
+from hetforge.verify import verify
+
+MOE_MODELS = ["mixtral-tiny", "qwen2-moe-tiny", "olmoe-tiny"]
+
+
+@functools.cache
+def _optimized(name: str):
+    loaded = load_model(name)
+    inputs = example_inputs(loaded, seq=12)
+    cg = capture(loaded.logits_module(), inputs, name=name)
+    return loaded, inputs, optimize(cg.gm, inputs)
+
+
+@pytest.mark.parametrize("name", MOE_MODELS)
+def test_hf_moe_families_fuse_to_one_moe_op_per_layer_and_match_eager(name):
+    loaded, inputs, res = _optimized(name)
+    layers = loaded.config.num_hidden_layers
+    assert res.fused["moe"] == layers
+    counts = op_counts(res.gm)
+    assert counts["aten.topk.default"] == 0 and counts["aten.bmm.default"] == 0
+    moe_pass = next(p for p in res.passes if p.name == "moe")
+    assert not moe_pass.near_misses
+    details = [r.detail for r in moe_pass.rewrites]
+    if name == "qwen2-moe-tiny":
+        assert all("shared expert" in d and "renormalised" not in d for d in details)
+    if name == "mixtral-tiny":
+        assert all("renormalised" in d for d in details)
+    rep = verify(loaded.logits_module(), res.gm, inputs, kl_threshold=1e-8)
+    assert rep.passed and rep.kl_max < 1e-8 and rep.top1_agree == 1.0, rep
+
+
+# ---------------------------------------------------------------- hand-written blocks
+
+E, D, FF, K = 4, 16, 24, 2
+
+
+class Shared(nn.Module):
+    """A gated shared expert named the Hugging Face way (gate_proj / up_proj / down_proj)."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate_proj, self.up_proj = nn.Linear(D, FF, bias=False), nn.Linear(D, FF, bias=False)
+        self.down_proj = nn.Linear(FF, D, bias=False)
+
+    def forward(self, h):
+        return self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+
+
+class Block(nn.Module):
+    """A Mixtral-style MoE block written out in plain torch (stacked expert weights, gathered per token)."""
+
+    def __init__(self, routing: str = "softmax", scale: float = 1.0, renorm: bool = True, shared: bool = False):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.router = nn.Parameter(torch.randn(E, D, generator=g) * 0.5)
+        self.gate_up = nn.Parameter(torch.randn(E, 2 * FF, D, generator=g) * 0.2)
+        self.down = nn.Parameter(torch.randn(E, D, FF, generator=g) * 0.2)
+        self.routing, self.scale, self.renorm = routing, scale, renorm
+        self.shared_expert = Shared() if shared else None
+
+    def forward(self, x):
+        b, s, d = x.shape
+        h = x.view(-1, d)
+        logits = F.linear(h, self.router)
+        probs = torch.softmax(logits, -1) if self.routing == "softmax" else torch.sigmoid(logits)
+        w, idx = torch.topk(probs, K, dim=-1)
+        if self.renorm:
+            w = w / w.sum(-1, keepdim=True)
+        hs = h.repeat_interleave(K, 0)
+        gu = torch.bmm(self.gate_up[idx.reshape(-1)], hs.unsqueeze(-1)).squeeze(-1)
+        gate, up = gu.chunk(2, -1)
+        y = torch.bmm(self.down[idx.reshape(-1)], (F.silu(gate) * up).unsqueeze(-1)).squeeze(-1)
+        y = (y * w.reshape(-1, 1) * self.scale).view(-1, K, d).sum(1)
+        if self.shared_expert is not None:
+            y = y + self.shared_expert(h)
+        return y.view(b, s, d)
+
+
+class Model(nn.Module):
+    def __init__(self, **kw):
+        super().__init__()
+        self.moe = Block(**kw)
+
+    def forward(self, x):
+        return x + self.moe(torch.tanh(x))
+
+
+class Expected(nn.Module):
+    """What the rewrite must produce for :class:`Model`: one ``hetforge::moe`` call in place of the block."""
+
+    def __init__(self, ref: Model):
+        super().__init__()
+        self.moe = ref.moe
+
+    def forward(self, x):
+        m = self.moe
+        y = torch.ops.hetforge.moe(torch.tanh(x), m.router, m.gate_up, m.down, top_k=K, norm_topk=True, act="silu",
+                                   transposed=False, layer=0)
+        return x + y
+
+
+def _x(seed=1, s=7):
+    return torch.randn(1, s, D, generator=torch.Generator().manual_seed(seed))
+
+
+def _ops(gm):
+    return [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+
+
+def test_rewrite_before_expected():
+    model, x = Model().eval(), _x()
+    res = fuse_moe(capture(model, (x,)).gm)
+    expected = capture(Expected(model).eval(), (x,)).gm
+    assert _ops(res.gm) == _ops(expected) == ["aten.tanh.default", "hetforge.moe.default", "aten.add.Tensor"]
+    got = next(n for n in res.gm.graph.nodes if n.target is torch.ops.hetforge.moe.default)
+    want = next(n for n in expected.graph.nodes if n.target is torch.ops.hetforge.moe.default)
+    def norm(n):
+        return [a.target if isinstance(a, torch.fx.Node) and a.op == "get_attr" else a for a in n.args[1:]]
+
+    assert norm(got) == norm(want) and not got.kwargs
+    assert tuple(got.meta["val"].shape) == (1, 7, D)
+    with torch.no_grad():
+        torch.testing.assert_close(res.gm(x), model(x), rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(res.gm(_x(2)), model(_x(2)), rtol=1e-6, atol=1e-6)  # other data, same graph
+
+
+def test_shared_expert_and_no_renormalisation_are_recognised():
+    model, x = Model(renorm=False, shared=True).eval(), _x()
+    res = fuse_moe(capture(model, (x,)).gm)
+    node = next(n for n in res.gm.graph.nodes if n.target is torch.ops.hetforge.moe.default)
+    assert node.args[9] is False and node.args[5] is not None and node.args[6] is not None
+    with torch.no_grad():
+        torch.testing.assert_close(res.gm(x), model(x), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("kw, reason", [
+    ({"routing": "sigmoid"}, "not a softmax"),
+    ({"scale": 2.0}, "differs from the block"),  # same structure, different math: caught by the numeric check
+])
+def test_unrecognised_variants_stay_unfused_as_near_misses(kw, reason):
+    model, x = Model(**kw).eval(), _x()
+    cg = capture(model, (x,))
+    res = fuse_moe(cg.gm)
+    assert not res.rewrites and len(res.near_misses) == 1 and reason in res.near_misses[0].reason
+    assert _ops(res.gm) == _ops(cg.gm)
+    with torch.no_grad():
+        torch.testing.assert_close(res.gm(x), model(x))
+
+
+# ---------------------------------------------------------------- the kernel
+
+
+def _weights(e=8, d=16, f=12, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(e, d, generator=g), torch.randn(e, 2 * f, d, generator=g) * 0.3,
+            torch.randn(e, d, f, generator=g) * 0.3)
+
+
+def _per_token(x, rw, wgu, wd, k, keep=None):
+    """Plain reference: each (token, choice) through its expert, summed with the router weights."""
+    probs = torch.softmax(F.linear(x, rw), -1)
+    w, idx = torch.topk(probs, k, -1)
+    w = w / w.sum(-1, keepdim=True)
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for j in range(k):
+            if keep is not None and not keep[t][j]:
+                continue
+            e = int(idx[t, j])
+            gate, up = F.linear(x[t], wgu[e]).chunk(2, -1)
+            out[t] += w[t, j] * F.linear(F.silu(gate) * up, wd[e])
+    return out, w, idx
+
+
+@settings(max_examples=25, deadline=None)
+@given(t=st.integers(1, 40), group=st.sampled_from([0, 1, 2, 4, 8]), k=st.integers(1, 3), seed=st.integers(0, 99))
+def test_grouped_execution_equals_per_token_reference(t, group, k, seed):
+    rw, wgu, wd = _weights(seed=seed)
+    x = torch.randn(t, 16, generator=torch.Generator().manual_seed(seed + 1))
+    ref, _, _ = _per_token(x, rw, wgu, wd, k)
+    with recording() as rec:
+        got = moe_forward(x, rw, wgu, wd, top_k=k, group_size=group)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    c = rec.calls[0]
+    assert sum(c.routed) == t * k and c.dropped == 0 and c.used == t * k
+    assert c.groups == -(-8 // (group or auto_group_size(t, k, 8))) and c.groups_run <= c.groups
+    assert abs(sum(c.mass) - t) < 1e-4  # every token's full softmax sums to 1
+
+
+def test_capacity_drops_lowest_router_weight_first_and_counts_padding():
+    rw, wgu, wd = _weights()
+    x = torch.randn(30, 16, generator=torch.Generator().manual_seed(5))
+    _, w, idx = _per_token(x, rw, wgu, wd, 2)
+    cap = [3, 1, 2, 5, 0, 4, 2, 1]
+    # expected survivors: per expert, the `cap` assignments with the largest router weight
+    keep = [[False, False] for _ in range(30)]
+    for e in range(8):
+        pairs = sorted(((float(w[t, j]), t, j) for t in range(30) for j in range(2) if int(idx[t, j]) == e),
+                       key=lambda p: -p[0])
+        for _, t, j in pairs[:cap[e]]:
+            keep[t][j] = True
+    ref, _, _ = _per_token(x, rw, wgu, wd, 2, keep)
+    with recording() as rec:
+        got = moe_forward(x, rw, wgu, wd, top_k=2, group_size=2, capacity=cap)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    c = rec.calls[0]
+    kept = sum(map(sum, keep))
+    assert c.dropped == 60 - kept and c.used == kept
+    routed = torch.bincount(idx.reshape(-1), minlength=8).tolist()
+    # every group that has a kept token computes G × (largest capacity in the group) slots
+    slots = sum(2 * max(cap[g:g + 2]) for g in range(0, 8, 2) if sum(min(routed[e], cap[e]) for e in (g, g + 1)))
+    assert c.slots == slots and c.padded == slots - kept
+
+
+def test_order_permutes_stored_experts_without_changing_the_result():
+    rw, wgu, wd = _weights()
+    x = torch.randn(9, 16, generator=torch.Generator().manual_seed(3))
+    order = [5, 2, 7, 0, 1, 3, 6, 4]
+    ref = moe_forward(x, rw, wgu, wd, top_k=2)
+    got = moe_forward(x, rw, wgu[order], wd[order], top_k=2, group_size=4, order=order)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
