@@ -83,9 +83,10 @@ def test_the_matrix_really_ran_on_several_devices(tiny):
     assert any("gpu" in devs for devs in seen.values())
 
 
-@pytest.mark.parametrize("name", ["gpt2-tiny", "qwen2-tiny"])
-@pytest.mark.parametrize(("soc", "strategy"), [("jetson-agx-orin", "rules"), ("intel-core-ultra-155h", "pgsam"),
-                                               ("apple-m2-max", "greedy")])
+@pytest.mark.parametrize(("name", "soc", "strategy"), [
+    *[(n, s, st) for n in ("gpt2-tiny", "qwen2-tiny") for s, st in (
+        ("jetson-agx-orin", "rules"), ("intel-core-ultra-155h", "pgsam"), ("apple-m2-max", "greedy"))],
+    ("demo", "jetson-orin-nano", "rules"), ("demo", "snapdragon-x-elite", "greedy")])
 def test_other_families_generate_hugging_face_tokens_on_placed_programs(name, soc, strategy):
     lm = load_model(name)
     e = Engine(lm, soc=soc, strategy=strategy)
