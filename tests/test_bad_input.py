@@ -190,6 +190,12 @@ CASES: list[tuple[str, list[str], int, str]] = [
      "is a file, not a folder"),
     ("bench-out-dir-under-file", ["bench", "peers", "--quick", "--out-dir", "{fx}/file.txt/out", "--json"], 2,
      "is a file, not a folder"),
+    ("kforge-problem", ["kforge", "run", "nosuchproblem", "--platform", "cpp", "--provider", "offline",
+                        "--rounds", "1"], 2, "unknown problem 'nosuchproblem'"),
+    ("kforge-platform", ["kforge", "run", "softmax", "--platform", "nope"], 2, "unknown platform 'nope'"),
+    ("moe-data", ["moe", "calibrate", "moe-demo", "--data", "{fx}/dir"], 2, "is not a file"),
+    ("moe-calib", ["moe", "tiers", "gpt2-tiny", "--calib", "{fx}/nothing.json", "--data", "{fx}/file.txt"], 2,
+     "does not exist"),
 ]
 ENV_CASES: list[tuple[str, list[str], dict[str, str], int, str]] = [
     ("host-profile-binary", ["socs", "--json"], {"HETFORGE_HOST_PROFILE": "{fx}/bin.json"}, 2, "not a text"),
