@@ -72,6 +72,7 @@ def test_greedy_tokens_equal_hugging_face_for_every_soc_strategy_and_scheme(tiny
     seen[(soc, strategy, quantize)] = {p["device"] for p in parts}
 
 
+@pytest.mark.slow
 def test_the_matrix_really_ran_on_several_devices(tiny):
     """Runs after the matrix (same module): a matrix where everything stayed on the CPU would prove nothing."""
     seen = tiny[2]
