@@ -108,6 +108,7 @@ class RunReport:
             "modeled_s": self.timeline().makespan_s,  # list-scheduled: devices overlap where the DAG allows
             "modeled_serial_s": sum(c.modeled_s for c in self.calls) + sum(t.modeled_s for t in self.transfers),
             "modeled_switch_s": self.timeline().switch_s,
+            "modeled_bottleneck_s": self.timeline().bottleneck_s,  # the most loaded device (pipelined period)
             "modeled_j": sum(c.modeled_j for c in self.calls) + sum(t.modeled_j for t in self.transfers),
             "by_device": by_device,
         }

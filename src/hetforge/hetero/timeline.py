@@ -8,6 +8,9 @@ program-order predecessor ran on another device — costs what the SoC profile s
 that device (the receiving device's ``switch_overhead_us``: dispatch + synchronisation,
 :func:`hetforge.cost.transfer.switch_cost_s`), charged on its lane before the call.
 
+The schedule itself is :func:`hetforge.cost.timeline.list_schedule` — the same one the stage-plan search
+of placement minimizes — so a run's reported latency, its trace and PGSAM's objective come from one model.
+
 Modeled latency of a run = the makespan of this schedule (the end of the last partition or of the final
 transfer back to the host). Modeled energy = the partitions' modeled energy + the transfers' link energy
 (active energy only; idle power is not charged). Both are *modeled*: the durations come from the cost
@@ -16,56 +19,11 @@ model (``RunReport`` calls/transfers carry them), never from host timings.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
-
+from hetforge.cost.timeline import Span, Task, Timeline, list_schedule
 from hetforge.cost.transfer import switch_cost_s
 from hetforge.hetero.partition import PartitionedGraph
 
-
-@dataclass
-class Span:
-    """One item on the modeled timeline (seconds from the run's start)."""
-
-    kind: str  # "call" | "transfer" | "switch"
-    lane: str  # a device name, or "src->dst" for transfers
-    name: str
-    start_s: float
-    dur_s: float
-    energy_j: float = 0.0
-    args: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def end_s(self) -> float:
-        return self.start_s + self.dur_s
-
-
-@dataclass
-class Timeline:
-    """The list schedule of one run (modeled)."""
-
-    spans: list[Span]
-    makespan_s: float
-    energy_j: float
-    switches: int
-    switch_s: float
-    serial_s: float  # the plain sum of every span: what a sum-of-costs model would report
-
-    def by_device(self) -> dict[str, dict[str, float]]:
-        out: dict[str, dict[str, float]] = {}
-        for s in self.spans:
-            if s.kind == "transfer":
-                continue
-            d = out.setdefault(s.lane, {"busy_s": 0.0, "energy_j": 0.0, "calls": 0})
-            d["busy_s"] += s.dur_s
-            d["energy_j"] += s.energy_j
-            d["calls"] += 1 if s.kind == "call" else 0
-        return out
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"makespan_s": self.makespan_s, "energy_j": self.energy_j, "switches": self.switches,
-                "switch_s": self.switch_s, "serial_s": self.serial_s, "by_device": self.by_device(),
-                "figure": "modeled"}
+__all__ = ["Span", "Timeline", "schedule_run"]
 
 
 def schedule_run(pg: PartitionedGraph, report, soc) -> Timeline:
@@ -76,54 +34,44 @@ def schedule_run(pg: PartitionedGraph, report, soc) -> Timeline:
     xfer = {}  # (value, dst) → TransferRecord
     for t in report.transfers:
         xfer.setdefault((t.value, t.dst), t)
-    free: dict[str, float] = {}
-    done: dict[str, float] = {}  # value → time it is ready on its producer's device
-    ready: dict[tuple[str, str], float] = {}  # (value, device) → time it is ready there
-    spans: list[Span] = []
+    tasks: list[Task] = []
+    made: dict[str, int] = {}  # value → index of the call task that produced it
+    ready: dict[tuple[str, str], tuple[int, ...]] = {}  # (value, device) → tasks after which it is there
     prev_dev: str | None = None
-    switches, switch_total = 0, 0.0
     calls = {c.partition: c for c in report.calls}
 
-    def arrive(value: str, dev: str) -> float:
+    def arrive(value: str, dev: str) -> tuple[int, ...]:
         key = (value, dev)
         if key in ready:
             return ready[key]
         src_dev = pg.partitions[producer[value]].device if value in producer else host
-        t0 = done.get(value, 0.0)
+        deps = (made[value],) if value in made else ()
         rec = xfer.get(key)
         if rec is not None and src_dev != dev:
-            spans.append(Span("transfer", f"{src_dev}->{dev}", f"{value} ({rec.nbytes} B, {rec.mode})", t0,
-                              rec.modeled_s, rec.modeled_j, {"nbytes": rec.nbytes, "mode": rec.mode,
-                                                             "src": src_dev, "dst": dev}))
-            t0 += rec.modeled_s
-        ready[key] = t0
-        return t0
+            tasks.append(Task("transfer", f"{src_dev}->{dev}", f"{value} ({rec.nbytes} B, {rec.mode})",
+                              rec.modeled_s, rec.modeled_j, deps, dst=dev,
+                              args={"nbytes": rec.nbytes, "mode": rec.mode, "src": src_dev, "dst": dev}))
+            deps = (len(tasks) - 1,)
+        ready[key] = deps
+        return deps
 
     for part in pg.partitions:
         call = calls.get(part.index)
         if call is None:
             continue
         dev = part.device
-        start = max([free.get(dev, 0.0)] + [arrive(v, dev) for v in part.inputs])
+        deps = tuple(i for v in part.inputs for i in arrive(v, dev))
         if prev_dev is not None and prev_dev != dev:
-            sw = switch_cost_s(soc, prev_dev, dev)
-            spans.append(Span("switch", dev, f"switch {prev_dev}->{dev}", start, sw))
-            start += sw
-            switches += 1
-            switch_total += sw
+            tasks.append(Task("switch", dev, f"switch {prev_dev}->{dev}", switch_cost_s(soc, prev_dev, dev),
+                              deps=deps))
+            deps = (len(tasks) - 1,)
         prev_dev = dev
-        spans.append(Span("call", dev, f"p{part.index} ({len(part.nodes)} nodes)", start, call.modeled_s,
-                          call.modeled_j, {"partition": part.index, "backend": call.backend}))
-        end = start + call.modeled_s
-        free[dev] = end
+        tasks.append(Task("call", dev, f"p{part.index} ({len(part.nodes)} nodes)", call.modeled_s, call.modeled_j,
+                          deps, args={"partition": part.index, "backend": call.backend}))
         for o in part.outputs:
-            done[o] = end
-            ready[(o, dev)] = end
-    end = max([s.end_s for s in spans] + [0.0])
+            made[o] = len(tasks) - 1
+            ready[(o, dev)] = (len(tasks) - 1,)
     for t in report.transfers:  # outputs brought back to the host after the last call
         if t.dst == host and (t.value, host) not in ready:
             arrive(t.value, host)
-    makespan = max([s.end_s for s in spans] + [end])
-    energy = sum(s.energy_j for s in spans)
-    serial = sum(s.dur_s for s in spans)
-    return Timeline(spans, makespan, energy, switches, switch_total, serial)
+    return list_schedule(tasks)

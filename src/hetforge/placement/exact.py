@@ -7,7 +7,12 @@ a *label* at a state is the partial cost of one way to get there. A transition a
 ``(d, s, e)`` with ``d`` not yet used. Every objective composes monotonically along a plan:
 
 * f1 energy adds up (runs, boundary transfers, the exit transfer; the auxiliary stages are a constant);
-* f2 is the max (``bottleneck``) or the sum (``total``) of stage times, aux stages included;
+* f2 (:func:`hetforge.placement.stages.objectives`, read off the list schedule of the stage chain) is the
+  sum of every stage and transfer (``total``, the makespan) or the largest device load (``bottleneck``):
+  a device's load is its run + the transfer into it, plus the auxiliary stage(s) and the exit transfer
+  when it hosts the embedding or the LM head. A run's device is used once, so its load is final when the
+  run is appended (the label keeps the max of those); the loads of the aux hosts stay open until the plan
+  ends and are label components of their own;
 * f3 = −min stage DASI is the max of −DASI over runs;
 
 so a label that is no worse than another at the same state in every component stays no worse after any
@@ -113,15 +118,29 @@ def exact_front(table: LayerTable) -> ExactResult:
     if P == 1 and total_w > table.capacity[0]:
         return ExactResult(Archive(), plans, 0, time.perf_counter() - t0)
     use_pools = list(range(P)) if P > 1 else []
-    # label layout: [energy (fixed part), raw energy of each var device, f2, f3, usage of each pool]
+    bottleneck = table.latency_mode != "total"
+    aux_t = [float(x) for x in table.aux_time]
+    # bottleneck: the load of the devices hosting the auxiliary stages (entry, exit) is open until the plan
+    # ends, so each is a label component; every other device's load is final when its run is appended
+    hosts = sorted({x for x in (table.entry, table.exit) if x is not None}) if bottleneck else []
+    # label layout: [energy (fixed part), raw energy of each var device, f2, f3, usage of each pool,
+    #                load of each aux host]
     nv = len(var_dev)
     i_f2, i_f3 = 1 + nv, 2 + nv
-    k = 3 + nv + len(use_pools)
-    bottleneck = table.latency_mode != "total"
-    aux_t = list(table.aux_time)
-    f2_0 = (max(aux_t) if aux_t else 0.0) if bottleneck else float(sum(aux_t))
+    i_host = {d: 3 + nv + len(use_pools) + j for j, d in enumerate(hosts)}
+    k = 3 + nv + len(use_pools) + len(hosts)
     start = np.zeros((1, k))
-    start[0, i_f2], start[0, i_f3] = f2_0, -np.inf
+    if bottleneck:  # aux stages without a device are lanes of their own (see stages.stage_tasks)
+        own = [t for i, t in enumerate(aux_t)
+               if not (i == 0 and table.entry is not None) and not (i == 1 and table.exit is not None)]
+        start[0, i_f2] = max(own, default=0.0)
+        if aux_t and table.entry is not None:
+            start[0, i_host[table.entry]] += aux_t[0]
+        if len(aux_t) > 1 and table.exit is not None:
+            start[0, i_host[table.exit]] += aux_t[1]
+    else:
+        start[0, i_f2] = float(sum(aux_t))
+    start[0, i_f3] = -np.inf
     # states: (s, used mask, last) -> list of (values [n, k], parents [n]) chunks; nodes: (parent, d, s, e)
     nodes: list[tuple[int, int, int, int]] = []
     pending: dict[tuple[int, int, int], list[tuple[np.ndarray, np.ndarray]]] = {(0, 0, -1): [(start, np.array([-1]))]}
@@ -171,7 +190,12 @@ def exact_front(table: LayerTable) -> ExactResult:
                 else:
                     new[:, :, 0] += pen_fixed[d] * raw[None, :]
                 if bottleneck:
-                    new[:, :, i_f2] = np.maximum(np.maximum(new[:, :, i_f2], t_run[None, :]), ex_t[None, :])
+                    if d in i_host:
+                        new[:, :, i_host[d]] += t_run[None, :]
+                    else:
+                        new[:, :, i_f2] = np.maximum(new[:, :, i_f2], t_run[None, :])
+                    if table.exit is not None and table.exit != d:
+                        new[:, :, i_host[table.exit]] += ex_t[None, :]
                 else:
                     new[:, :, i_f2] += t_run[None, :] + ex_t[None, :]
                 new[:, :, i_f3] = np.maximum(new[:, :, i_f3], -dasi[None, :])
@@ -193,6 +217,10 @@ def exact_front(table: LayerTable) -> ExactResult:
                     else:
                         chunk = (new[:, ei], enc[:, ei])
                     if e == L:
+                        if hosts:  # the plan is complete: the aux hosts' loads are final
+                            v = chunk[0].copy()
+                            v[:, i_f2] = np.maximum(v[:, i_f2], v[:, list(i_host.values())].max(axis=1))
+                            chunk = (v, chunk[1])
                         finals.append(chunk)
                     else:
                         pending.setdefault((e, used | (1 << d), d), []).append(chunk)

@@ -9,9 +9,11 @@ Objectives (all minimized), computed from a :class:`LayerTable`:
 
 * ``f1`` energy: per-layer energy on its device + transfer energy at every device change + the fixed
   auxiliary stages (embedding, LM head);
-* ``f2`` bottleneck latency: the slowest stage (its layers' time plus its incoming transfer), auxiliary
-  stages included — the pipelined rate (QEIL v2); ``latency_mode="total"`` makes it the sum of the
-  stages instead (the latency of one request when nothing overlaps);
+* ``f2`` latency, read off the one modeled timeline (:mod:`hetforge.cost.timeline`, the list schedule the
+  runtime reports too) of the plan's stage chain (:func:`stage_tasks`): ``bottleneck`` (default) is the
+  pipelined period — the load of the most loaded device: its runs, the auxiliary stages it hosts and the
+  transfers into it (QEIL v2's bottleneck, with devices rather than stages as the resource);
+  ``latency_mode="total"`` is the makespan, the latency of one request;
 * ``f3`` = −min over non-empty decoder stages of the stage DASI (time-weighted mean of its layers' DASI),
   so under-utilized stages are penalized (the fixed auxiliary stages are left out: they would pin it).
 
@@ -25,6 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from hetforge.cost.timeline import Task, list_schedule
 from hetforge.placement.pareto import Archive
 
 
@@ -128,29 +131,55 @@ def evaluate(table: LayerTable, assign: tuple[int, ...]) -> tuple[float, float, 
     return objectives(table, assign)
 
 
-def objectives(table: LayerTable, assign: tuple[int, ...]) -> tuple[float, float, float]:
-    """The three objectives, whether or not the plan fits in memory."""
-    energy = table.aux_energy
+def stage_tasks(table: LayerTable, assign: tuple[int, ...]) -> list[Task]:
+    """The stage plan as a chain of :class:`~hetforge.cost.timeline.Task` s: embedding, then per run its
+    incoming boundary transfer (the table folds the receiving device's switch cost into it) and its layers,
+    the exit transfer, the LM head. Auxiliary stages run on the ``entry``/``exit`` devices (on lanes of their
+    own when the table names none)."""
+    devs = table.devices
     pen = table.penalties(assign)
-    stage_times = list(table.aux_time)
-    dasis: list[float] = []  # decoder stages only: the fixed auxiliary stages would pin the minimum
+    aux = list(table.aux_time)
+    tasks: list[Task] = []
+
+    def add(task: Task) -> None:
+        tasks.append(task)
+
+    def after() -> tuple[int, ...]:
+        return (len(tasks) - 1,) if tasks else ()
+
+    if aux:
+        add(Task("call", devs[table.entry] if table.entry is not None else "embed", "embedding", float(aux[0])))
     prev = table.entry
     for d, s, e in stages_of(assign):
-        t = float(table.time[s:e, d].sum())
-        energy += float(table.energy[s:e, d].sum()) * pen[d]
         if prev is not None and prev != d:
-            t += float(table.xfer_time[s, prev, d])
-            energy += float(table.xfer_energy[s, prev, d])
-        stage_times.append(t)
+            add(Task("transfer", f"{devs[prev]}->{devs[d]}", f"input of layer {s}", float(table.xfer_time[s, prev, d]),
+                     float(table.xfer_energy[s, prev, d]), after(), dst=devs[d]))
+        add(Task("call", devs[d], f"layers {s}-{e - 1}", float(table.time[s:e, d].sum()),
+                 float(table.energy[s:e, d].sum()) * pen[d], after()))
+        prev = d
+    L = table.num_layers
+    if table.exit is not None and prev is not None and prev != table.exit:
+        add(Task("transfer", f"{devs[prev]}->{devs[table.exit]}", "input of the LM head",
+                 float(table.xfer_time[L, prev, table.exit]), float(table.xfer_energy[L, prev, table.exit]),
+                 after(), dst=devs[table.exit]))
+    for i, t in enumerate(aux[1:]):
+        lane = devs[table.exit] if table.exit is not None and i == 0 else ("head" if i == 0 else f"aux{i + 1}")
+        add(Task("call", lane, "LM head" if i == 0 else f"auxiliary stage {i + 1}", float(t), 0.0, after()))
+    return tasks
+
+
+def objectives(table: LayerTable, assign: tuple[int, ...]) -> tuple[float, float, float]:
+    """The three objectives, whether or not the plan fits in memory; f2 is read off the list schedule of
+    :func:`stage_tasks` (:func:`hetforge.cost.timeline.list_schedule`): its makespan (``total``) or its
+    bottleneck, the most loaded device (``bottleneck``)."""
+    tl = list_schedule(stage_tasks(table, assign))
+    dasis: list[float] = []  # decoder stages only: the fixed auxiliary stages would pin the minimum
+    for d, s, e in stages_of(assign):
         w = table.time[s:e, d]
         ds = table.dasi[s:e, d]
         dasis.append(float((ds * w).sum() / w.sum()) if w.sum() > 0 else float(ds.mean()))
-        prev = d
-    if table.exit is not None and prev is not None and prev != table.exit:
-        stage_times.append(float(table.xfer_time[table.num_layers, prev, table.exit]))
-        energy += float(table.xfer_energy[table.num_layers, prev, table.exit])
-    f2 = sum(stage_times) if table.latency_mode == "total" else max(stage_times)
-    return energy, f2, -min(dasis)
+    f2 = tl.makespan_s if table.latency_mode == "total" else tl.bottleneck_s
+    return table.aux_energy + tl.energy_j, f2, -min(dasis)
 
 
 def all_plans(num_layers: int, num_devices: int):

@@ -43,6 +43,7 @@ def _step_figures(step: Step) -> dict[str, Any]:
     return {
         "modeled_ms": 1e3 * tl.makespan_s, "modeled_mj": 1e3 * tl.energy_j,
         "modeled_serial_ms": 1e3 * tl.serial_s, "modeled_switch_ms": 1e3 * tl.switch_s,
+        "modeled_bottleneck_ms": 1e3 * tl.bottleneck_s,  # pipelined period: the most loaded device
         "switches": tl.switches, "transfers": len(rep.transfers), "zero_copy": len(rep.transfers) - len(copies),
         "bytes_moved": sum(t.nbytes for t in copies),
         "by_device": {d: {"modeled_ms": 1e3 * v["busy_s"], "modeled_mj": 1e3 * v["energy_j"]}
