@@ -26,7 +26,8 @@ def placed_lines(r) -> list[str]:
         if not f:
             continue
         devs = ", ".join(f"{d} {v['modeled_ms']:.3f} ms / {v['modeled_mj']:.3f} mJ" for d, v in f["by_device"].items())
-        out.append(f"{label} on {pl['soc']}: {f['modeled_ms']:.3f} ms, {f['modeled_mj']:.3f} mJ (modeled; "
+        out.append(f"{label} on {pl['soc']}: {f['modeled_ms']:.3f} ms (pipelined period "
+                   f"{f['modeled_bottleneck_ms']:.3f} ms), {f['modeled_mj']:.3f} mJ (modeled; "
                    f"{devs}) | {f['switches']:.0f} switches, {f['transfers']:.0f} transfers "
                    f"({f['zero_copy']:.0f} zero-copy), {f['bytes_moved'] / 1024:.1f} KiB moved | host: "
                    f"{f['measured_transfer_ms']:.3f} ms in transfers, {f['measured_wall_ms']:.2f} ms wall (measured)")
