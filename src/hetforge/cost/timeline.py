@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
-@dataclass
+@dataclass(slots=True)
 class Task:
     """One item to schedule: ``deps`` index earlier tasks of the same list."""
 
@@ -41,7 +41,7 @@ class Task:
     args: dict[str, Any] = field(default_factory=dict)
 
 
-@dataclass
+@dataclass(slots=True)
 class Span:
     """One item on the modeled timeline (seconds from the run's start)."""
 

@@ -111,11 +111,11 @@ class StagePlan:
 def stages_of(assign: tuple[int, ...]) -> list[tuple[int, int, int]]:
     """Maximal runs ``(device, start, end)`` of a layer → device assignment."""
     runs: list[tuple[int, int, int]] = []
-    for i, d in enumerate(assign):
-        if runs and runs[-1][0] == d:
-            runs[-1] = (d, runs[-1][1], i + 1)
-        else:
-            runs.append((d, i, i + 1))
+    start = 0
+    for d in itertools.groupby(assign):
+        n = sum(1 for _ in d[1])
+        runs.append((d[0], start, start + n))
+        start += n
     return runs
 
 
@@ -131,7 +131,8 @@ def evaluate(table: LayerTable, assign: tuple[int, ...]) -> tuple[float, float, 
     return objectives(table, assign)
 
 
-def stage_tasks(table: LayerTable, assign: tuple[int, ...]) -> list[Task]:
+def stage_tasks(table: LayerTable, assign: tuple[int, ...],
+                runs: list[tuple[int, int, int]] | None = None) -> list[Task]:
     """The stage plan as a chain of :class:`~hetforge.cost.timeline.Task` s: embedding, then per run its
     incoming boundary transfer (the table folds the receiving device's switch cost into it) and its layers,
     the exit transfer, the LM head. Auxiliary stages run on the ``entry``/``exit`` devices (on lanes of their
@@ -150,7 +151,7 @@ def stage_tasks(table: LayerTable, assign: tuple[int, ...]) -> list[Task]:
     if aux:
         add(Task("call", devs[table.entry] if table.entry is not None else "embed", "embedding", float(aux[0])))
     prev = table.entry
-    for d, s, e in stages_of(assign):
+    for d, s, e in runs if runs is not None else stages_of(assign):
         if prev is not None and prev != d:
             add(Task("transfer", f"{devs[prev]}->{devs[d]}", f"input of layer {s}", float(table.xfer_time[s, prev, d]),
                      float(table.xfer_energy[s, prev, d]), after(), dst=devs[d]))
@@ -172,9 +173,10 @@ def objectives(table: LayerTable, assign: tuple[int, ...]) -> tuple[float, float
     """The three objectives, whether or not the plan fits in memory; f2 is read off the list schedule of
     :func:`stage_tasks` (:func:`hetforge.cost.timeline.list_schedule`): its makespan (``total``) or its
     bottleneck, the most loaded device (``bottleneck``)."""
-    tl = list_schedule(stage_tasks(table, assign))
+    runs = stages_of(assign)
+    tl = list_schedule(stage_tasks(table, assign, runs))
     dasis: list[float] = []  # decoder stages only: the fixed auxiliary stages would pin the minimum
-    for d, s, e in stages_of(assign):
+    for d, s, e in runs:
         w = table.time[s:e, d]
         ds = table.dasi[s:e, d]
         dasis.append(float((ds * w).sum() / w.sum()) if w.sum() > 0 else float(ds.mean()))
