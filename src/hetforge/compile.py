@@ -130,7 +130,7 @@ def compile_graph(
     """Compile a captured GraphModule for ``soc`` (a name, a path or a SocProfile).
 
     ``passes``: True (all), False (none), or pass names. ``placement`` overrides ``strategy``.
-    ``quantize`` (``w8``/``w4``/``w8a8``/``none``) runs the weight-quantization pass after the six passes,
+    ``quantize`` (``w8``/``w4``/``w8a8``/``none``) runs the weight-quantization pass after the middle-end passes,
     so placement and the cost model see the int8/int4 linears. ``build=False`` stops before allocating
     arenas (reports only).
     """

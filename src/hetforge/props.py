@@ -5,7 +5,7 @@ residual → norm → MLP → residual, final norm, LM head), varying what the p
 RMSNorm or LayerNorm, SDPA or hand-written attention (scale by multiply or divide, causal mask or none), one
 to four heads with grouped K/V, rotary or learned positions, gated-SiLU or GELU/ReLU MLPs with or without
 bias, a tied or separate head, sequence 1–6, batch 1–2. :func:`check_model` captures it with
-``torch.export`` and runs the six passes once, then for several random placements (every node on a random
+``torch.export`` and runs the middle-end passes once, then for several random placements (every node on a random
 device of a three-device SoC, so lowering inserts transfers; copies on the 155H, zero-copy on the Orin)
 lowers, schedules and plans memory (the program verifier runs after each), saves and reloads the program
 (the verifier re-checks its saved arena offsets), executes it and compares the logits with the eager model.
@@ -210,7 +210,7 @@ def _fail(seed: int, k: int, mode: str, t0: float, e: Exception) -> GraphResult:
 
 
 def check_model(seed: int, placements: int = 1) -> list[GraphResult]:
-    """Capture seed's decoder and run the six passes once, then for each of ``placements`` random placements
+    """Capture seed's decoder and run the middle-end passes once, then for each of ``placements`` random placements
     compile it (lowering, scheduling, memory plan, each verified; arena or fast executor mode alternately),
     save and reload the program (the verifier re-checks the saved arena offsets), run it and compare its logits
     with eager. An exception anywhere is a failed graph, recorded with its text; nothing is raised."""
