@@ -269,7 +269,8 @@ multi-objective dynamic program over layers (`placement/exact.py`) whenever the 
 
 * `rules` — seed-002 dispatch rules (objective latency for stay-or-move);
 * `greedy-lat`, `greedy-energy` — cheapest device per node by modeled time / energy, transfers counted;
-* `stages-energy`, `stages-balanced` — contiguous stages, f2 = bottleneck (slowest stage) latency;
+* `stages-energy`, `stages-balanced` — contiguous stages, f2 = bottleneck latency (the most loaded device
+  of the stage chain's list schedule, `cost/timeline.py`);
 * `stages-latency` — f2 = total latency of one request (`latency_mode="total"`), min-f2 point;
 * `… aux=cost` — embedding/LM head routed by modeled cost instead of lowest TDP;
 * `all-cpu/gpu/npu` — `single` strategy (unsupported ops split off to the fastest capable device).
