@@ -43,6 +43,7 @@ def passes_section(optimized: Any, before_gm: torch.fx.GraphModule | None, after
     if optimized is None:
         return {"enabled": False, "passes": [], "rewrites": []}
     before, after = _node_table(before_gm), _node_table(after_gm)
+    unknown = "(made by an earlier pass)" if before_gm is not None else "(the runtime keeps no graph before passes)"
     passes, rewrites = [], []
     for p in optimized.passes:
         d = p.to_dict(full=True)
@@ -55,7 +56,7 @@ def passes_section(optimized: Any, before_gm: torch.fx.GraphModule | None, after
                 continue  # a plain removal (dead code, a no-op): nothing to draw
             rewrites.append({
                 "pass": p.name, "kind": r.kind, "detail": r.detail,
-                "before": [[m, *before.get(m, ("(made by an earlier pass)", []))] for m in r.matched],
+                "before": [[m, *before.get(m, (unknown, []))] for m in r.matched],
                 "after": [r.new_node, *after.get(r.new_node, ("(replaced by a later pass)", []))]
                 if r.new_node else None,
             })

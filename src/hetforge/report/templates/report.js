@@ -270,26 +270,38 @@ function chartTokens() {
 }
 
 async function loadPlotly() {
+  let t = performance.now();
   const b64 = document.getElementById("plotly-gz").textContent.trim();
   const bin = atob(b64), u8 = new Uint8Array(bin.length);
   for (let i = 0; i < bin.length; i++) u8[i] = bin.charCodeAt(i);
+  PHASES.plotly_base64 = Math.round(performance.now() - t); t = performance.now();
   const text = await new Response(new Blob([u8]).stream().pipeThrough(new DecompressionStream("gzip"))).text();
+  PHASES.plotly_gunzip = Math.round(performance.now() - t); t = performance.now();
   const s = document.createElement("script"); s.textContent = text; document.head.appendChild(s);
+  PHASES.plotly_eval = Math.round(performance.now() - t);
 }
 
+const PHASES = {};
+function phase(name, fn) { const t = performance.now(); try { return fn(); } finally { PHASES[name] = Math.round(performance.now() - t); } }
+
 async function main() {
-  renderFailure(); renderSummary(); renderTokensTable(); renderPassesTable(); renderPlacementTable(); renderReproduce();
+  phase("tables", () => { renderFailure(); renderSummary(); renderTokensTable(); renderPassesTable(); renderPlacementTable(); renderReproduce(); });
   if (D.failure && !D.placement) ["pareto", "roofline", "memory", "schedule"].forEach((id) => notReached(id));
   if (typeof DecompressionStream === "undefined") {
     document.body.insertAdjacentHTML("afterbegin", '<p class="fail" style="padding:8px 24px">This browser lacks DecompressionStream, so the charts cannot be drawn; the tables are complete.</p>');
   } else {
+    const t = performance.now();
     await loadPlotly();
-    if (D.passes && D.passes.enabled) chartPasses();
-    if (!D.failure || D.placement) { chartPareto(); chartRoofline(); chartMemory(); chartSchedule(); }
-    chartTokens();
-    if (D.placement && D.placement.nodes.length) showNode(0);
+    PHASES.plotly_load = Math.round(performance.now() - t);
+    if (D.passes && D.passes.enabled) phase("passes", chartPasses);
+    if (!D.failure || D.placement) {
+      phase("pareto", chartPareto); phase("roofline", chartRoofline); phase("memory", chartMemory); phase("schedule", chartSchedule);
+    }
+    phase("tokens", chartTokens);
+    if (D.placement && D.placement.nodes.length) phase("node_detail", () => showNode(0));
   }
   window.hetforgeRenderMs = performance.now() - T0;
+  window.hetforgePhases = PHASES;
   document.body.dataset.ready = "1";
 }
 main().catch((e) => { console.error("hetforge report: " + e); document.body.dataset.ready = "error"; });

@@ -6,7 +6,7 @@ as root), installs it with ``apt-get install -y chromium`` once. Playwright is o
 pip package, in the ``dev`` extra): it launches this system browser, so no Playwright browser download is needed.
 Missing browser → the test fails with how to fix it; it is skipped only when ``HETFORGE_SKIP_BROWSER=1`` says so.
 
-Run by hand: ``python tests/browser.py report.html`` opens a report and prints what the test checks.
+Run by hand: ``python tests/report_browser.py report.html`` opens a report and prints what the test checks.
 """
 
 from __future__ import annotations
@@ -61,6 +61,7 @@ class PageCheck:
     sections: dict[str, dict] = field(default_factory=dict)
     load_ms: float = 0.0  # navigation start → the page's scripts finished (data-ready), measured
     script_ms: float = 0.0  # the page's own measure: its render code, start to end
+    phases: dict = field(default_factory=dict)  # ms per render phase (tables, plotly_load, each chart)
     search: dict = field(default_factory=dict)
     screenshot: Path | None = None
     ready: str = ""
@@ -87,6 +88,7 @@ def open_report(html: Path, screenshot: Path | None = None, search: str | None =
             out.load_ms = 1e3 * (time.perf_counter() - t0)
             out.ready = page.evaluate("document.body.dataset.ready")
             out.script_ms = float(page.evaluate("window.hetforgeRenderMs || 0"))
+            out.phases = page.evaluate("window.hetforgePhases || {}")
             out.sections = page.evaluate("""() => Object.fromEntries(
                 [...document.querySelectorAll('section[data-section]')].map(s => [s.id, {
                                   rendered: s.dataset.rendered || '', items: +(s.dataset.items || 0),
@@ -118,7 +120,7 @@ def open_report(html: Path, screenshot: Path | None = None, search: str | None =
 if __name__ == "__main__":
     res = open_report(Path(sys.argv[1]), Path(sys.argv[1]).with_suffix(".png"),
                       sys.argv[2] if len(sys.argv) > 2 else None)
-    print(f"load {res.load_ms:.0f} ms (measured), scripts {res.script_ms:.0f} ms, ready={res.ready}")
+    print(f"load {res.load_ms:.0f} ms (measured), scripts {res.script_ms:.0f} ms {res.phases}, ready={res.ready}")
     for k, v in res.sections.items():
         print(k, {a: b for a, b in v.items() if a != "text"})
     print("errors:", res.errors)
