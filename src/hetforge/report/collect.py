@@ -77,13 +77,12 @@ def _kinds(rewrite_list: list[dict]) -> dict[str, int]:
 
 
 def _pick_rewrite(rewrites: list[dict]) -> int | None:
-    """The rewrite shown first: an attention fusion when there is one, else the one that matched most nodes."""
+    """The rewrite shown first: the fusion that replaced the most nodes by one (the first such), else the rewrite
+    that matched most nodes."""
     if not rewrites:
         return None
-    for i, r in enumerate(rewrites):
-        if "attention" in r["kind"] and r["after"]:
-            return i
-    return max(range(len(rewrites)), key=lambda i: len(rewrites[i]["before"]))
+    fused = [i for i, r in enumerate(rewrites) if r["after"]] or list(range(len(rewrites)))
+    return max(fused, key=lambda i: (len(rewrites[i]["before"]), -i))
 
 
 def placement_section(gm: torch.fx.GraphModule, soc: Any, placement: Any) -> tuple[dict[str, Any], Any]:

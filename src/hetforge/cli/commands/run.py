@@ -206,4 +206,6 @@ def write_generation_report(path: Path, engine, gen, prompt: str, params, model:
         cmd += ["--top-p", str(params.top_p)]
     if params.ignore_eos:
         cmd.append("--ignore-eos")
-    return write_report(path, data, [shlex.join(cmd)], "--report")
+    obj = [] if strategy.partition(":")[0] == "support" else ["--objective", objective]
+    compile_view = ["hetforge", "report", model, "--soc", soc, "--strategy", strategy, *obj, *q, "-o", "compile.html"]
+    return write_report(path, data, [shlex.join(cmd), shlex.join(compile_view)], "--report")

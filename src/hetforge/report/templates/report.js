@@ -111,7 +111,7 @@ function renderPlacementTable() {
     NODE[n.name] = n;
     return `<tr class="clickable" data-i="${i}" data-node="${esc(n.name)}" data-device="${esc(n.device)}" data-stage="${esc(n.stage)}">` +
       `<td><code>${esc(n.name)}</code></td><td>${esc(n.op)}</td><td>${esc(n.stage)}</td><td style="color:${devColor(n.device)}">${esc(n.device)}</td>` +
-      `<td class="num">${si(c[2], "s")}</td><td class="num">${si(c[3], "J")}</td><td>${esc(n.reason)}</td></tr>`;
+      `<td class="num">${si(c[2], "s")}</td><td class="num">${si(c[3], "J")}</td><td title="${esc(n.reason)}">${esc(n.reason)}</td></tr>`;
   }).join("");
   const hay = P.nodes.map((n) => `${n.name} ${n.op} ${n.stage} ${n.reason}`.toLowerCase());
   const apply = () => {
@@ -144,7 +144,7 @@ function showNode(i) {
   if (window.Plotly) {
     const ok = n.costs.map((c) => c[0]);
     Plotly.newPlot("node-chart", [
-      {type: "bar", name: "op time (modeled)", x: P.devices, y: n.costs.map((c) => c[2] * 1e6), marker: {color: P.devices.map(devColor)}, opacity: ok.map((o) => (o ? 1 : 0.3))},
+      {type: "bar", name: "op time (modeled)", x: P.devices, y: n.costs.map((c) => c[2] * 1e6), marker: {color: P.devices.map(devColor), opacity: ok.map((o) => (o ? 1 : 0.3))}},
       {type: "bar", name: "+ transfers (modeled)", x: P.devices, y: n.costs.map((c) => (c[8] - c[2]) * 1e6), marker: {color: "#bbb"}},
     ], {...LAYOUT, barmode: "stack", height: 260, title: {text: "time on each device, µs (modeled)", font: {size: 13}}, yaxis: {title: "µs"}}, CONF);
   }
@@ -241,7 +241,7 @@ function chartMemory() {
 function chartSchedule() {
   const S = D.schedule;
   if (!S || !S.available) return notReached("schedule", "no partitioned run");
-  const kinds = {call: "#4c78a8", switch: "#e45756", transfer: "#f58518"};
+  const kinds = {call: "#4c78a8", switch: "#d62728", transfer: "#7f7f7f"};
   const traces = Object.entries(kinds).map(([k, c]) => {
     const sp = S.spans.filter((s) => s[0] === k);
     return {type: "bar", orientation: "h", name: k === "call" ? "partition call" : k, y: sp.map((s) => s[1]), base: sp.map((s) => s[3] * 1e3), x: sp.map((s) => Math.max(s[4] * 1e3, 1e-6)),
