@@ -209,10 +209,16 @@ function chartRoofline() {
     traces.push(pt(mine, true, "circle"));
     traces.push(pt(rest, "legendonly", "circle-open"));
   });
+  const idx = Object.fromEntries((D.placement ? D.placement.nodes : []).map((n, i) => [n.name, i]));
+  traces.forEach((t) => { if (t.mode === "markers") t.customdata = t.text.map((s) => s.split(" ")[0]); });
   Plotly.newPlot("roofline-chart", traces, {...LAYOUT, height: 520, title: {text: "attained FLOP/s vs arithmetic intensity (modeled; roofs at fp32 peak)", font: {size: 13}},
     xaxis: {title: "arithmetic intensity, FLOP/byte", type: "log"}, yaxis: {title: "FLOP/s", type: "log"}}, CONF);
+  $("#roofline-chart").on("plotly_click", (ev) => {  // a point → that node's "why here" in the placement section
+    const name = ev.points[0] && ev.points[0].customdata;
+    if (name in idx) { showNode(idx[name]); $("#placement").scrollIntoView({behavior: "smooth"}); }
+  });
   const n = R.ops.filter((o) => o.pts.some(Boolean)).length;
-  $("#roofline .body").innerHTML = `<p>${n} of ${R.ops.length} ops do arithmetic (the rest move or view data). Ridge points: ${R.devices.map((d) => `${esc(d.name)} ${d.ridge.toFixed(1)} FLOP/B`).join(", ")}. Click a legend entry to show every op's cost on another device.</p>`;
+  $("#roofline .body").innerHTML = `<p>${n} of ${R.ops.length} ops do arithmetic (the rest move or view data). Ridge points: ${R.devices.map((d) => `${esc(d.name)} ${d.ridge.toFixed(1)} FLOP/B`).join(", ")}. Click a legend entry to show every op's cost on another device; click a point to open that node's placement.</p>`;
   done("roofline", R.ops.length);
 }
 function chartMemory() {
