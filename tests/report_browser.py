@@ -65,6 +65,7 @@ class PageCheck:
     search: dict = field(default_factory=dict)
     screenshot: Path | None = None
     ready: str = ""
+    requests: list[str] = field(default_factory=list)  # anything fetched that is not the file itself or data:
 
 
 def open_report(html: Path, screenshot: Path | None = None, search: str | None = None,
@@ -82,6 +83,8 @@ def open_report(html: Path, screenshot: Path | None = None, search: str | None =
                     else None)
             page.on("pageerror", lambda e: out.errors.append(f"pageerror: {e}"))
             page.on("requestfailed", lambda r: out.errors.append(f"request failed: {r.url}"))
+            page.on("request", lambda r: out.requests.append(r.url)
+                    if not r.url.startswith(("data:", "blob:")) and r.url != Path(html).resolve().as_uri() else None)
             t0 = time.perf_counter()
             page.goto(Path(html).resolve().as_uri())
             page.wait_for_function("document.body.dataset.ready !== undefined", timeout=timeout_s * 1e3)

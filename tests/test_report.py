@@ -64,6 +64,7 @@ def check_page(html: Path, search: str, shot: Path, sections=SECTIONS, charts=CH
     print(f"\n{html.name}: {html.stat().st_size / 2**20:.2f} MiB; render in Chromium {res.load_ms:.0f} ms "
           f"(measured: navigation to scripts done; page's own phases {res.phases}); screenshot {res.screenshot}")
     assert res.errors == [], res.errors
+    assert res.requests == [], f"the page fetched something: {res.requests}"  # offline: everything inline
     assert res.ready == "1"
     for s in sections:
         got = res.sections[s]
@@ -180,4 +181,19 @@ def test_report_refuses_a_bad_output_path_before_any_work(tmp_path):
         r = invoke(["report", "no-such-model", "--soc", SOC, *argv])
         assert r.exit_code == 2, r.output
         assert text in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_page_is_self_contained_and_a_failed_render_writes_nothing(tiny_report, tmp_path, monkeypatch):
+    text = tiny_report.read_text(encoding="utf-8")
+    assert not re.search(r"<(script|link|img)[^>]+(src|href)=", text), "an external resource is referenced"
+    data = page_data(tiny_report)
+    import hetforge.report.html as H
+
+    def boom(*a, **k):
+        raise RuntimeError("render failed")
+
+    monkeypatch.setattr(H, "render_html", boom)
+    with pytest.raises(RuntimeError):
+        H.write_report(tmp_path / "r.html", data, ["x"])
     assert list(tmp_path.iterdir()) == []
