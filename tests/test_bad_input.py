@@ -193,6 +193,18 @@ CASES: list[tuple[str, list[str], int, str]] = [
     ("kforge-problem", ["kforge", "run", "nosuchproblem", "--platform", "cpp", "--provider", "offline",
                         "--rounds", "1"], 2, "unknown problem 'nosuchproblem'"),
     ("kforge-platform", ["kforge", "run", "softmax", "--platform", "nope"], 2, "unknown platform 'nope'"),
+    # report
+    ("report-out-no-folder", ["report", M, "--soc", SOC, "-o", "{fx}/nowhere/r.html", "--json"], 2, "does not exist"),
+    ("report-out-under-file", ["report", M, "--soc", SOC, "-o", "{fx}/file.txt/r.html", "--json"], 2,
+     "is a file, not a folder"),
+    ("report-out-extension", ["report", M, "--soc", SOC, "-o", "{fx}/r.pdf", "--json"], 2, "must end in .html"),
+    ("report-unknown-soc", ["report", M, "--soc", "tpu-9000", "-o", "{fx}/r.html", "--json"], 2, "unknown SoC"),
+    ("report-strategy", ["report", M, "--soc", SOC, "--strategy", "bogus", "-o", "{fx}/r.html", "--json"], 2,
+     "bogus"),
+    ("report-unknown-model", ["report", "gpt5", "--soc", SOC, "-o", "{fx}/r.html", "--json"], 2,
+     "unknown model 'gpt5'"),
+    ("run-report-no-folder", ["run", M, "-p", "hi", "--report", "{fx}/nowhere/r.html", "--json"], 2,
+     "does not exist"),
     ("moe-data", ["moe", "calibrate", "moe-demo", "--data", "{fx}/dir"], 2, "is not a file"),
     ("moe-calib", ["moe", "tiers", "gpt2-tiny", "--calib", "{fx}/nothing.json", "--data", "{fx}/file.txt"], 2,
      "does not exist"),
@@ -209,6 +221,7 @@ if _sys_unwritable():
         ("compile-out-unwritable", ["compile", M, "--out", "/sys/p.json", "--json"], 2, "not writable"),
         ("pareto-plot-unwritable", ["pareto", M, "--soc", SOC, "--plot", "/sys/f.png", "--json"], 2,
          "not writable"),
+        ("report-out-unwritable", ["report", M, "--soc", SOC, "-o", "/sys/r.html", "--json"], 2, "not writable"),
     ]
 
 

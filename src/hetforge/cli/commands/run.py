@@ -75,6 +75,8 @@ def run(
     group_size: int = typer.Option(128, "--group-size", help="w4 quantization group size (32, 64, 128, 256)"),
     ignore_eos: bool = typer.Option(False, "--ignore-eos", help="keep going past the end-of-text token"),
     json_out: bool = typer.Option(False, "--json", help="print one JSON document instead of streaming"),
+    report: Path = typer.Option(None, "--report", help="also write an offline HTML report of this generation "
+                                "(per-token measured and modeled figures, placement, timeline)"),
 ) -> None:
     """Generate text from MODEL, streaming tokens as they come, then print measured timings."""
     from hetforge.errors import UsageError
@@ -90,6 +92,10 @@ def run(
         from hetforge.files import check_output
 
         check_output(trace, "--trace", example="trace.json")
+    if report is not None:
+        from hetforge.files import check_output
+
+        check_output(report, "--report", (".html", ".htm"), example="report.html")
     engine = make_engine(model, soc, executor, quantize, group_size, strategy, objective, backend, policy, plan)
     gen = engine.stream(prompt, params)
     interrupted = False
@@ -107,12 +113,17 @@ def run(
         gen.finish()
     r = gen.result
     trace_path = gen.ledger.trace(trace, f"hetforge run {engine.loaded.name} on {engine.soc_name}") if trace else None
+    report_path = None
+    if report is not None:
+        report_path = write_generation_report(report, engine, gen, prompt, params, model, soc, strategy, objective,
+                                              quantize, group_size)
     if json_out:
         import torch
 
         emit_json({"model": engine.loaded.name, **r.to_dict(), "soc": engine.soc_name,
                    "strategy": strategy, "threads": torch.get_num_threads(),
                    "trace": str(trace_path) if trace_path else None,
+                   "report": str(report_path) if report_path else None,
                    "programs": [p.to_dict() for p in engine.programs.programs.values()]})
     else:
         sys.stdout.write("\n")
@@ -121,6 +132,8 @@ def run(
             console.print(line, style="dim", highlight=False, soft_wrap=True)
         if trace_path:
             console.print(f"trace: {trace_path} (open in ui.perfetto.dev)", style="dim", highlight=False)
+        if report_path:
+            console.print(f"report: {report_path} (open in a browser; works offline)", style="dim", highlight=False)
     if interrupted:
         err_console.print(f"interrupted after {len(r.tokens)} tokens")
         raise typer.Exit(130)
@@ -174,3 +187,26 @@ def make_engine(model: str, soc: str, executor: str, quantize: str = "none", gro
 
         load_genplan(plan, engine)
     return engine
+
+
+def write_generation_report(path: Path, engine, gen, prompt: str, params, model: str, soc: str, strategy: str,
+                            objective: str, quantize: str, group_size: int) -> Path:
+    """``--report``: the generation's HTML report (hetforge.report), written atomically."""
+    import shlex
+
+    from hetforge.report import generation_report_data, write_report
+
+    data = generation_report_data(engine, gen.result, gen.ledger, prompt, strategy, objective, quantize)
+    q = [] if quantize == "none" else ["--quantize", quantize, "--group-size", str(group_size)]
+    cmd = ["hetforge", "run", model, "-p", prompt, "-n", str(params.max_new_tokens), "--temperature",
+           str(params.temperature), "--seed", str(params.seed), "--soc", soc, "--strategy", strategy,
+           "--objective", objective, *q, "--report", str(path)]
+    if params.top_k:
+        cmd += ["--top-k", str(params.top_k)]
+    if params.top_p < 1.0:
+        cmd += ["--top-p", str(params.top_p)]
+    if params.ignore_eos:
+        cmd.append("--ignore-eos")
+    obj = [] if strategy.partition(":")[0] == "support" else ["--objective", objective]
+    compile_view = ["hetforge", "report", model, "--soc", soc, "--strategy", strategy, *obj, *q, "-o", "compile.html"]
+    return write_report(path, data, [shlex.join(cmd), shlex.join(compile_view)], "--report")
