@@ -81,6 +81,14 @@ class BatchKVCache:
         for buf, row in zip(self.buffers, rows, strict=True):
             buf[:, :, start:start + n].copy_(row.expand(self.batch, -1, -1, -1))
 
+    def write_row(self, b: int, rows: tuple[torch.Tensor, ...] | list[torch.Tensor], start: int = 0) -> None:
+        """Copy one sequence's rows ``[1, Hkv, n, D]`` into batch row ``b`` at ``start`` (another prompt per row)."""
+        n = rows[0].shape[2]
+        if start + n > self.length:
+            raise ValueError(f"KV cache write {start}..{start + n} past its length {self.length}")
+        for buf, row in zip(self.buffers, rows, strict=True):
+            buf[b:b + 1, :, start:start + n].copy_(row)
+
     def write_rows(self, rows: tuple[torch.Tensor, ...] | list[torch.Tensor], pos: list[int]) -> None:
         """Write batch row ``b`` of each new ``[B, Hkv, 1, D]`` row at position ``pos[b]`` (in place)."""
         if max(pos) >= self.length:

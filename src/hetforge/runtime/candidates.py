@@ -69,8 +69,13 @@ class CandidatesResult:
 
 def processors(params: SamplingParams):
     """Hugging Face logits processors for ``params`` (empty when greedy without a repetition penalty)."""
-    from transformers import (LogitsProcessorList, RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper,
-                              TopKLogitsWarper, TopPLogitsWarper)
+    from transformers import (
+        LogitsProcessorList,
+        RepetitionPenaltyLogitsProcessor,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
 
     out = LogitsProcessorList()
     if params.repetition_penalty != 1.0:

@@ -18,8 +18,9 @@ The filters, in cascade order:
    (``--max-entropy``) drops the candidate: the model was guessing.
 3. **self-verification** — the model scores its own candidate: the log-probability it gives the candidate's
    tokens (sum over tokens, at temperature 1, from the logits it produced while decoding: no extra pass).
-4. **consensus** — candidates are grouped by answer; a group weighs the sum of its members' probabilities
-   ``exp(score)``; the heaviest group wins, and its best-scored member is returned.
+4. **consensus** — candidates are grouped by answer; a group weighs the probability mass the model gives that
+   answer as far as the candidates show it (the sum of ``exp(score)`` over the group's *distinct* token
+   sequences); the heaviest group wins, and its best-scored member is returned.
 
 Early termination (``csvet`` only), checked after every decode step, with ``f`` = the share of the modeled
 energy budget spent so far (budget: the prefill plus all K candidates decoded to the token limit at the first
@@ -196,13 +197,22 @@ def choose(cands: list[Candidate], sel: SelectParams) -> tuple[Candidate | None,
         ans, members = max(groups.items(), key=lambda kv: (len(kv[1]), sum(math.exp(c.score) for c in kv[1])))
         best = max(members, key=lambda c: (c.score, -c.index))
         return best, f"majority: answer {ans!r} given by {len(members)} of {n} valid candidate(s)"
-    weights = {a: sum(math.exp(c.score) for c in m) for a, m in groups.items()}
+    weights = {a: _mass(m) for a, m in groups.items()}
     ans = max(weights, key=lambda a: (weights[a], len(groups[a])))
     best = max(groups[ans], key=lambda c: (c.score, -c.index))
     total = sum(weights.values())
     return best, (f"csvet: consensus answer {ans!r} ({len(groups[ans])} of {n} valid candidate(s), "
                   f"{weights[ans] / total:.0%} of their probability mass); passed structural, entropy "
                   f"(mean {best.mean_entropy:.2f} nats) and self-verification (log-probability {best.score:.3f})")
+
+
+def _mass(members: list[Candidate]) -> float:
+    """The probability the model gives an answer, as far as the candidates show it: the sum of ``exp(score)``
+    over the *distinct* token sequences giving it (a sequence sampled twice is one sequence, not twice the mass)."""
+    seen: dict[tuple[int, ...], float] = {}
+    for c in members:
+        seen[tuple(c.tokens)] = c.score
+    return sum(math.exp(s) for s in seen.values())
 
 
 def early_stops(live: list[Candidate], done: list[Candidate], sel: SelectParams,
