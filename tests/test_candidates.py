@@ -112,6 +112,15 @@ def test_candidate_energy_is_modeled_and_shared_out_exactly(engines):
     assert math.isclose(sum(c.energy_mj for c in res.candidates), res.modeled_energy_mj, rel_tol=1e-9)
     assert res.modeled_budget_mj >= res.modeled_energy_mj
     assert res.to_dict()["labels"]["modeled_*"].startswith("modeled")
+    # the same 4 samples as 4 separate requests cost more than twice the batched request (modeled)
+    separate = 0.0
+    for c in res.candidates:
+        r = e.generate("12+9=", SamplingParams(max_new_tokens=5, temperature=1.0, seed=c.seed))
+        assert r.tokens == c.tokens
+        pl = r.placed
+        separate += pl["prefill"]["modeled_mj"] + (pl["decode_per_token"]["modeled_mj"] * pl["decode_tokens"]
+                                                   if pl["decode_per_token"] else 0.0)
+    assert res.modeled_energy_mj < separate / 2
 
 
 def test_csvet_stops_high_entropy_candidates_early(engines):
@@ -227,3 +236,14 @@ def test_run_candidates_json_record():
 
 def test_batch_tiers():
     assert [batch_tier(n) for n in (1, 2, 3, 5, 8, 9, 16)] == [1, 2, 4, 8, 8, 16, 16]
+
+
+def test_batched_programs_are_refused_under_a_generation_plan(engines):
+    """A generation plan holds batch-1 programs only: asking for a batch-4 decode program names that (exit 2)."""
+    from hetforge.runtime.genplan import GenPlanError
+
+    e = Engine(load_model("llama-tiny"))
+    e.programs.fixed, e.programs.fixed_source = {("prefill", 32): {}, ("decode", 64): {}}, "gen.hfp"
+    with pytest.raises(GenPlanError, match="holds batch-1 programs only"):
+        e.programs.decode_batch(64, 4)
+    assert issubclass(GenPlanError, UsageError)
