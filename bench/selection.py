@@ -28,11 +28,15 @@ import platform
 import statistics
 import time
 import warnings
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 warnings.filterwarnings("ignore")
+
+
+SPEED_PROMPTS = ["Once upon a time there was", "The compiler places every operator", "In the morning the"]
 
 
 def plain_energy(r) -> float | None:
@@ -104,41 +108,40 @@ def candidates(args, engine, problems, temp: float) -> list[dict]:
     return rows
 
 
-def batching(args, engine, problems) -> list[dict]:
-    """K candidates as one batch vs K separate requests (interleaved per problem; measured and modeled)."""
+def batching(args, engine, prompts: list[str], max_new: int, ignore_eos: bool = False) -> list[dict]:
+    """K candidates as one batch vs the same K samples as K separate requests (interleaved per prompt and round;
+    measured wall time, modeled energy)."""
     from hetforge.runtime import SamplingParams
     from hetforge.runtime.candidates import generate_candidates
     from hetforge.runtime.select import SelectParams
 
     out = []
     for k in args.ks:
-        sel = SelectParams(k=k, mode="best-of", match=r"\d+")
+        sel = SelectParams(k=k, mode="best-of")
         tb, ts, eb, es, same = [], [], [], [], 0
-        for i, (a, b) in enumerate(problems[: args.speed_problems]):
-            prompt = f"{a}+{b}="
-            p = SamplingParams(max_new_tokens=args.max_new, temperature=args.temperatures[-1],
-                               seed=args.seed + 1000 * i)
+        for i, prompt in enumerate(prompts):
+            p = SamplingParams(max_new_tokens=max_new, temperature=args.temperatures[-1], seed=args.seed + 1000 * i,
+                               ignore_eos=ignore_eos)
             generate_candidates(engine, prompt, p, sel)  # warm-up (compiles the batch programs once)
+            engine.generate(prompt, p)
             for _ in range(args.rounds):
                 res = generate_candidates(engine, prompt, p, sel)
                 tb.append(res.measured_s)
                 eb.append(res.modeled_energy_mj)
                 t0 = time.perf_counter()
-                singles = [engine.generate(prompt, SamplingParams(max_new_tokens=args.max_new,
-                                                                  temperature=p.temperature, seed=p.seed + j))
-                           for j in range(k)]
+                singles = [engine.generate(prompt, replace(p, seed=p.seed + j)) for j in range(k)]
                 ts.append(time.perf_counter() - t0)
                 es.append(sum(plain_energy(r) for r in singles))
             same += sum(c.tokens == r.tokens for c, r in zip(res.candidates, singles, strict=True))
-        n = len(tb)
-        out.append({"k": k, "requests": n, "batched_ms": 1e3 * statistics.median(tb),
-                    "separate_ms": 1e3 * statistics.median(ts),
+        out.append({"model": engine.loaded.name, "k": k, "requests": len(tb), "new_tokens": max_new,
+                    "batched_ms": 1e3 * statistics.median(tb), "separate_ms": 1e3 * statistics.median(ts),
                     "time_ratio_batched_over_separate": statistics.median(tb) / statistics.median(ts),
                     "batched_modeled_mj": statistics.fmean(eb), "separate_modeled_mj": statistics.fmean(es),
                     "energy_ratio_batched_over_separate": statistics.fmean(eb) / statistics.fmean(es),
-                    "same_tokens_share": same / (k * min(len(problems), args.speed_problems))})
-        print(f"K={k}: batched {out[-1]['batched_ms']:.2f} ms vs separate {out[-1]['separate_ms']:.2f} ms "
-              f"(measured), energy ratio {out[-1]['energy_ratio_batched_over_separate']:.3f} (modeled)", flush=True)
+                    "same_tokens_share": same / (k * len(prompts))})
+        r = out[-1]
+        print(f"{r['model']} K={k}: batched {r['batched_ms']:.2f} ms vs separate {r['separate_ms']:.2f} ms "
+              f"(measured), energy ratio {r['energy_ratio_batched_over_separate']:.3f} (modeled)", flush=True)
     return out
 
 
@@ -177,13 +180,17 @@ def render(doc: dict) -> str:
                      f"{r['modeled_mj_per_problem'] / base:.2f}× | {r['measured_ms_per_problem']:.1f} | "
                      f"{r['decode_steps']:.2f} | {early} | {rules} |")
     lines += ["", "## K candidates as one batch vs K separate requests", "",
-              "Same problems, same seeds; per problem the batched request and the K separate ones run back to back "
-              "(interleaved), medians of measured wall time; modeled energy means.", "",
-              "| K | requests | batched ms (measured) | separate ms (measured) | time ratio | batched mJ (modeled) | "
-              "separate mJ (modeled) | energy ratio | candidates equal to the separate run |",
-              "|---|---|---|---|---|---|---|---|---|"]
+              "Same prompts, same seeds; per prompt and round the batched request and the K separate ones run back "
+              "to back (interleaved), medians of measured wall time; modeled energy means. `arith-demo` on the first "
+              "held-out problems (answers end by themselves); the larger model (seeded random weights) decodes a "
+              "fixed number of tokens past end-of-text. Batch > 1 rows run ATen kernels, batch 1 the native one-row "
+              "kernels.", "",
+              "| model | new tokens | K | requests | batched ms (measured) | separate ms (measured) | time ratio | "
+              "batched mJ (modeled) | separate mJ (modeled) | energy ratio | candidates equal to the separate run |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in doc["batching"]:
-        lines.append(f"| {r['k']} | {r['requests']} | {r['batched_ms']:.2f} | {r['separate_ms']:.2f} | "
+        lines.append(f"| {r.get('model', 'arith-demo')} | {r.get('new_tokens', m['max_new'])} | {r['k']} | "
+                     f"{r['requests']} | {r['batched_ms']:.2f} | {r['separate_ms']:.2f} | "
                      f"{r['time_ratio_batched_over_separate']:.2f} | {r['batched_modeled_mj']:.2f} | "
                      f"{r['separate_modeled_mj']:.2f} | {r['energy_ratio_batched_over_separate']:.2f} | "
                      f"{r['same_tokens_share']:.0%} |")
@@ -230,7 +237,8 @@ def reading(doc: dict) -> list[str]:
                f"candidates in up to {orc['pass_at_k_oracle']:.3f} of the problems (oracle, T={orc['temperature']:g}, "
                f"K={orc['k']}){why}.")
     for r in doc["batching"]:
-        out.append(f"- K={r['k']} as one batch: {r['time_ratio_batched_over_separate']:.2f}× the measured time and "
+        out.append(f"- {r.get('model', 'arith-demo')}, K={r['k']} as one batch: "
+                   f"{r['time_ratio_batched_over_separate']:.2f}× the measured time and "
                    f"{r['energy_ratio_batched_over_separate']:.2f}× the modeled energy of K separate requests.")
     return out
 
@@ -246,6 +254,9 @@ def main() -> None:
     ap.add_argument("--strategy", default="rules")
     ap.add_argument("--speed-problems", type=int, default=10)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--speed-models", nargs="*", default=["llama-110m"])
+    ap.add_argument("--speed-prompts", type=int, default=2)
+    ap.add_argument("--speed-new", type=int, default=12)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--note", default="2-core VM shared with other build jobs (loaded): read ratios, not absolute "
                                       "times")
@@ -277,7 +288,10 @@ def main() -> None:
                     "seed": args.seed, "ks": args.ks, "command": cmd + " --out docs/bench/select.json --md "
                                                                        "docs/bench/select.md"}}
     doc["accuracy"] = accuracy(args, engine, problems)
-    doc["batching"] = batching(args, engine, problems)
+    doc["batching"] = batching(args, engine, [f"{a}+{b}=" for a, b in problems[: args.speed_problems]], args.max_new)
+    for name in args.speed_models:  # a larger model (seeded random weights): the same comparison at its size
+        big = Engine(load_model(name), soc=args.soc, strategy=args.strategy)
+        doc["batching"] += batching(args, big, SPEED_PROMPTS[: args.speed_prompts], args.speed_new, ignore_eos=True)
     if args.out:
         Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
     md = render(doc)
