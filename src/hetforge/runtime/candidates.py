@@ -16,7 +16,6 @@ shared among the candidates decoded in it (the prefill equally among all K). Tim
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -228,7 +227,3 @@ def _check_stop(c: Candidate, tok, eos: int | None, params: SamplingParams, fit:
     if not c.stop_reason and len(c.tokens) >= fit:
         c.stop_reason = "length" if fit == params.max_new_tokens else "context full"
 
-
-def pass_rate(hits: list[bool]) -> float:
-    """Share of true values (0 for none)."""
-    return sum(hits) / len(hits) if hits else math.nan
