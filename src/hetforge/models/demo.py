@@ -120,3 +120,40 @@ if available() and NAME not in ZOO:
     ZOO[NAME] = ModelSpec(NAME, "llama", "causal-lm", _config,
                           "Llama-style demo model trained on CPython's docs (shipped weights, GQA 8/2)")
     spec_loaders[NAME] = load
+
+
+ARITH_ASSETS = ASSETS.parent / "arith-demo"
+ARITH_NAME = "arith-demo"
+
+
+def arith_available() -> bool:
+    """Whether the arithmetic demo model (``scripts/train_arith.py``) is shipped."""
+    return all((ARITH_ASSETS / f).is_file() for f in ("config.json", "model.safetensors", "training.json"))
+
+
+def arith_record() -> dict:
+    """What ``scripts/train_arith.py`` recorded (task, seed, the held-out test problems); {} when absent."""
+    f = ARITH_ASSETS / "training.json"
+    return json.loads(f.read_text()) if f.is_file() else {}
+
+
+def load_arith(attn: str = "sdpa", dtype: torch.dtype = torch.float32) -> LoadedModel:
+    """The arithmetic demo model (``a+b=`` → the sum and a newline; byte-level, no tokenizer file)."""
+    loaded = load_folder(ARITH_ASSETS, attn=attn, dtype=dtype)
+    loaded.name = ARITH_NAME
+    loaded.weights = "trained arithmetic demo weights (hetforge/assets/arith-demo, scripts/train_arith.py)"
+    loaded.extra["training"] = arith_record()
+    return loaded
+
+
+def _arith_config():
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(str(ARITH_ASSETS), local_files_only=True)
+
+
+if arith_available() and ARITH_NAME not in ZOO:
+    ZOO[ARITH_NAME] = ModelSpec(ARITH_NAME, "llama", "causal-lm", _arith_config,
+                                "tiny Llama-style model trained on two-number addition (shipped weights; "
+                                "candidate-selection benchmark)")
+    spec_loaders[ARITH_NAME] = load_arith

@@ -102,10 +102,32 @@ class ProgramCache:
         self.programs[key] = self._make("decode", length, DecodeModule(self.model), inputs)
         return self.programs[key], True
 
-    def _make(self, kind: str, length: int, module: nn.Module, inputs: tuple) -> Program:
+    def decode_batch(self, length: int, batch: int) -> tuple[Program, bool]:
+        """The decode program over ``batch`` rows of a KV cache of ``length`` positions (runtime.batched);
+        batch 1 is the ordinary decode program."""
+        if batch == 1:
+            return self.decode(length)
+        from hetforge.runtime.batched import BatchedDecodeModule, BatchKVCache
+
+        key = (f"decode-x{batch}", length)
+        if key in self.programs:
+            return self.programs[key], False
+        if self.fixed is not None:
+            from hetforge.runtime.genplan import GenPlanError
+
+            raise GenPlanError(f"plan '{self.fixed_source}' holds batch-1 programs only; several candidates need "
+                               f"a batch-{batch} decode program (run without --plan)")
+        cache = BatchKVCache.for_model(self.model, length, batch)
+        inputs = (torch.zeros((batch, 1), dtype=torch.long), torch.zeros((batch, 1), dtype=torch.long),
+                  *cache.buffers)
+        prog = self._make("decode", length, BatchedDecodeModule(self.model), inputs, label=f"decode-{length}x{batch}")
+        self.programs[key] = prog
+        return prog, True
+
+    def _make(self, kind: str, length: int, module: nn.Module, inputs: tuple, label: str = "") -> Program:
         from hetforge.frontend import capture
 
-        label = f"{kind}-{length}"
+        label = label or f"{kind}-{length}"
         entry = None
         if self.fixed is not None:
             from hetforge.runtime.genplan import GenPlanError, missing_message

@@ -10,6 +10,7 @@ import typer
 
 from hetforge.cli.commands.hetero import BACKEND_HELP, POLICY_HELP
 from hetforge.cli.common import app, console, emit_json, err_console, handles_errors
+from hetforge.runtime.select import MAX_CANDIDATES
 
 STRATEGY_HELP = ("placement strategy: rules, greedy, pgsam, support, single (everything on the CPU) or single:DEVICE "
                  "(everything on that device)")
@@ -77,10 +78,24 @@ def run(
     json_out: bool = typer.Option(False, "--json", help="print one JSON document instead of streaming"),
     report: Path = typer.Option(None, "--report", help="also write an offline HTML report of this generation "
                                 "(per-token measured and modeled figures, placement, timeline)"),
+    candidates: int = typer.Option(1, "--candidates", help=f"decode K candidates as one batch and choose one "
+                                   f"(1..{MAX_CANDIDATES}; 1 = plain decoding)"),
+    select: str = typer.Option("csvet", "--select", help="how a candidate is chosen: csvet, best-of or majority"),
+    match: str = typer.Option(None, "--match", help="structural filter: a regex the whole candidate must match "
+                              "(group 1, if any, is the answer)"),
+    schema: Path = typer.Option(None, "--schema", help="structural filter: a JSON schema file candidates must satisfy"),
+    require_stop: bool = typer.Option(False, "--require-stop", help="structural filter: drop candidates cut off "
+                                      "by the token limit"),
+    max_entropy: float = typer.Option(1.5, "--max-entropy", help="entropy filter: drop candidates whose mean token "
+                                      "entropy is above this (nats)"),
 ) -> None:
     """Generate text from MODEL, streaming tokens as they come, then print measured timings."""
     from hetforge.errors import UsageError
     from hetforge.runtime import SamplingParams
+
+    sel = select_params(candidates, select, match, schema, require_stop, max_entropy)
+    if candidates != 1 and (report is not None or trace is not None):
+        raise UsageError("--report and --trace describe one generation; they cannot be combined with --candidates")
 
     if not prompt:
         raise UsageError("the prompt is empty; give at least one token of text")
@@ -97,6 +112,9 @@ def run(
 
         check_output(report, "--report", (".html", ".htm"), example="report.html")
     engine = make_engine(model, soc, executor, quantize, group_size, strategy, objective, backend, policy, plan)
+    if candidates != 1:
+        run_candidates(engine, prompt, params, sel, json_out, strategy)
+        return
     gen = engine.stream(prompt, params)
     interrupted = False
     try:
@@ -210,3 +228,54 @@ def write_generation_report(path: Path, engine, gen, prompt: str, params, model:
     obj = [] if strategy.partition(":")[0] == "support" else ["--objective", objective]
     compile_view = ["hetforge", "report", model, "--soc", soc, "--strategy", strategy, *obj, *q, "-o", "compile.html"]
     return write_report(path, data, [shlex.join(cmd), shlex.join(compile_view)], "--report")
+
+
+def select_params(k: int, mode: str, match: str | None, schema: Path | None, require_stop: bool,
+                  max_entropy: float):
+    """The validated :class:`~hetforge.runtime.select.SelectParams` of ``hetforge run --candidates``."""
+    import json
+
+    from hetforge.errors import UsageError
+    from hetforge.runtime.select import SelectParams
+
+    doc = None
+    if schema is not None:
+        if not schema.is_file():
+            raise UsageError(f"--schema file '{schema}' does not exist")
+        try:
+            doc = json.loads(schema.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise UsageError(f"--schema file '{schema}' is not JSON: {e}") from None
+        if not isinstance(doc, dict):
+            raise UsageError(f"--schema file '{schema}' must hold a JSON object (a JSON schema)")
+    return SelectParams(k=k, mode=mode, match=match, schema=doc, require_stop=require_stop, max_entropy=max_entropy)
+
+
+def run_candidates(engine, prompt: str, params, sel, json_out: bool, strategy: str) -> None:
+    """Decode ``sel.k`` candidates as one batch, choose one, print it and the per-request record."""
+    from hetforge.runtime.candidates import generate_candidates
+
+    res = generate_candidates(engine, prompt, params, sel)
+    if json_out:
+        emit_json({"model": engine.loaded.name, "prompt": prompt, "soc": engine.soc_name, "strategy": strategy,
+                   "executor": engine.executor.name, **res.to_dict()})
+        return
+    sys.stdout.write(prompt + res.text + "\n")
+    for c in res.candidates:
+        early = c.stopped_early
+        when = (f"; stopped early after {early['after_tokens']} tokens (step {early['step']}): {early['rule']}, "
+                f"{early['why']}") if early else ""
+        console.print(f"  #{c.index} seed {c.seed}: {c.text!r} ({c.stop_reason}; log-probability {c.score:.3f}, "
+                      f"mean entropy {c.mean_entropy:.2f} nats, {c.energy_mj:.3f} mJ modeled){when} -> {c.verdict}",
+                      style="dim", highlight=False, soft_wrap=True)
+    energy = (f"{res.modeled_energy_mj:.3f} mJ modeled (budget for all {len(res.candidates)} to the token limit "
+              f"{res.modeled_budget_mj or 0.0:.3f} mJ)" if res.modeled_energy_mj is not None
+              else "no modeled energy (executor fx)")
+    chosen = f"#{res.chosen.index}" if res.chosen is not None else "none"
+    console.print(f"{len(res.candidates)} candidates started, {len(res.stopped_early)} stopped early | "
+                  f"{res.steps} batched decode steps (batch sizes {res.batch_sizes}) | {energy} | "
+                  f"{1e3 * res.measured_s:.1f} ms (measured) | chosen {chosen}: {res.why}",
+                  style="dim", highlight=False, soft_wrap=True)
+    if res.chosen is None:
+        err_console.print("no candidate passed the filters")
+        raise typer.Exit(1)
