@@ -15,8 +15,8 @@ into the throttled state is one *throttling event*.
 
 The parameters come from the profile's ``thermal`` section (every figure with its source; the shipped ones
 are labelled estimates). A profile without one (``host``, a calibrated profile) gets the same estimate rule
-the shipped profiles use, said so in ``sources``: ambient 25 °C, throttle 95 °C, R such that full TDP settles
-10 °C above the throttle point, τ = R·C = 30 s, throttled clock 0.6, hysteresis 5 °C.
+the shipped profiles use, said so in ``sources``: ambient 25 °C, throttle 95 °C, R such that a third of TDP
+settles at the throttle point, τ = R·C = 30 s, throttled clock 0.6, hysteresis 5 °C.
 
 Every temperature and power here is **modeled**: no machine here has a thermal sensor or power meter.
 """
@@ -106,11 +106,11 @@ def thermal_params(soc) -> ThermalParams:
             vals = {k: float(v["value"]) for k, v in spec.items()}
             sources[d.name] = {k: {kk: v[kk] for kk in ("source", "estimate") if kk in v} for k, v in spec.items()}
         else:
-            r = (DEFAULT_THROTTLE_C + 10.0 - ambient) / d.tdp_w
+            r = (DEFAULT_THROTTLE_C - ambient) / (d.tdp_w / 3)
             vals = {"r_k_per_w": r, "c_j_per_k": DEFAULT_TAU_S / r, "throttle_c": DEFAULT_THROTTLE_C,
                     "hysteresis_c": DEFAULT_HYSTERESIS_C, "throttled_clock": DEFAULT_CLOCK}
             sources[d.name] = {"source": "estimate: no thermal entry for this device in the profile; hetforge's "
-                                         "default rule (throttle 95 °C, full TDP settles 10 °C above it, τ 30 s, "
+                                         "default rule (throttle 95 °C, a third of TDP settles at it, τ 30 s, "
                                          "clock 0.6, hysteresis 5 °C)", "estimate": True}
         devs[d.name] = DeviceThermal(d.name, vals["r_k_per_w"], vals["c_j_per_k"], vals["throttle_c"],
                                      vals["hysteresis_c"], vals["throttled_clock"], d.t_ref_c, d.thermal_sigma_c,

@@ -161,7 +161,7 @@ class Adaptive:
     engine: Engine
     fault: FaultSpec | None = None
     changes: Sequence[Change] = ()
-    prepare_failover: bool = True
+    prepare_failover: bool | Sequence[str] = True  # True: every used device; or only these devices
     switches: list[SwitchRecord] = field(default_factory=list)
     recoveries: list[RecoveryRecord] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
@@ -273,6 +273,8 @@ class Adaptive:
         for kind, n in need:
             prog, _ = self.situated.get(kind, n, base)
             devs = {p.device for p in prog.placed.partitions.partitions} if prog.placed is not None else set()
+            if not isinstance(self.prepare_failover, bool):
+                devs &= set(self.prepare_failover)
             for d in sorted(devs - base.failed):
                 sit = Situation.make(base.failed | {d}, dict(base.temps), dict(base.clocks), dict(base.loads))
                 if self.situated.cached(kind, n, sit):
@@ -368,3 +370,43 @@ class AdaptiveGeneration(Generation):
         self.finish()
         err.result = self.result
         raise err
+
+
+def parse_options(devices: Sequence[str], inject_fault: str | None, set_load, set_temp,
+                  failover_plans: str = "ahead") -> tuple[FaultSpec | None, list[Change]]:
+    """The CLI's ``--inject-fault``, ``--set-load`` and ``--set-temp`` values, checked against ``devices``."""
+    from hetforge.runtime.failover import parse_fault
+
+    if failover_plans not in ("ahead", "on-demand"):
+        raise UsageError(f"--failover-plans must be ahead or on-demand, got '{failover_plans}'")
+    fault = parse_fault(inject_fault, devices) if inject_fault else None
+    changes = [parse_change(t, "load", devices) for t in set_load or ()]
+    changes += [parse_change(t, "temp", devices) for t in set_temp or ()]
+    return fault, changes
+
+
+def make_adaptive(engine: Engine, inject_fault: str | None, set_load, set_temp,
+                  failover_plans: str = "ahead") -> Adaptive:
+    """An :class:`Adaptive` runtime around ``engine`` from the CLI's options."""
+    names = getattr(engine.executor, "soc_profile", None)
+    if names is None:
+        raise UsageError("--inject-fault/--set-load/--set-temp need the placed executor (executor 'backend')")
+    fault, changes = parse_options(names.device_names, inject_fault, set_load, set_temp, failover_plans)
+    return Adaptive(engine, fault, changes, prepare_failover=failover_plans == "ahead")
+
+
+def adaptive_lines(a: Adaptive) -> list[str]:
+    """Human-readable lines: re-placements with their reasons, recoveries (measured), notes."""
+    out = []
+    if a.prepare_s:
+        out.append(f"failover plans compiled ahead for every single-device failure: {a.prepare_s:.2f} s (measured)")
+    for s in a.switches:
+        how = "compiled now" if s.compiled else "cached plan"
+        out.append(f"re-placed at token {s.token} ({s.kind}): {s.before} -> {s.after} because {s.reason} "
+                   f"[{how}, {1e3 * s.measured_s:.2f} ms to switch, measured]")
+    for r in a.recoveries:
+        out.append(f"recovered from {r.device} failure at token {r.token} ({r.kind}) in {1e3 * r.recovery_s:.1f} ms "
+                   f"(measured: fault -> step result on {'+'.join(r.survivors)}; re-plan {1e3 * r.replan_s:.2f} ms, "
+                   f"plan {'cached ahead' if r.plan_was_cached else 'compiled after the fault'})")
+    out += a.notes
+    return out
