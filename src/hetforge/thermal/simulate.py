@@ -12,8 +12,10 @@ Every step of ``dt`` seconds, with device temperatures ``T_d`` and clocks ``f_d`
 * token time ``L' = L + Σ_d b_d·(1/f_d − 1)`` (a throttled device's work stretches; serial bound);
 * tokens/s ``= duty / L'``;
 * device power ``P_d = idle_d + tokens/s · E_d / Φ(T_d)`` (the cost model's leakage term: a hot device spends
-  more energy on the same work) — the input of the lumped RC model (:mod:`hetforge.cost.thermal_rc`), which
-  advances the temperatures and counts throttling events.
+  more energy on the same work), held at most at ``TDP_d`` by the power limiter (a device whose demand would
+  exceed it slows the token: tokens/s and every device's active power scale down together) — the input of the
+  lumped RC model (:mod:`hetforge.cost.thermal_rc`), which advances the temperatures and counts throttling
+  events.
 
 Policies:
 
@@ -61,8 +63,11 @@ class PlanFigures:
         """(power per device in W, tokens/s) at ``temps`` and ``clocks``."""
         tps = duty * self.tokens / self.token_time(clocks)
         calls = tps / self.tokens
-        p = {n: d.idle_w + calls * self.energy_j.get(n, 0.0) / d.phi(temps[n]) for n, d in params.devices.items()}
-        return p, tps
+        act = {n: calls * self.energy_j.get(n, 0.0) / d.phi(temps[n]) for n, d in params.devices.items()}
+        # the power limiter: no device draws more than its TDP; a device that would, slows the whole token
+        scale = min([1.0] + [(d.tdp_w - d.idle_w) / act[n] for n, d in params.devices.items() if act[n] > 0])
+        scale = max(scale, 0.0)
+        return {n: d.idle_w + scale * act[n] for n, d in params.devices.items()}, tps * scale
 
     def to_dict(self) -> dict[str, Any]:
         return {"situation": self.key, "modeled_call_ms": 1e3 * self.makespan_s, "tokens_per_call": self.tokens,
