@@ -21,8 +21,9 @@ Policies:
 
 * ``fixed`` — the nominal plan all the time (what a static placement does);
 * ``phi`` — every ``control_s`` the runtime predicts each device's temperature ``horizon_s`` ahead under each
-  cached plan, places the model again for the predicted situation (Φ at the predicted temperatures feeds the
-  cost model and placement; the result is cached per situation), and runs the plan with the least
+  cached plan, places the model again for the predicted situation (the device nearest its throttle point at
+  its predicted temperature binned to 10 °C, plus throttled clocks: Φ at that temperature feeds the cost model
+  and placement; the result is cached per situation, at most ``MAX_PLANS`` of them), and runs the plan with the least
   Φ-weighted active energy per token (placement's objective: idle power is not charged) among those predicted
   to stay ``margin_c`` below every throttle point (or, when none does, the one that comes closest).
   Plans for "device d hot" are compiled ahead for every device.
@@ -41,7 +42,8 @@ from hetforge.errors import UsageError
 from hetforge.hardware.situation import Situation
 
 POLICIES = ("fixed", "phi")
-TEMP_BIN_C = 5.0
+TEMP_BIN_C = 10.0
+MAX_PLANS = 16  # placements per simulation; beyond it the controller chooses among the cached ones
 
 
 @dataclass(frozen=True)
@@ -180,9 +182,15 @@ class ThermalSimulation:
         return self.plans[sit]
 
     def situation_for(self, temps: dict[str, float], throttled: dict[str, bool]) -> Situation:
-        binned = {n: TEMP_BIN_C * math.floor(t / TEMP_BIN_C) for n, t in temps.items()
-                  if t > self.params.devices[n].t_ref_c}
-        clocks = {n: self.params.devices[n].throttled_clock for n, on in throttled.items() if on}
+        """The situation placement is asked about: the device closest to its throttle point, when it is above its
+        Φ reference, at its temperature binned down to 10 °C (capped at the throttle point), and the throttled
+        clocks — few distinct situations, so few compilations."""
+        devs = self.params.devices
+        hot = min(temps, key=lambda n: devs[n].throttle_c - temps[n])
+        binned = {}
+        if temps[hot] > devs[hot].t_ref_c:
+            binned[hot] = min(devs[hot].throttle_c, TEMP_BIN_C * math.floor(temps[hot] / TEMP_BIN_C))
+        clocks = {n: devs[n].throttled_clock for n, on in throttled.items() if on}
         return Situation.make(temps=binned, clocks=clocks)
 
     def prepare(self) -> None:
@@ -229,7 +237,9 @@ class ThermalSimulation:
         p = self.params
         power, _ = plan.power(p, st.temps, clocks, self.duty)
         pred = st.predict(power, horizon_s)
-        self.plan(self.situation_for(pred, st.throttled))  # placement with Φ at the predicted temperatures
+        want = self.situation_for(pred, st.throttled)
+        if want in self.plans or len(self.plans) < MAX_PLANS:
+            self.plan(want)  # placement with Φ at the predicted temperatures
         best = None
         for sit, fig in self.plans.items():
             pw, tps = fig.power(p, st.temps, clocks, self.duty)
