@@ -12,8 +12,10 @@ Every step of ``dt`` seconds, with device temperatures ``T_d`` and clocks ``f_d`
 * token time ``L' = L + Σ_d b_d·(1/f_d − 1)`` (a throttled device's work stretches; serial bound);
 * tokens/s ``= duty / L'``;
 * device power ``P_d = idle_d + tokens/s · E_d / Φ(T_d)`` (the cost model's leakage term: a hot device spends
-  more energy on the same work), held at most at ``TDP_d`` by the power limiter (a device whose demand would
-  exceed it slows the token: tokens/s and every device's active power scale down together) — the input of the
+  more energy on the same work), held at most at ``TDP_d`` by the power limiter — while throttled, at most at
+  the power that settles at its throttle point, ``(throttle − ambient)/R`` (the governor holds the trip
+  temperature) — a device whose demand would exceed its cap slows the token (tokens/s and every device's
+  active power scale down together); energy per token is kept at a throttled clock (conservative) — the input of the
   lumped RC model (:mod:`hetforge.cost.thermal_rc`), which advances the temperatures and counts throttling
   events.
 
@@ -25,7 +27,9 @@ Policies:
   its predicted temperature binned to 10 °C, plus throttled clocks: Φ at that temperature feeds the cost model
   and placement; the result is cached per situation, at most ``MAX_PLANS`` of them), and runs the plan with the least
   Φ-weighted active energy per token (placement's objective: idle power is not charged) among those predicted
-  to stay ``margin_c`` below every throttle point (or, when none does, the one that comes closest).
+  to stay ``margin_c`` below every throttle point; when none does, the one that comes closest, *paced*: run at
+  the fraction of full rate at which every device's steady state (Φ at the target) stays ``margin_c`` under
+  its throttle point (fewer tokens/s now instead of a throttled clock later).
   Plans for "device d hot" are compiled ahead for every device.
 
 Nothing here is measured: temperatures, power, energy and tokens/s are the cost model's and the RC model's.
@@ -66,8 +70,13 @@ class PlanFigures:
         tps = duty * self.tokens / self.token_time(clocks)
         calls = tps / self.tokens
         act = {n: calls * self.energy_j.get(n, 0.0) / d.phi(temps[n]) for n, d in params.devices.items()}
-        # the power limiter: no device draws more than its TDP; a device that would, slows the whole token
-        scale = min([1.0] + [(d.tdp_w - d.idle_w) / act[n] for n, d in params.devices.items() if act[n] > 0])
+        # the power limiter: no device draws more than its TDP, and a throttled one no more than the power that
+        # settles at its throttle point (the governor holds the trip temperature); a device that would, slows
+        # the whole token
+        cap = {n: d.tdp_w if clocks.get(n, 1.0) >= 1.0 else
+               max(d.idle_w, min(d.tdp_w, (d.throttle_c - params.ambient_c) / d.r_k_per_w))
+               for n, d in params.devices.items()}
+        scale = min([1.0] + [(cap[n] - d.idle_w) / act[n] for n, d in params.devices.items() if act[n] > 0])
         scale = max(scale, 0.0)
         return {n: d.idle_w + scale * act[n] for n, d in params.devices.items()}, tps * scale
 
@@ -211,14 +220,15 @@ class ThermalSimulation:
         peak = dict(st.temps)
         energy = tokens = 0.0
         res = PolicyResult(policy, peak, st.events, 0.0, 0.0)
+        pace = 1.0
         steps = int(round(seconds / dt_s))
         every = max(1, int(round(control_s / dt_s)))
         sample = max(1, int(round(sample_s / dt_s)))
         for k in range(steps):
             clocks = {n: st.clock(n) for n in p.devices}
             if policy == "phi" and k % every == 0:
-                cur, plan = self._choose(st, cur, plan, clocks, horizon_s, margin_c, res, k * dt_s)
-            power, tps = plan.power(p, st.temps, clocks, self.duty)
+                cur, plan, pace = self._choose(st, cur, plan, pace, clocks, horizon_s, margin_c, res, k * dt_s)
+            power, tps = plan.power(p, st.temps, clocks, self.duty * pace)
             st.step(power, dt_s)
             energy += sum(power.values()) * dt_s
             tokens += tps * dt_s
@@ -228,14 +238,15 @@ class ThermalSimulation:
             if (k + 1) % sample == 0:
                 res.series.append({"t_s": (k + 1) * dt_s, "temps_c": {n: round(t, 2) for n, t in st.temps.items()},
                                    "tokens_per_s": tps, "power_w": {n: round(w, 3) for n, w in power.items()},
-                                   "throttled": [n for n, on in st.throttled.items() if on], "plan": cur.key()})
+                                   "throttled": [n for n, on in st.throttled.items() if on], "plan": cur.key(),
+                                   "pace": pace})
         res.energy_j, res.tokens = energy, tokens
         return res
 
-    def _choose(self, st: ThermalState, cur: Situation, plan: PlanFigures, clocks, horizon_s: float, margin_c: float,
-                res: PolicyResult, now_s: float) -> tuple[Situation, PlanFigures]:
+    def _choose(self, st: ThermalState, cur: Situation, plan: PlanFigures, pace: float, clocks, horizon_s: float,
+                margin_c: float, res: PolicyResult, now_s: float) -> tuple[Situation, PlanFigures, float]:
         p = self.params
-        power, _ = plan.power(p, st.temps, clocks, self.duty)
+        power, _ = plan.power(p, st.temps, clocks, self.duty * pace)
         pred = st.predict(power, horizon_s)
         want = self.situation_for(pred, st.throttled)
         if want in self.plans or len(self.plans) < MAX_PLANS:
@@ -246,17 +257,36 @@ class ThermalSimulation:
             t_pred = st.predict(pw, horizon_s)
             over = max(t_pred[n] - (d.throttle_c - margin_c) for n, d in p.devices.items())
             e_tok = sum(fig.energy_j.get(n, 0.0) / d.phi(t_pred[n]) for n, d in p.devices.items())
-            score = (over > 0, over if over > 0 else e_tok)
+            # hysteresis: the current plan, when it is predicted to stay cool enough, wins unless another saves 5%
+            score = (over > 0, over if over > 0 else e_tok * (0.95 if sit == cur else 1.0))
             if best is None or score < best[0]:
                 best = (score, sit, fig, t_pred, e_tok)
-        _, sit, fig, t_pred, e_tok = best
+        (infeasible, _), sit, fig, t_pred, e_tok = best
+        new_pace = 1.0
+        if infeasible:  # no placement is cool enough: pace the chosen one so every device settles below its limit
+            target = {n: d.throttle_c - margin_c for n, d in p.devices.items()}
+            pw, _ = fig.power(p, target, clocks, self.duty)
+            for n, d in p.devices.items():
+                act = pw[n] - d.idle_w
+                allowed = (target[n] - p.ambient_c) / d.r_k_per_w - d.idle_w
+                if act > 0:
+                    new_pace = min(new_pace, allowed / act)
+            new_pace = min(1.0, max(0.05, new_pace))
+        if sit == cur and abs(new_pace - pace) > 0.05:
+            res.switches.append({"t_s": now_s, "from": cur.key(), "to": sit.key(), "pace": new_pace,
+                                 "reason": f"no cached placement is predicted to stay {margin_c:g} °C under every "
+                                           f"throttle point; generation paced to {new_pace:.2f} of full rate"})
+        elif sit == cur:
+            new_pace = pace
         if sit != cur:
             hot = max(pred, key=lambda n: pred[n] - p.devices[n].throttle_c)
             reason = (f"{hot} predicted {pred[hot]:.1f} °C in {horizon_s:g} s on the current plan (throttle "
                       f"{p.devices[hot].throttle_c:g} °C); new plan {1e3 * e_tok:.3f} mJ/token with Φ at the "
                       f"predicted temperatures, predicted peak {max(t_pred.values()):.1f} °C")
-            res.switches.append({"t_s": now_s, "from": cur.key(), "to": sit.key(), "reason": reason})
-        return sit, fig
+            if new_pace < 1.0:
+                reason += f"; paced to {new_pace:.2f} of full rate (no placement is cool enough)"
+            res.switches.append({"t_s": now_s, "from": cur.key(), "to": sit.key(), "pace": new_pace, "reason": reason})
+        return sit, fig, new_pace
 
     def compare(self, minutes: float, **kw) -> dict[str, Any]:
         """Both policies over ``minutes`` of simulated time; one JSON-ready document (all modeled)."""
