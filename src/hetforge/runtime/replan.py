@@ -192,12 +192,14 @@ class Adaptive:
 
         tp = thermal_params(soc) if self.temps else None
         for d, t in self.temps.items():
+            if d in self.failed:  # a failed device's readings no longer matter
+                continue
             dev = soc.device(d)
             if t > dev.t_ref_c:
                 temps[d] = TEMP_BIN_C * math.floor(t / TEMP_BIN_C)
             if tp is not None and t >= tp.devices[d].throttle_c:
                 clocks[d] = tp.devices[d].throttled_clock
-        loads = {d: LOAD_BIN * math.floor(x / LOAD_BIN) for d, x in self.loads.items()}
+        loads = {d: LOAD_BIN * math.floor(x / LOAD_BIN) for d, x in self.loads.items() if d not in self.failed}
         return Situation.make(self.failed, temps, clocks, loads)
 
     def _apply_changes(self, token: int) -> list[str]:
@@ -403,7 +405,7 @@ def adaptive_lines(a: Adaptive) -> list[str]:
     for s in a.switches:
         how = "compiled now" if s.compiled else "cached plan"
         out.append(f"re-placed at token {s.token} ({s.kind}): {s.before} -> {s.after} because {s.reason} "
-                   f"[{how}, {1e3 * s.measured_s:.2f} ms to switch, measured]")
+                   f"({how}, {1e3 * s.measured_s:.2f} ms to switch, measured)")
     for r in a.recoveries:
         out.append(f"recovered from {r.device} failure at token {r.token} ({r.kind}) in {1e3 * r.recovery_s:.1f} ms "
                    f"(measured: fault -> step result on {'+'.join(r.survivors)}; re-plan {1e3 * r.replan_s:.2f} ms, "
