@@ -29,7 +29,8 @@ Policies:
   Φ-weighted active energy per token (placement's objective: idle power is not charged) among those predicted
   to stay ``margin_c`` below every throttle point; when none does, the one that comes closest, *paced*: run at
   the fraction of full rate at which every device's steady state (Φ at the target) stays ``margin_c`` under
-  its throttle point (fewer tokens/s now instead of a throttled clock later).
+  its throttle point (fewer tokens/s now instead of a throttled clock later); a paced plan keeps its pace
+  until another plan is chosen.
   Plans for "device d hot" are compiled ahead for every device.
 
 Nothing here is measured: temperatures, power, energy and tokens/s are the cost model's and the RC model's.
@@ -272,12 +273,12 @@ class ThermalSimulation:
                 if act > 0:
                     new_pace = min(new_pace, allowed / act)
             new_pace = min(1.0, max(0.05, new_pace))
+        elif sit == cur:
+            new_pace = pace  # a paced plan keeps its (sustainable) pace; a new plan starts at full rate
         if sit == cur and abs(new_pace - pace) > 0.05:
             res.switches.append({"t_s": now_s, "from": cur.key(), "to": sit.key(), "pace": new_pace,
                                  "reason": f"no cached placement is predicted to stay {margin_c:g} °C under every "
                                            f"throttle point; generation paced to {new_pace:.2f} of full rate"})
-        elif sit == cur:
-            new_pace = pace
         if sit != cur:
             hot = max(pred, key=lambda n: pred[n] - p.devices[n].throttle_c)
             reason = (f"{hot} predicted {pred[hot]:.1f} °C in {horizon_s:g} s on the current plan (throttle "
