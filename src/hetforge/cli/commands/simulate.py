@@ -59,7 +59,8 @@ def thermal_cmd(
         emit_json(doc)
         return
     console.print(f"{doc['workload']} ({doc['phase']}) on {doc['soc']}, {minutes:g} simulated minutes, ambient "
-                  f"{doc['thermal']['ambient_c']:g} °C (all modeled: cost model + lumped RC)", highlight=False)
+                  f"{doc['thermal']['ambient_c']:g} °C (all modeled: cost model + lumped RC)",
+                  highlight=False, soft_wrap=True)
     for pol, label in (("fixed", "fixed placement"), ("phi", "Φ-guided re-placement")):
         d = doc[pol]
         peak = ", ".join(f"{n} {t:.1f} °C" for n, t in d["peak_temp_c"].items())
