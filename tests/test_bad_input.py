@@ -215,6 +215,16 @@ ENV_CASES: list[tuple[str, list[str], dict[str, str], int, str]] = [
     ("host-profile-invalid", ["compile", M, "--json"], {"HETFORGE_HOST_PROFILE": "{fx}/badsoc.json"}, 2,
      "invalid SoC profile"),
 ]
+CASES += [  # issue 19: thermal simulation, failover and run-time re-placement options
+    ("simulate-minutes", ["simulate", "thermal", "--soc", "jetson-orin-nano", "--minutes", "0", "--json"], 2,
+     "--minutes must be in (0, 1440]"),
+    ("simulate-ambient", ["simulate", "thermal", "--soc", "jetson-orin-nano", "--ambient", "90"], 2,
+     "--ambient must be in [-40, 60]"),
+    ("run-inject-fault-form", ["run", M, "--soc", "jetson-orin-nano", "-p", "hi", "--inject-fault", "gpu"], 2,
+     "expected DEVICE@TOKEN"),
+    ("run-set-load-range", ["run", M, "--soc", "jetson-orin-nano", "-p", "hi", "--set-load", "gpu=2"], 2,
+     "allowed: [0, 1)"),
+]
 if _sys_unwritable():
     CASES += [
         ("capture-dump-unwritable", ["capture", M, "--dump", "/sys/g.txt", "--json"], 2, "not writable"),

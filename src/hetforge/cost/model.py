@@ -169,6 +169,8 @@ def estimate_parts(call_or_node: OpCall | torch.fx.Node, device: DeviceProfile, 
 
     ``native``: the executor runs the op as one native kernel (:mod:`hetforge.kernels.native`): one roofline
     over the op's F and B under the calibrated ``native`` efficiency and overhead, not its ATen parts."""
+    if temp_c is None:  # a device profile may carry its temperature (hetforge.thermal): Φ(T) in every estimate
+        temp_c = device.temp_c
     if isinstance(call_or_node, torch.fx.Node):
         if call_or_node.op != "call_function":
             return [(call_or_node.op, OpCost(call_or_node.op, device.name, 0.0, 0.0, 0.0, "control", 0.0, 0.0, 0.0,

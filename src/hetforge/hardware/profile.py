@@ -61,6 +61,7 @@ class DeviceProfile:
     t_ref_c: float = 60.0
     thermal_sigma_c: float = 25.0
     cpq_threshold: float = 0.8
+    temp_c: float | None = None  # the unit's current temperature (hetforge.thermal); None = unknown, Φ = 1
     sources: dict[str, dict[str, Any]] = field(default_factory=dict, compare=False, hash=False)
 
     def __hash__(self) -> int:

@@ -106,6 +106,64 @@ class LinkSpec(BaseModel):
     energy_per_byte_j: Figure
 
 
+# the thermal section (hetforge.thermal): a lumped RC per device; the ranges are physical plausibility bounds
+RANGES.update({"ambient_c": "[-40, 60] (°C)", "r_k_per_w": "(0, 50] (K/W)", "c_j_per_k": "(0, 10000] (J/K)",
+               "throttle_c": "[40, 125] (°C)", "hysteresis_c": "[0, 30] (°C)", "throttled_clock": "(0, 1]"})
+
+
+class AmbientFigure(Figure):
+    value: float = Field(ge=-40, le=60)
+
+
+class ResistanceFigure(Figure):
+    value: float = Field(gt=0, le=50)
+
+
+class CapacitanceFigure(Figure):
+    value: float = Field(gt=0, le=10000)
+
+
+class ThrottleFigure(Figure):
+    value: float = Field(ge=40, le=125)
+
+
+class HysteresisFigure(Figure):
+    value: float = Field(ge=0, le=30)
+
+
+class ClockFigure(Figure):
+    value: float = Field(gt=0, le=1)
+
+
+class ThermalDeviceSpec(BaseModel):
+    """One device's lumped thermal RC: junction-to-ambient resistance, heat capacity, throttle point and clock."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    r_k_per_w: ResistanceFigure  # steady-state rise per watt (K/W)
+    c_j_per_k: CapacitanceFigure  # heat capacity of die + spreader share (J/K); τ = R·C
+    throttle_c: ThrottleFigure  # the firmware throttles the clock above this temperature
+    hysteresis_c: HysteresisFigure  # ... and releases it this far below
+    throttled_clock: ClockFigure  # clock while throttled, as a fraction of the full clock
+
+
+class ThermalSpec(BaseModel):
+    """The SoC's thermal section: ambient temperature and a lumped RC per device."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    ambient_c: AmbientFigure
+    devices: dict[str, ThermalDeviceSpec] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _throttle_above_ambient(self) -> ThermalSpec:
+        for name, d in self.devices.items():
+            if d.throttle_c.value <= self.ambient_c.value:
+                raise ValueError(f"thermal.devices.{name}.throttle_c ({d.throttle_c.value}) must be above "
+                                 f"thermal.ambient_c ({self.ambient_c.value})")
+        return self
+
+
 class SocSpec(BaseModel):
     """A whole SoC profile file."""
 
@@ -117,10 +175,14 @@ class SocSpec(BaseModel):
     calibrated: bool = False
     devices: list[DeviceSpec] = Field(min_length=1)
     links: list[LinkSpec] = Field(default_factory=list)
+    thermal: ThermalSpec | None = None
 
     @model_validator(mode="after")
     def _consistent(self) -> SocSpec:
         names = [d.name for d in self.devices]
+        for t in (self.thermal.devices if self.thermal is not None else {}):
+            if t not in names:
+                raise ValueError(f"thermal.devices: unknown device '{t}'; devices are {names}")
         if len(set(names)) != len(names):
             raise ValueError(f"device names must be unique, got {names}")
         for ln in self.links:

@@ -88,6 +88,16 @@ def run(
                                       "by the token limit"),
     max_entropy: float = typer.Option(1.5, "--max-entropy", help="entropy filter: drop candidates whose mean token "
                                       "entropy is above this (nats)"),
+    inject_fault: str = typer.Option(None, "--inject-fault",
+                                     help="DEVICE@TOKEN: the device fails while that new token is computed; the "
+                                          "runtime re-plans onto the survivors and goes on"),
+    set_load: list[str] = typer.Option(None, "--set-load", help="DEVICE=FRACTION[@TOKEN]: other work takes that "
+                                       "share of the device from that token on; re-placed (repeatable)"),
+    set_temp: list[str] = typer.Option(None, "--set-temp", help="DEVICE=CELSIUS[@TOKEN]: the device's temperature "
+                                       "from that token on (Φ, throttling); re-placed (repeatable)"),
+    failover_plans: str = typer.Option("ahead", "--failover-plans",
+                                       help="ahead (compile plans for every single-device failure before the "
+                                            "request) or on-demand (compile after a fault)"),
 ) -> None:
     """Generate text from MODEL, streaming tokens as they come, then print measured timings."""
     from hetforge.errors import UsageError
@@ -111,12 +121,27 @@ def run(
         from hetforge.files import check_output
 
         check_output(report, "--report", (".html", ".htm"), example="report.html")
+    adaptive_opts = (inject_fault, set_load, set_temp, failover_plans)
+    if failover_plans not in ("ahead", "on-demand"):
+        raise UsageError(f"--failover-plans must be ahead or on-demand, got '{failover_plans}'")
+    if candidates != 1 and (inject_fault or set_load or set_temp):
+        raise UsageError("--inject-fault / --set-load / --set-temp cannot be combined with --candidates")
+    if plan is None and (inject_fault or set_load or set_temp):
+        from hetforge.runtime.replan import parse_options
+
+        parse_options(load_soc_names(soc), *adaptive_opts)  # bad input refused before any model work
     engine = make_engine(model, soc, executor, quantize, group_size, strategy, objective, backend, policy, plan)
     if candidates != 1:
         run_candidates(engine, prompt, params, sel, json_out, strategy)
         return
-    gen = engine.stream(prompt, params)
+    adaptive = None
+    if inject_fault or set_load or set_temp:
+        from hetforge.runtime.replan import make_adaptive
+
+        adaptive = make_adaptive(engine, *adaptive_opts)
+    gen = (adaptive or engine).stream(prompt, params)
     interrupted = False
+    failure = None
     try:
         if not json_out:
             sys.stdout.write(prompt)
@@ -129,6 +154,12 @@ def run(
         interrupted = True
         gen.result.stop_reason = "interrupted"
         gen.finish()
+    except Exception as e:  # a device failure no survivor can take over: keep and print what was generated
+        from hetforge.runtime.failover import FailoverError
+
+        if not isinstance(e, FailoverError):
+            raise
+        failure = e
     r = gen.result
     trace_path = gen.ledger.trace(trace, f"hetforge run {engine.loaded.name} on {engine.soc_name}") if trace else None
     report_path = None
@@ -142,6 +173,8 @@ def run(
                    "strategy": strategy, "threads": torch.get_num_threads(),
                    "trace": str(trace_path) if trace_path else None,
                    "report": str(report_path) if report_path else None,
+                   **({"adaptive": adaptive.summary()} if adaptive else {}),
+                   **({"error": str(failure)} if failure else {}),
                    "programs": [p.to_dict() for p in engine.programs.programs.values()]})
     else:
         sys.stdout.write("\n")
@@ -152,6 +185,13 @@ def run(
             console.print(f"trace: {trace_path} (open in ui.perfetto.dev)", style="dim", highlight=False)
         if report_path:
             console.print(f"report: {report_path} (open in a browser; works offline)", style="dim", highlight=False)
+        if adaptive is not None:
+            from hetforge.runtime.replan import adaptive_lines
+
+            for line in adaptive_lines(adaptive):
+                console.print(line, style="dim", highlight=False, soft_wrap=True)
+    if failure is not None:
+        raise failure
     if interrupted:
         err_console.print(f"interrupted after {len(r.tokens)} tokens")
         raise typer.Exit(130)
@@ -279,3 +319,10 @@ def run_candidates(engine, prompt: str, params, sel, json_out: bool, strategy: s
     if res.chosen is None:
         err_console.print("no candidate passed the filters")
         raise typer.Exit(1)
+
+
+def load_soc_names(soc: str) -> list[str]:
+    """Device names of the SoC profile ``soc`` (a usage error names the shipped profiles when unknown)."""
+    from hetforge.hardware import load_soc
+
+    return load_soc(soc).device_names
