@@ -31,7 +31,8 @@ CHARTS = ("passes", "pareto", "roofline", "memory", "schedule")
 def browser():
     """The browser tests' entry ticket: a Chromium binary (installed if missing), or an explicit skip."""
     if os.environ.get("HETFORGE_SKIP_BROWSER") == "1":
-        pytest.skip("HETFORGE_SKIP_BROWSER=1: browser checks skipped on purpose")
+        pytest.skip("HETFORGE_SKIP_BROWSER=1 was set: the user opted out of the headless-Chromium render checks "
+                    "(for machines where no browser may be installed); without it a missing browser fails")
     from report_browser import chromium_path
 
     return chromium_path()  # raises (the test errors, it does not skip) when no browser can be had
