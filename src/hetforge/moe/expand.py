@@ -140,16 +140,16 @@ def expand_moe(gm: GraphModule, plan: dict[str, Any]) -> tuple[GraphModule, Expa
             spans.append((g0, c, off))
             off += g * c
 
-        def call(target, args, name, like=n):
-            with gm.graph.inserting_before(n):
+        def call(target, args, name, at=n):
+            with gm.graph.inserting_before(at):
                 node = gm.graph.create_node("call_function", target, args, {}, name=name)
             set_val(node, fm)
-            inherit_meta(node, like)
+            inherit_meta(node, at)
             return node
 
-        def attr(name: str, t: torch.Tensor) -> Node:
+        def attr(name: str, t: torch.Tensor, at=n) -> Node:
             gm.register_buffer(name, t, persistent=False)
-            with gm.graph.inserting_before(n):
+            with gm.graph.inserting_before(at):
                 node = gm.graph.get_attr(name)
             if fm is not None:
                 node.meta["val"] = fm.from_tensor(t, static_shapes=True)
@@ -198,3 +198,20 @@ def residency_pins(exp: Expansion, soc, cal: dict[str, Any], d_model: int, d_ff:
                       f"static slots, {exp.tokens} tokens per call, objective {objective}; modeled): {c.reason}")
         pins[grp.node] = grp.device
     return pins
+
+
+def expand_for_soc(gm: GraphModule, cal: dict[str, Any], soc, dims: tuple[int, int, int], share: float = 0.9,
+                   group_size: int = 2, capacity_factor: float = 1.25, unlimited: bool = False,
+                   objective: str = "latency", npu_budget_bytes: float | None = None
+                   ) -> tuple[GraphModule, Expansion, dict[str, str]]:
+    """Tier plan for the graph's ``T`` (or ``unlimited``), expansion, and residency pins, in one call."""
+    from hetforge.moe import choose_tiers
+
+    t = graph_tokens(gm)
+    if unlimited:
+        plan = unlimited_plan(cal, gm, t, group_size)
+    else:
+        plan = choose_tiers(cal, t, share=share, group_size=group_size, capacity_factor=capacity_factor)
+    gm, exp = expand_moe(gm, plan)
+    d, f, nb = dims
+    return gm, exp, residency_pins(exp, soc, cal, d, f, nb, objective, npu_budget_bytes)

@@ -63,21 +63,10 @@ class MoePlacedExecutor(PlacedExecutor):
                              "takes no pins (use rules, greedy, pgsam or single)")
         self.name = f"{self.name}+moe-groups"
 
-    def plan_for(self, gm: torch.fx.GraphModule) -> dict[str, Any]:
-        from hetforge.moe import choose_tiers
-        from hetforge.moe.expand import graph_tokens, unlimited_plan
-
-        t = graph_tokens(gm)
-        o = self.moe
-        if o.unlimited:
-            return unlimited_plan(o.calibration, gm, t, o.group_size)
-        return choose_tiers(o.calibration, t, share=o.share, group_size=o.group_size,
-                            capacity_factor=o.capacity_factor)
-
     def place(self, gm: torch.fx.GraphModule, inputs: tuple, label: str, optimize: bool, placement: Any = None):
         """Passes → MoE expansion + residency pins → the strategy (with the pins) → lower → schedule → plan."""
         from hetforge.compile import compile_graph
-        from hetforge.moe.expand import expand_moe, moe_nodes, residency_pins
+        from hetforge.moe.expand import expand_for_soc, moe_nodes
         from hetforge.passes import optimize as run_passes
 
         if placement is not None:
@@ -89,10 +78,9 @@ class MoePlacedExecutor(PlacedExecutor):
             gm = opt.gm
         if not moe_nodes(gm):
             raise UsageError("--moe-calibration: the model has no MoE block hetforge recognises")
-        gm, exp = expand_moe(gm, self.plan_for(gm))
-        d, f, nb = self.dims
-        pins = residency_pins(exp, self.soc_profile, self.moe.calibration, d, f, nb, self.moe.objective,
-                              self.moe.npu_budget_bytes)
+        o = self.moe
+        gm, exp, pins = expand_for_soc(gm, o.calibration, self.soc_profile, self.dims, o.share, o.group_size,
+                                       o.capacity_factor, o.unlimited, o.objective, o.npu_budget_bytes)
         t_pre = time.perf_counter() - t0
         res = compile_graph(gm, soc=self.soc_profile, strategy=self.base_strategy,
                             strategy_options={**self.options(), "pin": pins}, example_inputs=inputs, passes=False,
