@@ -177,13 +177,16 @@ def expand_moe(gm: GraphModule, plan: dict[str, Any]) -> tuple[GraphModule, Expa
 
 
 def residency_pins(exp: Expansion, soc, cal: dict[str, Any], d_model: int, d_ff: int, dtype_bytes: int,
-                   objective: str = "latency", npu_budget_bytes: float | None = None) -> dict[str, str]:
+                   objective: str = "latency", npu_budget_bytes: float | None = None,
+                   force: str | None = None) -> dict[str, str]:
     """Run the residency model for the expansion's plan and ``T``; set each group's device and reason, and
-    return the pins (group node → SoC device name)."""
+    return the pins (group node → SoC device name). ``force``: ``"host"`` / ``"npu"`` (the baselines)."""
     from hetforge.moe.residency import plan_residency
 
+    if force == "npu" and not any(dev.kind == "npu" for dev in soc.devices):
+        raise UsageError(f"--moe-place npu: SoC '{soc.name}' has no NPU")
     choices = plan_residency(soc, cal, exp.plan, d_model, d_ff, exp.tokens, dtype_bytes, npu_budget_bytes,
-                             objective=objective)
+                             force=force, objective=objective)
     by_key = {(c.layer, c.group): c for c in choices}
     by_kind: dict[str, str] = {}
     for dev in soc.devices:
@@ -202,7 +205,7 @@ def residency_pins(exp: Expansion, soc, cal: dict[str, Any], d_model: int, d_ff:
 
 def expand_for_soc(gm: GraphModule, cal: dict[str, Any], soc, dims: tuple[int, int, int], share: float = 0.9,
                    group_size: int = 2, capacity_factor: float = 1.25, unlimited: bool = False,
-                   objective: str = "latency", npu_budget_bytes: float | None = None
+                   objective: str = "latency", npu_budget_bytes: float | None = None, force: str | None = None
                    ) -> tuple[GraphModule, Expansion, dict[str, str]]:
     """Tier plan for the graph's ``T`` (or ``unlimited``), expansion, and residency pins, in one call."""
     from hetforge.moe import choose_tiers
@@ -214,4 +217,4 @@ def expand_for_soc(gm: GraphModule, cal: dict[str, Any], soc, dims: tuple[int, i
         plan = choose_tiers(cal, t, share=share, group_size=group_size, capacity_factor=capacity_factor)
     gm, exp = expand_moe(gm, plan)
     d, f, nb = dims
-    return gm, exp, residency_pins(exp, soc, cal, d, f, nb, objective, npu_budget_bytes)
+    return gm, exp, residency_pins(exp, soc, cal, d, f, nb, objective, npu_budget_bytes, force)

@@ -22,6 +22,8 @@ import torch
 from hetforge.errors import UsageError
 from hetforge.runtime.executors import PlacedExecutor
 
+PLACES = ("auto", "host", "npu")
+
 
 @dataclass
 class MoeOptions:
@@ -34,6 +36,7 @@ class MoeOptions:
     unlimited: bool = False  # every expert T slots: nothing dropped, equals the unexpanded model
     objective: str = "latency"  # residency objective: latency or energy
     npu_budget_bytes: float | None = None
+    place: str = "auto"  # auto: the residency model; host: every group on CPU/GPU; npu: every group on the NPU
 
     def check(self) -> None:
         from hetforge.moe import check_plan_options
@@ -41,6 +44,8 @@ class MoeOptions:
         check_plan_options(self.group_size, self.capacity_factor, None, self.share)
         if self.objective not in ("latency", "energy"):
             raise UsageError(f"--moe-objective '{self.objective}' must be latency or energy")
+        if self.place not in PLACES:
+            raise UsageError(f"--moe-place '{self.place}' must be one of {', '.join(PLACES)}")
 
 
 @dataclass
@@ -80,7 +85,8 @@ class MoePlacedExecutor(PlacedExecutor):
             raise UsageError("--moe-calibration: the model has no MoE block hetforge recognises")
         o = self.moe
         gm, exp, pins = expand_for_soc(gm, o.calibration, self.soc_profile, self.dims, o.share, o.group_size,
-                                       o.capacity_factor, o.unlimited, o.objective, o.npu_budget_bytes)
+                                       o.capacity_factor, o.unlimited, o.objective, o.npu_budget_bytes,
+                                       None if o.place == "auto" else o.place)
         t_pre = time.perf_counter() - t0
         res = compile_graph(gm, soc=self.soc_profile, strategy=self.base_strategy,
                             strategy_options={**self.options(), "pin": pins}, example_inputs=inputs, passes=False,

@@ -82,6 +82,8 @@ def run(
                                               "x T·k x its calibrated share"),
     moe_unlimited: bool = typer.Option(False, "--moe-unlimited", help="MoE: every expert T slots (nothing dropped)"),
     moe_objective: str = typer.Option("latency", "--moe-objective", help="MoE residency objective: latency, energy"),
+    moe_place: str = typer.Option("auto", "--moe-place", help="MoE groups: auto (residency model), host (all on "
+                                  "CPU/GPU) or npu (all on the NPU): the baselines"),
 ) -> None:
     """Generate text from MODEL, streaming tokens as they come, then print measured timings."""
     from hetforge.errors import UsageError
@@ -100,7 +102,8 @@ def run(
     moe = None
     if moe_calibration is not None:
         moe = {"calibration": moe_calibration, "share": moe_share, "group_size": moe_group_size,
-               "capacity_factor": moe_capacity_factor, "unlimited": moe_unlimited, "objective": moe_objective}
+               "capacity_factor": moe_capacity_factor, "unlimited": moe_unlimited, "objective": moe_objective,
+               "place": moe_place}
     engine = make_engine(model, soc, executor, quantize, group_size, strategy, objective, backend, policy, plan,
                          moe=moe)
     gen = engine.stream(prompt, params)
@@ -187,6 +190,10 @@ def make_engine(model: str, soc: str, executor: str, quantize: str = "none", gro
         check_plan_options(moe["group_size"], moe["capacity_factor"], None, moe["share"])
         if moe["objective"] not in ("latency", "energy"):
             raise UsageError(f"--moe-objective '{moe['objective']}' must be latency or energy")
+        from hetforge.runtime.moe_exec import PLACES
+
+        if moe.get("place", "auto") not in PLACES:
+            raise UsageError(f"--moe-place '{moe['place']}' must be one of {', '.join(PLACES)}")
     loaded = load_model(model)
     if moe is not None:
         executor = moe_executor(loaded, moe, prof, quantize, group_size, strategy, objective, overrides, policy)
@@ -207,7 +214,8 @@ def moe_executor(loaded, moe: dict, prof, quantize: str, group_size: int, strate
     from hetforge.runtime.moe_exec import MoeOptions, MoePlacedExecutor
 
     opts = MoeOptions(load_calibration(moe["calibration"], loaded), share=moe["share"], group_size=moe["group_size"],
-                      capacity_factor=moe["capacity_factor"], unlimited=moe["unlimited"], objective=moe["objective"])
+                      capacity_factor=moe["capacity_factor"], unlimited=moe["unlimited"], objective=moe["objective"],
+                      place=moe.get("place", "auto"))
     return MoePlacedExecutor(soc=prof, strategy=strategy, objective=objective, quantize=quantize,
                              group_size=group_size, backends=dict(overrides), policy=policy, moe=opts,
                              dims=expert_dims(loaded.model))
