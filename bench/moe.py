@@ -236,6 +236,78 @@ def residency(args, models: dict) -> list[dict]:
     return out
 
 
+RUN_VARIANTS = (
+    ("unexpanded", "hetforge::moe as one node, placed by the strategy (no residency)"),
+    ("groups-host", "expert groups, every group pinned to the faster host device (CPU/GPU)"),
+    ("groups-residency", "expert groups, each pinned where the residency model puts it"),
+    ("groups-residency-unlimited", "as above with T slots per expert (nothing dropped)"),
+)
+
+
+def _run_figures(r) -> dict:
+    """Modeled per-token figures of one generation from its ledger (and the measured decode time)."""
+    pl = r.placed or {}
+    out = {"tokens": r.tokens, "measured_decode_ms_per_token": r.decode_ms_per_token}
+    for key in ("prefill", "decode_per_token"):
+        f = pl.get(key)
+        if f:
+            out[key] = {"modeled_ms": f["modeled_ms"], "modeled_mj": f["modeled_mj"],
+                        "by_device": f["by_device"], "transfers": f["transfers"], "switches": f["switches"]}
+    return out
+
+
+def residency_run(args, models: dict) -> dict:
+    """Generation on placed programs with the MoE blocks expanded into expert groups pinned by the residency model
+    vs host-only groups vs the unexpanded op (modeled per-token time/energy from each run's ledger; tokens
+    checked against HF generate (unlimited) and against the unexpanded op with the same tiers)."""
+    from hetforge.moe.residency import expert_dims
+    from hetforge.runtime import Engine, SamplingParams
+    from hetforge.runtime.moe_exec import MoeOptions, MoePlacedExecutor, TieredReference
+
+    params = SamplingParams(max_new_tokens=args.run_new_tokens, ignore_eos=True)
+    rows = []
+    for name, (loaded, cal) in models.items():
+        t0 = time.perf_counter()
+        tiers = dict(share=args.share, group_size=args.group_size, capacity_factor=args.capacity_factor)
+        ref = Engine(loaded, executor=TieredReference(cal, **tiers)).generate(args.run_prompt, params).tokens
+        ids = Engine(loaded, executor=TieredReference(cal, **tiers)).encode(args.run_prompt)
+        with torch.no_grad():
+            out = loaded.model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                        max_new_tokens=args.run_new_tokens, min_new_tokens=args.run_new_tokens,
+                                        do_sample=False, pad_token_id=0)
+        hf = out[0, len(ids):].tolist()
+        for soc in args.run_socs:
+            runs = {}
+            for variant, _ in RUN_VARIANTS:
+                if variant == "unexpanded":
+                    eng = Engine(loaded, soc=soc, strategy="rules", objective=args.run_objective)
+                else:
+                    opts = MoeOptions(cal, unlimited=variant.endswith("unlimited"), objective=args.run_objective,
+                                      place="host" if variant == "groups-host" else "auto", **tiers)
+                    eng = Engine(loaded, executor=MoePlacedExecutor(soc=soc, strategy="rules",
+                                                                    objective=args.run_objective, moe=opts,
+                                                                    dims=expert_dims(loaded.model)))
+                r = eng.generate(args.run_prompt, params)
+                fig = _run_figures(r)
+                want = hf if variant in ("unexpanded", "groups-residency-unlimited") else ref
+                fig["reference"] = "HF generate" if want is hf else "hetforge::moe with the same tiers"
+                fig["tokens_equal"] = r.tokens == want
+                exps = getattr(eng.executor, "expansions", {})
+                fig["groups_on_npu"] = {lab: sum(g.device == "npu" for g in e.groups) for lab, e in exps.items()}
+                fig["groups"] = {lab: len(e.groups) for lab, e in exps.items()}
+                runs[variant] = fig
+                print(f"residency-run {name} {soc} {variant}: tokens equal {fig['tokens_equal']}, decode "
+                      f"{fig.get('decode_per_token', {}).get('modeled_ms', float('nan')):.3f} ms / "
+                      f"{fig.get('decode_per_token', {}).get('modeled_mj', float('nan')):.3f} mJ per token, prefill "
+                      f"{fig.get('prefill', {}).get('modeled_ms', float('nan')):.3f} ms (modeled); NPU groups "
+                      f"{fig['groups_on_npu']}", flush=True)
+            rows.append({"model": name, "soc": soc, "runs": runs})
+        print(f"residency-run {name}: {time.perf_counter() - t0:.0f} s", flush=True)
+    return {"prompt": args.run_prompt, "new_tokens": args.run_new_tokens, "objective": args.run_objective,
+            "strategy": "rules", "share": args.share, "group_size": args.group_size,
+            "capacity_factor": args.capacity_factor, "variants": dict(RUN_VARIANTS), "rows": rows}
+
+
 def _ms(d: dict) -> str:
     return f"{d['median_ms']:.1f} (min {d['min_ms']:.1f}, n={d['n']})"
 
@@ -335,7 +407,59 @@ def markdown(r: dict) -> str:
               "comparison, not measurements. Residency minimises the objective's modeled time (latency) or energy per "
               "group; the other figure follows from that choice.",
               ""]
+    if r.get("residency_run"):
+        lines += residency_run_md(r["residency_run"])
     return "\n".join(lines)
+
+
+def residency_run_md(rr: dict) -> list[str]:
+    """§5: the generation runtime on placed programs with and without residency (modeled from the ledger)."""
+    m = rr["meta"]
+    lines = ["## 5. Residency executed: generation on placed programs (modeled per token, from the run's ledger)", "",
+             f"Run {m['date']} on {m['host']}, torch {m['torch']}, load average at start {m['loadavg']}. Command: "
+             f"`{m['command']}`.", "",
+             f"`hetforge run MODEL --soc S --moe-calibration F` expands every `hetforge::moe` node into a router/top-k/"
+             "dispatch node (CPU), one `hetforge::moe_group` node per expert group (static G·C slots, that group's "
+             "stacked weights) and a combine node per group; each group node is pinned to the device the residency "
+             "model chose for the program's own T (prefill tier / 1 for decode); the programs are partitioned and run "
+             "on the devices' backends (the NPU emulated: op set and static shapes enforced). "
+             f"Prompt: \"{rr['prompt']}\", {rr['new_tokens']} greedy tokens, strategy {rr['strategy']}, objective "
+             f"{rr['objective']} (placement and residency), tiers share {rr['share']}, G = {rr['group_size']}, "
+             f"capacity factor {rr['capacity_factor']}. Time and energy are **modeled** for the SoC (the ledger's "
+             "list-scheduled timeline of the partitions that ran); the last column is **measured** on this host "
+             "(stand-in backends; a shared, loaded 2-core VM).", "",
+             "Variants: " + "; ".join(f"**{k}**: {v}" for k, v in rr["variants"].items()) + ".", ""]
+    for row in rr["rows"]:
+        lines += [f"### {row['model']} on {row['soc']}", "",
+                  "| variant | tokens equal (reference) | NPU groups prefill / decode | prefill ms | prefill mJ | "
+                  "decode ms/token | decode mJ/token | decode ÷ groups-host (ms, mJ) | measured decode ms/token |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        host = row["runs"].get("groups-host", {}).get("decode_per_token")
+        for v, f in row["runs"].items():
+            pre, dec = f.get("prefill") or {}, f.get("decode_per_token") or {}
+            npu = f["groups_on_npu"]
+            grp = f["groups"]
+            pre_k = next((k for k in npu if k.startswith("prefill")), None)
+            dec_k = next((k for k in npu if k.startswith("decode")), None)
+            npu_s = (f"{npu[pre_k]}/{grp[pre_k]} / {npu[dec_k]}/{grp[dec_k]}" if pre_k and dec_k else "—")
+            rel = (f"{dec['modeled_ms'] / host['modeled_ms']:.2f}×, {dec['modeled_mj'] / host['modeled_mj']:.2f}×"
+                   if host and dec else "—")
+            meas = f["measured_decode_ms_per_token"]
+            meas_s = f"{meas:.1f}" if meas is not None else "n/a"
+            lines.append(f"| {v} | {f['tokens_equal']} ({f['reference']}) | {npu_s} | "
+                         f"{pre.get('modeled_ms', float('nan')):.3f} | {pre.get('modeled_mj', float('nan')):.3f} | "
+                         f"{dec.get('modeled_ms', float('nan')):.3f} | {dec.get('modeled_mj', float('nan')):.3f} | "
+                         f"{rel} | {meas_s} |")
+        res = row["runs"].get("groups-residency", {}).get("prefill")
+        hp = row["runs"].get("groups-host", {}).get("prefill")
+        if res and hp:
+            lines += ["", f"Prefill with residency ÷ host-only groups: {res['modeled_ms'] / hp['modeled_ms']:.2f}× "
+                      f"time, {res['modeled_mj'] / hp['modeled_mj']:.2f}× energy (modeled)."]
+        lines.append("")
+    lines += ["Whole-step figures include everything else the step runs (attention, norms, the router and combine on "
+              "the CPU, transfers and device switches), so residency's effect on the expert FFNs (§4) is diluted; a "
+              "group on the NPU also adds CPU↔NPU transfers of its slots each call.", ""]
+    return lines
 
 
 def main() -> None:
@@ -357,6 +481,12 @@ def main() -> None:
     ap.add_argument("--out", default="")
     ap.add_argument("--md", default="")
     ap.add_argument("--from-json", default="", help="write the Markdown page of an earlier --out file and exit")
+    ap.add_argument("--section", default="all", choices=["all", "residency-run"],
+                    help="residency-run: run only §5 and update that part of --out (an earlier full run's JSON)")
+    ap.add_argument("--run-socs", nargs="+", default=["jetson-agx-orin", "apple-m2-max"])
+    ap.add_argument("--run-objective", default="energy")
+    ap.add_argument("--run-new-tokens", type=int, default=16)
+    ap.add_argument("--run-prompt", default="The with statement is used to wrap the execution of a block")
     args = ap.parse_args()
     if args.from_json:
         md = markdown(json.loads(Path(args.from_json).read_text()))
@@ -369,6 +499,9 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     tmp = Path(tempfile.mkdtemp(prefix="hetforge-moe-bench-"))
+    if args.section == "residency-run":
+        section_residency_run(args, tmp)
+        return
     meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "host": platform.machine() + ", "
             + str(os.cpu_count()) + " cores", "torch": torch.__version__, "threads": args.threads,
             "loadavg": ", ".join(f"{v:.1f}" for v in os.getloadavg()), "share": args.share,
@@ -389,6 +522,9 @@ def main() -> None:
                                            "moe-demo": (demo, result["accuracy"]["calibration"])})
     result["calibration_mixtral_small"] = {k: v for k, v in cal_small.items() if k != "layers"} | {
         "share": [lay["share"] for lay in cal_small["layers"]]}
+    result["residency_run"] = residency_run(args, {"moe-demo": (demo, result["accuracy"]["calibration"]),
+                                                   "mixtral-small": (small, cal_small)})
+    result["residency_run"]["meta"] = dict(meta)
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1, default=float) + "\n")
     md = markdown(result)
@@ -396,6 +532,35 @@ def main() -> None:
         Path(args.md).write_text(md)
     elif not args.out:
         print(md)
+
+
+def section_residency_run(args, tmp: Path) -> None:
+    """§5 only: recalibrate mixtral-small as the full run does, reuse moe-demo's calibration from --out, run §5 and
+    write it into --out (the rest of the JSON is kept as it was)."""
+    from hetforge.models.demo import corpus
+    from hetforge.models.zoo import load_model
+
+    if not args.out or not Path(args.out).is_file():
+        raise SystemExit("--section residency-run updates an earlier full run: give its JSON as --out")
+    result = json.loads(Path(args.out).read_text())
+    small, demo = load_model("mixtral-small"), load_model("moe-demo")
+    _, text = corpus()
+    cal_small = calibration(small, text[:200_000], 128, 8, tmp)
+    share = result["calibration_mixtral_small"]["share"]
+    if [lay["share"] for lay in cal_small["layers"]] != share:
+        raise SystemExit("mixtral-small's calibration differs from the one in --out; rerun the whole bench")
+    for k in ("share", "group_size", "capacity_factor"):
+        setattr(args, k, result["meta"][k])
+    meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "host": platform.machine() + ", "
+            + str(os.cpu_count()) + " cores", "torch": torch.__version__, "threads": args.threads,
+            "loadavg": ", ".join(f"{v:.1f}" for v in os.getloadavg()),
+            "command": f"python bench/moe.py --section residency-run --threads {args.threads} --out {args.out}"}
+    result["residency_run"] = residency_run(args, {"moe-demo": (demo, result["accuracy"]["calibration"]),
+                                                   "mixtral-small": (small, cal_small)})
+    result["residency_run"]["meta"] = meta
+    Path(args.out).write_text(json.dumps(result, indent=1, default=float) + "\n")
+    if args.md:
+        Path(args.md).write_text(markdown(result))
 
 
 if __name__ == "__main__":

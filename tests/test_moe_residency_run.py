@@ -19,13 +19,12 @@ from hetforge.hardware import load_soc
 from hetforge.hetero.partition import partition_graph
 from hetforge.models.zoo import load_model
 from hetforge.moe import apply_tiers, calibrate, choose_tiers, moe_graph
-from hetforge.moe.expand import expand_moe, graph_tokens
+from hetforge.moe.expand import expand_moe
 from hetforge.moe.residency import expert_dims
 from hetforge.ops.moe import recording
 from hetforge.passes import copy_gm
 from hetforge.runtime import Engine, SamplingParams
-from hetforge.runtime.executors import Built
-from hetforge.runtime.moe_exec import MoeOptions, MoePlacedExecutor
+from hetforge.runtime.moe_exec import MoeOptions, MoePlacedExecutor, TieredReference
 
 _load_commands()
 TEXT = ("The with statement is used to wrap the execution of a block with methods defined by a context manager. "
@@ -47,27 +46,6 @@ def demo(tmp_path_factory):
 def _engine(lm, cal, soc, **kw):
     ex = MoePlacedExecutor(soc=soc, moe=MoeOptions(cal, **kw), dims=expert_dims(lm.model))
     return Engine(lm, executor=ex), ex
-
-
-class _TieredFx:
-    """Reference: the *unexpanded* ``hetforge::moe`` op with the same tier plan (apply_tiers), run as a graph."""
-
-    name = "fx+tiers"
-
-    def __init__(self, cal):
-        self.cal = cal
-
-    def build(self, gm, inputs, label, optimize):
-        from hetforge.passes import optimize as run_passes
-
-        g = run_passes(gm, inputs).gm
-        apply_tiers(g, choose_tiers(self.cal, graph_tokens(g), share=0.9, group_size=2, capacity_factor=1.25))
-
-        def run(*a):
-            with torch.no_grad():
-                return g(*a)
-
-        return Built(run, 0.0, 0.0, len(g.graph.nodes))
 
 
 def _hf_tokens(model, ids, n):
@@ -120,7 +98,8 @@ def test_unlimited_groups_on_placed_programs_generate_hf_tokens(demo, soc):
 @pytest.fixture(scope="module")
 def tiered_ref(demo):
     lm, cal, _ = demo
-    return Engine(lm, executor=_TieredFx(cal)).generate(PROMPT, SamplingParams(max_new_tokens=NEW, ignore_eos=True))
+    params = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
+    return Engine(lm, executor=TieredReference(cal)).generate(PROMPT, params)
 
 
 @pytest.mark.parametrize("soc", ["jetson-agx-orin", "apple-m2-max"])

@@ -119,3 +119,32 @@ def moe_summary(executor) -> dict[str, Any] | None:
     if exps is None:
         return None
     return {label: e.to_dict() for label, e in exps.items()}
+
+
+@dataclass
+class TieredReference:
+    """The reference for tiered runs: the *unexpanded* ``hetforge::moe`` op with the same tier plan written into
+    it (:func:`hetforge.moe.apply_tiers`), the optimized graph called as is (no placement)."""
+
+    calibration: dict[str, Any]
+    share: float = 0.9
+    group_size: int = 2
+    capacity_factor: float = 1.25
+    name: str = "fx+moe-tiers"
+
+    def build(self, gm: torch.fx.GraphModule, inputs: tuple, label: str, optimize: bool):
+        from hetforge.moe import apply_tiers, choose_tiers
+        from hetforge.moe.expand import graph_tokens
+        from hetforge.passes import optimize as run_passes
+        from hetforge.runtime.executors import Built
+
+        t0 = time.perf_counter()
+        g = run_passes(gm, inputs).gm
+        apply_tiers(g, choose_tiers(self.calibration, graph_tokens(g), share=self.share, group_size=self.group_size,
+                                    capacity_factor=self.capacity_factor))
+
+        def run(*args: torch.Tensor):
+            with torch.no_grad():
+                return g(*args)
+
+        return Built(run, time.perf_counter() - t0, 0.0, len(g.graph.nodes), ["MoE tiers applied to hetforge::moe"])
