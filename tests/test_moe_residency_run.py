@@ -31,6 +31,8 @@ TEXT = ("The with statement is used to wrap the execution of a block with method
         "This allows common try, except and finally usage patterns to be encapsulated for convenient reuse. ") * 6
 PROMPT = "The with statement is used to wrap the"
 NEW = 12
+# the second SoC is the slow pass's (`make test` runs it): each SoC compiles its own prefill and decode programs
+TWO_SOCS = ["jetson-agx-orin", pytest.param("apple-m2-max", marks=pytest.mark.slow)]
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +82,7 @@ def lm_ids(lm, text):
     return for_model(lm).encode(text)
 
 
-@pytest.mark.parametrize("soc", ["jetson-agx-orin", "apple-m2-max"])
+@pytest.mark.parametrize("soc", TWO_SOCS)
 def test_unlimited_groups_on_placed_programs_generate_hf_tokens(demo, soc):
     lm, cal, _ = demo
     eng, ex = _engine(lm, cal, soc, unlimited=True, objective="energy")
@@ -102,7 +104,7 @@ def tiered_ref(demo):
     return Engine(lm, executor=TieredReference(cal)).generate(PROMPT, params)
 
 
-@pytest.mark.parametrize("soc", ["jetson-agx-orin", "apple-m2-max"])
+@pytest.mark.parametrize("soc", TWO_SOCS)
 def test_tiered_groups_generate_the_unexpanded_tiered_models_tokens_and_the_npu_holds_the_hot_groups(
         demo, tiered_ref, soc):
     lm, cal, _ = demo
