@@ -458,7 +458,11 @@ def residency_run_md(rr: dict) -> list[str]:
         lines.append("")
     lines += ["Whole-step figures include everything else the step runs (attention, norms, the router and combine on "
               "the CPU, transfers and device switches), so residency's effect on the expert FFNs (§4) is diluted; a "
-              "group on the NPU also adds CPU↔NPU transfers of its slots each call.", ""]
+              "group on the NPU also adds CPU↔NPU transfers of its slots each call. The expanded programs cost more "
+              "than the unexpanded op in decode: a static program runs every group's slots (the unexpanded CPU "
+              "kernel runs only the k hit experts) and each group is its own partition with its own transfers. The "
+              "measured column is the host running the stand-in backends partition by partition (the emulated "
+              "devices' work runs on this CPU too), not a figure for the SoC.", ""]
     return lines
 
 
