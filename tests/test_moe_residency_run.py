@@ -204,3 +204,21 @@ def test_run_moe_bad_input_is_one_line_exit_2(demo, tmp_path):
         r = runner.invoke(app, base + extra)
         assert r.exit_code == 2, (extra, r.output)
         assert msg in r.output and "Traceback" not in r.output
+
+
+def test_residency_pins_are_the_models_choices_and_the_baselines_pin_all_groups_one_way(demo):
+    from hetforge.moe.expand import residency_pins
+    from hetforge.moe.residency import plan_residency
+
+    lm, cal, _ = demo
+    soc = load_soc("jetson-agx-orin")
+    plan = choose_tiers(cal, 32, share=0.9, group_size=2, capacity_factor=1.25)
+    _, exp = expand_moe(moe_graph(lm, 32), plan)
+    d, f, nb = expert_dims(lm.model)
+    pins = residency_pins(exp, soc, cal, d, f, nb, "energy")
+    model = {(c.layer, c.group): c.device for c in plan_residency(soc, cal, plan, d, f, 32, nb, objective="energy")}
+    assert {g.node: soc.device(pins[g.node]).kind for g in exp.groups} == {
+        g.node: model[(g.layer, g.group)] for g in exp.groups}
+    assert {soc.device(v).kind for v in residency_pins(exp, soc, cal, d, f, nb, "energy", force="host").values()} \
+        <= {"cpu", "gpu"}
+    assert set(residency_pins(exp, soc, cal, d, f, nb, "energy", force="npu").values()) == {"npu"}
