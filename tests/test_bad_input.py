@@ -208,6 +208,12 @@ CASES: list[tuple[str, list[str], int, str]] = [
     ("moe-data", ["moe", "calibrate", "moe-demo", "--data", "{fx}/dir"], 2, "is not a file"),
     ("moe-calib", ["moe", "tiers", "gpt2-tiny", "--calib", "{fx}/nothing.json", "--data", "{fx}/file.txt"], 2,
      "does not exist"),
+    ("run-moe-calib", ["run", "moe-demo", "-p", "hi", "--soc", SOC, "--moe-calibration", "{fx}/nothing.json",
+                       "--json"], 2, "does not exist"),
+    ("run-moe-factor", ["run", "moe-demo", "-p", "hi", "--moe-calibration", "{fx}/file.txt", "--moe-capacity-factor",
+                        "0", "--json"], 2, "must be > 0"),
+    ("run-moe-place", ["run", "moe-demo", "-p", "hi", "--moe-calibration", "{fx}/file.txt", "--moe-place", "gpu",
+                       "--json"], 2, "--moe-place 'gpu'"),
 ]
 ENV_CASES: list[tuple[str, list[str], dict[str, str], int, str]] = [
     ("host-profile-binary", ["socs", "--json"], {"HETFORGE_HOST_PROFILE": "{fx}/bin.json"}, 2, "not a text"),

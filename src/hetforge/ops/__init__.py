@@ -8,6 +8,7 @@ from hetforge.ops import (
     aten_costs,  # noqa: F401  (registers ATen cost formulas)
     fused,  # noqa: F401  (registers the hetforge:: fused ops)
     moe,  # noqa: F401  (registers hetforge::moe)
+    moe_groups,  # noqa: F401  (registers hetforge::moe_route / moe_gather / moe_group / moe_scatter)
     quant,  # noqa: F401  (registers the hetforge:: quantized linears)
 )
 from hetforge.ops.registry import (

@@ -70,13 +70,27 @@ def explain(
     soc_p = load_soc(soc)
     gm = placement_graph(model, seq, attn, passes)
     nc = NodeCosts.build(gm, soc_p)
+    groups = None
+    if node not in nc.index and moe_calib is not None:  # an expert-group node: the graph as `run` expands it
+        import inspect
+
+        if "pin" not in inspect.signature(fn).parameters:
+            raise UsageError(f"expert groups are pinned to their residency device; strategy '{strategy}' takes no "
+                             "pins (use rules, greedy, pgsam or single)")
+        gm, groups, pins = _moe_expanded(model, gm, soc_p, moe_calib, objective)
+        nc = NodeCosts.build(gm, soc_p)
     if node not in nc.index:
         explain_node(gm, nc, _dummy(strategy), node)  # raises the UsageError with suggestions
-    pl = fn(gm, soc_p, objective=objective)
+    pl = fn(gm, soc_p, objective=objective) if groups is None else fn(gm, soc_p, objective=objective, pin=pins)
+    if groups is not None:
+        for g in groups.groups:
+            pl.reasons[g.node] = g.reason
     rep = explain_node(gm, nc, pl, node)
     rep["model"] = model
-    if moe_calib is not None:
+    if moe_calib is not None and groups is None:
         rep["moe_residency"] = _moe_residency(model, gm, node, soc_p, seq, moe_calib)
+    if groups is not None:
+        rep["moe_groups"] = groups.to_dict()
     if json_out:
         emit_json(rep)
         return
@@ -94,7 +108,10 @@ def explain(
     console.print(t)
     for rj in rep["rejections"]:
         console.print(f"rejected {rj['device']}: {rj['why']}", highlight=False)
-    if moe_calib is not None:
+    if groups is not None:
+        for g in groups.groups:
+            console.print(f"MoE l{g.layer}g{g.group} ({g.node}, experts {g.experts}) → {g.device}", highlight=False)
+    elif moe_calib is not None:
         from hetforge.cli.commands.moe import print_residency
 
         print_residency(rep["moe_residency"])
@@ -115,6 +132,21 @@ def _moe_residency(model: str, gm, node: str, soc_p, seq: int, calib: Path) -> d
     loaded = load_model(model)
     layer = int(n.args[15]) if len(n.args) > 15 else -1
     return residency_report(loaded, load_calibration(calib, loaded), soc_p, seq, layer=layer)
+
+
+def _moe_expanded(model: str, gm, soc_p, calib: Path, objective: str):
+    """The graph with its MoE blocks expanded into expert groups as ``hetforge run --moe-calibration`` does
+    (default tiers: share 0.9, G = 2, capacity factor 1.25), and the residency pins."""
+    from hetforge.models.zoo import load_model
+    from hetforge.moe import load_calibration
+    from hetforge.moe.expand import expand_for_soc, moe_nodes
+    from hetforge.moe.residency import expert_dims
+
+    if not moe_nodes(gm):
+        raise UsageError(f"--moe-calib: model '{model}' has no MoE block hetforge recognises")
+    loaded = load_model(model)
+    obj = objective if objective in ("latency", "energy") else "latency"
+    return expand_for_soc(gm, load_calibration(calib, loaded), soc_p, expert_dims(loaded.model), objective=obj)
 
 
 def _dummy(strategy: str):

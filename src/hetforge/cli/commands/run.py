@@ -98,6 +98,16 @@ def run(
     failover_plans: str = typer.Option("ahead", "--failover-plans",
                                        help="ahead (compile plans for every single-device failure before the "
                                             "request) or on-demand (compile after a fault)"),
+    moe_calibration: Path = typer.Option(None, "--moe-calibration", help="MoE: run expert groups on the devices "
+                                         "the residency model picks (a file from `hetforge moe calibrate`)"),
+    moe_share: float = typer.Option(0.9, "--moe-share", help="MoE: hot tier covers this share of assignments"),
+    moe_group_size: int = typer.Option(2, "--moe-group-size", help="MoE: experts per group (divides the experts)"),
+    moe_capacity_factor: float = typer.Option(1.25, "--moe-capacity-factor", help="MoE: slots per expert = factor "
+                                              "x T·k x its calibrated share"),
+    moe_unlimited: bool = typer.Option(False, "--moe-unlimited", help="MoE: every expert T slots (nothing dropped)"),
+    moe_objective: str = typer.Option("latency", "--moe-objective", help="MoE residency objective: latency, energy"),
+    moe_place: str = typer.Option("auto", "--moe-place", help="MoE groups: auto (residency model), host (all on "
+                                  "CPU/GPU) or npu (all on the NPU): the baselines"),
 ) -> None:
     """Generate text from MODEL, streaming tokens as they come, then print measured timings."""
     from hetforge.errors import UsageError
@@ -130,7 +140,16 @@ def run(
         from hetforge.runtime.replan import parse_options
 
         parse_options(load_soc_names(soc), *adaptive_opts)  # bad input refused before any model work
-    engine = make_engine(model, soc, executor, quantize, group_size, strategy, objective, backend, policy, plan)
+    moe = None
+    if moe_calibration is not None:
+        if candidates != 1 or inject_fault or set_load or set_temp:
+            raise UsageError("--moe-calibration cannot be combined with --candidates, --inject-fault, --set-load "
+                             "or --set-temp")
+        moe = {"calibration": moe_calibration, "share": moe_share, "group_size": moe_group_size,
+               "capacity_factor": moe_capacity_factor, "unlimited": moe_unlimited, "objective": moe_objective,
+               "place": moe_place}
+    engine = make_engine(model, soc, executor, quantize, group_size, strategy, objective, backend, policy, plan,
+                         moe=moe)
     if candidates != 1:
         run_candidates(engine, prompt, params, sel, json_out, strategy)
         return
@@ -175,11 +194,12 @@ def run(
                    "report": str(report_path) if report_path else None,
                    **({"adaptive": adaptive.summary()} if adaptive else {}),
                    **({"error": str(failure)} if failure else {}),
-                   "programs": [p.to_dict() for p in engine.programs.programs.values()]})
+                   "programs": [p.to_dict() for p in engine.programs.programs.values()],
+                   **moe_json(engine)})
     else:
         sys.stdout.write("\n")
         console.print(summary_line(r), style="dim", highlight=False, soft_wrap=True)
-        for line in placed_lines(r):
+        for line in placed_lines(r) + moe_lines(engine):
             console.print(line, style="dim", highlight=False, soft_wrap=True)
         if trace_path:
             console.print(f"trace: {trace_path} (open in ui.perfetto.dev)", style="dim", highlight=False)
@@ -211,7 +231,7 @@ def set_threads(threads: int) -> None:
 
 def make_engine(model: str, soc: str, executor: str, quantize: str = "none", group_size: int = 128,
                 strategy: str = "rules", objective: str = "energy", backend: list[str] | None = None,
-                policy: str = "exact", plan: Path | None = None):
+                policy: str = "exact", plan: Path | None = None, moe: dict | None = None):
     """Load ``model`` and build an :class:`~hetforge.runtime.Engine` (validates the SoC, strategy, objective,
     backends and quantization options before any model work)."""
     from hetforge.backends.emulated import POLICIES
@@ -237,7 +257,21 @@ def make_engine(model: str, soc: str, executor: str, quantize: str = "none", gro
         raise UsageError(f"unknown --policy '{policy}'; allowed: {', '.join(POLICIES)}")
     overrides = parse_overrides(backend, prof.device_names)
     check_options(quantize, group_size, ())
+    if moe is not None:
+        from hetforge.moe import check_plan_options
+
+        if plan is not None or executor == "fx":
+            raise UsageError("--moe-calibration needs placed programs: not with --plan or --executor fx")
+        check_plan_options(moe["group_size"], moe["capacity_factor"], None, moe["share"])
+        if moe["objective"] not in ("latency", "energy"):
+            raise UsageError(f"--moe-objective '{moe['objective']}' must be latency or energy")
+        from hetforge.runtime.moe_exec import PLACES
+
+        if moe.get("place", "auto") not in PLACES:
+            raise UsageError(f"--moe-place '{moe['place']}' must be one of {', '.join(PLACES)}")
     loaded = load_model(model)
+    if moe is not None:
+        executor = moe_executor(loaded, moe, prof, quantize, group_size, strategy, objective, overrides, policy)
     engine = Engine(loaded, executor=executor, soc=prof, quantize=quantize, group_size=group_size,
                     strategy=strategy, objective=objective, backends=overrides, policy=policy)
     if plan is not None:
@@ -326,3 +360,37 @@ def load_soc_names(soc: str) -> list[str]:
     from hetforge.hardware import load_soc
 
     return load_soc(soc).device_names
+
+
+def moe_executor(loaded, moe: dict, prof, quantize: str, group_size: int, strategy: str, objective: str,
+                 overrides: dict, policy: str):
+    """The placed executor that runs MoE expert groups where the residency model puts them."""
+    from hetforge.moe import load_calibration
+    from hetforge.moe.residency import expert_dims
+    from hetforge.runtime.moe_exec import MoeOptions, MoePlacedExecutor
+
+    opts = MoeOptions(load_calibration(moe["calibration"], loaded), share=moe["share"], group_size=moe["group_size"],
+                      capacity_factor=moe["capacity_factor"], unlimited=moe["unlimited"], objective=moe["objective"],
+                      place=moe.get("place", "auto"))
+    return MoePlacedExecutor(soc=prof, strategy=strategy, objective=objective, quantize=quantize,
+                             group_size=group_size, backends=dict(overrides), policy=policy, moe=opts,
+                             dims=expert_dims(loaded.model))
+
+
+def moe_json(engine) -> dict:
+    """``{"moe": {program: groups, devices, reasons}}`` for a run with --moe-calibration, else nothing."""
+    from hetforge.runtime.moe_exec import moe_summary
+
+    s = moe_summary(engine.executor)
+    return {"moe": s} if s is not None else {}
+
+
+def moe_lines(engine) -> list[str]:
+    """One line per program: where each expert group ran (modeled residency decision)."""
+    from hetforge.runtime.moe_exec import moe_summary
+
+    out = []
+    for label, e in (moe_summary(engine.executor) or {}).items():
+        where = ", ".join(f"l{g['layer']}g{g['group']}→{g['device']}" for g in e["groups"])
+        out.append(f"MoE groups in {label} ({e['tokens_per_call']} tokens per call; residency modeled): {where}")
+    return out
