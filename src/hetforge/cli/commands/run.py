@@ -74,6 +74,13 @@ def run(
     group_size: int = typer.Option(128, "--group-size", help="w4 quantization group size (32, 64, 128, 256)"),
     ignore_eos: bool = typer.Option(False, "--ignore-eos", help="keep going past the end-of-text token"),
     json_out: bool = typer.Option(False, "--json", help="print one JSON document instead of streaming"),
+    cluster: str = typer.Option(None, "--cluster", help="run across the nodes of this cluster (a shipped name or a "
+                                                        ".yaml) on Ray; see `hetforge cluster`"),
+    address: str = typer.Option(None, "--address", help="with --cluster: join this Ray cluster (HOST:PORT) instead of "
+                                                        "starting a local one"),
+    spread: bool = typer.Option(False, "--spread", help="with --cluster: use every node (even layer split)"),
+    fail_node: str = typer.Option(None, "--fail-node", help="with --cluster: kill NODE's actor after K tokens "
+                                                            "(NODE:K), to see re-planning"),
 ) -> None:
     """Generate text from MODEL, streaming tokens as they come, then print measured timings."""
     from hetforge.errors import UsageError
@@ -85,6 +92,16 @@ def run(
                             repetition_penalty=repetition_penalty, stop=tuple(stop or ()), seed=seed,
                             ignore_eos=ignore_eos)
     set_threads(threads)
+    if cluster is None and (address or spread or fail_node):
+        raise UsageError("--address, --spread and --fail-node need --cluster FILE")
+    if cluster is not None:
+        from hetforge.cli.commands.cluster import run_on_cluster
+
+        if plan is not None or trace is not None:
+            raise UsageError("--plan and --trace are single-node options; drop them with --cluster")
+        run_on_cluster(model, cluster, address, prompt, params, objective,
+                       "stages" if strategy == "rules" else strategy, executor, spread, fail_node, json_out)
+        return
     if trace is not None:
         from hetforge.files import check_output
 
