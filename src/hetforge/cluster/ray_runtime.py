@@ -190,7 +190,7 @@ class ClusterEngine:
         self.actors = {}
         for nd in self.alive.nodes:
             if nd.name in layout["stage_nodes"]:
-                self.actors[nd.name] = remote.options(num_cpus=0, resources={nd.label: 1}, max_restarts=0).remote(
+                self.actors[nd.name] = remote.options(num_cpus=0, resources={nd.label: 0.001}, max_restarts=0).remote(
                     nd.name, nd.soc, self.loaded.name, layout, self.strategy, self.objective, self.executor)
         want = weights_fingerprint(self.loaded.model)
         got = ray.get([a.fingerprint.remote() for a in self.actors.values()], timeout=600)
@@ -215,14 +215,19 @@ class ClusterEngine:
     def _step(self, kind: str, length: int, cache_len: int, feeds: list[torch.Tensor], pos: int) -> dict[str, Any]:
         import ray
 
+        return ray.get(self._submit(kind, length, cache_len, 0, feeds, pos), timeout=600)
+
+    def _submit(self, kind: str, length: int, cache_len: int, slot: int, feeds: list[torch.Tensor], pos: int):
+        """Submit one step's stage calls (non-blocking); the reference of the last stage's result."""
         stages = self.info[(kind, length)]
         nodes = layout_of(self.plan)["stage_nodes"]
         refs: list[Any] = []
         for j, node in enumerate(nodes):
             reads = sorted({int(x[1:].split(".")[0]) for x in stages[j] if x.startswith("s")} |
                            ({j - 1} if j else set()))
-            refs.append(self.actors[node].run.remote(kind, length, cache_len, j, feeds, pos, *[refs[i] for i in reads]))
-        return ray.get(refs[-1], timeout=600)
+            refs.append(self.actors[node].run.remote(kind, length, cache_len, slot, j, feeds, pos,
+                                                     *[refs[i] for i in reads]))
+        return refs[-1]
 
     def _lengths(self, n: int, max_new: int) -> tuple[int, int, int]:
         from hetforge.runtime.programs import pick_tier

@@ -38,7 +38,7 @@ class NodeWorker:
         self.stage_nodes: list[str] = layout["stage_nodes"]
         self.mine = [j for j, n in enumerate(self.stage_nodes) if n == node]
         self.programs: dict[tuple[str, int], dict[str, Any]] = {}
-        self.caches: dict[int, dict[int, torch.Tensor]] = {}
+        self.caches: dict[tuple[int, int], dict[int, torch.Tensor]] = {}  # (request slot, length) → buffers
 
     def ping(self) -> str:
         return self.node
@@ -98,8 +98,8 @@ class NodeWorker:
                               "read_later": read_later}
         return info
 
-    def _cache(self, length: int, idx: int) -> torch.Tensor:
-        bufs = self.caches.setdefault(length, {})
+    def _cache(self, slot: int, length: int, idx: int) -> torch.Tensor:
+        bufs = self.caches.setdefault((slot, length), {})
         if idx not in bufs:
             _, kv, hd = self.dims
             bufs[idx] = torch.zeros((1, kv, length, hd), dtype=self.dtype)
@@ -108,9 +108,10 @@ class NodeWorker:
     def cache_bytes(self) -> int:
         return sum(b.numel() * b.element_size() for c in self.caches.values() for b in c.values())
 
-    def run(self, kind: str, length: int, cache_len: int, j: int, feeds: list[torch.Tensor], pos: int,
+    def run(self, kind: str, length: int, cache_len: int, slot: int, j: int, feeds: list[torch.Tensor], pos: int,
             *upstream: dict[str, Any]) -> dict[str, Any]:
-        """Run stage ``j``; write its layers' new K/V rows at ``pos``; return what later stages read."""
+        """Run stage ``j`` for the request in cache ``slot``; write its layers' new K/V rows at ``pos``; return
+        what later stages read."""
         prog = self.programs[(kind, length)]
         st = prog["stages"][j]
         vals: dict[str, Any] = {}
@@ -129,7 +130,7 @@ class NodeWorker:
         args = []
         for name in st["inputs"]:
             if name in prog["cache_ph"]:
-                args.append(self._cache(cache_len, prog["cache_ph"][name]))
+                args.append(self._cache(slot, cache_len, prog["cache_ph"][name]))
             elif not name.startswith("s"):
                 args.append(feeds[0] if name == "input_ids" else feeds[1])
             else:
@@ -141,7 +142,7 @@ class NodeWorker:
             b = prog["kv_of"].get(key)
             if b is not None:
                 n = v.shape[2]
-                self._cache(cache_len, b)[:, :, pos:pos + n].copy_(v)
+                self._cache(slot, cache_len, b)[:, :, pos:pos + n].copy_(v)
             elif key in prog["read_later"]:
                 out_d[key] = v
         timing[j] = time.perf_counter() - t0
