@@ -38,11 +38,18 @@ def demo():
 
 
 @pytest.fixture(scope="module")
-def reference(demo) -> list[int]:
-    """Greedy tokens of the single-node run (one process, placed programs on the host profile)."""
-    from hetforge.runtime import Engine, SamplingParams
+def single(demo):
+    from hetforge.runtime import Engine
 
-    return Engine(demo, soc="host").generate(PROMPT, SamplingParams(max_new_tokens=MAX_NEW)).tokens
+    return Engine(demo, soc="host")
+
+
+@pytest.fixture(scope="module")
+def reference(single) -> list[int]:
+    """Greedy tokens of the single-node run (one process, placed programs on the host profile)."""
+    from hetforge.runtime import SamplingParams
+
+    return single.generate(PROMPT, SamplingParams(max_new_tokens=MAX_NEW)).tokens
 
 
 @pytest.fixture(scope="module")
@@ -61,15 +68,22 @@ def _engine(demo, path, session, spread=False):
     return ClusterEngine(demo, load_cluster(path), spread=spread, session=session)
 
 
-def test_two_nodes_on_ray_generate_the_single_node_tokens(tmp_path, demo, reference, ray_session):
+def test_two_nodes_on_ray_generate_the_single_node_tokens_alone_and_pipelined(tmp_path, demo, single, reference,
+                                                                                 ray_session):
+    from hetforge.cluster.throughput import generate_many
     from hetforge.runtime import SamplingParams
 
+    params = SamplingParams(max_new_tokens=MAX_NEW)
+    others = ["The little girl", "He looked at"]
+    want = [reference] + [single.generate(p, params).tokens for p in others]
     eng = _engine(demo, cluster_file(tmp_path, "two", ["a", "b"]), ray_session, spread=True)
     try:
         assert {s.node for s in eng.plan.stages} == {"a", "b"}
-        r = eng.generate(PROMPT, SamplingParams(max_new_tokens=MAX_NEW))
+        r = eng.generate(PROMPT, params)
+        batch = generate_many(eng, [PROMPT, *others], params)  # three requests in flight, one KV slot each
     finally:
         eng.close()
+    assert batch.tokens == want
     assert r.tokens == reference
     assert r.failovers == [] and r.stop_reason == "length"
     assert len(r.decode_s) == MAX_NEW - 1 and all(w > 0 for w in r.wire_bytes)  # activations crossed nodes

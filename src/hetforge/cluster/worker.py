@@ -95,7 +95,7 @@ class NodeWorker:
                 "held_weight_bytes": sum(p.numel() * p.element_size() for j in self.mine
                                          for p in [*sg.stages[j].gm.parameters(), *sg.stages[j].gm.buffers()])}
         self.programs[key] = {"info": info, "stages": stages, "kv_of": kv_of, "cache_ph": cache_ph,
-                              "read_later": read_later}
+                              "read_later": read_later, "feed_ix": {n: i for i, n in enumerate(sg.placeholders[:2])}}
         return info
 
     def _cache(self, slot: int, length: int, idx: int) -> torch.Tensor:
@@ -131,8 +131,8 @@ class NodeWorker:
         for name in st["inputs"]:
             if name in prog["cache_ph"]:
                 args.append(self._cache(slot, cache_len, prog["cache_ph"][name]))
-            elif not name.startswith("s"):
-                args.append(feeds[0] if name == "input_ids" else feeds[1])
+            elif name in prog["feed_ix"]:  # token ids, and positions (decode) or the last row (prefill)
+                args.append(feeds[prog["feed_ix"][name]])
             else:
                 args.append(vals[name])
         t0 = time.perf_counter()

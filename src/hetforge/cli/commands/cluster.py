@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import typer
 
@@ -164,3 +165,60 @@ def run_on_cluster(model: str, cluster: str, address: str | None, prompt: str, p
         err_console.print(f"{r.stop_reason.removeprefix('stopped: ')}; generated {len(r.tokens)} tokens before: "
                           f"{r.text!r}", highlight=False, soft_wrap=True)
         raise typer.Exit(1)
+
+
+@cluster_app.command("serve")
+@handles_errors
+def serve_cmd(
+    model: str = typer.Argument(..., help="zoo name or local Hugging Face folder"),
+    cluster: str = typer.Option(..., "--cluster", help="a shipped cluster name or a cluster .yaml file"),
+    requests: Path = typer.Option(..., "--requests", help="UTF-8 text file, one prompt per line"),
+    replicas: int = typer.Option(1, "--replicas", help="copies of the model, each on its own group of nodes"),
+    max_new_tokens: int = typer.Option(32, "--max-new-tokens", "-n", help="tokens to generate per request"),
+    objective: str = typer.Option("latency", "--objective", help="latency, energy or balanced"),
+    spread: bool = typer.Option(False, "--spread", help="each replica uses all its nodes (even layer split)"),
+    address: str = typer.Option(None, "--address", help="join this Ray cluster (HOST:PORT) instead of starting one"),
+    json_out: bool = typer.Option(False, "--json", help="print one JSON document"),
+) -> None:
+    """Serve every request of a file on the cluster on Ray: pipelined over the stages, spread over replicas."""
+    from hetforge.cluster.spec import load_cluster
+    from hetforge.cluster.throughput import modeled_pipeline, read_requests, replica_groups, serve
+    from hetforge.models.zoo import load_model
+    from hetforge.runtime import SamplingParams
+
+    _check_objective(objective)
+    if max_new_tokens < 1:
+        raise UsageError(f"--max-new-tokens must be >= 1 (got {max_new_tokens})")
+    c = load_cluster(cluster)
+    groups = replica_groups(c, replicas)
+    prompts = read_requests(requests)
+    from hetforge.cluster.ray_runtime import ClusterEngine, RaySession
+
+    loaded = load_model(model)
+    engines: list = []
+    session = None
+    try:
+        from hetforge.cluster.models import plan_loaded
+
+        for g in groups:  # plans first: a replica that cannot hold the model fails before Ray starts
+            plan_loaded(loaded, g, objective, spread=spread)
+        session = RaySession(c, address)
+        engines = [ClusterEngine(loaded, g, objective=objective, spread=spread, session=session) for g in groups]
+        res = serve(engines, prompts, SamplingParams(max_new_tokens=max_new_tokens))
+    finally:
+        for e in engines:
+            e.close()
+        if session is not None:
+            session.close()
+    modeled = [modeled_pipeline(e.plan) for e in engines]
+    if json_out:
+        emit_json({"model": loaded.name, "cluster": c.name, **res.to_dict(), "modeled": modeled})
+        return
+    for p, out in zip(prompts, res.texts, strict=True):
+        console.print(f"{p}{out}", highlight=False, soft_wrap=True)
+    console.print(f"{len(prompts)} requests, {res.total_tokens} tokens in {res.wall_s:.2f} s = {res.tokens_per_s:.1f} "
+                  f"tokens/s on {replicas} replica(s), pipelined (measured)", style="dim", highlight=False)
+    for e, m in zip(engines, modeled, strict=True):
+        console.print(f"replica {e.plan.describe()}: {m['pipelined_tokens_per_s']:.1f} tokens/s pipelined, "
+                      f"{m['single_tokens_per_s']:.1f} tokens/s one request (modeled; bottleneck {m['bottleneck']})",
+                      style="dim", highlight=False, soft_wrap=True)
