@@ -136,15 +136,18 @@ def stage_order(groups: Stages, name: str) -> int:
 
 
 def cut_bytes(gm: torch.fx.GraphModule, groups: Stages, resident: set[str]) -> np.ndarray:
-    """``out[c]`` = bytes of every value made before cut ``c`` (c in 0..L; L = before the head) and read
-    after it; values in ``resident`` (KV cache inputs: they live on their node) never cross."""
+    """``out[c]`` = bytes of every value made before cut ``c`` (c in 0..L; L = before the head) and read by a
+    node after it; values in ``resident`` (KV cache inputs: they live on their node) never cross, nor do graph
+    outputs (new K/V rows stay in their node's cache)."""
     L = groups.num_layers
     out = np.zeros(L + 1)
     for n in gm.graph.nodes:
         if n.op in ("get_attr", "output") or n.name in resident or n.name not in groups.of:
             continue
         src = stage_order(groups, groups.of[n.name])
-        users = [stage_order(groups, groups.of[u.name]) for u in n.users if u.name in groups.of]
+        # the graph's outputs are read where they are made: new K/V rows go into that node's cache, logits
+        # are made on the home node
+        users = [stage_order(groups, groups.of[u.name]) for u in n.users if u.name in groups.of and u.op != "output"]
         if not users:
             continue
         last = max(users)
