@@ -174,6 +174,11 @@ def modeled(args) -> dict:
     return {"objective": "latency", "rows": rows}
 
 
+def _cell(text: str) -> str:
+    """A plan (``a: … | b: …``) inside a Markdown table cell: stages joined by arrows, not pipes."""
+    return text.replace(" | ", " → ")
+
+
 def _f(x, nd=2):
     return "—" if x is None else f"{x:,.{nd}f}"
 
@@ -194,7 +199,7 @@ def markdown(r: dict) -> str:
                 "| system | plan | network crossings / token | decode ms/token | outside the stages ms/token | "
                 "bytes read from another node / token | tokens/s |", "|---|---|---|---|---|---|---|"]
         for row in s["sequential"]:
-            out.append(f"| {row['system']} | {row.get('plan', 'one process, host profile')} | "
+            out.append(f"| {row['system']} | {_cell(row.get('plan', 'one process, host profile'))} | "
                        f"{row.get('crossings', 0)} | {_f(row['decode_ms_median'])} | "
                        f"{_f(row.get('outside_stages_ms_median'))} | "
                        f"{_f(row.get('wire_bytes_per_token'), 0) if 'wire_bytes_per_token' in row else '—'} | "
@@ -228,8 +233,9 @@ def markdown(r: dict) -> str:
             continue
         pt = row["per_token"]
         mem = ", ".join(f"{n} {v['used'] / 2**30:.2f}/{v['capacity'] / 2**30:.2f}" for n, v in row["memory"].items())
-        out.append(f"| {row['cluster']} | {name} | {row['plan']} | {pt['modeled_ms']:.3f} | {pt['modeled_mj']:.3f} | "
-                   f"{pt['wire_bytes']:,.0f} | {row['pipeline']['pipelined_tokens_per_s']:.1f} | {mem} |")
+        out.append(f"| {row['cluster']} | {name} | {_cell(row['plan'])} | {pt['modeled_ms']:.3f} | "
+                   f"{pt['modeled_mj']:.3f} | {pt['wire_bytes']:,.0f} | "
+                   f"{row['pipeline']['pipelined_tokens_per_s']:.1f} | {mem} |")
     out += ["", "### Why each cut is where it is", ""]
     for row in mo["rows"]:
         if "error" in row or row["model"] == "demo" and not row["spread"]:

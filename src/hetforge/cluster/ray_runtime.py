@@ -262,7 +262,11 @@ class ClusterEngine:
         import ray
 
         t0 = time.perf_counter()
-        dead = self.dead_nodes() or set(self.actors)
+        dead = self.dead_nodes()
+        if not dead:  # every actor answers: not a node failure (e.g. a stage call timed out)
+            raise HetforgeError(f"a stage call failed but every node answers: {type(error).__name__}: {error}")
+        if not set(self.alive.node_names) - dead:
+            raise HetforgeError(f"every node died ({', '.join(sorted(dead))}); nothing to re-plan onto")
         survivors = self.alive.without(dead)
         event = {"dead": sorted(dead), "after_tokens": len(result.tokens), "error": type(error).__name__}
         try:
