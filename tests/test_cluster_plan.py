@@ -166,3 +166,40 @@ def test_llama_8b_shape_is_split_across_orin_nano_boards_that_cannot_hold_it_alo
     lanes = {s.lane for s in tl.spans if s.kind == "transfer"}
     assert lanes and all("->" in x for x in lanes)
     assert np.isfinite(plan.modeled_j) and plan.wire_bytes > 0
+
+
+def test_cluster_cli_list_show_and_plan_print_one_json_document_with_modeled_figures():
+    from typer.testing import CliRunner
+
+    from hetforge.cli.common import app
+    from hetforge.cli.main import _load_commands
+
+    _load_commands()
+    run = CliRunner()
+    r = run.invoke(app, ["cluster", "list", "--json"])
+    assert r.exit_code == 0 and {c["name"] for c in json.loads(r.stdout)} >= {"orin-nano-x2-gbe", "laptop-orin-wifi"}
+    r = run.invoke(app, ["cluster", "show", "laptop-orin-wifi", "--json"])
+    d = json.loads(r.stdout)
+    assert [n["soc"] for n in d["nodes"]] == ["intel-core-ultra-155h", "jetson-orin-nano"]
+    assert d["nodes"][0]["model_bytes"] == 16 * 2**30 - 6 * 10**9  # the laptop's 16 GB less what its OS keeps
+    r = run.invoke(app, ["cluster", "plan", "demo", "--cluster", "orin-nano-x2-gbe", "--spread", "--json"])
+    assert r.exit_code == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert d["figures"] == "modeled" and d["timeline"]["figure"] == "modeled"
+    assert d["timeline"]["makespan_s"] * 1e3 == pytest.approx(d["per_token"]["modeled_ms"])
+    assert [s["node"] for s in d["stages"]] == ["a", "b", "a"] and len(d["hops"]) == 2
+    r = run.invoke(app, ["cluster", "plan", "demo", "--cluster", "orin-nano-x2-gbe"])
+    assert r.exit_code == 0 and "why: one node runs every layer" in r.stdout and "(modeled)" in r.stdout
+
+
+def test_modeled_pipeline_rate_is_set_by_the_busiest_node_or_link(tmp_path, demo):
+    from hetforge.cluster.models import plan_loaded
+    from hetforge.cluster.throughput import modeled_pipeline
+
+    plan = plan_loaded(demo, load_cluster(_write(tmp_path, two("host"))), "latency", context=64, spread=True)
+    m = modeled_pipeline(plan)
+    busy_a = sum(s.modeled_s for s in plan.stages if s.node == "a")
+    busy_b = sum(s.modeled_s for s in plan.stages if s.node == "b")
+    link = sum(h.modeled_s for h in plan.hops)
+    assert m["bottleneck_ms"] == pytest.approx(1e3 * max(busy_a, busy_b, link))
+    assert m["pipelined_tokens_per_s"] > m["single_tokens_per_s"]
