@@ -66,7 +66,26 @@ def fx(tmp_path_factory) -> Path:
     save_file(sd, d / "nan_weights" / "model.safetensors", metadata={"format": "pt"})
     (d / "nullcfg" / "config.json").write_text("null")
     (d / "badcfg" / "config.json").write_text("{\"model_type\": ")
+    _cluster_files(d)
     return d
+
+
+def _cluster_files(d: Path) -> None:
+    """Cluster files: an unknown SoC, a link to an unknown node, nodes far too small for any model."""
+    from hetforge.hardware import load_soc
+
+    link = ("  - a: a\n    b: {b}\n    bandwidth: {{value: 1.0e8, source: t}}\n"
+            "    latency_s: {{value: 0.0, source: t}}\n    energy_per_byte_j: {{value: 0.0, source: t}}\n")
+    (d / "cl_soc.yaml").write_text("name: x\nnodes:\n  - {name: a, soc: host}\n  - {name: b, soc: orin-9000}\n"
+                                   "links:\n" + link.format(b="b"))
+    (d / "cl_link.yaml").write_text("name: x\nnodes:\n  - {name: a, soc: host}\n  - {name: b, soc: host}\n"
+                                    "links:\n" + link.format(b="z"))
+    spec = json.loads(json.dumps(load_soc("host").spec))
+    for dev in spec["devices"]:
+        dev["mem_capacity"] = {"value": 2**20, "source": "test: 1 MiB"}
+    (d / "tiny_soc.json").write_text(json.dumps({**spec, "name": "tiny"}))
+    (d / "cl_tiny.yaml").write_text("name: x\nnodes:\n  - {name: a, soc: tiny_soc.json}\n"
+                                    "  - {name: b, soc: tiny_soc.json}\nlinks:\n" + link.format(b="b"))
 
 
 M, SOC = "llama-tiny", "intel-core-ultra-155h"
@@ -214,6 +233,31 @@ CASES: list[tuple[str, list[str], int, str]] = [
                         "0", "--json"], 2, "must be > 0"),
     ("run-moe-place", ["run", "moe-demo", "-p", "hi", "--moe-calibration", "{fx}/file.txt", "--moe-place", "gpu",
                        "--json"], 2, "--moe-place 'gpu'"),
+    # clusters (several nodes on Ray)
+    ("cluster-unknown", ["cluster", "show", "nope", "--json"], 2, "unknown cluster 'nope'"),
+    ("cluster-missing-file", ["cluster", "show", "{fx}/none.yaml", "--json"], 2, "does not exist"),
+    ("cluster-not-yaml", ["cluster", "show", "{fx}/bad.json", "--json"], 2, "not valid YAML"),
+    ("cluster-unknown-soc", ["cluster", "show", "{fx}/cl_soc.yaml", "--json"], 2, "names SoC 'orin-9000'"),
+    ("cluster-link-node", ["cluster", "plan", "demo", "--cluster", "{fx}/cl_link.yaml", "--json"], 2,
+     "names unknown node 'z'"),
+    ("cluster-objective", ["cluster", "plan", "demo", "--cluster", "orin-nano-x2-gbe", "--objective", "fast",
+                           "--json"], 2, "unknown --objective 'fast'"),
+    ("cluster-too-big", ["cluster", "plan", "demo", "--cluster", "{fx}/cl_tiny.yaml", "--json"], 1,
+     "activations; the 2 node(s) have 2,097,152 bytes"),
+    ("cluster-serve-replicas", ["cluster", "serve", "demo", "--cluster", "orin-nano-x2-gbe", "--requests",
+                                "{fx}/file.txt", "--replicas", "3", "--json"], 2, "--replicas must be 1..2"),
+    ("cluster-serve-requests", ["cluster", "serve", "demo", "--cluster", "orin-nano-x2-gbe", "--requests",
+                                "{fx}/none.txt", "--json"], 2, "does not exist"),
+    ("cluster-serve-binary", ["cluster", "serve", "demo", "--cluster", "orin-nano-x2-gbe", "--requests",
+                              "{fx}/bin.json", "--json"], 2, "not UTF-8 text"),
+    ("run-address-no-cluster", ["run", "demo", "-p", "hi", "--address", "127.0.0.1:9", "--json"], 2,
+     "need --cluster"),
+    ("run-cluster-fail-node", ["run", "demo", "-p", "hi", "--cluster", "orin-nano-x2-gbe", "--fail-node", "z:2",
+                               "--json"], 2, "has no node 'z'"),
+    ("run-cluster-too-big", ["run", "demo", "-p", "hi", "--cluster", "{fx}/cl_tiny.yaml", "--json"], 1,
+     "does not fit cluster"),
+    ("run-cluster-unreachable", ["run", "demo", "-p", "hi", "--cluster", "orin-nano-x2-gbe", "--address",
+                                 "127.0.0.1:9", "--json"], 1, "cannot reach the Ray cluster at 127.0.0.1:9"),
 ]
 ENV_CASES: list[tuple[str, list[str], dict[str, str], int, str]] = [
     ("host-profile-binary", ["socs", "--json"], {"HETFORGE_HOST_PROFILE": "{fx}/bin.json"}, 2, "not a text"),

@@ -108,6 +108,13 @@ def run(
     moe_objective: str = typer.Option("latency", "--moe-objective", help="MoE residency objective: latency, energy"),
     moe_place: str = typer.Option("auto", "--moe-place", help="MoE groups: auto (residency model), host (all on "
                                   "CPU/GPU) or npu (all on the NPU): the baselines"),
+    cluster: str = typer.Option(None, "--cluster", help="run across the nodes of this cluster (a shipped name or a "
+                                                        ".yaml) on Ray; see `hetforge cluster`"),
+    address: str = typer.Option(None, "--address", help="with --cluster: join this Ray cluster (HOST:PORT) instead of "
+                                                        "starting a local one"),
+    spread: bool = typer.Option(False, "--spread", help="with --cluster: use every node (even layer split)"),
+    fail_node: str = typer.Option(None, "--fail-node", help="with --cluster: kill NODE's actor after K tokens "
+                                                            "(NODE:K), to see re-planning"),
 ) -> None:
     """Generate text from MODEL, streaming tokens as they come, then print measured timings."""
     from hetforge.errors import UsageError
@@ -123,6 +130,20 @@ def run(
                             repetition_penalty=repetition_penalty, stop=tuple(stop or ()), seed=seed,
                             ignore_eos=ignore_eos)
     set_threads(threads)
+    if cluster is None and (address or spread or fail_node):
+        raise UsageError("--address, --spread and --fail-node need --cluster FILE")
+    if cluster is not None:
+        from hetforge.cli.commands.cluster import run_on_cluster
+
+        single = [name for name, used in (("--plan", plan), ("--trace", trace), ("--report", report),
+                                          ("--candidates", candidates != 1), ("--inject-fault", inject_fault),
+                                          ("--set-load", set_load), ("--set-temp", set_temp),
+                                          ("--moe-calibration", moe_calibration)) if used]
+        if single:
+            raise UsageError(f"{', '.join(single)}: single-node option(s); drop them with --cluster")
+        run_on_cluster(model, cluster, address, prompt, params, objective,
+                       "stages" if strategy == "rules" else strategy, executor, spread, fail_node, json_out)
+        return
     if trace is not None:
         from hetforge.files import check_output
 
