@@ -35,6 +35,7 @@ ACT_ATTR: dict[str, tuple[str, list, str]] = {
     "gelu_tanh": ("gelu", [], "tanh"), "silu": ("swish", [], ""),
 }
 DTYPES = (torch.float32, torch.bfloat16)
+PROBE_N = 4096  # most output columns :func:`choose` times
 
 _packed: dict[tuple[int, bool, int], torch.Tensor] = {}
 _choices: dict[tuple, bool] = {}
@@ -109,8 +110,9 @@ def choose(rows: int, k: int, n: int, dtype: torch.dtype, w: torch.Tensor | None
     if key not in _choices:
         g = torch.Generator().manual_seed(0)
         x = torch.randn(rows, k, generator=g).to(dtype)
-        wt = torch.randn(n, k, generator=g).to(dtype) if w is None else (w.t() if weight_t else w)
-        b = torch.zeros(n, dtype=dtype)
+        m = min(n, PROBE_N)  # a wide product (an LM head) is timed on its first PROBE_N outputs: same kernel
+        wt = torch.randn(m, k, generator=g).to(dtype) if w is None else (w.t() if weight_t else w)[:m]
+        b = torch.zeros(m, dtype=dtype)
         pk = torch.ops.mkldnn._reorder_linear_weight(wt.contiguous(), rows)
         fn = linear_fn(pk, b)
         t_aten, t_dnn = _bench_pair(lambda: F.linear(x, wt, b), lambda: fn(x))
@@ -144,3 +146,16 @@ def gemm_fns(a: torch.Tensor, b: torch.Tensor) -> list[Callable[[], torch.Tensor
     except RuntimeError:
         return []
     return [fn]
+
+
+def seed_choices(rows: list[dict]) -> None:
+    """Take choices measured by an earlier process (:func:`measured_choices` rows, e.g. from a compile-cache
+    entry) for shapes not measured in this one."""
+    for r in rows:
+        try:
+            key = (int(r["rows"]), int(r["k"]), int(r["n"]), getattr(torch, r["dtype"]), int(r["threads"]))
+            if key not in _choices and isinstance(key[3], torch.dtype):
+                _choices[key] = bool(r["onednn"])
+                _choice_times[key] = (float(r["aten_s"]), float(r["onednn_s"]))
+        except (KeyError, TypeError, ValueError, AttributeError):
+            continue
