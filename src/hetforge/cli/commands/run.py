@@ -74,6 +74,9 @@ def run(
     group_size: int = typer.Option(128, "--group-size", help="w4 quantization group size (32, 64, 128, 256)"),
     ignore_eos: bool = typer.Option(False, "--ignore-eos", help="keep going past the end-of-text token"),
     json_out: bool = typer.Option(False, "--json", help="print one JSON document instead of streaming"),
+    precision: str = typer.Option("fp32", "--precision", help="fp32, or bf16 (needs AVX512-BF16/AMX-BF16)"),
+    allow_emulated: bool = typer.Option(False, "--allow-emulated", help="run bf16 on a CPU without bf16 "
+                                        "instructions (converted in software, slower)"),
 ) -> None:
     """Generate text from MODEL, streaming tokens as they come, then print measured timings."""
     from hetforge.errors import UsageError
@@ -89,7 +92,11 @@ def run(
         from hetforge.files import check_output
 
         check_output(trace, "--trace", example="trace.json")
-    engine = make_engine(model, soc, executor, quantize, group_size, strategy, objective, backend, policy, plan)
+    from hetforge.precision import resolve_precision
+
+    dtype = resolve_precision(precision, allow_emulated, quantize)
+    engine = make_engine(model, soc, executor, quantize, group_size, strategy, objective, backend, policy, plan,
+                         dtype=dtype)
     gen = engine.stream(prompt, params)
     interrupted = False
     try:
@@ -110,7 +117,7 @@ def run(
         import torch
 
         emit_json({"model": engine.loaded.name, **r.to_dict(), "soc": engine.soc_name,
-                   "strategy": strategy, "threads": torch.get_num_threads(),
+                   "strategy": strategy, "threads": torch.get_num_threads(), "precision": precision,
                    "trace": str(trace_path) if trace_path else None,
                    "programs": [p.to_dict() for p in engine.programs.programs.values()]})
     else:
@@ -139,7 +146,7 @@ def set_threads(threads: int) -> None:
 
 def make_engine(model: str, soc: str, executor: str, quantize: str = "none", group_size: int = 128,
                 strategy: str = "rules", objective: str = "energy", backend: list[str] | None = None,
-                policy: str = "exact", plan: Path | None = None):
+                policy: str = "exact", plan: Path | None = None, dtype=None):
     """Load ``model`` and build an :class:`~hetforge.runtime.Engine` (validates the SoC, strategy, objective,
     backends and quantization options before any model work)."""
     from hetforge.backends.emulated import POLICIES
@@ -165,7 +172,7 @@ def make_engine(model: str, soc: str, executor: str, quantize: str = "none", gro
         raise UsageError(f"unknown --policy '{policy}'; allowed: {', '.join(POLICIES)}")
     overrides = parse_overrides(backend, prof.device_names)
     check_options(quantize, group_size, ())
-    loaded = load_model(model)
+    loaded = load_model(model) if dtype is None else load_model(model, dtype=dtype)
     engine = Engine(loaded, executor=executor, soc=prof, quantize=quantize, group_size=group_size,
                     strategy=strategy, objective=objective, backends=overrides, policy=policy)
     if plan is not None:
