@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from hetforge.kernels.onednn import ACT_ATTR, DTYPES, choose, packed_weight
+from hetforge.kernels.onednn import ACT_ATTR, DTYPES, LazyPacked, choose
 
 GEMM_OPS = ("aten.linear.default", "aten.addmm.default", "aten.mm.default", "hetforge.linear_act.default",
             "hetforge.gated_mlp.default")
@@ -78,7 +78,7 @@ def codegen_line(cg, ins, o: int, dev: torch.device) -> str | None:
     xs = f"r{x.id}"
     call = cg.const(torch.ops.mkldnn._linear_pointwise.default, "dnn")
     if gate is None:
-        pk = cg.const(packed_weight(wten, wt, rows), "pk")
+        pk = cg.const(LazyPacked(wten, wt, rows), "pk") + ".get()"
         attr, sc, algo = ACT_ATTR[act]
         line = f"r{o} = {call}({xs}, {pk}, {bs}, {attr!r}, {sc!r}, {algo!r})"
     else:  # gated MLP: act(x·Wgᵀ+bg) as one call, times (x·Wuᵀ+bu) fused into the up GEMM, then down
@@ -90,12 +90,13 @@ def codegen_line(cg, ins, o: int, dev: torch.device) -> str | None:
             return None
         binary = cg.const(torch.ops.mkldnn._linear_pointwise.binary, "dnn")
         attr, sc, algo = ACT_ATTR[act]
-        pg, pu = cg.const(packed_weight(wgt, False, rows), "pk"), cg.const(packed_weight(wten, False, rows), "pk")
+        pg = cg.const(LazyPacked(wgt, False, rows), "pk") + ".get()"
+        pu = cg.const(LazyPacked(wten, False, rows), "pk") + ".get()"
         h = f"{binary}({xs}, {call}({xs}, {pg}, {bgs}, {attr!r}, {sc!r}, {algo!r}), {pu}, {bs}, 'mul')"
         if wd is None:
             line = f"r{o} = {h}"
         else:
-            pd = cg.const(packed_weight(wdt, False, rows), "pk")
+            pd = cg.const(LazyPacked(wdt, False, rows), "pk") + ".get()"
             line = f"r{o} = {call}({h}, {pd}, {bds}, 'none', [], '')"
     cg.stats.onednn_gemm += 1
     cg.modes[ins.id] = "onednn"

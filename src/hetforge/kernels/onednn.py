@@ -67,11 +67,25 @@ def packed_weight(w: torch.Tensor, weight_t: bool, rows: int) -> torch.Tensor:
     key = (id(w), weight_t, rows)
     got = _packed.get(key)
     if got is None:
-        src = (w.t() if weight_t else w).contiguous()
-        got = torch.ops.mkldnn._reorder_linear_weight(src, rows)
+        got = torch.ops.mkldnn._reorder_linear_weight(w.t() if weight_t else w, rows)  # reads any strides
         _packed[key] = got
         weakref.finalize(w, _drop, key)
     return got
+
+
+class LazyPacked:
+    """A weight packed on first use (the first call of the program), not when the program is built: a
+    program from the compile cache is runnable without paying the reorder; its first call pays it once."""
+
+    __slots__ = ("packed", "rows", "w", "weight_t")
+
+    def __init__(self, w: torch.Tensor, weight_t: bool, rows: int):
+        self.w, self.weight_t, self.rows, self.packed = w, weight_t, rows, None
+
+    def get(self) -> torch.Tensor:
+        if self.packed is None:
+            self.packed = packed_weight(self.w, self.weight_t, self.rows)
+        return self.packed
 
 
 def linear_fn(packed: torch.Tensor, bias: torch.Tensor | None,
