@@ -20,6 +20,7 @@ from hetforge.runtime.executors import Executor, make_executor
 from hetforge.runtime.ledger import Ledger
 from hetforge.runtime.programs import ProgramCache, pick_tier
 from hetforge.runtime.sampling import Sampler, SamplingParams
+from hetforge.runtime.threads import ThreadTuner
 from hetforge.tokenizers import StreamDecoder, Tokenizer, for_model
 
 
@@ -130,6 +131,7 @@ class Generation:
         self.cache = cache
         self.ledger = Ledger(engine.soc_name)
         self.decoder = StreamDecoder(engine.tokenizer)
+        self.tuner: ThreadTuner | None = None
         self._pending = ""  # decoded text not shown yet (may start a stop string)
         self._shown = ""
 
@@ -198,7 +200,9 @@ class Generation:
             yield token, piece
             pos = n
             args = [e._ids, e._pos, *self.cache.buffers]
+            tuner = self.tuner = ThreadTuner()  # adaptive thread count per step (runtime/threads.py)
             while not stop:
+                nt = tuner.before()
                 t0 = time.perf_counter()
                 sampler.observe(token)
                 e._ids.fill_(token)
@@ -207,11 +211,14 @@ class Generation:
                 self.cache.write(out[1:], pos)
                 token = sampler.pick(out[0])
                 r.decode_s.append(time.perf_counter() - t0)
+                tuner.after(nt, r.decode_s[-1])
                 self.ledger.add("decode", t0 - start, decode.placed)
                 pos += 1
                 piece, stop = self._emit(token)
                 yield token, piece
         finally:
+            if self.tuner is not None:
+                self.tuner.restore()
             self.finish()
 
     def finish(self) -> None:
