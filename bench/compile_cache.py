@@ -40,7 +40,7 @@ print(json.dumps({"pair_s": pair, "hit": hit, "ttft_s": r.ttft_s,
 
 
 def child(model: str, tier: int, cache: int, threads: int, cache_dir: str) -> dict:
-    env = dict(os.environ, HETFORGE_CACHE_DIR=cache_dir)
+    env = dict(os.environ, HETFORGE_COMPILE_CACHE_DIR=cache_dir)
     out = subprocess.run([sys.executable, "-c", CHILD, model, str(tier), str(cache), str(threads)], env=env,
                          capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])

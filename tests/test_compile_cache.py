@@ -15,8 +15,8 @@ TIER = 32
 
 @pytest.fixture()
 def cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("HETFORGE_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.delenv("HETFORGE_CACHE", raising=False)
+    monkeypatch.setenv("HETFORGE_COMPILE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("HETFORGE_COMPILE_CACHE", raising=False)
     return tmp_path / "cache"
 
 
@@ -90,7 +90,7 @@ def test_corrupt_or_stale_entry_is_detected_and_rebuilt(cache, loaded, damage):
 def test_unwritable_cache_folder_compiles_with_one_warning(tmp_path, monkeypatch, loaded, capsys):
     blocker = tmp_path / "a-file"
     blocker.write_text("x")
-    monkeypatch.setenv("HETFORGE_CACHE_DIR", str(blocker / "cache"))  # a folder under a file: never creatable
+    monkeypatch.setenv("HETFORGE_COMPILE_CACHE_DIR", str(blocker / "cache"))  # a folder under a file: never creatable
     compile_cache._warned.clear()
     p1, out1 = _prefill(loaded)
     p2, out2 = _prefill(loaded)
@@ -102,6 +102,6 @@ def test_unwritable_cache_folder_compiles_with_one_warning(tmp_path, monkeypatch
 
 
 def test_cache_off(cache, loaded, monkeypatch):
-    monkeypatch.setenv("HETFORGE_CACHE", "0")
+    monkeypatch.setenv("HETFORGE_COMPILE_CACHE", "0")
     prog, _ = _prefill(loaded)
     assert "compile cache" not in _notes(prog) and not cache.exists()

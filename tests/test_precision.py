@@ -39,7 +39,7 @@ def test_resolve_precision():
 
 
 def _run(*args, flags=None):
-    env = dict(os.environ, HETFORGE_CACHE="0")
+    env = dict(os.environ, HETFORGE_COMPILE_CACHE="0")
     if flags is not None:
         env["HETFORGE_CPU_FLAGS"] = flags
     return subprocess.run([sys.executable, "-m", "hetforge.cli.main", "run", "gpt2-tiny", "-p", "hello", "-n", "2",

@@ -18,9 +18,10 @@ missing, cut-off or edited entry, one whose key document differs from the one as
 program fails the program verifier, or whose weights no longer fit, is detected, reported in the program's
 notes, deleted and rebuilt — never used.
 
-**Where**: ``$HETFORGE_CACHE_DIR``, else ``$XDG_CACHE_HOME/hetforge/programs``, else
-``~/.cache/hetforge/programs``. ``HETFORGE_CACHE=0`` turns it off. A folder that cannot be written does
-not stop compilation: one warning on stderr, and programs are compiled as without a cache.
+**Where**: ``$HETFORGE_COMPILE_CACHE_DIR``, else ``programs/`` in hetforge's cache folder (``$HETFORGE_CACHE``,
+else ``$XDG_CACHE_HOME/hetforge``, else ``~/.cache/hetforge``). ``HETFORGE_COMPILE_CACHE=0`` turns it off.
+A folder that cannot be written does not stop compilation: one warning on stderr, and programs are compiled
+as without a cache.
 """
 
 from __future__ import annotations
@@ -54,15 +55,16 @@ def warn_once(msg: str) -> None:
 
 
 def enabled() -> bool:
-    return os.environ.get("HETFORGE_CACHE", "1").strip().lower() not in ("0", "off", "no", "false")
+    return os.environ.get("HETFORGE_COMPILE_CACHE", "1").strip().lower() not in ("0", "off", "no", "false")
 
 
 def cache_dir() -> Path:
-    env = os.environ.get("HETFORGE_CACHE_DIR")
+    env = os.environ.get("HETFORGE_COMPILE_CACHE_DIR")
     if env:
         return Path(env)
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "hetforge" / "programs"
+    from hetforge.hardware.loader import cache_dir as hetforge_cache
+
+    return hetforge_cache() / "programs"
 
 
 def source_digest() -> str:
@@ -224,7 +226,7 @@ def store(key: str, doc: dict[str, Any], res: Any, notes: list[str], nodes: int,
         os.replace(tmp_j, jpath)
     except OSError as e:
         warn_once(f"compile cache folder '{jpath.parent}' is not writable ({e.strerror or e}); compiling without "
-                  "the cache (set HETFORGE_CACHE_DIR to a writable folder, or HETFORGE_CACHE=0)")
+                  "the cache (set HETFORGE_COMPILE_CACHE_DIR to a writable folder, or HETFORGE_COMPILE_CACHE=0)")
         return False
     return True
 
