@@ -28,7 +28,7 @@ def kl(ref: torch.Tensor, got: torch.Tensor) -> float:
     return float((p.exp() * (p - q)).sum(-1).mean())
 
 
-def run(models: list[str], seqs: list[int], rounds: int, threads: int) -> dict:
+def run(models: list[str], seqs: list[int], rounds: int, threads: int, bf16: bool) -> dict:
     from hetforge.compile import compile_graph
     from hetforge.frontend import capture
     from hetforge.kernels import onednn
@@ -49,11 +49,18 @@ def run(models: list[str], seqs: list[int], rounds: int, threads: int) -> dict:
                 res = compile_graph(cg.gm, soc="host", example_inputs=inputs, name=f"{name}-{seq}-{pol}")
                 exes[pol] = (res.executable, time.perf_counter() - t0)
             os.environ.pop("HETFORGE_GEMM", None)
+            fns = {"eager": (module, inputs), "hetforge-aten": (exes["aten"][0], inputs),
+                   "hetforge-onednn": (exes["auto"][0], inputs)}
+            if bf16:  # the same weights in bfloat16, compiled the same way; KL against fp32 eager
+                lb = load_model(name, dtype=torch.bfloat16)
+                mb = lb.logits_module()
+                cgb = capture(mb, inputs, name=f"{name}-{seq}-bf16")
+                fns["eager-bf16"] = (mb, inputs)
+                fns["hetforge-bf16"] = (compile_graph(cgb.gm, soc="host", example_inputs=inputs,
+                                                      name=f"{name}-{seq}-bf16").executable, inputs)
             with torch.no_grad():
                 ref = module(*inputs)
-                fns = {"eager": (module, inputs), "hetforge-aten": (exes["aten"][0], inputs),
-                       "hetforge-onednn": (exes["auto"][0], inputs)}
-                kls = {k: kl(ref, fns[k][0](*inputs)) for k in ("hetforge-aten", "hetforge-onednn")}
+                kls = {k: kl(ref, fns[k][0](*inputs)) for k in fns if k != "eager"}
                 times: dict[str, list[float]] = {k: [] for k in fns}
                 for _ in range(rounds):
                     for k, (f, args) in fns.items():
@@ -89,6 +96,15 @@ def render(doc: dict) -> str:
         out.append(f"| {r['model']} | {r['seq']} | {r['threads']} | {r['onednn_gemms']} | {b['eager']} | "
                    f"{b['hetforge-aten']} | {b['hetforge-onednn']} | {r['ratio_onednn_over_aten_best']} | "
                    f"{r['kl_vs_eager']['hetforge-aten']:.2e} | {r['kl_vs_eager']['hetforge-onednn']:.2e} |")
+    bf = [r for r in doc["rows"] if "hetforge-bf16" in r["best_ms"]]
+    if bf:
+        out += ["", "bf16 (same weights cast to bfloat16; KL against fp32 eager):", "",
+                "| model | seq | eager bf16 best ms | hetforge bf16 best ms | hetforge fp32 best ms | KL eager bf16 "
+                "| KL hetforge bf16 |", "|---|---|---|---|---|---|---|"]
+        for r in bf:
+            b, k = r["best_ms"], r["kl_vs_eager"]
+            out.append(f"| {r['model']} | {r['seq']} | {b['eager-bf16']} | {b['hetforge-bf16']} | "
+                       f"{b['hetforge-onednn']} | {k['eager-bf16']:.2e} | {k['hetforge-bf16']:.2e} |")
     out += ["", "All times measured (wall clock, best of the interleaved rounds; medians in the JSON). KL is "
             "KL(eager ‖ hetforge) over the vocabulary, mean over positions."]
     return "\n".join(out) + "\n"
@@ -100,10 +116,11 @@ def main() -> None:
     ap.add_argument("--seqs", default="128,512")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--bf16", action="store_true", help="add bf16 rows (eager and hetforge), KL against fp32 eager")
     ap.add_argument("--note", default="")
     ap.add_argument("--out", default=str(DOCS / "prefill_gemm.json"))
     a = ap.parse_args()
-    doc = run(a.models.split(","), [int(s) for s in a.seqs.split(",")], a.rounds, a.threads)
+    doc = run(a.models.split(","), [int(s) for s in a.seqs.split(",")], a.rounds, a.threads, a.bf16)
     from hetforge.hardware.isa import host_record
 
     doc["host"] = host_record()

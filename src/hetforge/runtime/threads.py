@@ -43,7 +43,7 @@ class ThreadTuner:
             return self.base
         n = self.cur
         if self.probing is None and (self.since_probe >= self.interval or self.other(n) not in self.avg
-                                     and self.since_probe >= 2):
+                                     and self.since_probe >= 1):
             self.probing = self.other(n)
             n = self.probing
         if torch.get_num_threads() != n:
