@@ -39,3 +39,22 @@ def test_off_by_environment(monkeypatch):
     t = ThreadTuner(threads=2)
     base = torch.get_num_threads()
     assert _drive(t, {base: 0.01, 1: 0.01, 2: 0.01}, 5) == [base] * 5
+
+
+def test_engine_keeps_its_tuner_across_requests_and_restores_torch_threads():
+    from hetforge.models.zoo import load_model
+    from hetforge.runtime import Engine, SamplingParams
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        eng = Engine(load_model("gpt2-tiny"), executor="auto")
+        g1 = eng.stream([1, 2, 3], SamplingParams(max_new_tokens=6, ignore_eos=True))
+        list(g1)
+        assert torch.get_num_threads() == 2
+        g2 = eng.stream([1, 2, 3], SamplingParams(max_new_tokens=6, ignore_eos=True))
+        list(g2)
+        assert g1.tuner is g2.tuner and sum(g2.tuner.counts.values()) == 10  # 5 decode steps per request
+        assert set(g2.tuner.counts) <= {1, 2}
+    finally:
+        torch.set_num_threads(old)

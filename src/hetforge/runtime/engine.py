@@ -85,6 +85,16 @@ class Engine:
     def max_positions(self) -> int:
         return self.loaded.max_positions
 
+    def thread_tuner(self) -> ThreadTuner:
+        """The adaptive thread count of this engine's requests (made for torch's current count; kept across
+        requests, so what decode steps measured also sets the next prefill's count)."""
+        import torch
+
+        t = getattr(self, "_tuner", None)
+        if t is None or t.base != torch.get_num_threads():
+            t = self._tuner = ThreadTuner()
+        return t
+
     def encode(self, prompt: str | list[int]) -> list[int]:
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
@@ -189,6 +199,8 @@ class Generation:
         ids = torch.zeros((1, r.prefill_tier), dtype=torch.long)
         ids[0, :n] = torch.tensor(self.prompt_ids)
         last = torch.tensor([n - 1])
+        tuner = self.tuner = e.thread_tuner()  # adaptive thread count (runtime/threads.py), kept per engine
+        tuner.before_prefill()
         t0 = start = time.perf_counter()
         out = prefill.run(ids, last)
         self.ledger.add("prefill", 0.0, prefill.placed)
@@ -200,7 +212,6 @@ class Generation:
             yield token, piece
             pos = n
             args = [e._ids, e._pos, *self.cache.buffers]
-            tuner = self.tuner = ThreadTuner()  # adaptive thread count per step (runtime/threads.py)
             while not stop:
                 nt = tuner.before()
                 t0 = time.perf_counter()

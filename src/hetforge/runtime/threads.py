@@ -7,7 +7,8 @@ descheduled for a whole time slice (milliseconds) and every barrier waits for it
 requested count and 1), a moving average of the count in use; every ``explore_every`` steps — or at once
 when a step takes ``spike``× that average — one step runs with the other count (its time replaces that
 count's stale average), and the faster count is kept; a probe that loses doubles the interval to the next
-(up to 8×). Off with ``HETFORGE_ADAPT_THREADS=0``; torch's thread count is restored when the request ends.
+(up to 8×). The tuner lives on the engine: a request's prefill runs with the count its decode steps last
+found faster. Off with ``HETFORGE_ADAPT_THREADS=0``; torch's thread count is restored when the request ends.
 """
 
 from __future__ import annotations
@@ -46,6 +47,13 @@ class ThreadTuner:
                                      and self.since_probe >= 1):
             self.probing = self.other(n)
             n = self.probing
+        if torch.get_num_threads() != n:
+            torch.set_num_threads(n)
+        return n
+
+    def before_prefill(self) -> int:
+        """Set the thread count for a prefill: the count decode steps found faster (the requested one at first)."""
+        n = self.cur if self.enabled else self.base
         if torch.get_num_threads() != n:
             torch.set_num_threads(n)
         return n
