@@ -223,6 +223,8 @@ def _run_inprocess(spec: WorkerSpec, env_extra: dict[str, str]) -> RunResult:
 def _env_for(system: str, cache_dir: Path) -> dict[str, str]:
     if system == "compile":
         return {"TORCHINDUCTOR_CACHE_DIR": str(cache_dir / "inductor")}
+    if system == "hetforge":  # the run's own compile cache folder: a cold run is cold (hetforge.compile_cache)
+        return {"HETFORGE_COMPILE_CACHE_DIR": str(cache_dir / "hetforge-programs")}
     return {}
 
 

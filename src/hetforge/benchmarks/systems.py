@@ -74,6 +74,7 @@ class System:
     has_cache: bool = False  # a warm (cached) preparation is measured in a second, fresh process
     is_hetforge: bool = False
     max_model_note: str = ""
+    install: str = "pip install -e .[peers]"  # how to get what ``requires`` names
 
 
 class _Timer:
@@ -259,6 +260,16 @@ def _prepare_hetforge(ctx: PrepContext) -> Prepared:
     return prepare_hetforge(ctx)
 
 
+LLAMACPP_INSTALL = ("pip install -e .[llamacpp]; llama-cpp-python has no wheel on PyPI and builds llama.cpp from "
+                    "source: CMake and a C++ compiler, many minutes on 2 cores")
+
+
+def _prepare_llamacpp(ctx: PrepContext, qtype: str) -> Prepared:
+    from hetforge.benchmarks.llamacpp_system import prepare_llamacpp
+
+    return prepare_llamacpp(ctx, qtype)
+
+
 SYSTEMS: dict[str, System] = {
     s.key: s
     for s in [
@@ -273,6 +284,11 @@ SYSTEMS: dict[str, System] = {
                requires=("openvino",)),
         System("ov-f32", "OpenVINO (f32 hint)", lambda c: _prepare_openvino(c, True),
                requires=("openvino",), has_cache=True),
+        # decode peers with their own KV cache, on the same seeded weights written as GGUF
+        System("llamacpp-f32", "llama.cpp (GGUF f32)", lambda c: _prepare_llamacpp(c, "f32"),
+               requires=("llama_cpp", "gguf"), install=LLAMACPP_INSTALL),
+        System("llamacpp-q8", "llama.cpp (GGUF Q8_0)", lambda c: _prepare_llamacpp(c, "q8_0"),
+               requires=("llama_cpp", "gguf"), install=LLAMACPP_INSTALL),
     ]
 }
 
@@ -284,5 +300,5 @@ def missing_requirement(system: System) -> str | None:
     """The first module a system needs that is not installed, as a one-line message, or None."""
     for mod in system.requires:
         if importlib.util.find_spec(mod) is None:
-            return f"not installed: no module named '{mod}' (pip install -e .[peers])"
+            return f"not installed: no module named '{mod}' ({system.install})"
     return None

@@ -26,6 +26,7 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from hetforge.errors import UsageError
+from hetforge.executor import onednn
 from hetforge.executor.kernels import is_copy_like, out_variant
 from hetforge.ir.program import INPLACE, KERNEL, OUTPUT, TRANSFER, VIEW, WEIGHT, Program, Reg
 from hetforge.kernels import native
@@ -91,6 +92,7 @@ class ExecStats:
     split_gemv: int = 0  # one-row products run as a threaded bmm over output chunks (ops/gemv.py)
     native_gemv: int = 0  # one-row fp32 products on the native C kernel (kernels/native.py)
     native_ops: int = 0  # hetforge row ops (norms, rotary, decode attention) as one native call into the slice
+    onednn_gemm: int = 0  # multi-row linears on oneDNN's packed kernel (executor/onednn.py; result not in the arena)
     copy_into: int = 0  # copy-like op done as slice.copy_(input)
     functional_copy: int = 0  # functional op + copy into the slice
     unplanned: int = 0  # functional result kept outside the arena (mode fast)
@@ -238,6 +240,9 @@ class _Codegen:
         if len(ins.outputs) == 1:
             o = ins.outputs[0]
             v = self.p.values[o]
+            line = onednn.codegen_line(self, ins, o, dev)
+            if line is not None:
+                return [line]
             line = self.gemm(ins, o, dev)
             gemm = line is not None
             if line is None:

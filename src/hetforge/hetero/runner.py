@@ -288,8 +288,10 @@ class BuildReport:
         return {"partitions": self.partitions, "compile_measured_s": self.seconds}
 
 
-def build(pg: PartitionedGraph, soc, bindings: dict[str, Binding]) -> tuple[HeteroExecutable, BuildReport]:
-    """Compile every partition on its device's backend; name a missing backend before compiling anything."""
+def build(pg: PartitionedGraph, soc, bindings: dict[str, Binding],
+          costs_given: list[PartitionCost] | None = None) -> tuple[HeteroExecutable, BuildReport]:
+    """Compile every partition on its device's backend; name a missing backend before compiling anything.
+    ``costs_given``: the partitions' modeled costs when already known (a compile-cache entry keeps them)."""
     for dev in pg.devices():
         if dev not in bindings:
             from hetforge.errors import UsageError
@@ -304,9 +306,11 @@ def build(pg: PartitionedGraph, soc, bindings: dict[str, Binding]) -> tuple[Hete
                                      f"'{bindings[dev].spec}': {e}") from None
     t0 = time.perf_counter()
     compiled, costs, rows = [], [], []
+    if costs_given is not None and len(costs_given) != len(pg.partitions):
+        costs_given = None
     for part in pg.partitions:
         comp = bindings[part.device].backend.compile(part)
-        cost = partition_cost(part, soc.device(part.device))
+        cost = costs_given[len(costs)] if costs_given else partition_cost(part, soc.device(part.device))
         compiled.append(comp)
         costs.append(cost)
         rows.append({"partition": part.index, "device": part.device, "backend": comp.backend,

@@ -20,6 +20,7 @@ from hetforge.runtime.executors import Executor, make_executor
 from hetforge.runtime.ledger import Ledger
 from hetforge.runtime.programs import ProgramCache, pick_tier
 from hetforge.runtime.sampling import Sampler, SamplingParams
+from hetforge.runtime.threads import ThreadTuner
 from hetforge.tokenizers import StreamDecoder, Tokenizer, for_model
 
 
@@ -84,6 +85,16 @@ class Engine:
     def max_positions(self) -> int:
         return self.loaded.max_positions
 
+    def thread_tuner(self) -> ThreadTuner:
+        """The adaptive thread count of this engine's requests (made for torch's current count; kept across
+        requests, so what decode steps measured also sets the next prefill's count)."""
+        import torch
+
+        t = getattr(self, "_tuner", None)
+        if t is None or t.base != torch.get_num_threads():
+            t = self._tuner = ThreadTuner()
+        return t
+
     def encode(self, prompt: str | list[int]) -> list[int]:
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
@@ -130,6 +141,7 @@ class Generation:
         self.cache = cache
         self.ledger = Ledger(engine.soc_name)
         self.decoder = StreamDecoder(engine.tokenizer)
+        self.tuner: ThreadTuner | None = None
         self._pending = ""  # decoded text not shown yet (may start a stop string)
         self._shown = ""
 
@@ -187,6 +199,8 @@ class Generation:
         ids = torch.zeros((1, r.prefill_tier), dtype=torch.long)
         ids[0, :n] = torch.tensor(self.prompt_ids)
         last = torch.tensor([n - 1])
+        tuner = self.tuner = e.thread_tuner()  # adaptive thread count (runtime/threads.py), kept per engine
+        tuner.before_prefill()
         t0 = start = time.perf_counter()
         out = prefill.run(ids, last)
         self.ledger.add("prefill", 0.0, prefill.placed)
@@ -199,6 +213,7 @@ class Generation:
             pos = n
             args = [e._ids, e._pos, *self.cache.buffers]
             while not stop:
+                nt = tuner.before()
                 t0 = time.perf_counter()
                 sampler.observe(token)
                 e._ids.fill_(token)
@@ -207,11 +222,14 @@ class Generation:
                 self.cache.write(out[1:], pos)
                 token = sampler.pick(out[0])
                 r.decode_s.append(time.perf_counter() - t0)
+                tuner.after(nt, r.decode_s[-1])
                 self.ledger.add("decode", t0 - start, decode.placed)
                 pos += 1
                 piece, stop = self._emit(token)
                 yield token, piece
         finally:
+            if self.tuner is not None:
+                self.tuner.restore()
             self.finish()
 
     def finish(self) -> None:

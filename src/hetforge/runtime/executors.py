@@ -184,7 +184,7 @@ class PlacedExecutor:
 
         t0 = time.perf_counter()
         pg = partition_program(res.program)
-        exe, breport = build(pg, self.soc_profile, self.bindings)
+        exe, breport = build(pg, self.soc_profile, self.bindings, getattr(res, "partition_costs", None))
         placed = Placed(res, pg, exe, breport)
 
         def call(*args: torch.Tensor) -> Sequence[torch.Tensor]:

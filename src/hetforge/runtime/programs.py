@@ -135,9 +135,19 @@ class ProgramCache:
             entry = self.fixed.get((kind, length))
             if entry is None:
                 raise GenPlanError(missing_message(self.fixed, self.fixed_source, kind, length))
+        store, cache_notes = None, []
+        if entry is None:  # the compile cache on disk (hetforge.compile_cache)
+            from hetforge.compile_cache import cached_build
+
+            hit, store, cache_notes = cached_build(self, kind, length, module, inputs)
+            if hit is not None:
+                return hit
         cg = capture(module, inputs, name=label)
         if entry is None:
             b = self.executor.build(cg.gm, inputs, label, self.optimize)
+            b.notes[:0] = cache_notes
+            if store is not None:
+                store(b)
         else:
             b = self._build_fixed(cg.gm, inputs, label, entry)
         t0 = time.perf_counter()

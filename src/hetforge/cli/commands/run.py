@@ -115,6 +115,9 @@ def run(
     spread: bool = typer.Option(False, "--spread", help="with --cluster: use every node (even layer split)"),
     fail_node: str = typer.Option(None, "--fail-node", help="with --cluster: kill NODE's actor after K tokens "
                                                             "(NODE:K), to see re-planning"),
+    precision: str = typer.Option("fp32", "--precision", help="fp32, or bf16 (needs AVX512-BF16/AMX-BF16)"),
+    allow_emulated: bool = typer.Option(False, "--allow-emulated", help="run bf16 on a CPU without bf16 "
+                                        "instructions (converted in software, slower)"),
 ) -> None:
     """Generate text from MODEL, streaming tokens as they come, then print measured timings."""
     from hetforge.errors import UsageError
@@ -138,7 +141,8 @@ def run(
         single = [name for name, used in (("--plan", plan), ("--trace", trace), ("--report", report),
                                           ("--candidates", candidates != 1), ("--inject-fault", inject_fault),
                                           ("--set-load", set_load), ("--set-temp", set_temp),
-                                          ("--moe-calibration", moe_calibration)) if used]
+                                          ("--moe-calibration", moe_calibration),
+                                          ("--precision", precision != "fp32")) if used]
         if single:
             raise UsageError(f"{', '.join(single)}: single-node option(s); drop them with --cluster")
         run_on_cluster(model, cluster, address, prompt, params, objective,
@@ -169,8 +173,11 @@ def run(
         moe = {"calibration": moe_calibration, "share": moe_share, "group_size": moe_group_size,
                "capacity_factor": moe_capacity_factor, "unlimited": moe_unlimited, "objective": moe_objective,
                "place": moe_place}
+    from hetforge.precision import resolve_precision
+
+    dtype = resolve_precision(precision, allow_emulated, quantize)
     engine = make_engine(model, soc, executor, quantize, group_size, strategy, objective, backend, policy, plan,
-                         moe=moe)
+                         moe=moe, dtype=dtype)
     if candidates != 1:
         run_candidates(engine, prompt, params, sel, json_out, strategy)
         return
@@ -210,7 +217,7 @@ def run(
         import torch
 
         emit_json({"model": engine.loaded.name, **r.to_dict(), "soc": engine.soc_name,
-                   "strategy": strategy, "threads": torch.get_num_threads(),
+                   "strategy": strategy, "threads": torch.get_num_threads(), "precision": precision,
                    "trace": str(trace_path) if trace_path else None,
                    "report": str(report_path) if report_path else None,
                    **({"adaptive": adaptive.summary()} if adaptive else {}),
@@ -252,7 +259,7 @@ def set_threads(threads: int) -> None:
 
 def make_engine(model: str, soc: str, executor: str, quantize: str = "none", group_size: int = 128,
                 strategy: str = "rules", objective: str = "energy", backend: list[str] | None = None,
-                policy: str = "exact", plan: Path | None = None, moe: dict | None = None):
+                policy: str = "exact", plan: Path | None = None, moe: dict | None = None, dtype=None):
     """Load ``model`` and build an :class:`~hetforge.runtime.Engine` (validates the SoC, strategy, objective,
     backends and quantization options before any model work)."""
     from hetforge.backends.emulated import POLICIES
@@ -290,7 +297,7 @@ def make_engine(model: str, soc: str, executor: str, quantize: str = "none", gro
 
         if moe.get("place", "auto") not in PLACES:
             raise UsageError(f"--moe-place '{moe['place']}' must be one of {', '.join(PLACES)}")
-    loaded = load_model(model)
+    loaded = load_model(model) if dtype is None else load_model(model, dtype=dtype)
     if moe is not None:
         executor = moe_executor(loaded, moe, prof, quantize, group_size, strategy, objective, overrides, policy)
     engine = Engine(loaded, executor=executor, soc=prof, quantize=quantize, group_size=group_size,

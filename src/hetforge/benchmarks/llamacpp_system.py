@@ -1,0 +1,68 @@
+"""llama.cpp as a decode peer (through llama-cpp-python), on the zoo model's own seeded weights.
+
+Preparation: the weights are written as GGUF by :mod:`hetforge.benchmarks.gguf_export` (``f32`` or
+``q8_0``; measured as stage ``gguf_write``) and loaded by ``llama_cpp.Llama`` with the benchmark's thread
+count (stage ``load``). Forward (prefill, and the one-token step): a fresh context evaluates the token ids and
+returns the logits of every position (``logits_all``), so fidelity is compared like any other peer's.
+Decode: the prompt is evaluated (time to first token = that plus the greedy pick), then one token at a time
+through llama.cpp's own KV cache, greedy; the mean time per new token is reported (measured).
+
+llama-cpp-python ships as source on PyPI: installing it builds llama.cpp with the host's compiler (CMake, a C++
+compiler; several minutes on two cores). Without it this peer is reported as not installed.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from hetforge.benchmarks.systems import DecodeTiming, Prepared, PrepContext
+
+
+def prepare_llamacpp(ctx: PrepContext, qtype: str) -> Prepared:
+    import llama_cpp
+
+    from hetforge.benchmarks.gguf_export import write_gguf
+
+    stages: dict[str, float] = {}
+    t0 = time.perf_counter()
+    path = write_gguf(ctx.loaded, ctx.workdir / f"{ctx.loaded.name}-{qtype}.gguf", qtype)
+    stages["gguf_write"] = time.perf_counter() - t0
+    n_ctx = min(ctx.loaded.max_positions, max(512, 2 * ctx.prefill_inputs[0].shape[1] + 256))
+    t0 = time.perf_counter()
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_batch=512, n_ubatch=512, n_threads=ctx.threads,
+                          n_threads_batch=ctx.threads, logits_all=True, verbose=False, use_mmap=True)
+    stages["load"] = time.perf_counter() - t0
+    vocab = ctx.loaded.vocab_size
+
+    def forward(ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        toks = [int(t) for t in ids[0].tolist()]
+        llm.reset()
+        llm.eval(toks)
+        return torch.from_numpy(np.array(llm.scores[: len(toks), :vocab], dtype=np.float32)).unsqueeze(0)
+
+    def decode(inputs: tuple[torch.Tensor, torch.Tensor], n: int) -> DecodeTiming:
+        prompt = [int(t) for t in inputs[0][0].tolist()]
+        best = None
+        for _ in range(2):  # the first request warms llama.cpp's buffers; keep the better one
+            llm.reset()
+            t0 = time.perf_counter()
+            llm.eval(prompt)
+            tok = int(np.argmax(llm.scores[len(prompt) - 1, :vocab]))
+            stamps = [time.perf_counter()]
+            for _ in range(n):
+                llm.eval([tok])
+                tok = int(np.argmax(llm.scores[llm.n_tokens - 1, :vocab]))
+                stamps.append(time.perf_counter())
+            gaps = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
+            cur = DecodeTiming((stamps[0] - t0) * 1e3, sum(gaps) / len(gaps) * 1e3, len(gaps))
+            if best is None or cur.decode_ms_per_token < best.decode_ms_per_token:
+                best = cur
+        return best
+
+    notes = [f"GGUF {qtype} written from the zoo's seeded weights ({path.stat().st_size / 2**20:.1f} MiB); "
+             f"llama-cpp-python {getattr(llama_cpp, '__version__', '?')}, n_ctx {n_ctx}"]
+    return Prepared(forward=forward, stages=stages, decode=decode if ctx.loaded.kind == "causal-lm" else None,
+                    notes=notes, precision="f32" if qtype == "f32" else "q8_0")

@@ -1,0 +1,340 @@
+"""The compile cache on disk: the runtime's compiled prefill/decode programs, reused by the next process.
+
+A cold program costs a ``torch.export`` capture, the passes, quantization, placement, lowering, scheduling
+and memory planning. Their product — the scheduled, memory-planned :class:`~hetforge.ir.Program` — is
+saved here (its JSON form from :mod:`hetforge.ir.serialize`, model parameters referenced by path, tensors
+the passes made stored next to it), and the next process that asks for the same program binds it to the
+model's weights and builds its executor from it, skipping every step above.
+
+**Key** (sha256 of a JSON document): the format, hetforge's version and a digest of its source files, the
+torch version, the model's config, a fingerprint of every weight (CRC-32 of the bytes, names, shapes and
+dtypes: any change of any weight gives another key), the executor's options (SoC profile hash, strategy,
+objective, quantization, group size, backends, policy, passes on/off), the program (kind and length) and
+the GEMM policy (``HETFORGE_GEMM``).
+
+**Entries** are two files, ``KEY.json`` (header with the key document and the sha256 of the program
+document, then the program) and ``KEY.pt`` (tensors the passes made: fused or quantized weights). A
+missing, cut-off or edited entry, one whose key document differs from the one asked for (stale), whose
+program fails the program verifier, or whose weights no longer fit, is detected, reported in the program's
+notes, deleted and rebuilt — never used.
+
+**Where**: ``$HETFORGE_COMPILE_CACHE_DIR``, else ``programs/`` in hetforge's cache folder (``$HETFORGE_CACHE``,
+else ``$XDG_CACHE_HOME/hetforge``, else ``~/.cache/hetforge``). ``HETFORGE_COMPILE_CACHE=0`` turns it off.
+A folder that cannot be written does not stop compilation: one warning on stderr, and programs are compiled
+as without a cache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import time
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hetforge.kernels import onednn
+
+FORMAT = "hetforge-cache/1"
+_warned: set[str] = set()
+_fingerprints: dict[int, tuple[tuple, str]] = {}
+_source_digest: list[str] = []
+
+
+def warn_once(msg: str) -> None:
+    """One line on stderr, once per process per message."""
+    if msg not in _warned:
+        _warned.add(msg)
+        print(f"warning: {msg}", file=sys.stderr)
+
+
+def enabled() -> bool:
+    return os.environ.get("HETFORGE_COMPILE_CACHE", "1").strip().lower() not in ("0", "off", "no", "false")
+
+
+def cache_dir() -> Path:
+    env = os.environ.get("HETFORGE_COMPILE_CACHE_DIR")
+    if env:
+        return Path(env)
+    from hetforge.hardware.loader import cache_dir as hetforge_cache
+
+    return hetforge_cache() / "programs"
+
+
+def source_digest() -> str:
+    """sha256 of hetforge's own source files (a development checkout changes without a version bump)."""
+    if not _source_digest:
+        root = Path(__file__).resolve().parent
+        h = hashlib.sha256()
+        for p in sorted(root.rglob("*")):
+            if p.suffix in (".py", ".c") and p.is_file():
+                h.update(str(p.relative_to(root)).encode())
+                h.update(p.read_bytes())
+        _source_digest.append(h.hexdigest()[:16])
+    return _source_digest[0]
+
+
+def _crc(t: torch.Tensor) -> int:
+    return zlib.crc32(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
+
+
+def weights_fingerprint(model: torch.nn.Module) -> str:
+    """A fingerprint of every parameter and buffer: names, shapes, dtypes and a CRC-32 of the bytes (in a thread
+    pool: zlib releases the GIL). Remembered per model object while no tensor is modified in place."""
+    items = sorted(model.state_dict(keep_vars=True).items())
+    versions = tuple((n, t._version, t.data_ptr()) for n, t in items)
+    got = _fingerprints.get(id(model))
+    if got is not None and got[0] == versions:
+        return got[1]
+    with ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1))) as pool:
+        crcs = list(pool.map(lambda kv: _crc(kv[1]), items))
+    h = hashlib.sha256()
+    for (n, t), c in zip(items, crcs, strict=True):
+        h.update(f"{n}:{tuple(t.shape)}:{t.dtype}:{c};".encode())
+    fp = h.hexdigest()[:32]
+    _fingerprints[id(model)] = (versions, fp)
+    return fp
+
+
+def _config_text(model: torch.nn.Module) -> str:
+    cfg = getattr(model, "config", None)
+    if cfg is not None and hasattr(cfg, "to_json_string"):
+        return cfg.to_json_string(use_diff=False)
+    return type(model).__qualname__
+
+
+def executor_options(executor: Any) -> dict[str, Any] | None:
+    """The options of a placed executor that shape its programs (None for executors the cache does not hold)."""
+    from hetforge.runtime.executors import PlacedExecutor
+
+    if not isinstance(executor, PlacedExecutor):
+        return None
+    from hetforge.runtime.genplan import soc_hash
+
+    return {"soc": executor.soc_profile.name, "soc_hash": soc_hash(executor.soc_profile),
+            "strategy": executor.strategy, "objective": executor.objective, "quantize": executor.quantize,
+            "group_size": executor.group_size, "backends": dict(sorted(executor.backends.items())),
+            "policy": executor.policy}
+
+
+def key_document(model: torch.nn.Module, options: dict[str, Any], optimize: bool, kind: str,
+                 length: int) -> dict[str, Any]:
+    import hetforge
+
+    return {"format": FORMAT, "hetforge": hetforge.__version__, "source": source_digest(),
+            "torch": torch.__version__, "config": _config_text(model), "weights": weights_fingerprint(model),
+            "options": options, "passes": bool(optimize), "program": [kind, int(length)],
+            "gemm": os.environ.get("HETFORGE_GEMM", "auto")}
+
+
+def key_of(doc: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:40]
+
+
+class CacheEntryError(Exception):
+    """An entry that must not be used (the message says why)."""
+
+
+@dataclass
+class _Nodes:
+    nodes: list
+
+
+@dataclass
+class _Graph:
+    graph: _Nodes
+
+
+@dataclass
+class _QuantNote:
+    line: str
+
+    def summary_line(self) -> str:
+        return self.line
+
+
+@dataclass
+class CachedResult:
+    """What :meth:`~hetforge.runtime.executors.PlacedExecutor.build_program` reads from a compile result,
+    rebuilt from a cache entry (the graph itself is not kept: only its node count)."""
+
+    program: Any
+    memory: Any
+    placement: Any
+    gm: Any
+    seconds: dict[str, float] = field(default_factory=dict)
+    optimized: Any = None
+    extra: dict[str, Any] = field(default_factory=dict)
+    partition_costs: list | None = None  # modeled, as computed when the entry was made
+
+
+def _paths(key: str) -> tuple[Path, Path]:
+    d = cache_dir()
+    return d / f"{key}.json", d / f"{key}.pt"
+
+
+def _drop(key: str) -> None:
+    for p in _paths(key):
+        try:
+            p.unlink()
+        except OSError:
+            pass
+
+
+def store(key: str, doc: dict[str, Any], res: Any, notes: list[str], nodes: int, costs: list | None = None) -> bool:
+    """Write one entry for compile result ``res`` atomically; False (and one warning) when the folder cannot be
+    written."""
+    from hetforge.ir.serialize import program_to_dict
+
+    p = res.program
+    saved_inline = {vid: w.inline for vid, w in p.weights.items()}
+    try:
+        pd = program_to_dict(p)
+    finally:
+        for vid, w in p.weights.items():
+            w.inline = saved_inline[vid]
+    extra: dict[str, torch.Tensor] = {}
+    for w in pd["weights"]:
+        w.pop("inline", None)
+        if not w["param"]:
+            extra[str(w["value"])] = p.tensors[w["value"]].detach().contiguous().cpu()
+    placement = res.placement
+    quant = res.extra.get("quantize") if isinstance(res.extra, dict) else None
+    meta = {"assignment": dict(placement.assignment), "strategy": placement.strategy,
+            "objective": placement.objective, "nodes": nodes, "notes": notes,
+            "gemm_choices": onednn.measured_choices(),
+            "partition_costs": [[c.time_s, c.energy_j, list(c.unknown_ops)] for c in (costs or [])],
+            "quantize": quant.report.summary_line() if quant is not None else None,
+            "passes": ({"nodes_before": res.optimized.nodes_before, "nodes_after": res.optimized.nodes_after,
+                        "fused": dict(res.optimized.fused)} if res.optimized is not None else None)}
+    body = json.dumps({"program": pd, "meta": meta}, sort_keys=True)
+    header = {"format": FORMAT, "key": doc, "sha256": hashlib.sha256(body.encode()).hexdigest()}
+    jpath, tpath = _paths(key)
+    try:
+        jpath.parent.mkdir(parents=True, exist_ok=True)
+        tmp_t = tpath.with_name(f".{tpath.name}.{os.getpid()}.tmp")
+        torch.save(extra, tmp_t)
+        os.replace(tmp_t, tpath)
+        tmp_j = jpath.with_name(f".{jpath.name}.{os.getpid()}.tmp")
+        tmp_j.write_text(json.dumps(header, sort_keys=True) + "\n" + body)
+        os.replace(tmp_j, jpath)
+    except OSError as e:
+        warn_once(f"compile cache folder '{jpath.parent}' is not writable ({e.strerror or e}); compiling without "
+                  "the cache (set HETFORGE_COMPILE_CACHE_DIR to a writable folder, or HETFORGE_COMPILE_CACHE=0)")
+        return False
+    return True
+
+
+def load(key: str, doc: dict[str, Any], module: torch.nn.Module) -> tuple[CachedResult, dict[str, Any]] | None:
+    """The entry for ``key`` as a :class:`CachedResult` (program bound to ``module``'s weights, memory plan
+    re-made and checked against the stored one) and its meta; None when there is none. Raises
+    :class:`CacheEntryError` for a corrupt or stale entry (after deleting it)."""
+    jpath, tpath = _paths(key)
+    try:
+        text = jpath.read_text()
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError) as e:
+        _drop(key)
+        raise CacheEntryError(f"unreadable ({e})") from None
+    try:
+        return _load(text, tpath, doc, module)
+    except CacheEntryError:
+        _drop(key)
+        raise
+    except Exception as e:  # anything a damaged entry can raise while being rebuilt: never use it
+        _drop(key)
+        raise CacheEntryError(f"corrupt ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+
+
+def _load(text: str, tpath: Path, doc: dict[str, Any], module: torch.nn.Module) -> tuple[CachedResult, dict]:
+    from hetforge.ir.serialize import _build_program, validate_program_dict
+    from hetforge.ir.verify import verify_program
+    from hetforge.memplan import plan_memory
+    from hetforge.placement import Placement
+
+    head, sep, body = text.partition("\n")
+    if not sep:
+        raise CacheEntryError("corrupt (cut off)")
+    try:
+        header = json.loads(head)
+    except json.JSONDecodeError:
+        raise CacheEntryError("corrupt (header is not JSON)") from None
+    if header.get("format") != FORMAT:
+        raise CacheEntryError(f"stale (format {header.get('format')!r}, this hetforge writes {FORMAT})")
+    if header.get("key") != doc:
+        raise CacheEntryError("stale (made for other weights, options or another hetforge)")
+    if hashlib.sha256(body.encode()).hexdigest() != header.get("sha256"):
+        raise CacheEntryError("corrupt (content does not match its sha256)")
+    d = json.loads(body)
+    pd, meta = d["program"], d["meta"]
+    validate_program_dict(pd, "the cached program")
+    p = _build_program(pd)
+    extra = torch.load(tpath, weights_only=True, mmap=True) if any(not w["param"] for w in pd["weights"]) else {}
+    from hetforge.ir.serialize import _lookup_tensor
+
+    for vid, ref in p.weights.items():
+        t = _lookup_tensor(module, ref.path) if ref.param else extra.get(str(vid))
+        if t is None or tuple(t.shape) != ref.shape or t.dtype != ref.dtype:
+            raise CacheEntryError(f"stale (weight '{ref.path}' missing or of another shape)")
+        p.tensors[vid] = t.detach()
+    verify_program(p, "schedule")
+    mem = plan_memory(p)
+    stored = {int(k): v for k, v in p.memory["offsets"].items()}
+    if mem.offsets != stored:
+        raise CacheEntryError("stale (its memory plan differs from the one this hetforge makes)")
+    onednn.seed_choices(meta.get("gemm_choices") or [])  # the kernel choices measured when it was compiled
+    placement = Placement(meta["strategy"], dict(meta["assignment"]), objective=meta["objective"])
+    res = CachedResult(p, mem, placement, _Graph(_Nodes([None] * int(meta["nodes"]))))
+    if meta.get("partition_costs"):
+        from hetforge.hetero.runner import PartitionCost
+
+        res.partition_costs = [PartitionCost(float(t), float(e), list(u)) for t, e, u in meta["partition_costs"]]
+    if meta.get("quantize"):
+        res.extra["quantize"] = type("Q", (), {"report": _QuantNote(meta["quantize"])})()
+    return res, meta
+
+
+def cached_build(programs: Any, kind: str, length: int, module: torch.nn.Module, inputs: tuple) -> Any:
+    """The runtime's program from the cache (a :class:`hetforge.runtime.programs.Program`), or a callback
+    that stores the freshly built one: returns ``(program or None, store_fn or None, notes)``."""
+    from hetforge.runtime.programs import Program
+
+    if not enabled():
+        return None, None, []
+    options = executor_options(programs.executor)
+    if options is None:
+        return None, None, []
+    t0 = time.perf_counter()
+    doc = key_document(programs.model, options, programs.optimize, kind, length)
+    key = key_of(doc)
+    notes: list[str] = []
+    try:
+        got = load(key, doc, module)
+    except CacheEntryError as e:
+        got = None
+        notes.append(f"compile cache: entry {key[:12]}… {e}: deleted, rebuilt")
+    if got is not None:
+        res, meta = got
+        b = programs.executor.build_program(res)
+        secs = time.perf_counter() - t0
+        b.notes.insert(0, f"compile cache: hit {key[:12]}… in {cache_dir()} ({secs:.3f} s measured, capture, passes, "
+                          "placement, lowering, scheduling and memory planning skipped; no warm-up call)")
+        if meta.get("passes"):
+            ps = meta["passes"]
+            fused = ", ".join(f"{k} x{v}" for k, v in ps["fused"].items() if v) or "none"
+            b.notes.insert(1, f"passes (cached): {ps['nodes_before']} -> {ps['nodes_after']} nodes; fused ops: {fused}")
+        return Program(kind, length, b.run, programs.executor.name, b.nodes, 0.0, 0.0, secs, b.notes, b.placed), \
+            None, []
+
+    def store_fn(b: Any) -> None:
+        if b.placed is not None and store(key, doc, b.placed.compiled, [], b.nodes, b.placed.exe.costs):
+            b.notes.append(f"compile cache: stored {key[:12]}… in {cache_dir()}")
+
+    return None, store_fn, notes

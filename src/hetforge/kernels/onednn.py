@@ -1,0 +1,176 @@
+"""oneDNN prepacked linears for multi-row CPU products (the prefill GEMMs).
+
+ATen's fp32 ``linear`` on the CPU runs MKL's ``sgemm`` on the weight as stored; oneDNN (inside every torch
+CPU wheel) runs the same product on a weight reordered once into its blocked layout
+(``torch.ops.mkldnn._reorder_linear_weight``), with the bias and an activation fused into the GEMM
+(``torch.ops.mkldnn._linear_pointwise``), and a SwiGLU's product fused into the up projection
+(``_linear_pointwise.binary(..., "mul")``). The issue this came from measured the [128,768]×[768,3072]
+product at 186–192 GFLOP/s through ATen and 417–431 GFLOP/s through the packed oneDNN kernel (2 threads,
+AVX-512 EPYC).
+
+The layout oneDNN picks depends on the number of rows, so a weight is packed once per row count (and kept
+for every program of that row count: prefill tiers share nothing, decode uses the native GEMV on the
+original weight). Packing copies the weight: a prefill tier adds about one model of memory.
+
+Which kernel runs is a measured choice (:func:`choose`): for every ``(rows, K, N, dtype, threads)`` the
+executor meets, ATen and oneDNN are timed interleaved (best of a few calls each) once per process, and
+oneDNN is used where it is faster. ``HETFORGE_GEMM=aten`` or ``=onednn`` forces one kernel (``auto``, the
+default, measures).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import weakref
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+POLICIES = ("auto", "aten", "onednn")
+# hetforge activation name → (oneDNN post-op attr, scalars, algorithm)
+ACT_ATTR: dict[str, tuple[str, list, str]] = {
+    "none": ("none", [], ""), "relu": ("relu", [], ""), "gelu": ("gelu", [], "none"),
+    "gelu_tanh": ("gelu", [], "tanh"), "silu": ("swish", [], ""),
+}
+DTYPES = (torch.float32, torch.bfloat16)
+PROBE_N = 4096  # most output columns :func:`choose` times
+
+_packed: dict[tuple[int, bool, int], torch.Tensor] = {}
+_choices: dict[tuple, bool] = {}
+_choice_times: dict[tuple, tuple[float, float]] = {}
+
+
+def available() -> bool:
+    """Whether this torch has oneDNN's packed linear (every x86/ARM CPU wheel does)."""
+    try:
+        return bool(torch.backends.mkldnn.is_available()) and hasattr(torch.ops.mkldnn, "_linear_pointwise") \
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def policy() -> str:
+    """The kernel policy from ``HETFORGE_GEMM`` (``auto`` when unset or unknown)."""
+    p = os.environ.get("HETFORGE_GEMM", "auto").strip().lower()
+    return p if p in POLICIES else "auto"
+
+
+def _drop(key: tuple[int, bool, int]) -> None:
+    _packed.pop(key, None)
+
+
+def packed_weight(w: torch.Tensor, weight_t: bool, rows: int) -> torch.Tensor:
+    """``w`` (``[N, K]``, or ``[K, N]`` when ``weight_t``) reordered into oneDNN's layout for ``rows`` rows;
+    made once per weight and row count (freed with the weight)."""
+    key = (id(w), weight_t, rows)
+    got = _packed.get(key)
+    if got is None:
+        got = torch.ops.mkldnn._reorder_linear_weight(w.t() if weight_t else w, rows)  # reads any strides
+        _packed[key] = got
+        weakref.finalize(w, _drop, key)
+    return got
+
+
+class LazyPacked:
+    """A weight packed on first use (the first call of the program), not when the program is built: a
+    program from the compile cache is runnable without paying the reorder; its first call pays it once."""
+
+    __slots__ = ("packed", "rows", "w", "weight_t")
+
+    def __init__(self, w: torch.Tensor, weight_t: bool, rows: int):
+        self.w, self.weight_t, self.rows, self.packed = w, weight_t, rows, None
+
+    def get(self) -> torch.Tensor:
+        if self.packed is None:
+            self.packed = packed_weight(self.w, self.weight_t, self.rows)
+        return self.packed
+
+
+def linear_fn(packed: torch.Tensor, bias: torch.Tensor | None,
+              act: str = "none") -> Callable[[torch.Tensor], torch.Tensor]:
+    """``act(x·Wᵀ + b)`` on the packed weight, as one oneDNN call."""
+    attr, scalars, algo = ACT_ATTR[act]
+    lp = torch.ops.mkldnn._linear_pointwise.default
+    return lambda x: lp(x, packed, bias, attr, scalars, algo)
+
+
+def _bench_pair(fa: Callable[[], object], fb: Callable[[], object], rounds: int = 3) -> tuple[float, float]:
+    """Best wall time of ``fa`` and ``fb`` over ``rounds`` interleaved calls each (after one warm-up each)."""
+    fa()
+    fb()
+    ta = tb = float("inf")
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        fa()
+        t1 = time.perf_counter()
+        fb()
+        t2 = time.perf_counter()
+        ta, tb = min(ta, t1 - t0), min(tb, t2 - t1)
+    return ta, tb
+
+
+def choose(rows: int, k: int, n: int, dtype: torch.dtype, w: torch.Tensor | None = None,
+           weight_t: bool = False) -> bool:
+    """Whether the ``[rows, k] × [k, n]`` product runs faster on the packed oneDNN kernel than on ATen's
+    ``linear`` on this host (measured once per shape, dtype and thread count; see the module docstring).
+    One fp32 row is the native GEMV's (:mod:`hetforge.kernels.native`); one bf16 row is measured too."""
+    if rows < 1 or (rows < 2 and dtype == torch.float32) or dtype not in DTYPES or not available():
+        return False
+    pol = policy()
+    if pol != "auto":
+        return pol == "onednn"
+    key = (rows, k, n, dtype, torch.get_num_threads())
+    if key not in _choices:
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(rows, k, generator=g).to(dtype)
+        m = min(n, PROBE_N)  # a wide product (an LM head) is timed on its first PROBE_N outputs: same kernel
+        wt = torch.randn(m, k, generator=g).to(dtype) if w is None else (w.t() if weight_t else w)[:m]
+        b = torch.zeros(m, dtype=dtype)
+        pk = torch.ops.mkldnn._reorder_linear_weight(wt.contiguous(), rows)
+        fn = linear_fn(pk, b)
+        t_aten, t_dnn = _bench_pair(lambda: F.linear(x, wt, b), lambda: fn(x))
+        _choice_times[key] = (t_aten, t_dnn)
+        _choices[key] = t_dnn < t_aten
+    return _choices[key]
+
+
+def measured_choices() -> list[dict]:
+    """The choices :func:`choose` measured in this process (rows, K, N, dtype, threads, seconds of each)."""
+    return [{"rows": k[0], "k": k[1], "n": k[2], "dtype": str(k[3]).removeprefix("torch."), "threads": k[4],
+             "aten_s": t[0], "onednn_s": t[1], "onednn": _choices[k]} for k, t in _choice_times.items()]
+
+
+def gemm_fn(a: torch.Tensor, b: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """``a @ b`` (square, ``a`` rows × ``b`` columns) through the packed oneDNN kernel, for calibration: the
+    weight is packed once, outside the timed call."""
+    pk = torch.ops.mkldnn._reorder_linear_weight(b.t().contiguous(), a.shape[0])
+    fn = linear_fn(pk, None)
+    return lambda: fn(a)
+
+
+
+def gemm_fns(a: torch.Tensor, b: torch.Tensor) -> list[Callable[[], torch.Tensor]]:
+    """:func:`gemm_fn` as a list: empty when oneDNN is absent or refuses the dtype on this CPU."""
+    if not available():
+        return []
+    try:
+        fn = gemm_fn(a, b)
+        fn()
+    except RuntimeError:
+        return []
+    return [fn]
+
+
+def seed_choices(rows: list[dict]) -> None:
+    """Take choices measured by an earlier process (:func:`measured_choices` rows, e.g. from a compile-cache
+    entry) for shapes not measured in this one."""
+    for r in rows:
+        try:
+            key = (int(r["rows"]), int(r["k"]), int(r["n"]), getattr(torch, r["dtype"]), int(r["threads"]))
+            if key not in _choices and isinstance(key[3], torch.dtype):
+                _choices[key] = bool(r["onednn"])
+                _choice_times[key] = (float(r["aten_s"]), float(r["onednn_s"]))
+        except (KeyError, TypeError, ValueError, AttributeError):
+            continue

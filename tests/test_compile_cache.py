@@ -1,0 +1,107 @@
+"""The compile cache on disk (hetforge.compile_cache): miss then hit with equal outputs, any weight change
+is another key, corrupt and stale entries are detected, deleted and rebuilt, an unwritable folder warns once."""
+
+import json
+
+import pytest
+import torch
+
+from hetforge import compile_cache
+from hetforge.models.zoo import load_model
+from hetforge.runtime import Engine
+
+TIER = 32
+
+
+@pytest.fixture()
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("HETFORGE_COMPILE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("HETFORGE_COMPILE_CACHE", raising=False)
+    return tmp_path / "cache"
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    return load_model("gpt2-tiny")
+
+
+def _prefill(loaded):
+    prog, made = Engine(loaded, executor="auto").programs.prefill(TIER)
+    assert made
+    ids = torch.arange(TIER).reshape(1, TIER) % loaded.vocab_size
+    return prog, [t.clone() for t in prog.run(ids, torch.tensor([TIER - 1]))]
+
+
+def _notes(prog) -> str:
+    return "\n".join(prog.notes)
+
+
+def test_second_engine_hits_the_cache_and_computes_the_same(cache, loaded):
+    cold, out_cold = _prefill(loaded)
+    assert "compile cache: stored" in _notes(cold) and cold.capture_s > 0
+    assert len(list(cache.glob("*.json"))) == 1
+    warm, out_warm = _prefill(loaded)
+    assert "compile cache: hit" in _notes(warm) and warm.capture_s == 0.0
+    for a, b in zip(out_cold, out_warm, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_any_weight_change_is_another_key(cache):
+    m = load_model("gpt2-tiny")
+    doc = compile_cache.key_document(m.model, {"x": 1}, True, "prefill", TIER)
+    with torch.no_grad():
+        m.model.transformer.h[0].mlp.c_fc.weight[3, 5] += 1e-3
+    doc2 = compile_cache.key_document(m.model, {"x": 1}, True, "prefill", TIER)
+    assert doc["weights"] != doc2["weights"] and compile_cache.key_of(doc) != compile_cache.key_of(doc2)
+    assert compile_cache.key_of(compile_cache.key_document(m.model, {"x": 2}, True, "prefill", TIER)) \
+        != compile_cache.key_of(doc2)  # options are in the key too
+
+
+@pytest.mark.parametrize("damage", ["truncate", "edit", "stale-key", "garbage-tensors"])
+def test_corrupt_or_stale_entry_is_detected_and_rebuilt(cache, loaded, damage):
+    _, ref = _prefill(loaded)
+    (entry,) = cache.glob("*.json")
+    text = entry.read_text()
+    if damage == "truncate":
+        entry.write_text(text[: len(text) // 2])
+    elif damage == "edit":
+        entry.write_text(text.replace('"aten.', '"aten.X', 1))
+    elif damage == "stale-key":
+        head, body = text.split("\n", 1)
+        h = json.loads(head)
+        h["key"]["torch"] = "0.0.0"
+        entry.write_text(json.dumps(h, sort_keys=True) + "\n" + body)
+    else:
+        entry.with_suffix(".pt").write_bytes(b"not a tensor file")
+    prog, out = _prefill(loaded)
+    notes = _notes(prog)
+    if damage == "garbage-tensors" and "compile cache: hit" in notes:
+        pytest.fail("an entry with a damaged tensor file was used")
+    assert "deleted, rebuilt" in notes and "compile cache: stored" in notes, notes
+    want = "stale" if damage == "stale-key" else "corrupt"
+    if damage != "garbage-tensors":  # gpt2-tiny's prefill may hold no pass-made tensors: then the .pt is unread
+        assert want in notes
+    for a, b in zip(ref, out, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    again, _ = _prefill(loaded)
+    assert "compile cache: hit" in _notes(again)
+
+
+def test_unwritable_cache_folder_compiles_with_one_warning(tmp_path, monkeypatch, loaded, capsys):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    monkeypatch.setenv("HETFORGE_COMPILE_CACHE_DIR", str(blocker / "cache"))  # a folder under a file: never creatable
+    compile_cache._warned.clear()
+    p1, out1 = _prefill(loaded)
+    p2, out2 = _prefill(loaded)
+    err = capsys.readouterr().err
+    assert err.count("warning: compile cache folder") == 1, err
+    assert "compile cache: hit" not in _notes(p2)
+    for a, b in zip(out1, out2, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_cache_off(cache, loaded, monkeypatch):
+    monkeypatch.setenv("HETFORGE_COMPILE_CACHE", "0")
+    prog, _ = _prefill(loaded)
+    assert "compile cache" not in _notes(prog) and not cache.exists()

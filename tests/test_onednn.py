@@ -1,0 +1,81 @@
+"""oneDNN prepacked linears: numerics against ATen, the executor's use of them (fidelity vs eager, KL ≤ 1e-8),
+the policy switch, the measured choice, and calibration taking the fastest GEMM kernel."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_ir_common import captured
+
+from hetforge.compile import compile_graph
+from hetforge.kernels import onednn
+from hetforge.ops.fused import apply_act
+from hetforge.verify import verify
+
+pytestmark = pytest.mark.skipif(not onednn.available(), reason="this torch has no oneDNN")
+
+
+@pytest.mark.parametrize("act", list(onednn.ACT_ATTR))
+def test_packed_linear_with_fused_activation_matches_aten(act):
+    g = torch.Generator().manual_seed(1)
+    x, w, b = torch.randn(24, 64, generator=g), torch.randn(96, 64, generator=g) * 0.1, torch.randn(96, generator=g)
+    ref = F.linear(x, w, b)
+    ref = ref if act == "none" else apply_act(ref, act)
+    got = onednn.linear_fn(onednn.packed_weight(w, False, 24), b, act)(x)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_packed_weight_is_made_once_per_weight_and_row_count():
+    w = torch.randn(32, 16)
+    a, b, c = onednn.packed_weight(w, False, 8), onednn.packed_weight(w, False, 8), onednn.packed_weight(w, False, 16)
+    assert a is b and a is not c and a.is_mkldnn
+    wt = torch.randn(16, 32)  # [K, N] (an addmm weight): packed as its transpose
+    x = torch.randn(8, 16)
+    torch.testing.assert_close(onednn.linear_fn(onednn.packed_weight(wt, True, 8), None)(x), x @ wt)
+
+
+@pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny", "qwen2-tiny"])
+def test_executor_runs_multi_row_linears_on_onednn_within_kl_1e8(name, monkeypatch):
+    monkeypatch.setenv("HETFORGE_GEMM", "onednn")
+    module, inputs, cg = captured(name)
+    res = compile_graph(cg.gm, soc="host", example_inputs=inputs, name=name)
+    exe = res.executable
+    assert exe.stats.onednn_gemm > 0
+    assert "_linear_pointwise" in str([v for k, v in exe._globals.items() if k.startswith("_dnn")])
+    rep = verify(module, exe, inputs, kl_threshold=1e-8)
+    assert rep.passed and rep.top1_agree == 1.0, rep
+    # results survive the next call (oneDNN's results are fresh tensors, not arena slices)
+    first = exe(*inputs).clone()
+    exe(*inputs)
+    torch.testing.assert_close(exe(*inputs), first)
+
+
+def test_policy_aten_keeps_every_product_on_aten(monkeypatch):
+    monkeypatch.setenv("HETFORGE_GEMM", "aten")
+    module, inputs, cg = captured("llama-tiny")
+    exe = compile_graph(cg.gm, soc="host", example_inputs=inputs, name="llama-tiny").executable
+    assert exe.stats.onednn_gemm == 0
+    assert verify(module, exe, inputs, kl_threshold=1e-8).passed
+
+
+def test_auto_policy_measures_both_kernels_once_per_shape(monkeypatch):
+    monkeypatch.delenv("HETFORGE_GEMM", raising=False)
+    rows, k, n = 5, 48, 80  # a shape no other test uses
+    first = onednn.choose(rows, k, n, torch.float32)
+    got = [c for c in onednn.measured_choices() if (c["rows"], c["k"], c["n"]) == (rows, k, n)]
+    assert len(got) == 1 and got[0]["aten_s"] > 0 and got[0]["onednn_s"] > 0
+    assert got[0]["onednn"] == first == (got[0]["onednn_s"] < got[0]["aten_s"])
+    assert onednn.choose(rows, k, n, torch.float32) == first
+    assert len([c for c in onednn.measured_choices() if (c["rows"], c["k"], c["n"]) == (rows, k, n)]) == 1
+    assert not onednn.choose(1, k, n, torch.float32)  # one row: the native GEMV's job
+    assert not onednn.choose(rows, k, n, torch.int8)
+
+
+def test_calibration_times_the_onednn_gemm_too():
+    from hetforge.hardware import calibrate
+
+    fns = calibrate._gemm_fns("fp32", 64)
+    assert len(fns) == 2
+    a = torch.randn(64, 64, generator=torch.Generator().manual_seed(0))
+    b = torch.randn(64, 64, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(fns[1](), fns[0](), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(onednn.gemm_fn(a, b)(), a @ b, rtol=1e-4, atol=1e-4)

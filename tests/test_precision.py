@@ -1,0 +1,62 @@
+"""--precision: bf16 where the CPU has it, refused naming the missing feature elsewhere (exit 2)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from hetforge.errors import UsageError
+from hetforge.hardware.isa import cpu_flags, host_record, isa_flags, missing_feature
+from hetforge.precision import resolve_precision
+
+CPUINFO_X86 = "processor\t: 0\nmodel name\t: Test CPU\nflags\t\t: fpu sse4_2 avx avx2 fma avx512f avx512_bf16\n"
+
+
+def test_flags_are_read_from_cpuinfo():
+    flags = cpu_flags(CPUINFO_X86)
+    assert {"avx2", "avx512_bf16"} <= flags
+    assert isa_flags(flags) == ["sse4_2", "avx", "avx2", "fma", "avx512f", "avx512_bf16"]
+    assert missing_feature("bf16", flags) is None
+    assert missing_feature("bf16", {"avx2", "fma"}) == "AVX512_BF16 or AMX_BF16"
+    assert missing_feature("fp32", set()) is None
+    rec = host_record()
+    assert rec["cpu"] and rec["cores"] >= 1 and isinstance(rec["isa"], list)
+
+
+def test_resolve_precision():
+    assert resolve_precision("fp32", flags=set()) is torch.float32
+    assert resolve_precision("bf16", flags={"amx_bf16"}) is torch.bfloat16
+    with pytest.raises(UsageError, match="AVX512_BF16 or AMX_BF16"):
+        resolve_precision("bf16", flags={"avx2"})
+    assert resolve_precision("bf16", allow_emulated=True, flags={"avx2"}) is torch.bfloat16
+    with pytest.raises(UsageError, match="allowed: fp32, bf16"):
+        resolve_precision("fp16")
+    with pytest.raises(UsageError, match="--quantize w8"):
+        resolve_precision("bf16", quantize="w8", flags={"avx512_bf16"})
+
+
+def _run(*args, flags=None):
+    env = dict(os.environ, HETFORGE_COMPILE_CACHE="0")
+    if flags is not None:
+        env["HETFORGE_CPU_FLAGS"] = flags
+    return subprocess.run([sys.executable, "-m", "hetforge.cli.main", "run", "gpt2-tiny", "-p", "hello", "-n", "2",
+                           "--json", *args], capture_output=True, text=True, env=env, timeout=600)
+
+
+def test_cli_refuses_bf16_on_a_cpu_without_it():
+    r = _run("--precision", "bf16", flags="sse4_2 avx avx2 fma")
+    assert r.returncode == 2, r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "AVX512_BF16" in lines[0] and "Traceback" not in r.stderr
+    assert r.stdout == ""
+
+
+@pytest.mark.skipif(missing_feature("bf16") is not None, reason="this CPU has no bf16 instructions")
+def test_cli_runs_bf16_where_the_cpu_has_it():
+    r = _run("--precision", "bf16", "--ignore-eos")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["precision"] == "bf16" and len(doc["tokens"]) == 2

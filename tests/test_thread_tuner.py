@@ -1,0 +1,60 @@
+"""The adaptive decode thread count (runtime/threads.py): it probes, keeps the faster count, restores torch's."""
+
+import torch
+
+from hetforge.runtime.threads import ThreadTuner
+
+
+def _drive(tuner: ThreadTuner, step_s: dict[int, float], steps: int) -> list[int]:
+    used = []
+    for _ in range(steps):
+        n = tuner.before()
+        assert torch.get_num_threads() == n
+        tuner.after(n, step_s[n])
+        used.append(n)
+    return used
+
+
+def test_keeps_the_requested_count_when_it_is_faster():
+    old = torch.get_num_threads()
+    t = ThreadTuner(threads=2, explore_every=8)
+    used = _drive(t, {1: 0.010, 2: 0.006}, 40)
+    t.restore()
+    assert torch.get_num_threads() == old
+    assert used.count(2) > 30 and 1 in used  # probed one thread, stayed on two
+    assert t.summary()["switches"] == 0
+
+
+def test_drops_to_one_thread_when_two_collapse_and_comes_back_when_they_recover():
+    t = ThreadTuner(threads=2, explore_every=8)
+    used = _drive(t, {1: 0.010, 2: 0.250}, 30)  # another process took a core: two threads wait at barriers
+    assert used[-10:].count(1) >= 9 and t.cur == 1 and t.interval > 8  # losing probes back off
+    used = _drive(t, {1: 0.010, 2: 0.004}, 80)  # the core is free again: a later probe finds two faster
+    t.restore()
+    assert used[-10:].count(2) >= 8 and t.cur == 2
+
+
+def test_off_by_environment(monkeypatch):
+    monkeypatch.setenv("HETFORGE_ADAPT_THREADS", "0")
+    t = ThreadTuner(threads=2)
+    base = torch.get_num_threads()
+    assert _drive(t, {base: 0.01, 1: 0.01, 2: 0.01}, 5) == [base] * 5
+
+
+def test_engine_keeps_its_tuner_across_requests_and_restores_torch_threads():
+    from hetforge.models.zoo import load_model
+    from hetforge.runtime import Engine, SamplingParams
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        eng = Engine(load_model("gpt2-tiny"), executor="auto")
+        g1 = eng.stream([1, 2, 3], SamplingParams(max_new_tokens=6, ignore_eos=True))
+        list(g1)
+        assert torch.get_num_threads() == 2
+        g2 = eng.stream([1, 2, 3], SamplingParams(max_new_tokens=6, ignore_eos=True))
+        list(g2)
+        assert g1.tuner is g2.tuner and sum(g2.tuner.counts.values()) == 10  # 5 decode steps per request
+        assert set(g2.tuner.counts) <= {1, 2}
+    finally:
+        torch.set_num_threads(old)
