@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import math
 import os
 import secrets
 from collections.abc import Iterator
@@ -153,6 +154,17 @@ def write_bytes(path: str | Path, data: bytes, what: str = "") -> Path:
 def write_text(path: str | Path, text: str, what: str = "") -> Path:
     """Write ``text`` (UTF-8) to ``path`` atomically."""
     return write_bytes(path, text.encode("utf-8"), what)
+
+
+def json_safe(o: Any) -> Any:
+    """``o`` with NaN/inf floats as strings and dict keys as strings, so ``json.dumps`` writes strict JSON."""
+    if isinstance(o, float) and (math.isnan(o) or math.isinf(o)):
+        return str(o)
+    if isinstance(o, dict):
+        return {str(k): json_safe(v) for k, v in o.items()}
+    if isinstance(o, (list, tuple)):
+        return [json_safe(v) for v in o]
+    return o
 
 
 def write_json(path: str | Path, obj: Any, what: str = "", indent: int | None = None) -> Path:

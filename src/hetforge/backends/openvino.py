@@ -30,8 +30,8 @@ from hetforge.backends.base import (
     CompileReport,
     example_args,
 )
+from hetforge.backends.partition import Partition
 from hetforge.errors import HetforgeError
-from hetforge.hetero.partition import Partition
 
 PRECISIONS = {"f32": "f32", "fp32": "f32", "f16": "f16", "fp16": "f16", "bf16": "bf16"}
 PLUGIN_PREFERENCE = ("NPU", "GPU", "CPU")

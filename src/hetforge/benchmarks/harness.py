@@ -407,7 +407,6 @@ def _is_f32(row: Row) -> bool:
 
 def save_json(result: SuiteResult, path: Path) -> None:
     """Write the raw and aggregated results (atomically)."""
-    from hetforge.cli.common import _clean
-    from hetforge.files import write_text
+    from hetforge.files import json_safe, write_text
 
-    write_text(path, json.dumps(_clean(result.to_dict()), indent=1, default=str), "--out-dir file")
+    write_text(path, json.dumps(json_safe(result.to_dict()), indent=1, default=str), "--out-dir file")

@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from hetforge.benchmarks.systems import DecodeTiming, Prepared, PrepContext
+from hetforge.benchmarks.base import DecodeTiming, Prepared, PrepContext, first_line
 
 COMPILE_STAGES = ("capture", "passes", "place", "lower", "schedule", "memory", "build")
 
@@ -90,8 +90,6 @@ def _runtime_decode(ctx: PrepContext, notes: list[str]):
             engine = Engine(ctx.loaded, executor="auto")
             first = engine.generate(prompt, params)  # compiles the prefill and decode programs
         except Exception as e:  # the backend executor may not take every graph yet: fall back, and say so
-            from hetforge.benchmarks.worker import first_line
-
             notes.append(f"runtime executor 'auto' failed ({first_line(e)}); decode measured with executor 'fx'")
             engine = Engine(ctx.loaded, executor="fx")
             first = engine.generate(prompt, params)

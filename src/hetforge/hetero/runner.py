@@ -27,7 +27,7 @@ from torch.utils import _pytree as pytree
 
 from hetforge.backends.base import BackendUnavailable, CompiledPartition
 from hetforge.backends.mapping import Binding
-from hetforge.hetero.partition import Partition, PartitionedGraph
+from hetforge.backends.partition import Partition, PartitionedGraph
 from hetforge.trace import MEASURED, MODELED, Trace
 
 

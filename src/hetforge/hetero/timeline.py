@@ -19,8 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from hetforge.backends.partition import PartitionedGraph
 from hetforge.cost.transfer import switch_cost_s
-from hetforge.hetero.partition import PartitionedGraph
 
 
 @dataclass

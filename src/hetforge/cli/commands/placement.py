@@ -16,7 +16,8 @@ _MODEL_HELP = "zoo name, a local HF folder, or llama-3.1-8b-shape (shape-only, m
 
 def placement_graph(model: str, seq: int, attn: str, passes: bool):
     """Capture ``model`` (optionally through the middle-end passes) and return its FX graph."""
-    from hetforge.models.shapes import capture_shaped, is_shaped
+    from hetforge.frontend import capture_shaped
+    from hetforge.models.shapes import is_shaped
 
     if is_shaped(model):  # meta tensors: constant folding cannot evaluate them, the other passes run
         gm = capture_shaped(model, seq=seq, attn=attn).gm
