@@ -80,7 +80,7 @@ def test_torch_only_partitions_match_eager_exactly(llama, layout):
     assert rep2.passed and rep2.kl_max < 1e-8
     # one transfer per (value, destination), as lowering counted them; the 155H links are not unified: copies
     assert len(rep.transfers) == pp.lowered_transfers > 0
-    assert all(t.mode == "copy" and t.nbytes > 0 and t.measured_s >= 0 for t in rep.transfers)
+    assert all(t.mode == "copy" and t.nbytes > 0 and t.measured_s > 0 for t in rep.transfers)
     assert rep.switches == len(pp.partitions.partitions) - 1
 
 

@@ -654,6 +654,10 @@ class Executable:
         exec(code, g, ns)
         return ns["run"]
 
+    def planned_buffer(self, vid: int) -> torch.Tensor | None:
+        """The arena slice the generated code binds to register ``vid`` at build time (None if it has none)."""
+        return self._globals.get(f"_b{vid}")
+
     def check_inputs(self, inputs: tuple[torch.Tensor, ...]) -> None:
         if len(inputs) != len(self._inputs):
             raise UsageError(f"program takes {len(self._inputs)} inputs, got {len(inputs)}")
