@@ -9,12 +9,18 @@ training mode is random and stays (reported as a near-miss).
 
 from __future__ import annotations
 
-import time
-
 import torch
 from torch.fx import GraphModule, Node
 
-from hetforge.passes.common import NearMiss, PassResult, Rewrite, aten, copy_gm, finish, num_nodes, scalar, tval
+from hetforge.passes.common import (
+    NearMiss,
+    PassLog,
+    Rewrite,
+    aten,
+    graph_pass,
+    scalar,
+    tval,
+)
 
 _DROPOUTS = (aten.dropout.default, aten.feature_dropout.default, aten.alpha_dropout.default)
 _ALIASES = (aten.alias.default, aten.detach.default, aten.lift_fresh.default)
@@ -60,13 +66,11 @@ def _removal(n: Node) -> tuple[str, Node] | str | None:
     return None
 
 
-def cleanup(gm: GraphModule, inplace: bool = False) -> PassResult:
+@graph_pass("cleanup")
+def cleanup(gm: GraphModule, log: PassLog) -> None:
     """Remove no-op nodes (see module doc) and dead code; returns a new GraphModule in the result."""
-    t0 = time.perf_counter()
-    before = num_nodes(gm)
-    gm = gm if inplace else copy_gm(gm)
-    rewrites: list[Rewrite] = []
-    misses: list[NearMiss] = []
+    rewrites = log.rewrites
+    misses = log.near_misses
     for n in list(gm.graph.nodes):
         if n.op != "call_function":
             continue
@@ -84,5 +88,3 @@ def cleanup(gm: GraphModule, inplace: bool = False) -> PassResult:
             n.replace_all_uses_with(repl)
             rewrites.append(Rewrite(kind, [n.name], repl.name))
             gm.graph.erase_node(n)  # explicitly: DCE keeps random ops such as dropout even when unused
-    finish(gm, standalone=not inplace)
-    return PassResult("cleanup", gm, before, num_nodes(gm), rewrites, misses, time.perf_counter() - t0)
