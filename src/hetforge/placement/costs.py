@@ -18,8 +18,7 @@ from hetforge.cost import OpCost, estimate, transfer_cost
 from hetforge.frontend import op_name
 from hetforge.hardware import SocProfile
 from hetforge.ops.registry import lookup
-
-OBJECTIVES = ("energy", "latency", "balanced")
+from hetforge.placement import OBJECTIVES
 
 
 def tensor_bytes(val) -> int:
