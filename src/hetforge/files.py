@@ -18,7 +18,7 @@ import json
 import math
 import os
 import secrets
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -154,6 +154,15 @@ def write_bytes(path: str | Path, data: bytes, what: str = "") -> Path:
 def write_text(path: str | Path, text: str, what: str = "") -> Path:
     """Write ``text`` (UTF-8) to ``path`` atomically."""
     return write_bytes(path, text.encode("utf-8"), what)
+
+
+def read_json(path: Path, fail: Callable[[Exception], Exception]) -> Any:
+    """The JSON document in ``path``; ``fail(error)`` is raised (without a traceback chain) when the file is not
+    UTF-8 JSON, so each caller keeps its own one-line message and error type."""
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise fail(e) from None
 
 
 def json_safe(o: Any) -> Any:

@@ -24,6 +24,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from hetforge.errors import HetforgeError, UsageError
+from hetforge.files import read_json
 from hetforge.ir.program import Instr, Program, Reg, Value, WeightRef, dtype_from_short, dtype_short
 
 FORMAT = "hetforge-program/1"
@@ -348,10 +349,7 @@ def load_program(path: str | Path, module: torch.nn.Module | None = None, check:
     path = Path(path)
     if not path.is_file():
         raise UsageError(f"program file '{path}' does not exist")
-    try:
-        d = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise MalformedProgramError(f"'{path}' is not a program file: {e}") from None
+    d = read_json(path, lambda e: MalformedProgramError(f"'{path}' is not a program file: {e}"))
     if not isinstance(d, dict):
         raise MalformedProgramError(f"'{path}' is not a program file")
     return program_from_dict(d, module, check, label=f"program file '{path}'", verify=verify)

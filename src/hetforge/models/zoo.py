@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from hetforge.errors import ModelFolderError, UsageError
+from hetforge.files import read_json
 
 ATTN_IMPLS = ("eager", "sdpa")
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "olmoe")
@@ -320,10 +321,7 @@ def load_folder(path: Path, attn: str = "sdpa", dtype: torch.dtype = torch.float
         raise ModelFolderError(f"'{cfg_file}' is a folder, not a file: a model folder needs config.json and weights")
     if not cfg_file.is_file():
         raise ModelFolderError(f"'{cfg_file}' is missing: a model folder needs config.json and weights")
-    try:
-        cfg_dict = json.loads(cfg_file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ModelFolderError(f"'{cfg_file}' is not valid JSON: {e}") from None
+    cfg_dict = read_json(cfg_file, lambda e: ModelFolderError(f"'{cfg_file}' is not valid JSON: {e}"))
     if not isinstance(cfg_dict, dict):
         raise ModelFolderError(f"'{cfg_file}' holds {type(cfg_dict).__name__ if cfg_dict is not None else 'null'}, "
                                "not a JSON object of model settings")
