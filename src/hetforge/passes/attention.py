@@ -241,8 +241,6 @@ def _match_sdpa(n: Node) -> tuple:
 def fuse_attention(gm: GraphModule, log: PassLog) -> None:
     """Fuse attention chains and SDPA nodes into ``hetforge::attention``; returns a new GraphModule."""
     fake = fake_mode_of(gm)
-    rewrites = log.rewrites
-    misses = log.near_misses
     for n in list(gm.graph.nodes):
         if n.op != "call_function" or getattr(n, "_erased", False):
             continue
@@ -254,7 +252,7 @@ def fuse_attention(gm: GraphModule, log: PassLog) -> None:
             else:
                 continue
         except Miss as e:
-            misses.append(NearMiss("attention", n.name, str(e)))
+            log.near_misses.append(NearMiss("attention", n.name, str(e)))
             continue
         new = new_call(gm, out, ATTENTION, args, like=out, fake_mode=fake)
         to, tn = tval(out), tval(new)
@@ -262,15 +260,15 @@ def fuse_attention(gm: GraphModule, log: PassLog) -> None:
             gm.graph.erase_node(new)
             for e in reversed(extra):
                 gm.graph.erase_node(e)
-            misses.append(NearMiss("attention", n.name, f"fused output {tuple(tn.shape)} {tn.dtype} differs from "
-                                                        f"{tuple(to.shape)} {to.dtype}"))
+            log.near_misses.append(NearMiss("attention", n.name, f"fused output {tuple(tn.shape)} {tn.dtype} "
+                                                                 f"differs from {tuple(to.shape)} {to.dtype}"))
             continue
         out.replace_all_uses_with(new)
         q, k, v, mask, scale, causal = args
         detail = f"scale={scale:g} causal={causal} mask={'yes' if mask is not None else 'no'}"
         if k is not None and tval(k) is not None and tval(q) is not None and tval(k).shape[-3] != tval(q).shape[-3]:
             detail += f" gqa={tval(q).shape[-3]}/{tval(k).shape[-3]}"
-        rewrites.append(Rewrite("attention", [m.name for m in matched], new.name, detail))
+        log.rewrites.append(Rewrite("attention", [m.name for m in matched], new.name, detail))
         # the fused chain is dead now: erase it so later softmax candidates do not see stale users
         erase_unused(gm, matched)
 

@@ -69,22 +69,20 @@ def _removal(n: Node) -> tuple[str, Node] | str | None:
 @graph_pass("cleanup")
 def cleanup(gm: GraphModule, log: PassLog) -> None:
     """Remove no-op nodes (see module doc) and dead code; returns a new GraphModule in the result."""
-    rewrites = log.rewrites
-    misses = log.near_misses
     for n in list(gm.graph.nodes):
         if n.op != "call_function":
             continue
         if n.target in _ASSERTS:
-            rewrites.append(Rewrite("assert_metadata", [n.name], None))
+            log.rewrites.append(Rewrite("assert_metadata", [n.name], None))
             gm.graph.erase_node(n)
             continue
         r = _removal(n)
         if isinstance(r, str):
-            misses.append(NearMiss("dropout", n.name, r))
+            log.near_misses.append(NearMiss("dropout", n.name, r))
         elif r is not None:
             kind, repl = r
             if not isinstance(repl, Node):
                 continue
             n.replace_all_uses_with(repl)
-            rewrites.append(Rewrite(kind, [n.name], repl.name))
+            log.rewrites.append(Rewrite(kind, [n.name], repl.name))
             gm.graph.erase_node(n)  # explicitly: DCE keeps random ops such as dropout even when unused

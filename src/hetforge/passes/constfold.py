@@ -116,8 +116,6 @@ def constant_fold(gm: GraphModule, log: PassLog, max_bytes: int = DEFAULT_MAX_BY
         env[n] = n.target(*args, **kwargs)
         return env[n]
 
-    rewrites = log.rewrites
-    misses = log.near_misses
     folded: list[tuple[str, torch.Tensor]] = []
     mutated = mutated_nodes(gm)
     param_ptrs = {t.untyped_storage().data_ptr() for t in attrs.values() if t is not None}
@@ -127,12 +125,12 @@ def constant_fold(gm: GraphModule, log: PassLog, max_bytes: int = DEFAULT_MAX_BY
         if all(u in const for u in n.users):
             continue  # interior of a constant subgraph: folded with its frontier
         if n in mutated:
-            misses.append(NearMiss("constant", n.name, "an in-place op writes into it; a folded buffer would "
+            log.near_misses.append(NearMiss("constant", n.name, "an in-place op writes into it; a folded buffer would "
                                                         "carry the write into the next call"))
             continue
         size = _nbytes(val(n))
         if size > max_bytes:
-            misses.append(NearMiss("constant", n.name, f"constant result is {size / 2**20:.1f} MiB, above the "
+            log.near_misses.append(NearMiss("constant", n.name, f"constant result is {size / 2**20:.1f} MiB, above the "
                                                         f"{max_bytes / 2**20:.1f} MiB folding limit"))
             continue
         with torch.no_grad():
@@ -151,5 +149,5 @@ def constant_fold(gm: GraphModule, log: PassLog, max_bytes: int = DEFAULT_MAX_BY
             if k in n.meta:
                 c.meta[k] = n.meta[k]
         n.replace_all_uses_with(c)
-        rewrites.append(Rewrite("fold", [m.name for m in _ancestors(n, const)], name,
+        log.rewrites.append(Rewrite("fold", [m.name for m in _ancestors(n, const)], name,
                                 f"{tuple(value.shape)} {str(value.dtype).replace('torch.', '')}"))

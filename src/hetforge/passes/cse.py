@@ -49,7 +49,6 @@ def cse(gm: GraphModule, log: PassLog) -> None:
     """Merge repeated pure expressions; returns a new GraphModule in the result."""
     mutated = mutated_nodes(gm)
     seen: dict[Any, Node] = {}
-    rewrites = log.rewrites
     for n in list(gm.graph.nodes):
         if not _pure(n) or n in mutated or any(a in mutated for a in n.all_input_nodes):
             continue  # a value read before and after an in-place write is not one expression
@@ -63,4 +62,4 @@ def cse(gm: GraphModule, log: PassLog) -> None:
             continue
         n.replace_all_uses_with(first)
         gm.graph.erase_node(n)
-        rewrites.append(Rewrite("cse", [n.name], first.name))
+        log.rewrites.append(Rewrite("cse", [n.name], first.name))

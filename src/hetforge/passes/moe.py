@@ -159,8 +159,6 @@ def _example(v: torch.Tensor) -> torch.Tensor:
 def fuse_moe(gm: GraphModule, log: PassLog) -> None:
     """Replace every recognised MoE block by one ``hetforge::moe`` node (numerically checked)."""
     fm = fake_mode_of(gm)
-    rewrites = log.rewrites
-    misses = log.near_misses
     layer = 0
     for tk in [n for n in gm.graph.nodes if is_call(n, aten.topk.default)]:
         if getattr(tk, "_erased", False):
@@ -168,9 +166,9 @@ def fuse_moe(gm: GraphModule, log: PassLog) -> None:
         try:
             new, region, path, detail = _fuse_one(gm, tk, layer, fm)
         except Miss as e:
-            misses.append(NearMiss("moe", tk.name, str(e)))
+            log.near_misses.append(NearMiss("moe", tk.name, str(e)))
             continue
-        rewrites.append(Rewrite("moe", [n.name for n in region], new.name, f"{path}: {detail}"))
+        log.rewrites.append(Rewrite("moe", [n.name for n in region], new.name, f"{path}: {detail}"))
         layer += 1
 
 

@@ -120,8 +120,6 @@ def _layer_norm(n: Node) -> tuple[Node, tuple] | None:
 def fuse_norms(gm: GraphModule, log: PassLog) -> None:
     """Fuse RMSNorm chains and LayerNorms; returns a new GraphModule in the result."""
     fake = fake_mode_of(gm)
-    rewrites = log.rewrites
-    misses = log.near_misses
     for n in list(gm.graph.nodes):
         if getattr(n, "_erased", False) or n.op != "call_function":
             continue
@@ -135,7 +133,7 @@ def fuse_norms(gm: GraphModule, log: PassLog) -> None:
                 if not _same(out, new):
                     raise Miss(_differs(out, new))
                 out.replace_all_uses_with(new)
-                rewrites.append(Rewrite("rms_norm", [x.name for x in matched], new.name,
+                log.rewrites.append(Rewrite("rms_norm", [x.name for x in matched], new.name,
                                         f"eps={args[2]:g} weight={'yes' if args[1] is not None else 'no'}"))
                 erase_unused(gm, matched[::-1])
             else:
@@ -151,10 +149,10 @@ def fuse_norms(gm: GraphModule, log: PassLog) -> None:
                         u.replace_all_uses_with(new)
                 else:
                     src.replace_all_uses_with(new)
-                rewrites.append(Rewrite("layer_norm", [src.name], new.name, f"eps={args[4]:g}"))
+                log.rewrites.append(Rewrite("layer_norm", [src.name], new.name, f"eps={args[4]:g}"))
                 erase_unused(gm, dead)
         except Miss as e:
-            misses.append(NearMiss("norm", n.name, str(e)))
+            log.near_misses.append(NearMiss("norm", n.name, str(e)))
 
 
 def _same(a: Node, b: Node) -> bool:

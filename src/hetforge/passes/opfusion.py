@@ -277,8 +277,6 @@ def _fuse_rotary(gm: GraphModule, fake, rewrites: list[Rewrite], misses: list[Ne
 def fuse_operators(gm: GraphModule, log: PassLog) -> None:
     """Fuse gated MLPs, then Linear+activation pairs; returns a new GraphModule in the result."""
     fake = fake_mode_of(gm)
-    rewrites = log.rewrites
-    misses = log.near_misses
-    _fuse_gated(gm, fake, rewrites)
-    _fuse_linear_act(gm, fake, rewrites, misses)
-    _fuse_rotary(gm, fake, rewrites, misses)
+    _fuse_gated(gm, fake, log.rewrites)
+    _fuse_linear_act(gm, fake, log.rewrites, log.near_misses)
+    _fuse_rotary(gm, fake, log.rewrites, log.near_misses)
