@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from fx_partition import partition_graph
 from typer.testing import CliRunner
 
 from hetforge.backends import resolve
@@ -13,7 +14,6 @@ from hetforge.errors import UsageError
 from hetforge.frontend import capture
 from hetforge.hardware import load_soc
 from hetforge.hetero.layouts import layer_assignment
-from hetforge.hetero.partition import partition_graph
 from hetforge.hetero.pipeline import partitions_from_placement
 from hetforge.hetero.runner import build
 from hetforge.hetero.session import execute

@@ -147,10 +147,7 @@ def resolve_op(name: str) -> Any:
     if len(parts) == 3:
         ns, op, overload = parts
         if ns == "hetforge":
-            try:
-                import hetforge.ops.fused  # noqa: F401  (registers hetforge:: custom ops)
-            except ImportError:
-                pass
+            import hetforge.ops  # noqa: F401  (registers the hetforge:: custom ops)
         try:
             return getattr(getattr(getattr(torch.ops, ns), op), overload)
         except (AttributeError, RuntimeError):
