@@ -35,6 +35,7 @@ from hetforge.benchmarks.systems import (
 )
 from hetforge.benchmarks.worker import RunResult, WorkerSpec, first_line, run_worker
 from hetforge.errors import UsageError
+from hetforge.files import json_safe, write_text
 
 DEFAULT_MODELS = ["gpt2", "llama-110m", "mixtral-small"]
 QUICK_MODELS = ["gpt2-tiny", "llama-tiny"]
@@ -407,6 +408,4 @@ def _is_f32(row: Row) -> bool:
 
 def save_json(result: SuiteResult, path: Path) -> None:
     """Write the raw and aggregated results (atomically)."""
-    from hetforge.files import json_safe, write_text
-
     write_text(path, json.dumps(json_safe(result.to_dict()), indent=1, default=str), "--out-dir file")

@@ -28,6 +28,7 @@ from torch.utils import _pytree as pytree
 from hetforge.backends.base import BackendUnavailable, CompiledPartition
 from hetforge.backends.mapping import Binding
 from hetforge.backends.partition import Partition, PartitionedGraph
+from hetforge.errors import UsageError
 from hetforge.trace import MEASURED, MODELED, Trace
 
 
@@ -291,8 +292,6 @@ def build(pg: PartitionedGraph, soc, bindings: dict[str, Binding]) -> tuple[Hete
     """Compile every partition on its device's backend; name a missing backend before compiling anything."""
     for dev in pg.devices():
         if dev not in bindings:
-            from hetforge.errors import UsageError
-
             raise UsageError(f"partition device '{dev}' is not a device of SoC '{soc.name}' "
                              f"({', '.join(soc.device_names)})")
         try:

@@ -24,7 +24,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from hetforge.errors import HetforgeError, UsageError
-from hetforge.files import read_json
+from hetforge.files import check_output, read_json, write_text
 from hetforge.ir.program import Instr, Program, Reg, Value, WeightRef, dtype_from_short, dtype_short
 
 FORMAT = "hetforge-program/1"
@@ -242,8 +242,6 @@ def program_to_dict(p: Program) -> dict[str, Any]:
 
 def save_program(p: Program, path: str | Path, what: str = "") -> Path:
     """Write ``p`` as JSON, atomically (:func:`hetforge.files.write_text`: nothing half-written, mode per umask)."""
-    from hetforge.files import check_output, write_text
-
     path = check_output(path, what, example="plan.json")
     return write_text(path, json.dumps(program_to_dict(p), indent=1), what)
 
