@@ -57,7 +57,7 @@ def graph_of(model: str, seq: int) -> torch.fx.GraphModule:
     from hetforge.passes import PASS_NAMES, optimize
 
     if model == SHAPED:
-        from hetforge.models.shapes import capture_shaped
+        from hetforge.frontend import capture_shaped
 
         cg = capture_shaped(SHAPED, seq=seq)
         return optimize(cg.gm, passes=[p for p in PASS_NAMES if p != "constant_fold"]).gm

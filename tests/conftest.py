@@ -52,10 +52,11 @@ def tiny_names():
 def parts():
     """qwen2-tiny cut into [cpu: embed+layer0, gpu: layer1+head] with the real inputs of every partition
     (shared by the backend tests)."""
+    from fx_partition import partition_graph
+
     from hetforge.frontend import capture
     from hetforge.hardware import load_soc
     from hetforge.hetero.layouts import layer_assignment
-    from hetforge.hetero.partition import partition_graph
     from hetforge.models.zoo import example_inputs, load_model
 
     lm = load_model("qwen2-tiny")

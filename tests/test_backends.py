@@ -8,6 +8,7 @@ import sys
 
 import pytest
 import torch
+from fx_partition import partition_graph
 
 from hetforge.backends import BackendUnavailable, ConstraintViolation, make_backend, parse_overrides, resolve
 from hetforge.backends.emulated import EmulatedBackend, check_constraints
@@ -18,7 +19,6 @@ from hetforge.errors import UsageError
 from hetforge.frontend import capture
 from hetforge.hardware import load_soc
 from hetforge.hetero.layouts import layer_assignment
-from hetforge.hetero.partition import partition_graph
 from hetforge.models.zoo import example_inputs, load_model
 
 

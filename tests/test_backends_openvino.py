@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from fx_partition import partition_graph
 
 from hetforge.backends import make_backend
 from hetforge.frontend import capture
-from hetforge.hetero.partition import partition_graph
 from hetforge.models.zoo import example_inputs, load_model
 from hetforge.verify import compare_logits
 

@@ -1,4 +1,4 @@
-"""The compile cache on disk (hetforge.compile_cache): miss then hit with equal outputs, any weight change
+"""The compile cache on disk (hetforge.runtime.compile_cache): miss then hit with equal outputs, any weight change
 is another key, corrupt and stale entries are detected, deleted and rebuilt, an unwritable folder warns once."""
 
 import json
@@ -6,9 +6,8 @@ import json
 import pytest
 import torch
 
-from hetforge import compile_cache
 from hetforge.models.zoo import load_model
-from hetforge.runtime import Engine
+from hetforge.runtime import Engine, compile_cache
 
 TIER = 32
 

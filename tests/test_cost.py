@@ -1,5 +1,4 @@
 import math
-from dataclasses import fields
 
 import pytest
 import torch
@@ -8,7 +7,6 @@ from hypothesis import strategies as st
 
 from hetforge.cost import (
     UNKNOWN_OPS,
-    OpCost,
     analyze,
     cpq,
     cpq_penalty,
@@ -164,8 +162,15 @@ def test_unknown_op_is_a_control_op_not_free():
     assert not c.known and c.op_class == "control" and c.bound == "dispatch"
     assert c.time_s == pytest.approx(1e-6) and c.energy_j > 0
     assert "aten.frobnicate.default" in UNKNOWN_OPS
-    assert [f.name for f in fields(OpCost)][:11] == ["op", "device", "flops", "bytes", "ai", "op_class", "time_s",
-                                                     "energy_j", "dasi", "bound", "known"]
+
+
+def test_gpu_is_faster_than_cpu_on_a_full_size_layer():
+    """One Llama-3.1-8B-shaped layer at 64 tokens is compute/bandwidth-bound: the Orin GPU's roofline wins
+    by far over its CPU (modeled)."""
+    from hetforge.frontend import capture_shaped
+
+    gc = analyze(capture_shaped(layers=1, seq=64).gm, load_soc("jetson-agx-orin"))
+    assert gc.total_time("gpu") * 5 < gc.total_time("cpu")
 
 
 # qwen2-tiny produces the same op set as llama-tiny; leaving it out saves a capture
@@ -193,8 +198,10 @@ def test_every_zoo_op_has_a_formula(tiny_graphs):
         # the matmuls carry (almost) all the FLOPs
         mm = sum(n.costs["cpu"].flops for n in gc.nodes if n.costs["cpu"].group in ("matmul", "attention"))
         assert mm > 0.9 * gc.total_flops(), name
-        # the GPU is faster than the CPU on the same graph, the NPU cannot run every node
-        assert gc.total_time("gpu") != gc.total_time("cpu")
+        # an 8-token tiny graph is launch-bound: the GPU's per-kernel overhead makes it slower than the CPU
+        # (the opposite of a full-size layer, test_gpu_is_faster_than_cpu_on_a_full_size_layer); the NPU
+        # cannot run every node
+        assert gc.total_time("gpu") > gc.total_time("cpu")
         assert any(not n.supported["npu"] for n in gc.nodes)
 
 

@@ -107,7 +107,8 @@ def test_cli_capture_and_verify():
     r = runner.invoke(app, ["capture", "gpt2-tiny", "--json"])
     assert r.exit_code == 0, r.output
     d = json.loads(r.stdout)
-    assert d["nodes"] > 10 and d["ops"]["aten.linear.default"] >= 1 or d["ops"].get("aten.addmm.default")
+    assert d["nodes"] > 10
+    assert d["ops"].get("aten.linear.default", 0) + d["ops"].get("aten.addmm.default", 0) >= 1
     r = runner.invoke(app, ["verify", "llama-tiny", "--json"])
     assert r.exit_code == 0, r.output
     d = json.loads(r.stdout)

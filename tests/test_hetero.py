@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from fx_partition import partition_graph
 from typer.testing import CliRunner
 
 from hetforge.backends import resolve
@@ -13,7 +14,6 @@ from hetforge.errors import UsageError
 from hetforge.frontend import capture
 from hetforge.hardware import load_soc
 from hetforge.hetero.layouts import layer_assignment
-from hetforge.hetero.partition import partition_graph
 from hetforge.hetero.pipeline import partitions_from_placement
 from hetforge.hetero.runner import build
 from hetforge.hetero.session import execute
@@ -80,7 +80,7 @@ def test_torch_only_partitions_match_eager_exactly(llama, layout):
     assert rep2.passed and rep2.kl_max < 1e-8
     # one transfer per (value, destination), as lowering counted them; the 155H links are not unified: copies
     assert len(rep.transfers) == pp.lowered_transfers > 0
-    assert all(t.mode == "copy" and t.nbytes > 0 and t.measured_s >= 0 for t in rep.transfers)
+    assert all(t.mode == "copy" and t.nbytes > 0 and t.measured_s > 0 for t in rep.transfers)
     assert rep.switches == len(pp.partitions.partitions) - 1
 
 

@@ -8,7 +8,7 @@ import pytest
 
 from hetforge.compile import compile_model
 from hetforge.ir import Program, Reg
-from hetforge.ir.program import INPUT, KERNEL, TEMP, TRANSFER, VIEW
+from hetforge.ir.program import KERNEL, TEMP, TRANSFER, VIEW
 from hetforge.ir.verify import ProgramVerifyError, verify_program
 from hetforge.memplan import ALIGN
 
@@ -244,4 +244,3 @@ def test_input_value_kinds_are_checked(compiled):
     p.values[p.inputs[0]].kind = TEMP
     with pytest.raises(ProgramVerifyError, match="has no producer|is not a declared input"):
         verify_program(p, "lower")
-    assert INPUT == "input"

@@ -8,6 +8,7 @@ import json
 
 import pytest
 import torch
+from fx_partition import partition_graph
 
 from hetforge.backends.base import ConstraintViolation
 from hetforge.backends.emulated import EmulatedBackend, check_constraints
@@ -16,7 +17,6 @@ from hetforge.cli.common import app
 from hetforge.cli.main import _load_commands
 from hetforge.frontend import capture
 from hetforge.hardware import load_soc
-from hetforge.hetero.partition import partition_graph
 from hetforge.models.zoo import load_model
 from hetforge.moe import apply_tiers, calibrate, choose_tiers, moe_graph
 from hetforge.moe.expand import expand_moe

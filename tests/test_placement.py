@@ -26,7 +26,7 @@ def tiny():
 @pytest.fixture(scope="module")
 def shaped():
     """A 1-layer Llama-3.1-shaped graph (narrowed), eager attention so softmax is its own node."""
-    from hetforge.models.shapes import capture_shaped
+    from hetforge.frontend import capture_shaped
 
     small = dict(hidden_size=2048, intermediate_size=5632, num_attention_heads=16, num_key_value_heads=4,
                  vocab_size=16384, bos_token_id=1, eos_token_id=2)
@@ -150,7 +150,8 @@ def test_pgsam_strategy_front_and_aux_routing(tiny):
 
 
 def test_shaped_graph_has_llama31_shapes():
-    from hetforge.models.shapes import LLAMA31_8B, capture_shaped
+    from hetforge.frontend import capture_shaped
+    from hetforge.models.shapes import LLAMA31_8B
 
     gm = capture_shaped(layers=1, seq=4).gm
     w = {str(n.target).split("layers.0.")[-1]: n for n in gm.graph.nodes if n.op == "get_attr"}

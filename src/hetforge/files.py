@@ -15,9 +15,10 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import math
 import os
 import secrets
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -153,6 +154,26 @@ def write_bytes(path: str | Path, data: bytes, what: str = "") -> Path:
 def write_text(path: str | Path, text: str, what: str = "") -> Path:
     """Write ``text`` (UTF-8) to ``path`` atomically."""
     return write_bytes(path, text.encode("utf-8"), what)
+
+
+def read_json(path: Path, fail: Callable[[Exception], Exception]) -> Any:
+    """The JSON document in ``path``; ``fail(error)`` is raised (without a traceback chain) when the file is not
+    UTF-8 JSON, so each caller keeps its own one-line message and error type."""
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise fail(e) from None
+
+
+def json_safe(o: Any) -> Any:
+    """``o`` with NaN/inf floats as strings and dict keys as strings, so ``json.dumps`` writes strict JSON."""
+    if isinstance(o, float) and (math.isnan(o) or math.isinf(o)):
+        return str(o)
+    if isinstance(o, dict):
+        return {str(k): json_safe(v) for k, v in o.items()}
+    if isinstance(o, (list, tuple)):
+        return [json_safe(v) for v in o]
+    return o
 
 
 def write_json(path: str | Path, obj: Any, what: str = "", indent: int | None = None) -> Path:

@@ -22,6 +22,8 @@ from torch import nn
 from torch.export import Dim
 
 from hetforge.errors import CaptureError
+from hetforge.models.shapes import shaped_module
+from hetforge.models.zoo import LogitsModule
 
 
 @dataclass
@@ -105,10 +107,16 @@ def capture(
     return CapturedGraph(gm, ep, tuple(example_inputs), seconds, strict, name, paths)
 
 
+def capture_shaped(name: str = "llama-3.1-8b-shape", seq: int = 16, layers: int | None = None,
+                   dtype: torch.dtype = torch.float16, attn: str = "sdpa", overrides: dict | None = None
+                   ) -> CapturedGraph:
+    """Capture a shape-only model (:mod:`hetforge.models.shapes`): real shapes on the meta device, no weights."""
+    model, inputs = shaped_module(name, seq=seq, layers=layers, dtype=dtype, attn=attn, overrides=overrides)
+    return capture(model, inputs, name=name)
+
+
 def _wrapper_prefix(model: nn.Module) -> str:
     """``LogitsModule`` holds the HF model as ``model``; paths are reported relative to it."""
-    from hetforge.models.zoo import LogitsModule
-
     return "model." if isinstance(model, LogitsModule) else ""
 
 

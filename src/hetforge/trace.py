@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hetforge.files import write_json
+
 MEASURED, MODELED = "measured", "modeled"
 
 
@@ -80,8 +82,6 @@ class Trace:
 
     def write(self, path: str | Path, what: str = "") -> Path:
         """Write the trace JSON to ``path`` atomically (never a half-written file; see :mod:`hetforge.files`)."""
-        from hetforge.files import write_json
-
         path = Path(path)
         with contextlib.suppress(OSError):  # a folder that cannot be made is reported by write_json, in one line
             path.parent.mkdir(parents=True, exist_ok=True)

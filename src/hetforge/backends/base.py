@@ -1,6 +1,6 @@
 """The one backend interface: compile a partition, run it, report the measured time.
 
-A :class:`Backend` turns a :class:`~hetforge.hetero.partition.Partition` into a :class:`CompiledPartition`;
+A :class:`Backend` turns a :class:`~hetforge.backends.partition.Partition` into a :class:`CompiledPartition`;
 ``CompiledPartition.run(args)`` returns the outputs and the measured wall time of that one call (seconds,
 ``time.perf_counter``; CUDA synchronizes before reading the clock). ``memory`` names where a backend's
 tensors live (``host`` or ``cuda:N``): the runner copies a value only when producer and consumer live in
@@ -19,7 +19,7 @@ import torch
 from hetforge.errors import HetforgeError
 
 if TYPE_CHECKING:
-    from hetforge.hetero.partition import Partition
+    from hetforge.backends.partition import Partition
 
 PEERS_HINT = "pip install -e .[peers]"
 

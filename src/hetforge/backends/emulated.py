@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from hetforge.backends.base import Backend, BackendUnavailable, CompiledPartition, ConstraintViolation
-from hetforge.hetero.partition import Partition, _fetch_attr
+from hetforge.backends.partition import Partition, fetch_attr
 
 POLICIES = ("exact", "strict")
 _DTYPE_KEYS = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int8: "int8",
@@ -76,7 +76,7 @@ def check_constraints(part: Partition, device, policy: str = "exact") -> tuple[l
             out += _quantized_dtypes(n, op, device, dtypes)
         vals = _tensors(n.meta.get("val"))
         if n.op == "get_attr":
-            t = _fetch_attr(part.gm, str(n.target))
+            t = fetch_attr(part.gm, str(n.target))
             vals = [t] if isinstance(t, torch.Tensor) else vals
         for t in vals:
             if device.static_shapes and any(not isinstance(s, int) for s in t.shape):

@@ -30,8 +30,8 @@ from hetforge.backends.base import (
     CompileReport,
     example_args,
 )
+from hetforge.backends.partition import Partition
 from hetforge.errors import HetforgeError
-from hetforge.hetero.partition import Partition
 
 PRECISIONS = {"f32": "f32", "fp32": "f32", "f16": "f16", "fp16": "f16", "bf16": "bf16"}
 PLUGIN_PREFERENCE = ("NPU", "GPU", "CPU")
@@ -179,12 +179,9 @@ OPENVINO_NUMERICS = {"hetforge.linear_w8a8.default": "w8a8 runs weight-only int8
 
 
 def _decompositions() -> dict:
-    table = dict(OPENVINO_DECOMPOSITIONS)
-    try:
-        from hetforge.ops.quant import OPENVINO_DECOMPOSITIONS as quant_decomps
-    except ImportError:  # quantization ops not part of this installation
-        quant_decomps = {}
-    return {**quant_decomps, **table}
+    from hetforge.ops.quant import OPENVINO_DECOMPOSITIONS as quant_decomps
+
+    return {**quant_decomps, **dict(OPENVINO_DECOMPOSITIONS)}
 
 
 def decompose_custom_ops(ep: torch.export.ExportedProgram) -> tuple[torch.export.ExportedProgram, dict[str, int]]:

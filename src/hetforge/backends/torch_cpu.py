@@ -14,8 +14,8 @@ from typing import Any
 import torch
 
 from hetforge.backends.base import Backend, CompiledPartition, CompileReport
+from hetforge.backends.partition import Partition
 from hetforge.errors import UsageError
-from hetforge.hetero.partition import Partition
 
 
 class TorchCompiled(CompiledPartition):

@@ -15,8 +15,8 @@ import torch
 from torch import fx
 
 from hetforge.backends.base import Backend, BackendUnavailable, CompiledPartition, CompileReport
+from hetforge.backends.partition import Partition, fetch_attr
 from hetforge.backends.torch_cpu import TorchCompiled
-from hetforge.hetero.partition import Partition, _fetch_attr
 
 
 class TorchCudaBackend(Backend):
@@ -44,7 +44,7 @@ class TorchCudaBackend(Backend):
         self.check_available()
         dev = torch.device(self.memory)
         t0 = time.perf_counter()
-        weights = {w: _fetch_attr(part.gm, w).detach().to(dev) for w in part.weights}
+        weights = {w: fetch_attr(part.gm, w).detach().to(dev) for w in part.weights}
         graph = fx.Graph()
         env: dict[fx.Node, fx.Node] = {}
         def retarget(a):

@@ -35,6 +35,7 @@ from hetforge.benchmarks.systems import (
 )
 from hetforge.benchmarks.worker import RunResult, WorkerSpec, first_line, run_worker
 from hetforge.errors import UsageError
+from hetforge.files import json_safe, write_text
 
 DEFAULT_MODELS = ["gpt2", "llama-110m", "mixtral-small"]
 QUICK_MODELS = ["gpt2-tiny", "llama-tiny"]
@@ -223,7 +224,7 @@ def _run_inprocess(spec: WorkerSpec, env_extra: dict[str, str]) -> RunResult:
 def _env_for(system: str, cache_dir: Path) -> dict[str, str]:
     if system == "compile":
         return {"TORCHINDUCTOR_CACHE_DIR": str(cache_dir / "inductor")}
-    if system == "hetforge":  # the run's own compile cache folder: a cold run is cold (hetforge.compile_cache)
+    if system == "hetforge":  # the run's own compile cache folder: a cold run is cold (hetforge.runtime.compile_cache)
         return {"HETFORGE_COMPILE_CACHE_DIR": str(cache_dir / "hetforge-programs")}
     return {}
 
@@ -409,7 +410,4 @@ def _is_f32(row: Row) -> bool:
 
 def save_json(result: SuiteResult, path: Path) -> None:
     """Write the raw and aggregated results (atomically)."""
-    from hetforge.cli.common import _clean
-    from hetforge.files import write_text
-
-    write_text(path, json.dumps(_clean(result.to_dict()), indent=1, default=str), "--out-dir file")
+    write_text(path, json.dumps(json_safe(result.to_dict()), indent=1, default=str), "--out-dir file")

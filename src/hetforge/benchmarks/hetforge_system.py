@@ -1,37 +1,22 @@
-"""The hetforge row of the peer benchmark: the real pipeline, whatever of it exists, run for real.
+"""The hetforge row of the peer benchmark: the real pipeline, run for real.
 
-Forward (prefill and one token, no cache), in order of preference:
-
-1. ``hetforge.compile.compile_graph`` on a static-shape capture, once per shape ([1, seq] and [1, 1]):
-   capture → passes → placement → lower → schedule → memory plan → generated executor. hetforge
-   compiles static shapes, so both programs count in its cold preparation (as torch.compile's two
-   compilations count in its own);
-2. otherwise ``hetforge.frontend.capture`` (dynamic sequence length) plus ``hetforge.passes.optimize``
-   when present, the resulting ``GraphModule`` run directly.
+Forward (prefill and one token, no cache): ``hetforge.compile.compile_graph`` on a static-shape capture, once per
+shape ([1, seq] and [1, 1]): capture → passes → placement → lower → schedule → memory plan → generated executor.
+hetforge compiles static shapes, so both programs count in its cold preparation (as torch.compile's two
+compilations count in its own).
 
 Decode: ``hetforge.runtime.Engine`` (static prefill/decode programs, preallocated KV cache, greedy CPU
-sampling) when it exists. Its program compilation is reported separately (``decode_prep``), not in the
-cold preparation of the forward, and its ttft/decode figures exclude compilation (measured on a second
-request). The label says which stages ran, so the table never claims a stage that did not run.
+sampling). Its program compilation is reported separately (``decode_prep``), not in the cold preparation of
+the forward, and its ttft/decode figures exclude compilation (measured on a second request).
 """
 
 from __future__ import annotations
 
-import importlib.util
-import time
-
 import torch
 
-from hetforge.benchmarks.systems import DecodeTiming, Prepared, PrepContext
+from hetforge.benchmarks.base import DecodeTiming, Prepared, PrepContext, first_line
 
 COMPILE_STAGES = ("capture", "passes", "place", "lower", "schedule", "memory", "build")
-
-
-def _has(module: str) -> bool:
-    try:
-        return importlib.util.find_spec(module) is not None
-    except ModuleNotFoundError:
-        return False
 
 
 def _compiled_forward(ctx: PrepContext, stages: dict[str, float], notes: list[str]):
@@ -52,35 +37,14 @@ def _compiled_forward(ctx: PrepContext, stages: dict[str, float], notes: list[st
         if res.executable is None:
             raise RuntimeError("hetforge.compile returned no executable")
         fns.append(res.executable)
-        devices = res.program.count_by_device() if hasattr(res.program, "count_by_device") else {}
+        devices = res.program.count_by_device()
         if tag == "prefill":
             notes.append(f"soc 'host'; instructions by device {devices}; executor mode {res.executable.mode}")
     return fns[0], fns[1]
 
 
-def _fx_forward(ctx: PrepContext, stages: dict[str, float], notes: list[str]):
-    from hetforge.frontend import capture
-
-    dyn = {0: {1: ("seq", 1, ctx.loaded.max_positions)}, 1: {1: ("seq", 1, ctx.loaded.max_positions)}}
-    cg = capture(ctx.module, ctx.prefill_inputs, dynamic_dims=dyn, name=ctx.loaded.name)
-    stages["capture"] = cg.seconds
-    gm = cg.gm
-    if _has("hetforge.passes"):
-        from hetforge.passes import optimize
-
-        t0 = time.perf_counter()
-        gm = optimize(gm, example_inputs=ctx.prefill_inputs).gm
-        stages["passes"] = time.perf_counter() - t0
-    notes.append("hetforge.compile not present: captured (and optimized) GraphModule run directly")
-    return gm, gm
-
-
 def _runtime_decode(ctx: PrepContext, notes: list[str]):
-    """A decode callable over ``hetforge.runtime.Engine``, or None when the runtime is absent."""
-    if not _has("hetforge.runtime"):
-        notes.append("no decode figure: hetforge.runtime not present in this checkout")
-        return None
-
+    """A decode callable over ``hetforge.runtime.Engine``."""
     def decode(inputs: tuple[torch.Tensor, torch.Tensor], n: int) -> DecodeTiming:
         from hetforge.runtime import Engine, SamplingParams
 
@@ -90,8 +54,6 @@ def _runtime_decode(ctx: PrepContext, notes: list[str]):
             engine = Engine(ctx.loaded, executor="auto")
             first = engine.generate(prompt, params)  # compiles the prefill and decode programs
         except Exception as e:  # the backend executor may not take every graph yet: fall back, and say so
-            from hetforge.benchmarks.worker import first_line
-
             notes.append(f"runtime executor 'auto' failed ({first_line(e)}); decode measured with executor 'fx'")
             engine = Engine(ctx.loaded, executor="fx")
             first = engine.generate(prompt, params)
@@ -105,14 +67,10 @@ def _runtime_decode(ctx: PrepContext, notes: list[str]):
 
 
 def prepare_hetforge(ctx: PrepContext) -> Prepared:
-    """Prepare the hetforge row from the stages that exist in this checkout."""
+    """Prepare the hetforge row: compiled forward programs, and the runtime's decode for causal LMs."""
     stages: dict[str, float] = {}
     notes: list[str] = []
-    if _has("hetforge.compile"):
-        prefill, step = _compiled_forward(ctx, stages, notes)
-        label = "hetforge (compile: capture → passes → place → lower → schedule → plan → executor)"
-    else:
-        prefill, step = _fx_forward(ctx, stages, notes)
-        label = "hetforge (capture + passes, GraphModule run; no compiled executor yet)"
+    prefill, step = _compiled_forward(ctx, stages, notes)
+    label = "hetforge (compile: capture → passes → place → lower → schedule → plan → executor)"
     decode = _runtime_decode(ctx, notes) if ctx.loaded.kind == "causal-lm" else None
     return Prepared(forward=prefill, step_forward=step, stages=stages, label=label, notes=notes, decode=decode)

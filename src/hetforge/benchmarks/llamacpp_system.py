@@ -18,7 +18,7 @@ import time
 import numpy as np
 import torch
 
-from hetforge.benchmarks.systems import DecodeTiming, Prepared, PrepContext
+from hetforge.benchmarks.base import DecodeTiming, Prepared, PrepContext
 
 
 def prepare_llamacpp(ctx: PrepContext, qtype: str) -> Prepared:

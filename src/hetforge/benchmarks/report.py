@@ -10,6 +10,7 @@ import re
 from pathlib import Path
 
 from hetforge.benchmarks.harness import Row, Stat, SuiteResult
+from hetforge.files import save_figure, write_text
 
 NOTES_BEGIN, NOTES_END = "<!-- notes:begin -->", "<!-- notes:end -->"
 _PALETTE = {"hetforge": "#d62728", "eager": "#7f7f7f", "export": "#bcbd22", "compile": "#1f77b4",
@@ -212,8 +213,6 @@ def render_chart(res: SuiteResult, path: Path) -> None:
     fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8, frameon=False)
     fig.suptitle("hetforge vs peers (measured, median; whiskers min–max over repeats)", fontsize=10)
     fig.tight_layout(rect=(0, 0.08, 1, 0.95))
-    from hetforge.files import save_figure
-
     try:
         save_figure(fig, path, "--out-dir file", dpi=72)
     finally:
@@ -249,8 +248,6 @@ def write_report(res: SuiteResult, out_dir: Path, stem: str = "peers") -> dict[s
     md, png, js = out_dir / f"{stem}.md", out_dir / f"{stem}.png", out_dir / f"{stem}.json"
     render_chart(res, png)
     text = render_markdown(res, png.name, existing_notes(md))
-    from hetforge.files import write_text
-
     write_text(md, text, "--out-dir file")
     save_json(res, js)
     return {"markdown": md, "chart": png, "json": js}

@@ -15,66 +15,11 @@ from __future__ import annotations
 
 import importlib.util
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 from torch import nn
 
-from hetforge.models.zoo import LoadedModel
-
-Forward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-@dataclass
-class DecodeTiming:
-    """Time to first token and steady decode time per token, both measured (ms)."""
-
-    ttft_ms: float
-    decode_ms_per_token: float
-    new_tokens: int
-    prep_s: float = 0.0  # one-time preparation of the decode path (e.g. hetforge's runtime programs)
-
-
-@dataclass
-class PrepContext:
-    """What a system's ``prepare`` gets."""
-
-    loaded: LoadedModel
-    module: nn.Module  # (input_ids, attention_mask) -> logits, no cache
-    prefill_inputs: tuple[torch.Tensor, torch.Tensor]
-    step_inputs: tuple[torch.Tensor, torch.Tensor]
-    workdir: Path
-    cache_dir: Path
-    threads: int = 2
-
-
-@dataclass
-class Prepared:
-    """A ready-to-run system: its forward, how long each preparation stage took, and extras."""
-
-    forward: Forward
-    stages: dict[str, float] = field(default_factory=dict)  # stage name -> seconds (measured)
-    step_forward: Forward | None = None  # one-token forward when it differs from ``forward``
-    decode: Callable[[tuple[torch.Tensor, torch.Tensor], int], DecodeTiming] | None = None
-    label: str | None = None  # overrides the system's label (e.g. says which hetforge stages ran)
-    notes: list[str] = field(default_factory=list)
-    precision: str = "f32"
-
-
-@dataclass(frozen=True)
-class System:
-    """One row family of the benchmark."""
-
-    key: str
-    label: str
-    prepare: Callable[[PrepContext], Prepared]
-    requires: tuple[str, ...] = ()  # importable modules it needs
-    has_cache: bool = False  # a warm (cached) preparation is measured in a second, fresh process
-    is_hetforge: bool = False
-    max_model_note: str = ""
-    install: str = "pip install -e .[peers]"  # how to get what ``requires`` names
+from hetforge.benchmarks.base import DecodeTiming, Forward, Prepared, PrepContext, System  # noqa: F401
 
 
 class _Timer:

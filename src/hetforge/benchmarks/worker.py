@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from hetforge.benchmarks.base import first_line  # noqa: F401  (re-exported for callers)
+
 
 @dataclass
 class WorkerSpec:
@@ -68,17 +70,6 @@ class RunResult:
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-
-def first_line(err: BaseException | str) -> str:
-    """The first non-empty line of an error, prefixed with its type, at most 240 characters."""
-    if isinstance(err, BaseException):
-        text = str(err)
-        line = next((ln.strip() for ln in text.splitlines() if ln.strip()), "")
-        line = f"{type(err).__name__}: {line}" if line else type(err).__name__
-    else:
-        line = next((ln.strip() for ln in err.splitlines() if ln.strip()), "")
-    return line[:240]
 
 
 def _rss_mb() -> float:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 import json
-import math
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -20,6 +19,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from hetforge.errors import HetforgeError
+from hetforge.files import json_safe
 
 app = typer.Typer(
     name="hetforge",
@@ -46,19 +46,9 @@ def _one_line_click_error(e: click.ClickException) -> None:
 typer.rich_utils.rich_format_error = _one_line_click_error
 
 
-def _clean(o: Any) -> Any:
-    if isinstance(o, float) and (math.isnan(o) or math.isinf(o)):
-        return str(o)
-    if isinstance(o, dict):
-        return {str(k): _clean(v) for k, v in o.items()}
-    if isinstance(o, (list, tuple)):
-        return [_clean(v) for v in o]
-    return o
-
-
 def emit_json(obj: Any) -> None:
     """Print one JSON document to stdout (nothing else goes to stdout with --json)."""
-    sys.stdout.write(json.dumps(_clean(obj), indent=2, default=str) + "\n")
+    sys.stdout.write(json.dumps(json_safe(obj), indent=2, default=str) + "\n")
     sys.stdout.flush()
 
 

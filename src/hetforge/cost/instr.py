@@ -2,7 +2,7 @@
 
 An instruction is its op (:func:`hetforge.cost.estimate` on the shapes of its registers) plus what the
 arena executor (``hetforge.executor``, mode ``arena``) does around it to put the result in its planned
-arena slice (:func:`write_mode`):
+arena slice (:func:`hetforge.ir.kernel_choice.write_mode`):
 
 * ``out``: the op writes the slice itself (a GEMM on 2-D views, an ATen ``out=`` overload, or a copy-like
   op done as ``slice.copy_(input)``) — the op's cost only;
@@ -38,11 +38,11 @@ from typing import Any
 from hetforge.cost.context import CacheContext
 from hetforge.cost.model import OpCost, estimate, estimate_parts
 from hetforge.hardware.profile import DeviceProfile
-from hetforge.ir.program import INPLACE, KERNEL, TRANSFER, VIEW, WEIGHT, Instr, Program, Reg, map_regs
-from hetforge.ops.registry import OpCall, TensorMeta, lookup
+from hetforge.ir.kernel_choice import write_mode  # noqa: F401  (re-exported: hetforge.cost.write_mode)
+from hetforge.ir.program import KERNEL, TRANSFER, Instr, Program, Reg, map_regs
+from hetforge.ops.registry import OpCall, TensorMeta
 
 COPY_OP = "aten.copy_.default"
-GEMM_OPS = ("aten.linear.default", "aten.addmm.default", "aten.mm.default")
 
 
 def op_call_from_instr(ins: Instr, program: Program) -> OpCall:
@@ -56,43 +56,6 @@ def op_call_from_instr(ins: Instr, program: Program) -> OpCall:
     kwargs = map_regs(ins.kwargs, meta)
     outs = tuple(TensorMeta(tuple(program.values[o].shape), program.values[o].dtype) for o in ins.outputs)
     return OpCall(ins.op, tuple(args), dict(kwargs), outs)
-
-
-def write_mode(ins: Instr, program: Program, planned: set[int] | dict[int, Any]) -> str:
-    """How the arena executor writes ``ins``'s result: ``out``, ``copy``, ``view-copy``, ``fresh``, ``view``,
-    ``elided``, ``inplace`` or ``transfer`` (see the module docstring). ``planned``: the value ids with an arena slice
-    (``MemoryPlan.offsets``)."""
-    from hetforge.executor.kernels import is_copy_like, out_variant
-
-    if ins.kind == VIEW and _identity_view(ins, program):
-        return "elided"
-    if ins.kind in (VIEW, INPLACE, TRANSFER):
-        return ins.kind
-    if not any(o in planned for o in ins.outputs):
-        return "fresh"
-    info = lookup(ins.op)
-    if info is not None and info.is_view:
-        return "view-copy"
-    if len(ins.outputs) != 1:
-        return "copy"
-    if is_copy_like(ins.op, ins.args, ins.kwargs):
-        return "out"
-    if ins.op in GEMM_OPS and len(ins.args) > 1 and isinstance(ins.args[1], Reg):
-        return "out"
-    return "out" if ins.target is not None and out_variant(ins.target) is not None else "copy"
-
-
-def _identity_view(ins: Instr, program: Program) -> bool:
-    """The executor's rule for a view it elides (``hetforge.executor.runtime``: same layout, identity op)."""
-    from hetforge.executor import runtime
-
-    ops = getattr(runtime, "IDENTITY_VIEW_OPS", ())
-    if ins.op not in ops or len(ins.outputs) != 1 or not ins.args or not isinstance(ins.args[0], Reg):
-        return False
-    a, o = program.values[ins.args[0].id], program.values[ins.outputs[0]]
-    if a.kind == WEIGHT or a.device != ins.device:
-        return False
-    return (a.shape, a.stride, a.storage_offset, a.dtype) == (o.shape, o.stride, o.storage_offset, o.dtype)
 
 
 def _copy_cost(out: TensorMeta, device: DeviceProfile) -> OpCost:

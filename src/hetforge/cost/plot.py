@@ -6,6 +6,7 @@ import math
 from pathlib import Path
 
 from hetforge.cost.analyze import GraphCost
+from hetforge.files import save_figure
 from hetforge.hardware.profile import SocProfile
 
 
@@ -39,8 +40,6 @@ def roofline_plot(gc: GraphCost, soc: SocProfile, path: Path, title: str = "", w
     ax.set_title(title or f"roofline on {soc.name} (modeled)")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7, loc="lower right")
-    from hetforge.files import save_figure
-
     try:
         return save_figure(fig, Path(path), what, dpi=120, bbox_inches="tight")
     finally:

@@ -21,7 +21,7 @@ def codegen_line(cg, ins, o: int, dev: torch.device) -> str | None:
     program weights, a contiguous fp32/bf16 input of at least two rows on this CPU, where :func:`choose`
     measured oneDNN faster. The result is oneDNN's fresh tensor, bound to the register (no copy into the
     arena slice: its slice stays unused)."""
-    from hetforge.executor.runtime import bind_args
+    from hetforge.ir.kernel_choice import bind_args
     from hetforge.ir.program import WEIGHT, Reg
 
     if dev.type != "cpu" or ins.op not in GEMM_OPS or ins.kwargs and not ins.op.startswith("hetforge."):

@@ -27,20 +27,19 @@ from torch.utils._pytree import tree_leaves
 
 from hetforge.errors import UsageError
 from hetforge.executor import onednn
-from hetforge.executor.kernels import is_copy_like, out_variant
+from hetforge.ir.kernel_choice import (  # noqa: F401
+    IDENTITY_VIEW_OPS,
+    bind_args,
+    identity_view,
+    is_copy_like,
+    out_variant,
+)
 from hetforge.ir.program import INPLACE, KERNEL, OUTPUT, TRANSFER, VIEW, WEIGHT, Program, Reg
 from hetforge.kernels import native
 from hetforge.memplan import MemoryPlan
 from hetforge.ops import gemv, lookup
 
 MODES = ("arena", "fast")
-# views that return their input (or an equal view of it) when shape and dtype do not change
-IDENTITY_VIEW_OPS = {
-    "aten.alias.default", "aten.to.dtype", "aten.to.dtype_layout", "aten.to.device", "aten.to.other",
-    "aten.expand.default", "aten.view.default", "aten.reshape.default", "aten._unsafe_view.default",
-}
-
-
 def default_device_map(p: Program, soc=None) -> dict[str, torch.device]:
     """SoC device name → the torch device that runs it on this host."""
     kinds = {d.name: d.kind for d in soc.devices} if soc is not None else {}
@@ -108,24 +107,6 @@ class ExecStats:
 NATIVE_ROW_OPS = ("hetforge.rms_norm.default", "hetforge.layer_norm.default", "hetforge.rotary.default",
                   "hetforge.kv_attention.default", "hetforge.linear_act.default", "hetforge.gated_mlp.default",
                   "hetforge.linear_w8.default")
-
-
-def bind_args(ins) -> dict[str, Any] | None:
-    """The instruction's arguments by schema name, defaults filled in (None when they do not bind)."""
-    schema = getattr(ins.target, "_schema", None)
-    if schema is None:
-        return None
-    out: dict[str, Any] = {}
-    for i, a in enumerate(schema.arguments):
-        if i < len(ins.args):
-            out[a.name] = ins.args[i]
-        elif a.name in ins.kwargs:
-            out[a.name] = ins.kwargs[a.name]
-        elif a.has_default_value():
-            out[a.name] = a.default_value
-        else:
-            return None
-    return out
 
 
 class _Codegen:
@@ -347,13 +328,9 @@ class _Codegen:
     def identity_view(self, ins) -> str | None:
         """The input register when this view returns its input unchanged (same shape, strides, offset,
         dtype, for an op that then returns ``self`` or an equal view), else None."""
-        if ins.op not in IDENTITY_VIEW_OPS or len(ins.outputs) != 1 or not ins.args or not isinstance(ins.args[0], Reg):
+        if not identity_view(ins, self.p, lambda a, b: self.dm[a] == self.dm[b]):
             return None
-        a, o = self.p.values[ins.args[0].id], self.p.values[ins.outputs[0]]
-        if a.kind == WEIGHT or self.dm[a.device] != self.dm[ins.device]:
-            return None
-        same = (a.shape, a.stride, a.storage_offset, a.dtype) == (o.shape, o.stride, o.storage_offset, o.dtype)
-        return f"r{a.id}" if same else None
+        return f"r{ins.args[0].id}"
 
     def gemm(self, ins, o: int, dev: torch.device) -> str | None:
         """A linear-type product as a GEMM into the 2-D view of the slice (x contiguous, w a weight).
@@ -669,6 +646,10 @@ class Executable:
         ns: dict[str, Any] = {}
         exec(code, g, ns)
         return ns["run"]
+
+    def planned_buffer(self, vid: int) -> torch.Tensor | None:
+        """The arena slice the generated code binds to register ``vid`` at build time (None if it has none)."""
+        return self._globals.get(f"_b{vid}")
 
     def check_inputs(self, inputs: tuple[torch.Tensor, ...]) -> None:
         if len(inputs) != len(self._inputs):

@@ -12,6 +12,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from hetforge.errors import UsageError
+from hetforge.files import check_input_file, write_text
 from hetforge.hardware.profile import DeviceProfile, LinkProfile, SocProfile
 from hetforge.hardware.schema import DeviceSpec, SocSpec, format_validation_error
 
@@ -57,8 +58,6 @@ def load_soc(name_or_path: str) -> SocProfile:
         if p.is_file():
             return load_file(p)
         if p.exists():  # a folder (or a device) where the profile file should be
-            from hetforge.files import check_input_file
-
             env = " (HETFORGE_HOST_PROFILE)" if os.environ.get("HETFORGE_HOST_PROFILE") else ""
             check_input_file(p, f"host profile{env}", "write one with `hetforge calibrate --out FILE`")
         from hetforge.hardware.host import default_host_spec
@@ -66,8 +65,6 @@ def load_soc(name_or_path: str) -> SocProfile:
         return build(default_host_spec(), "host (built-in default, not calibrated)")
     p = Path(name_or_path)
     if p.suffix == ".json" or p.exists() or os.sep in name_or_path:
-        from hetforge.files import check_input_file
-
         check_input_file(p, "SoC profile file")
         return load_file(p)
     raise UsageError(f"unknown SoC '{name_or_path}'; known: {', '.join(list_socs())} (or a path to a profile .json)")
@@ -146,8 +143,6 @@ def from_spec_dict(raw: dict, label: str) -> SocProfile:
 
 def save_spec(spec: SocSpec, path: Path) -> Path:
     """Write a profile file atomically (temporary file + rename); creates the folder if needed."""
-    from hetforge.files import write_text
-
     path = Path(path)
     with contextlib.suppress(OSError):  # a folder that cannot be made is reported by write_text, in one line
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from torch import fx
 
-from hetforge.hetero.partition import PartitionedGraph
+from hetforge.backends.partition import PartitionedGraph
 from hetforge.hetero.program import partition_program
 
 

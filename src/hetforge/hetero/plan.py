@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from hetforge.errors import HetforgeError, UsageError
+from hetforge.files import check_input_file
 
 
 class PlanFileError(HetforgeError):
@@ -22,7 +23,6 @@ class PlanFileError(HetforgeError):
 def read_header(path: str | Path) -> dict:
     """``format``, ``name``, ``soc``, ``devices`` and ``soc_profile`` of a plan file (UsageError if it is not
     one). A file in this hetforge's format is checked field by field here, before any model is built."""
-    from hetforge.files import check_input_file
     from hetforge.ir.serialize import FORMAT, validate_program_dict
 
     path = check_input_file(path, "plan file", f"write one with `hetforge compile MODEL --out {path}`")

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from hetforge.hetero.partition import Partition, PartitionedGraph
+from hetforge.backends.partition import Partition, PartitionedGraph
 from hetforge.ir.program import TRANSFER, Program, map_regs
 
 

@@ -27,7 +27,8 @@ from torch.utils import _pytree as pytree
 
 from hetforge.backends.base import BackendUnavailable, CompiledPartition
 from hetforge.backends.mapping import Binding
-from hetforge.hetero.partition import Partition, PartitionedGraph
+from hetforge.backends.partition import Partition, PartitionedGraph
+from hetforge.errors import UsageError
 from hetforge.trace import MEASURED, MODELED, Trace
 
 
@@ -294,8 +295,6 @@ def build(pg: PartitionedGraph, soc, bindings: dict[str, Binding],
     ``costs_given``: the partitions' modeled costs when already known (a compile-cache entry keeps them)."""
     for dev in pg.devices():
         if dev not in bindings:
-            from hetforge.errors import UsageError
-
             raise UsageError(f"partition device '{dev}' is not a device of SoC '{soc.name}' "
                              f"({', '.join(soc.device_names)})")
         try:

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from hetforge.backends.mapping import Binding
-from hetforge.hetero.partition import PartitionedGraph
+from hetforge.backends.partition import PartitionedGraph
 from hetforge.hetero.runner import BuildReport, HeteroExecutable, RunReport, build
 from hetforge.trace import Trace
 from hetforge.verify import FidelityReport, compare_logits

@@ -19,9 +19,9 @@ model (``RunReport`` calls/transfers carry them), never from host timings.
 
 from __future__ import annotations
 
+from hetforge.backends.partition import PartitionedGraph
 from hetforge.cost.timeline import Span, Task, Timeline, list_schedule
 from hetforge.cost.transfer import switch_cost_s
-from hetforge.hetero.partition import PartitionedGraph
 
 __all__ = ["Span", "Timeline", "schedule_run"]
 

@@ -24,6 +24,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from hetforge.errors import HetforgeError, UsageError
+from hetforge.files import check_output, read_json, write_text
 from hetforge.ir.program import Instr, Program, Reg, Value, WeightRef, dtype_from_short, dtype_short
 
 FORMAT = "hetforge-program/1"
@@ -146,10 +147,7 @@ def resolve_op(name: str) -> Any:
     if len(parts) == 3:
         ns, op, overload = parts
         if ns == "hetforge":
-            try:
-                import hetforge.ops.fused  # noqa: F401  (registers hetforge:: custom ops)
-            except ImportError:
-                pass
+            import hetforge.ops  # noqa: F401  (registers the hetforge:: custom ops)
         try:
             return getattr(getattr(getattr(torch.ops, ns), op), overload)
         except (AttributeError, RuntimeError):
@@ -244,8 +242,6 @@ def program_to_dict(p: Program) -> dict[str, Any]:
 
 def save_program(p: Program, path: str | Path, what: str = "") -> Path:
     """Write ``p`` as JSON, atomically (:func:`hetforge.files.write_text`: nothing half-written, mode per umask)."""
-    from hetforge.files import check_output, write_text
-
     path = check_output(path, what, example="plan.json")
     return write_text(path, json.dumps(program_to_dict(p), indent=1), what)
 
@@ -348,10 +344,7 @@ def load_program(path: str | Path, module: torch.nn.Module | None = None, check:
     path = Path(path)
     if not path.is_file():
         raise UsageError(f"program file '{path}' does not exist")
-    try:
-        d = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise MalformedProgramError(f"'{path}' is not a program file: {e}") from None
+    d = read_json(path, lambda e: MalformedProgramError(f"'{path}' is not a program file: {e}"))
     if not isinstance(d, dict):
         raise MalformedProgramError(f"'{path}' is not a program file")
     return program_from_dict(d, module, check, label=f"program file '{path}'", verify=verify)

@@ -24,6 +24,7 @@ from __future__ import annotations
 from typing import Any
 
 from hetforge.errors import HetforgeError
+from hetforge.ir.liveness import ALIGN, PlanError, lifetimes, verify_plan
 from hetforge.ir.program import INPLACE, INPUT, KERNEL, OUTPUT, TEMP, TRANSFER, VIEW, WEIGHT, Program, iter_regs
 
 STAGES = ("lower", "schedule", "memory", "load")
@@ -154,8 +155,6 @@ def arena_buffers(p: Program, roots: dict[int, int] | None = None) -> set[int]:
 
 
 def _check_memory(p: Program, stage: str, offsets: dict[int, int], arena: dict[str, int]) -> None:
-    from hetforge.memplan import PlanError, lifetimes, verify_plan
-
     for vid in offsets:
         v = p.values.get(vid)
         if v is None:
@@ -181,8 +180,6 @@ def _check_memory(p: Program, stage: str, offsets: dict[int, int], arena: dict[s
 
 def memory_record(offsets: dict[int, int], arena: dict[str, int]) -> dict[str, Any]:
     """The JSON form of a memory plan saved with a program (offsets keyed by register id)."""
-    from hetforge.memplan import ALIGN
-
     return {"align": ALIGN, "arena_bytes": dict(arena), "offsets": {str(k): int(v) for k, v in sorted(offsets.items())}}
 
 

@@ -21,6 +21,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from hetforge.errors import HetforgeError
 from hetforge.kforge import guardrails
 from hetforge.kforge.platforms import Platform
 from hetforge.kforge.problems import Problem
@@ -172,8 +173,6 @@ def reference(problem: Problem, cfg: Config) -> RefInfo:
         rc, why = run_worker("reference", spec, folder, cfg)
         data = json.loads(rj.read_text()) if rj.exists() else {}
         if rc != 0 or not data.get("phases", {}).get("baseline", {}).get("ok"):
-            from hetforge.errors import HetforgeError
-
             raise HetforgeError(f"reference of problem '{problem.name}' failed: {why or 'no result'} "
                                 f"(log: {folder / 'reference.log'})")
     return RefInfo(folder / "refs.pt", data["flops"], data["elementwise"], data["bytes"], data["eager"]["median_s"],

@@ -14,8 +14,10 @@ import json
 import os
 import time
 import tomllib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from hetforge.errors import HetforgeError, UsageError
 from hetforge.kforge import offline
@@ -93,24 +95,30 @@ class OpenAICompatible(Provider):
     def __init__(self, cfg: ProviderConfig, api_key: str):
         import openai
 
-        self.cfg, self.name = cfg, cfg.name
-        self.client = openai.OpenAI(api_key=api_key, base_url=cfg.base_url, timeout=cfg.timeout_s,
-                                    max_retries=cfg.max_retries)
+        self._connect(openai, openai.OpenAI, cfg, api_key, "api.openai.com")
 
-    def generate(self, req: GenRequest) -> Reply:
-        import openai
+    def _connect(self, api: Any, client: Any, cfg: ProviderConfig, api_key: str, host: str) -> None:
+        self.cfg, self.name, self._api, self._host = cfg, cfg.name, api, host
+        self.client = client(api_key=api_key, base_url=cfg.base_url, timeout=cfg.timeout_s,
+                             max_retries=cfg.max_retries)
 
-        t0 = time.perf_counter()
+    def _request(self, call: Callable[[], Any]) -> Any:
+        """``call()`` with the client library's connection, timeout and HTTP errors as one-line errors."""
+        api = self._api
         try:
-            r = self.client.chat.completions.create(
-                model=self.cfg.model, max_tokens=self.cfg.max_tokens,
-                messages=[{"role": "system", "content": req.system}, {"role": "user", "content": req.prompt}])
-        except (openai.APIConnectionError, openai.APITimeoutError) as e:
-            raise HetforgeError(f"provider '{self.name}' unreachable at {self.cfg.base_url or 'api.openai.com'} "
+            return call()
+        except (api.APIConnectionError, api.APITimeoutError) as e:
+            raise HetforgeError(f"provider '{self.name}' unreachable at {self.cfg.base_url or self._host} "
                                 f"after {self.cfg.max_retries + 1} tries (timeout {self.cfg.timeout_s:g} s): "
                                 f"{type(e).__name__}") from None
-        except openai.APIStatusError as e:
+        except api.APIStatusError as e:
             raise HetforgeError(f"provider '{self.name}' refused the request: HTTP {e.status_code}") from None
+
+    def generate(self, req: GenRequest) -> Reply:
+        t0 = time.perf_counter()
+        r = self._request(lambda: self.client.chat.completions.create(
+            model=self.cfg.model, max_tokens=self.cfg.max_tokens,
+            messages=[{"role": "system", "content": req.system}, {"role": "user", "content": req.prompt}]))
         u = r.usage
         tin, tout = (u.prompt_tokens, u.completion_tokens) if u else (0, 0)
         return Reply(r.choices[0].message.content or "", tin, tout, self._cost(tin, tout), time.perf_counter() - t0)
@@ -125,23 +133,13 @@ class AnthropicProvider(OpenAICompatible):
     def __init__(self, cfg: ProviderConfig, api_key: str):
         import anthropic
 
-        self.cfg, self.name = cfg, cfg.name
-        self.client = anthropic.Anthropic(api_key=api_key, base_url=cfg.base_url, timeout=cfg.timeout_s,
-                                          max_retries=cfg.max_retries)
+        self._connect(anthropic, anthropic.Anthropic, cfg, api_key, "api.anthropic.com")
 
     def generate(self, req: GenRequest) -> Reply:
-        import anthropic
-
         t0 = time.perf_counter()
-        try:
-            r = self.client.messages.create(model=self.cfg.model, max_tokens=self.cfg.max_tokens, system=req.system,
-                                            messages=[{"role": "user", "content": req.prompt}])
-        except (anthropic.APIConnectionError, anthropic.APITimeoutError) as e:
-            raise HetforgeError(f"provider '{self.name}' unreachable at {self.cfg.base_url or 'api.anthropic.com'} "
-                                f"after {self.cfg.max_retries + 1} tries (timeout {self.cfg.timeout_s:g} s): "
-                                f"{type(e).__name__}") from None
-        except anthropic.APIStatusError as e:
-            raise HetforgeError(f"provider '{self.name}' refused the request: HTTP {e.status_code}") from None
+        r = self._request(lambda: self.client.messages.create(
+            model=self.cfg.model, max_tokens=self.cfg.max_tokens, system=req.system,
+            messages=[{"role": "user", "content": req.prompt}]))
         text = "".join(getattr(b, "text", "") for b in r.content)
         tin, tout = r.usage.input_tokens, r.usage.output_tokens
         return Reply(text, tin, tout, self._cost(tin, tout), time.perf_counter() - t0)

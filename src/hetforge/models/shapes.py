@@ -2,8 +2,8 @@
 
 Placement, cost and scheduling need shapes and dtypes, not 8 B weights: the model is built from its
 published config under ``torch.device("meta")`` (no memory, no download), cast to fp16, and exported
-on meta-device inputs, so every node carries fake tensors with the real shapes. The graph cannot be
-*run*, only analysed.
+on meta-device inputs (:func:`hetforge.frontend.capture_shaped`), so every node carries fake tensors with
+the real shapes. The graph cannot be *run*, only analysed.
 
 Config (Meta's Llama-3.1-8B ``config.json``): hidden 4096, 32 layers, 32 heads / 8 KV heads, FFN 14336,
 vocab 128256, RoPE θ 500000 with llama3 scaling, RMSNorm ε 1e-5, untied embeddings.
@@ -30,12 +30,13 @@ def is_shaped(name: str) -> bool:
     return name in SHAPED
 
 
-def capture_shaped(name: str = "llama-3.1-8b-shape", seq: int = 16, layers: int | None = None,
-                   dtype: torch.dtype = torch.float16, attn: str = "sdpa", overrides: dict | None = None):
-    """Capture a shape-only model; ``layers`` (and any config ``overrides``) shrink it for quick tests."""
+def shaped_module(name: str = "llama-3.1-8b-shape", seq: int = 16, layers: int | None = None,
+                  dtype: torch.dtype = torch.float16, attn: str = "sdpa", overrides: dict | None = None):
+    """A shape-only model on the meta device and its example inputs ``(input_ids, attention_mask)``;
+    ``layers`` (and any config ``overrides``) shrink it for quick tests. Captured by
+    :func:`hetforge.frontend.capture_shaped`."""
     from transformers import LlamaConfig
 
-    from hetforge.frontend import capture
     from hetforge.models.zoo import ZOO, LogitsModule, _build
 
     if name not in SHAPED:
@@ -51,4 +52,4 @@ def capture_shaped(name: str = "llama-3.1-8b-shape", seq: int = 16, layers: int 
     with torch.device("meta"):
         model = _build(ZOO["llama-tiny"], config, attn).to(dtype)
     ids = torch.zeros(1, seq, dtype=torch.long, device="meta")
-    return capture(LogitsModule(model).eval(), (ids, torch.ones_like(ids)), name=name)
+    return LogitsModule(model).eval(), (ids, torch.ones_like(ids))

@@ -7,6 +7,7 @@ fine for speed, memory and numerical-fidelity work. Real weights come from a loc
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from collections.abc import Callable
@@ -17,6 +18,7 @@ import torch
 from torch import nn
 
 from hetforge.errors import ModelFolderError, UsageError
+from hetforge.files import read_json
 
 ATTN_IMPLS = ("eager", "sdpa")
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "olmoe")
@@ -227,8 +229,7 @@ def resolve(name: str) -> ModelSpec:
     """Find a zoo entry, or explain which names exist."""
     if name in ZOO:
         return ZOO[name]
-    from hetforge.models import demo as _demo  # noqa: F401  (registers the demo model if shipped)
-
+    register_shipped()
     if name in ZOO:
         return ZOO[name]
     known = ", ".join(ZOO)
@@ -320,10 +321,7 @@ def load_folder(path: Path, attn: str = "sdpa", dtype: torch.dtype = torch.float
         raise ModelFolderError(f"'{cfg_file}' is a folder, not a file: a model folder needs config.json and weights")
     if not cfg_file.is_file():
         raise ModelFolderError(f"'{cfg_file}' is missing: a model folder needs config.json and weights")
-    try:
-        cfg_dict = json.loads(cfg_file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ModelFolderError(f"'{cfg_file}' is not valid JSON: {e}") from None
+    cfg_dict = read_json(cfg_file, lambda e: ModelFolderError(f"'{cfg_file}' is not valid JSON: {e}"))
     if not isinstance(cfg_dict, dict):
         raise ModelFolderError(f"'{cfg_file}' holds {type(cfg_dict).__name__ if cfg_dict is not None else 'null'}, "
                                "not a JSON object of model settings")
@@ -389,3 +387,64 @@ def example_inputs(loaded: LoadedModel, seq: int = 16, batch: int = 1, seed: int
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, loaded.vocab_size, (batch, seq), generator=g)
     return ids, torch.ones_like(ids)
+
+
+# Models whose weights ship with the package (``hetforge/assets/<name>``, trained by ``scripts/``): name →
+# (family, description, where the weights come from). They join the zoo on first lookup (:func:`resolve`)
+# or when :mod:`hetforge.models.demo` is imported, and only when their files are present.
+SHIPPED_ASSETS = Path(__file__).resolve().parents[1] / "assets"
+SHIPPED = {
+    "moe-demo": ("mixtral", "Mixtral-style MoE demo trained on CPython's docs (8 experts, top-2; shipped weights)",
+                 "trained MoE demo weights (hetforge/assets/moe-demo, scripts/train_moe.py)"),
+    "demo": ("llama", "Llama-style demo model trained on CPython's docs (shipped weights, GQA 8/2)",
+             "trained demo weights (hetforge/assets/demo, scripts/train_demo.py)"),
+    "arith-demo": ("llama", "tiny Llama-style model trained on two-number addition (shipped weights; "
+                   "candidate-selection benchmark)",
+                   "trained arithmetic demo weights (hetforge/assets/arith-demo, scripts/train_arith.py)"),
+}
+# The files a shipped model needs; arith-demo is byte-level (no tokenizer file) and its training.json holds the
+# held-out test problems the selection benchmark uses.
+_SHIPPED_FILES = {"arith-demo": ("config.json", "model.safetensors", "training.json")}
+
+
+def shipped_available(name: str) -> bool:
+    """Whether the shipped model's weights, config and tokenizer (or other required files) are all present."""
+    files = _SHIPPED_FILES.get(name, ("config.json", "model.safetensors", "tokenizer.json"))
+    return all((SHIPPED_ASSETS / name / f).is_file() for f in files)
+
+
+def shipped_training_record(name: str) -> dict:
+    """What the training script recorded (losses, split, seed) for a shipped model; {} when absent."""
+    f = SHIPPED_ASSETS / name / "training.json"
+    return json.loads(f.read_text()) if f.is_file() else {}
+
+
+def _shipped_config(name: str):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(str(SHIPPED_ASSETS / name), local_files_only=True)
+
+
+def load_shipped(name: str, attn: str = "sdpa", dtype: torch.dtype = torch.float32) -> LoadedModel:
+    """A shipped model with its tokenizer, as the zoo entry ``name``."""
+    from transformers.utils import logging as hf_logging
+
+    bar = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # a few-M-parameter load needs no progress bar on stderr
+    try:
+        loaded = load_folder(SHIPPED_ASSETS / name, attn=attn, dtype=dtype)
+    finally:
+        if bar:
+            hf_logging.enable_progress_bar()
+    loaded.name = name
+    loaded.weights = SHIPPED[name][2]
+    loaded.extra["training"] = shipped_training_record(name)
+    return loaded
+
+
+def register_shipped() -> None:
+    """Add the shipped models whose files are present to :data:`ZOO` (once)."""
+    for name, (family, description, _) in SHIPPED.items():
+        if shipped_available(name) and name not in ZOO:
+            ZOO[name] = ModelSpec(name, family, "causal-lm", functools.partial(_shipped_config, name), description)
+            spec_loaders[name] = functools.partial(load_shipped, name)

@@ -26,6 +26,7 @@ import torch
 from torch.fx import GraphModule
 
 from hetforge.errors import UsageError
+from hetforge.files import read_json
 
 FORMAT = "hetforge-moe-calibration/1"
 
@@ -103,10 +104,7 @@ def load_calibration(path: str | Path, loaded) -> dict[str, Any]:
     p = Path(path)
     if not p.is_file():
         raise UsageError(f"calibration file '{p}' does not exist")
-    try:
-        cal = json.loads(p.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise UsageError(f"calibration file '{p}' is not valid JSON: {e}") from None
+    cal = read_json(p, lambda e: UsageError(f"calibration file '{p}' is not valid JSON: {e}"))
     if not isinstance(cal, dict) or cal.get("format") != FORMAT or not isinstance(cal.get("layers"), list):
         raise UsageError(f"'{p}' is not a hetforge MoE calibration file (format {FORMAT})")
     fp = fingerprint(loaded)

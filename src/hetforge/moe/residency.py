@@ -23,6 +23,7 @@ from typing import Any
 
 from hetforge.cost.energy import dasi, stage_energy
 from hetforge.cost.roofline import roofline
+from hetforge.errors import UsageError
 
 _ACT_FLOPS = 5  # silu (4) + the gating multiply (1), per intermediate element
 
@@ -62,8 +63,6 @@ def plan_residency(soc, cal: dict[str, Any], plan: dict[str, Any], d_model: int,
     ``force``: ``"npu"`` puts every group on the NPU, ``"host"`` none (the baselines the bench compares).
     ``objective``: ``"latency"`` compares expected time per group, ``"energy"`` expected energy."""
     if objective not in ("latency", "energy"):
-        from hetforge.errors import UsageError
-
         raise UsageError(f"objective '{objective}' must be latency or energy")
     names = {d.kind: d for d in soc.devices}
     npu, cpu, gpu = names.get("npu"), names.get("cpu"), names.get("gpu")
@@ -167,8 +166,6 @@ def expert_dims(model) -> tuple[int, int, int]:
     for name, p in model.named_parameters():
         if name.endswith("down_proj") and p.dim() == 3:
             return int(p.shape[1]), int(p.shape[2]), p.element_size()
-    from hetforge.errors import UsageError
-
     raise UsageError("model has no stacked expert weights ([E, D, F] down_proj)")
 
 

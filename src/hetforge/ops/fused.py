@@ -90,8 +90,6 @@ def _attention_fake(q, k, v, mask=None, scale=1.0, is_causal=False):
     "hetforge::attention(Tensor q, Tensor k, Tensor v, Tensor? mask=None, float scale=1.0, "
     "bool is_causal=False) -> Tensor",
     flops=_attention_flops,
-    devices=("cpu", "gpu", "npu"),
-    op_class="compute",
     fake=_attention_fake,
 )
 def attention(q, k, v, mask=None, scale=1.0, is_causal=False):
@@ -120,8 +118,6 @@ def _kv_attention_fake(q, k, v, k_cache, v_cache, cache_mask, new_mask=None, sca
     "hetforge::kv_attention(Tensor q, Tensor k, Tensor v, Tensor k_cache, Tensor v_cache, Tensor cache_mask, "
     "Tensor? new_mask=None, float scale=1.0) -> Tensor",
     flops=_kv_attention_flops,
-    devices=("cpu", "gpu", "npu"),
-    op_class="compute",
     fake=_kv_attention_fake,
 )
 def kv_attention(q, k, v, k_cache, v_cache, cache_mask, new_mask=None, scale=1.0):
@@ -173,8 +169,6 @@ def _linear_act_fake(x, weight, bias=None, act="relu", weight_t=False):
 @register_op(
     "hetforge::linear_act(Tensor x, Tensor weight, Tensor? bias=None, str act='relu', bool weight_t=False) -> Tensor",
     flops=_linear_act_flops,
-    devices=("cpu", "gpu", "npu"),
-    op_class="compute",
     fake=_linear_act_fake,
 )
 def linear_act(x, weight, bias=None, act="relu", weight_t=False):
@@ -208,8 +202,6 @@ def _gated_mlp_fake(x, w_gate, w_up, w_down=None, b_gate=None, b_up=None, b_down
     "hetforge::gated_mlp(Tensor x, Tensor w_gate, Tensor w_up, Tensor? w_down=None, Tensor? b_gate=None, "
     "Tensor? b_up=None, Tensor? b_down=None, str act='silu') -> Tensor",
     flops=_gated_mlp_flops,
-    devices=("cpu", "gpu", "npu"),
-    op_class="compute",
     fake=_gated_mlp_fake,
 )
 def gated_mlp(x, w_gate, w_up, w_down=None, b_gate=None, b_up=None, b_down=None, act="silu"):
@@ -233,7 +225,6 @@ def _rotary_fake(x, cos, sin):
 @register_op(
     "hetforge::rotary(Tensor x, Tensor cos, Tensor sin) -> Tensor",
     flops=_rotary_flops,
-    devices=("cpu", "gpu", "npu"),
     op_class="memory",
     fake=_rotary_fake,
 )
@@ -268,7 +259,6 @@ def _rms_norm_fake(x, weight=None, eps=1e-6):
 @register_op(
     "hetforge::rms_norm(Tensor x, Tensor? weight=None, float eps=1e-06) -> Tensor",
     flops=_norm_flops(5),
-    devices=("cpu", "gpu", "npu"),
     op_class="memory",
     fake=_rms_norm_fake,
 )
@@ -294,7 +284,6 @@ def _layer_norm_fake(x, normalized_shape, weight=None, bias=None, eps=1e-5):
     "hetforge::layer_norm(Tensor x, int[] normalized_shape, Tensor? weight=None, Tensor? bias=None, "
     "float eps=1e-05) -> Tensor",
     flops=_norm_flops(8),
-    devices=("cpu", "gpu", "npu"),
     op_class="memory",
     fake=_layer_norm_fake,
 )

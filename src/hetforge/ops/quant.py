@@ -92,8 +92,6 @@ def _w8_fake(x, qweight, scales, bias=None, act="none"):
     "hetforge::linear_w8(Tensor x, Tensor qweight, Tensor scales, Tensor? bias=None, str act='none') -> Tensor",
     flops=_qlinear_flops,
     nbytes=_qlinear_nbytes,
-    devices=("cpu", "gpu", "npu"),
-    op_class="compute",
     fake=_w8_fake,
 )
 def linear_w8(x, qweight, scales, bias=None, act="none"):
@@ -119,8 +117,6 @@ def _w4_fake(x, packed, scales_zeros, group_size, bias=None, act="none"):
     "str act='none') -> Tensor",
     flops=_qlinear_flops,
     nbytes=_qlinear_nbytes,
-    devices=("cpu", "gpu", "npu"),
-    op_class="compute",
     fake=_w4_fake,
 )
 def linear_w4(x, packed, scales_zeros, group_size, bias=None, act="none"):
@@ -157,17 +153,11 @@ def _fbgemm_packed(qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tens
     return packed
 
 
-def _w8a8_fake(x, qweight, scales, bias=None, act="none"):
-    return _out_like(x, qweight.shape[0])
-
-
 @register_op(
     "hetforge::linear_w8a8(Tensor x, Tensor qweight, Tensor scales, Tensor? bias=None, str act='none') -> Tensor",
     flops=_qlinear_flops,
     nbytes=_qlinear_nbytes,
-    devices=("cpu", "gpu", "npu"),
-    op_class="compute",
-    fake=_w8a8_fake,
+    fake=_w8_fake,  # same output as w8
 )
 def linear_w8a8(x, qweight, scales, bias=None, act="none"):
     """int8 × int8 → int32 matmul with dynamic activation quantization: FBGEMM ``quantized::linear_dynamic``."""

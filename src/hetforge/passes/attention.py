@@ -20,27 +20,25 @@ normalized to the same op, keeping scale, causality and mask.
 from __future__ import annotations
 
 import math
-import time
 
 import torch
 from torch.fx import GraphModule, Node
 
 import hetforge.ops.fused  # noqa: F401  (registers hetforge::attention)
 from hetforge.passes.common import (
+    Miss,
     NearMiss,
-    PassResult,
+    PassLog,
     Rewrite,
     aten,
     const_scalar,
-    copy_gm,
     describe,
     erase_unused,
     fake_mode_of,
-    finish,
+    graph_pass,
     is_call,
     new_call,
     norm_dim,
-    num_nodes,
     only_user,
     scalar,
     tval,
@@ -53,10 +51,6 @@ _DROPOUT = (aten.dropout.default,)
 _RESHAPE = (aten.reshape.default, aten.view.default, aten._unsafe_view.default)
 _CASTS = (aten.to.dtype, aten.to.dtype_layout, aten._to_copy.default)
 _HALF = (torch.float16, torch.bfloat16)
-
-
-class Miss(Exception):
-    """A check failed: the chain is left alone and the message becomes the near-miss reason."""
 
 
 def strip_repeat_kv(x: Node) -> tuple[Node, int]:
@@ -243,14 +237,10 @@ def _match_sdpa(n: Node) -> tuple:
     return (q, k0, v0, a["attn_mask"], float(scale), bool(a["is_causal"]))
 
 
-def fuse_attention(gm: GraphModule, inplace: bool = False) -> PassResult:
+@graph_pass("attention")
+def fuse_attention(gm: GraphModule, log: PassLog) -> None:
     """Fuse attention chains and SDPA nodes into ``hetforge::attention``; returns a new GraphModule."""
-    t0 = time.perf_counter()
-    before = num_nodes(gm)
-    gm = gm if inplace else copy_gm(gm)
     fake = fake_mode_of(gm)
-    rewrites: list[Rewrite] = []
-    misses: list[NearMiss] = []
     for n in list(gm.graph.nodes):
         if n.op != "call_function" or getattr(n, "_erased", False):
             continue
@@ -262,7 +252,7 @@ def fuse_attention(gm: GraphModule, inplace: bool = False) -> PassResult:
             else:
                 continue
         except Miss as e:
-            misses.append(NearMiss("attention", n.name, str(e)))
+            log.near_misses.append(NearMiss("attention", n.name, str(e)))
             continue
         new = new_call(gm, out, ATTENTION, args, like=out, fake_mode=fake)
         to, tn = tval(out), tval(new)
@@ -270,19 +260,17 @@ def fuse_attention(gm: GraphModule, inplace: bool = False) -> PassResult:
             gm.graph.erase_node(new)
             for e in reversed(extra):
                 gm.graph.erase_node(e)
-            misses.append(NearMiss("attention", n.name, f"fused output {tuple(tn.shape)} {tn.dtype} differs from "
-                                                        f"{tuple(to.shape)} {to.dtype}"))
+            log.near_misses.append(NearMiss("attention", n.name, f"fused output {tuple(tn.shape)} {tn.dtype} "
+                                                                 f"differs from {tuple(to.shape)} {to.dtype}"))
             continue
         out.replace_all_uses_with(new)
         q, k, v, mask, scale, causal = args
         detail = f"scale={scale:g} causal={causal} mask={'yes' if mask is not None else 'no'}"
         if k is not None and tval(k) is not None and tval(q) is not None and tval(k).shape[-3] != tval(q).shape[-3]:
             detail += f" gqa={tval(q).shape[-3]}/{tval(k).shape[-3]}"
-        rewrites.append(Rewrite("attention", [m.name for m in matched], new.name, detail))
+        log.rewrites.append(Rewrite("attention", [m.name for m in matched], new.name, detail))
         # the fused chain is dead now: erase it so later softmax candidates do not see stale users
         erase_unused(gm, matched)
-    finish(gm, standalone=not inplace)
-    return PassResult("attention", gm, before, num_nodes(gm), rewrites, misses, time.perf_counter() - t0)
 
 
 def _feeds_matmul(sm: Node) -> bool:

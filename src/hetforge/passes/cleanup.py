@@ -9,12 +9,18 @@ training mode is random and stays (reported as a near-miss).
 
 from __future__ import annotations
 
-import time
-
 import torch
 from torch.fx import GraphModule, Node
 
-from hetforge.passes.common import NearMiss, PassResult, Rewrite, aten, copy_gm, finish, num_nodes, scalar, tval
+from hetforge.passes.common import (
+    NearMiss,
+    PassLog,
+    Rewrite,
+    aten,
+    graph_pass,
+    scalar,
+    tval,
+)
 
 _DROPOUTS = (aten.dropout.default, aten.feature_dropout.default, aten.alpha_dropout.default)
 _ALIASES = (aten.alias.default, aten.detach.default, aten.lift_fresh.default)
@@ -60,29 +66,23 @@ def _removal(n: Node) -> tuple[str, Node] | str | None:
     return None
 
 
-def cleanup(gm: GraphModule, inplace: bool = False) -> PassResult:
+@graph_pass("cleanup")
+def cleanup(gm: GraphModule, log: PassLog) -> None:
     """Remove no-op nodes (see module doc) and dead code; returns a new GraphModule in the result."""
-    t0 = time.perf_counter()
-    before = num_nodes(gm)
-    gm = gm if inplace else copy_gm(gm)
-    rewrites: list[Rewrite] = []
-    misses: list[NearMiss] = []
     for n in list(gm.graph.nodes):
         if n.op != "call_function":
             continue
         if n.target in _ASSERTS:
-            rewrites.append(Rewrite("assert_metadata", [n.name], None))
+            log.rewrites.append(Rewrite("assert_metadata", [n.name], None))
             gm.graph.erase_node(n)
             continue
         r = _removal(n)
         if isinstance(r, str):
-            misses.append(NearMiss("dropout", n.name, r))
+            log.near_misses.append(NearMiss("dropout", n.name, r))
         elif r is not None:
             kind, repl = r
             if not isinstance(repl, Node):
                 continue
             n.replace_all_uses_with(repl)
-            rewrites.append(Rewrite(kind, [n.name], repl.name))
+            log.rewrites.append(Rewrite(kind, [n.name], repl.name))
             gm.graph.erase_node(n)  # explicitly: DCE keeps random ops such as dropout even when unused
-    finish(gm, standalone=not inplace)
-    return PassResult("cleanup", gm, before, num_nodes(gm), rewrites, misses, time.perf_counter() - t0)

@@ -1,8 +1,9 @@
 """Shared pieces of the middle-end passes: result records, graph copying and node helpers.
 
-Every pass is a pure function ``GraphModule -> PassResult``: it copies the graph first (parameters are
-shared, never copied or mutated), rewrites the copy, runs dead-code elimination and ``Graph.lint``, and
-returns the new module inside the result together with what it rewrote and what it deliberately left alone.
+Every pass is a pure function ``GraphModule -> PassResult`` made by one skeleton, :func:`graph_pass`: it
+copies the graph first (parameters are shared, never copied or mutated), lets the pass body rewrite the copy
+and record what it rewrote and what it deliberately left alone (:class:`PassLog`), runs dead-code elimination
+and ``Graph.lint``, and returns the new module inside the result with its node counts and measured seconds.
 ``inplace=True`` skips the copy, lint and recompile; the pipeline uses it on its own private copy (one copy
 per pipeline instead of one per pass) and lets the pass manager recompile.
 """
@@ -10,8 +11,10 @@ per pipeline instead of one per pass) and lets the pass manager recompile.
 from __future__ import annotations
 
 import copy
+import functools
 import operator
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -74,6 +77,45 @@ class PassResult:
             d["rewrite_list"] = [asdict(r) for r in self.rewrites]
             d["near_miss_list"] = [asdict(m) for m in self.near_misses]
         return d
+
+
+class Miss(Exception):
+    """A pattern check failed: the candidate is left alone and the message becomes the near-miss reason."""
+
+
+@dataclass
+class PassLog:
+    """What a pass body records while it rewrites: the rewrites made and the near-misses left alone."""
+
+    rewrites: list[Rewrite] = field(default_factory=list)
+    near_misses: list[NearMiss] = field(default_factory=list)
+
+
+PassBody = Callable[..., None]
+
+
+def graph_pass(name: str) -> Callable[[PassBody], Callable[..., PassResult]]:
+    """The one pass skeleton. ``body(gm, log, *options)`` rewrites ``gm`` in place and records into ``log``;
+    the decorated function ``pass_(gm, *options, inplace=False) -> PassResult`` times it (measured), counts
+    nodes before and after, works on a copy unless ``inplace``, and finishes the graph (:func:`finish`)."""
+
+    def wrap(body: PassBody) -> Callable[..., PassResult]:
+        @functools.wraps(body)
+        def run(gm: GraphModule, *options: Any, inplace: bool = False, **kw: Any) -> PassResult:
+            t0 = time.perf_counter()
+            before = num_nodes(gm)
+            gm = gm if inplace else copy_gm(gm)
+            log = PassLog()
+            body(gm, log, *options, **kw)
+            finish(gm, standalone=not inplace)
+            return PassResult(name, gm, before, num_nodes(gm), log.rewrites, log.near_misses,
+                              time.perf_counter() - t0)
+
+        del run.__wrapped__  # its signature is (gm, *options, inplace), not the body's
+        run.pass_name = name  # type: ignore[attr-defined]
+        return run
+
+    return wrap
 
 
 def copy_gm(gm: GraphModule) -> GraphModule:

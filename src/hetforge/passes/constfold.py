@@ -12,7 +12,6 @@ in the graph (near-miss).
 from __future__ import annotations
 
 import operator
-import time
 from typing import Any
 
 import torch
@@ -21,14 +20,12 @@ from torch.utils import _pytree as pytree
 
 from hetforge.passes.common import (
     NearMiss,
-    PassResult,
+    PassLog,
     Rewrite,
     const_tensor,
-    copy_gm,
     fake_mode_of,
-    finish,
+    graph_pass,
     mutated_nodes,
-    num_nodes,
     val,
 )
 
@@ -98,11 +95,9 @@ def _unique_name(gm: GraphModule, base: str) -> str:
     return f"{base}{i}"
 
 
-def constant_fold(gm: GraphModule, max_bytes: int = DEFAULT_MAX_BYTES, inplace: bool = False) -> PassResult:
+@graph_pass("constant_fold")
+def constant_fold(gm: GraphModule, log: PassLog, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
     """Fold constant subgraphs into ``get_attr`` buffers (each at most ``max_bytes``)."""
-    t0 = time.perf_counter()
-    before = num_nodes(gm)
-    gm = gm if inplace else copy_gm(gm)
     fake_mode = fake_mode_of(gm)
     attrs: dict[Node, torch.Tensor] = {}
     const = _constant_nodes(gm, attrs)
@@ -121,8 +116,6 @@ def constant_fold(gm: GraphModule, max_bytes: int = DEFAULT_MAX_BYTES, inplace: 
         env[n] = n.target(*args, **kwargs)
         return env[n]
 
-    rewrites: list[Rewrite] = []
-    misses: list[NearMiss] = []
     folded: list[tuple[str, torch.Tensor]] = []
     mutated = mutated_nodes(gm)
     param_ptrs = {t.untyped_storage().data_ptr() for t in attrs.values() if t is not None}
@@ -132,12 +125,12 @@ def constant_fold(gm: GraphModule, max_bytes: int = DEFAULT_MAX_BYTES, inplace: 
         if all(u in const for u in n.users):
             continue  # interior of a constant subgraph: folded with its frontier
         if n in mutated:
-            misses.append(NearMiss("constant", n.name, "an in-place op writes into it; a folded buffer would "
+            log.near_misses.append(NearMiss("constant", n.name, "an in-place op writes into it; a folded buffer would "
                                                         "carry the write into the next call"))
             continue
         size = _nbytes(val(n))
         if size > max_bytes:
-            misses.append(NearMiss("constant", n.name, f"constant result is {size / 2**20:.1f} MiB, above the "
+            log.near_misses.append(NearMiss("constant", n.name, f"constant result is {size / 2**20:.1f} MiB, above the "
                                                         f"{max_bytes / 2**20:.1f} MiB folding limit"))
             continue
         with torch.no_grad():
@@ -156,7 +149,5 @@ def constant_fold(gm: GraphModule, max_bytes: int = DEFAULT_MAX_BYTES, inplace: 
             if k in n.meta:
                 c.meta[k] = n.meta[k]
         n.replace_all_uses_with(c)
-        rewrites.append(Rewrite("fold", [m.name for m in _ancestors(n, const)], name,
+        log.rewrites.append(Rewrite("fold", [m.name for m in _ancestors(n, const)], name,
                                 f"{tuple(value.shape)} {str(value.dtype).replace('torch.', '')}"))
-    finish(gm, standalone=not inplace)
-    return PassResult("constant_fold", gm, before, num_nodes(gm), rewrites, misses, time.perf_counter() - t0)

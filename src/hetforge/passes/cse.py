@@ -10,13 +10,12 @@ values share storage or a seed, or read a value before and after a write as one)
 from __future__ import annotations
 
 import operator
-import time
 from typing import Any
 
 import torch
 from torch.fx import GraphModule, Node
 
-from hetforge.passes.common import PassResult, Rewrite, copy_gm, finish, mutated_nodes, num_nodes
+from hetforge.passes.common import PassLog, Rewrite, graph_pass, mutated_nodes
 
 
 def _pure(n: Node) -> bool:
@@ -45,14 +44,11 @@ def _key(x: Any) -> Any:
     return (type(x).__name__, x) if isinstance(x, (bool, int, float)) else x
 
 
-def cse(gm: GraphModule, inplace: bool = False) -> PassResult:
+@graph_pass("cse")
+def cse(gm: GraphModule, log: PassLog) -> None:
     """Merge repeated pure expressions; returns a new GraphModule in the result."""
-    t0 = time.perf_counter()
-    before = num_nodes(gm)
-    gm = gm if inplace else copy_gm(gm)
     mutated = mutated_nodes(gm)
     seen: dict[Any, Node] = {}
-    rewrites: list[Rewrite] = []
     for n in list(gm.graph.nodes):
         if not _pure(n) or n in mutated or any(a in mutated for a in n.all_input_nodes):
             continue  # a value read before and after an in-place write is not one expression
@@ -66,6 +62,4 @@ def cse(gm: GraphModule, inplace: bool = False) -> PassResult:
             continue
         n.replace_all_uses_with(first)
         gm.graph.erase_node(n)
-        rewrites.append(Rewrite("cse", [n.name], first.name))
-    finish(gm, standalone=not inplace)
-    return PassResult("cse", gm, before, num_nodes(gm), rewrites, [], time.perf_counter() - t0)
+        log.rewrites.append(Rewrite("cse", [n.name], first.name))

@@ -21,6 +21,7 @@ from torch.fx.passes.infra.pass_manager import PassManager
 from torch.utils import _pytree as pytree
 
 from hetforge.errors import UsageError
+from hetforge.files import write_text
 from hetforge.passes.attention import fuse_attention
 from hetforge.passes.cleanup import cleanup
 from hetforge.passes.common import PassResult, copy_gm, fused_counts, num_nodes
@@ -168,8 +169,6 @@ class _Pipeline:
             return
         path = self.dump_dir / f"{index:02d}_{name}.txt"
         text = "\n".join(f"# {ln}" for ln in header.splitlines()) + "\n\n" + gm.print_readable(print_output=False)
-        from hetforge.files import write_text
-
         write_text(path, text, "--dump-dir file")
         self.dumped.append(str(path))
 

@@ -19,23 +19,21 @@ stays unfused and is reported as a near-miss with the reason.
 from __future__ import annotations
 
 import operator
-import time
 
 import torch
 from torch.fx import GraphModule, Node
 
 from hetforge.passes.common import (
+    Miss,
     NearMiss,
-    PassResult,
+    PassLog,
     Rewrite,
     aten,
     const_tensor,
-    copy_gm,
     fake_mode_of,
-    finish,
+    graph_pass,
     inherit_meta,
     is_call,
-    num_nodes,
     set_val,
     tval,
 )
@@ -45,33 +43,29 @@ _SOFTMAX = (aten.softmax.int, aten._softmax.default)
 _CASTS = (aten.to.dtype, aten._to_copy.default, aten.to.dtype_layout)
 
 
-class _Miss(Exception):
-    """The candidate is not a recognised MoE block; the message is the near-miss reason."""
-
-
 def _stack(n: Node) -> list[tuple[str, str]]:
     """``[(key, module path), ...]`` outermost first."""
     return [(k, v[0]) for k, v in (n.meta.get("nn_module_stack") or {}).items()]
 
 
 def _router(tk: Node) -> tuple[Node, Node, Node]:
-    """``(softmax, linear, router input)`` feeding a ``topk``, or raise :class:`_Miss`."""
+    """``(softmax, linear, router input)`` feeding a ``topk``, or raise :class:`Miss`."""
     dim = tk.args[2] if len(tk.args) > 2 else tk.kwargs.get("dim", -1)
     largest = tk.args[3] if len(tk.args) > 3 else tk.kwargs.get("largest", True)
     src = tk.args[0]
     if not largest:
-        raise _Miss("topk takes the smallest values")
+        raise Miss("topk takes the smallest values")
     if not is_call(src, *_SOFTMAX):
-        raise _Miss(f"topk input is not a softmax (router scores from {getattr(src, 'target', src)}; "
+        raise Miss(f"topk input is not a softmax (router scores from {getattr(src, 'target', src)}; "
                     "e.g. sigmoid routing is not recognised)")
     sv = tval(src)
     if sv is None or dim not in (-1, sv.dim() - 1) or src.args[1] not in (-1, sv.dim() - 1):
-        raise _Miss("router softmax/topk not over the last dim")
+        raise Miss("router softmax/topk not over the last dim")
     lin = src.args[0]
     while is_call(lin, *_CASTS):
         lin = lin.args[0]
     if not is_call(lin, aten.linear.default) or len(lin.args) > 2 and lin.args[2] is not None:
-        raise _Miss("router scores are not a bias-free linear")
+        raise Miss("router scores are not a bias-free linear")
     return src, lin, lin.args[0]
 
 
@@ -85,11 +79,11 @@ def _region(gm: GraphModule, tk: Node, n_exp: int) -> tuple[str, list[Node]]:
                 t = const_tensor(gm, a)
                 if t is not None and t.dim() == 3 and t.shape[0] == n_exp:
                     return path, region
-    raise _Miss(f"no module around the router reads stacked [{n_exp}, *, *] expert weights")
+    raise Miss(f"no module around the router reads stacked [{n_exp}, *, *] expert weights")
 
 
 def _classify(gm: GraphModule, region: list[Node], lin: Node, d: int, n_exp: int) -> dict:
-    """Sort the block's parameters into router, stacked experts and shared expert, or raise :class:`_Miss`."""
+    """Sort the block's parameters into router, stacked experts and shared expert, or raise :class:`Miss`."""
     rset = set(region)
     found: dict = {"experts": [], "x": []}
     for n in region:
@@ -116,15 +110,15 @@ def _classify(gm: GraphModule, region: list[Node], lin: Node, d: int, n_exp: int
             elif t.dim() == 2 and path.endswith("down_proj"):
                 found["s_down"] = a
             else:
-                raise _Miss(f"unrecognised parameter {a.target} {tuple(t.shape)} in the block ({path})")
+                raise Miss(f"unrecognised parameter {a.target} {tuple(t.shape)} in the block ({path})")
     if len(found["x"]) != 1:
-        raise _Miss(f"block reads {len(found['x'])} values from outside ({', '.join(x.name for x in found['x'])}), "
+        raise Miss(f"block reads {len(found['x'])} values from outside ({', '.join(x.name for x in found['x'])}), "
                     "expected only the hidden states")
     if len(found["experts"]) != 2:
-        raise _Miss(f"{len(found['experts'])} stacked expert tensors (expected gate_up and down; expert biases or "
+        raise Miss(f"{len(found['experts'])} stacked expert tensors (expected gate_up and down; expert biases or "
                     "separate gate/up stacks are not recognised)")
     if ("s_up" in found) != ("s_down" in found):
-        raise _Miss("shared expert without both up and down projections")
+        raise Miss("shared expert without both up and down projections")
     return found
 
 
@@ -161,35 +155,28 @@ def _example(v: torch.Tensor) -> torch.Tensor:
     return torch.randn(shape, generator=torch.Generator().manual_seed(0), dtype=v.dtype)
 
 
-def fuse_moe(gm: GraphModule, inplace: bool = False) -> PassResult:
+@graph_pass("moe")
+def fuse_moe(gm: GraphModule, log: PassLog) -> None:
     """Replace every recognised MoE block by one ``hetforge::moe`` node (numerically checked)."""
-    t0 = time.perf_counter()
-    before = num_nodes(gm)
-    if not inplace:
-        gm = copy_gm(gm)
     fm = fake_mode_of(gm)
-    rewrites: list[Rewrite] = []
-    misses: list[NearMiss] = []
     layer = 0
     for tk in [n for n in gm.graph.nodes if is_call(n, aten.topk.default)]:
         if getattr(tk, "_erased", False):
             continue
         try:
             new, region, path, detail = _fuse_one(gm, tk, layer, fm)
-        except _Miss as e:
-            misses.append(NearMiss("moe", tk.name, str(e)))
+        except Miss as e:
+            log.near_misses.append(NearMiss("moe", tk.name, str(e)))
             continue
-        rewrites.append(Rewrite("moe", [n.name for n in region], new.name, f"{path}: {detail}"))
+        log.rewrites.append(Rewrite("moe", [n.name for n in region], new.name, f"{path}: {detail}"))
         layer += 1
-    gm = finish(gm, standalone=not inplace)
-    return PassResult("moe", gm, before, num_nodes(gm), rewrites, misses, time.perf_counter() - t0)
 
 
 def _fuse_one(gm: GraphModule, tk: Node, layer: int, fm) -> tuple[Node, list[Node], str, str]:
     _, lin, _ = _router(tk)
     rw = const_tensor(gm, lin.args[1])
     if rw is None or rw.dim() != 2:
-        raise _Miss("router weight is not a 2-D parameter")
+        raise Miss("router weight is not a 2-D parameter")
     n_exp, d = rw.shape
     path, region = _region(gm, tk, n_exp)
     p = _classify(gm, region, lin, d, n_exp)
@@ -197,22 +184,22 @@ def _fuse_one(gm: GraphModule, tk: Node, layer: int, fm) -> tuple[Node, list[Nod
     rset = set(region)
     outs = [n for n in region if any(u not in rset for u in n.users)]
     if len(outs) != 1:
-        raise _Miss(f"block has {len(outs)} outputs used outside it ({', '.join(o.name for o in outs)}); expected one")
+        raise Miss(f"block has {len(outs)} outputs used outside it ({', '.join(o.name for o in outs)}); expected one")
     out = outs[0]
     xv, ov = tval(x), tval(out)
     if xv is None or ov is None or tuple(xv.shape) != tuple(ov.shape) or xv.dtype != ov.dtype:
-        raise _Miss("block output does not have the hidden states' shape and dtype")
+        raise Miss("block output does not have the hidden states' shape and dtype")
     acts = {_ACTS[n.target] if n.target is not aten.gelu.default or n.kwargs.get("approximate", "none") == "none"
             else "gelu_tanh" for n in region if n.target in _ACTS}
     if len(acts) != 1:
-        raise _Miss(f"expected one expert activation (silu/gelu/relu), found {sorted(acts) or 'none'}")
+        raise Miss(f"expected one expert activation (silu/gelu/relu), found {sorted(acts) or 'none'}")
     act = acts.pop()
     top_k = int(tk.args[1])
     values = [u for u in tk.users if u.target is operator.getitem and u.args[1] == 0]
     norm = any(is_call(u, aten.sum.dim_IntList, aten.sum.default) for v in values for u in v.users)
     layouts = _layouts(gm, p["experts"], d)
     if not layouts:
-        raise _Miss("stacked expert shapes are not gate_up [E, 2F, D] + down [E, D, F] (or transposed)")
+        raise Miss("stacked expert shapes are not gate_up [E, 2F, D] + down [E, D, F] (or transposed)")
     sub = _subgraph(gm, region, x, out)
     xe = _example(xv)
     with torch.no_grad():
@@ -232,7 +219,7 @@ def _fuse_one(gm: GraphModule, tk: Node, layer: int, fm) -> tuple[Node, list[Nod
         if err <= 1e-4 * (1.0 + float(ref.abs().max())):
             break
     else:
-        raise _Miss(f"candidate MoE op differs from the block on a random input (max |Δ| = {worst:.3g}); "
+        raise Miss(f"candidate MoE op differs from the block on a random input (max |Δ| = {worst:.3g}); "
                     "variant not recognised")
     # every schema argument positionally, as torch.export writes a direct call of the op
     args = (x, lin.args[1], gu, dn, p.get("s_gate"), p.get("s_up"), p.get("s_down"), p.get("s_router"), top_k, norm,

@@ -15,27 +15,24 @@ computes in another dtype, reduces another dim or has intermediates used elsewhe
 
 from __future__ import annotations
 
-import time
-
 import torch
 from torch.fx import GraphModule, Node
 
 import hetforge.ops.fused  # noqa: F401  (registers the fused ops)
 from hetforge.passes.common import (
+    Miss,
     NearMiss,
-    PassResult,
+    PassLog,
     Rewrite,
     aten,
-    copy_gm,
     describe,
     erase_unused,
     fake_mode_of,
-    finish,
+    graph_pass,
     is_call,
     is_getitem,
     new_call,
     norm_dim,
-    num_nodes,
     only_user,
     scalar,
     tval,
@@ -44,10 +41,6 @@ from hetforge.passes.common import (
 RMS_NORM = torch.ops.hetforge.rms_norm.default
 LAYER_NORM = torch.ops.hetforge.layer_norm.default
 _CASTS = (aten.to.dtype, aten.to.dtype_layout, aten._to_copy.default)
-
-
-class Miss(Exception):
-    """A check failed; the message is the near-miss reason."""
 
 
 def _uncast(n: Node) -> Node:
@@ -123,14 +116,10 @@ def _layer_norm(n: Node) -> tuple[Node, tuple] | None:
     return None
 
 
-def fuse_norms(gm: GraphModule, inplace: bool = False) -> PassResult:
+@graph_pass("norm_fusion")
+def fuse_norms(gm: GraphModule, log: PassLog) -> None:
     """Fuse RMSNorm chains and LayerNorms; returns a new GraphModule in the result."""
-    t0 = time.perf_counter()
-    before = num_nodes(gm)
-    gm = gm if inplace else copy_gm(gm)
     fake = fake_mode_of(gm)
-    rewrites: list[Rewrite] = []
-    misses: list[NearMiss] = []
     for n in list(gm.graph.nodes):
         if getattr(n, "_erased", False) or n.op != "call_function":
             continue
@@ -144,7 +133,7 @@ def fuse_norms(gm: GraphModule, inplace: bool = False) -> PassResult:
                 if not _same(out, new):
                     raise Miss(_differs(out, new))
                 out.replace_all_uses_with(new)
-                rewrites.append(Rewrite("rms_norm", [x.name for x in matched], new.name,
+                log.rewrites.append(Rewrite("rms_norm", [x.name for x in matched], new.name,
                                         f"eps={args[2]:g} weight={'yes' if args[1] is not None else 'no'}"))
                 erase_unused(gm, matched[::-1])
             else:
@@ -160,12 +149,10 @@ def fuse_norms(gm: GraphModule, inplace: bool = False) -> PassResult:
                         u.replace_all_uses_with(new)
                 else:
                     src.replace_all_uses_with(new)
-                rewrites.append(Rewrite("layer_norm", [src.name], new.name, f"eps={args[4]:g}"))
+                log.rewrites.append(Rewrite("layer_norm", [src.name], new.name, f"eps={args[4]:g}"))
                 erase_unused(gm, dead)
         except Miss as e:
-            misses.append(NearMiss("norm", n.name, str(e)))
-    finish(gm, standalone=not inplace)
-    return PassResult("norm_fusion", gm, before, num_nodes(gm), rewrites, misses, time.perf_counter() - t0)
+            log.near_misses.append(NearMiss("norm", n.name, str(e)))
 
 
 def _same(a: Node, b: Node) -> bool:

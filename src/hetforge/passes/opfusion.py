@@ -19,7 +19,6 @@ users. A decode step of llama-110m loses 144 nodes to it (6 per q and k, 12 laye
 from __future__ import annotations
 
 import math
-import time
 from typing import Any
 
 import torch
@@ -28,18 +27,16 @@ from torch.fx import GraphModule, Node
 import hetforge.ops.fused  # noqa: F401  (registers the fused ops)
 from hetforge.passes.common import (
     NearMiss,
-    PassResult,
+    PassLog,
     Rewrite,
     aten,
-    copy_gm,
     describe,
     erase_unused,
     fake_mode_of,
-    finish,
+    graph_pass,
     is_call,
     new_call,
     norm_dim,
-    num_nodes,
     only_user,
     scalar,
     tval,
@@ -276,16 +273,10 @@ def _fuse_rotary(gm: GraphModule, fake, rewrites: list[Rewrite], misses: list[Ne
         erase_unused(gm, [n, *reversed(chain)])
 
 
-def fuse_operators(gm: GraphModule, inplace: bool = False) -> PassResult:
+@graph_pass("op_fusion")
+def fuse_operators(gm: GraphModule, log: PassLog) -> None:
     """Fuse gated MLPs, then Linear+activation pairs; returns a new GraphModule in the result."""
-    t0 = time.perf_counter()
-    before = num_nodes(gm)
-    gm = gm if inplace else copy_gm(gm)
     fake = fake_mode_of(gm)
-    rewrites: list[Rewrite] = []
-    misses: list[NearMiss] = []
-    _fuse_gated(gm, fake, rewrites)
-    _fuse_linear_act(gm, fake, rewrites, misses)
-    _fuse_rotary(gm, fake, rewrites, misses)
-    finish(gm, standalone=not inplace)
-    return PassResult("op_fusion", gm, before, num_nodes(gm), rewrites, misses, time.perf_counter() - t0)
+    _fuse_gated(gm, fake, log.rewrites)
+    _fuse_linear_act(gm, fake, log.rewrites, log.near_misses)
+    _fuse_rotary(gm, fake, log.rewrites, log.near_misses)

@@ -11,10 +11,14 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from hetforge.errors import UsageError
+
+OBJECTIVES = ("energy", "latency", "balanced")  # what a strategy minimises (see placement/costs.py)
+_DECLARED = re.compile(r"""@register_strategy\(["']([\w:-]+)["']\)""")
 
 
 @dataclass
@@ -71,6 +75,19 @@ def get_strategy(name: str) -> Strategy:
     if name not in STRATEGIES:
         raise UsageError(f"unknown strategy '{name}'; valid strategies: {', '.join(sorted(STRATEGIES))}")
     return STRATEGIES[name]
+
+
+def declared_strategies() -> list[str]:
+    """The strategy names this package registers, read from its source (the ``register_strategy`` decorators) without
+    importing the strategies (which pull in the cost model): what the CLI's help lists. A test holds it equal to
+    :func:`list_strategies`."""
+    from pathlib import Path
+
+    names: set[str] = set()
+    for folder in __path__:
+        for f in Path(folder).glob("*.py"):
+            names.update(_DECLARED.findall(f.read_text(encoding="utf-8")))
+    return sorted(names)
 
 
 def list_strategies() -> list[str]:

@@ -15,11 +15,11 @@ from dataclasses import dataclass, field
 import torch
 
 from hetforge.cost import OpCost, estimate, transfer_cost
+from hetforge.errors import UsageError
 from hetforge.frontend import op_name
 from hetforge.hardware import SocProfile
 from hetforge.ops.registry import lookup
-
-OBJECTIVES = ("energy", "latency", "balanced")
+from hetforge.placement import OBJECTIVES
 
 
 def tensor_bytes(val) -> int:
@@ -88,8 +88,6 @@ class NodeCosts:
 
 
 def check_objective(objective: str | None) -> str:
-    from hetforge.errors import UsageError
-
     obj = objective or "balanced"
     if obj not in OBJECTIVES:
         raise UsageError(f"unknown objective '{objective}'; valid objectives: {', '.join(OBJECTIVES)}")

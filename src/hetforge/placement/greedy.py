@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import torch
 
-from hetforge.placement import Placement, Rejection, register_strategy
-from hetforge.placement.costs import NodeCosts, check_objective, resolve_soc
-from hetforge.placement.plan import Memory, check_pins, finish, no_device_error
+from hetforge.placement import Placement, register_strategy
+from hetforge.placement.costs import NodeCosts
+from hetforge.placement.loop import Decision, Placing
 
 
 def input_transfer(nc: NodeCosts, node: torch.fx.Node, device: str, assignment: dict[str, str]) -> tuple[float, float]:
@@ -31,47 +31,24 @@ def input_transfer(nc: NodeCosts, node: torch.fx.Node, device: str, assignment: 
 def greedy(gm: torch.fx.GraphModule, soc, objective: str | None = "latency", strict: bool = False,
            pin: dict[str, str] | None = None, **_: object) -> Placement:
     """Lowest modeled cost per node (transfers counted); see module docstring."""
-    soc = resolve_soc(soc)
-    obj = check_objective(objective)
-    nc = NodeCosts.build(gm, soc)
-    pin = check_pins(nc, pin)
-    mem = Memory(nc)
-    assignment: dict[str, str] = {}
-    reasons: dict[str, str] = {}
-    rejections: list[Rejection] = []
-    fallbacks: list[str] = []
-    for n in nc.nodes:
-        op = nc.ops[n.name]
-        if n.name in pin:
-            assignment[n.name] = pin[n.name]
-            reasons[n.name] = f"pinned to {pin[n.name]} by the user"
-            mem.add(n.name, pin[n.name])
-            continue
+    st = Placing.start(gm, soc, objective, pin)
+    obj, nc = st.obj, st.nc
+    unit = {"latency": "s", "energy": "J"}.get(obj, "J·s")
+
+    def decide(st: Placing, n: torch.fx.Node) -> Decision:
         scored = []
-        for d in soc.devices:
-            t, e = input_transfer(nc, n, d.name, assignment)
+        for d in nc.soc.devices:
+            t, e = input_transfer(nc, n, d.name, st.assignment)
             scored.append((nc.score(nc.cost[n.name][d.name], t, e, obj), d.name, t))
         scored.sort()
-        chosen = None
-        for s, d, t in scored:
-            why = nc.why_not(n.name, d)
-            if why is None:
-                ok, why = mem.fits(n.name, d)
-                why = None if ok else why
-            if why is None:
-                chosen = (s, d, t)
-                break
-            rejections.append(Rejection(n.name, op, d, why))
-        if chosen is None:
-            raise no_device_error(nc, n.name, rejections, mem)
-        s, d, t = chosen
-        if scored[0][1] != d:
-            fallbacks.append(n.name)
-        assignment[n.name] = d
-        mem.add(n.name, d)
-        unit = {"latency": "s", "energy": "J"}.get(obj, "J·s")
-        alts = ", ".join(f"{dd} {ss:.3g}" for ss, dd, _ in scored if dd != d)
-        reasons[n.name] = (f"greedy {obj}: {d} has the lowest modeled cost {s:.3g} {unit}"
-                           + (f" incl. {t:.3g} s of input transfer" if t else "")
-                           + (f" (others: {alts})" if alts else ""))
-    return finish(gm, nc, "greedy", assignment, reasons, rejections, fallbacks, obj, strict)
+
+        def reason(d: str) -> str:
+            s, t = next((s, t) for s, dd, t in scored if dd == d)
+            alts = ", ".join(f"{dd} {ss:.3g}" for ss, dd, _ in scored if dd != d)
+            return (f"greedy {obj}: {d} has the lowest modeled cost {s:.3g} {unit}"
+                    + (f" incl. {t:.3g} s of input transfer" if t else "")
+                    + (f" (others: {alts})" if alts else ""))
+
+        return Decision([d for _, d, _ in scored], reason)
+
+    return st.run(decide).finish("greedy", strict)

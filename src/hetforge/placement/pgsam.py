@@ -24,12 +24,11 @@ from __future__ import annotations
 import torch
 
 from hetforge.errors import HetforgeError, UsageError
-from hetforge.placement import Placement, Rejection, register_strategy
-from hetforge.placement.costs import NodeCosts, check_objective, resolve_soc
+from hetforge.placement import Placement, register_strategy
 from hetforge.placement.layer_costs import build_table, charge
 from hetforge.placement.layers import EMBED, HEAD, group_stages
+from hetforge.placement.loop import Decision, Placing
 from hetforge.placement.pgsam_search import pick
-from hetforge.placement.plan import check_pins, finish
 from hetforge.placement.stage_search import search_front
 from hetforge.placement.stages import stages_of
 
@@ -52,10 +51,8 @@ def stages(gm: torch.fx.GraphModule, soc, objective: str | None = "balanced", st
            latency_mode: str = "bottleneck", aux: str = "power", search: str = "auto", budget: int | None = None,
            **pgsam_opts: object) -> Placement:
     """Contiguous layer placement; see module docstring. ``pgsam_opts`` go to :func:`pgsam_search`."""
-    soc = resolve_soc(soc)
-    obj = check_objective(objective)
-    nc = NodeCosts.build(gm, soc)
-    pin = check_pins(nc, pin)
+    st = Placing.start(gm, soc, objective, pin, memory=False)  # the stage search sized memory per stage
+    nc, obj = st.nc, st.obj
     groups = group_stages(gm)
     if groups.num_layers == 0:
         raise UsageError("pgsam places decoder layers, but no node of this graph belongs to a layer "
@@ -88,28 +85,23 @@ def stages(gm: torch.fx.GraphModule, soc, objective: str | None = "balanced", st
     layer_dev = {f"layer.{i}": devs[d] for i, d in enumerate(chosen)}
     stage_dev = {**layer_dev, EMBED: aux_choice.embed, HEAD: aux_choice.head}
     plan_text = describe(chosen, devs)
-    assignment: dict[str, str] = {}
-    reasons: dict[str, str] = {}
-    rejections: list[Rejection] = []
-    fallbacks: list[str] = []
-    for n in nc.nodes:
-        st = groups.of[n.name]
-        want = stage_dev[st]
-        if n.name in pin:
-            assignment[n.name], reasons[n.name] = pin[n.name], f"pinned to {pin[n.name]} by the user"
-            continue
-        if st in (EMBED, HEAD):
-            base = f"auxiliary-stage routing: {st} stage on {want}, {aux_choice.why[st]}"
+    who = "exact front" if res.method == "exact" else "PGSAM"
+
+    def decide(st: Placing, n: torch.fx.Node) -> Decision:
+        stage = groups.of[n.name]
+        want = stage_dev[stage]
+        if stage in (EMBED, HEAD):
+            base = f"auxiliary-stage routing: {stage} stage on {want}, {aux_choice.why[stage]}"
         else:
-            who = "exact front" if res.method == "exact" else "PGSAM"
-            base = (f"{who} ({obj}: {how}): {st} in plan {plan_text}; front point energy {f[0]:.4g} J, "
+            base = (f"{who} ({obj}: {how}): {stage} in plan {plan_text}; front point energy {f[0]:.4g} J, "
                     f"{latency_mode} latency {f[1]:.4g} s, min DASI {-f[2]:.3f} (modeled)")
-        ch = charge(nc, n.name, want)
-        if ch.runs_on != want:
-            rejections.append(Rejection(n.name, nc.ops[n.name], want, nc.why_not(n.name, want) or "unsupported"))
-            fallbacks.append(n.name)
-            base += f"; split off to {ch.runs_on} because {want} cannot run {nc.ops[n.name]}"
-        assignment[n.name], reasons[n.name] = ch.runs_on, base
+        runs_on = charge(nc, n.name, want).runs_on  # the stage's device, else the fastest that can run it
+        if runs_on == want:
+            return Decision([want], lambda d: base)
+        return Decision([want, runs_on],
+                        lambda d: base + f"; split off to {d} because {want} cannot run {nc.ops[n.name]}")
+
+    st.run(decide)
     extra = {
         "plan": plan_text, "latency_mode": latency_mode,
         "objectives": {"energy_j": f[0], "latency_s": f[1], "min_dasi": -f[2]},
@@ -120,4 +112,4 @@ def stages(gm: torch.fx.GraphModule, soc, objective: str | None = "balanced", st
         "layers": groups.num_layers, "label": "modeled",
     }
     name = "pgsam" if search == "pgsam" else "stages"
-    return finish(gm, nc, name, assignment, reasons, rejections, fallbacks, obj, strict, extra)
+    return st.finish(name, strict, extra)

@@ -32,10 +32,9 @@ import torch
 
 from hetforge.cost import cost_group
 from hetforge.ops.registry import lookup
-from hetforge.placement import Placement, Rejection, register_strategy
-from hetforge.placement.costs import NodeCosts, check_objective, resolve_soc
+from hetforge.placement import Placement, register_strategy
 from hetforge.placement.greedy import input_transfer
-from hetforge.placement.plan import Memory, check_pins, finish, no_device_error
+from hetforge.placement.loop import Decision, Placing
 
 SAMPLING = {"aten.argmax.default", "aten.topk.default", "aten.sort.default", "aten.argsort.default",
             "aten.multinomial.default", "aten.cumsum.default", "aten.nonzero.default"}
@@ -91,20 +90,14 @@ def categorize(node: torch.fx.Node, op: str, large_params: int, data_kind: str |
 def rules(gm: torch.fx.GraphModule, soc, objective: str | None = "latency", strict: bool = False,
           pin: dict[str, str] | None = None, large_params: int = 1_000_000, **_: object) -> Placement:
     """Dispatch rules with stay-or-move; see module docstring."""
-    soc = resolve_soc(soc)
-    obj = check_objective(objective)
-    nc = NodeCosts.build(gm, soc)
-    pin = check_pins(nc, pin)
-    mem = Memory(nc)
+    st = Placing.start(gm, soc, objective, pin)
+    nc, obj, soc = st.nc, st.obj, st.soc
     cpu = soc.devices[0].name
     kind_dev: dict[str, str] = {}
     for d in soc.devices:
         kind_dev.setdefault(d.kind, d.name)
-    assignment: dict[str, str] = {}
-    reasons: dict[str, str] = {}
-    rejections: list[Rejection] = []
-    fallbacks: list[str] = []
     counts: dict[str, int] = {}
+    assignment = st.assignment
 
     def data_device(n: torch.fx.Node) -> str:
         """Where the node's data is: a view's base; otherwise, of the devices holding its inputs, the one
@@ -121,58 +114,34 @@ def rules(gm: torch.fx.GraphModule, soc, objective: str | None = "latency", stri
         runnable = [d for d in cands if nc.can_run[n.name][d]] or cands
         return min(runnable, key=lambda d: nc.score(nc.cost[n.name][d], *input_transfer(nc, n, d, assignment), obj))
 
-    def usable(n: str, d: str) -> str | None:
-        why = nc.why_not(n, d)
-        if why is None:
-            ok, why = mem.fits(n, d)
-            return None if ok else why
-        return why
-
-    for n in nc.nodes:
-        op = nc.ops[n.name]
-        if n.name in pin:
-            assignment[n.name] = pin[n.name]
-            reasons[n.name] = f"pinned to {pin[n.name]} by the user"
-            mem.add(n.name, pin[n.name])
-            continue
+    def decide(st: Placing, n: torch.fx.Node) -> Decision:
         src = data_device(n)
-        cat, why_cat = categorize(n, op, large_params, soc.device(src).kind)
+        cat, why_cat = categorize(n, nc.ops[n.name], large_params, soc.device(src).kind)
         counts[cat] = counts.get(cat, 0) + 1
         if cat in ("view", "memory"):
             prefs = [src] + [d.name for d in soc.devices if d.name != src]
         else:
             prefs = [kind_dev[k] for k in PREFERENCE[cat] if k in kind_dev]
             prefs += [d.name for d in soc.devices if d.name not in prefs] if cat != "control" else []
-        chosen = None
-        for i, d in enumerate(prefs):
-            why = usable(n.name, d)
-            if why is None:
-                chosen = d
-                break
-            rejections.append(Rejection(n.name, op, d, why))
-            if i == 0:
-                fallbacks.append(n.name)
-        if chosen is None:
-            raise no_device_error(nc, n.name, rejections, mem)
-        reason = f"rule {cat}: {why_cat}"
-        if chosen != prefs[0]:
-            reason += f"; {prefs[0]} rejected, fell back to {chosen}"
-        if cat not in ("control", "view") and chosen != src and usable(n.name, src) is None:
-            t_in, e_in = input_transfer(nc, n, chosen, assignment)
-            energy = obj == "energy"
-            copy = e_in if energy else t_in
-            here, there = (nc.cost[n.name][d].energy_j if energy else nc.cost[n.name][d].time_s for d in (src, chosen))
-            unit = "J" if energy else "s"
-            if copy > 0 and copy >= here - there:
-                reason = (f"stays on {src}: moving to {chosen} ({cat} rule) would save {here - there:.3g} {unit} "
-                          f"but the copy costs {copy:.3g} {unit} (modeled)")
-                chosen = src
-                if n.name in fallbacks:
-                    fallbacks.remove(n.name)
-            elif copy > 0:
-                reason += f"; moved from {src}: saves {here - there:.3g} {unit}, copy {copy:.3g} {unit} (modeled)"
-        assignment[n.name] = chosen
-        reasons[n.name] = reason
-        mem.add(n.name, chosen)
-    return finish(gm, nc, "rules", assignment, reasons, rejections, fallbacks, obj, strict,
-                  extra={"categories": counts, "large_params": large_params})
+
+        def settle(chosen: str) -> tuple[str, str]:
+            reason = f"rule {cat}: {why_cat}"
+            if chosen != prefs[0]:
+                reason += f"; {prefs[0]} rejected, fell back to {chosen}"
+            if cat not in ("control", "view") and chosen != src and st.usable(n.name, src) is None:
+                t_in, e_in = input_transfer(nc, n, chosen, assignment)
+                energy = obj == "energy"
+                copy = e_in if energy else t_in
+                here, there = (nc.cost[n.name][d].energy_j if energy else nc.cost[n.name][d].time_s
+                               for d in (src, chosen))
+                unit = "J" if energy else "s"
+                if copy > 0 and copy >= here - there:
+                    return src, (f"stays on {src}: moving to {chosen} ({cat} rule) would save {here - there:.3g} "
+                                 f"{unit} but the copy costs {copy:.3g} {unit} (modeled)")
+                if copy > 0:
+                    reason += f"; moved from {src}: saves {here - there:.3g} {unit}, copy {copy:.3g} {unit} (modeled)"
+            return chosen, reason
+
+        return Decision(prefs, settle)
+
+    return st.run(decide).finish("rules", strict, extra={"categories": counts, "large_params": large_params})

@@ -107,7 +107,7 @@ class Placed:
     """What a placed program is made of: the compile result, its partitions, their compiled backends."""
 
     compiled: Any  # hetforge.compile.CompileResult (build=False: the scheduled Program, placement, memory plan)
-    partitions: Any  # hetforge.hetero.partition.PartitionedGraph
+    partitions: Any  # hetforge.backends.partition.PartitionedGraph
     exe: Any  # hetforge.hetero.runner.HeteroExecutable
     build: Any  # hetforge.hetero.runner.BuildReport
     last: Any = None  # RunReport of the latest call

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from hetforge.errors import HetforgeError, UsageError
+from hetforge.files import write_text
 
 FORMAT = "hetforge-genplan/1"
 
@@ -93,8 +94,6 @@ def save_genplan(engine, prefill_tiers: list[int], cache_lengths: list[int], pat
     doc = {"format": FORMAT, "model": engine.loaded.name, "weights": weights_fingerprint(engine.loaded.model),
            "soc": soc.name, "soc_hash": soc_hash(soc), "soc_text": _soc_text(soc), "strategy": ex.strategy,
            "objective": ex.objective, "quantize": ex.quantize, "group_size": ex.group_size, "programs": programs}
-    from hetforge.files import write_text
-
     write_text(path, json.dumps(doc), "--out")
     return doc
 

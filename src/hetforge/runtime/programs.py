@@ -136,12 +136,13 @@ class ProgramCache:
             if entry is None:
                 raise GenPlanError(missing_message(self.fixed, self.fixed_source, kind, length))
         store, cache_notes = None, []
-        if entry is None:  # the compile cache on disk (hetforge.compile_cache)
-            from hetforge.compile_cache import cached_build
+        if entry is None:  # the compile cache on disk (hetforge.runtime.compile_cache)
+            from hetforge.runtime.compile_cache import cached_build
 
             hit, store, cache_notes = cached_build(self, kind, length, module, inputs)
             if hit is not None:
-                return hit
+                b, secs = hit
+                return Program(kind, length, b.run, self.executor.name, b.nodes, 0.0, 0.0, secs, b.notes, b.placed)
         cg = capture(module, inputs, name=label)
         if entry is None:
             b = self.executor.build(cg.gm, inputs, label, self.optimize)

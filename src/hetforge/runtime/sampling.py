@@ -1,9 +1,9 @@
 """Sampling on the CPU: greedy, temperature, top-k, top-p, repetition penalty; seeded per request.
 
-Follows the order and conventions of Hugging Face's logits processors so seeded results are
-comparable: repetition penalty (divide positive / multiply negative logits of seen tokens), then
-temperature, top-k, top-p (keep the smallest set whose probability reaches ``top_p``, always at least
-one token), then one draw from a ``torch.Generator`` owned by the request.
+The logits go through Hugging Face's own logits processors, in Hugging Face's order: repetition penalty
+(divide positive / multiply negative logits of seen tokens), then temperature, top-k, top-p (keep the smallest
+set whose probability reaches ``top_p``, always at least one token); then one draw from a ``torch.Generator``
+owned by the request.
 """
 
 from __future__ import annotations
@@ -11,6 +11,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 import torch
+from transformers.generation.logits_process import (
+    LogitsProcessorList,
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 from hetforge.errors import HetforgeError, UsageError
 
@@ -71,23 +78,19 @@ class Sampler:
         """The processed 1-D float logits (penalty, temperature, top-k, top-p); -inf marks removed tokens."""
         p = self.params
         x = logits.reshape(-1)[: self.vocab_size].float()
+        steps = []
         if p.repetition_penalty != 1.0 and bool(self._seen.any()):
-            seen = x[self._seen]
-            x = x.clone()
-            x[self._seen] = torch.where(seen > 0, seen / p.repetition_penalty, seen * p.repetition_penalty)
-        if p.greedy:
+            steps.append(RepetitionPenaltyLogitsProcessor(p.repetition_penalty))
+        if not p.greedy:
+            steps.append(TemperatureLogitsWarper(p.temperature))
+            if 0 < p.top_k < x.numel():
+                steps.append(TopKLogitsWarper(p.top_k))
+            if p.top_p < 1.0:
+                steps.append(TopPLogitsWarper(p.top_p))
+        if not steps:
             return x
-        x = x / p.temperature
-        if 0 < p.top_k < x.numel():
-            kth = torch.topk(x, p.top_k).values[-1]
-            x = x.masked_fill(x < kth, float("-inf"))
-        if p.top_p < 1.0:
-            sorted_x, order = torch.sort(x, descending=False)
-            cum = torch.softmax(sorted_x, dim=-1).cumsum(-1)
-            remove = cum <= (1 - p.top_p)
-            remove[-1] = False  # keep at least the most likely token
-            x = x.masked_fill(remove.scatter(0, order, remove), float("-inf"))
-        return x
+        seen = self._seen.nonzero().reshape(1, -1)
+        return LogitsProcessorList(steps)(seen, x.unsqueeze(0)).reshape(-1)
 
     def pick(self, logits: torch.Tensor) -> int:
         """The next token id."""

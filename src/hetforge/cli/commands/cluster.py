@@ -7,6 +7,7 @@ from pathlib import Path
 
 import typer
 
+from hetforge.cli import options as opt
 from hetforge.cli.common import app, console, emit_json, err_console, handles_errors
 from hetforge.errors import UsageError
 
@@ -19,7 +20,7 @@ OBJECTIVES = ("latency", "energy", "balanced")
 
 @cluster_app.command("list")
 @handles_errors
-def list_cmd(json_out: bool = typer.Option(False, "--json", help="print one JSON document")) -> None:
+def list_cmd(json_out: opt.Json = False) -> None:
     """The shipped cluster profiles."""
     from hetforge.cluster.spec import load_cluster, shipped_clusters
 
@@ -35,7 +36,7 @@ def list_cmd(json_out: bool = typer.Option(False, "--json", help="print one JSON
 @cluster_app.command("show")
 @handles_errors
 def show_cmd(cluster: str = typer.Argument(..., help="a shipped cluster name or a cluster .yaml file"),
-             json_out: bool = typer.Option(False, "--json", help="print one JSON document")) -> None:
+             json_out: opt.Json = False) -> None:
     """A cluster's nodes (SoC, devices, memory) and links (with the source of every figure)."""
     from hetforge.cluster.spec import load_cluster
 
@@ -67,11 +68,11 @@ def _check_objective(objective: str) -> None:
 def plan_cmd(
     model: str = typer.Argument(..., help="zoo name, local HF folder, or a shape-only model (llama-3.1-8b-shape)"),
     cluster: str = typer.Option(..., "--cluster", help="a shipped cluster name or a cluster .yaml file"),
-    objective: str = typer.Option("latency", "--objective", help="latency, energy or balanced"),
+    objective: opt.Objective = opt.OBJECTIVE,
     context: int = typer.Option(None, "--context", help="KV cache positions to hold (default: model maximum; "
                                                         "4096 for shape-only models)"),
     spread: bool = typer.Option(False, "--spread", help="use every node, layers split evenly (not by the cost model)"),
-    json_out: bool = typer.Option(False, "--json", help="print one JSON document"),
+    json_out: opt.Json = False,
 ) -> None:
     """Place MODEL's layers over the cluster's nodes and their devices; modeled per-token time, energy, wire bytes."""
     from hetforge.cluster.models import plan_model
@@ -175,10 +176,10 @@ def serve_cmd(
     requests: Path = typer.Option(..., "--requests", help="UTF-8 text file, one prompt per line"),
     replicas: int = typer.Option(1, "--replicas", help="copies of the model, each on its own group of nodes"),
     max_new_tokens: int = typer.Option(32, "--max-new-tokens", "-n", help="tokens to generate per request"),
-    objective: str = typer.Option("latency", "--objective", help="latency, energy or balanced"),
+    objective: opt.Objective = opt.OBJECTIVE,
     spread: bool = typer.Option(False, "--spread", help="each replica uses all its nodes (even layer split)"),
     address: str = typer.Option(None, "--address", help="join this Ray cluster (HOST:PORT) instead of starting one"),
-    json_out: bool = typer.Option(False, "--json", help="print one JSON document"),
+    json_out: opt.Json = False,
 ) -> None:
     """Serve every request of a file on the cluster on Ray: pipelined over the stages, spread over replicas."""
     from hetforge.cluster.spec import load_cluster

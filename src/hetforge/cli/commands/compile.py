@@ -7,18 +7,13 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
+from hetforge.cli import options as opt
 from hetforge.cli.common import app, console, emit_json, handles_errors
 from hetforge.errors import UsageError
-
-_SOC_HELP = "SoC profile name or file (see `hetforge socs`); 'host' is this machine"
-_PASSES_HELP = "run the six middle-end passes before lowering"
 
 
 def _mb(n: int) -> str:
     return f"{n / 2**20:.2f} MiB" if n >= 2**20 else f"{n / 1024:.1f} KiB"
-
-
-OBJECTIVES = ("energy", "latency", "balanced")
 
 
 def _compile(model: str, seq: int, soc: str, strategy: str, attn: str, passes: bool, mode: str, build: bool,
@@ -31,6 +26,8 @@ def _compile(model: str, seq: int, soc: str, strategy: str, attn: str, passes: b
     get_strategy(strategy)  # unknown names fail before the model is built
     if mode not in MODES:
         raise UsageError(f"unknown --mode '{mode}'; allowed: {', '.join(MODES)}")
+    from hetforge.placement import OBJECTIVES
+
     if objective not in OBJECTIVES:
         raise UsageError(f"unknown --objective '{objective}'; allowed: {', '.join(OBJECTIVES)}")
     if quantize != "none":
@@ -46,30 +43,27 @@ def _compile(model: str, seq: int, soc: str, strategy: str, attn: str, passes: b
                          quant_skip=skip)
 
 
-_QUANT_HELP = "weight quantization before placement: w8, w4, w8a8 or none"
-
-
 @app.command("compile")
 @handles_errors
 def compile_cmd(
     model: str = typer.Argument(..., help="zoo name (see `hetforge models`) or a local HF folder"),
-    soc: str = typer.Option("host", "--soc", help=_SOC_HELP),
-    seq: int = typer.Option(16, "--seq", help="sequence length of the (static) input"),
-    strategy: str = typer.Option("support", "--strategy", help="placement strategy: support, rules, greedy, pgsam"),
-    objective: str = typer.Option("energy", "--objective", help="energy, latency or balanced (rules/greedy/pgsam)"),
+    soc: opt.Soc = "host",
+    seq: opt.Seq = 16,
+    strategy: opt.Strategy = opt.STRATEGY,
+    objective: opt.Objective = opt.OBJECTIVE,
     strict: bool = typer.Option(False, "--strict", help="any placement fallback is an error (exit 1)"),
-    quantize: str = typer.Option("none", "--quantize", help=_QUANT_HELP),
-    group_size: int = typer.Option(128, "--group-size", help="int4 group size (32/64/128/256)"),
+    quantize: opt.Quantize = opt.QUANTIZE,
+    group_size: opt.GroupSize = opt.GROUP_SIZE,
     skip: list[str] = typer.Option([], "--skip", help="module path or glob kept in float (repeatable)"),
-    attn: str = typer.Option("sdpa", "--attn", help="attention implementation: eager or sdpa"),
-    passes: bool = typer.Option(True, "--passes/--no-passes", help=_PASSES_HELP),
+    attn: opt.Attn = opt.ATTN,
+    passes: opt.Passes = True,
     out: Path | None = typer.Option(None, "--out", help="write the program (JSON; weights referenced) here"),
     text: Path | None = typer.Option(None, "--text", help="write the program's text form here"),
     generate: bool = typer.Option(False, "--generate", help="compile the prefill/decode programs of text "
                                   "generation (with --tiers, --cache) into a plan for `hetforge run --plan`"),
     tiers: str = typer.Option("32,64,128", "--tiers", help="--generate: prompt tiers to compile, comma-separated"),
     cache: str = typer.Option("128,256", "--cache", help="--generate: KV cache lengths to compile"),
-    json_out: bool = typer.Option(False, "--json", help="print JSON"),
+    json_out: opt.Json = False,
 ) -> None:
     """Compile a model: instructions per device, transfers, device switches, memory plan, seconds per stage."""
     from hetforge.files import check_output
@@ -147,20 +141,20 @@ def _print(rep: dict) -> None:
 @handles_errors
 def run_graph(
     model: str = typer.Argument(..., help="zoo name (see `hetforge models`) or a local HF folder"),
-    soc: str = typer.Option("host", "--soc", help=_SOC_HELP),
-    seq: int = typer.Option(16, "--seq", help="sequence length of the (static) input"),
-    strategy: str = typer.Option("support", "--strategy", help="placement strategy: support, rules, greedy, pgsam"),
-    objective: str = typer.Option("energy", "--objective", help="energy, latency or balanced (rules/greedy/pgsam)"),
-    quantize: str = typer.Option("none", "--quantize", help=_QUANT_HELP),
-    group_size: int = typer.Option(128, "--group-size", help="int4 group size (32/64/128/256)"),
-    attn: str = typer.Option("sdpa", "--attn", help="attention implementation: eager or sdpa"),
-    passes: bool = typer.Option(True, "--passes/--no-passes", help=_PASSES_HELP),
+    soc: opt.Soc = "host",
+    seq: opt.Seq = 16,
+    strategy: opt.Strategy = opt.STRATEGY,
+    objective: opt.Objective = opt.OBJECTIVE,
+    quantize: opt.Quantize = opt.QUANTIZE,
+    group_size: opt.GroupSize = opt.GROUP_SIZE,
+    attn: opt.Attn = opt.ATTN,
+    passes: opt.Passes = True,
     mode: str = typer.Option("arena", "--mode", help="arena: every result in its planned slice; fast: ops without "
                              "an out= kernel keep their own allocation"),
     kl_threshold: float | None = typer.Option(None, "--kl-threshold", help="KL(eager ‖ compiled) allowed "
                                               "(default 1e-8 at fp32, 1e-2 with --quantize)"),
     profile: int = typer.Option(0, "--profile", help="also time every instruction and list the N slowest ops"),
-    json_out: bool = typer.Option(False, "--json", help="print JSON"),
+    json_out: opt.Json = False,
 ) -> None:
     """Compile a model, run the program once from its arenas, and compare with eager (measured)."""
     import time

@@ -7,6 +7,7 @@ import time
 
 import typer
 
+from hetforge.cli import options as opt
 from hetforge.cli.common import app, console, emit_json, handles_errors
 
 DEFAULT_MODEL = "demo"
@@ -19,9 +20,9 @@ def demo(
     model: str = typer.Option(DEFAULT_MODEL, "--model", help="model to run the demo on"),
     prompt: str = typer.Option(DEFAULT_PROMPT, "--prompt", help="text to continue"),
     max_new_tokens: int = typer.Option(48, "--max-new-tokens", "-n", help="tokens to generate"),
-    soc: str = typer.Option("host", "--soc", help="SoC profile to compile for"),
+    soc: opt.Soc = "host",
     threads: int = typer.Option(1, "--threads", help="CPU threads (a 4 M-parameter model gains nothing from more)"),
-    json_out: bool = typer.Option(False, "--json", help="print JSON"),
+    json_out: opt.Json = False,
 ) -> None:
     """Compile the demo model's prefill and decode programs, generate text, check it against Hugging Face."""
     import torch

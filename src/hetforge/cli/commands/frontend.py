@@ -7,9 +7,8 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
+from hetforge.cli import options as opt
 from hetforge.cli.common import app, console, emit_json, handles_errors
-
-ATTN_HELP = "attention implementation: eager or sdpa"
 
 
 @app.command()
@@ -50,11 +49,11 @@ def capture_model(model: str, seq: int, attn: str, strict: bool):
 @handles_errors
 def capture(
     model: str = typer.Argument(..., help="zoo name (see `hetforge models`) or a local HF folder"),
-    seq: int = typer.Option(16, "--seq", help="sequence length of the example input"),
-    attn: str = typer.Option("sdpa", "--attn", help=ATTN_HELP),
+    seq: opt.Seq = 16,
+    attn: opt.Attn = opt.ATTN,
     strict: bool = typer.Option(False, "--strict/--non-strict", help="torch.export mode (default non-strict)"),
     dump: Path | None = typer.Option(None, "--dump", help="write the captured graph as readable text"),
-    json_out: bool = typer.Option(False, "--json", help="print JSON"),
+    json_out: opt.Json = False,
 ) -> None:
     """Capture a model with torch.export: node counts by op, parameter count, capture time."""
     from hetforge.files import check_output, write_text
@@ -88,10 +87,10 @@ def capture(
 @handles_errors
 def verify(
     model: str = typer.Argument(..., help="zoo name or local HF folder"),
-    seq: int = typer.Option(16, "--seq"),
-    attn: str = typer.Option("sdpa", "--attn", help=ATTN_HELP),
+    seq: opt.Seq = 16,
+    attn: opt.Attn = opt.ATTN,
     kl_threshold: float = typer.Option(1e-9, "--kl-threshold"),
-    json_out: bool = typer.Option(False, "--json", help="print JSON"),
+    json_out: opt.Json = False,
 ) -> None:
     """Capture a model and compare the captured graph with eager: abs error, KL, top-1 agreement."""
     from hetforge.verify import check_kl_threshold

@@ -9,6 +9,7 @@ import typer
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from hetforge.cli import options as opt
 from hetforge.cli.common import app, console, emit_json, err_console, handles_errors
 from hetforge.errors import UsageError
 
@@ -48,7 +49,7 @@ def calibrate(
     threads: int | None = typer.Option(None, "--threads", help="torch threads to calibrate with (default: torch's)"),
     clock: str = typer.Option("wall", "--clock", help="wall, or thread (CPU time of the calling thread; needs "
                               "--threads 1; ignores time lost to other processes on a shared host)"),
-    json_out: bool = typer.Option(False, "--json", help="print JSON"),
+    json_out: opt.Json = False,
 ) -> None:
     """Measure this host (GEMM per dtype, memory bandwidth, dispatch, per-op-group efficiency): the `host` profile."""
     from hetforge.hardware import host_profile_path, load_file, save_spec
@@ -143,12 +144,12 @@ TEMP_RANGE_C = (-40.0, 150.0)  # industrial ambient minimum .. silicon junction 
 @handles_errors
 def profile(
     model: str = typer.Argument(..., help="zoo name or local HF folder"),
-    soc: str = typer.Option("host", "--soc", help="SoC profile name (see `hetforge socs`) or a profile file"),
-    seq: int = typer.Option(128, "--seq", help="sequence length (1 = one-token shapes)"),
-    attn: str = typer.Option("sdpa", "--attn", help="attention implementation: eager or sdpa"),
+    soc: opt.Soc = "host",
+    seq: opt.Seq = 128,
+    attn: opt.Attn = opt.ATTN,
     temp: float | None = typer.Option(None, "--temp", help="device temperature in °C for the thermal factor"),
     plot: Path | None = typer.Option(None, "--plot", help="write a roofline plot (.png or .svg)"),
-    json_out: bool = typer.Option(False, "--json", help="print JSON (per-node predictions)"),
+    json_out: opt.Json = False,
 ) -> None:
     """Cost model of a model on an SoC: per-layer FLOPs, bytes, AI, class, modeled time and energy per device."""
     from hetforge.cli.commands.frontend import capture_model

@@ -8,6 +8,7 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
+from hetforge.cli import options as opt
 from hetforge.cli.common import app, console, emit_json, handles_errors
 
 _PASSES_HELP = "comma-separated passes to run, in order (default: all seven: cleanup,constant_fold,cse,moe," \
@@ -18,19 +19,19 @@ _PASSES_HELP = "comma-separated passes to run, in order (default: all seven: cle
 @handles_errors
 def optimize(
     model: str = typer.Argument(..., help="zoo name (see `hetforge models`) or a local HF folder"),
-    seq: int = typer.Option(16, "--seq", help="sequence length of the example input"),
-    attn: str = typer.Option("sdpa", "--attn", help="attention implementation: eager or sdpa"),
+    seq: opt.Seq = 16,
+    attn: opt.Attn = opt.ATTN,
     passes: str | None = typer.Option(None, "--passes", help=_PASSES_HELP),
     dump_dir: Path | None = typer.Option(None, "--dump-dir", help="write the graph after each pass as text here"),
     verify_each: bool = typer.Option(False, "--verify-each", help="check numerics after every pass"),
     kl_threshold: float | None = typer.Option(None, "--kl-threshold", help="KL(eager ‖ optimized) allowed "
                                               "(default 1e-8, or 1e-2 with --quantize)"),
-    quantize: str = typer.Option("none", "--quantize", help="then quantize weights: w8, w4, w8a8 or none"),
-    group_size: int = typer.Option(128, "--group-size", help="int4 group size (32/64/128/256)"),
+    quantize: opt.Quantize = opt.QUANTIZE,
+    group_size: opt.GroupSize = opt.GROUP_SIZE,
     skip: list[str] = typer.Option([], "--skip", help="module path or glob kept in float (repeatable)"),
     quantize_report: bool = typer.Option(False, "--quantize-report", help="list every quantized tensor"),
     show: int = typer.Option(10, "--show", help="near-misses to list (0: none)"),
-    json_out: bool = typer.Option(False, "--json", help="print JSON"),
+    json_out: opt.Json = False,
 ) -> None:
     """Capture a model, run the optimization passes, report rewrites/near-misses per pass and fidelity vs eager."""
     from hetforge.cli.commands.frontend import capture_model

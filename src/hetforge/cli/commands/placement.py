@@ -7,16 +7,17 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
+from hetforge.cli import options as opt
 from hetforge.cli.common import app, console, emit_json, handles_errors
 from hetforge.errors import UsageError
 
-_SOC_HELP = "SoC profile name or file (see `hetforge socs`)"
 _MODEL_HELP = "zoo name, a local HF folder, or llama-3.1-8b-shape (shape-only, meta device)"
 
 
 def placement_graph(model: str, seq: int, attn: str, passes: bool):
     """Capture ``model`` (optionally through the middle-end passes) and return its FX graph."""
-    from hetforge.models.shapes import capture_shaped, is_shaped
+    from hetforge.frontend import capture_shaped
+    from hetforge.models.shapes import is_shaped
 
     if is_shaped(model):  # meta tensors: constant folding cannot evaluate them, the other passes run
         gm = capture_shaped(model, seq=seq, attn=attn).gm
@@ -48,16 +49,16 @@ def _f(x: float, unit: str) -> str:
 @handles_errors
 def explain(
     model: str = typer.Argument(..., help=_MODEL_HELP),
-    soc: str = typer.Option(..., "--soc", help=_SOC_HELP),
+    soc: opt.Soc = ...,
     node: str = typer.Option(..., "--node", help="graph node name (see `hetforge compile --text`)"),
-    strategy: str = typer.Option("rules", "--strategy", help="placement strategy"),
-    objective: str = typer.Option("balanced", "--objective", help="energy, latency or balanced"),
-    seq: int = typer.Option(16, "--seq", help="sequence length of the example input"),
-    attn: str = typer.Option("sdpa", "--attn", help="attention implementation: eager or sdpa"),
-    passes: bool = typer.Option(True, "--passes/--no-passes", help="run the middle-end passes first"),
+    strategy: opt.Strategy = opt.STRATEGY,
+    objective: opt.Objective = opt.OBJECTIVE,
+    seq: opt.Seq = 16,
+    attn: opt.Attn = opt.ATTN,
+    passes: opt.Passes = True,
     moe_calib: Path | None = typer.Option(None, "--moe-calib", help="for a hetforge::moe node: also explain where "
                                           "each expert group runs (residency, from `hetforge moe calibrate`)"),
-    json_out: bool = typer.Option(False, "--json", help="print JSON"),
+    json_out: opt.Json = False,
 ) -> None:
     """Why a node went where it did: its modeled cost on every device and the rule or objective that decided."""
     from hetforge.hardware import load_soc
@@ -159,19 +160,19 @@ def _dummy(strategy: str):
 @handles_errors
 def pareto(
     model: str = typer.Argument(..., help=_MODEL_HELP),
-    soc: str = typer.Option(..., "--soc", help=_SOC_HELP),
-    objective: str = typer.Option("balanced", "--objective", help="which point to mark: energy, latency, balanced"),
+    soc: opt.Soc = ...,
+    objective: opt.Objective = opt.OBJECTIVE,
     latency_mode: str = typer.Option("bottleneck", "--latency", help="f2: bottleneck (pipelined) or total"),
     seed: int = typer.Option(0, "--seed", help="PGSAM random seed"),
     search: str = typer.Option("auto", "--search", help="auto (exact front when the plan count fits the budget, "
                                "else PGSAM), exact or pgsam"),
     budget: int | None = typer.Option(None, "--budget", help="most stage plans the search may evaluate"),
     aux: str = typer.Option("power", "--aux", help="embedding/LM-head routing: power (lowest TDP) or cost"),
-    seq: int = typer.Option(16, "--seq", help="sequence length of the example input"),
-    attn: str = typer.Option("sdpa", "--attn", help="attention implementation: eager or sdpa"),
-    passes: bool = typer.Option(True, "--passes/--no-passes", help="run the middle-end passes first"),
+    seq: opt.Seq = 16,
+    attn: opt.Attn = opt.ATTN,
+    passes: opt.Passes = True,
     plot: Path | None = typer.Option(None, "--plot", help="write a PNG of the front (energy vs latency)"),
-    json_out: bool = typer.Option(False, "--json", help="print JSON"),
+    json_out: opt.Json = False,
 ) -> None:
     """The Pareto front of contiguous decoder-layer placements (modeled energy, latency, min DASI)."""
     from hetforge.hardware import load_soc

@@ -7,6 +7,7 @@ import time
 import typer
 from rich.table import Table
 
+from hetforge.cli import options as opt
 from hetforge.cli.common import app, console, emit_json, handles_errors
 
 SCHEME_HELP = "w8 (int8 weights), w4 (group-wise int4 weights), w8a8 (int8 weights + dynamic int8 activations), none"
@@ -17,12 +18,12 @@ SCHEME_HELP = "w8 (int8 weights), w4 (group-wise int4 weights), w8a8 (int8 weigh
 def quantize(
     model: str = typer.Argument(..., help="zoo name (see `hetforge models`) or a local HF folder"),
     scheme: str = typer.Option("w8", "--scheme", help=SCHEME_HELP),
-    group_size: int = typer.Option(128, "--group-size", help="int4 group size (32, 64, 128 or 256; w4 only)"),
+    group_size: opt.GroupSize = opt.GROUP_SIZE,
     skip: list[str] = typer.Option([], "--skip", help="keep layers whose module path matches in float "
                                    "(repeatable; 'lm_head', 'layers.0', globs like '*.mlp.*')"),
-    seq: int = typer.Option(16, "--seq", help="sequence length of the fidelity check input"),
+    seq: opt.Seq = 16,
     show_report: bool = typer.Option(False, "--report", help="print the per-tensor table"),
-    json_out: bool = typer.Option(False, "--json", help="print JSON (always includes the per-tensor report)"),
+    json_out: opt.Json = False,
 ) -> None:
     """Quantize every linear of a model and compare the quantized graph with the eager fp32 model."""
     from hetforge.cli.commands.frontend import capture_model

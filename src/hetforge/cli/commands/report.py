@@ -7,10 +7,9 @@ from pathlib import Path
 
 import typer
 
+from hetforge.cli import options as opt
 from hetforge.cli.common import app, console, emit_json, handles_errors
 from hetforge.errors import HetforgeError, UsageError
-
-_STRATEGY_HELP = "placement strategy: rules, greedy, pgsam, stages, support, single"
 
 
 def reproduce_commands(model: str, soc: str, strategy: str, objective: str, quantize: str, group_size: int,
@@ -40,14 +39,14 @@ def report(
     model: str = typer.Argument(..., help="zoo name (see `hetforge models`) or a local Hugging Face folder"),
     soc: str = typer.Option(..., "--soc", help="SoC profile name or file (see `hetforge socs`)"),
     out: Path = typer.Option(..., "--out", "-o", help="the HTML file to write (e.g. report.html)"),
-    strategy: str = typer.Option("rules", "--strategy", help=_STRATEGY_HELP),
-    objective: str = typer.Option("energy", "--objective", help="energy, latency or balanced (not for support)"),
-    quantize: str = typer.Option("none", "--quantize", help="weight quantization: none, w8, w4 or w8a8"),
-    group_size: int = typer.Option(128, "--group-size", help="w4 group size (32, 64, 128, 256)"),
-    seq: int = typer.Option(16, "--seq", help="sequence length of the (static) example input"),
+    strategy: opt.Strategy = opt.STRATEGY,
+    objective: opt.Objective = opt.OBJECTIVE,
+    quantize: opt.Quantize = opt.QUANTIZE,
+    group_size: opt.GroupSize = opt.GROUP_SIZE,
+    seq: opt.Seq = 16,
     run: bool = typer.Option(True, "--run/--no-run", help="run the partitioned program once on this host's "
                              "backends (measured time, fidelity, and the modeled device timeline)"),
-    json_out: bool = typer.Option(False, "--json", help="print a JSON summary instead of text"),
+    json_out: opt.Json = False,
 ) -> None:
     """Write one offline HTML page explaining how MODEL compiles for an SoC (passes, placement, front,
     roofline, memory, timeline); a stage that fails is named in the page and the exit code is 1."""

@@ -8,12 +8,10 @@ from pathlib import Path
 
 import typer
 
+from hetforge.cli import options as opt
 from hetforge.cli.commands.hetero import BACKEND_HELP, POLICY_HELP
 from hetforge.cli.common import app, console, emit_json, err_console, handles_errors
 from hetforge.runtime.select import MAX_CANDIDATES
-
-STRATEGY_HELP = ("placement strategy: rules, greedy, pgsam, support, single (everything on the CPU) or single:DEVICE "
-                 "(everything on that device)")
 
 
 def placed_lines(r) -> list[str]:
@@ -63,19 +61,19 @@ def run(
     repetition_penalty: float = typer.Option(1.0, "--repetition-penalty", help="> 1 discourages repeats"),
     stop: list[str] = typer.Option(None, "--stop", help="stop when this text appears (repeatable)"),
     seed: int = typer.Option(0, "--seed", help="seed of this request's random generator"),
-    soc: str = typer.Option("host", "--soc", help="SoC profile to compile for (a shipped name, host, or a file)"),
-    strategy: str = typer.Option("rules", "--strategy", help=STRATEGY_HELP),
-    objective: str = typer.Option("energy", "--objective", help="energy, latency or balanced (not for support)"),
+    soc: opt.Soc = "host",
+    strategy: opt.GenerationStrategy = opt.STRATEGY,
+    objective: opt.Objective = opt.OBJECTIVE,
     backend: list[str] = typer.Option(None, "--backend", help=BACKEND_HELP),
     policy: str = typer.Option("exact", "--policy", help=POLICY_HELP),
     plan: Path = typer.Option(None, "--plan", help="a generation plan from `hetforge compile --generate --out`"),
     trace: Path = typer.Option(None, "--trace", help="write a Perfetto trace of the whole generation"),
     executor: str = typer.Option("auto", "--executor", help="auto (= backend: placed programs) or fx (reference)"),
     threads: int = typer.Option(0, "--threads", help="CPU threads for torch (0 = torch's default)"),
-    quantize: str = typer.Option("none", "--quantize", help="weights of every linear: none, w8, w4 or w8a8"),
-    group_size: int = typer.Option(128, "--group-size", help="w4 quantization group size (32, 64, 128, 256)"),
+    quantize: opt.Quantize = opt.QUANTIZE,
+    group_size: opt.GroupSize = opt.GROUP_SIZE,
     ignore_eos: bool = typer.Option(False, "--ignore-eos", help="keep going past the end-of-text token"),
-    json_out: bool = typer.Option(False, "--json", help="print one JSON document instead of streaming"),
+    json_out: opt.Json = False,
     report: Path = typer.Option(None, "--report", help="also write an offline HTML report of this generation "
                                 "(per-token measured and modeled figures, placement, timeline)"),
     candidates: int = typer.Option(1, "--candidates", help=f"decode K candidates as one batch and choose one "

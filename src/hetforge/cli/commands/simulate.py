@@ -7,6 +7,7 @@ from pathlib import Path
 
 import typer
 
+from hetforge.cli import options as opt
 from hetforge.cli.common import app, console, emit_json, err_console, handles_errors
 
 simulate_app = typer.Typer(help="Simulations over modeled time (thermal).", no_args_is_help=True)
@@ -16,12 +17,12 @@ app.add_typer(simulate_app, name="simulate")
 @simulate_app.command("thermal")
 @handles_errors
 def thermal_cmd(
-    soc: str = typer.Option(..., "--soc", help="SoC profile (a shipped name, host, or a file)"),
+    soc: opt.Soc = ...,
     workload: str = typer.Option("gpt2:prefill", "--workload",
                                  help="MODEL[:decode|:prefill]: a zoo model generating back to back in that phase"),
     minutes: float = typer.Option(30.0, "--minutes", help="simulated minutes, in (0, 1440]"),
     strategy: str = typer.Option("greedy", "--strategy", help="placement strategy (cost-driven: greedy or pgsam)"),
-    objective: str = typer.Option("energy", "--objective", help="energy, latency or balanced"),
+    objective: opt.Objective = opt.OBJECTIVE,
     duty: float = typer.Option(1.0, "--duty", help="fraction of the time spent generating, in (0, 1]"),
     ambient: float = typer.Option(None, "--ambient", help="ambient °C in [-40, 60] (default: the profile's)"),
     out: Path = typer.Option(Path("thermal.png"), "--out", help="PNG plot to write"),

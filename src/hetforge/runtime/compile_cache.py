@@ -302,9 +302,9 @@ def _load(text: str, tpath: Path, doc: dict[str, Any], module: torch.nn.Module) 
 
 
 def cached_build(programs: Any, kind: str, length: int, module: torch.nn.Module, inputs: tuple) -> Any:
-    """The runtime's program from the cache (a :class:`hetforge.runtime.programs.Program`), or a callback
-    that stores the freshly built one: returns ``(program or None, store_fn or None, notes)``."""
-    from hetforge.runtime.programs import Program
+    """The runtime's built program from the cache, or a callback that stores the freshly built one: returns
+    ``((build, seconds) or None, store_fn or None, notes)``; the caller (:mod:`hetforge.runtime.programs`)
+    wraps a hit in its ``Program``."""
 
     if not enabled():
         return None, None, []
@@ -330,8 +330,7 @@ def cached_build(programs: Any, kind: str, length: int, module: torch.nn.Module,
             ps = meta["passes"]
             fused = ", ".join(f"{k} x{v}" for k, v in ps["fused"].items() if v) or "none"
             b.notes.insert(1, f"passes (cached): {ps['nodes_before']} -> {ps['nodes_after']} nodes; fused ops: {fused}")
-        return Program(kind, length, b.run, programs.executor.name, b.nodes, 0.0, 0.0, secs, b.notes, b.placed), \
-            None, []
+        return (b, secs), None, []
 
     def store_fn(b: Any) -> None:
         if b.placed is not None and store(key, doc, b.placed.compiled, [], b.nodes, b.placed.exe.costs):
