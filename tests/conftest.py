@@ -1,4 +1,5 @@
 import os
+import tempfile
 
 import pytest
 import torch
@@ -6,6 +7,10 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# The compile cache of the whole run lives in a fresh folder (inherited by the CLI subprocesses), so no test
+# reads programs a user's ~/.cache or an earlier run left behind; tests of the cache set their own folder.
+_CACHE = tempfile.TemporaryDirectory(prefix="hetforge-test-compile-cache-")
+os.environ["HETFORGE_COMPILE_CACHE_DIR"] = _CACHE.name
 
 def pytest_collection_modifyitems(config, items):
     """``slow`` tests run only when asked for: ``pytest -m slow`` (any -m expression naming slow or scale) or

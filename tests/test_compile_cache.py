@@ -56,6 +56,19 @@ def test_any_weight_change_is_another_key(cache):
         != compile_cache.key_of(doc2)  # options are in the key too
 
 
+def test_captured_module_and_input_shapes_are_in_the_key(cache):
+    """A batched decode and a batch-1 decode of one cache length are different programs: different keys."""
+    from hetforge.runtime.batched import BatchedDecodeModule
+    from hetforge.runtime.static_kv import DecodeModule
+
+    m = load_model("gpt2-tiny")
+    one = compile_cache.key_document(m.model, {}, True, "decode", 32, DecodeModule(m.model), (torch.zeros(1, 1),))
+    four = compile_cache.key_document(m.model, {}, True, "decode", 32, DecodeModule(m.model), (torch.zeros(4, 1),))
+    batched = compile_cache.key_document(m.model, {}, True, "decode", 32, BatchedDecodeModule(m.model),
+                                         (torch.zeros(1, 1),))
+    assert len({compile_cache.key_of(d) for d in (one, four, batched)}) == 3
+
+
 @pytest.mark.parametrize("damage", ["truncate", "edit", "stale-key", "garbage-tensors"])
 def test_corrupt_or_stale_entry_is_detected_and_rebuilt(cache, loaded, damage):
     _, ref = _prefill(loaded)

@@ -37,7 +37,8 @@ def plan_model(name: str, cluster: Cluster, objective: str = "latency", context:
     """Plan ``name`` (a zoo/local model or a shape-only model) over ``cluster`` for ``context`` positions
     (default: the model's maximum for runnable models, 4096 for shape-only ones)."""
     from hetforge.errors import UsageError
-    from hetforge.models.shapes import SHAPED, capture_shaped, is_shaped
+    from hetforge.frontend import capture_shaped
+    from hetforge.models.shapes import SHAPED, is_shaped
 
     if context is not None and context < 1:
         raise UsageError(f"--context must be >= 1 (got {context})")

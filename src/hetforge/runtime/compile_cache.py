@@ -113,7 +113,7 @@ def executor_options(executor: Any) -> dict[str, Any] | None:
     """The options of a placed executor that shape its programs (None for executors the cache does not hold)."""
     from hetforge.runtime.executors import PlacedExecutor
 
-    if not isinstance(executor, PlacedExecutor):
+    if type(executor) is not PlacedExecutor:  # a subclass (e.g. MoE residency) builds programs its own way
         return None
     from hetforge.runtime.genplan import soc_hash
 
@@ -124,12 +124,17 @@ def executor_options(executor: Any) -> dict[str, Any] | None:
 
 
 def key_document(model: torch.nn.Module, options: dict[str, Any], optimize: bool, kind: str,
-                 length: int) -> dict[str, Any]:
+                 length: int, module: torch.nn.Module | None = None, inputs: tuple = ()) -> dict[str, Any]:
+    """What a cache entry is keyed by: everything that shapes the program, including the wrapper module that
+    was captured and its example inputs' shapes and dtypes (a batched decode and a batch-1 decode of the same
+    cache length are different programs)."""
     import hetforge
 
     return {"format": FORMAT, "hetforge": hetforge.__version__, "source": source_digest(),
             "torch": torch.__version__, "config": _config_text(model), "weights": weights_fingerprint(model),
             "options": options, "passes": bool(optimize), "program": [kind, int(length)],
+            "module": type(module).__qualname__ if module is not None else None,
+            "inputs": [[list(t.shape), str(t.dtype)] if isinstance(t, torch.Tensor) else repr(t) for t in inputs],
             "gemm": os.environ.get("HETFORGE_GEMM", "auto")}
 
 
@@ -312,7 +317,7 @@ def cached_build(programs: Any, kind: str, length: int, module: torch.nn.Module,
     if options is None:
         return None, None, []
     t0 = time.perf_counter()
-    doc = key_document(programs.model, options, programs.optimize, kind, length)
+    doc = key_document(programs.model, options, programs.optimize, kind, length, module, inputs)
     key = key_of(doc)
     notes: list[str] = []
     try:

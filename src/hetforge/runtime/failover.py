@@ -96,20 +96,25 @@ def uses_device(program, device: str) -> bool:
 
 
 def check_coverage(program, soc, failed, label: str) -> None:
-    """Raise :class:`FailoverError` when an op of ``program``'s graph can run on no device of ``soc`` outside
-    ``failed``; the message names the op, the node and which devices could have run it."""
-    from hetforge.frontend import op_name
+    """Raise :class:`FailoverError` when an op of ``program`` can run on no device of ``soc`` outside ``failed``;
+    the message names the op, the node and which devices could have run it. Read from the program's
+    instructions (each records its graph node), so a program from the compile cache, which keeps no graph,
+    is checked the same way."""
+    from hetforge.ir.program import TRANSFER
 
     placed = getattr(program, "placed", None)
     if placed is None:
         return
     alive = [d for d in soc.devices if d.name not in failed]
-    for n in placed.compiled.gm.graph.nodes:
-        if n.op != "call_function":
+    seen: set[str] = set()
+    for ins in placed.compiled.program.instrs:
+        node = ins.attrs.get("node")
+        if ins.kind == TRANSFER or node is None or node in seen:
             continue
-        op = op_name(n)
+        seen.add(node)
+        op = ins.op
         if not any(d.supports(op) for d in alive):
             able = [d.name for d in soc.devices if d.supports(op)]
             raise FailoverError(f"device '{'+'.join(sorted(failed))}' failed during {label} and no surviving device "
-                                f"({', '.join(d.name for d in alive) or 'none'}) can run op {op} (node {n.name}; "
+                                f"({', '.join(d.name for d in alive) or 'none'}) can run op {op} (node {node}; "
                                 f"only {', '.join(able) or 'no device'} can)")
