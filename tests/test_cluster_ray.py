@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from hetforge.cluster.spec import load_cluster
-from tests.test_cluster_plan import LINK, small_soc
+from test_cluster_plan import LINK, small_soc
 
 pytest.importorskip("ray", reason="the cluster extra (pip install 'hetforge[cluster]') is not installed")
 
