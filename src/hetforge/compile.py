@@ -20,6 +20,7 @@ import torch
 
 from hetforge.errors import UsageError
 from hetforge.executor import Executable
+from hetforge.ir.kernel_choice import default_device_map, lower_kernels
 from hetforge.ir.program import Program
 from hetforge.ir.verify import memory_record, verify_program
 from hetforge.lower import LowerResult, lower
@@ -170,6 +171,11 @@ def compile_graph(
     verify_program(sch.program, "memory", mem.offsets, arenas)
     sch.program.memory = memory_record(mem.offsets, arenas)  # saved with the program, re-checked on load
     secs["memory"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    if device_map is None:
+        device_map = default_device_map(sch.program, soc_p)
+    lower_kernels(sch.program, mem.offsets, device_map, mode)  # attrs["kernel"] on every instruction
+    secs["kernels"] = time.perf_counter() - t0
     exe = None
     if build:
         t0 = time.perf_counter()
