@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import functools
 import math
+import zlib
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -253,16 +254,25 @@ def _row_shape(lw: Lowering, ins: Instr, o: int, dev: torch.device) -> tuple[dic
     return args, math.prod(vo.shape) // d, d
 
 
+def native_row_op(*ops: str):
+    """Register a chooser of a ``hetforge::`` row op's native kernel for ``ops``: it is called with the op's
+    bound arguments, its rows and last dim, only where a native kernel can run at all (:func:`_row_shape`)."""
+    def deco(fn):
+        def chooser(lw: Lowering, ins: Instr, o: int, dev: torch.device) -> str | None:
+            got = _row_shape(lw, ins, o, dev)
+            return None if got is None else fn(lw, ins, o, dev, *got)
+        register(OP_KERNELS, *ops)(chooser)
+        return fn
+    return deco
+
+
 def _optional(lw: Lowering, a: Any, dev: torch.device, n: int) -> bool:
     return a is None or lw.native_operand(a, dev, n)
 
 
-@register(OP_KERNELS, "hetforge.rms_norm.default", "hetforge.layer_norm.default", "hetforge.rotary.default")
-def _native_row(lw: Lowering, ins: Instr, o: int, dev: torch.device) -> str | None:
-    got = _row_shape(lw, ins, o, dev)
-    if got is None:
-        return None
-    args, rows, d = got
+@native_row_op("hetforge.rms_norm.default", "hetforge.layer_norm.default", "hetforge.rotary.default")
+def _native_row(lw: Lowering, ins: Instr, o: int, dev: torch.device, args: dict, rows: int,
+                d: int) -> str | None:
     x = args["x"]
     if not lw.native_operand(x, dev, rows * d) or lw.p.values[x.id].shape != lw.p.values[o].shape:
         return None
@@ -278,13 +288,10 @@ def _native_row(lw: Lowering, ins: Instr, o: int, dev: torch.device) -> str | No
     return f"native:{fn}" if ok else None
 
 
-@register(OP_KERNELS, "hetforge.linear_w8.default")
-def _native_w8(lw: Lowering, ins: Instr, o: int, dev: torch.device) -> str | None:
+@native_row_op("hetforge.linear_w8.default")
+def _native_w8(lw: Lowering, ins: Instr, o: int, dev: torch.device, args: dict, rows: int,
+               d: int) -> str | None:
     """int8 weight-only product of one row on the native int8 GEMV."""
-    got = _row_shape(lw, ins, o, dev)
-    if got is None:
-        return None
-    args, rows, d = got
     x, qw, sc = args["x"], args["qweight"], args["scales"]
     if not (isinstance(qw, Reg) and isinstance(sc, Reg)) or args["act"] not in native.ACT_CODES:
         return None
@@ -296,13 +303,10 @@ def _native_w8(lw: Lowering, ins: Instr, o: int, dev: torch.device) -> str | Non
     return "native:hf_gemv_q8" if ok else None
 
 
-@register(OP_KERNELS, "hetforge.linear_act.default")
-def _native_linear_act(lw: Lowering, ins: Instr, o: int, dev: torch.device) -> str | None:
+@native_row_op("hetforge.linear_act.default")
+def _native_linear_act(lw: Lowering, ins: Instr, o: int, dev: torch.device, args: dict, rows: int,
+                       d: int) -> str | None:
     """One row of ``act(x·W + b)`` on the native fused kernel."""
-    got = _row_shape(lw, ins, o, dev)
-    if got is None:
-        return None
-    args, rows, d = got
     x, w, wt = args["x"], args["weight"], bool(args["weight_t"])
     if not (lw.native_operand(x, dev) and lw.is_weight(w)):
         return None
@@ -315,13 +319,10 @@ def _native_linear_act(lw: Lowering, ins: Instr, o: int, dev: torch.device) -> s
     return "native:hf_linear_act"
 
 
-@register(OP_KERNELS, "hetforge.gated_mlp.default")
-def _native_gated_mlp(lw: Lowering, ins: Instr, o: int, dev: torch.device) -> str | None:
+@native_row_op("hetforge.gated_mlp.default")
+def _native_gated_mlp(lw: Lowering, ins: Instr, o: int, dev: torch.device, args: dict, rows: int,
+                      d: int) -> str | None:
     """One row of a gated MLP (gate, up, and down when present) on the native fused kernel."""
-    got = _row_shape(lw, ins, o, dev)
-    if got is None:
-        return None
-    args, rows, d = got
     x, wg, wu, wd = args["x"], args["w_gate"], args["w_up"], args["w_down"]
     if not lw.native_operand(x, dev) or any(args[b] is not None for b in ("b_gate", "b_up", "b_down")):
         return None
@@ -337,13 +338,10 @@ def _native_gated_mlp(lw: Lowering, ins: Instr, o: int, dev: torch.device) -> st
     return "native:hf_gated_mlp"
 
 
-@register(OP_KERNELS, "hetforge.kv_attention.default")
-def _native_decode_attention(lw: Lowering, ins: Instr, o: int, dev: torch.device) -> str | None:
+@native_row_op("hetforge.kv_attention.default")
+def _native_decode_attention(lw: Lowering, ins: Instr, o: int, dev: torch.device, args: dict, rows: int,
+                             d: int) -> str | None:
     """Attention of one new row over the KV cache on the native kernel."""
-    got = _row_shape(lw, ins, o, dev)
-    if got is None:
-        return None
-    args = got[0]
     q, k, v, kc, vc = (args[n] for n in ("q", "k", "v", "k_cache", "v_cache"))
     if not all(isinstance(a, Reg) for a in (q, k, v, kc, vc)):
         return None
@@ -468,11 +466,12 @@ def _views_as_planned(p: Program, ins: Instr) -> bool:
     return True
 
 
-def kernel_context(device_map: dict[str, torch.device], mode: str) -> dict[str, Any]:
-    """What the choice depends on besides the program: torch devices, executor mode, native library, threads."""
+def kernel_context(device_map: dict[str, torch.device], mode: str, planned) -> dict[str, Any]:
+    """What the choice depends on besides the program: torch devices, executor mode, native library, threads,
+    and which values the memory plan gave a slice (a CRC-32 of their ids)."""
     return {"mode": mode, "devices": {d: str(t) for d, t in sorted(device_map.items())},
             "native": native.library() is not None, "onednn": onednn.available(),
-            "threads": torch.get_num_threads()}
+            "threads": torch.get_num_threads(), "planned": zlib.crc32(repr(sorted(planned)).encode())}
 
 
 def lower_kernels(p: Program, planned, device_map: dict[str, torch.device] | None = None,
@@ -515,13 +514,14 @@ def lower_kernels(p: Program, planned, device_map: dict[str, torch.device] | Non
             static.update(ins.outputs)
         elif k in WRITES_SLICE or k.startswith(("native:", "split-gemv:")):
             static.update(x for x in ins.outputs if x in planned)
-    p.attrs[CONTEXT_ATTR] = kernel_context(dm, mode)
+    p.attrs[CONTEXT_ATTR] = kernel_context(dm, mode, planned)
     return p
 
 
 def with_kernels(p: Program, planned, device_map: dict[str, torch.device], mode: str) -> Program:
     """``p`` when its recorded kernels were chosen under this context, else a copy lowered for it."""
-    if p.attrs.get(CONTEXT_ATTR) == kernel_context(device_map, mode) and all(KERNEL_ATTR in i.attrs for i in p.instrs):
+    if p.attrs.get(CONTEXT_ATTR) == kernel_context(device_map, mode, planned) \
+            and all(KERNEL_ATTR in i.attrs for i in p.instrs):
         return p
     q = Program(p.name, p.soc, list(p.devices), p.values, [replace(i, attrs=dict(i.attrs)) for i in p.instrs],
                 list(p.inputs), list(p.outputs), p.weights, dict(p.attrs), p.tensors, p.soc_spec, p.memory)
