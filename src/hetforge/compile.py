@@ -1,4 +1,4 @@
-"""The whole compiler in one call: capture → passes → placement → lower → schedule → plan → executable.
+"""The whole compiler in one call: capture → passes → placement → lower → schedule → plan → kernels → executable.
 
 ``compile_model("gpt2", seq=128, soc="host")`` builds a zoo model, captures it and compiles it;
 ``compile_graph(gm, soc=...)`` starts from an already captured (or optimized) GraphModule. Both return
@@ -27,7 +27,7 @@ from hetforge.lower import LowerResult, lower
 from hetforge.memplan import MemoryPlan, plan_memory
 from hetforge.schedule import ScheduleResult, schedule
 
-STAGES = ("capture", "passes", "place", "lower", "schedule", "memory", "build")
+STAGES = ("capture", "passes", "place", "lower", "schedule", "memory", "kernels", "build")
 
 
 @dataclass
