@@ -168,11 +168,16 @@ class Lowering:
 
     def __init__(self, p: Program, planned, device_map: dict[str, torch.device], mode: str):
         self.p, self.planned, self.dm, self.mode = p, planned, device_map, mode
+        self._moved: dict[tuple[int, str], torch.Tensor] = {}
 
     def weight(self, vid: int, dev: torch.device) -> torch.Tensor:
-        """Weight ``vid`` as the executor will hold it on ``dev``."""
+        """Weight ``vid`` as the executor will hold it on ``dev`` (the choosers ask only for CPU devices)."""
         t = self.p.tensors[vid]
-        return t if t.device == dev else t.to(dev)
+        if t.device == dev:
+            return t
+        if (vid, str(dev)) not in self._moved:
+            self._moved[(vid, str(dev))] = t.to(dev)
+        return self._moved[(vid, str(dev))]
 
     def native_operand(self, a: Any, dev: torch.device, numel: int | None = None) -> bool:
         """Whether ``a`` is a register a native kernel can read: fp32, contiguous, on this CPU (and ``numel``)."""
@@ -214,8 +219,8 @@ def _gemm(lw: Lowering, ins: Instr, o: int, dev: torch.device) -> str | None:
     if not (vx.is_contiguous and vo.is_contiguous and len(vx.shape) >= 2 and (b is None or isinstance(b, Reg))):
         return None
     k = vx.shape[-1]
-    wt = lw.weight(w.id, dev)
-    if dev.type == "cpu" and math.prod(vx.shape) == k and wt.is_contiguous():  # one row
+    wt = lw.weight(w.id, dev) if dev.type == "cpu" and math.prod(vx.shape) == k else None
+    if wt is not None and wt.is_contiguous():  # one row on the CPU
         if _native_gemv_fits(lw, x, wt, b, weight_t, o, dev):
             return NATIVE_GEMV[weight_t]
         c = gemv.chunks_for(wt.shape[0])  # N of an [N, K] weight (split over outputs), K of a [K, N] one
