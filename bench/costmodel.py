@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 
 from hetforge.compile import compile_graph
-from hetforge.cost import estimate_program, write_mode
+from hetforge.cost import estimate_program
 from hetforge.frontend import capture
 from hetforge.hardware import load_file, save_spec
 from hetforge.hardware.calibrate import CLOCKS, host_spec, measure
@@ -123,12 +123,12 @@ def run_case(model: str, seq: int, passes: bool, soc: SocProfile, plain: SocProf
             t0 = time.perf_counter()
             exe.run_flat(*inputs)
             plain_runs.append(time.perf_counter() - t0)
-    modes = exe.write_modes  # what the executor decided while generating code (static views, native ops)
-    after, before = estimate_program(prog, soc, planned, modes), estimate_program(prog, plain, planned, modes)
+    kernels = exe.kernels  # the kernel each instruction runs (recorded by lowering; oneDNN candidates decided)
+    after, before = estimate_program(prog, soc, planned), estimate_program(prog, plain, planned)
     rows = []
     for ins, m, a, b in zip(prog.instrs, meas, after, before, strict=True):
         out = prog.values[ins.outputs[0]] if ins.outputs else None
-        wm = modes.get(ins.id) or write_mode(ins, prog, planned)
+        wm = kernels[ins.id]
         rows.append({"instr": ins.id, "op": ins.op, "kind": ins.kind, "write": wm,
                      "shape": list(out.shape) if out is not None else [], "group": a.group,
                      "measured_s": max(m, 1e-9), "modeled_s": a.time_s, "plain_s": b.time_s, "bound": a.bound})

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from hetforge.cost import CacheContext, estimate, estimate_instr, estimate_parts, estimate_program, write_mode
+from hetforge.cost import CacheContext, cost_mode, estimate, estimate_instr, estimate_parts, estimate_program
 from hetforge.cost.composite import decompose
 from hetforge.cost.instr import op_call_from_instr
 from hetforge.cost.model import op_keys, weight_rows
@@ -216,10 +216,11 @@ def test_estimate_program_matches_instructions_without_context_and_adds_with_it(
     for ins, c in zip(prog.instrs, costs, strict=True):
         assert c.time_s == pytest.approx(estimate_instr(ins, prog, plain.device(ins.device), planned).time_s)
         assert math.isfinite(c.time_s) and c.time_s >= 0
-    modes = {write_mode(i, prog, planned) for i in prog.instrs}
-    assert modes <= {"out", "copy", "view-copy", "fresh", "view", "elided", "inplace", "transfer"}
+    kernels = res.executable.kernels
+    modes = {cost_mode(i, planned, kernels[i.id]) for i in prog.instrs}
+    assert modes <= {"out", "copy", "view-copy", "fresh", "view", "free", "inplace", "transfer", "native"}
     # hetforge ops have no out= variant: functional op + copy into the arena slice, costed as one more op
-    fused = [i for i in prog.instrs if i.op.startswith("hetforge.") and write_mode(i, prog, planned) == "copy"]
+    fused = [i for i in prog.instrs if i.op.startswith("hetforge.") and cost_mode(i, planned, kernels[i.id]) == "copy"]
     assert fused
     ctx = _with(res.soc, cache_bytes=1e5, efficiency={"seq:cold": 1.0},
                 overhead_s={"seq:first": 1e-5, "seq:first-tau": 1e-4})
@@ -246,10 +247,15 @@ def test_a_native_op_is_one_roofline_under_the_native_keys_not_its_aten_parts():
     assert nat.time_s > plain.time_s  # efficiency 0.5 under the op's native key
 
 
-def test_estimate_program_follows_the_executors_recorded_modes():
+def test_estimate_program_prices_the_kernel_recorded_on_each_instruction():
+    """Static views cost nothing and native row ops one native roofline — read from ``attrs["kernel"]``; with the
+    records rewritten to the per-call view and the functional op plus copy, the same instructions cost more."""
+    import dataclasses as dc
+
     from hetforge.compile import compile_graph
     from hetforge.frontend import capture
     from hetforge.hardware import load_soc
+    from hetforge.kernels import native
 
     class M(torch.nn.Module):
         def forward(self, x, w):
@@ -259,21 +265,23 @@ def test_estimate_program_follows_the_executors_recorded_modes():
     inputs = (torch.randn(1, 768), torch.randn(768))
     cg = capture(M(), inputs)
     res = compile_graph(cg.gm, soc="host", example_inputs=inputs, passes=False)
-    modes, prog, planned = res.executable.write_modes, res.program, res.memory.offsets
+    prog, planned = res.program, res.memory.offsets
     soc = load_soc("host")
-    with_modes = estimate_program(prog, soc, planned, modes)
-    without = estimate_program(prog, soc, planned)
-    for ins, a, b in zip(prog.instrs, with_modes, without, strict=True):
-        mode = modes.get(ins.id)
-        if mode == "static":
+    recorded = estimate_program(prog, soc, planned)
+    plain = {"static-view": "view", **{k: "functional-copy" for k in ("native:hf_rms_norm",)}}
+    swapped = dc.replace(prog, instrs=[dc.replace(i, attrs={**i.attrs, "kernel": plain.get(i.attrs["kernel"],
+                                                                                           i.attrs["kernel"])})
+                                       for i in prog.instrs])
+    rewritten = estimate_program(swapped, soc, planned)
+    kinds = [i.attrs["kernel"] for i in prog.instrs]
+    for ins, a, b in zip(prog.instrs, recorded, rewritten, strict=True):
+        k = ins.attrs["kernel"]
+        if k == "static-view":
             assert a.time_s == 0.0 and b.time_s > 0.0
-        elif mode == "native":  # one roofline under the native keys, not the ATen parts plus a copy
-            call_ = op_call_from_instr(ins, prog)
-            alone = estimate_parts(call_, soc.device(ins.device), native=True)
-            assert len(alone) == 1 and a.flops == alone[0][1].flops and a.time_s > 0 and a.time_s != b.time_s
+        elif k == "native:hf_rms_norm":  # one roofline under the native keys, not the ATen parts plus a copy
+            alone = estimate_parts(op_call_from_instr(ins, prog), soc.device(ins.device), native=True)
+            assert len(alone) == 1 and a.flops == alone[0][1].flops and 0 < a.time_s != b.time_s
         else:
             assert a.time_s == pytest.approx(b.time_s)
-    from hetforge.kernels import native
-
     if native.library() is not None:
-        assert "native" in modes.values() and "static" in modes.values()
+        assert "native:hf_rms_norm" in kinds and "static-view" in kinds

@@ -277,9 +277,10 @@ def test_decode_program_runs_its_row_ops_and_gemvs_natively(name, with_native):
         exe = compile_graph(cg.gm, soc="host", example_inputs=inputs, name="decode").executable
         st = exe.stats
         assert st.native_gemv >= 2 * layers and st.native_ops >= 3 * layers
-        from hetforge.executor.runtime import NATIVE_ROW_OPS
+        from hetforge.ir.kernel_choice import GEMM_OPS, OP_KERNELS
 
-        assert not set(NATIVE_ROW_OPS) & set(st.by_op_fallback), st.by_op_fallback  # none ran in Python
+        row_ops = set(OP_KERNELS) - set(GEMM_OPS)  # the hetforge ops with a native kernel registered
+        assert not row_ops & set(st.by_op_fallback), st.by_op_fallback  # none ran in Python
         assert st.static_views > 0
         got = [t.clone() for t in exe.run_flat(*inputs)]
         with native.disabled():
@@ -300,7 +301,7 @@ def test_w8_decode_runs_its_int8_products_on_the_native_kernel(with_native):
     exe = compile_graph(cg.gm, soc="host", example_inputs=inputs, quantize="w8").executable
     assert "hetforge.linear_w8.default" not in exe.stats.by_op_fallback
     assert sum(1 for ins in exe.program.instrs if ins.op == "hetforge.linear_w8.default"
-               and exe.write_modes.get(ins.id) == "native") >= 7 * layers
+               and exe.kernels[ins.id] == "native:hf_gemv_q8") >= 7 * layers
     got = [t.clone() for t in exe.run_flat(*inputs)]
     with native.disabled():
         want = compile_graph(cg.gm, soc="host", example_inputs=inputs, quantize="w8").executable.run_flat(*inputs)

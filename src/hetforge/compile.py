@@ -1,4 +1,4 @@
-"""The whole compiler in one call: capture → passes → placement → lower → schedule → plan → executable.
+"""The whole compiler in one call: capture → passes → placement → lower → schedule → plan → kernels → executable.
 
 ``compile_model("gpt2", seq=128, soc="host")`` builds a zoo model, captures it and compiles it;
 ``compile_graph(gm, soc=...)`` starts from an already captured (or optimized) GraphModule. Both return
@@ -20,13 +20,14 @@ import torch
 
 from hetforge.errors import UsageError
 from hetforge.executor import Executable
+from hetforge.ir.kernel_choice import default_device_map, lower_kernels
 from hetforge.ir.program import Program
 from hetforge.ir.verify import memory_record, verify_program
 from hetforge.lower import LowerResult, lower
 from hetforge.memplan import MemoryPlan, plan_memory
 from hetforge.schedule import ScheduleResult, schedule
 
-STAGES = ("capture", "passes", "place", "lower", "schedule", "memory", "build")
+STAGES = ("capture", "passes", "place", "lower", "schedule", "memory", "kernels", "build")
 
 
 @dataclass
@@ -170,6 +171,11 @@ def compile_graph(
     verify_program(sch.program, "memory", mem.offsets, arenas)
     sch.program.memory = memory_record(mem.offsets, arenas)  # saved with the program, re-checked on load
     secs["memory"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    if device_map is None:
+        device_map = default_device_map(sch.program, soc_p)
+    lower_kernels(sch.program, mem.offsets, device_map, mode)  # attrs["kernel"] on every instruction
+    secs["kernels"] = time.perf_counter() - t0
     exe = None
     if build:
         t0 = time.perf_counter()

@@ -16,7 +16,7 @@ import torch
 
 from hetforge.benchmarks.base import DecodeTiming, Prepared, PrepContext, first_line
 
-COMPILE_STAGES = ("capture", "passes", "place", "lower", "schedule", "memory", "build")
+COMPILE_STAGES = ("capture", "passes", "place", "lower", "schedule", "memory", "kernels", "build")
 
 
 def _compiled_forward(ctx: PrepContext, stages: dict[str, float], notes: list[str]):

@@ -32,7 +32,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from hetforge.errors import UsageError
-from hetforge.hardware.profile import LinkProfile, SocProfile
+from hetforge.hardware.profile import LinkProfile, SocProfile, by_name
 from hetforge.hardware.schema import Figure, PositiveFigure, format_validation_error
 
 NAME = r"^[a-z][a-z0-9_-]*$"
@@ -135,10 +135,7 @@ class Cluster:
         return [n.name for n in self.nodes]
 
     def node(self, name: str) -> Node:
-        for n in self.nodes:
-            if n.name == name:
-                return n
-        raise UsageError(f"cluster '{self.name}' has no node '{name}'; nodes: {', '.join(self.node_names)}")
+        return by_name(self.nodes, name, f"cluster '{self.name}'", "node")
 
     def link(self, a: str, b: str) -> LinkProfile:
         if a == b:

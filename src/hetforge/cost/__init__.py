@@ -6,7 +6,7 @@ Every number it returns is a *model prediction* (label it "modeled" wherever it 
 from hetforge.cost.analyze import GraphCost, NodeCost, analyze, param_bytes
 from hetforge.cost.context import CacheContext
 from hetforge.cost.energy import dasi, stage_energy, stage_power
-from hetforge.cost.instr import estimate_instr, estimate_program, write_mode
+from hetforge.cost.instr import cost_mode, estimate_instr, estimate_program
 from hetforge.cost.memory_pressure import cpq, cpq_penalty
 from hetforge.cost.model import UNKNOWN_OPS, OpCost, cost_group, dtype_key, estimate, estimate_parts
 from hetforge.cost.roofline import Roofline, arithmetic_intensity, roofline
@@ -38,5 +38,5 @@ __all__ = [
     "stage_power",
     "transfer_cost",
     "switch_cost_s",
-    "write_mode",
+    "cost_mode",
 ]

@@ -1,27 +1,23 @@
 """Cost of one IR instruction as the arena executor runs it (the unit ``Executable.profile`` measures).
 
 An instruction is its op (:func:`hetforge.cost.estimate` on the shapes of its registers) plus what the
-arena executor (``hetforge.executor``, mode ``arena``) does around it to put the result in its planned
-arena slice (:func:`hetforge.ir.kernel_choice.write_mode`):
+arena executor does around it to put the result in its planned arena slice. The cost model does not decide
+that: it reads the kernel that lowering recorded on the instruction (``attrs["kernel"]``, see
+:mod:`hetforge.ir.kernel_choice`; oneDNN candidates resolved by the choice measured in this process,
+:func:`hetforge.ir.kernel_choice.resolved_kernels`) and prices it (:func:`cost_mode`):
 
-* ``out``: the op writes the slice itself (a GEMM on 2-D views, an ATen ``out=`` overload, or a copy-like
-  op done as ``slice.copy_(input)``) — the op's cost only;
-* ``copy``: the functional op runs, then ``slice.copy_(result)`` — the op's cost plus one
+* ``native:<fn>`` of a ``hetforge::`` row op: one native kernel writing its slice — one roofline under the
+  calibrated ``native`` efficiency and overhead (:func:`hetforge.cost.estimate_parts`);
+* ``elided`` (a view that returns its input) and ``static-view`` (made once at build time): free;
+* views and in-place ops: the op's cost (a view costs one dispatch and its fitted overhead);
+* an unplanned result (``fresh``: a graph output), ``onednn``, and every kernel that writes the slice itself
+  (``gemm-out``, ``split-gemv``, the native GEMVs, ``copy-into``, ``out-variant``; ``unplanned`` in mode
+  ``fast``): the op's cost only;
+* ``functional-copy``: the functional op, then ``slice.copy_(result)`` — the op's cost plus one
   ``aten.copy_.default`` of every planned output (``F = n``, ``B = 2·bytes(out)``, the ``aten.copy_.default``
   key fitted by calibration on a hot source and a cold slice);
-* ``view-copy``: a view op that lowering gave fresh storage (its input's storage was not recognised) —
-  a copy of the output (as ``copy`` but with no op cost besides one dispatch);
-* ``fresh``: the result is not planned (a graph output) — the op's cost only;
-* ``view``/``inplace``: the op's cost (a view costs one dispatch and its fitted overhead);
-* ``elided``: a view that returns its input unchanged (same shape, strides, offset and dtype, an op of the
-  executor's ``IDENTITY_VIEW_OPS``): the executor binds the register without a call — free.
-
-Two modes depend on what the executor could prove while generating code, so it records them
-(``Executable.write_modes``) and :func:`estimate_program` takes them as ``modes``:
-
-* ``static``: a view of an arena slice or a weight, made once at build time — free at run time;
-* ``native``: a ``hetforge::`` op run as one native kernel (``hetforge.kernels.native``) writing its slice —
-  one roofline under the calibrated ``native`` efficiency and overhead (:func:`hetforge.cost.estimate_parts`).
+* a view op that lowering gave fresh storage (its input's storage was not recognised): a copy of the output
+  (no op cost besides one dispatch).
 
 Transfers cost :func:`hetforge.cost.transfer_cost` over the SoC's link (0 on one device).
 :func:`estimate_instr` costs one instruction on its own; :func:`estimate_program` costs a whole program in
@@ -38,9 +34,9 @@ from typing import Any
 from hetforge.cost.context import CacheContext
 from hetforge.cost.model import OpCost, estimate, estimate_parts
 from hetforge.hardware.profile import DeviceProfile
-from hetforge.ir.kernel_choice import write_mode  # noqa: F401  (re-exported: hetforge.cost.write_mode)
-from hetforge.ir.program import KERNEL, TRANSFER, Instr, Program, Reg, map_regs
-from hetforge.ops.registry import OpCall, TensorMeta
+from hetforge.ir.kernel_choice import NATIVE_GEMV, program_kernels
+from hetforge.ir.program import INPLACE, KERNEL, TRANSFER, VIEW, Instr, Program, Reg, map_regs
+from hetforge.ops.registry import OpCall, TensorMeta, lookup
 
 COPY_OP = "aten.copy_.default"
 
@@ -62,8 +58,25 @@ def _copy_cost(out: TensorMeta, device: DeviceProfile) -> OpCost:
     return estimate(OpCall(COPY_OP, (out,), {}, (out,)), device)
 
 
+def cost_mode(ins: Instr, planned, kernel: str) -> str:
+    """How the recorded ``kernel`` of ``ins`` is priced: ``native``, ``free``, ``view``, ``inplace``,
+    ``transfer``, ``fresh``, ``view-copy``, ``copy`` or ``out`` (see the module docstring)."""
+    if kernel.startswith("native:") and kernel not in NATIVE_GEMV:
+        return "native"
+    if kernel in ("elided", "static-view"):
+        return "free"
+    if ins.kind in (VIEW, INPLACE, TRANSFER):
+        return ins.kind
+    if kernel == "onednn" or not any(o in planned for o in ins.outputs):
+        return "fresh"
+    info = lookup(ins.op)
+    if info is not None and info.is_view:
+        return "view-copy"
+    return "copy" if kernel == "functional-copy" else "out"
+
+
 def _seq(ins: Instr, program: Program, device: DeviceProfile, planned, hot_bytes: float,
-         soc, modes: dict[int, str] | None = None) -> tuple[OpCost, list[tuple[str, OpCost]]]:
+         soc, kernel: str) -> tuple[OpCost, list[tuple[str, OpCost]]]:
     """The instruction's reported cost (F, B, class, group) and the ops it runs, in order (op, cost)."""
     if ins.kind == TRANSFER:
         from hetforge.cost.transfer import transfer_cost
@@ -73,11 +86,11 @@ def _seq(ins: Instr, program: Program, device: DeviceProfile, planned, hot_bytes
         c = OpCost(ins.op, device.name, 0.0, float(nbytes), 0.0, "memory", t, e, 0.0, "memory", True, "transfer")
         return c, [(ins.op, c)]
     call = op_call_from_instr(ins, program)
-    mode = (modes or {}).get(ins.id) or write_mode(ins, program, planned)
+    mode = cost_mode(ins, planned, kernel)
     if mode == "native":
         parts = estimate_parts(call, device, hot_bytes=hot_bytes, native=True)
         return parts[0][1], parts
-    if mode in ("elided", "static"):
+    if mode == "free":
         c = OpCost(ins.op, device.name, 0.0, 0.0, 0.0, "memory", 0.0, 0.0, 0.0, "dispatch", True, "view")
         return c, [(ins.op, c)]
     if mode == "view-copy":
@@ -103,19 +116,18 @@ def estimate_instr(ins: Instr, program: Program, device: DeviceProfile, planned:
                    soc=None) -> OpCost:
     """Modeled time and energy of ``ins`` on ``device`` as the arena executor runs it, on its own (no cache
     context: see :func:`estimate_program`)."""
-    head, seq = _seq(ins, program, device, planned, 0.0, soc)
+    head, seq = _seq(ins, program, device, planned, 0.0, soc, program_kernels(program, planned)[ins.id])
     return _total(head, [c for _, c in seq])
 
 
-def estimate_program(program: Program, soc, planned: set[int] | dict[int, Any],
-                     modes: dict[int, str] | None = None) -> list[OpCost]:
+def estimate_program(program: Program, soc, planned: set[int] | dict[int, Any]) -> list[OpCost]:
     """Modeled cost of every instruction of ``program`` in order, each on its device of ``soc``, with the
     cache context of the instructions before it on that device (:mod:`hetforge.cost.context`): inputs touched
     recently are cache-hot, and fixed costs grow after code was evicted. The program is walked twice and the
     second pass is returned: a steady-state run, whose first instructions follow the previous run's last ones
     (as when a model is called again, and as ``Executable.profile`` measures after its warm-up run).
-    ``modes``: the executor's recorded write modes (``Executable.write_modes``), which override
-    :func:`write_mode` where given."""
+    Each instruction is priced by its recorded kernel (:func:`cost_mode`)."""
+    kernels = program_kernels(program, planned)
     ctxs: dict[str, CacheContext] = {}
     out: list[OpCost] = []
     for _ in range(2):
@@ -132,7 +144,7 @@ def estimate_program(program: Program, soc, planned: set[int] | dict[int, Any],
                     if ctx.hot(root):
                         v = program.values[r]
                         hot += v.numel * v.itemsize
-            head, seq = _seq(ins, program, device, planned, hot, soc, modes)
+            head, seq = _seq(ins, program, device, planned, hot, soc, kernels[ins.id])
             out.append(_total(head, [ctx.run(op, c) for op, c in seq]))
             ctx.touch(list(ins_roots) + [program.root(o) for o in ins.outputs])
         if not any(c.active for c in ctxs.values()):

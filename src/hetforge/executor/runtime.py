@@ -27,35 +27,21 @@ from torch.utils._pytree import tree_leaves
 
 from hetforge.errors import UsageError
 from hetforge.executor import onednn
-from hetforge.ir.kernel_choice import (  # noqa: F401
-    IDENTITY_VIEW_OPS,
+from hetforge.ir.kernel_choice import (  # noqa: F401  (default_device_map, returns_alias: re-exported)
+    MODES,
+    NATIVE_GEMV,
     bind_args,
-    identity_view,
-    is_copy_like,
+    default_device_map,
+    gemm_operands,
     out_variant,
+    resolved_kernels,
+    returns_alias,
+    with_kernels,
 )
 from hetforge.ir.program import INPLACE, KERNEL, OUTPUT, TRANSFER, VIEW, WEIGHT, Program, Reg
 from hetforge.kernels import native
 from hetforge.memplan import MemoryPlan
 from hetforge.ops import gemv, lookup
-
-MODES = ("arena", "fast")
-def default_device_map(p: Program, soc=None) -> dict[str, torch.device]:
-    """SoC device name → the torch device that runs it on this host."""
-    kinds = {d.name: d.kind for d in soc.devices} if soc is not None else {}
-    out = {}
-    for d in p.devices:
-        kind = kinds.get(d, d)
-        out[d] = torch.device("cuda") if kind == "gpu" and torch.cuda.is_available() else torch.device("cpu")
-    return out
-
-
-def returns_alias(target: Any) -> bool:
-    """Whether an op's result may share its input's storage (``transpose``, ``view``...: an alias annotation
-    in its schema). Mode ``fast`` keeps a kernel's result in its own allocation only when it cannot: a view of
-    an arena slice would outlive the slice's planned lifetime, so such a result is copied into its own slice."""
-    schema = getattr(target, "_schema", None)
-    return schema is not None and any(r.alias_info is not None for r in schema.returns)
 
 
 @dataclass
@@ -104,11 +90,6 @@ class ExecStats:
     by_op_fallback: dict[str, int] = field(default_factory=dict)
 
 
-NATIVE_ROW_OPS = ("hetforge.rms_norm.default", "hetforge.layer_norm.default", "hetforge.rotary.default",
-                  "hetforge.kv_attention.default", "hetforge.linear_act.default", "hetforge.gated_mlp.default",
-                  "hetforge.linear_w8.default")
-
-
 class _Codegen:
     def __init__(self, p: Program, plan: MemoryPlan, device_map: dict[str, torch.device], mode: str,
                  arenas: dict[str, torch.Tensor]):
@@ -125,9 +106,9 @@ class _Codegen:
         # mode fast keeps some results in fresh tensors, a zero-copy transfer binds the source)
         self.bound: set[int] = set()
         self.sites = 0  # run-time pointer reads (native.contiguous_ptr call sites)
-        # instructions run other than write_mode's rules say (hetforge.cost.instr): "static" views made at
-        # build time (free at run time), "native" ops (one native kernel writing the slice)
-        self.modes: dict[int, str] = {}
+        # the kernel of every instruction: the one kernel lowering recorded (hetforge.ir.kernel_choice), with
+        # oneDNN candidates decided by measurement here; a static view that cannot be bound here becomes "view"
+        self.kernels = resolved_kernels(p, lambda ins: onednn.chosen(self, ins))
 
     def const(self, obj: Any, hint: str = "c") -> str:
         key = id(obj)
@@ -186,48 +167,48 @@ class _Codegen:
         return vid in self.plan.offsets
 
     def emit(self, ins) -> list[str]:
+        """The lines of one instruction, for the kernel recorded on it (see :mod:`hetforge.ir.kernel_choice`)."""
         dev = self.dm[ins.device]
+        k = self.kernels[ins.id]
         outs = [f"r{o}" for o in ins.outputs]
         if ins.kind == TRANSFER:
             self.stats.transfers += 1
             src = self.expr(ins.args[0], dev)
             o = ins.outputs[0]
-            if ins.attrs.get("zero_copy"):
+            if k == "zero-copy":
                 src_dev = self.dm[self.p.values[ins.args[0].id].device]
                 return [f"{outs[0]} = {src}" if src_dev == dev else f"{outs[0]} = {src}.to({self.const(dev, 'dev')})"]
-            if self.planned(o):
+            if k == "transfer-copy":
                 self.bound.add(o)
                 return [f"{outs[0]} = {self.buffer(o)}.copy_({src})"]
             return [f"{outs[0]} = {src}.to({self.const(dev, 'dev')}, copy=True)"]
         fn = self.const(self.kernel(ins, dev), "f")
-        if ins.kind in (VIEW, INPLACE):
-            if ins.kind == VIEW:
-                self.stats.views += 1
-                src = self.identity_view(ins)
-                if src is not None:
-                    self.stats.elided_views += 1
-                    return [f"{outs[0]} = {src}"]
+        lhs = outs[0] if len(outs) == 1 else ", ".join(outs)
+        if ins.kind == VIEW:
+            self.stats.views += 1
+            if k == "elided":
+                self.stats.elided_views += 1
+                return [f"{outs[0]} = r{ins.args[0].id}"]
+            if k == "static-view":
                 bound = self.static_view(ins)
                 if bound is not None:
                     self.stats.static_views += 1
-                    self.modes[ins.id] = "static"
                     return [f"{', '.join(outs)}{',' if len(outs) == 1 and len(bound) > 1 else ''} = "
                             f"{', '.join(bound)}"]
-            else:
-                self.stats.inplace += 1
-            lhs = outs[0] if len(outs) == 1 else ", ".join(outs)
+                self.kernels[ins.id] = "view"  # not the view lowering expected (see static_view): per call
+            return [f"{lhs} = {self.call(ins, fn, dev)}"]
+        if ins.kind == INPLACE:
+            self.stats.inplace += 1
             return [f"{lhs} = {self.call(ins, fn, dev)}"]
         assert ins.kind == KERNEL, ins.kind
         if len(ins.outputs) == 1:
             o = ins.outputs[0]
             v = self.p.values[o]
-            line = onednn.codegen_line(self, ins, o, dev)
-            if line is not None:
-                return [line]
-            line = self.gemm(ins, o, dev)
-            gemm = line is not None
-            if line is None:
-                line = self.native_op(ins, o, dev)
+            if k == "onednn":
+                return [onednn.codegen_line(self, ins, o, dev)]
+            gemm = k in NATIVE_GEMV or k.startswith("split-gemv:") or k == "gemm-out"
+            line = self.gemm(ins, o, dev, k) if gemm else self.native_op(ins, o, dev, k[7:]) \
+                if k.startswith("native:") else None
             if not self.planned(o):
                 if v.kind == OUTPUT:
                     self.stats.fresh_outputs += 1
@@ -237,18 +218,17 @@ class _Codegen:
                 self.stats.gemm_out += gemm
                 self.bound.add(o)
                 return [line]
-            if is_copy_like(ins.op, ins.args, ins.kwargs) and isinstance(ins.args[0], Reg) \
-                    and tuple(self.p.values[ins.args[0].id].shape) == v.shape:
+            if k == "copy-into":
                 self.stats.copy_into += 1
                 self.bound.add(o)
                 return [f"{outs[0]} = {buf}.copy_({self.expr(ins.args[0], dev)})"]
-            ov = out_variant(ins.target)
-            if ov is not None:
+            if k == "out-variant":
                 self.stats.out_variant += 1
                 self.bound.add(o)
-                return [f"{outs[0]} = {self.call(ins, self.const(ov, 'fo'), dev, 'out=' + buf)}"]
+                ov = self.const(out_variant(ins.target), "fo")
+                return [f"{outs[0]} = {self.call(ins, ov, dev, 'out=' + buf)}"]
             self.stats.by_op_fallback[ins.op] = self.stats.by_op_fallback.get(ins.op, 0) + 1
-            if self.mode == "fast" and not returns_alias(ins.target):
+            if k == "unplanned":
                 self.stats.unplanned += 1
                 return [f"{outs[0]} = {self.call(ins, fn, dev)}"]
             self.stats.functional_copy += 1
@@ -258,7 +238,7 @@ class _Codegen:
         self.stats.by_op_fallback[ins.op] = self.stats.by_op_fallback.get(ins.op, 0) + 1
         for o in ins.outputs:
             if self.planned(o):
-                if self.mode == "fast" and not returns_alias(ins.target):
+                if k == "unplanned":
                     self.stats.unplanned += 1
                 else:
                     self.stats.functional_copy += 1
@@ -325,52 +305,19 @@ class _Codegen:
             self.static[o] = t
         return [self.const(t, "sv") for t in outs]
 
-    def identity_view(self, ins) -> str | None:
-        """The input register when this view returns its input unchanged (same shape, strides, offset,
-        dtype, for an op that then returns ``self`` or an equal view), else None."""
-        if not identity_view(ins, self.p, lambda a, b: self.dm[a] == self.dm[b]):
-            return None
-        return f"r{ins.args[0].id}"
-
-    def gemm(self, ins, o: int, dev: torch.device) -> str | None:
-        """A linear-type product as a GEMM into the 2-D view of the slice (x contiguous, w a weight).
-
-        ``aten.linear(x, w, b)`` always becomes ``addmm.out``/``mm.out`` (weight transposed once at load);
-        ``aten.addmm(b, x, w)`` and ``aten.mm(x, w)`` with a ``[K, N]`` weight are handled here only for
-        the one-row case. One-row fp32 products on the CPU run on the native GEMV (:meth:`native_gemv`);
-        without it, on a multi-threaded CPU, on the split GEMV of :mod:`hetforge.ops.gemv` (a chunked view
-        of the weight, one parallel ``bmm``; no copy)."""
-        if ins.kwargs:
-            return None
-        if ins.op == "aten.linear.default":
-            x, w, b, weight_t = ins.args[0], ins.args[1], (ins.args[2] if len(ins.args) > 2 else None), False
-        elif ins.op == "aten.addmm.default" and len(ins.args) == 3:
-            b, x, w, weight_t = ins.args[0], ins.args[1], ins.args[2], True
-        elif ins.op == "aten.mm.default":
-            x, w, b, weight_t = ins.args[0], ins.args[1], None, True
-        else:
-            return None
-        if not (isinstance(x, Reg) and isinstance(w, Reg) and self.p.values[w.id].kind == WEIGHT):
-            return None
-        vx, vo = self.p.values[x.id], self.p.values[o]
-        if not (vx.is_contiguous and vo.is_contiguous and len(vx.shape) >= 2 and (b is None or isinstance(b, Reg))):
-            return None
-        k, n = vx.shape[-1], vo.shape[-1]
-        wname = self.weight(w.id, dev)
-        wt = self.g[wname]
-        if dev.type == "cpu" and math.prod(vx.shape) == k and wt.is_contiguous():  # one row
-            line = self.native_gemv(x, wt, b, weight_t, o, dev)
-            if line is not None:
-                return line
-            c = gemv.chunks_for(wt.shape[0])  # N of an [N, K] weight (split over outputs), K of a [K, N] one
-            if c is not None:
-                return self.split_gemv(x, wt, b, c, weight_t, o, dev)
-        if weight_t or not self.planned(o):  # the out= variant / functional op is the same GEMM
-            return None
+    def gemm(self, ins, o: int, dev: torch.device, k: str) -> str:
+        """A linear-type product into the result (kernel ``gemm-out``, ``split-gemv:<c>`` or a native GEMV)."""
+        x, w, b, weight_t = gemm_operands(ins)
+        wt = self.g[self.weight(w.id, dev)]
+        if k in NATIVE_GEMV:
+            return self.native_gemv(x, wt, b, weight_t, o, dev)
+        if k.startswith("split-gemv:"):
+            return self.split_gemv(x, wt, b, int(k.split(":")[1]), weight_t, o, dev)
         buf = self.buffer(o)
-        wt = self.const(wt.t(), "wt")
+        kk, n = self.p.values[x.id].shape[-1], self.p.values[o].shape[-1]
+        wt = self.const(wt.t(), "wt")  # addmm.out / mm.out on 2-D views, the weight transposed once here
         out2d = self.const(self.g[buf].view(-1, n), "o2d")
-        x2d = self.view_of(x.id, (-1, k))
+        x2d = self.view_of(x.id, (-1, kk))
         if b is None:
             return f"{self.const(torch.ops.aten.mm.out, 'fo')}({x2d}, {wt}, out={out2d}); r{o} = {buf}"
         return (f"{self.const(torch.ops.aten.addmm.out, 'fo')}({self.expr(b, dev)}, {x2d}, {wt}, out={out2d}); "
@@ -383,28 +330,16 @@ class _Codegen:
             return self.const(t.expand(expand) if expand else t, "xv")
         return f"r{vid}.view({shape})" + (f".expand({expand})" if expand else "")
 
-    def native_gemv(self, x: Reg, w: torch.Tensor, b: Any, weight_t: bool, o: int, dev: torch.device) -> str | None:
-        """One-row fp32 product on the native kernel (:mod:`hetforge.kernels.native`), or None when it does
-        not apply (not built, other dtype, a bias that is not a contiguous ``[N]`` weight).
+    def native_gemv(self, x: Reg, w: torch.Tensor, b: Any, weight_t: bool, o: int, dev: torch.device) -> str:
+        """One-row fp32 product on the native kernel (:mod:`hetforge.kernels.native`).
 
         Arena slices never move, so the pointers of planned operands are baked into the line once."""
-        vx, vo = self.p.values[x.id], self.p.values[o]
+        vo = self.p.values[o]
         k, n = (w.shape if weight_t else (w.shape[1], w.shape[0]))
-        if dev.type != "cpu" or vo.dtype != vx.dtype or not native.fits(w, None, weight_t, vx.dtype) \
-                or self.dm[vx.device] != dev or vx.shape[-1] != k or math.prod(vo.shape) != n:
-            return None
         bp = "None"
         if b is not None:
-            vb = self.p.values[b.id]
-            if vb.kind == WEIGHT:
-                bt = self.g[self.weight(b.id, dev)]
-                if not native.fits(w, bt, weight_t, vx.dtype):
-                    return None
-                bp = str(bt.data_ptr())
-            elif vb.dtype == vx.dtype and vb.is_contiguous and math.prod(vb.shape) == n and self.dm[vb.device] == dev:
-                bp = self.ptr(b.id, dev)
-            else:
-                return None
+            bp = str(self.g[self.weight(b.id, dev)].data_ptr()) if self.p.values[b.id].kind == WEIGHT \
+                else self.ptr(b.id, dev)
         self.stats.native_gemv += 1
         lib = native.library()
         xp = self.ptr(x.id, dev)
@@ -442,111 +377,52 @@ class _Codegen:
         self.g.setdefault("_keep", {})
         return f"{self.const(native.contiguous_ptr, 'f')}(r{vid}, _keep, {self.sites})"
 
-    def native_operand(self, a: Any, dev: torch.device, numel: int | None = None) -> bool:
-        """Whether ``a`` is a register a native kernel can read: fp32, contiguous, on this CPU (and ``numel``)."""
-        if not isinstance(a, Reg):
-            return False
-        v = self.p.values[a.id]
-        return (v.dtype == torch.float32 and v.is_contiguous and self.dm[v.device] == dev
-                and (numel is None or math.prod(v.shape) == numel))
-
-    def native_op(self, ins, o: int, dev: torch.device) -> str | None:
-        """A ``hetforge::`` row op (rms_norm, layer_norm, rotary, one-row kv_attention) as one call of its
-        native kernel, pointers baked in, writing straight into the result's arena slice; None when the op,
-        its operands or the host do not allow it (then the op's Python implementation runs)."""
-        if dev.type != "cpu" or ins.op not in NATIVE_ROW_OPS or native.library() is None:
-            return None
+    def native_op(self, ins, o: int, dev: torch.device, fn: str) -> str:
+        """A ``hetforge::`` row op (rms_norm, layer_norm, rotary, one-row kv_attention, linear_act, gated_mlp,
+        linear_w8) as one call of its native kernel ``fn`` (chosen by lowering), pointers baked in, writing
+        straight into the result's arena slice (or a fresh tensor when the result is a graph output)."""
         args = bind_args(ins)
         vo = self.p.values[o]
-        if args is None or vo.dtype != torch.float32 or not vo.is_contiguous or not vo.shape:
-            return None
         d = vo.shape[-1]
         rows = math.prod(vo.shape) // d
         lib, p = native.library(), (lambda a: "None" if a is None else self.ptr(a.id, dev))
         nt = f"{self.const(torch.get_num_threads, 'f')}()"
-        opt = lambda a, n: a is None or self.native_operand(a, dev, n)  # noqa: E731
         x = args.get("x")
-        if ins.op in ("hetforge.rms_norm.default", "hetforge.layer_norm.default", "hetforge.rotary.default"):
-            if not self.native_operand(x, dev, rows * d) or self.p.values[x.id].shape != vo.shape:
-                return None
-        if ins.op == "hetforge.rms_norm.default":
-            if not opt(args["weight"], d):
-                return None
+        if fn == "hf_rms_norm":
             call = f"hf_rms_norm({p(x)}, {p(args['weight'])}, {{y}}, {rows}, {d}, {float(args['eps'])!r}, {nt})"
-        elif ins.op == "hetforge.layer_norm.default":
-            if list(args["normalized_shape"]) != [d] or not (opt(args["weight"], d) and opt(args["bias"], d)):
-                return None
+        elif fn == "hf_layer_norm":
             call = (f"hf_layer_norm({p(x)}, {p(args['weight'])}, {p(args['bias'])}, {{y}}, {rows}, {d}, "
                     f"{float(args['eps'])!r}, {nt})")
-        elif ins.op == "hetforge.rotary.default":
-            cos, sin = args["cos"], args["sin"]
-            if d % 2 or not (self.native_operand(cos, dev, d) and self.native_operand(sin, dev, d)):
-                return None
-            call = f"hf_rotary({p(x)}, {p(cos)}, {p(sin)}, {{y}}, {rows}, {d}, {nt})"
-        elif ins.op == "hetforge.linear_w8.default":  # int8 weight-only, one row
-            qw, sc = args["qweight"], args["scales"]
-            if not (isinstance(qw, Reg) and isinstance(sc, Reg)) or args["act"] not in native.ACT_CODES:
-                return None
-            vq = self.p.values[qw.id]
-            kk = math.prod(self.p.values[x.id].shape) if isinstance(x, Reg) else 0
-            if not (rows == 1 and self.native_operand(x, dev, kk) and vq.kind == WEIGHT and vq.dtype == torch.int8
-                    and vq.is_contiguous and tuple(vq.shape) == (d, kk) and self.dm[vq.device] == dev
-                    and self.native_operand(sc, dev, d) and opt(args["bias"], d)):
-                return None
-            call = (f"hf_gemv_q8({p(qw)}, {p(sc)}, {p(x)}, {p(args['bias'])}, {{y}}, {d}, {kk}, "
-                    f"{native.ACT_CODES[args['act']]}, {nt})")
-        elif ins.op == "hetforge.linear_act.default":
-            w, wt = args["weight"], bool(args["weight_t"])
-            if not (self.native_operand(x, dev) and isinstance(w, Reg) and self.p.values[w.id].kind == WEIGHT):
-                return None
-            ws = self.p.values[w.id].shape
+        elif fn == "hf_rotary":
+            call = f"hf_rotary({p(x)}, {p(args['cos'])}, {p(args['sin'])}, {{y}}, {rows}, {d}, {nt})"
+        elif fn == "hf_gemv_q8":  # int8 weight-only, one row
             kk = math.prod(self.p.values[x.id].shape)
-            if rows != 1 or args["act"] in ("none", None) or args["act"] not in native.ACT_CODES or len(ws) != 2 \
-                    or ws != ((kk, d) if wt else (d, kk)) \
-                    or not (self.native_operand(w, dev) and opt(args["bias"], d)):
-                return None
+            call = (f"hf_gemv_q8({p(args['qweight'])}, {p(args['scales'])}, {p(x)}, {p(args['bias'])}, {{y}}, {d}, "
+                    f"{kk}, {native.ACT_CODES[args['act']]}, {nt})")
+        elif fn == "hf_linear_act":
+            w, wt = args["weight"], bool(args["weight_t"])
+            kk = math.prod(self.p.values[x.id].shape)
             part = self.gemv_scratch(d)
             call = (f"hf_linear_act({p(w)}, {p(x)}, {p(args['bias'])}, {{y}}, {d}, {kk}, {int(wt)}, "
                     f"{native.ACT_CODES[args['act']]}, {nt}, {part.data_ptr()}, {part.shape[0]})")
-        elif ins.op == "hetforge.gated_mlp.default":
+        elif fn == "hf_gated_mlp":
             wg, wu, wd = args["w_gate"], args["w_up"], args["w_down"]
-            if not self.native_operand(x, dev) or any(args[b] is not None for b in ("b_gate", "b_up", "b_down")):
-                return None
             dm = math.prod(self.p.values[x.id].shape)
-            if not all(isinstance(a, Reg) and self.p.values[a.id].kind == WEIGHT and self.native_operand(a, dev)
-                       for a in ([wg, wu] if wd is None else [wg, wu, wd])):
-                return None
             f = self.p.values[wg.id].shape[0]
-            want = [(f, dm), (f, dm)] + ([] if wd is None else [(dm, f)])
-            if rows != 1 or args["act"] in ("none", None) or args["act"] not in native.ACT_CODES or \
-                    d != (f if wd is None else dm) or \
-                    [tuple(self.p.values[a.id].shape) for a in [wg, wu] + ([] if wd is None else [wd])] != want:
-                return None
             h = "{y}" if wd is None else str(self.g[self.const(torch.empty(f, dtype=torch.float32), "scr")].data_ptr())
             call = (f"hf_gated_mlp({p(x)}, {p(wg)}, {p(wu)}, {p(wd)}, {h}, {{y}}, {f}, {dm}, "
                     f"{native.ACT_CODES[args['act']]}, {nt})")
-        else:  # kv_attention, one new row
+        else:  # hf_decode_attention: kv_attention, one new row
             q, k, v, kc, vc = (args[n] for n in ("q", "k", "v", "k_cache", "v_cache"))
-            if not all(isinstance(a, Reg) for a in (q, k, v, kc, vc)):
-                return None
             sq, sk, sc = (self.p.values[a.id].shape for a in (q, k, kc))
-            if len(sq) != 4 or sq[0] != 1 or sq[2] != 1 or len(sk) != 4 or sk[0] != 1 or sk[2] != 1 or len(sc) != 4:
-                return None
             h, hd, hkv, s = sq[1], sq[3], sk[1], sc[2]
-            if sk != self.p.values[v.id].shape or sk[3] != hd or h % hkv or tuple(sc) != (1, hkv, s, hd) \
-                    or self.p.values[vc.id].shape != sc:
-                return None
-            if not (all(self.native_operand(a, dev) for a in (q, k, v, kc, vc))
-                    and self.native_operand(args["cache_mask"], dev, s) and opt(args["new_mask"], 1)):
-                return None
             scratch = self.const(torch.empty((h, s + 1), dtype=torch.float32), "scr")
             call = (f"hf_decode_attention({p(q)}, {p(k)}, {p(v)}, {p(kc)}, {p(vc)}, {p(args['cache_mask'])}, "
                     f"{p(args['new_mask'])}, {{y}}, {self.g[scratch].data_ptr()}, {h}, {hkv}, {s}, {hd}, "
                     f"{float(args['scale'])!r}, {nt})")
-        fn, rest = call.split("(", 1)
-        call = f"{self.const(getattr(lib, fn), 'nk')}({rest}"
+        name, rest = call.split("(", 1)
+        call = f"{self.const(getattr(lib, name), 'nk')}({rest}"
         self.stats.native_ops += 1
-        self.modes[ins.id] = "native"
         if self.planned(o):
             buf = self.buffer(o)
             return call.format(y=self.g[buf].data_ptr()) + f"; r{o} = {buf}"
@@ -622,17 +498,20 @@ class Executable:
                  mode: str = "arena", soc=None):
         if mode not in MODES:
             raise UsageError(f"unknown executor mode '{mode}'; allowed: {', '.join(MODES)}")
-        self.program, self.plan, self.mode = program, plan, mode
         self.device_map = dict(device_map or default_device_map(program, soc))
         missing = [d for d in program.devices if d not in self.device_map]
         if missing:
             raise UsageError(f"device map lacks {', '.join(missing)}")
+        # the kernels recorded by lowering (hetforge.ir.kernel_choice); chosen again, on a copy, when they
+        # were chosen for another host, device map or mode
+        program = with_kernels(program, plan.offsets, self.device_map, mode)
+        self.program, self.plan, self.mode = program, plan, mode
         self.arenas = {d: torch.empty(plan.devices[d].arena_bytes if d in plan.devices else 0, dtype=torch.uint8,
                                       device=self.device_map[d]) for d in program.devices}
         cg = _Codegen(program, plan, self.device_map, mode, self.arenas)
         self.source = cg.build(profile=False)
         self.stats = cg.stats
-        self.write_modes = cg.modes  # for the cost model (hetforge.cost.estimate_program(modes=…))
+        self.kernels = cg.kernels  # instruction id → the kernel its code runs (oneDNN candidates decided)
         self._fn = self._compile(self.source, cg.g, "run")
         self._globals = cg.g
         self._profile_fn = None

@@ -131,6 +131,15 @@ class LinkProfile:
     energy_per_byte_j: float = 0.0
 
 
+def by_name(items: list, name: str, owner: str, kind: str):
+    """The item of ``items`` whose ``.name`` is ``name``; else a UsageError naming ``owner`` and the ``kind``s
+    it has (a SoC's devices, a cluster's nodes)."""
+    for it in items:
+        if it.name == name:
+            return it
+    raise UsageError(f"{owner} has no {kind} '{name}'; {kind}s: {', '.join(it.name for it in items)}")
+
+
 @dataclass(frozen=True)
 class SocProfile:
     """A whole SoC: its devices (CPU first) and the links between them."""
@@ -152,10 +161,7 @@ class SocProfile:
         return [d.name for d in self.devices]
 
     def device(self, name: str) -> DeviceProfile:
-        for d in self.devices:
-            if d.name == name:
-                return d
-        raise UsageError(f"SoC '{self.name}' has no device '{name}'; devices: {', '.join(self.device_names)}")
+        return by_name(self.devices, name, f"SoC '{self.name}'", "device")
 
     def link(self, a: str, b: str) -> LinkProfile:
         """The link between devices ``a`` and ``b``; ``a == b`` is a unified, zero-cost link."""

@@ -1,43 +1,69 @@
-"""Kernel choice: how each instruction writes its result into its planned arena slice.
+"""Kernel choice: the lowering step that decides which kernel runs each instruction, recorded on it.
 
-The arena executor (:mod:`hetforge.executor.runtime`) emits code by these rules and the cost model
-(:mod:`hetforge.cost.instr`) prices an instruction by them; both read them from here, one definition below
-both, instead of the cost model re-deriving the executor's decisions.
+:func:`lower_kernels` runs after memory planning (it needs to know which values have an arena slice) and
+writes ``Instr.attrs["kernel"]`` on every instruction — saved with the program and shown in its text.
+The arena executor (:mod:`hetforge.executor.runtime`) only emits code for the recorded kernel, and the
+cost model (:mod:`hetforge.cost.instr`) only reads it. Op-specific kernels are registered per op
+(:data:`OP_KERNELS`: op name → chooser); the general rules below apply to every other op.
 
-Per op, in order of preference:
+The kernels, per instruction kind:
 
-* ``linear`` with a contiguous input: ``addmm.out`` / ``mm.out`` on 2-D views of input and output with
-  the weight transposed once at load — the same GEMM eager's ``linear`` runs, with no per-call reshape
-  (``bench/backend.py`` measures it within ~1% of ``aten.linear.out`` and of the functional op);
-* copy-like ops (``to``, ``_to_copy``, ``clone``, ``contiguous``, eval-mode ``dropout``) whose output is
-  fresh storage: ``slice.copy_(input)`` (copy_ converts dtype and layout);
-* an ATen ``out=`` overload with the same arguments as the functional one (found from the schemas);
-* otherwise the functional op, then ``slice.copy_(result)`` (mode ``arena``) or the result kept where
-  the allocator put it (mode ``fast``, counted as unplanned).
+* view: ``elided`` (a view that returns its input unchanged, :func:`identity_view`: the register is bound,
+  no call), ``static-view`` (a view of arena slices or weights, made once when the executable is built;
+  mode ``arena`` only), else ``view`` (called per run);
+* in-place: ``inplace``; transfer: ``zero-copy`` (the source is bound), ``transfer-copy`` (copied into the
+  destination's slice) or ``transfer`` (a fresh tensor on the destination);
+* kernel, op-specific (registered): ``native:<fn>`` (one call of the native C kernel ``fn`` of
+  :mod:`hetforge.kernels.native`: one-row GEMVs and the ``hetforge::`` row ops, writing the slice),
+  ``split-gemv:<c>`` (a one-row product as one threaded ``bmm`` over ``c`` chunks, :mod:`hetforge.ops.gemv`),
+  ``gemm-out`` (``linear`` as ``addmm.out``/``mm.out`` on 2-D views of input and slice, the weight
+  transposed once at load — the same GEMM eager's ``linear`` runs);
+* kernel, general: ``fresh`` (the output is not planned — a graph output — so the functional op runs),
+  ``copy-into`` (a copy-like op — ``to``, ``_to_copy``, ``clone``, ``contiguous``, eval ``dropout`` — as
+  ``slice.copy_(input)``), ``out-variant`` (the ATen ``out=`` overload with the functional op's arguments),
+  ``unplanned`` (mode ``fast``: the functional result kept where the allocator put it) or
+  ``functional-copy`` (the functional op, then ``slice.copy_(result)``).
 
-A view that returns its input unchanged (:func:`identity_view`) is elided: no call at all.
+oneDNN's packed GEMM (:mod:`hetforge.kernels.onednn`) is a *measured* choice: which of it and ATen is
+faster is timed once per shape and process when an executable is first built for that shape. Lowering
+records only the static candidacy, ``attrs["onednn"] = [rows, K, N]`` beside the kernel that runs when
+oneDNN loses; :func:`resolved_kernels` gives what really runs (``onednn`` for a candidate measured faster, and
+``view`` for a static view over a oneDNN result, which is a fresh tensor each call), from the measured choices.
+
+The choice depends on the host (torch devices, the native library, thread count) and the executor mode;
+the program records them in ``attrs["kernel_context"]`` and an executable built under another context
+lowers a copy again (:func:`with_kernels`).
 """
 
 from __future__ import annotations
 
 import functools
+import math
+import zlib
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_leaves
 
-from hetforge.ir.program import INPLACE, TRANSFER, VIEW, WEIGHT, Instr, Program, Reg
-from hetforge.ops.registry import lookup
+from hetforge.errors import UsageError
+from hetforge.ir.program import INPLACE, KERNEL, TRANSFER, VIEW, WEIGHT, Instr, Program, Reg, map_regs
+from hetforge.kernels import native, onednn
+from hetforge.ops import gemv
 
+KERNEL_ATTR, ONEDNN_ATTR, CONTEXT_ATTR = "kernel", "onednn", "kernel_context"
+MODES = ("arena", "fast")
 GEMM_OPS = ("aten.linear.default", "aten.addmm.default", "aten.mm.default")
+ONEDNN_OPS = GEMM_OPS + ("hetforge.linear_act.default", "hetforge.gated_mlp.default")
+NATIVE_GEMV = ("native:hf_gemv_nk", "native:hf_gemv_kn")  # one-row products (costed as the op itself)
+# kernels that leave the register bound to its arena slice (a later view of it can be made at build time)
+WRITES_SLICE = ("gemm-out", "copy-into", "out-variant", "functional-copy", "transfer-copy")
 # views that return their input (or an equal view of it) when shape and dtype do not change
 IDENTITY_VIEW_OPS = {
     "aten.alias.default", "aten.to.dtype", "aten.to.dtype_layout", "aten.to.device", "aten.to.other",
     "aten.expand.default", "aten.view.default", "aten.reshape.default", "aten._unsafe_view.default",
 }
-
-
-
 COPY_LIKE = {
     "aten.to.dtype", "aten.to.dtype_layout", "aten.to.device", "aten.to.other", "aten._to_copy.default",
     "aten.clone.default", "aten.contiguous.default", "aten.alias.default",
@@ -65,6 +91,14 @@ def out_variant(target: Any) -> Any:
     return None
 
 
+def returns_alias(target: Any) -> bool:
+    """Whether an op's result may share its input's storage (``transpose``, ``view``...: an alias annotation
+    in its schema). Mode ``fast`` keeps a kernel's result in its own allocation only when it cannot: a view of
+    an arena slice would outlive the slice's planned lifetime, so such a result is copied into its own slice."""
+    schema = getattr(target, "_schema", None)
+    return schema is not None and any(r.alias_info is not None for r in schema.returns)
+
+
 def is_copy_like(op: str, args: tuple, kwargs: dict) -> bool:
     if op in COPY_LIKE:
         return True
@@ -72,28 +106,6 @@ def is_copy_like(op: str, args: tuple, kwargs: dict) -> bool:
         train = args[2] if len(args) > 2 else kwargs.get("train", True)
         return train is False
     return False
-
-
-def write_mode(ins: Instr, program: Program, planned: set[int] | dict[int, Any]) -> str:
-    """How the arena executor writes ``ins``'s result: ``out``, ``copy``, ``view-copy``, ``fresh``, ``view``,
-    ``elided``, ``inplace`` or ``transfer`` (see the module docstring). ``planned``: the value ids with an arena slice
-    (``MemoryPlan.offsets``)."""
-    if ins.kind == VIEW and identity_view(ins, program):
-        return "elided"
-    if ins.kind in (VIEW, INPLACE, TRANSFER):
-        return ins.kind
-    if not any(o in planned for o in ins.outputs):
-        return "fresh"
-    info = lookup(ins.op)
-    if info is not None and info.is_view:
-        return "view-copy"
-    if len(ins.outputs) != 1:
-        return "copy"
-    if is_copy_like(ins.op, ins.args, ins.kwargs):
-        return "out"
-    if ins.op in GEMM_OPS and len(ins.args) > 1 and isinstance(ins.args[1], Reg):
-        return "out"
-    return "out" if ins.target is not None and out_variant(ins.target) is not None else "copy"
 
 
 def identity_view(ins: Instr, program: Program,
@@ -125,3 +137,431 @@ def bind_args(ins) -> dict[str, Any] | None:
         else:
             return None
     return out
+
+
+def gemm_operands(ins: Instr) -> tuple[Any, Any, Any, bool] | None:
+    """``(x, w, bias, weight_t)`` of an ATen ``linear`` (``[N, K]`` weight), ``addmm`` or ``mm`` (``[K, N]``
+    weight: ``weight_t``), or None for another op or form."""
+    a = ins.args
+    if ins.op == "aten.linear.default":
+        return a[0], a[1], (a[2] if len(a) > 2 else None), False
+    if ins.op == "aten.addmm.default" and len(a) == 3:
+        return a[1], a[2], a[0], True
+    if ins.op == "aten.mm.default":
+        return a[0], a[1], None, True
+    return None
+
+
+def default_device_map(p: Program, soc=None) -> dict[str, torch.device]:
+    """SoC device name → the torch device that runs it on this host: ``cpu`` → ``cpu``; a ``gpu`` → ``cuda``
+    when PyTorch sees one, else the CPU (emulated); anything else → the CPU."""
+    kinds = {d.name: d.kind for d in soc.devices} if soc is not None else {}
+    out = {}
+    for d in p.devices:
+        kind = kinds.get(d, d)
+        out[d] = torch.device("cuda") if kind == "gpu" and torch.cuda.is_available() else torch.device("cpu")
+    return out
+
+
+class Lowering:
+    """What a chooser reads: the program, its planned values, the device map and the executor mode."""
+
+    def __init__(self, p: Program, planned, device_map: dict[str, torch.device], mode: str):
+        self.p, self.planned, self.dm, self.mode = p, planned, device_map, mode
+        self._moved: dict[tuple[int, str], torch.Tensor] = {}
+
+    def weight(self, vid: int, dev: torch.device) -> torch.Tensor:
+        """Weight ``vid`` as the executor will hold it on ``dev`` (the choosers ask only for CPU devices)."""
+        t = self.p.tensors[vid]
+        if t.device == dev:
+            return t
+        if (vid, str(dev)) not in self._moved:
+            self._moved[(vid, str(dev))] = t.to(dev)
+        return self._moved[(vid, str(dev))]
+
+    def native_operand(self, a: Any, dev: torch.device, numel: int | None = None) -> bool:
+        """Whether ``a`` is a register a native kernel can read: fp32, contiguous, on this CPU (and ``numel``)."""
+        if not isinstance(a, Reg):
+            return False
+        v = self.p.values[a.id]
+        return (v.dtype == torch.float32 and v.is_contiguous and self.dm[v.device] == dev
+                and (numel is None or math.prod(v.shape) == numel))
+
+    def is_weight(self, a: Any) -> bool:
+        return isinstance(a, Reg) and self.p.values[a.id].kind == WEIGHT
+
+
+Chooser = Callable[[Lowering, Instr, int, torch.device], str | None]
+OP_KERNELS: dict[str, Chooser] = {}  # op name → its op-specific kernel (None: the general rules apply)
+ONEDNN_CANDIDATES: dict[str, Callable[[Lowering, Instr, int, torch.device], list[int] | None]] = {}
+
+
+def register(table: dict, *ops: str):
+    """Register a chooser for ``ops`` in ``table`` (:data:`OP_KERNELS` or :data:`ONEDNN_CANDIDATES`)."""
+    def deco(fn):
+        for op in ops:
+            table[op] = fn
+        return fn
+    return deco
+
+
+@register(OP_KERNELS, *GEMM_OPS)
+def _gemm(lw: Lowering, ins: Instr, o: int, dev: torch.device) -> str | None:
+    """A linear-type product with a weight: one fp32 row on the native GEMV, else (threaded CPU) the split
+    GEMV; ``linear`` of a contiguous input into a planned slice as ``addmm.out``/``mm.out`` (``gemm-out``)."""
+    ops = None if ins.kwargs else gemm_operands(ins)
+    if ops is None:
+        return None
+    x, w, b, weight_t = ops
+    if not (isinstance(x, Reg) and lw.is_weight(w)):
+        return None
+    vx, vo = lw.p.values[x.id], lw.p.values[o]
+    if not (vx.is_contiguous and vo.is_contiguous and len(vx.shape) >= 2 and (b is None or isinstance(b, Reg))):
+        return None
+    k = vx.shape[-1]
+    wt = lw.weight(w.id, dev) if dev.type == "cpu" and math.prod(vx.shape) == k else None
+    if wt is not None and wt.is_contiguous():  # one row on the CPU
+        if _native_gemv_fits(lw, x, wt, b, weight_t, o, dev):
+            return NATIVE_GEMV[weight_t]
+        c = gemv.chunks_for(wt.shape[0])  # N of an [N, K] weight (split over outputs), K of a [K, N] one
+        if c is not None:
+            return f"split-gemv:{c}"
+    if weight_t or o not in lw.planned:  # the out= variant / functional op is the same GEMM
+        return None
+    return "gemm-out"
+
+
+def _native_gemv_fits(lw: Lowering, x: Reg, w: torch.Tensor, b: Any, weight_t: bool, o: int,
+                      dev: torch.device) -> bool:
+    """Whether the native one-row GEMV runs this product (built, fp32, a bias that is a contiguous ``[N]``)."""
+    vx, vo = lw.p.values[x.id], lw.p.values[o]
+    k, n = (w.shape if weight_t else (w.shape[1], w.shape[0]))
+    if dev.type != "cpu" or vo.dtype != vx.dtype or not native.fits(w, None, weight_t, vx.dtype) \
+            or lw.dm[vx.device] != dev or vx.shape[-1] != k or math.prod(vo.shape) != n:
+        return False
+    if b is None:
+        return True
+    vb = lw.p.values[b.id]
+    if vb.kind == WEIGHT:
+        return native.fits(w, lw.weight(b.id, dev), weight_t, vx.dtype)
+    return vb.dtype == vx.dtype and vb.is_contiguous and math.prod(vb.shape) == n and lw.dm[vb.device] == dev
+
+
+def _row_shape(lw: Lowering, ins: Instr, o: int, dev: torch.device) -> tuple[dict, int, int] | None:
+    """Bound arguments, rows and last dim of a ``hetforge::`` row op the native kernels may run, or None."""
+    if dev.type != "cpu" or native.library() is None:
+        return None
+    args = bind_args(ins)
+    vo = lw.p.values[o]
+    if args is None or vo.dtype != torch.float32 or not vo.is_contiguous or not vo.shape:
+        return None
+    d = vo.shape[-1]
+    return args, math.prod(vo.shape) // d, d
+
+
+def native_row_op(*ops: str):
+    """Register a chooser of a ``hetforge::`` row op's native kernel for ``ops``: it is called with the op's
+    bound arguments, its rows and last dim, only where a native kernel can run at all (:func:`_row_shape`)."""
+    def deco(fn):
+        def chooser(lw: Lowering, ins: Instr, o: int, dev: torch.device) -> str | None:
+            got = _row_shape(lw, ins, o, dev)
+            return None if got is None else fn(lw, ins, o, dev, *got)
+        register(OP_KERNELS, *ops)(chooser)
+        return fn
+    return deco
+
+
+def _optional(lw: Lowering, a: Any, dev: torch.device, n: int) -> bool:
+    return a is None or lw.native_operand(a, dev, n)
+
+
+@native_row_op("hetforge.rms_norm.default", "hetforge.layer_norm.default", "hetforge.rotary.default")
+def _native_row(lw: Lowering, ins: Instr, o: int, dev: torch.device, args: dict, rows: int,
+                d: int) -> str | None:
+    x = args["x"]
+    if not lw.native_operand(x, dev, rows * d) or lw.p.values[x.id].shape != lw.p.values[o].shape:
+        return None
+    if ins.op == "hetforge.rms_norm.default":
+        ok, fn = _optional(lw, args["weight"], dev, d), "hf_rms_norm"
+    elif ins.op == "hetforge.layer_norm.default":
+        ok = list(args["normalized_shape"]) == [d] and _optional(lw, args["weight"], dev, d) \
+            and _optional(lw, args["bias"], dev, d)
+        fn = "hf_layer_norm"
+    else:
+        ok = not d % 2 and lw.native_operand(args["cos"], dev, d) and lw.native_operand(args["sin"], dev, d)
+        fn = "hf_rotary"
+    return f"native:{fn}" if ok else None
+
+
+@native_row_op("hetforge.linear_w8.default")
+def _native_w8(lw: Lowering, ins: Instr, o: int, dev: torch.device, args: dict, rows: int,
+               d: int) -> str | None:
+    """int8 weight-only product of one row on the native int8 GEMV."""
+    x, qw, sc = args["x"], args["qweight"], args["scales"]
+    if not (isinstance(qw, Reg) and isinstance(sc, Reg)) or args["act"] not in native.ACT_CODES:
+        return None
+    vq = lw.p.values[qw.id]
+    kk = math.prod(lw.p.values[x.id].shape) if isinstance(x, Reg) else 0
+    ok = (rows == 1 and lw.native_operand(x, dev, kk) and vq.kind == WEIGHT and vq.dtype == torch.int8
+          and vq.is_contiguous and tuple(vq.shape) == (d, kk) and lw.dm[vq.device] == dev
+          and lw.native_operand(sc, dev, d) and _optional(lw, args["bias"], dev, d))
+    return "native:hf_gemv_q8" if ok else None
+
+
+@native_row_op("hetforge.linear_act.default")
+def _native_linear_act(lw: Lowering, ins: Instr, o: int, dev: torch.device, args: dict, rows: int,
+                       d: int) -> str | None:
+    """One row of ``act(x·W + b)`` on the native fused kernel."""
+    x, w, wt = args["x"], args["weight"], bool(args["weight_t"])
+    if not (lw.native_operand(x, dev) and lw.is_weight(w)):
+        return None
+    ws = lw.p.values[w.id].shape
+    kk = math.prod(lw.p.values[x.id].shape)
+    if rows != 1 or args["act"] in ("none", None) or args["act"] not in native.ACT_CODES or len(ws) != 2 \
+            or ws != ((kk, d) if wt else (d, kk)) \
+            or not (lw.native_operand(w, dev) and _optional(lw, args["bias"], dev, d)):
+        return None
+    return "native:hf_linear_act"
+
+
+@native_row_op("hetforge.gated_mlp.default")
+def _native_gated_mlp(lw: Lowering, ins: Instr, o: int, dev: torch.device, args: dict, rows: int,
+                      d: int) -> str | None:
+    """One row of a gated MLP (gate, up, and down when present) on the native fused kernel."""
+    x, wg, wu, wd = args["x"], args["w_gate"], args["w_up"], args["w_down"]
+    if not lw.native_operand(x, dev) or any(args[b] is not None for b in ("b_gate", "b_up", "b_down")):
+        return None
+    dm = math.prod(lw.p.values[x.id].shape)
+    ws = [wg, wu] if wd is None else [wg, wu, wd]
+    if not all(lw.is_weight(a) and lw.native_operand(a, dev) for a in ws):
+        return None
+    f = lw.p.values[wg.id].shape[0]
+    want = [(f, dm), (f, dm)] + ([] if wd is None else [(dm, f)])
+    if rows != 1 or args["act"] in ("none", None) or args["act"] not in native.ACT_CODES or \
+            d != (f if wd is None else dm) or [tuple(lw.p.values[a.id].shape) for a in ws] != want:
+        return None
+    return "native:hf_gated_mlp"
+
+
+@native_row_op("hetforge.kv_attention.default")
+def _native_decode_attention(lw: Lowering, ins: Instr, o: int, dev: torch.device, args: dict, rows: int,
+                             d: int) -> str | None:
+    """Attention of one new row over the KV cache on the native kernel."""
+    q, k, v, kc, vc = (args[n] for n in ("q", "k", "v", "k_cache", "v_cache"))
+    if not all(isinstance(a, Reg) for a in (q, k, v, kc, vc)):
+        return None
+    sq, sk, sc = (lw.p.values[a.id].shape for a in (q, k, kc))
+    if len(sq) != 4 or sq[0] != 1 or sq[2] != 1 or len(sk) != 4 or sk[0] != 1 or sk[2] != 1 or len(sc) != 4:
+        return None
+    h, hd, hkv, s = sq[1], sq[3], sk[1], sc[2]
+    if sk != lw.p.values[v.id].shape or sk[3] != hd or h % hkv or tuple(sc) != (1, hkv, s, hd) \
+            or lw.p.values[vc.id].shape != sc:
+        return None
+    if not (all(lw.native_operand(a, dev) for a in (q, k, v, kc, vc))
+            and lw.native_operand(args["cache_mask"], dev, s) and _optional(lw, args["new_mask"], dev, 1)):
+        return None
+    return "native:hf_decode_attention"
+
+
+def onednn_operands(ins: Instr) -> tuple[Any, Any, Any, bool, str, tuple | None] | None:
+    """``(x, w, bias, weight_t, act, gate)`` of an instruction oneDNN's packed linear may run (``gate``:
+    ``(w_gate, b_gate, w_down, b_down)`` of a gated MLP, whose ``w``/``bias`` are the up projection's)."""
+    if ins.op not in ONEDNN_OPS or ins.kwargs and not ins.op.startswith("hetforge."):
+        return None
+    ops = gemm_operands(ins)
+    if ops is not None:
+        return (*ops, "none", None)
+    if ins.op in GEMM_OPS:
+        return None
+    args = bind_args(ins)
+    if args is None:
+        return None
+    if ins.op == "hetforge.linear_act.default":
+        return args["x"], args["weight"], args["bias"], bool(args["weight_t"]), args["act"], None
+    return (args["x"], args["w_up"], args["b_up"], False, args["act"],
+            (args["w_gate"], args["b_gate"], args["w_down"], args["b_down"]))
+
+
+@register(ONEDNN_CANDIDATES, *ONEDNN_OPS)
+def _onednn(lw: Lowering, ins: Instr, o: int, dev: torch.device) -> list[int] | None:
+    """``[rows, K, N]`` when oneDNN's packed linear can run this instruction (weights that are program weights,
+    a contiguous fp32 input of two rows or more, or bf16, on this CPU); whether it does is measured."""
+    ops = onednn_operands(ins) if dev.type == "cpu" and onednn.available() else None
+    if ops is None:
+        return None
+    x, w, b, wt, act, gate = ops
+    if act not in onednn.ACT_ATTR or not isinstance(x, Reg) or not lw.is_weight(w):
+        return None
+    vx, vo = lw.p.values[x.id], lw.p.values[o]
+    wten = lw.weight(w.id, dev)
+    if wten.dim() != 2 or not vx.is_contiguous or lw.dm[vx.device] != dev or vx.dtype != vo.dtype \
+            or vx.dtype not in onednn.DTYPES or wten.dtype != vx.dtype or not vx.shape:
+        return None
+    k = vx.shape[-1]
+    n = wten.shape[1] if wt else wten.shape[0]
+    rows = math.prod(vx.shape) // k if k else 0
+    if (wten.shape[0] if wt else wten.shape[1]) != k or not _dnn_bias(lw, b, dev):
+        return None
+    if rows < 1 or (rows < 2 and vx.dtype == torch.float32):
+        return None
+    if gate is not None:
+        wg, bg, wd, bd = gate
+        if not (lw.is_weight(wg) and tuple(lw.weight(wg.id, dev).shape) == tuple(wten.shape)
+                and _dnn_bias(lw, bg, dev) and _dnn_bias(lw, bd, dev)):
+            return None
+        if wd is not None:
+            wdt = lw.weight(wd.id, dev) if lw.is_weight(wd) else None
+            if wdt is None or wdt.dim() != 2 or wdt.shape[1] != n:
+                return None
+    return [rows, k, n]
+
+
+def _dnn_bias(lw: Lowering, a: Any, dev: torch.device) -> bool:
+    if a is None:
+        return True
+    if not lw.is_weight(a):
+        return False
+    t = lw.weight(a.id, dev)
+    return t.dim() == 1 and t.is_contiguous()
+
+
+def _general(lw: Lowering, ins: Instr, o: int | None) -> str:
+    """The kernel of an instruction no op-specific chooser took."""
+    p = lw.p
+    if o is None:  # several outputs: the functional op, then a copy of each planned one
+        if not any(x in lw.planned for x in ins.outputs):
+            return "fresh"
+        return "unplanned" if lw.mode == "fast" and not returns_alias(ins.target) else "functional-copy"
+    if o not in lw.planned:
+        return "fresh"
+    if is_copy_like(ins.op, ins.args, ins.kwargs) and isinstance(ins.args[0], Reg) \
+            and tuple(p.values[ins.args[0].id].shape) == p.values[o].shape:
+        return "copy-into"
+    if out_variant(ins.target) is not None:
+        return "out-variant"
+    return "unplanned" if lw.mode == "fast" and not returns_alias(ins.target) else "functional-copy"
+
+
+def _views_as_planned(p: Program, ins: Instr) -> bool:
+    """Whether ``ins``, run on tensors of its inputs' layouts (on the meta device), returns views of them with
+    exactly the planned layouts of its outputs — what the executor checks before binding a view at build time
+    (a copy would be a stale snapshot; another layout is not what later instructions were lowered for)."""
+    if not isinstance(ins.target, torch._ops.OpOverload):
+        return False
+
+    def meta(r: Reg) -> torch.Tensor:
+        v = p.values[r.id]
+        return torch.empty(max(v.nbytes // v.itemsize, 1), dtype=v.dtype, device="meta").as_strided(
+            v.shape, v.stride, v.storage_offset)
+
+    args, kwargs = map_regs(ins.args, meta), map_regs(ins.kwargs, meta)
+    try:
+        got = ins.target(*args, **kwargs)
+    except Exception:  # an op the meta device does not run: leave it a per-call view
+        return False
+    outs = list(got) if isinstance(got, (list, tuple)) else [got]
+    sources = {t.untyped_storage()._cdata for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+    if len(outs) != len(ins.outputs):
+        return False
+    for o, t in zip(ins.outputs, outs, strict=True):
+        v = p.values[o]
+        if not isinstance(t, torch.Tensor) or (tuple(t.shape), tuple(t.stride()), t.dtype) != \
+                (tuple(v.shape), tuple(v.stride), v.dtype) or t.untyped_storage()._cdata not in sources:
+            return False
+    return True
+
+
+def kernel_context(device_map: dict[str, torch.device], mode: str, planned) -> dict[str, Any]:
+    """What the choice depends on besides the program: torch devices, executor mode, native library, threads,
+    and which values the memory plan gave a slice (a CRC-32 of their ids)."""
+    return {"mode": mode, "devices": {d: str(t) for d, t in sorted(device_map.items())},
+            "native": native.library() is not None, "onednn": onednn.available(),
+            "threads": torch.get_num_threads(), "planned": zlib.crc32(repr(sorted(planned)).encode())}
+
+
+def lower_kernels(p: Program, planned, device_map: dict[str, torch.device] | None = None,
+                  mode: str = "arena", soc=None) -> Program:
+    """Record on every instruction of ``p`` (in place) the kernel that runs it (``attrs["kernel"]``) and, for
+    oneDNN candidates, ``attrs["onednn"] = [rows, K, N]``; ``planned``: the value ids with an arena slice
+    (``MemoryPlan.offsets``). Returns ``p``."""
+    if mode not in MODES:
+        raise UsageError(f"unknown executor mode '{mode}'; allowed: {', '.join(MODES)}")
+    dm = dict(device_map or default_device_map(p, soc))
+    lw = Lowering(p, planned, dm, mode)
+    static: set[int] = set()  # registers whose tensor is known when the executable is built
+    for ins in p.instrs:
+        dev = dm[ins.device]
+        o = ins.outputs[0] if len(ins.outputs) == 1 else None
+        ins.attrs.pop(ONEDNN_ATTR, None)
+        cand = None
+        if ins.kind == TRANSFER:
+            k = "zero-copy" if ins.attrs.get("zero_copy") else "transfer-copy" if o in planned else "transfer"
+        elif ins.kind == INPLACE:
+            k = "inplace"
+        elif ins.kind == VIEW:
+            if identity_view(ins, p, lambda a, b: dm[a] == dm[b]):
+                k = "elided"
+            elif mode == "arena" and all(r in static or p.values[r].kind == WEIGHT for r in ins.input_regs()) \
+                    and _views_as_planned(p, ins):
+                k = "static-view"
+            else:
+                k = "view"
+        else:
+            assert ins.kind == KERNEL, ins.kind
+            chooser = OP_KERNELS.get(ins.op) if o is not None else None
+            k = (chooser(lw, ins, o, dev) if chooser is not None else None) or _general(lw, ins, o)
+            cand_fn = ONEDNN_CANDIDATES.get(ins.op) if o is not None else None
+            cand = cand_fn(lw, ins, o, dev) if cand_fn is not None else None
+        ins.attrs[KERNEL_ATTR] = k
+        if cand is not None:
+            ins.attrs[ONEDNN_ATTR] = cand
+        if k == "static-view":
+            static.update(ins.outputs)
+        elif k in WRITES_SLICE or k.startswith(("native:", "split-gemv:")):
+            static.update(x for x in ins.outputs if x in planned)
+    p.attrs[CONTEXT_ATTR] = kernel_context(dm, mode, planned)
+    return p
+
+
+def with_kernels(p: Program, planned, device_map: dict[str, torch.device], mode: str) -> Program:
+    """``p`` when its recorded kernels were chosen under this context, else a copy lowered for it."""
+    if p.attrs.get(CONTEXT_ATTR) == kernel_context(device_map, mode, planned) \
+            and all(KERNEL_ATTR in i.attrs for i in p.instrs):
+        return p
+    q = Program(p.name, p.soc, list(p.devices), p.values, [replace(i, attrs=dict(i.attrs)) for i in p.instrs],
+                list(p.inputs), list(p.outputs), p.weights, dict(p.attrs), p.tensors, p.soc_spec, p.memory)
+    return lower_kernels(q, planned, device_map, mode)
+
+
+def onednn_decided(ins: Instr, p: Program) -> bool:
+    """Whether oneDNN runs a candidate, by the choice measured in this process (False when not measured)."""
+    rows, k, n = ins.attrs[ONEDNN_ATTR]
+    return bool(onednn.decided(rows, k, n, p.values[ins.outputs[0]].dtype))
+
+
+def resolved_kernels(p: Program, decide: Callable[[Instr], bool] | None = None) -> dict[int, str]:
+    """Instruction id → the kernel that runs it: the recorded one, except ``onednn`` for a candidate that
+    ``decide`` takes (default: the choice measured in this process, :func:`onednn_decided`) and ``view`` for a
+    static view over a oneDNN result (a fresh tensor each call, so not known at build time)."""
+    decide = decide or (lambda ins: onednn_decided(ins, p))
+    out: dict[int, str] = {}
+    fresh: set[int] = set()
+    for ins in p.instrs:
+        k = ins.attrs[KERNEL_ATTR]
+        if ONEDNN_ATTR in ins.attrs and decide(ins):
+            k = "onednn"
+            fresh.update(ins.outputs)
+        elif k == "static-view" and any(r in fresh for r in ins.input_regs()):
+            k = "view"
+            fresh.update(ins.outputs)
+        out[ins.id] = k
+    return out
+
+
+def program_kernels(p: Program, planned) -> dict[int, str]:
+    """:func:`resolved_kernels` of ``p``, lowering a copy first (host defaults, mode ``arena``) when ``p``
+    carries no record (a program made without :func:`lower_kernels`)."""
+    if not all(KERNEL_ATTR in i.attrs for i in p.instrs):
+        dm = default_device_map(p)
+        p = with_kernels(p, planned, dm, "arena")
+    return resolved_kernels(p)

@@ -136,6 +136,17 @@ def choose(rows: int, k: int, n: int, dtype: torch.dtype, w: torch.Tensor | None
     return _choices[key]
 
 
+def decided(rows: int, k: int, n: int, dtype: torch.dtype) -> bool | None:
+    """What :func:`choose` answers for this product without measuring: None when it has not been measured in
+    this process (nor seeded, :func:`seed_choices`) and the policy is ``auto``."""
+    if rows < 1 or (rows < 2 and dtype == torch.float32) or dtype not in DTYPES or not available():
+        return False
+    pol = policy()
+    if pol != "auto":
+        return pol == "onednn"
+    return _choices.get((rows, k, n, dtype, torch.get_num_threads()))
+
+
 def measured_choices() -> list[dict]:
     """The choices :func:`choose` measured in this process (rows, K, N, dtype, threads, seconds of each)."""
     return [{"rows": k[0], "k": k[1], "n": k[2], "dtype": str(k[3]).removeprefix("torch."), "threads": k[4],

@@ -189,21 +189,19 @@ class Generation:
                 yield piece
 
     def steps(self) -> Iterator[tuple[int, str]]:
-        """One ``(token, showable text)`` pair per generated token."""
+        """One ``(token, showable text)`` pair per generated token: prefill, then one decode step per token
+        (the programs that run each step come from :meth:`_prefill` and :meth:`_decode`)."""
         e, r = self.engine, self.result
         n = len(self.prompt_ids)
-        prefill = self._compile("prefill", r.prefill_tier)
-        decode = self._compile("decode", r.cache_length) if self.max_new > 1 else None
+        self._start()
         sampler = Sampler(self.params, e.vocab_size)
         sampler.observe(self.prompt_ids)
         ids = torch.zeros((1, r.prefill_tier), dtype=torch.long)
         ids[0, :n] = torch.tensor(self.prompt_ids)
         last = torch.tensor([n - 1])
-        tuner = self.tuner = e.thread_tuner()  # adaptive thread count (runtime/threads.py), kept per engine
-        tuner.before_prefill()
         t0 = start = time.perf_counter()
-        out = prefill.run(ids, last)
-        self.ledger.add("prefill", 0.0, prefill.placed)
+        out, placed = self._prefill(ids, last)
+        self.ledger.add("prefill", 0.0, placed)
         self.cache.write(out[1:], 0)
         token = sampler.pick(out[0])
         r.ttft_s = time.perf_counter() - t0
@@ -211,19 +209,19 @@ class Generation:
             piece, stop = self._emit(token)
             yield token, piece
             pos = n
-            args = [e._ids, e._pos, *self.cache.buffers]
+            args = (e._ids, e._pos, *self.cache.buffers)
             while not stop:
-                nt = tuner.before()
+                step = self._before_step()
                 t0 = time.perf_counter()
                 sampler.observe(token)
                 e._ids.fill_(token)
                 e._pos.fill_(pos)
-                out = decode.run(*args)
+                out, placed = self._decode(args, step)
                 self.cache.write(out[1:], pos)
                 token = sampler.pick(out[0])
                 r.decode_s.append(time.perf_counter() - t0)
-                tuner.after(nt, r.decode_s[-1])
-                self.ledger.add("decode", t0 - start, decode.placed)
+                self._after_step(step)
+                self.ledger.add("decode", t0 - start, placed)
                 pos += 1
                 piece, stop = self._emit(token)
                 yield token, piece
@@ -231,6 +229,28 @@ class Generation:
             if self.tuner is not None:
                 self.tuner.restore()
             self.finish()
+
+    def _start(self) -> None:
+        """Before prefill: compile (or fetch) the programs, set the thread count."""
+        r = self.result
+        self._prefill_prog = self._compile("prefill", r.prefill_tier)
+        self._decode_prog = self._compile("decode", r.cache_length) if self.max_new > 1 else None
+        self.tuner = self.engine.thread_tuner()  # adaptive thread count (runtime/threads.py), kept per engine
+        self.tuner.before_prefill()
+
+    def _prefill(self, ids: torch.Tensor, last: torch.Tensor) -> tuple[Any, Any]:
+        """The prefill program's outputs (logits, K/V rows) and where it ran."""
+        return self._prefill_prog.run(ids, last), self._prefill_prog.placed
+
+    def _before_step(self) -> Any:
+        return self.tuner.before()
+
+    def _decode(self, args: tuple, step: Any) -> tuple[Any, Any]:
+        """One decode step's outputs and where it ran."""
+        return self._decode_prog.run(*args), self._decode_prog.placed
+
+    def _after_step(self, step: Any) -> None:
+        self.tuner.after(step, self.result.decode_s[-1])
 
     def finish(self) -> None:
         """Settle ``result.text`` (also after an interruption): shown text plus any held-back text."""

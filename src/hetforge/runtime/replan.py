@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 import re
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,7 +35,7 @@ from hetforge.hardware.situation import Situation, situated_soc
 from hetforge.runtime.engine import Engine, Generation
 from hetforge.runtime.failover import DeviceFault, FailoverError, FaultSpec, check_coverage, inject_fault, uses_device
 from hetforge.runtime.programs import Program, ProgramCache
-from hetforge.runtime.sampling import Sampler, SamplingParams
+from hetforge.runtime.sampling import SamplingParams
 
 TEMP_BIN_C = 5.0
 LOAD_BIN = 0.25
@@ -313,8 +313,9 @@ class AdaptiveGeneration(Generation):
         super().__init__(adaptive.engine, prompt_ids, params)
         self.adaptive = adaptive
 
-    def steps(self) -> Iterator[tuple[int, str]]:
-        a, e, r = self.adaptive, self.engine, self.result
+    def _start(self) -> None:
+        """Before prefill: note a prefill-tier switch, apply the changes due at step 1, prepare the plans."""
+        a, r = self.adaptive, self.result
         a.requests += 1
         a._gen = self
         n = len(self.prompt_ids)
@@ -325,47 +326,34 @@ class AdaptiveGeneration(Generation):
                                            tier_reason, 0.0, not a.situated.cached("prefill", r.prefill_tier,
                                                                                   a.situation())))
         a.last_tier = r.prefill_tier
-        reasons = a._apply_changes(1)
+        self._reasons = a._apply_changes(1)
         a.prepare(r.prefill_tier, r.cache_length, self.max_new > 1)
-        sampler = Sampler(self.params, e.vocab_size)
-        sampler.observe(self.prompt_ids)
-        ids = torch.zeros((1, r.prefill_tier), dtype=torch.long)
-        ids[0, :n] = torch.tensor(self.prompt_ids)
-        last = torch.tensor([n - 1])
-        t0 = start = time.perf_counter()
+
+    def _prefill(self, ids: torch.Tensor, last: torch.Tensor) -> tuple[Any, Any]:
+        """Prefill on the program placed for the current situation (failing over where it must)."""
         try:
-            out, prog = a.call("prefill", r.prefill_tier, (ids, last), 1, "; ".join(reasons))
+            out, prog = self.adaptive.call("prefill", self.result.prefill_tier, (ids, last), 1,
+                                           "; ".join(self._reasons))
         except FailoverError as err:
             self._fail(err)
-        self.ledger.add("prefill", 0.0, prog.placed)
-        self.cache.write(out[1:], 0)
-        token = sampler.pick(out[0])
-        r.ttft_s = time.perf_counter() - t0
+        return out, prog.placed
+
+    def _before_step(self) -> Any:
+        """Apply the changes due at this step; returns the step number and their reasons."""
+        k = len(self.result.tokens) + 1
+        return k, self.adaptive._apply_changes(k)
+
+    def _decode(self, args: tuple, step: Any) -> tuple[Any, Any]:
+        """One decode step on the program placed for the situation at this step."""
+        k, reasons = step
         try:
-            piece, stop = self._emit(token)
-            yield token, piece
-            pos = n
-            args = (e._ids, e._pos, *self.cache.buffers)
-            while not stop:
-                k = len(r.tokens) + 1
-                reasons = a._apply_changes(k)
-                t0 = time.perf_counter()
-                sampler.observe(token)
-                e._ids.fill_(token)
-                e._pos.fill_(pos)
-                try:
-                    out, prog = a.call("decode", r.cache_length, args, k, "; ".join(reasons))
-                except FailoverError as err:
-                    self._fail(err)
-                self.cache.write(out[1:], pos)
-                token = sampler.pick(out[0])
-                r.decode_s.append(time.perf_counter() - t0)
-                self.ledger.add("decode", t0 - start, prog.placed)
-                pos += 1
-                piece, stop = self._emit(token)
-                yield token, piece
-        finally:
-            self.finish()
+            out, prog = self.adaptive.call("decode", self.result.cache_length, args, k, "; ".join(reasons))
+        except FailoverError as err:
+            self._fail(err)
+        return out, prog.placed
+
+    def _after_step(self, step: Any) -> None:
+        pass
 
     def _fail(self, err: FailoverError):
         self.result.stop_reason = "device failure"

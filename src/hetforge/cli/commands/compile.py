@@ -93,7 +93,8 @@ def compile_cmd(
         rep["quantize"] = {"scheme": quantize, "group_size": group_size, **_quant_totals(q)}
     s = rep["seconds"]
     rep["seconds"] = {"capture": s.get("capture", 0.0), "passes": s.get("passes", 0.0), "place": s.get("place", 0.0),
-                      "lower": s["lower"], "schedule": s["schedule"], "memory": s["memory"], "total": s["total"]}
+                      "lower": s["lower"], "schedule": s["schedule"], "memory": s["memory"], "kernels": s["kernels"],
+                      "total": s["total"]}
     if out is not None:
         rep["out"] = str(out)
     if json_out:
