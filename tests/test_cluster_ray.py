@@ -12,9 +12,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_cluster_plan import LINK, small_soc
 
 from hetforge.cluster.spec import load_cluster
-from test_cluster_plan import LINK, small_soc
 
 pytest.importorskip("ray", reason="the cluster extra (pip install 'hetforge[cluster]') is not installed")
 
