@@ -84,11 +84,11 @@ def parse_request(body: bytes) -> dict[str, Any]:
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise UsageError(f'"max_new_tokens" must be an integer >= 1 (got {n!r})')
     t = doc.get("temperature", 0.0)
-    if isinstance(t, bool) or not isinstance(t, int | float):
+    if isinstance(t, bool) or not isinstance(t, int | float) or not t >= 0:
         raise UsageError(f'"temperature" must be a number >= 0 (got {t!r})')
     seed = doc.get("seed", 0)
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise UsageError(f'"seed" must be an integer (got {seed!r})')
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
+        raise UsageError(f'"seed" must be an integer in 0..2**63-1 (got {seed!r})')
     params = SamplingParams(max_new_tokens=n, temperature=float(t), seed=seed)  # range checks: UsageError
     return {"prompt": prompt, "params": params}
 
