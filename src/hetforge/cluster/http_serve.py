@@ -172,7 +172,11 @@ class GenerateReplica:
 
     async def __call__(self, request):
         arrived = time.perf_counter()
-        if request.url.path.rstrip("/") != ROUTE:
+        path = request.url.path
+        root = request.scope.get("root_path", "")  # the application's route prefix
+        if root and path.startswith(root):
+            path = path[len(root):]
+        if path.rstrip("/") != ROUTE:
             return _json({"error": f"no such path {request.url.path}; POST {ROUTE}"}, 404)
         if request.method != "POST":
             return _json({"error": f"{request.method} is not allowed; POST {ROUTE}"}, 405)
@@ -268,12 +272,15 @@ def _wait_listening(host: str, port: int, timeout: float) -> None:
             time.sleep(0.2)
 
 
-def stop_serve() -> None:
-    """Shut Serve down (replicas close their node actors); errors of an already-dying cluster are ignored."""
-    try:
-        serve.shutdown()
-    except Exception:  # noqa: BLE001 - Ray itself is being stopped right after
-        pass
+def stop_serve(session) -> None:
+    """Shut Serve down (replicas close their node actors), then Ray (``session``); errors of an already-dying
+    cluster are ignored, and so are the notices Ray prints meanwhile (a killed controller's retried task)."""
+    with contextlib.redirect_stdout(io.StringIO()):
+        try:
+            serve.shutdown()
+        except Exception:  # noqa: BLE001 - Ray itself is stopped right after
+            pass
+        session.close()
 
 
 @dataclass
@@ -339,7 +346,5 @@ def serve_http(loaded, cluster, replicas: int, host: str, port: int, objective: 
                 pass
     finally:
         wall = time.perf_counter() - t0
-        with contextlib.redirect_stdout(io.StringIO()):  # Ray prints shutdown notices (a killed controller's retry)
-            stop_serve()
-            session.close()
+        stop_serve(session)
     return ServeSummary(dep.url, replicas, stats["served"], stats["tokens"], wall, stopped_by, plans)
