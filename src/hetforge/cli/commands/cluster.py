@@ -248,9 +248,13 @@ def serve_http_cmd(model: str, c, replicas: int, host: str, port: int, objective
         from hetforge.cluster.http_serve import check_port, serve_http
     except ImportError:
         raise UsageError("--http needs Ray Serve: pip install 'hetforge[cluster]'") from None
+    from hetforge.cluster.throughput import replica_groups
     from hetforge.models.zoo import load_model
 
     check_port(host, port)  # before loading anything
+    replica_groups(c, replicas)
+    if not 1 <= max_batch <= 64:
+        raise UsageError(f"--max-batch must be 1..64 (got {max_batch})")
     loaded = load_model(model)
     out = err_console if json_out else console
 
