@@ -141,12 +141,12 @@ class GenerateReplica:
 
         torch.set_num_threads(1)  # the replica only samples; the node actors compute
         self.book = book
+        self.engine = self.index = None
         index = ray.get(book.claim.remote())
         if index is None:
             raise HetforgeError("every node group already has a replica")
-        self.index = index
+        self.index: int | None = index
         self.group = groups[index]
-        self.engine = None
         try:
             self.engine = ClusterEngine(load_model(model), self.group, objective=objective, spread=spread,
                                         session=_InRay())  # type: ignore[arg-type]
@@ -159,13 +159,16 @@ class GenerateReplica:
         self._batch.set_max_batch_size(max_batch)
 
     def _release(self) -> None:
-        if self.engine is not None:
-            self.engine.close()
-            self.engine = None
-        try:
-            ray.get(self.book.release.remote(self.index), timeout=5)
-        except Exception:  # noqa: BLE001 - the book is gone when the driver shuts everything down
-            pass
+        """Stop this replica's node actors and give its node group back (once; safe on a half-built replica)."""
+        engine, index = getattr(self, "engine", None), getattr(self, "index", None)
+        self.engine = self.index = None
+        if engine is not None:
+            engine.close()
+        if index is not None:
+            try:
+                ray.get(self.book.release.remote(index), timeout=5)
+            except Exception:  # noqa: BLE001 - the book is gone when the driver shuts everything down
+                pass
 
     def __del__(self) -> None:
         self._release()
@@ -252,8 +255,14 @@ def deploy(loaded, groups: list, objective: str, spread: bool, host: str, port: 
                            # node, so all there keeps Serve's choice by queue length (requests spread over replicas)
                            ray_actor_options={"num_cpus": 0, "resources": {HEAD: 0.001}},
                            max_ongoing_requests=max_batch,
-                           graceful_shutdown_timeout_s=10, graceful_shutdown_wait_loop_s=0.5)
-    serve.run(dep.bind(loaded.name, groups, objective, spread, book, max_batch), name=name, route_prefix=prefix)
+                           graceful_shutdown_timeout_s=10, graceful_shutdown_wait_loop_s=0.5,
+                           max_constructor_retry_count=2)
+    try:
+        serve.run(dep.bind(loaded.name, groups, objective, spread, book, max_batch), name=name, route_prefix=prefix)
+    except Exception as e:  # noqa: BLE001 - Serve's own errors (a replica that cannot start) as one line
+        lines = [ln for ln in str(e).splitlines() if ln.strip()]
+        raise HetforgeError(f"Ray Serve could not start the replicas: {lines[-1] if lines else type(e).__name__}") \
+            from None
     _wait_listening(host, port, 60)
     base = f"http://{host if ':' not in host else f'[{host}]'}:{port}{prefix.rstrip('/')}"
     return Deployed(name, base + ROUTE, book, len(groups))
