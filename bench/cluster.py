@@ -16,8 +16,15 @@ profiles (modeled) — one run, raw JSON, and the Markdown page generated from i
    the placement (latency objective), per-token ms, mJ and bytes on the wire, memory per node, why each cut is
    where it is, and the pipelined rate; a model that fits no cluster is reported with the bytes needed. Also
    ``demo`` forced over every node (``--spread``) to show what the network costs a model that fits one node.
+4. **Through HTTP (measured; ``--section http``).** ``hetforge cluster serve --http``'s Ray Serve endpoint on a
+   local cluster of two node processes: the same two-node cluster file served with 1 replica and with 2 replicas
+   (both applications on one Serve instance, at ``/r1`` and ``/r2``); --http-requests concurrent ``POST /generate``
+   requests (urllib, one thread each) × --batch-tokens tokens, tokens/s from the first send to the last answer,
+   interleaved rounds after a warm-up round; greedy tokens checked against the one-process engine. ``--section
+   http`` runs only this part and adds it to the JSON given by ``--out`` (the other sections are kept).
 
     python bench/cluster.py --out docs/bench/cluster.json --md docs/bench/cluster.md
+    python bench/cluster.py --section http --out docs/bench/cluster.json --md docs/bench/cluster.md
     python bench/cluster.py --from-json docs/bench/cluster.json --md docs/bench/cluster.md
 """
 
@@ -147,6 +154,81 @@ def measured(args, tmp: Path) -> dict:
             "tokens_equal": bool(same)}
 
 
+def http_measured(args, tmp: Path) -> dict:
+    """Section 4: tokens/s through Ray Serve's HTTP endpoint, 1 vs 2 replicas, concurrent requests."""
+    import socket
+    import threading
+    import urllib.request
+
+    from hetforge.cluster.http_serve import MAX_BATCH, deploy, start_serve, stop_serve
+    from hetforge.cluster.ray_runtime import RaySession
+    from hetforge.cluster.throughput import replica_groups
+    from hetforge.models.zoo import load_model
+    from hetforge.runtime import Engine, SamplingParams
+
+    demo = load_model("demo")
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(args.http_requests)]
+    single = Engine(demo, soc="host")
+    want = [single.generate(p, SamplingParams(max_new_tokens=args.batch_tokens)).tokens for p in prompts]
+    two = _cluster(tmp, "two", ["a", "b"])
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        port = sk.getsockname()[1]
+    session = RaySession(two)
+    try:
+        start_serve("127.0.0.1", port)
+        apps = {k: deploy(demo, replica_groups(two, k), "latency", False, "127.0.0.1", port, name=f"r{k}",
+                          prefix=f"/r{k}") for k in (1, 2)}
+
+        def burst(url: str) -> tuple[list[dict], float]:
+            out: list[dict] = [{}] * len(prompts)
+
+            def ask(i: int) -> None:
+                body = json.dumps({"prompt": prompts[i], "max_new_tokens": args.batch_tokens}).encode()
+                req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+                with urllib.request.urlopen(req, timeout=600) as r:
+                    out[i] = json.loads(r.read())
+
+            threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
+            t0 = time.perf_counter()
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            return out, time.perf_counter() - t0
+
+        for d in apps.values():
+            burst(d.url)  # warm-up: Serve's router learns the queue lengths; every program is compiled
+        runs: dict[int, list[dict]] = {k: [] for k in apps}
+        served_by: dict[int, dict[int, str]] = {k: {} for k in apps}  # replica index → its plan
+        same = True
+        for _ in range(args.rounds):
+            for k, d in apps.items():
+                out, wall = burst(d.url)
+                same &= [o["tokens"] for o in out] == want
+                split: dict[int, int] = {}
+                for o in out:
+                    split[o["replica"]["index"]] = split.get(o["replica"]["index"], 0) + 1
+                    served_by[k][o["replica"]["index"]] = o["replica"]["plan"]
+                runs[k].append({"wall_s": wall, "tokens_per_s": sum(len(o["tokens"]) for o in out) / wall,
+                                "per_replica": [split.get(i, 0) for i in range(k)],
+                                "mean_batch": statistics.mean(o["timing"]["batch_size"] for o in out),
+                                "server_s_median": statistics.median(o["timing"]["server_s"] for o in out)})
+        plans = {k: [replica_groups(two, k)[i].node_names for i in range(k)] for k in apps}
+    finally:
+        stop_serve(session)
+    rows = [{"replicas": k, "nodes_per_replica": plans[k], "plans": [served_by[k].get(i, "") for i in range(k)],
+             "tokens_per_s_median": statistics.median(r["tokens_per_s"] for r in v),
+             "wall_s_median": statistics.median(r["wall_s"] for r in v), "rounds": v} for k, v in runs.items()]
+    return {"model": "demo", "requests": len(prompts), "new_tokens": args.batch_tokens, "max_batch": MAX_BATCH,
+            "rows": rows, "tokens_equal": bool(same),
+            "meta": {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                     "loadavg": ", ".join(f"{v:.1f}" for v in os.getloadavg()),
+                     "command": f"python bench/cluster.py --section http --rounds {args.rounds} --http-requests "
+                                f"{args.http_requests} --batch-tokens {args.batch_tokens} "
+                                "--out docs/bench/cluster.json --md docs/bench/cluster.md"}}
+
+
 def modeled(args) -> dict:
     from hetforge.cluster.models import plan_model
     from hetforge.cluster.spec import load_cluster, shipped_clusters
@@ -219,6 +301,30 @@ def markdown(r: dict) -> str:
             out.append(f"| {row['system']} | {_f(row['tokens_per_s_median'], 1)} "
                        f"({row['tokens_per_s_median'] / base:.2f}× one process) |")
         out += ["", "Two cores serve every process here: the emulated nodes share the same CPU.", ""]
+    h = r.get("http")
+    if h:
+        out += ["## Through HTTP: Ray Serve replicas (measured)", "",
+                f"Generated by `{h['meta']['command']}` on {h['meta']['date']} (load average "
+                f"{h['meta']['loadavg']}: the machine was loaded). `hetforge cluster serve --http`'s endpoint on a "
+                f"local Ray cluster of two node processes (SoC profile `host`): {h['requests']} concurrent "
+                f"`POST /generate` requests (one urllib thread each) × {h['new_tokens']} tokens, `{h['model']}`, "
+                f"greedy; a replica runs up to {h['max_batch']} "
+                "requests as one pipelined batch. tokens/s from the first send to the last answer, medians of "
+                "interleaved rounds after a warm-up round. Greedy tokens equal the one-process engine in every round: "
+                f"**{'yes' if h['tokens_equal'] else 'NO'}**.", "",
+                "| replicas | nodes per replica | plan per replica | tokens/s (median) | wall s (median) | requests "
+                "per replica, each round | batch size (mean over requests) |", "|---|---|---|---|---|---|---|"]
+        base = h["rows"][0]["tokens_per_s_median"]
+        for row in h["rows"]:
+            split = "; ".join("/".join(str(x) for x in rd["per_replica"]) for rd in row["rounds"])
+            batch = statistics.mean(rd["mean_batch"] for rd in row["rounds"])
+            out.append(f"| {row['replicas']} | {' + '.join(','.join(g) for g in row['nodes_per_replica'])} | "
+                       f"{' ; '.join(_cell(x) for x in row.get('plans', []))} | "
+                       f"{_f(row['tokens_per_s_median'], 1)} ({row['tokens_per_s_median'] / base:.2f}× 1 replica) | "
+                       f"{_f(row['wall_s_median'], 2)} | {split} | {batch:.1f} |")
+        out += ["", "Both emulated nodes share this host's two cores, so a second replica adds no compute here; what "
+                "it changes is how the requests are split into batches (Serve's router spreads them by queue "
+                "length).", ""]
     mo = r["modeled"]
     out += ["## Shipped cluster profiles (modeled)", "",
             "Latency objective. Per token: the stages one after another plus the network hops (one request); "
@@ -254,6 +360,9 @@ def main() -> None:
     ap.add_argument("--batch-tokens", type=int, default=16)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--skip-measured", action="store_true", help="modeled part only")
+    ap.add_argument("--section", choices=["all", "http"], default="all",
+                    help="http: only the HTTP (Ray Serve) part, added to the JSON of --out")
+    ap.add_argument("--http-requests", type=int, default=8, help="concurrent HTTP requests per round")
     ap.add_argument("--out", default="")
     ap.add_argument("--md", default="")
     ap.add_argument("--from-json", default="", help="write the Markdown page of an earlier --out file and exit")
@@ -265,6 +374,15 @@ def main() -> None:
     import ray
 
     torch.set_num_threads(args.threads)
+    if args.section == "http":
+        prev = json.loads(Path(args.out).read_text()) if args.out and Path(args.out).exists() else None
+        if prev is None:
+            raise SystemExit("--section http adds to an earlier --out JSON; give --out with an existing file")
+        prev["http"] = http_measured(args, Path(tempfile.mkdtemp(prefix="hetforge-cluster-bench-")))
+        Path(args.out).write_text(json.dumps(prev, indent=1, default=float) + "\n")
+        if args.md:
+            Path(args.md).write_text(markdown(prev))
+        return
     meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "host": f"{platform.machine()}, {os.cpu_count()} cores", "torch": torch.__version__, "ray": ray.__version__,
             "loadavg": ", ".join(f"{v:.1f}" for v in os.getloadavg()), "threads": args.threads,

@@ -69,22 +69,26 @@ class BatchResult:
 
 
 def generate_many(engine, prompts: list[str | list[int]], params) -> BatchResult:
-    """Serve ``prompts`` on one :class:`~hetforge.cluster.ray_runtime.ClusterEngine`, pipelined (see module doc)."""
+    """Serve ``prompts`` on one :class:`~hetforge.cluster.ray_runtime.ClusterEngine`, pipelined (see module doc).
+    ``params``: one :class:`~hetforge.runtime.SamplingParams` for all, or a list with one per prompt."""
     import ray
 
     from hetforge.runtime.programs import pick_tier
     from hetforge.runtime.sampling import Sampler
 
+    plist = list(params) if isinstance(params, list | tuple) else [params] * len(prompts)
+    if len(plist) != len(prompts):
+        raise UsageError(f"{len(plist)} sampling settings for {len(prompts)} requests")
     reqs = []
-    for p in prompts:
+    for p, pp in zip(prompts, plist, strict=True):
         ids = engine.tokenizer.encode(p) if isinstance(p, str) else list(p)
         if not ids or len(ids) > engine.loaded.max_positions:
             raise UsageError(f"a request has {len(ids)} tokens; each needs 1..{engine.loaded.max_positions}")
-        tier, cache_len, fit = engine._lengths(len(ids), params.max_new_tokens)
-        s = Sampler(params, engine.loaded.vocab_size)
+        tier, cache_len, fit = engine._lengths(len(ids), pp.max_new_tokens)
+        s = Sampler(pp, engine.loaded.vocab_size)
         s.observe(ids)
         reqs.append({"ids": ids, "tier": pick_tier(len(ids), engine.tiers), "cache": cache_len, "fit": fit,
-                     "sampler": s, "tokens": [], "done": False})
+                     "sampler": s, "params": pp, "tokens": [], "done": False})
     cache_len = max(r["cache"] for r in reqs)
     engine.prepare("decode", cache_len)
     for t in sorted({r["tier"] for r in reqs}):
@@ -98,7 +102,7 @@ def generate_many(engine, prompts: list[str | list[int]], params) -> BatchResult
         refs.append(engine._submit("prefill", r["tier"], cache_len, slot, [ids, torch.tensor([len(r["ids"]) - 1])], 0))
     outs = ray.get(refs, timeout=900)
     for r, out in zip(reqs, outs, strict=True):
-        _take(r, out[engine.logits_key[("prefill", r["tier"])]], params, eos)
+        _take(r, out[engine.logits_key[("prefill", r["tier"])]], r["params"], eos)
     key = engine.logits_key[("decode", cache_len)]
     while True:
         active = [(slot, r) for slot, r in enumerate(reqs) if not r["done"]]
@@ -111,7 +115,7 @@ def generate_many(engine, prompts: list[str | list[int]], params) -> BatchResult
             refs.append(engine._submit("decode", cache_len, cache_len, slot,
                                        [torch.tensor([[r["tokens"][-1]]]), torch.tensor([[pos]])], pos))
         for (_, r), out in zip(active, ray.get(refs, timeout=900), strict=True):
-            _take(r, out[key], params, eos)
+            _take(r, out[key], r["params"], eos)
     wall = time.perf_counter() - t0
     return BatchResult([r["tokens"] for r in reqs], [engine.tokenizer.decode(r["tokens"]) for r in reqs], wall,
                        plans=[engine.plan.describe()], span=(t0, t0 + wall))

@@ -173,16 +173,32 @@ def run_on_cluster(model: str, cluster: str, address: str | None, prompt: str, p
 def serve_cmd(
     model: str = typer.Argument(..., help="zoo name or local Hugging Face folder"),
     cluster: str = typer.Option(..., "--cluster", help="a shipped cluster name or a cluster .yaml file"),
-    requests: Path = typer.Option(..., "--requests", help="UTF-8 text file, one prompt per line"),
+    requests: Path = typer.Option(None, "--requests", help="UTF-8 text file, one prompt per line"),
     replicas: int = typer.Option(1, "--replicas", help="copies of the model, each on its own group of nodes"),
     max_new_tokens: int = typer.Option(32, "--max-new-tokens", "-n", help="tokens to generate per request"),
     objective: opt.Objective = opt.OBJECTIVE,
     spread: bool = typer.Option(False, "--spread", help="each replica uses all its nodes (even layer split)"),
     address: str = typer.Option(None, "--address", help="join this Ray cluster (HOST:PORT) instead of starting one"),
+    http: bool = typer.Option(False, "--http", help="serve POST /generate on a local HTTP endpoint (Ray Serve) "
+                                                    "instead of a requests file; runs until Ctrl-C"),
+    host: str = typer.Option("127.0.0.1", "--host", help="--http: address to listen on"),
+    port: int = typer.Option(8000, "--port", help="--http: port to listen on"),
+    max_requests: int = typer.Option(None, "--max-requests", help="--http: stop after answering N generations"),
+    max_batch: int = typer.Option(8, "--max-batch", help="--http: requests one replica holds and runs together "
+                                                         "(more wait in Serve's proxy)"),
     json_out: opt.Json = False,
 ) -> None:
-    """Serve every request of a file on the cluster on Ray: pipelined over the stages, spread over replicas."""
+    """Serve every request of a file (or, with --http, of a local HTTP endpoint on Ray Serve) on the cluster on Ray:
+    pipelined over the stages, spread over replicas."""
     from hetforge.cluster.spec import load_cluster
+
+    if http == (requests is not None):
+        raise UsageError("give either --requests FILE or --http")
+    if http:
+        _check_objective(objective)
+        serve_http_cmd(model, load_cluster(cluster), replicas, host, port, objective, spread, address, max_requests,
+                       max_batch, json_out)
+        return
     from hetforge.cluster.throughput import modeled_pipeline, read_requests, replica_groups, serve
     from hetforge.models.zoo import load_model
     from hetforge.runtime import SamplingParams
@@ -223,3 +239,39 @@ def serve_cmd(
         console.print(f"replica {e.plan.describe()}: {m['pipelined_tokens_per_s']:.1f} tokens/s pipelined, "
                       f"{m['single_tokens_per_s']:.1f} tokens/s one request (modeled; bottleneck {m['bottleneck']})",
                       style="dim", highlight=False, soft_wrap=True)
+
+
+def serve_http_cmd(model: str, c, replicas: int, host: str, port: int, objective: str, spread: bool,
+                   address: str | None, max_requests: int | None, max_batch: int, json_out: bool) -> None:
+    """The body of ``hetforge cluster serve MODEL --cluster FILE --http``."""
+    try:
+        from hetforge.cluster.http_serve import check_port, serve_http
+    except ImportError:
+        raise UsageError("--http needs Ray Serve: pip install 'hetforge[cluster]'") from None
+    from hetforge.cluster.throughput import replica_groups
+    from hetforge.models.zoo import load_model
+
+    check_port(host, port)  # before loading anything
+    replica_groups(c, replicas)
+    if not 1 <= max_batch <= 64:
+        raise UsageError(f"--max-batch must be 1..64 (got {max_batch})")
+    loaded = load_model(model)
+    out = err_console if json_out else console
+
+    def ready(url: str, plans: list[str]) -> None:
+        for k, p in enumerate(plans):
+            out.print(f"replica {k}: {p}", highlight=False, soft_wrap=True)
+        stop = f"stops after {max_requests} answers" if max_requests else "Ctrl-C stops"
+        out.print(f"serving {loaded.name} on {url} with {replicas} replica(s) (POST JSON: prompt, max_new_tokens, "
+                  f"temperature, seed); {stop}", highlight=False, soft_wrap=True)
+        out.file.flush()
+
+    s = serve_http(loaded, c, replicas, host, port, objective, spread, address, max_requests, max_batch,
+                   on_ready=ready)
+    if json_out:
+        emit_json({"model": loaded.name, "cluster": c.name, **s.to_dict()})
+        return
+    per = ", ".join(f"replica {k}: {v}" for k, v in sorted(s.served.items())) or "none"
+    console.print(f"answered {sum(s.served.values())} requests ({per}), {sum(s.tokens.values())} tokens in "
+                  f"{s.wall_s:.1f} s (measured); stopped by {s.stopped_by}; Serve and Ray shut down",
+                  style="dim", highlight=False, soft_wrap=True)
