@@ -42,6 +42,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from _pages import page_from_json, write_result
 
 warnings.filterwarnings("ignore")
 PROMPTS = ["Once upon a time", "The little girl", "In the morning the", "He looked at the", "She said that",
@@ -368,8 +369,7 @@ def main() -> None:
     ap.add_argument("--from-json", default="", help="write the Markdown page of an earlier --out file and exit")
     args = ap.parse_args()
     if args.from_json:
-        md = markdown(json.loads(Path(args.from_json).read_text()))
-        Path(args.md).write_text(md) if args.md else print(md)
+        page_from_json(args.from_json, args.md, markdown)
         return
     import ray
 
@@ -392,13 +392,7 @@ def main() -> None:
     result: dict = {"meta": meta, "modeled": modeled(args)}
     if not args.skip_measured:
         result["measured"] = measured(args, Path(tempfile.mkdtemp(prefix="hetforge-cluster-bench-")))
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=1, default=float) + "\n")
-    md = markdown(result)
-    if args.md:
-        Path(args.md).write_text(md)
-    elif not args.out:
-        print(md)
+    write_result(result, args.out, args.md, markdown)
 
 
 if __name__ == "__main__":

@@ -36,6 +36,7 @@ import warnings
 from pathlib import Path
 
 import torch
+from _pages import page_from_json, write_result
 
 warnings.filterwarnings("ignore")
 
@@ -563,8 +564,7 @@ def main() -> None:
     ap.add_argument("--run-prompt", default="The with statement is used to wrap the execution of a block")
     args = ap.parse_args()
     if args.from_json:
-        md = markdown(json.loads(Path(args.from_json).read_text()))
-        Path(args.md).write_text(md) if args.md else print(md)
+        page_from_json(args.from_json, args.md, markdown)
         return
     import tempfile
 
@@ -602,13 +602,7 @@ def main() -> None:
     result["residency_run"] = residency_run(args, {"moe-demo": (demo, result["accuracy"]["calibration"]),
                                                    "mixtral-small": (small, cal_small)})
     result["residency_run"]["meta"] = dict(meta)
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=1, default=float) + "\n")
-    md = markdown(result)
-    if args.md:
-        Path(args.md).write_text(md)
-    elif not args.out:
-        print(md)
+    write_result(result, args.out, args.md, markdown)
 
 
 def section_residency_run(args, tmp: Path) -> None:

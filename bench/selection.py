@@ -23,15 +23,14 @@ text is the sum.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import time
 import warnings
 from dataclasses import replace
-from pathlib import Path
 
 import torch
+from _pages import page_from_json, write_result
 
 warnings.filterwarnings("ignore")
 
@@ -265,8 +264,7 @@ def main() -> None:
     ap.add_argument("--from-json", default="", help="write the Markdown page of an earlier --out file and exit")
     args = ap.parse_args()
     if args.from_json:
-        md = render(json.loads(Path(args.from_json).read_text()))
-        Path(args.md).write_text(md) if args.md else print(md)
+        page_from_json(args.from_json, args.md, render)
         return
 
     from hetforge.models.zoo import load_model
@@ -292,10 +290,7 @@ def main() -> None:
     for name in args.speed_models:  # a larger model (seeded random weights): the same comparison at its size
         big = Engine(load_model(name), soc=args.soc, strategy=args.strategy)
         doc["batching"] += batching(args, big, SPEED_PROMPTS[: args.speed_prompts], args.speed_new, ignore_eos=True)
-    if args.out:
-        Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
-    md = render(doc)
-    Path(args.md).write_text(md) if args.md else print(md)
+    write_result(doc, args.out, args.md, render)
 
 
 if __name__ == "__main__":

@@ -15,14 +15,13 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
+from _pages import page_from_json, write_result
 
 
 def thermal_section(socs: list[str], workload: str, minutes: float, strategy: str, png: str | None) -> list[dict]:
@@ -140,8 +139,7 @@ def main() -> None:
     ap.add_argument("--from-json", help="only render --md from this JSON")
     args = ap.parse_args()
     if args.from_json:
-        md = render(json.loads(Path(args.from_json).read_text()))
-        Path(args.md).write_text(md) if args.md else print(md)
+        page_from_json(args.from_json, args.md, render)
         return
     from hetforge.hardware import list_socs
 
@@ -158,13 +156,7 @@ def main() -> None:
     if "failover" not in args.skip:
         doc["failover"] = failover_section(args.failover_soc, args.failover_model, args.fault, args.tokens)
         print("failover:", doc["failover"]["recoveries"], "tokens equal:", doc["failover"]["tokens_equal"])
-    if args.out:
-        Path(args.out).write_text(json.dumps(doc, indent=1, default=float) + "\n")
-    md = render(doc)
-    if args.md:
-        Path(args.md).write_text(md)
-    else:
-        print(md)
+    write_result(doc, args.out, args.md, render)
 
 
 if __name__ == "__main__":
