@@ -106,14 +106,12 @@ class RecoveryRecord:
     survivors: list[str]
     rerun_s: float = 0.0  # of which: running the failed step again on the survivors' program
     lost_s: float = 0.0  # before the fault: the failed step's work up to the dead partition (thrown away)
-    plan_was_warm: bool = False  # the survivors' program had run before (warmed ahead): no first-call costs
 
     def to_dict(self) -> dict[str, Any]:
         return {"request": self.request, "token": self.token, "device": self.device, "kind": self.kind,
                 "recovery_ms": 1e3 * self.recovery_s, "replan_ms": 1e3 * self.replan_s,
                 "rerun_ms": 1e3 * self.rerun_s, "lost_ms": 1e3 * self.lost_s,
-                "plan_was_cached": self.plan_was_cached, "plan_was_warm": self.plan_was_warm,
-                "survivors": self.survivors, "timing": "measured"}
+                "plan_was_cached": self.plan_was_cached, "survivors": self.survivors, "timing": "measured"}
 
 
 class SituatedPrograms:
@@ -125,7 +123,6 @@ class SituatedPrograms:
             raise UsageError("run-time re-placement and failover need the placed executor (executor 'backend')")
         self.engine, self.base = engine, ex
         self.caches: dict[Situation, ProgramCache] = {Situation(): engine.programs}
-        self.warmed: set[int] = set()  # ids of programs that ran once (warm-up): no first-call costs left
 
     @property
     def soc(self):
@@ -156,23 +153,6 @@ class SituatedPrograms:
         pc = self.programs(sit)
         return pc.prefill(length) if kind == "prefill" else pc.decode(length)
 
-    def warm(self, kind: str, length: int, sit: Situation) -> float:
-        """Run the cached ``kind`` program of ``length`` for ``sit`` once on scratch inputs (zeros; that
-        situation's own KV cache buffers, which a program only reads), unless it ran before; returns the
-        measured seconds (0 when already warm)."""
-        prog, _ = self.get(kind, length, sit)
-        if id(prog) in self.warmed:
-            return 0.0
-        t0 = time.perf_counter()
-        if kind == "prefill":
-            args = (torch.zeros((1, length), dtype=torch.long), torch.tensor([length - 1]))
-        else:
-            args = (torch.zeros((1, 1), dtype=torch.long), torch.zeros((1, 1), dtype=torch.long),
-                    *self.programs(sit).cache(length).buffers)
-        prog.run(*args)
-        self.warmed.add(id(prog))
-        return time.perf_counter() - t0
-
     def all_programs(self) -> list[Program]:
         return [p for pc in self.caches.values() for p in pc.programs.values()]
 
@@ -185,13 +165,11 @@ class Adaptive:
     fault: FaultSpec | None = None
     changes: Sequence[Change] = ()
     prepare_failover: bool | Sequence[str] = True  # True: every used device; or only these devices
-    warm_failover: bool = True  # run each failover plan once ahead (scratch inputs): recovery pays no first call
     situated: SituatedPrograms | None = None  # programs per situation (shared between Adaptives of one engine)
     switches: list[SwitchRecord] = field(default_factory=list)
     recoveries: list[RecoveryRecord] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
-    prepare_s: float = 0.0  # measured: compiling (and warming) failover plans ahead of time
-    warm_s: float = 0.0  # measured: of which running each failover plan once
+    prepare_s: float = 0.0  # measured: compiling failover plans ahead of time
 
     def __post_init__(self) -> None:
         if self.situated is None:
@@ -288,8 +266,7 @@ class Adaptive:
             t2 = time.perf_counter()
             self.recoveries.append(RecoveryRecord(self.requests, token, f.device, kind, t2 - t0, t1 - t0, was,
                                                   [d.name for d in self.situated.soc.devices
-                                                   if d.name not in self.failed], t2 - t1, t0 - ts,
-                                                  was and id(prog2) in self.situated.warmed))
+                                                   if d.name not in self.failed], t2 - t1, t0 - ts))
             self.switches.append(SwitchRecord(self.requests, token, kind, sit.key(), new.key(),
                                               f"device {f.device} failed", t1 - t0, not was))
             self.current[kind] = new
@@ -297,8 +274,7 @@ class Adaptive:
 
     def prepare(self, tier: int, length: int, decode: bool) -> None:
         """Compile, ahead of time, the programs for every single-device failure of a device the request's
-        nominal programs use (failover plans), so recovery is a cache lookup; with ``warm_failover`` run each
-        once on scratch inputs, so the re-run step pays no first-call costs (buffers, kernel set-up)."""
+        nominal programs use (failover plans), so recovery is a cache lookup."""
         if not self.prepare_failover:
             return
         base = self.situation()
@@ -311,15 +287,14 @@ class Adaptive:
                 devs &= set(self.prepare_failover)
             for d in sorted(devs - base.failed):
                 sit = Situation.make(base.failed | {d}, dict(base.temps), dict(base.clocks), dict(base.loads))
-                if not self.situated.cached(kind, n, sit):
-                    try:
-                        check_coverage(prog, self.situated.soc, base.failed | {d}, kind)
-                    except FailoverError as e:
-                        self.notes.append(f"no failover plan for {d} ({kind}-{n}): {e}")
-                        continue
-                    self.situated.get(kind, n, sit)
-                if self.warm_failover:
-                    self.warm_s += self.situated.warm(kind, n, sit)
+                if self.situated.cached(kind, n, sit):
+                    continue
+                try:
+                    check_coverage(prog, self.situated.soc, base.failed | {d}, kind)
+                except FailoverError as e:
+                    self.notes.append(f"no failover plan for {d} ({kind}-{n}): {e}")
+                    continue
+                self.situated.get(kind, n, sit)
         self.prepare_s += time.perf_counter() - t0
 
     def stream(self, prompt: str | list[int], params: SamplingParams) -> AdaptiveGeneration:
