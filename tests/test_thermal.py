@@ -185,3 +185,20 @@ def test_simulation_compares_policies_over_real_plans_and_plots(cli, tmp_path):
         assert d["throttling_events"] == sum(d["throttling_events_by_device"].values())
         assert sum(d["plans_used_s"].values()) == pytest.approx(180.0)
     assert doc["fixed"]["plans_used_s"] == {"nominal": 180.0}
+
+
+def test_compile_cache_key_tells_situations_apart():
+    """A device's temperature changes Φ(T) and so the placement: the compile cache must not hand the nominal
+    program to a hot-device situation (the profile's JSON form, soc_hash, leaves temp_c out)."""
+    from hetforge.runtime.compile_cache import executor_options
+    from hetforge.runtime.executors import PlacedExecutor
+
+    soc = load_soc("intel-core-ultra-155h")
+    nominal = executor_options(PlacedExecutor(soc=soc, strategy="greedy"))
+    hot = executor_options(PlacedExecutor(soc=situated_soc(soc, Situation.make(temps={"npu": 90.0})),
+                                          strategy="greedy"))
+    again = executor_options(PlacedExecutor(soc=situated_soc(soc, Situation.make(temps={"npu": 90.0})),
+                                            strategy="greedy"))
+    assert nominal["soc_hash"] == hot["soc_hash"]  # what the key held before: the two were one entry
+    assert nominal != hot and hot == again
+    assert hot["device_terms"]["npu"]["temp_c"] == 90.0
