@@ -170,23 +170,42 @@ def render(doc: dict[str, Any]) -> str:
              "see `hetforge.cost.thermal_rc` and each profile's `thermal` section. Fixed = the nominal plan all the "
              "time; Φ-guided = every 5 s the runtime predicts temperatures 60 s ahead under each cached plan, "
              "places again with Φ at the predicted temperatures, and runs the least-energy plan predicted to stay "
-             "3 °C below every throttle point.", "",
+             "3 °C below every throttle point. "
+             + (f"Hysteresis and dwell: a switch that only saves energy needs ≥ "
+                f"{100 * doc['thermal'][0]['hysteresis']['min_gain']:g}% less Φ-weighted energy per token and the "
+                f"current plan to have run ≥ {doc['thermal'][0]['hysteresis']['min_dwell_s']:g} s (2 τ of the RC "
+                "estimates); a safety switch before the dwell only when the current plan would come within 3 °C of a "
+                "throttle point within two control periods (10 s). *Φ-guided, no dwell* is the controller before "
+                "(switch on a 5% gain, no dwell), run over the same plan cache. Re-placements are split by kind: "
+                "safety / energy / pace." if doc["thermal"] and "hysteresis" in doc["thermal"][0] else ""), "",
              "| SoC | policy | peak °C (hottest device) | throttling events | energy kJ | mJ/token | tokens/s mean "
              "| re-placements | plans used (s) |",
              "|---|---|---|---|---|---|---|---|---|"]
     for d in doc["thermal"]:
-        for pol, label in (("fixed", "fixed"), ("phi", "Φ-guided")):
-            r = d[pol]
+        for pol, label in (("fixed", "fixed"), ("phi_nodwell", "Φ-guided, no dwell"), ("phi", "Φ-guided")):
+            r = d.get(pol)
+            if r is None:
+                continue
             hot = max(r["peak_temp_c"], key=r["peak_temp_c"].get)
             used = ", ".join(f"{k}: {v:.0f}" for k, v in r["plans_used_s"].items())
             ept = f"{r['energy_per_token_mj']:.3f}" if r["energy_per_token_mj"] is not None else "–"
+            kinds = r.get("re_placements_by_kind")
+            rp = str(r["re_placements"]) + (f" ({kinds['safety']}/{kinds['energy']}/{kinds['pace']})"
+                                             if kinds and pol != "fixed" else "")
             lines.append(f"| {d['soc']} | {label} | {r['peak_temp_c'][hot]:.1f} ({hot}) | {r['throttling_events']} | "
-                         f"{r['energy_j'] / 1e3:.2f} | {ept} | {r['mean_tokens_per_s']:.1f} | {r['re_placements']} | "
+                         f"{r['energy_j'] / 1e3:.2f} | {ept} | {r['mean_tokens_per_s']:.1f} | {rp} | "
                          f"{used} |")
     fixed_ev = sum(d["fixed"]["throttling_events"] for d in doc["thermal"])
     phi_ev = sum(d["phi"]["throttling_events"] for d in doc["thermal"])
     lines += ["", f"Total throttling events over all SoCs: fixed {fixed_ev}, Φ-guided {phi_ev} (modeled; QEIL v2 "
-              "reports 47 → 0 on its own platform).", ""]
+              "reports 47 → 0 on its own platform)."]
+    if doc["thermal"] and "phi_nodwell" in doc["thermal"][0]:
+        nd = [d["phi_nodwell"] for d in doc["thermal"]]
+        lines += [f"Re-placements per {doc['minutes']:g} simulated minutes, no dwell → with hysteresis and dwell: "
+                  + ", ".join(f"{d['soc']} {d['phi_nodwell']['re_placements']} → {d['phi']['re_placements']}"
+                              for d in doc["thermal"])
+                  + f"; throttling events without dwell {sum(r['throttling_events'] for r in nd)} (modeled)."]
+    lines += [""]
     plotted = [d for d in doc["thermal"] if d.get("plotted")]
     if plotted:
         lines += [f"Plot ({plotted[0]['soc']}, modeled): ![thermal](thermal.png)", ""]
