@@ -248,7 +248,7 @@ class ThermalSimulation:
         energy = tokens = 0.0
         res = PolicyResult(policy, peak, st.events, 0.0, 0.0)
         pace = 1.0
-        since = 0.0  # when the current plan was chosen
+        since = -math.inf  # when the current plan was chosen (the first plan was not a switch: no dwell on it)
         steps = int(round(seconds / dt_s))
         every = max(1, int(round(control_s / dt_s)))
         sample = max(1, int(round(sample_s / dt_s)))
