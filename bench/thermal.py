@@ -252,12 +252,13 @@ def render(doc: dict[str, Any]) -> str:
             lines.append(f"- `{b['situation']}`: {b['partitions']} partitions, {b['transfers_per_call']} transfers "
                          f"a call; {b['wall_ms']:.1f} ms a step, of which {b['inside_partitions_ms']:.1f} ms inside "
                          f"the partitions' compiled code and {b['overhead_ms']:.1f} ms in the runner (moves, "
-                         f"records) ({b['threads']} threads)")
+                         f"records) ({b['threads']} thread{'s' if b['threads'] > 1 else ''})")
         lines += ["", "Nothing is re-traced, re-compiled or converted per step (cProfile of `hetforge run gpt2 --soc "
                   "jetson-orin-nano --strategy greedy`: the time is in oneDNN linears and the native kernels). The "
-                  "earlier ~1 s/token was two threads on a loaded 2-core host — every kernel ends at a barrier that "
-                  "waits for a descheduled thread — and the adaptive runtime, unlike a plain request, did not use "
-                  "the engine's thread tuner (`runtime/threads.py`); the fixed-thread rows above show that case."]
+                  "~1 s/token of this page's previous run was two threads on a loaded 2-core host — every kernel "
+                  "ends at a barrier that waits for a descheduled thread — and the adaptive runtime, unlike a plain "
+                  "request, did not use the engine's thread tuner (`runtime/threads.py`); the fixed-thread rows above "
+                  "show that case."]
     return "\n".join(lines) + "\n"
 
 
