@@ -425,6 +425,7 @@ def adaptive_lines(a: Adaptive) -> list[str]:
     for r in a.recoveries:
         out.append(f"recovered from {r.device} failure at token {r.token} ({r.kind}) in {1e3 * r.recovery_s:.1f} ms "
                    f"(measured: fault -> step result on {'+'.join(r.survivors)}; re-plan {1e3 * r.replan_s:.2f} ms, "
+                   f"re-run of the step {1e3 * r.rerun_s:.1f} ms, "
                    f"plan {'cached ahead' if r.plan_was_cached else 'compiled after the fault'})")
     out += a.notes
     return out
