@@ -339,8 +339,8 @@ class ThermalSimulation:
             if kind == "energy":
                 reason = (f"the current plan stays {margin_c:g} °C under every throttle point, but the new plan spends "
                           f"{1e3 * e_tok:.3f} mJ/token vs {1e3 * cur_eval[4]:.3f} (Φ at the predicted temperatures, "
-                          f"≥ {100 * min_gain:g}% less) and the current one has run {held_s:g} s "
-                          f"(≥ {min_dwell_s:g} s)")
+                          f"≥ {100 * min_gain:g}% less) and the current one has run "
+                          f"{'since the start' if math.isinf(held_s) else f'{held_s:g} s'} (≥ {min_dwell_s:g} s)")
             res.switches.append({"t_s": now_s, "from": cur.key(), "to": sit.key(), "pace": new_pace, "kind": kind,
                                  "reason": reason})
         return sit, fig, new_pace
