@@ -164,3 +164,46 @@ def test_parsers_accept_the_documented_forms():
     assert parse_fault("gpu@3", ["cpu", "gpu"]) == FaultSpec("gpu", 3)
     assert parse_change("gpu=0.5@10", "load", ["cpu", "gpu"]) == Change(10, "gpu", "load", 0.5)
     assert parse_change("cpu=80", "temp", ["cpu", "gpu"]) == Change(1, "cpu", "temp", 80.0)
+
+
+def test_recovery_reruns_the_step_on_the_survivors_plan_cached_before_the_fault(lm, reference):
+    """Two requests share one set of situated programs: the first (no fault) compiles the failover plans ahead;
+    the second's recovery runs the failed step on that very program object (no compile), and a third request
+    after the device is revived recovers again the same way; tokens equal the no-fault run every time."""
+    from hetforge.hardware.situation import Situation
+    from hetforge.runtime.failover import revive
+    from hetforge.runtime.replan import SituatedPrograms
+
+    tokens, _ = reference
+    eng = Engine(lm, soc=SOC, strategy="greedy")
+    sit = SituatedPrograms(eng)
+    Adaptive(eng, situated=sit, prepare_failover=["gpu"]).generate(PROMPT, PARAMS)
+    failed = Situation.make(failed={"gpu"})
+    [(key, survivor)] = [(k, p) for k, p in sit.caches[failed].programs.items() if k[0] == "decode"]
+    for _ in range(2):
+        survivor.placed.last = None  # forget its last run: a report below comes from the recovery's steps
+        a = Adaptive(eng, fault=FaultSpec("gpu", 3), situated=sit, prepare_failover=["gpu"])
+        res = a.generate(PROMPT, PARAMS)
+        assert res.tokens == tokens
+        [rec] = a.recoveries
+        assert rec.plan_was_cached and rec.kind == "decode"
+        assert sit.caches[failed].programs[key] is survivor  # the cached object ran, nothing was recompiled
+        assert {c.device for c in survivor.placed.last.calls} == {"cpu"}
+        assert 0 < rec.replan_s < rec.recovery_s and rec.rerun_s > 0 and rec.lost_s >= 0
+        assert rec.recovery_s == pytest.approx(rec.replan_s + rec.rerun_s, abs=1e-3)
+        revived = sum(revive(p) for p in sit.all_programs())
+        assert revived > 0
+    nominal = eng.programs.programs[key]
+    assert {c.device for c in nominal.placed.partitions.partitions} == {"cpu", "gpu"}
+    assert eng.generate(PROMPT, PARAMS).tokens == tokens  # revived: the nominal plan runs on the GPU again
+
+
+def test_adaptive_steps_use_the_engines_thread_tuner(lm):
+    """Every decode step of an adaptive request is timed by the engine's thread tuner (as a plain request's),
+    so a loaded host's thread contention is handled the same way (runtime/threads.py)."""
+    eng = Engine(lm, soc=SOC, strategy="greedy")
+    gen = Adaptive(eng, prepare_failover=False).stream(PROMPT, PARAMS)
+    for _ in gen:
+        pass
+    assert gen.tuner is eng.thread_tuner()
+    assert sum(gen.tuner.counts.values()) == len(gen.result.decode_s) == PARAMS.max_new_tokens - 1

@@ -116,6 +116,8 @@ def test_simulate_cli_bad_thermal_profile_exits_2(cli, tmp_path):
     (["--duty", "2"], "--duty must be in (0, 1]"),
     (["--workload", "llama-tiny:train"], "the phase must be decode or prefill"),
     (["--out", "x.txt"], ".png"),
+    (["--min-dwell", "-1"], "--min-dwell must be in [0, 3600] s"),
+    (["--min-gain", "1"], "--min-gain must be in [0, 1)"),
 ])
 def test_simulate_cli_bad_options_exit_2(cli, tmp_path, args, needle):
     r = cli.invoke(app, ["simulate", "thermal", "--soc", "jetson-orin-nano", *args])
@@ -185,3 +187,56 @@ def test_simulation_compares_policies_over_real_plans_and_plots(cli, tmp_path):
         assert d["throttling_events"] == sum(d["throttling_events_by_device"].values())
         assert sum(d["plans_used_s"].values()) == pytest.approx(180.0)
     assert doc["fixed"]["plans_used_s"] == {"nominal": 180.0}
+
+
+def test_compile_cache_key_tells_situations_apart():
+    """A device's temperature changes Φ(T) and so the placement: the compile cache must not hand the nominal
+    program to a hot-device situation (the profile's JSON form, soc_hash, leaves temp_c out)."""
+    from hetforge.runtime.compile_cache import executor_options
+    from hetforge.runtime.executors import PlacedExecutor
+
+    soc = load_soc("intel-core-ultra-155h")
+    nominal = executor_options(PlacedExecutor(soc=soc, strategy="greedy"))
+    hot = executor_options(PlacedExecutor(soc=situated_soc(soc, Situation.make(temps={"npu": 90.0})),
+                                          strategy="greedy"))
+    again = executor_options(PlacedExecutor(soc=situated_soc(soc, Situation.make(temps={"npu": 90.0})),
+                                            strategy="greedy"))
+    assert nominal["soc_hash"] == hot["soc_hash"]  # what the key held before: the two were one entry
+    assert nominal != hot and hot == again
+    assert hot["device_terms"]["npu"]["temp_c"] == 90.0
+
+
+def _two_plan_case(e_a: float, e_b: float):
+    """Two devices alike; plan A runs everything on ``a``, plan B on ``b``. A alone would throttle ``a`` in the
+    long run; as ``a`` warms, Φ(T) makes A dearer than B, and the other way round: the controller without dwell
+    swaps plans every few control periods (as on the Intel profiles)."""
+    params = ThermalParams("t", 25.0, {"a": _dev("a", r=12.0, c=2.5), "b": _dev("b", r=12.0, c=2.5)})
+    hot = Situation.make(temps={"a": 95.0})
+    return params, {Situation(): PlanFigures("nominal", 1e-3, {"a": 1e-3}, {"a": e_a}, {"a": 10}),
+                    hot: PlanFigures(hot.key(), 1e-3, {"b": 1e-3}, {"b": e_b}, {"b": 10})}
+
+
+def test_dwell_and_gain_threshold_stop_flapping_and_keep_zero_throttling():
+    params, plans = _two_plan_case(4e-3, 4.6e-3)
+    fixed = _Synthetic(params, dict(plans)).run("fixed", 1800.0)
+    before = _Synthetic(params, dict(plans)).run("phi-nodwell", 1800.0)
+    after = _Synthetic(params, dict(plans)).run("phi", 1800.0)
+    assert len(fixed.events) >= 1  # the case needs re-placement at all
+    assert len(before.events) == 0 and len(after.events) == 0
+    assert len(before.switches) >= 100  # the flapping
+    assert len(after.switches) <= 40
+    last = 0.0
+    for s in after.switches:
+        if s["kind"] == "energy":  # only past the dwell, and only for a 10% gain
+            assert s["t_s"] - last >= 60.0 and "≥ 10% less" in s["reason"]
+        last = s["t_s"]
+    # the price of switching less: within a few percent of the flapping controller's energy per token (modeled)
+    assert after.energy_j / after.tokens <= 1.05 * before.energy_j / before.tokens
+
+
+def test_dwell_parameters_zero_reproduce_the_controller_without_dwell():
+    params, plans = _two_plan_case(4e-3, 4.6e-3)
+    a = _Synthetic(params, dict(plans)).run("phi-nodwell", 600.0)
+    b = _Synthetic(params, dict(plans)).run("phi", 600.0, min_dwell_s=0.0, min_gain=0.05)
+    assert [(s["t_s"], s["to"]) for s in a.switches] == [(s["t_s"], s["to"]) for s in b.switches]
+    assert a.energy_j == pytest.approx(b.energy_j)

@@ -117,7 +117,12 @@ def executor_options(executor: Any) -> dict[str, Any] | None:
         return None
     from hetforge.runtime.genplan import soc_hash
 
+    # the profile terms soc_hash (the profile's JSON form) leaves out but the cost model reads: a situated
+    # profile (hardware.situation: a device's temperature, so Φ(T)) places differently and must not share a key
+    terms = ("compute_efficiency", "bandwidth_efficiency", "switch_overhead_us", "t_ref_c", "thermal_sigma_c",
+             "cpq_threshold", "temp_c")
     return {"soc": executor.soc_profile.name, "soc_hash": soc_hash(executor.soc_profile),
+            "device_terms": {d.name: {t: getattr(d, t) for t in terms} for d in executor.soc_profile.devices},
             "strategy": executor.strategy, "objective": executor.objective, "quantize": executor.quantize,
             "group_size": executor.group_size, "backends": dict(sorted(executor.backends.items())),
             "policy": executor.policy}

@@ -90,6 +90,20 @@ def inject_fault(program, device: str) -> int:
     return n
 
 
+def revive(program, device: str | None = None) -> int:
+    """Undo :func:`inject_fault`: the device (every device when ``None``) answers again (a device that came back,
+    or the next repetition of a benchmark); returns how many partitions were revived."""
+    placed = getattr(program, "placed", None)
+    if placed is None:
+        return 0
+    exe, n = placed.exe, 0
+    for i, comp in enumerate(exe.compiled):
+        if isinstance(comp, _Dead) and (device is None or comp.device == device):
+            exe.compiled[i] = comp.inner
+            n += 1
+    return n
+
+
 def uses_device(program, device: str) -> bool:
     placed = getattr(program, "placed", None)
     return placed is not None and any(p.device == device for p in placed.partitions.partitions)

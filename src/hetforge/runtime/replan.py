@@ -104,10 +104,13 @@ class RecoveryRecord:
     replan_s: float  # of which: obtaining the survivors' program (cache lookup, or compiling)
     plan_was_cached: bool
     survivors: list[str]
+    rerun_s: float = 0.0  # of which: running the failed step again on the survivors' program
+    lost_s: float = 0.0  # before the fault: the failed step's work up to the dead partition (thrown away)
 
     def to_dict(self) -> dict[str, Any]:
         return {"request": self.request, "token": self.token, "device": self.device, "kind": self.kind,
                 "recovery_ms": 1e3 * self.recovery_s, "replan_ms": 1e3 * self.replan_s,
+                "rerun_ms": 1e3 * self.rerun_s, "lost_ms": 1e3 * self.lost_s,
                 "plan_was_cached": self.plan_was_cached, "survivors": self.survivors, "timing": "measured"}
 
 
@@ -162,13 +165,17 @@ class Adaptive:
     fault: FaultSpec | None = None
     changes: Sequence[Change] = ()
     prepare_failover: bool | Sequence[str] = True  # True: every used device; or only these devices
+    situated: SituatedPrograms | None = None  # programs per situation (shared between Adaptives of one engine)
     switches: list[SwitchRecord] = field(default_factory=list)
     recoveries: list[RecoveryRecord] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     prepare_s: float = 0.0  # measured: compiling failover plans ahead of time
 
     def __post_init__(self) -> None:
-        self.situated = SituatedPrograms(self.engine)
+        if self.situated is None:
+            self.situated = SituatedPrograms(self.engine)
+        elif self.situated.engine is not self.engine:
+            raise ValueError("situated programs of another engine")
         names = self.situated.soc.device_names
         for c in self.changes:
             if c.device not in names:
@@ -242,6 +249,7 @@ class Adaptive:
                 self.notes.append(f"fault injected into {self.fault.device} at token {token}: the current {kind} "
                                   f"plan does not use it ({hit} partition(s) of other cached programs killed); "
                                   f"later steps are placed without it")
+        ts = time.perf_counter()
         try:
             return prog.run(*args), prog
         except DeviceFault as f:
@@ -258,7 +266,7 @@ class Adaptive:
             t2 = time.perf_counter()
             self.recoveries.append(RecoveryRecord(self.requests, token, f.device, kind, t2 - t0, t1 - t0, was,
                                                   [d.name for d in self.situated.soc.devices
-                                                   if d.name not in self.failed]))
+                                                   if d.name not in self.failed], t2 - t1, t0 - ts))
             self.switches.append(SwitchRecord(self.requests, token, kind, sit.key(), new.key(),
                                               f"device {f.device} failed", t1 - t0, not was))
             self.current[kind] = new
@@ -328,6 +336,8 @@ class AdaptiveGeneration(Generation):
         a.last_tier = r.prefill_tier
         self._reasons = a._apply_changes(1)
         a.prepare(r.prefill_tier, r.cache_length, self.max_new > 1)
+        self.tuner = self.engine.thread_tuner()  # the engine's adaptive thread count, as a plain request uses
+        self.tuner.before_prefill()
 
     def _prefill(self, ids: torch.Tensor, last: torch.Tensor) -> tuple[Any, Any]:
         """Prefill on the program placed for the current situation (failing over where it must)."""
@@ -339,13 +349,15 @@ class AdaptiveGeneration(Generation):
         return out, prog.placed
 
     def _before_step(self) -> Any:
-        """Apply the changes due at this step; returns the step number and their reasons."""
+        """Apply the changes due at this step; returns the step number, their reasons and the tuner's thread
+        count for the step."""
         k = len(self.result.tokens) + 1
-        return k, self.adaptive._apply_changes(k)
+        reasons = self.adaptive._apply_changes(k)
+        return k, reasons, self.tuner.before()
 
     def _decode(self, args: tuple, step: Any) -> tuple[Any, Any]:
         """One decode step on the program placed for the situation at this step."""
-        k, reasons = step
+        k, reasons, _ = step
         try:
             out, prog = self.adaptive.call("decode", self.result.cache_length, args, k, "; ".join(reasons))
         except FailoverError as err:
@@ -353,10 +365,12 @@ class AdaptiveGeneration(Generation):
         return out, prog.placed
 
     def _after_step(self, step: Any) -> None:
-        pass
+        self.tuner.after(step[2], self.result.decode_s[-1])
 
     def _fail(self, err: FailoverError):
         self.result.stop_reason = "device failure"
+        if self.tuner is not None:
+            self.tuner.restore()
         self.finish()
         err.result = self.result
         raise err
@@ -397,6 +411,7 @@ def adaptive_lines(a: Adaptive) -> list[str]:
     for r in a.recoveries:
         out.append(f"recovered from {r.device} failure at token {r.token} ({r.kind}) in {1e3 * r.recovery_s:.1f} ms "
                    f"(measured: fault -> step result on {'+'.join(r.survivors)}; re-plan {1e3 * r.replan_s:.2f} ms, "
+                   f"re-run of the step {1e3 * r.rerun_s:.1f} ms, "
                    f"plan {'cached ahead' if r.plan_was_cached else 'compiled after the fault'})")
     out += a.notes
     return out

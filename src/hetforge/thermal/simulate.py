@@ -33,6 +33,20 @@ Policies:
   until another plan is chosen.
   Plans for "device d hot" are compiled ahead for every device.
 
+  Hysteresis and dwell (against flapping between two plans): a *safety* switch — the current plan is predicted
+  to come within ``margin_c`` of a throttle point — happens at once (that is what keeps throttling away); an
+  *energy* switch — the current plan is predicted to stay cool enough but another one spends less — happens only
+  when the other plan's Φ-weighted energy per token is at least ``min_gain`` lower (default 10%: the cost
+  model's per-plan figures are not trusted to a few percent, and a switch is not free on a real device: a program
+  change, cold caches) and the current plan has run for at least ``min_dwell_s`` (default 60 s = 2 τ of the
+  shipped RC estimates, τ = R·C = 30 s: a plan's temperatures need about that long to show its own effect rather
+  than the transient left by the previous plan; switching faster reacts to that transient and cycles). Before the
+  dwell has passed, a safety switch waits too unless the current plan is predicted to come within ``margin_c`` of
+  a throttle point within two control periods (the last look at which the controller can still act): two plans
+  that each heat a different device past its limit in the long run then alternate at the RC time scale instead
+  of every few control periods.
+  ``min_dwell_s=0, min_gain=0.05`` is the controller without dwell (what ran before), kept as policy ``phi-nodwell``.
+
 Nothing here is measured: temperatures, power, energy and tokens/s are the cost model's and the RC model's.
 """
 
@@ -46,9 +60,11 @@ from hetforge.cost.thermal_rc import ThermalParams, ThermalState, thermal_params
 from hetforge.errors import UsageError
 from hetforge.hardware.situation import Situation
 
-POLICIES = ("fixed", "phi")
+POLICIES = ("fixed", "phi", "phi-nodwell")
 TEMP_BIN_C = 10.0
 MAX_PLANS = 16  # placements per simulation; beyond it the controller chooses among the cached ones
+MIN_DWELL_S = 60.0  # an energy switch only after the current plan ran this long (2 τ of the shipped estimates)
+MIN_GAIN = 0.10  # an energy switch only to a plan at least this much cheaper per token (Φ-weighted, modeled)
 
 
 @dataclass(frozen=True)
@@ -130,7 +146,10 @@ class PolicyResult:
              "first_throttle_s": self.events[0][0] if self.events else None,
              "energy_j": self.energy_j, "tokens": self.tokens, "mean_tokens_per_s": self.tokens / secs if secs else 0.0,
              "energy_per_token_mj": 1e3 * self.energy_j / self.tokens if self.tokens else None,
-             "re_placements": len(self.switches), "switch_log": self.switches[:40], "plans_used_s": self.plans_used,
+             "re_placements": len(self.switches),
+             "re_placements_by_kind": {k: sum(1 for s in self.switches if s.get("kind") == k)
+                                       for k in ("safety", "energy", "pace")},
+             "switch_log": self.switches[:40], "plans_used_s": self.plans_used,
              "figure": "modeled"}
         if series:
             d["series"] = self.series
@@ -210,9 +229,16 @@ class ThermalSimulation:
             self.plan(Situation.make(temps={n: d.throttle_c}))
 
     def run(self, policy: str, seconds: float, dt_s: float = 1.0, control_s: float = 5.0, horizon_s: float = 60.0,
-            margin_c: float = 3.0, sample_s: float = 10.0) -> PolicyResult:
+            margin_c: float = 3.0, sample_s: float = 10.0, min_dwell_s: float = MIN_DWELL_S,
+            min_gain: float = MIN_GAIN) -> PolicyResult:
         if policy not in POLICIES:
             raise UsageError(f"unknown policy '{policy}'; allowed: {', '.join(POLICIES)}")
+        if not 0 <= min_dwell_s <= 3600:
+            raise UsageError(f"--min-dwell must be in [0, 3600] s, got {min_dwell_s:g}")
+        if not 0 <= min_gain < 1:
+            raise UsageError(f"--min-gain must be in [0, 1), got {min_gain:g}")
+        if policy == "phi-nodwell":
+            min_dwell_s, min_gain = 0.0, 0.05
         p = self.params
         st = ThermalState(p)
         nominal = Situation()
@@ -222,13 +248,18 @@ class ThermalSimulation:
         energy = tokens = 0.0
         res = PolicyResult(policy, peak, st.events, 0.0, 0.0)
         pace = 1.0
+        since = -math.inf  # when the current plan was chosen (the first plan was not a switch: no dwell on it)
         steps = int(round(seconds / dt_s))
         every = max(1, int(round(control_s / dt_s)))
         sample = max(1, int(round(sample_s / dt_s)))
         for k in range(steps):
             clocks = {n: st.clock(n) for n in p.devices}
-            if policy == "phi" and k % every == 0:
-                cur, plan, pace = self._choose(st, cur, plan, pace, clocks, horizon_s, margin_c, res, k * dt_s)
+            if policy != "fixed" and k % every == 0:
+                prev = cur
+                cur, plan, pace = self._choose(st, cur, plan, pace, clocks, horizon_s, margin_c, res, k * dt_s,
+                                               k * dt_s - since, min_dwell_s, min_gain, 2 * control_s)
+                if cur != prev:
+                    since = k * dt_s
             power, tps = plan.power(p, st.temps, clocks, self.duty * pace)
             st.step(power, dt_s)
             energy += sum(power.values()) * dt_s
@@ -245,7 +276,9 @@ class ThermalSimulation:
         return res
 
     def _choose(self, st: ThermalState, cur: Situation, plan: PlanFigures, pace: float, clocks, horizon_s: float,
-                margin_c: float, res: PolicyResult, now_s: float) -> tuple[Situation, PlanFigures, float]:
+                margin_c: float, res: PolicyResult, now_s: float, held_s: float = math.inf,
+                min_dwell_s: float = 0.0, min_gain: float = 0.05,
+                soon_s: float = 10.0) -> tuple[Situation, PlanFigures, float]:
         p = self.params
         power, _ = plan.power(p, st.temps, clocks, self.duty * pace)
         pred = st.predict(power, horizon_s)
@@ -253,15 +286,32 @@ class ThermalSimulation:
         if want in self.plans or len(self.plans) < MAX_PLANS:
             self.plan(want)  # placement with Φ at the predicted temperatures
         best = None
+        cur_eval = None
         for sit, fig in self.plans.items():
             pw, tps = fig.power(p, st.temps, clocks, self.duty)
             t_pred = st.predict(pw, horizon_s)
             over = max(t_pred[n] - (d.throttle_c - margin_c) for n, d in p.devices.items())
             e_tok = sum(fig.energy_j.get(n, 0.0) / d.phi(t_pred[n]) for n, d in p.devices.items())
-            # hysteresis: the current plan, when it is predicted to stay cool enough, wins unless another saves 5%
-            score = (over > 0, over if over > 0 else e_tok * (0.95 if sit == cur else 1.0))
+            score = (over > 0, over if over > 0 else e_tok)
+            if sit == cur:
+                cur_eval, cur_pw = (score, sit, fig, t_pred, e_tok), pw
             if best is None or score < best[0]:
                 best = (score, sit, fig, t_pred, e_tok)
+        kind = "safety"
+        if cur_eval is not None and best[1] != cur:
+            if not cur_eval[0][0]:
+                # the current plan stays cool enough: an energy switch, only past the dwell and the gain threshold
+                kind = "energy"
+                if held_s < min_dwell_s:
+                    return cur, plan, pace
+                if best[4] > (1.0 - min_gain) * cur_eval[4]:
+                    best = cur_eval
+            elif held_s < min_dwell_s:
+                # a safety switch before the dwell only when it cannot wait: the current plan would come within
+                # margin_c of a throttle point before the controller's next-but-one look
+                soon = st.predict(cur_pw, soon_s)
+                if max(soon[n] - (d.throttle_c - margin_c) for n, d in p.devices.items()) <= 0:
+                    return cur, plan, pace
         (infeasible, _), sit, fig, t_pred, e_tok = best
         new_pace = 1.0
         if infeasible:  # no placement is cool enough: pace the chosen one so every device settles below its limit
@@ -276,7 +326,7 @@ class ThermalSimulation:
         elif sit == cur:
             new_pace = pace  # a paced plan keeps its (sustainable) pace; a new plan starts at full rate
         if sit == cur and abs(new_pace - pace) > 0.05:
-            res.switches.append({"t_s": now_s, "from": cur.key(), "to": sit.key(), "pace": new_pace,
+            res.switches.append({"t_s": now_s, "from": cur.key(), "to": sit.key(), "pace": new_pace, "kind": "pace",
                                  "reason": f"no cached placement is predicted to stay {margin_c:g} °C under every "
                                            f"throttle point; generation paced to {new_pace:.2f} of full rate"})
         if sit != cur:
@@ -286,7 +336,13 @@ class ThermalSimulation:
                       f"predicted temperatures, predicted peak {max(t_pred.values()):.1f} °C")
             if new_pace < 1.0:
                 reason += f"; paced to {new_pace:.2f} of full rate (no placement is cool enough)"
-            res.switches.append({"t_s": now_s, "from": cur.key(), "to": sit.key(), "pace": new_pace, "reason": reason})
+            if kind == "energy":
+                reason = (f"the current plan stays {margin_c:g} °C under every throttle point, but the new plan spends "
+                          f"{1e3 * e_tok:.3f} mJ/token vs {1e3 * cur_eval[4]:.3f} (Φ at the predicted temperatures, "
+                          f"≥ {100 * min_gain:g}% less) and the current one has run "
+                          f"{'since the start' if math.isinf(held_s) else f'{held_s:g} s'} (≥ {min_dwell_s:g} s)")
+            res.switches.append({"t_s": now_s, "from": cur.key(), "to": sit.key(), "pace": new_pace, "kind": kind,
+                                 "reason": reason})
         return sit, fig, new_pace
 
     def compare(self, minutes: float, **kw) -> dict[str, Any]:
@@ -296,11 +352,15 @@ class ThermalSimulation:
         self.prepare()
         fixed = self.run("fixed", 60.0 * minutes, **kw)
         phi = self.run("phi", 60.0 * minutes, **kw)
+        nodwell = self.run("phi-nodwell", 60.0 * minutes, **kw)  # shares the plans placed so far (a cache)
         return {"soc": self.soc.name, "workload": self.workload, "phase": self.phase, "strategy": self.strategy,
                 "objective": self.objective, "minutes": minutes, "duty": self.duty,
                 "thermal": self.params.to_dict(),
                 "plans": [f.to_dict() for f in self.plans.values()],
-                "fixed": fixed.to_dict(), "phi": phi.to_dict(),
+                "fixed": fixed.to_dict(), "phi": phi.to_dict(), "phi_nodwell": nodwell.to_dict(series=False),
+                "hysteresis": {"min_dwell_s": kw.get("min_dwell_s", MIN_DWELL_S),
+                               "min_gain": kw.get("min_gain", MIN_GAIN),
+                               "nodwell": {"min_dwell_s": 0.0, "min_gain": 0.05}},
                 "labels": {"all": "modeled (cost model + lumped RC thermal model; nothing here is measured)"}}
 
 

@@ -25,6 +25,10 @@ def thermal_cmd(
     objective: opt.Objective = opt.OBJECTIVE,
     duty: float = typer.Option(1.0, "--duty", help="fraction of the time spent generating, in (0, 1]"),
     ambient: float = typer.Option(None, "--ambient", help="ambient °C in [-40, 60] (default: the profile's)"),
+    min_dwell: float = typer.Option(60.0, "--min-dwell", help="seconds a plan runs before an energy-saving switch "
+                                    "(safety switches are never delayed), in [0, 3600]"),
+    min_gain: float = typer.Option(0.10, "--min-gain", help="least fraction of energy per token a new plan must "
+                                   "save for an energy-saving switch, in [0, 1)"),
     out: Path = typer.Option(Path("thermal.png"), "--out", help="PNG plot to write"),
     json_out: bool = typer.Option(False, "--json", help="print one JSON document (with the time series)"),
 ) -> None:
@@ -49,11 +53,15 @@ def thermal_cmd(
     phase = workload.partition(":")[2]
     if phase not in ("", "decode", "prefill"):
         raise UsageError(f"--workload '{workload}': the phase must be decode or prefill (MODEL[:decode|:prefill])")
+    if not 0 <= min_dwell <= 3600:
+        raise UsageError(f"--min-dwell must be in [0, 3600] s, got {min_dwell:g}")
+    if not 0 <= min_gain < 1:
+        raise UsageError(f"--min-gain must be in [0, 1), got {min_gain:g}")
     check_output(out, "--out", (".png",), example="thermal.png")
     log = (lambda s: None) if json_out else (lambda s: err_console.print(s, style="dim", highlight=False))
     sim = ThermalSimulation(prof, workload, strategy=strategy, objective=objective, duty=duty, ambient_c=ambient,
                             log=log)
-    doc = sim.compare(minutes)
+    doc = sim.compare(minutes, min_dwell_s=min_dwell, min_gain=min_gain)
     plot(doc, out)
     doc["plot"] = str(out)
     if json_out:
@@ -62,7 +70,8 @@ def thermal_cmd(
     console.print(f"{doc['workload']} ({doc['phase']}) on {doc['soc']}, {minutes:g} simulated minutes, ambient "
                   f"{doc['thermal']['ambient_c']:g} °C (all modeled: cost model + lumped RC)",
                   highlight=False, soft_wrap=True)
-    for pol, label in (("fixed", "fixed placement"), ("phi", "Φ-guided re-placement")):
+    for pol, label in (("fixed", "fixed placement"), ("phi", "Φ-guided re-placement"),
+                       ("phi_nodwell", "Φ-guided without dwell")):
         d = doc[pol]
         peak = ", ".join(f"{n} {t:.1f} °C" for n, t in d["peak_temp_c"].items())
         console.print(f"{label}: peak {peak} | {d['throttling_events']} throttling events | "
