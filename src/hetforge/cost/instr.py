@@ -21,7 +21,10 @@ Two modes depend on what the executor could prove while generating code, so it r
 
 * ``static``: a view of an arena slice or a weight, made once at build time — free at run time;
 * ``native``: a ``hetforge::`` op run as one native kernel (``hetforge.kernels.native``) writing its slice —
-  one roofline under the calibrated ``native`` efficiency and overhead (:func:`hetforge.cost.estimate_parts`).
+  one roofline under the calibrated ``native`` efficiency and overhead (:func:`hetforge.cost.estimate_parts`);
+* ``onednn``: a multi-row product run on oneDNN's packed kernel (``hetforge.executor.onednn``), bias and
+  activation fused in, its result bound to the register (no copy) — one roofline over the op's F and B under
+  its ordinary keys (``estimate_parts(..., fused=True)``), not the ATen parts of a ``hetforge::`` op.
 
 Transfers cost :func:`hetforge.cost.transfer_cost` over the SoC's link (0 on one device).
 :func:`estimate_instr` costs one instruction on its own; :func:`estimate_program` costs a whole program in
@@ -74,8 +77,8 @@ def _seq(ins: Instr, program: Program, device: DeviceProfile, planned, hot_bytes
         return c, [(ins.op, c)]
     call = op_call_from_instr(ins, program)
     mode = (modes or {}).get(ins.id) or write_mode(ins, program, planned)
-    if mode == "native":
-        parts = estimate_parts(call, device, hot_bytes=hot_bytes, native=True)
+    if mode in ("native", "onednn"):
+        parts = estimate_parts(call, device, hot_bytes=hot_bytes, native=mode == "native", fused=mode == "onednn")
         return parts[0][1], parts
     if mode in ("elided", "static"):
         c = OpCost(ins.op, device.name, 0.0, 0.0, 0.0, "memory", 0.0, 0.0, 0.0, "dispatch", True, "view")

@@ -197,6 +197,11 @@ Bench = tuple[tuple[str, ...], Callable[[], Callable[[], object]], float, float,
 COLD_FACTOR = 8  # cold pools span this many last-level caches
 
 
+def _pool_count(size: int) -> int:
+    """How many copies of ``size`` bytes make a cold pool (≥ 8× the last-level cache, at least 2)."""
+    return max(2, min(_cold_cap[0], -(-COLD_FACTOR * llc_bytes() // max(1, size))))
+
+
 def _cold(*ts: torch.Tensor) -> Callable[[], tuple[torch.Tensor, ...]]:
     """Copies of ``ts`` totalling ≥ 8× the last-level cache, handed out in turn, so each call reads cold data.
 
@@ -205,8 +210,7 @@ def _cold(*ts: torch.Tensor) -> Callable[[], tuple[torch.Tensor, ...]]:
     best of many calls still found part of its data cached (elementwise ops beat the DRAM roof by ~1.6×,
     while the same ops inside a graph run at it); 8× removes that.
     """
-    size = max(1, sum(t.numel() * t.element_size() for t in ts))
-    k = max(2, min(_cold_cap[0], -(-COLD_FACTOR * llc_bytes() // size)))
+    k = _pool_count(sum(t.numel() * t.element_size() for t in ts))
     pool = [ts] + [tuple(t.clone() for t in ts) for _ in range(k - 1)]
     state = [0]
 
@@ -277,6 +281,26 @@ def _linear_kernel() -> Callable[..., torch.Tensor]:
     return linear
 
 
+def _packed_product(m: int, n: int, k: int, bias: bool) -> Callable[[], object] | None:
+    """A multi-row product on oneDNN's packed kernel, as the executor runs it (:mod:`hetforge.executor.onednn`)
+    where :func:`hetforge.kernels.onednn.choose` measures it faster than ATen for this ``(m, K, N)`` on this
+    host; None where the executor keeps ATen's. Cold: each call takes the next of several packed copies
+    totalling ≥ 8× the last-level cache. (Calibrating ATen's ``linear`` while the executor runs oneDNN's made
+    every prefill product ~1.4× slower in the model than measured.)"""
+    if m < 2 or not onednn.choose(m, k, n, torch.float32):
+        return None
+    x, b = _rn(m, k), (_rn(n) if bias else None)
+    packs = [torch.ops.mkldnn._reorder_linear_weight(_rn(n, k) + i, m) for i in range(_pool_count(n * k * 4))]
+    fns = [onednn.linear_fn(pk, b) for pk in packs]
+    state = [0]
+
+    def run() -> object:
+        state[0] = (state[0] + 1) % len(fns)
+        return fns[state[0]](x)
+
+    return run
+
+
 def _mk_linear(m: int, n: int, k: int = 768) -> Callable[[], object]:
     """``x[m, k] · W[n, k]ᵀ`` (``F.linear`` layout: ``n`` weight rows of ``k``); one-row products read their
     weights as a continued stream (:func:`_streamed`), others from scattered cold copies."""
@@ -287,6 +311,9 @@ def _mk_linear(m: int, n: int, k: int = 768) -> Callable[[], object]:
             return fn
         nxt1 = _streamed(n, k)
         return lambda: lin(x, nxt1())
+    packed = _packed_product(m, n, k, bias=False)
+    if packed is not None:
+        return packed
     nxt = _cold(_rn(n, k))
     return lambda: lin(x, nxt()[0])
 
@@ -295,7 +322,7 @@ def _mk_addmm(m: int, n: int, k: int) -> Callable[[], object]:
     """``b + x[m, k] · W[k, n]`` (GPT-2 ``Conv1D`` layout: ``k`` weight rows of ``n``), through the linear
     hetforge runs (:func:`_linear_kernel` with ``weight_t``: the native GEMV for one row) or ``addmm``."""
     x, b, lin = _rn(m, k), _rn(n), _linear_kernel()
-    fn = _native_row(n, k, True) if m == 1 else None
+    fn = _native_row(n, k, True) if m == 1 else _packed_product(m, n, k, bias=True)
     if fn is not None:
         return fn
     nxt = _streamed(k, n) if m == 1 else (lambda pool: lambda: pool()[0])(_cold(_rn(k, n)))

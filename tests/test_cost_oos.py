@@ -1,0 +1,100 @@
+"""Cost-model terms added for the out-of-sample accuracy of issue 18: each changes the modeled time the way
+its docstring says, and a profile or program without it keeps the old figure."""
+
+import pytest
+import torch
+
+from hetforge.cost import estimate, estimate_parts
+from hetforge.hardware.profile import DeviceProfile
+from hetforge.ops import OpCall, TensorMeta
+
+F32 = torch.float32
+
+
+def T(*shape, dtype=F32):
+    return TensorMeta(tuple(shape), dtype)
+
+
+def dev(**kw) -> DeviceProfile:
+    base = dict(name="cpu", kind="cpu", peak_flops={"fp32": 1e11}, mem_bandwidth=2e10, mem_capacity=10**10,
+                tdp_w=10.0, idle_w=1.0, dispatch_s=3e-6)
+    base.update(kw)
+    return DeviceProfile(**base)
+
+
+def call(op, args, outs, **kwargs):
+    return OpCall(op, tuple(args), kwargs, tuple(outs))
+
+
+# ------------------------------------------------------------------ oneDNN-fused products
+
+
+def test_a_onednn_fused_linear_act_is_one_roofline_under_the_product_keys_not_gemm_plus_gelu():
+    c = call("hetforge.linear_act.default", [T(1, 128, 768), T(3072, 768), T(3072), "gelu_tanh"], [T(1, 128, 3072)])
+    d = dev(efficiency={"matmul:rows>=64": 0.5, "aten.gelu.default:tanh": 0.05},
+            overhead_s={"matmul:rows>=64": 2e-5})
+    parts = estimate_parts(c, d)
+    assert any(op.startswith("aten.gelu") for op, _ in parts)  # the Python implementation: GEMM, then the GELU
+    (op, fused), = estimate_parts(c, d, fused=True)
+    gemm = estimate(call("aten.linear.default", [T(1, 128, 768), T(3072, 768), T(3072)], [T(1, 128, 3072)]), d)
+    assert op == c.op and fused.group == "matmul"
+    # one product at the calibrated row-band speed, its fixed part once: the fused GELU adds only its FLOPs
+    assert fused.fixed_s == pytest.approx(d.dispatch_s + 2e-5)
+    assert fused.time_s == pytest.approx(gemm.time_s, rel=0.02)
+    assert fused.time_s < estimate(c, d).time_s  # the unfused GELU at 5% of the roof is gone
+    # a plain product is one kernel either way: fused changes nothing for it
+    lin = call("aten.linear.default", [T(1, 128, 768), T(3072, 768)], [T(1, 128, 3072)])
+    assert estimate_parts(lin, d, fused=True)[0][1].time_s == pytest.approx(estimate(lin, d).time_s)
+
+
+def test_onednn_mode_instructions_are_costed_fused_and_others_unchanged(monkeypatch):
+    from hetforge.compile import compile_graph
+    from hetforge.cost import estimate_program
+    from hetforge.cost.instr import op_call_from_instr
+    from hetforge.frontend import capture
+    from hetforge.hardware import load_soc
+    from hetforge.kernels import onednn
+
+    if not onednn.available():
+        pytest.skip("this torch has no oneDNN packed linear")
+    monkeypatch.setenv("HETFORGE_GEMM", "onednn")
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(64, 32))
+
+        def forward(self, x):
+            return torch.ops.hetforge.linear_act(x, self.w, None, "gelu_tanh") * 2
+
+    inputs = (torch.randn(1, 8, 32),)
+    cg = capture(M(), inputs)
+    res = compile_graph(cg.gm, soc="host", example_inputs=inputs, passes=False)
+    modes, prog, planned = res.executable.write_modes, res.program, res.memory.offsets
+    assert "onednn" in modes.values()
+    soc = load_soc("host")
+    with_modes = estimate_program(prog, soc, planned, modes)
+    without = estimate_program(prog, soc, planned)
+    for ins, a, b in zip(prog.instrs, with_modes, without, strict=True):
+        if modes.get(ins.id) == "onednn":
+            alone = estimate_parts(op_call_from_instr(ins, prog), soc.device(ins.device), fused=True)
+            assert len(alone) == 1 and a.time_s != pytest.approx(b.time_s)
+        elif modes.get(ins.id) not in ("static", "native"):
+            assert a.time_s == pytest.approx(b.time_s)
+
+
+def test_calibration_times_multi_row_products_on_the_kernel_the_executor_picks(monkeypatch):
+    from hetforge.hardware import calibrate
+    from hetforge.kernels import onednn
+
+    monkeypatch.setattr(calibrate, "_cold_cap", [3])
+    monkeypatch.setenv("HETFORGE_GEMM", "aten")
+    assert calibrate._packed_product(8, 16, 32, bias=False) is None  # the executor keeps ATen's linear
+    assert calibrate._packed_product(1, 16, 32, bias=False) is None  # one row: the native GEMV, never oneDNN
+    if not onednn.available():
+        return
+    monkeypatch.setenv("HETFORGE_GEMM", "onednn")
+    fn = calibrate._packed_product(8, 16, 32, bias=True)
+    assert fn is not None
+    out = fn()
+    assert tuple(out.shape) == (8, 16) and torch.isfinite(out).all()
