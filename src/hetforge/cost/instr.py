@@ -39,8 +39,8 @@ from dataclasses import replace
 from typing import Any
 
 from hetforge.cost.context import CacheContext
-from hetforge.cost.model import OpCost, estimate, estimate_parts
-from hetforge.hardware.profile import DeviceProfile
+from hetforge.cost.model import OpCost, estimate_parts
+from hetforge.hardware.profile import DeviceProfile, row_band
 from hetforge.ir.kernel_choice import write_mode  # noqa: F401  (re-exported: hetforge.cost.write_mode)
 from hetforge.ir.program import KERNEL, TRANSFER, Instr, Program, Reg, map_regs
 from hetforge.ops.registry import OpCall, TensorMeta
@@ -61,8 +61,27 @@ def op_call_from_instr(ins: Instr, program: Program) -> OpCall:
     return OpCall(ins.op, tuple(args), dict(kwargs), outs)
 
 
-def _copy_cost(out: TensorMeta, device: DeviceProfile) -> OpCost:
-    return estimate(OpCall(COPY_OP, (out,), {}, (out,)), device)
+ATEN_PRODUCTS = ("aten.linear.default", "aten.addmm.default", "aten.mm.default")
+PERMUTING_VIEWS = ("aten.transpose.int", "aten.permute.default", "aten.t.default", "aten.swapaxes.default")
+
+
+def _copy_cost(out: TensorMeta, device: DeviceProfile, strided: bool = False) -> OpCost:
+    """One ``slice.copy_(x)`` of ``out``; ``strided``: ``x`` is a permuted view (a transpose), whose copy reads
+    with strides (key ``aten.copy_.default:strided``, calibrated on a transposed head-major tensor)."""
+    first = (f"{COPY_OP}:strided",) if strided else ()
+    return estimate_parts(OpCall(COPY_OP, (out,), {}, (out,)), device, first_keys=first)[0][1]
+
+
+def _kernel_keys(call: OpCall, device: DeviceProfile, mode: str | None, recorded: bool) -> tuple[str, ...]:
+    """Keys of the kernel the executor ran, when its recorded modes say: a multi-row product it did not run on
+    oneDNN (``recorded`` and no ``onednn`` mode) ran on ATen's ``linear``/``addmm`` — ``aten:matmul:<row
+    band>``, ``aten:matmul`` (calibration times both kernels; the plain ``matmul`` keys are fitted on the one
+    the executor picks for each calibrated shape)."""
+    if not recorded or mode == "onednn" or device.kind != "cpu" or call.op not in ATEN_PRODUCTS or not call.outputs:
+        return ()
+    out = call.outputs[0]
+    rows = out.numel // max(1, out.shape[-1]) if out.shape else 1
+    return (f"aten:matmul:{row_band(rows)}", "aten:matmul") if rows > 1 else ()
 
 
 def _seq(ins: Instr, program: Program, device: DeviceProfile, planned, hot_bytes: float,
@@ -76,6 +95,7 @@ def _seq(ins: Instr, program: Program, device: DeviceProfile, planned, hot_bytes
         c = OpCost(ins.op, device.name, 0.0, float(nbytes), 0.0, "memory", t, e, 0.0, "memory", True, "transfer")
         return c, [(ins.op, c)]
     call = op_call_from_instr(ins, program)
+    first = _kernel_keys(call, device, (modes or {}).get(ins.id), modes is not None)
     mode = (modes or {}).get(ins.id) or write_mode(ins, program, planned)
     if mode in ("native", "onednn"):
         parts = estimate_parts(call, device, hot_bytes=hot_bytes, native=mode == "native", fused=mode == "onednn")
@@ -84,9 +104,9 @@ def _seq(ins: Instr, program: Program, device: DeviceProfile, planned, hot_bytes
         c = OpCost(ins.op, device.name, 0.0, 0.0, 0.0, "memory", 0.0, 0.0, 0.0, "dispatch", True, "view")
         return c, [(ins.op, c)]
     if mode == "view-copy":
-        c = replace(_copy_cost(call.outputs[0], device), op=ins.op, group="movement")
+        c = replace(_copy_cost(call.outputs[0], device, ins.op in PERMUTING_VIEWS), op=ins.op, group="movement")
         return c, [(COPY_OP, c)]
-    parts = estimate_parts(call, device, hot_bytes=hot_bytes)
+    parts = estimate_parts(call, device, hot_bytes=hot_bytes, first_keys=first)
     head, seq = (parts[0][1], parts) if len(parts) == 1 else (parts[0][1], parts[1:])
     if mode == "copy" and ins.kind == KERNEL:
         seq = seq + [(COPY_OP, _copy_cost(m, device)) for o, m in zip(ins.outputs, call.outputs, strict=True)

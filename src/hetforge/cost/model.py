@@ -162,7 +162,8 @@ def estimate(call_or_node: OpCall | torch.fx.Node, device: DeviceProfile, temp_c
 
 def estimate_parts(call_or_node: OpCall | torch.fx.Node, device: DeviceProfile, temp_c: float | None = None,
                    resident_bytes: float | None = None, hot_bytes: float = 0.0,
-                   native: bool = False, fused: bool = False) -> list[tuple[str, OpCost]]:
+                   native: bool = False, fused: bool = False,
+                   first_keys: tuple[str, ...] = ()) -> list[tuple[str, OpCost]]:
     """``[(op, cost)]`` of what runs: one entry for an op that is one kernel; for a composite op on a CPU
     (:mod:`hetforge.cost.composite`) the op itself (its F, B and class, time 0) followed by every ATen op its
     implementation runs, each costed on its own (an intermediate it reads was just written: hot).
@@ -173,7 +174,11 @@ def estimate_parts(call_or_node: OpCall | torch.fx.Node, device: DeviceProfile, 
     ``fused``: the executor runs the op as one library kernel with its activation (and a gated MLP's product)
     fused in — oneDNN's packed linear (mode ``onednn``, :mod:`hetforge.executor.onednn`): one roofline over
     the op's F and B under its ordinary keys (a product's ``matmul:<row band>``, calibrated on the kernel the
-    executor picks), not the GEMM, activation and copies of its Python implementation."""
+    executor picks), not the GEMM, activation and copies of its Python implementation.
+
+    ``first_keys``: efficiency/overhead keys looked up before the op's own (what the caller knows about the
+    kernel that runs: ``aten:matmul:<row band>`` for a product the executor kept on ATen's ``linear``,
+    ``aten.copy_.default:strided`` for a copy that reads a permuted view)."""
     if temp_c is None:  # a device profile may carry its temperature (hetforge.thermal): Φ(T) in every estimate
         temp_c = device.temp_c
     if isinstance(call_or_node, torch.fx.Node):
@@ -216,6 +221,7 @@ def estimate_parts(call_or_node: OpCall | torch.fx.Node, device: DeviceProfile, 
     keys = op_keys(call, group, pre.roof_class, op_class)
     if native:
         keys = (f"native:{call.op}", "native", *keys)
+    keys = (*first_keys, *keys)
     fixed = device.dispatch_s + device.overhead(*keys)
     eff = device.eff(*keys)
     hit = min(1.0, device.efficiency.get("cache-hit", 1.0))

@@ -301,9 +301,10 @@ def _packed_product(m: int, n: int, k: int, bias: bool) -> Callable[[], object] 
     return run
 
 
-def _mk_linear(m: int, n: int, k: int = 768) -> Callable[[], object]:
+def _mk_linear(m: int, n: int, k: int = 768, aten: bool = False) -> Callable[[], object]:
     """``x[m, k] · W[n, k]ᵀ`` (``F.linear`` layout: ``n`` weight rows of ``k``); one-row products read their
-    weights as a continued stream (:func:`_streamed`), others from scattered cold copies."""
+    weights as a continued stream (:func:`_streamed`), others from scattered cold copies, on the kernel the
+    executor picks (:func:`_packed_product`) or, with ``aten``, on ATen's ``linear`` whatever it picks."""
     x, lin = _rn(m, k), _linear_kernel()
     if m == 1:
         fn = _native_row(n, k, False)
@@ -311,7 +312,7 @@ def _mk_linear(m: int, n: int, k: int = 768) -> Callable[[], object]:
             return fn
         nxt1 = _streamed(n, k)
         return lambda: lin(x, nxt1())
-    packed = _packed_product(m, n, k, bias=False)
+    packed = None if aten else _packed_product(m, n, k, bias=False)
     if packed is not None:
         return packed
     nxt = _cold(_rn(n, k))
@@ -329,6 +330,14 @@ def _mk_addmm(m: int, n: int, k: int) -> Callable[[], object]:
     if lin is F.linear:
         return lambda: torch.addmm(b, x, nxt())
     return lambda: lin(x, nxt(), b, weight_t=True)
+
+
+def _mk_strided_copy(h: int, L: int, d: int) -> Callable[[], object]:
+    """``slice.copy_(src.transpose(1, 2))``: a just-computed (hot) ``[1, h, L, d]`` head-major result copied,
+    heads interleaved, into a cold ``[1, L, h, d]`` slice — the executor's copy of a ``transpose`` view that
+    lowering gave its own storage (the attention output going back to ``[L, h·d]``)."""
+    src, nxt = _rn(1, h, L, d), _cold(torch.empty(1, L, h, d))
+    return lambda: nxt()[0].copy_(src.transpose(1, 2))
 
 
 def _mk_sdpa(L: int, S: int) -> Callable[[], object]:
@@ -509,6 +518,10 @@ def _group_benchmarks(quick: bool) -> list[Bench]:
     for n in [768, 3072] if quick else [768, 3072, 8192, 32000]:
         for m in [1, 32] if quick else [1, 16, 128]:
             out.append(mm(m, n, 768, partial(_mk_linear, m, n), n))
+            if m > 1:  # the same product on ATen's linear, for the shapes where the executor keeps it
+                band = row_band(m)
+                out.append((("aten:matmul", f"aten:matmul:{band}"), partial(_mk_linear, m, n, 768, True),
+                            2.0 * m * n * 768, 4.0 * (m * 768 + n * 768 + m * n), 0))
     # one-row products whose weight rows are longer or in the other layout: separates the per-row cost
     out.append(mm(1, 768, 3072, partial(_mk_linear, 1, 768, 3072), 768))
     out.append(mm(1, 3072, 768, partial(_mk_addmm, 1, 3072, 768), 768))
@@ -531,6 +544,9 @@ def _group_benchmarks(quick: bool) -> list[Bench]:
         for keys, fnr, fl, by in rowwise:
             out.append((keys, partial(_mk_apply, fnr, (r, 768)), fl, by, 0))
         out.append((("aten.cat.default",), partial(_mk_rotate_half_cat, n), 0.0, 8.0 * n, 0))
+    for h, L, d in ([(12, 32, 64)] if quick else [(12, 32, 64), (12, 256, 64), (24, 128, 32)]):
+        n = h * L * d  # head shapes of the in-sample models (12 × 64) or none (24 × 32); never 16 heads
+        out.append((("aten.copy_.default:strided",), partial(_mk_strided_copy, h, L, d), float(n), 8.0 * n, 0))
     for m in [1, 128] if quick else [1, 16, 128]:
         out.append((("gather",), partial(_mk_embedding, m), 0.0, 8.0 * m + 2 * 4.0 * m * 768, 0))
     x = _rn(1, 128, 768)
@@ -833,8 +849,9 @@ def n_steps(quick: bool) -> int:
 
 def _n_group_benchmarks(quick: bool) -> int:
     """``len(_group_benchmarks(quick))`` without allocating the benchmark tensors (checked in ``_fit_efficiency``)."""
-    n_mm, n_attn, n_sizes, n_gather = (4 + 3, 2, 2, 2) if quick else (12 + 3, 4, 4, 3)
-    return n_mm + n_attn + n_sizes * (8 + len(UNARY)) + n_gather + 8 + 1 + len(_native_specs(quick))
+    n_mm, n_attn, n_sizes, n_gather = (4 + 2 + 3, 2, 2, 2) if quick else (12 + 8 + 3, 4, 4, 3)
+    n_strided = 1 if quick else 3
+    return n_mm + n_attn + n_sizes * (8 + len(UNARY)) + n_strided + n_gather + 8 + 1 + len(_native_specs(quick))
 
 
 def host_spec(m: Measured, quick: bool) -> SocSpec:
