@@ -98,3 +98,55 @@ def test_calibration_times_multi_row_products_on_the_kernel_the_executor_picks(m
     assert fn is not None
     out = fn()
     assert tuple(out.shape) == (8, 16) and torch.isfinite(out).all()
+
+
+# ------------------------------------------------------------------ the kernel a product ran on
+
+
+def _with(soc, **kw):
+    import dataclasses
+
+    return dataclasses.replace(soc, devices=[dataclasses.replace(d, **kw) for d in soc.devices])
+
+
+def test_a_multi_row_product_the_executor_kept_on_aten_uses_the_aten_keys(monkeypatch):
+    from hetforge.compile import compile_graph
+    from hetforge.cost import estimate_program
+    from hetforge.frontend import capture
+    from hetforge.hardware import load_soc
+
+    monkeypatch.setenv("HETFORGE_GEMM", "aten")
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(32, 64, bias=False)
+
+        def forward(self, x):
+            return self.lin(x) * 2
+
+    inputs = (torch.randn(1, 8, 32),)
+    res = compile_graph(capture(M(), inputs).gm, soc="host", example_inputs=inputs, passes=False)
+    modes, prog, planned = res.executable.write_modes, res.program, res.memory.offsets
+    assert "onednn" not in modes.values()
+    host = load_soc("host")
+    base = _with(host, efficiency={"matmul:rows<64": 1.0}, overhead_s={})
+    slow_aten = _with(host, efficiency={"matmul:rows<64": 1.0, "aten:matmul:rows<64": 0.01}, overhead_s={})
+    idx = next(i for i, ins in enumerate(prog.instrs) if ins.op == "aten.linear.default")
+    with_aten = estimate_program(prog, slow_aten, planned, modes)[idx].time_s
+    unknown_kernel = estimate_program(prog, slow_aten, planned)[idx].time_s  # no recorded modes: plain keys
+    assert with_aten > 10 * unknown_kernel
+    # a profile without the aten keys keeps the old figure, modes or not
+    assert estimate_program(prog, base, planned, modes)[idx].time_s == pytest.approx(
+        estimate_program(prog, base, planned)[idx].time_s)
+    assert unknown_kernel == pytest.approx(estimate_program(prog, base, planned)[idx].time_s)
+
+
+def test_a_copy_of_a_transposed_view_uses_the_strided_copy_key():
+    from hetforge.cost.instr import _copy_cost
+
+    out = T(1, 128, 16, 64)
+    d = dev(efficiency={"aten.copy_.default": 2.0, "aten.copy_.default:strided": 0.5})
+    assert _copy_cost(out, d, strided=True).time_s > 3 * _copy_cost(out, d).time_s - 1e-12
+    plain = dev(efficiency={"aten.copy_.default": 2.0})  # a profile without the strided key: the old figure
+    assert _copy_cost(out, plain, strided=True).time_s == pytest.approx(_copy_cost(out, plain).time_s)

@@ -157,7 +157,7 @@ def estimate_program(program: Program, soc, planned: set[int] | dict[int, Any],
                         hot += v.numel * v.itemsize
             head, seq = _seq(ins, program, device, planned, hot, soc, modes)
             out.append(_total(head, [ctx.run(op, c) for op, c in seq]))
-            ctx.touch(list(ins_roots) + [program.root(o) for o in ins.outputs])
+            ctx.touch(list(ins_roots) + [program.root(o) for o in ins.outputs], moved=out[-1].bytes > 0)
         if not any(c.active for c in ctxs.values()):
             break
     return out

@@ -754,6 +754,46 @@ def _first_after(s_cold: float, quick: bool) -> tuple[float, float]:
     return fit_saturating(pts)
 
 
+def _evict_after(quick: bool) -> tuple[float, float]:
+    """``(p, τ)``: the share of the cache-resident data an op of ``t`` seconds leaves cold, ``p·min(1, t/τ)``.
+
+    ``add(a, b, out=slice)`` (``a``, ``b``: 128 × 768) is timed right after an add that touched ``a`` and ``b``
+    (``m_hot``), after a write of 2× the last-level cache (``m_cold``), and after a product of ``t`` = 0.3 … 10 ms
+    whose operands total under a quarter of the last-level cache (``[M, 768] × [768, 768]``, M = 32 … 1024: by
+    bytes alone ``a`` and ``b`` would stay cached). The share lost is ``(m_after − m_hot)/(m_cold − m_hot)``,
+    clipped to [0, 1], fitted by :func:`fit_saturating`. Here a 3 ms product left the inputs as cold as the
+    flush did: a long op loses the caches (to its own packing buffers and code and, on a shared host, to the
+    processes that ran meanwhile) whatever its bytes."""
+    n, clock = 128 * 768, _clock[0]
+    a, b, nxt = _rn(n), _rn(n) + 1, _cold(torch.empty(n))
+    flush = torch.empty(2 * llc_bytes() // 4)
+    w = _rn(768, 768)
+    reps = 6 if quick else 12
+
+    def timed(before: Callable[[], object]) -> float:
+        best = float("inf")
+        for _ in range(reps):
+            torch.add(a, b, out=nxt()[0])  # a and b just touched
+            before()
+            o = nxt()[0]
+            t0 = clock()
+            torch.add(a, b, out=o)
+            best = min(best, clock() - t0)
+        return best
+
+    m_hot = timed(lambda: None)
+    m_cold = timed(lambda: flush.fill_(1.0))
+    pts = []
+    for m in [32, 256] if quick else [32, 128, 512, 1024]:
+        x = _rn(m, 768)
+        F.linear(x, w)
+        t_op = _best_time(lambda x=x: F.linear(x, w), 3, 0.02)
+        m_after = timed(lambda x=x: F.linear(x, w))
+        lost = (m_after - m_hot) / (m_cold - m_hot) if m_cold > m_hot else 0.0
+        pts.append((t_op, min(1.0, max(0.0, lost))))
+    return fit_saturating(pts)
+
+
 def _cache_hit(dispatch: float, sizes: list[int], budget: float) -> float:
     """Cost of a cache-resident byte relative to a DRAM byte, ``h``.
 
@@ -838,13 +878,17 @@ def _measure(quick: bool, tick: Progress) -> Measured:
     p_first, tau = _first_after(s_cold, quick)
     over["seq:first"], over["seq:first-tau"] = float(f"{p_first:.4g}"), float(f"{tau:.4g}")
     tick("first op after a long one")
+    p_evict, tau_evict = _evict_after(quick)
+    if p_evict > 0:
+        eff["seq:evict"], over["seq:evict-tau"] = round(min(1.0, p_evict), 4), float(f"{tau_evict:.4g}")
+    tick("caches lost over a long op")
     return Measured(gemm, bw_copy, bw_triad, disp, eff, samples, time.perf_counter() - t0, torch.get_num_threads(),
                     over, bw_read=bw_read)
 
 
 def n_steps(quick: bool) -> int:
     """Number of ``tick`` calls :func:`measure` makes (for a progress bar)."""
-    return 3 * (2 if quick else 3) + 5 + _n_group_benchmarks(quick)
+    return 3 * (2 if quick else 3) + 6 + _n_group_benchmarks(quick)
 
 
 def _n_group_benchmarks(quick: bool) -> int:
