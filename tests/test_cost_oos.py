@@ -150,3 +150,68 @@ def test_a_copy_of_a_transposed_view_uses_the_strided_copy_key():
     assert _copy_cost(out, d, strided=True).time_s > 3 * _copy_cost(out, d).time_s - 1e-12
     plain = dev(efficiency={"aten.copy_.default": 2.0})  # a profile without the strided key: the old figure
     assert _copy_cost(out, plain, strided=True).time_s == pytest.approx(_copy_cost(out, plain).time_s)
+
+
+# ------------------------------------------------------------------ caches lost over a long op
+
+
+def _cost(time_s, nbytes, fixed=1e-6):
+    from hetforge.cost.model import OpCost
+
+    return OpCost("op", "cpu", 0.0, float(nbytes), 0.0, "memory", time_s, 0.0, 0.0, "memory", True, "other", "fp32",
+                  fixed)
+
+
+def test_a_long_op_leaves_the_data_it_touched_cold_only_under_seq_evict():
+    from hetforge.cost import CacheContext
+
+    cap = 32 * 2**20
+    lossy = dev(cache_bytes=cap, efficiency={"seq:evict": 1.0}, overhead_s={"seq:evict-tau": 5e-3})
+    plain = dev(cache_bytes=cap)  # no seq:evict: the old rule (hot = touched within cache_bytes streamed bytes)
+    for d, cold_after_long in ((lossy, True), (plain, False)):
+        ctx = CacheContext(d)
+        ctx.run("a", _cost(1e-5, 1e3))
+        ctx.touch(["x"])
+        ctx.run("short", _cost(1e-4, 1e3))  # 0.1 ms: 2% of τ, ~2% of the cache lost: x stays hot
+        ctx.touch(["y"])
+        assert ctx.hot("x") and ctx.hot("y")
+        ctx.run("gemm", _cost(10e-3, 4e6))  # 10 ms, 4 MB: by bytes alone everything stays cached
+        ctx.touch(["x", "out"])  # the long op read x and wrote out
+        assert ctx.hot("y") is not cold_after_long
+        assert ctx.hot("out") is not cold_after_long and ctx.hot("x") is not cold_after_long
+        ctx.run("view", _cost(1e-6, 0.0))
+        ctx.touch(["out"], moved=False)  # a view of the long op's output moves no bytes
+        assert ctx.hot("out") is not cold_after_long
+
+
+def test_estimate_program_pays_cold_inputs_after_a_long_op_under_seq_evict(monkeypatch):
+    from hetforge.compile import compile_graph
+    from hetforge.cost import estimate_program
+    from hetforge.frontend import capture
+    from hetforge.hardware import load_soc
+
+    monkeypatch.setenv("HETFORGE_GEMM", "aten")
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(256, 256)
+
+        def forward(self, x):
+            h = x * 2
+            return self.lin(h) + h  # the add reads h, touched before the product
+
+    inputs = (torch.randn(1, 64, 256),)
+    res = compile_graph(capture(M(), inputs).gm, soc="host", example_inputs=inputs, passes=False)
+    prog, planned = res.program, res.memory.offsets
+    host = load_soc("host")
+    base_eff = {"cache-hit": 0.2}
+    plain = _with(host, cache_bytes=32.0 * 2**20, efficiency=base_eff, overhead_s={})
+    # τ far below the product's modeled time: the product loses the caches
+    lossy = _with(host, cache_bytes=32.0 * 2**20, efficiency={**base_eff, "seq:evict": 1.0},
+                  overhead_s={"seq:evict-tau": 1e-9})
+    idx = next(i for i, ins in enumerate(prog.instrs) if ins.op == "aten.add.Tensor")
+    before = estimate_program(prog, plain, planned, res.executable.write_modes)
+    after = estimate_program(prog, lossy, planned, res.executable.write_modes)
+    assert after[idx].time_s > before[idx].time_s  # its inputs are no longer hot
+    assert sum(c.time_s for c in after) > sum(c.time_s for c in before)

@@ -19,6 +19,15 @@ op, with cold operands. Inside a program two things differ, and both depend on t
   ``C`` streamed bytes is *hot*: its bytes cost ``efficiency['cache-hit']`` of a DRAM byte (passed to
   :func:`~hetforge.cost.estimate` as ``hot_bytes``).
 
+* **a long op loses the caches** (``efficiency['seq:evict']`` = ``p``, ``overhead_s['seq:evict-tau']`` = ``τ_e``,
+  both optional): an op of modeled time ``t`` counts as ``p·C·min(1, t/τ_e)`` more streamed bytes for data
+  hotness, applied after its own inputs and outputs are marked — so after a product of a few milliseconds
+  the data it read and wrote, and everything before it, is cold even when its bytes were far below ``C``.
+  Measured here: an add's inputs touched before a 0.4–1.5 ms product stayed cached (1–5% lost), before a
+  6.7–14 ms one they were as cold as after a flush (97–98% lost): on a shared host a long op is preempted and
+  other processes use its caches. Under this term a view (an instruction that moves no bytes) does not mark
+  its storage as touched. A profile without ``seq:evict`` keeps the bytes-only rule.
+
 ``s_warm`` is applied by :func:`~hetforge.cost.estimate` itself (``efficiency['seq:warm']``); this module adds
 the terms that need the order of ops. ``s_cold`` (``efficiency['seq:cold']``), ``p_first`` and ``τ``
 (``overhead_s['seq:first']``, ``overhead_s['seq:first-tau']``) and ``cache-hit`` are fitted by
