@@ -120,7 +120,7 @@ def analyze(gm: torch.fx.GraphModule, soc: SocProfile, temp_c: float | None = No
                 res = pbytes + c.bytes if (c.bytes or c.flops) else None
                 hot = sum(_nbytes(a) for r, a in roots[n].items() if ctx.hot(r)) if ctx.active else 0.0
                 c = ctx.run_all(estimate_parts(n, d, temp_c, resident_bytes=res, hot_bytes=hot))
-                ctx.touch([*roots[n], _root(n)])
+                ctx.touch([*roots[n], _root(n)], moved=c.bytes > 0)
                 costs[d.name] = c
                 if not c.known:
                     unknown.add(c.op)

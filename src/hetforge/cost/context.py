@@ -19,6 +19,15 @@ op, with cold operands. Inside a program two things differ, and both depend on t
   ``C`` streamed bytes is *hot*: its bytes cost ``efficiency['cache-hit']`` of a DRAM byte (passed to
   :func:`~hetforge.cost.estimate` as ``hot_bytes``).
 
+* **a long op loses the caches** (``efficiency['seq:evict']`` = ``p``, ``overhead_s['seq:evict-tau']`` = ``τ_e``,
+  both optional): an op of modeled time ``t`` counts as ``p·C·min(1, t/τ_e)`` more streamed bytes for data
+  hotness, applied after its own inputs and outputs are marked — so after a product of a few milliseconds
+  the data it read and wrote, and everything before it, is cold even when its bytes were far below ``C``.
+  Measured here: an add's inputs touched before a 0.4–1.5 ms product stayed cached (1–5% lost), before a
+  6.7–14 ms one they were as cold as after a flush (97–98% lost): on a shared host a long op is preempted and
+  other processes use its caches. Under this term a view (an instruction that moves no bytes) does not mark
+  its storage as touched. A profile without ``seq:evict`` keeps the bytes-only rule.
+
 ``s_warm`` is applied by :func:`~hetforge.cost.estimate` itself (``efficiency['seq:warm']``); this module adds
 the terms that need the order of ops. ``s_cold`` (``efficiency['seq:cold']``), ``p_first`` and ``τ``
 (``overhead_s['seq:first']``, ``overhead_s['seq:first-tau']``) and ``cache-hit`` are fitted by
@@ -47,6 +56,10 @@ class CacheContext:
         self.s_cold = device.efficiency.get("seq:cold", 0.0) if self.cap > 0 else 0.0
         self.p_first = device.overhead_s.get("seq:first", 0.0) if self.cap > 0 else 0.0
         self.tau = device.overhead_s.get("seq:first-tau", 0.0)
+        self.evict = device.efficiency.get("seq:evict", 0.0) if self.cap > 0 else 0.0
+        self.evict_tau = device.overhead_s.get("seq:evict-tau", 0.0)
+        self.lost = 0.0  # data-cache bytes lost by long ops since the last touch (not yet applied)
+        self.data_clock = 0.0  # streamed bytes plus the bytes long ops lost: the clock data hotness is read on
         self.streamed = 0.0
         self.code: dict[str, float] = {}
         self.data: dict[object, float] = {}
@@ -59,11 +72,18 @@ class CacheContext:
     def hot(self, key: object) -> bool:
         """True when the storage ``key`` was touched within the last ``cache_bytes`` streamed bytes."""
         last = self.data.get(key)
-        return self.cap > 0 and last is not None and self.streamed - last < self.cap
+        return self.cap > 0 and last is not None and self.data_clock - last < self.cap
 
-    def touch(self, keys) -> None:
-        for k in keys:
-            self.data[k] = self.streamed
+    def touch(self, keys, moved: bool = True) -> None:
+        """Mark the storages ``keys`` as just touched (the instruction that ran read or wrote them); then apply
+        what a long instruction lost: its inputs and outputs too are cold afterwards. With the lost-cache term
+        (``seq:evict``), an instruction that moved no bytes (``moved=False``: a view) touches nothing: a view
+        of a GEMM's output does not bring it back into the cache."""
+        if moved or self.evict <= 0:
+            for k in keys:
+                self.data[k] = self.data_clock
+        self.data_clock += self.lost
+        self.lost = 0.0
 
     def run(self, op: str, cost: OpCost) -> OpCost:
         """``cost`` (of ``op``, from :func:`~hetforge.cost.estimate`) with the cold-code terms added; advances
@@ -77,6 +97,9 @@ class CacheContext:
             first = min(1.0, self.prev_time / self.tau) if self.tau > 0 else 0.0
             extra = self.s_cold * cost.fixed_s * c + self.p_first * first
         self.streamed += cost.bytes
+        self.data_clock += cost.bytes
+        if self.evict > 0 and self.evict_tau > 0:  # a long op loses the data caches (applied at the next touch)
+            self.lost += self.evict * self.cap * min(1.0, cost.time_s / self.evict_tau)
         self.code[op] = self.streamed
         self.prev_time = cost.time_s + extra
         if extra <= 0:

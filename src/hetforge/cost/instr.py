@@ -18,6 +18,16 @@ that: it reads the kernel that lowering recorded on the instruction (``attrs["ke
   key fitted by calibration on a hot source and a cold slice);
 * a view op that lowering gave fresh storage (its input's storage was not recognised): a copy of the output
   (no op cost besides one dispatch).
+* ``onednn`` (a multi-row product the executor measured faster on oneDNN's packed kernel,
+  ``hetforge.executor.onednn``; bias, activation and a gated MLP's product fused in, the result bound to its
+  register): one roofline over the op's F and B under its ordinary keys (``estimate_parts(..., fused=True)``),
+  not the GEMM, activation and copy of the Python implementation;
+* a multi-row ``linear``/``addmm``/``mm`` whose kernel is known not to be oneDNN (not a candidate, or a candidate
+  measured slower in this process) ran on ATen's kernel: its ``aten:matmul:<row band>`` / ``aten:matmul`` keys
+  first (calibration times every multi-row shape on ATen too); a candidate not measured yet gets the plain
+  ``matmul`` keys, fitted on the kernel the executor picks for each calibrated shape;
+* a ``view-copy`` of a permuting view (``transpose``, ``permute``, ``t``) reads its source with strides: the
+  ``aten.copy_.default:strided`` key first.
 
 Transfers cost :func:`hetforge.cost.transfer_cost` over the SoC's link (0 on one device).
 :func:`estimate_instr` costs one instruction on its own; :func:`estimate_program` costs a whole program in
@@ -32,9 +42,9 @@ from dataclasses import replace
 from typing import Any
 
 from hetforge.cost.context import CacheContext
-from hetforge.cost.model import OpCost, estimate, estimate_parts
-from hetforge.hardware.profile import DeviceProfile
-from hetforge.ir.kernel_choice import NATIVE_GEMV, program_kernels
+from hetforge.cost.model import OpCost, estimate_parts
+from hetforge.hardware.profile import DeviceProfile, row_band
+from hetforge.ir.kernel_choice import ATEN_PRODUCTS, NATIVE_GEMV, PERMUTING_VIEWS, onednn_known, program_kernels
 from hetforge.ir.program import INPLACE, KERNEL, TRANSFER, VIEW, Instr, Program, Reg, map_regs
 from hetforge.ops.registry import OpCall, TensorMeta, lookup
 
@@ -54,8 +64,25 @@ def op_call_from_instr(ins: Instr, program: Program) -> OpCall:
     return OpCall(ins.op, tuple(args), dict(kwargs), outs)
 
 
-def _copy_cost(out: TensorMeta, device: DeviceProfile) -> OpCost:
-    return estimate(OpCall(COPY_OP, (out,), {}, (out,)), device)
+
+
+def _copy_cost(out: TensorMeta, device: DeviceProfile, strided: bool = False) -> OpCost:
+    """One ``slice.copy_(x)`` of ``out``; ``strided``: ``x`` is a permuted view (a transpose), whose copy reads
+    with strides (key ``aten.copy_.default:strided``, calibrated on a transposed head-major tensor)."""
+    first = (f"{COPY_OP}:strided",) if strided else ()
+    return estimate_parts(OpCall(COPY_OP, (out,), {}, (out,)), device, first_keys=first)[0][1]
+
+
+def _kernel_keys(call: OpCall, device: DeviceProfile, mode: str | None, recorded: bool) -> tuple[str, ...]:
+    """Keys of the kernel the executor runs, when it is known (``recorded``): a multi-row product not run on
+    oneDNN (``mode`` other than ``onednn``) runs on ATen's ``linear``/``addmm`` — ``aten:matmul:<row band>``,
+    ``aten:matmul`` (calibration times both kernels; the plain ``matmul`` keys are fitted on the one the executor
+    picks for each calibrated shape)."""
+    if not recorded or mode == "onednn" or device.kind != "cpu" or call.op not in ATEN_PRODUCTS or not call.outputs:
+        return ()
+    out = call.outputs[0]
+    rows = out.numel // max(1, out.shape[-1]) if out.shape else 1
+    return (f"aten:matmul:{row_band(rows)}", "aten:matmul") if rows > 1 else ()
 
 
 def cost_mode(ins: Instr, planned, kernel: str) -> str:
@@ -87,16 +114,17 @@ def _seq(ins: Instr, program: Program, device: DeviceProfile, planned, hot_bytes
         return c, [(ins.op, c)]
     call = op_call_from_instr(ins, program)
     mode = cost_mode(ins, planned, kernel)
-    if mode == "native":
-        parts = estimate_parts(call, device, hot_bytes=hot_bytes, native=True)
+    first = _kernel_keys(call, device, kernel, onednn_known(ins, program))
+    if mode == "native" or kernel == "onednn":
+        parts = estimate_parts(call, device, hot_bytes=hot_bytes, native=mode == "native", fused=kernel == "onednn")
         return parts[0][1], parts
     if mode == "free":
         c = OpCost(ins.op, device.name, 0.0, 0.0, 0.0, "memory", 0.0, 0.0, 0.0, "dispatch", True, "view")
         return c, [(ins.op, c)]
     if mode == "view-copy":
-        c = replace(_copy_cost(call.outputs[0], device), op=ins.op, group="movement")
+        c = replace(_copy_cost(call.outputs[0], device, ins.op in PERMUTING_VIEWS), op=ins.op, group="movement")
         return c, [(COPY_OP, c)]
-    parts = estimate_parts(call, device, hot_bytes=hot_bytes)
+    parts = estimate_parts(call, device, hot_bytes=hot_bytes, first_keys=first)
     head, seq = (parts[0][1], parts) if len(parts) == 1 else (parts[0][1], parts[1:])
     if mode == "copy" and ins.kind == KERNEL:
         seq = seq + [(COPY_OP, _copy_cost(m, device)) for o, m in zip(ins.outputs, call.outputs, strict=True)
@@ -146,7 +174,7 @@ def estimate_program(program: Program, soc, planned: set[int] | dict[int, Any]) 
                         hot += v.numel * v.itemsize
             head, seq = _seq(ins, program, device, planned, hot, soc, kernels[ins.id])
             out.append(_total(head, [ctx.run(op, c) for op, c in seq]))
-            ctx.touch(list(ins_roots) + [program.root(o) for o in ins.outputs])
+            ctx.touch(list(ins_roots) + [program.root(o) for o in ins.outputs], moved=out[-1].bytes > 0)
         if not any(c.active for c in ctxs.values()):
             break
     return out

@@ -162,13 +162,23 @@ def estimate(call_or_node: OpCall | torch.fx.Node, device: DeviceProfile, temp_c
 
 def estimate_parts(call_or_node: OpCall | torch.fx.Node, device: DeviceProfile, temp_c: float | None = None,
                    resident_bytes: float | None = None, hot_bytes: float = 0.0,
-                   native: bool = False) -> list[tuple[str, OpCost]]:
+                   native: bool = False, fused: bool = False,
+                   first_keys: tuple[str, ...] = ()) -> list[tuple[str, OpCost]]:
     """``[(op, cost)]`` of what runs: one entry for an op that is one kernel; for a composite op on a CPU
     (:mod:`hetforge.cost.composite`) the op itself (its F, B and class, time 0) followed by every ATen op its
     implementation runs, each costed on its own (an intermediate it reads was just written: hot).
 
     ``native``: the executor runs the op as one native kernel (:mod:`hetforge.kernels.native`): one roofline
-    over the op's F and B under the calibrated ``native`` efficiency and overhead, not its ATen parts."""
+    over the op's F and B under the calibrated ``native`` efficiency and overhead, not its ATen parts.
+
+    ``fused``: the executor runs the op as one library kernel with its activation (and a gated MLP's product)
+    fused in — oneDNN's packed linear (mode ``onednn``, :mod:`hetforge.executor.onednn`): one roofline over
+    the op's F and B under its ordinary keys (a product's ``matmul:<row band>``, calibrated on the kernel the
+    executor picks), not the GEMM, activation and copies of its Python implementation.
+
+    ``first_keys``: efficiency/overhead keys looked up before the op's own (what the caller knows about the
+    kernel that runs: ``aten:matmul:<row band>`` for a product the executor kept on ATen's ``linear``,
+    ``aten.copy_.default:strided`` for a copy that reads a permuted view)."""
     if temp_c is None:  # a device profile may carry its temperature (hetforge.thermal): Φ(T) in every estimate
         temp_c = device.temp_c
     if isinstance(call_or_node, torch.fx.Node):
@@ -198,7 +208,7 @@ def estimate_parts(call_or_node: OpCall | torch.fx.Node, device: DeviceProfile, 
                    device.mem_bandwidth * device.bandwidth_efficiency, device.dispatch_s)
     op_class = "control" if info.op_class == "control" else pre.roof_class
     d = dasi_of(ai, peak, device.mem_bandwidth)
-    subs = decompose(call, info) if device.kind == "cpu" and not copies and not native else None
+    subs = decompose(call, info) if device.kind == "cpu" and not copies and not native and not fused else None
     if subs:
         out = [(call.op, OpCost(call.op, device.name, flops, nbytes, ai, op_class, 0.0, 0.0, d, pre.bound, True,
                                 group, dt))]
@@ -211,6 +221,7 @@ def estimate_parts(call_or_node: OpCall | torch.fx.Node, device: DeviceProfile, 
     keys = op_keys(call, group, pre.roof_class, op_class)
     if native:
         keys = (f"native:{call.op}", "native", *keys)
+    keys = (*first_keys, *keys)
     fixed = device.dispatch_s + device.overhead(*keys)
     eff = device.eff(*keys)
     hit = min(1.0, device.efficiency.get("cache-hit", 1.0))

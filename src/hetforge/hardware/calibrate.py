@@ -197,6 +197,11 @@ Bench = tuple[tuple[str, ...], Callable[[], Callable[[], object]], float, float,
 COLD_FACTOR = 8  # cold pools span this many last-level caches
 
 
+def _pool_count(size: int) -> int:
+    """How many copies of ``size`` bytes make a cold pool (≥ 8× the last-level cache, at least 2)."""
+    return max(2, min(_cold_cap[0], -(-COLD_FACTOR * llc_bytes() // max(1, size))))
+
+
 def _cold(*ts: torch.Tensor) -> Callable[[], tuple[torch.Tensor, ...]]:
     """Copies of ``ts`` totalling ≥ 8× the last-level cache, handed out in turn, so each call reads cold data.
 
@@ -205,8 +210,7 @@ def _cold(*ts: torch.Tensor) -> Callable[[], tuple[torch.Tensor, ...]]:
     best of many calls still found part of its data cached (elementwise ops beat the DRAM roof by ~1.6×,
     while the same ops inside a graph run at it); 8× removes that.
     """
-    size = max(1, sum(t.numel() * t.element_size() for t in ts))
-    k = max(2, min(_cold_cap[0], -(-COLD_FACTOR * llc_bytes() // size)))
+    k = _pool_count(sum(t.numel() * t.element_size() for t in ts))
     pool = [ts] + [tuple(t.clone() for t in ts) for _ in range(k - 1)]
     state = [0]
 
@@ -277,9 +281,30 @@ def _linear_kernel() -> Callable[..., torch.Tensor]:
     return linear
 
 
-def _mk_linear(m: int, n: int, k: int = 768) -> Callable[[], object]:
+def _packed_product(m: int, n: int, k: int, bias: bool) -> Callable[[], object] | None:
+    """A multi-row product on oneDNN's packed kernel, as the executor runs it (:mod:`hetforge.executor.onednn`)
+    where :func:`hetforge.kernels.onednn.choose` measures it faster than ATen for this ``(m, K, N)`` on this
+    host; None where the executor keeps ATen's. Cold: each call takes the next of several packed copies
+    totalling ≥ 8× the last-level cache. (Calibrating ATen's ``linear`` while the executor runs oneDNN's made
+    every prefill product ~1.4× slower in the model than measured.)"""
+    if m < 2 or not onednn.choose(m, k, n, torch.float32):
+        return None
+    x, b = _rn(m, k), (_rn(n) if bias else None)
+    packs = [torch.ops.mkldnn._reorder_linear_weight(_rn(n, k) + i, m) for i in range(_pool_count(n * k * 4))]
+    fns = [onednn.linear_fn(pk, b) for pk in packs]
+    state = [0]
+
+    def run() -> object:
+        state[0] = (state[0] + 1) % len(fns)
+        return fns[state[0]](x)
+
+    return run
+
+
+def _mk_linear(m: int, n: int, k: int = 768, aten: bool = False) -> Callable[[], object]:
     """``x[m, k] · W[n, k]ᵀ`` (``F.linear`` layout: ``n`` weight rows of ``k``); one-row products read their
-    weights as a continued stream (:func:`_streamed`), others from scattered cold copies."""
+    weights as a continued stream (:func:`_streamed`), others from scattered cold copies, on the kernel the
+    executor picks (:func:`_packed_product`) or, with ``aten``, on ATen's ``linear`` whatever it picks."""
     x, lin = _rn(m, k), _linear_kernel()
     if m == 1:
         fn = _native_row(n, k, False)
@@ -287,6 +312,9 @@ def _mk_linear(m: int, n: int, k: int = 768) -> Callable[[], object]:
             return fn
         nxt1 = _streamed(n, k)
         return lambda: lin(x, nxt1())
+    packed = None if aten else _packed_product(m, n, k, bias=False)
+    if packed is not None:
+        return packed
     nxt = _cold(_rn(n, k))
     return lambda: lin(x, nxt()[0])
 
@@ -295,13 +323,21 @@ def _mk_addmm(m: int, n: int, k: int) -> Callable[[], object]:
     """``b + x[m, k] · W[k, n]`` (GPT-2 ``Conv1D`` layout: ``k`` weight rows of ``n``), through the linear
     hetforge runs (:func:`_linear_kernel` with ``weight_t``: the native GEMV for one row) or ``addmm``."""
     x, b, lin = _rn(m, k), _rn(n), _linear_kernel()
-    fn = _native_row(n, k, True) if m == 1 else None
+    fn = _native_row(n, k, True) if m == 1 else _packed_product(m, n, k, bias=True)
     if fn is not None:
         return fn
     nxt = _streamed(k, n) if m == 1 else (lambda pool: lambda: pool()[0])(_cold(_rn(k, n)))
     if lin is F.linear:
         return lambda: torch.addmm(b, x, nxt())
     return lambda: lin(x, nxt(), b, weight_t=True)
+
+
+def _mk_strided_copy(h: int, L: int, d: int) -> Callable[[], object]:
+    """``slice.copy_(src.transpose(1, 2))``: a just-computed (hot) ``[1, h, L, d]`` head-major result copied,
+    heads interleaved, into a cold ``[1, L, h, d]`` slice — the executor's copy of a ``transpose`` view that
+    lowering gave its own storage (the attention output going back to ``[L, h·d]``)."""
+    src, nxt = _rn(1, h, L, d), _cold(torch.empty(1, L, h, d))
+    return lambda: nxt()[0].copy_(src.transpose(1, 2))
 
 
 def _mk_sdpa(L: int, S: int) -> Callable[[], object]:
@@ -482,6 +518,10 @@ def _group_benchmarks(quick: bool) -> list[Bench]:
     for n in [768, 3072] if quick else [768, 3072, 8192, 32000]:
         for m in [1, 32] if quick else [1, 16, 128]:
             out.append(mm(m, n, 768, partial(_mk_linear, m, n), n))
+            if m > 1:  # the same product on ATen's linear, for the shapes where the executor keeps it
+                band = row_band(m)
+                out.append((("aten:matmul", f"aten:matmul:{band}"), partial(_mk_linear, m, n, 768, True),
+                            2.0 * m * n * 768, 4.0 * (m * 768 + n * 768 + m * n), 0))
     # one-row products whose weight rows are longer or in the other layout: separates the per-row cost
     out.append(mm(1, 768, 3072, partial(_mk_linear, 1, 768, 3072), 768))
     out.append(mm(1, 3072, 768, partial(_mk_addmm, 1, 3072, 768), 768))
@@ -504,6 +544,9 @@ def _group_benchmarks(quick: bool) -> list[Bench]:
         for keys, fnr, fl, by in rowwise:
             out.append((keys, partial(_mk_apply, fnr, (r, 768)), fl, by, 0))
         out.append((("aten.cat.default",), partial(_mk_rotate_half_cat, n), 0.0, 8.0 * n, 0))
+    for h, L, d in ([(12, 32, 64)] if quick else [(12, 32, 64), (12, 256, 64), (24, 128, 32)]):
+        n = h * L * d  # head shapes of the in-sample models (12 × 64) or none (24 × 32); never 16 heads
+        out.append((("aten.copy_.default:strided",), partial(_mk_strided_copy, h, L, d), float(n), 8.0 * n, 0))
     for m in [1, 128] if quick else [1, 16, 128]:
         out.append((("gather",), partial(_mk_embedding, m), 0.0, 8.0 * m + 2 * 4.0 * m * 768, 0))
     x = _rn(1, 128, 768)
@@ -711,6 +754,46 @@ def _first_after(s_cold: float, quick: bool) -> tuple[float, float]:
     return fit_saturating(pts)
 
 
+def _evict_after(quick: bool) -> tuple[float, float]:
+    """``(p, τ)``: the share of the cache-resident data an op of ``t`` seconds leaves cold, ``p·min(1, t/τ)``.
+
+    ``add(a, b, out=slice)`` (``a``, ``b``: 128 × 768) is timed right after an add that touched ``a`` and ``b``
+    (``m_hot``), after a write of 2× the last-level cache (``m_cold``), and after a product of ``t`` = 0.3 … 10 ms
+    whose operands total under a quarter of the last-level cache (``[M, 768] × [768, 768]``, M = 32 … 1024: by
+    bytes alone ``a`` and ``b`` would stay cached). The share lost is ``(m_after − m_hot)/(m_cold − m_hot)``,
+    clipped to [0, 1], fitted by :func:`fit_saturating`. Here a 3 ms product left the inputs as cold as the
+    flush did: a long op loses the caches (to its own packing buffers and code and, on a shared host, to the
+    processes that ran meanwhile) whatever its bytes."""
+    n, clock = 128 * 768, _clock[0]
+    a, b, nxt = _rn(n), _rn(n) + 1, _cold(torch.empty(n))
+    flush = torch.empty(2 * llc_bytes() // 4)
+    w = _rn(768, 768)
+    reps = 6 if quick else 12
+
+    def timed(before: Callable[[], object]) -> float:
+        best = float("inf")
+        for _ in range(reps):
+            torch.add(a, b, out=nxt()[0])  # a and b just touched
+            before()
+            o = nxt()[0]
+            t0 = clock()
+            torch.add(a, b, out=o)
+            best = min(best, clock() - t0)
+        return best
+
+    m_hot = timed(lambda: None)
+    m_cold = timed(lambda: flush.fill_(1.0))
+    pts = []
+    for m in [32, 256] if quick else [32, 128, 512, 1024]:
+        x = _rn(m, 768)
+        F.linear(x, w)
+        t_op = _best_time(lambda x=x: F.linear(x, w), 3, 0.02)
+        m_after = timed(lambda x=x: F.linear(x, w))
+        lost = (m_after - m_hot) / (m_cold - m_hot) if m_cold > m_hot else 0.0
+        pts.append((t_op, min(1.0, max(0.0, lost))))
+    return fit_saturating(pts)
+
+
 def _cache_hit(dispatch: float, sizes: list[int], budget: float) -> float:
     """Cost of a cache-resident byte relative to a DRAM byte, ``h``.
 
@@ -795,19 +878,24 @@ def _measure(quick: bool, tick: Progress) -> Measured:
     p_first, tau = _first_after(s_cold, quick)
     over["seq:first"], over["seq:first-tau"] = float(f"{p_first:.4g}"), float(f"{tau:.4g}")
     tick("first op after a long one")
+    p_evict, tau_evict = _evict_after(quick)
+    if p_evict > 0:
+        eff["seq:evict"], over["seq:evict-tau"] = round(min(1.0, p_evict), 4), float(f"{tau_evict:.4g}")
+    tick("caches lost over a long op")
     return Measured(gemm, bw_copy, bw_triad, disp, eff, samples, time.perf_counter() - t0, torch.get_num_threads(),
                     over, bw_read=bw_read)
 
 
 def n_steps(quick: bool) -> int:
     """Number of ``tick`` calls :func:`measure` makes (for a progress bar)."""
-    return 3 * (2 if quick else 3) + 5 + _n_group_benchmarks(quick)
+    return 3 * (2 if quick else 3) + 6 + _n_group_benchmarks(quick)
 
 
 def _n_group_benchmarks(quick: bool) -> int:
     """``len(_group_benchmarks(quick))`` without allocating the benchmark tensors (checked in ``_fit_efficiency``)."""
-    n_mm, n_attn, n_sizes, n_gather = (4 + 3, 2, 2, 2) if quick else (12 + 3, 4, 4, 3)
-    return n_mm + n_attn + n_sizes * (8 + len(UNARY)) + n_gather + 8 + 1 + len(_native_specs(quick))
+    n_mm, n_attn, n_sizes, n_gather = (4 + 2 + 3, 2, 2, 2) if quick else (12 + 8 + 3, 4, 4, 3)
+    n_strided = 1 if quick else 3
+    return n_mm + n_attn + n_sizes * (8 + len(UNARY)) + n_strided + n_gather + 8 + 1 + len(_native_specs(quick))
 
 
 def host_spec(m: Measured, quick: bool) -> SocSpec:

@@ -539,6 +539,21 @@ def onednn_decided(ins: Instr, p: Program) -> bool:
     return bool(onednn.decided(rows, k, n, p.values[ins.outputs[0]].dtype))
 
 
+# Ops whose kernel the cost model prices by kind: multi-row products that ATen runs when oneDNN does not
+# (``aten:matmul`` keys), and views whose copy reads the source with strides (``aten.copy_.default:strided``).
+ATEN_PRODUCTS = ("aten.linear.default", "aten.addmm.default", "aten.mm.default")
+PERMUTING_VIEWS = ("aten.transpose.int", "aten.permute.default", "aten.t.default", "aten.swapaxes.default")
+
+
+def onednn_known(ins: Instr, p: Program) -> bool:
+    """Whether the kernel that runs ``ins`` is known: always, except for a oneDNN candidate whose choice has not
+    been measured (nor seeded) in this process."""
+    if ONEDNN_ATTR not in ins.attrs:
+        return True
+    rows, k, n = ins.attrs[ONEDNN_ATTR]
+    return onednn.decided(rows, k, n, p.values[ins.outputs[0]].dtype) is not None
+
+
 def resolved_kernels(p: Program, decide: Callable[[Instr], bool] | None = None) -> dict[int, str]:
     """Instruction id → the kernel that runs it: the recorded one, except ``onednn`` for a candidate that
     ``decide`` takes (default: the choice measured in this process, :func:`onednn_decided`) and ``view`` for a
