@@ -8,7 +8,8 @@ text is the sum.
 
 1. **Accuracy and energy.** Per problem: plain decoding (greedy; and one sample at each of --temperatures), then
    K ∈ --ks candidates decoded as one batch at each of --temperatures and chosen by ``best-of``, ``majority`` and
-   ``csvet`` (structural filter ``--match '\\d+'`` and ``--require-stop`` for all three). pass@1 = share of
+   ``csvet`` (structural filter ``--match '\\d+'`` and ``--require-stop`` for all three), each also with the
+   greedy anchor (candidate 0 decoded greedily, ``--greedy-anchor``). pass@1 = share of
    problems whose one chosen answer is right; pass@K (oracle) = share where any of the K candidates is right.
    Energy per problem is **modeled** (the SoC's cost model over every placed call of the request); time is
    **measured** here (compiles excluded).
@@ -81,8 +82,8 @@ def candidates(args, engine, problems, temp: float) -> list[dict]:
 
     rows = []
     for k in args.ks:
-        for mode in ("best-of", "majority", "csvet"):
-            sel = SelectParams(k=k, mode=mode, match=r"\d+", require_stop=True)
+        for mode, anchor in [(m, a) for a in (False, True) for m in ("best-of", "majority", "csvet")]:
+            sel = SelectParams(k=k, mode=mode, match=r"\d+", require_stop=True, greedy_anchor=anchor)
             hits, oracle, mj, secs, steps, early, rules = [], [], [], [], [], 0, {}
             for i, (a, b) in enumerate(problems):
                 p = SamplingParams(max_new_tokens=args.max_new, temperature=temp, seed=args.seed + 1000 * i)
@@ -95,14 +96,15 @@ def candidates(args, engine, problems, temp: float) -> list[dict]:
                 early += len(res.stopped_early)
                 for c in res.stopped_early:
                     rules[c.stopped_early["rule"]] = rules.get(c.stopped_early["rule"], 0) + 1
-            rows.append({"method": mode, "k": k, "temperature": temp,
+            rows.append({"method": mode + (" + greedy anchor" if anchor else ""), "k": k, "temperature": temp,
                          "pass_at_1": statistics.fmean(hits), "pass_at_k_oracle": statistics.fmean(oracle),
                          "modeled_mj_per_problem": statistics.fmean(mj),
                          "measured_ms_per_problem": 1e3 * statistics.fmean(secs),
                          "decode_steps": statistics.fmean(steps),
                          "stopped_early_share": early / (k * len(problems)), "early_rules": rules})
             r = rows[-1]
-            print(f"T={temp} {mode:9s} K={k}: pass@1 {r['pass_at_1']:.3f}, {r['modeled_mj_per_problem']:.2f} mJ "
+            print(f"T={temp} {r['method']:26s} K={k}: pass@1 {r['pass_at_1']:.3f}, "
+                  f"{r['modeled_mj_per_problem']:.2f} mJ "
                   f"(modeled), {r['measured_ms_per_problem']:.1f} ms (measured)", flush=True)
     return rows
 
@@ -216,6 +218,15 @@ def reading(doc: dict) -> list[str]:
                    f"{cs['pass_at_1'] - b['pass_at_1']:+.3f} at "
                    f"{cs['modeled_mj_per_problem'] / b['modeled_mj_per_problem']:.2f}× the energy; "
                    f"{cs['stopped_early_share']:.1%} of csvet's candidates stopped early.")
+    for t, k in [(t, k) for t in doc["meta"]["temperatures"] for k in doc["meta"]["ks"]]:
+        if ("csvet + greedy anchor", k, t) not in acc:
+            continue
+        parts = []
+        for m in ("csvet", "best-of", "majority"):
+            a = acc[(m + " + greedy anchor", k, t)]
+            parts.append(f"{m} {a['pass_at_1']:.3f} ({a['pass_at_1'] - g['pass_at_1']:+.3f} vs greedy, "
+                         f"{a['modeled_mj_per_problem'] / g['modeled_mj_per_problem']:.2f}× its energy)")
+        out.append(f"- With the greedy anchor (candidate 0 greedy), T={t:g}, K={k}: " + "; ".join(parts) + ".")
     for t, k in [(t, k) for t in doc["meta"]["temperatures"] for k in doc["meta"]["ks"]]:
         cs, one = acc[("csvet", k, t)], acc[("plain sampled", 1, t)]
         n = int(cs["modeled_mj_per_problem"] // one["modeled_mj_per_problem"])

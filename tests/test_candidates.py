@@ -104,6 +104,18 @@ def test_sampled_candidates_are_seeded_per_row_and_reproducible(engines):
         assert c.tokens == e.generate("37+45=", SamplingParams(max_new_tokens=5, temperature=1.0, seed=c.seed)).tokens
 
 
+def test_greedy_anchor_row_equals_the_greedy_run_and_the_others_still_sample(engines):
+    e = _engine(engines, "arith-demo")
+    params = SamplingParams(max_new_tokens=5, temperature=1.0, seed=7)
+    greedy = e.generate("37+45=", SamplingParams(max_new_tokens=5)).tokens
+    res = generate_candidates(e, "37+45=", params, SelectParams(k=4, mode="best-of", greedy_anchor=True))
+    assert res.candidates[0].greedy and res.candidates[0].tokens == greedy
+    plain = generate_candidates(e, "37+45=", params, SelectParams(k=4, mode="best-of"))
+    for a, b in zip(res.candidates[1:], plain.candidates[1:], strict=True):
+        assert not a.greedy and a.tokens == b.tokens  # rows 1.. draw exactly as without the anchor
+    assert res.to_dict()["candidates"][0]["greedy"] is True
+
+
 def test_candidate_energy_is_modeled_and_shared_out_exactly(engines):
     e = _engine(engines, "arith-demo")
     res = generate_candidates(e, "12+9=", SamplingParams(max_new_tokens=5, temperature=1.0),
@@ -213,6 +225,7 @@ def test_select_params_refuse_bad_values(kw, text):
     (["--candidates", "4", "--select", "vote"], "unknown --select 'vote'; allowed: csvet, best-of, majority"),
     (["--select", "vote"], "allowed: csvet, best-of, majority"),
     (["--candidates", "4", "--schema", "/nonexistent/s.json"], "does not exist"),
+    (["--greedy-anchor"], "--greedy-anchor needs --candidates K with K >= 2"),
 ])
 def test_run_candidates_bad_input_exits_2_with_one_line(args, text):
     r = CliRunner().invoke(app, ["run", "arith-demo", "-p", "1+2=", "--json", *args])

@@ -5,7 +5,9 @@ KV cache, and the K candidates are decoded together by the batched decode progra
 that holds them (``runtime.batched``). Each row has its own position, its own stop (end-of-text, token limit,
 stop strings) and its own seeded ``torch.Generator`` (candidate ``i`` uses ``seed + i``); sampling goes through
 Hugging Face's logits processors (repetition penalty, temperature, top-k, top-p) on the ``[rows, V]`` logits.
-At temperature 0 every row is greedy (and equals the single-sequence run).
+At temperature 0 every row is greedy (and equals the single-sequence run). With ``greedy_anchor`` candidate 0
+is decoded greedily at any temperature (it equals the plain greedy run) and the others sample, so selection
+chooses between the greedy answer and the samples.
 
 After every step the CSVET policy may stop live candidates early (``select.early_stops``); when the live rows
 fit a smaller batch tier, the cache is compacted and decoding goes on with the smaller (cheaper) program.
@@ -106,7 +108,7 @@ def generate_candidates(engine, prompt: str | list[int], params: SamplingParams,
     if fresh:
         compile_s[f"prefill-{tier}"] = prefill.total_s
     k = sel.k
-    cands = [Candidate(i, params.seed + i) for i in range(k)]
+    cands = [Candidate(i, params.seed + i, greedy=sel.greedy_anchor and i == 0) for i in range(k)]
     gens = [torch.Generator().manual_seed(c.seed) for c in cands]
     procs = processors(params)
     tok = engine.tokenizer
@@ -198,7 +200,7 @@ def _sample(rows: list[Candidate], logits: torch.Tensor, history: torch.Tensor, 
     ent = -(logp.exp() * logp.nan_to_num(neginf=0.0)).sum(-1)
     scores = procs(history, logits.clone()) if len(procs) else logits
     for b, c in enumerate(rows):
-        if params.greedy:
+        if params.greedy or c.greedy:  # temperature, top-k and top-p keep the argmax: greedy over the warped scores
             t = int(torch.argmax(scores[b]))
         else:
             probs = torch.softmax(scores[b], dim=-1)

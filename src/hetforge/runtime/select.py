@@ -63,6 +63,7 @@ class SelectParams:
     margin: float = 4.0  # nats behind the leader at no energy spent
     tau_hi: float = 0.9  # consensus share needed at no energy spent
     tau_lo: float = 0.5  # ... and at the whole budget spent
+    greedy_anchor: bool = False  # candidate 0 decodes greedily (the others sample): selection starts from greedy
 
     def __post_init__(self) -> None:
         if not 1 <= self.k <= MAX_CANDIDATES:
@@ -104,6 +105,7 @@ class Candidate:
     stop_reason: str = ""  # eos, length, stop string '...', or "stopped early: <rule>"
     stopped_early: dict[str, Any] | None = None  # rule, why, after_tokens, step, modeled_mj_spent, measured_s
     energy_mj: float = 0.0  # modeled: its share of every step it was decoded in (prefill shared equally)
+    greedy: bool = False  # decoded by argmax (the greedy anchor), not sampled
     answer: str | None = None
     verdict: str = ""  # "kept" or the filter that dropped it, with why
 
@@ -121,7 +123,8 @@ class Candidate:
         return not self.stop_reason
 
     def to_dict(self) -> dict[str, Any]:
-        return {"index": self.index, "seed": self.seed, "text": self.text, "tokens": self.tokens,
+        return {"index": self.index, "seed": self.seed, "greedy": self.greedy, "text": self.text,
+                "tokens": self.tokens,
                 "stop_reason": self.stop_reason, "stopped_early": self.stopped_early,
                 "score_logprob": round(self.score, 4), "mean_entropy_nats": round(self.mean_entropy, 4),
                 "modeled_energy_mj": round(self.energy_mj, 5), "answer": self.answer, "verdict": self.verdict}

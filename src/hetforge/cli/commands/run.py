@@ -86,6 +86,8 @@ def run(
                                       "by the token limit"),
     max_entropy: float = typer.Option(1.5, "--max-entropy", help="entropy filter: drop candidates whose mean token "
                                       "entropy is above this (nats)"),
+    greedy_anchor: bool = typer.Option(False, "--greedy-anchor", help="with --candidates: candidate 0 decodes "
+                                       "greedily, the others sample (selection starts from the greedy answer)"),
     inject_fault: str = typer.Option(None, "--inject-fault",
                                      help="DEVICE@TOKEN: the device fails while that new token is computed; the "
                                           "runtime re-plans onto the survivors and goes on"),
@@ -121,7 +123,9 @@ def run(
     from hetforge.errors import UsageError
     from hetforge.runtime import SamplingParams
 
-    sel = select_params(candidates, select, match, schema, require_stop, max_entropy)
+    sel = select_params(candidates, select, match, schema, require_stop, max_entropy, greedy_anchor)
+    if greedy_anchor and candidates == 1:
+        raise UsageError("--greedy-anchor needs --candidates K with K >= 2 (it makes candidate 0 greedy)")
     if candidates != 1 and (report is not None or trace is not None):
         raise UsageError("--report and --trace describe one generation; they cannot be combined with --candidates")
 
@@ -331,7 +335,7 @@ def write_generation_report(path: Path, engine, gen, prompt: str, params, model:
 
 
 def select_params(k: int, mode: str, match: str | None, schema: Path | None, require_stop: bool,
-                  max_entropy: float):
+                  max_entropy: float, greedy_anchor: bool = False):
     """The validated :class:`~hetforge.runtime.select.SelectParams` of ``hetforge run --candidates``."""
     import json
 
@@ -348,7 +352,8 @@ def select_params(k: int, mode: str, match: str | None, schema: Path | None, req
             raise UsageError(f"--schema file '{schema}' is not JSON: {e}") from None
         if not isinstance(doc, dict):
             raise UsageError(f"--schema file '{schema}' must hold a JSON object (a JSON schema)")
-    return SelectParams(k=k, mode=mode, match=match, schema=doc, require_stop=require_stop, max_entropy=max_entropy)
+    return SelectParams(k=k, mode=mode, match=match, schema=doc, require_stop=require_stop, max_entropy=max_entropy,
+                        greedy_anchor=greedy_anchor)
 
 
 def run_candidates(engine, prompt: str, params, sel, json_out: bool, strategy: str) -> None:
