@@ -5,32 +5,15 @@ import math
 
 import pytest
 import torch
+from cost_helpers import F32, T, call, dev  # noqa: F401
 
 from hetforge.cost import CacheContext, cost_mode, estimate, estimate_instr, estimate_parts, estimate_program
 from hetforge.cost.composite import decompose
 from hetforge.cost.instr import op_call_from_instr
 from hetforge.cost.model import op_keys, weight_rows
 from hetforge.hardware.calibrate import fit_group, fit_rows, fit_saturating
-from hetforge.hardware.profile import DeviceProfile, SocProfile, row_band
-from hetforge.ops import OpCall, TensorMeta, lookup
-
-F32 = torch.float32
-
-
-def T(*shape, dtype=F32):
-    return TensorMeta(tuple(shape), dtype)
-
-
-def dev(**kw) -> DeviceProfile:
-    base = dict(name="cpu", kind="cpu", peak_flops={"fp32": 1e11}, mem_bandwidth=2e10, mem_capacity=10**10,
-                tdp_w=10.0, idle_w=1.0, dispatch_s=3e-6)
-    base.update(kw)
-    return DeviceProfile(**base)
-
-
-def call(op, args, outs, **kwargs):
-    return OpCall(op, tuple(args), kwargs, tuple(outs))
-
+from hetforge.hardware.profile import SocProfile, row_band
+from hetforge.ops import lookup
 
 # ------------------------------------------------------------------ fits
 

@@ -3,28 +3,9 @@ its docstring says, and a profile or program without it keeps the old figure."""
 
 import pytest
 import torch
+from cost_helpers import F32, T, call, dev  # noqa: F401
 
 from hetforge.cost import estimate, estimate_parts
-from hetforge.hardware.profile import DeviceProfile
-from hetforge.ops import OpCall, TensorMeta
-
-F32 = torch.float32
-
-
-def T(*shape, dtype=F32):
-    return TensorMeta(tuple(shape), dtype)
-
-
-def dev(**kw) -> DeviceProfile:
-    base = dict(name="cpu", kind="cpu", peak_flops={"fp32": 1e11}, mem_bandwidth=2e10, mem_capacity=10**10,
-                tdp_w=10.0, idle_w=1.0, dispatch_s=3e-6)
-    base.update(kw)
-    return DeviceProfile(**base)
-
-
-def call(op, args, outs, **kwargs):
-    return OpCall(op, tuple(args), kwargs, tuple(outs))
-
 
 # ------------------------------------------------------------------ oneDNN-fused products
 
