@@ -16,7 +16,10 @@ from test_cluster_plan import LINK, small_soc
 
 from hetforge.cluster.spec import load_cluster
 
-pytest.importorskip("ray", reason="the cluster extra (pip install 'hetforge[cluster]') is not installed")
+# Ray is an optional extra: `make install` (and CI) installs it; a user who installed hetforge without it has no
+# cluster commands to test.
+pytest.importorskip("ray", reason="Ray is not installed: it comes with the cluster extra (`make install`, or "
+                                  "pip install -e '.[cluster]')")
 
 MAX_NEW = 6
 PROMPT = "Once upon a time"

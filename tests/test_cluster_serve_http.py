@@ -14,11 +14,14 @@ import urllib.error
 import urllib.request
 
 import pytest
+from test_cluster_ray import cluster_file
 
-from tests.test_cluster_ray import cluster_file
-
-pytest.importorskip("ray.serve", reason="the cluster extra (pip install 'hetforge[cluster]') is not installed")
-pytest.importorskip("starlette", reason="Ray Serve's HTTP dependencies are not installed")
+# Ray Serve and its HTTP stack come with the cluster extra (`make install`, and CI, install it); without it
+# `cluster serve --http` refuses to start, so there is nothing to test.
+pytest.importorskip("ray.serve", reason="Ray Serve is not installed: it comes with the cluster extra "
+                                        "(`make install`, or pip install -e '.[cluster]')")
+pytest.importorskip("starlette", reason="Ray Serve's HTTP server (starlette) is not installed: pip install -e "
+                                        "'.[cluster]' brings it")
 
 PROMPTS = ["Once upon a time", "The little girl", "In the morning the", "He looked at the", "She said that",
            "The dog ran"]
