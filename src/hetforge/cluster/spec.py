@@ -48,26 +48,22 @@ class NodeSpec(BaseModel):
     memory_bytes: PositiveFigure | None = None  # this machine's DRAM when smaller than its SoC profile's maximum
 
 
-class NetLinkSpec(BaseModel):
-    """A network path between two nodes."""
+class DefaultLinkSpec(BaseModel):
+    """A network path's figures: the link between every pair of nodes the file does not name."""
 
     model_config = ConfigDict(extra="forbid")
+
+    kind: str = "network"
+    bandwidth: PositiveFigure
+    latency_s: Figure
+    energy_per_byte_j: Figure
+
+
+class NetLinkSpec(DefaultLinkSpec):
+    """A network path between two nodes."""
 
     a: str
     b: str
-    kind: str = "network"
-    bandwidth: PositiveFigure
-    latency_s: Figure
-    energy_per_byte_j: Figure
-
-
-class DefaultLinkSpec(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    kind: str = "network"
-    bandwidth: PositiveFigure
-    latency_s: Figure
-    energy_per_byte_j: Figure
 
 
 class ClusterSpec(BaseModel):

@@ -533,10 +533,15 @@ def with_kernels(p: Program, planned, device_map: dict[str, torch.device], mode:
     return lower_kernels(q, planned, device_map, mode)
 
 
+def _onednn_choice(ins: Instr, p: Program) -> bool | None:
+    """The choice measured in this process for a oneDNN candidate (None when not measured)."""
+    rows, k, n = ins.attrs[ONEDNN_ATTR]
+    return onednn.decided(rows, k, n, p.values[ins.outputs[0]].dtype)
+
+
 def onednn_decided(ins: Instr, p: Program) -> bool:
     """Whether oneDNN runs a candidate, by the choice measured in this process (False when not measured)."""
-    rows, k, n = ins.attrs[ONEDNN_ATTR]
-    return bool(onednn.decided(rows, k, n, p.values[ins.outputs[0]].dtype))
+    return bool(_onednn_choice(ins, p))
 
 
 # Ops whose kernel the cost model prices by kind: multi-row products that ATen runs when oneDNN does not
@@ -548,10 +553,7 @@ PERMUTING_VIEWS = ("aten.transpose.int", "aten.permute.default", "aten.t.default
 def onednn_known(ins: Instr, p: Program) -> bool:
     """Whether the kernel that runs ``ins`` is known: always, except for a oneDNN candidate whose choice has not
     been measured (nor seeded) in this process."""
-    if ONEDNN_ATTR not in ins.attrs:
-        return True
-    rows, k, n = ins.attrs[ONEDNN_ATTR]
-    return onednn.decided(rows, k, n, p.values[ins.outputs[0]].dtype) is not None
+    return ONEDNN_ATTR not in ins.attrs or _onednn_choice(ins, p) is not None
 
 
 def resolved_kernels(p: Program, decide: Callable[[Instr], bool] | None = None) -> dict[int, str]:
