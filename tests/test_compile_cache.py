@@ -56,6 +56,21 @@ def test_any_weight_change_is_another_key(cache):
         != compile_cache.key_of(doc2)  # options are in the key too
 
 
+def test_a_source_change_outside_the_runtime_changes_the_digest(monkeypatch):
+    """Any hetforge source change (a pass, the cost model, lowering) must invalidate cached programs, not only a
+    change in hetforge/runtime/ where the cache module lives."""
+    from pathlib import Path
+
+    import hetforge
+
+    before = compile_cache.source_digest()
+    target = Path(hetforge.__file__).resolve().parent / "passes" / "__init__.py"
+    real = Path.read_bytes
+    monkeypatch.setattr(Path, "read_bytes", lambda self: real(self) + b"#" if self == target else real(self))
+    monkeypatch.setattr(compile_cache, "_source_digest", [])
+    assert compile_cache.source_digest() != before
+
+
 def test_captured_module_and_input_shapes_are_in_the_key(cache):
     """A batched decode and a batch-1 decode of one cache length are different programs: different keys."""
     from hetforge.runtime.batched import BatchedDecodeModule

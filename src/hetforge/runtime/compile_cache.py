@@ -70,7 +70,7 @@ def cache_dir() -> Path:
 def source_digest() -> str:
     """sha256 of hetforge's own source files (a development checkout changes without a version bump)."""
     if not _source_digest:
-        root = Path(__file__).resolve().parent
+        root = Path(__file__).resolve().parents[1]  # the hetforge package (this file is in hetforge/runtime/)
         h = hashlib.sha256()
         for p in sorted(root.rglob("*")):
             if p.suffix in (".py", ".c") and p.is_file():
