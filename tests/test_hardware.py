@@ -175,3 +175,34 @@ def test_socs_cli_json():
     assert r.exit_code == 0, r.output
     names = [s["name"] for s in json.loads(r.output)["socs"]]
     assert set(REQUIRED) <= set(names)
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_weight_only_quantized_ops_run_on_every_cpu_and_gpu_integer_activations_need_int8(name):
+    """Weight-only int4/int8 is unpacked inside the kernel on a CPU or GPU (no integer compute rate needed);
+    int8 activations need the unit to list int8; an NPU must list the weight type too."""
+    for d in load_soc(name).devices:
+        gaps4 = d.quant_gaps("hetforge.linear_w4.default")
+        gaps8a8 = d.quant_gaps("hetforge.linear_w8a8.default")
+        if d.kind in ("cpu", "gpu"):
+            assert gaps4 == [] and d.supports("hetforge.linear_w4.default")
+        else:
+            assert (gaps4 == []) == ("int4" in d.dtypes)
+        assert (gaps8a8 == []) == ("int8" in d.dtypes), (name, d.name, gaps8a8)
+        assert d.supports("hetforge.linear_w8a8.default") == ("int8" in d.dtypes)
+
+
+def test_quantized_placement_refusal_names_the_missing_integer_type():
+    from hetforge.frontend import capture
+    from hetforge.models.zoo import example_inputs, load_model
+    from hetforge.placement.costs import NodeCosts
+    from hetforge.quant import quantize_graph
+
+    soc = load_soc("apple-m2-max")  # cpu and gpu list no int8 compute; the npu does
+    lm = load_model("llama-tiny")
+    gm = quantize_graph(capture(lm.logits_module(), example_inputs(lm, seq=8)).gm, "w8a8").gm
+    costs = NodeCosts.build(gm, soc)
+    node = next(n for n in costs.nodes if costs.ops[n.name] == "hetforge.linear_w8a8.default").name
+    assert costs.why_not(node, "npu") is None
+    why = costs.why_not(node, "cpu")
+    assert why is not None and "activations in int8" in why and "fp16, fp32" in why

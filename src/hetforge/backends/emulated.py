@@ -78,6 +78,8 @@ def check_constraints(part: Partition, device, policy: str = "exact") -> tuple[l
         if n.op == "get_attr":
             t = fetch_attr(part.gm, str(n.target))
             vals = [t] if isinstance(t, torch.Tensor) else vals
+            if _feeds_only_quantized_ops(n, device):
+                vals = []
         for t in vals:
             if device.static_shapes and any(not isinstance(s, int) for s in t.shape):
                 out.append(Violation(n.name, op,
@@ -100,19 +102,19 @@ def check_constraints(part: Partition, device, policy: str = "exact") -> tuple[l
 
 
 def _quantized_dtypes(n, op: str, device, dtypes: set[str]) -> list[Violation]:
-    """A quantized op (registry attrs ``weight_dtype`` / ``act_dtype``) needs those integer dtypes on the device."""
+    """A quantized op needs its integer types on the device (:meth:`DeviceProfile.quant_gaps` says which)."""
+    return [Violation(n.name, op, f"{gap}, not in {device.name}'s dtypes {sorted(dtypes)}")
+            for gap in device.quant_gaps(op)]
+
+
+def _feeds_only_quantized_ops(n, device) -> bool:
+    """True for a weight read only by quantized ops the device runs (their rule covers its integer type)."""
+    from hetforge.frontend import op_name
     from hetforge.ops.registry import lookup
 
-    info = lookup(op)
-    if info is None or not info.attrs.get("quantized"):
-        return []
-    out = []
-    for role in ("weight_dtype", "act_dtype"):
-        want = str(info.attrs.get(role, ""))
-        if want.startswith("int") and want not in dtypes:
-            out.append(Violation(n.name, op, f"{role.split('_')[0]}s in {want}, not in {device.name}'s dtypes "
-                                             f"{sorted(dtypes)}"))
-    return out
+    users = list(n.users)
+    return bool(users) and all(u.op == "call_function" and (info := lookup(op_name(u))) is not None
+                               and info.attrs.get("quantized") and not device.quant_gaps(op_name(u)) for u in users)
 
 
 def peak_activation_bytes(part: Partition) -> int:

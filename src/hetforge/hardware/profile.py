@@ -82,10 +82,30 @@ class DeviceProfile:
             return True
         if self.kind not in info.devices:
             return False
-        if info.attrs.get("quantized") and self.dtypes:  # a quantized op needs its integer types here
-            need = {str(info.attrs.get(r, "")) for r in ("weight_dtype", "act_dtype")}
-            return all(d in self.dtypes for d in need if d.startswith("int"))
-        return True
+        return not self.quant_gaps(op_name)
+
+    def quant_gaps(self, op_name: str) -> list[str]:
+        """What a quantized op needs that this unit lacks, e.g. ``["weights in int4"]``; empty for other ops.
+
+        Integer activations need the unit to compute in that type (it must be in ``dtypes``). Weight-only formats
+        are unpacked to a float type inside the kernel, which any programmable CPU or GPU does (llama.cpp's
+        Q4_0 / Q8_0 run on every CPU and GPU backend), so only an NPU must list the weight type. A profile
+        without ``dtypes`` constrains nothing.
+        """
+        from hetforge.ops.registry import lookup
+
+        info = lookup(op_name)
+        if info is None or not info.attrs.get("quantized") or not self.dtypes:
+            return []
+        gaps = []
+        for role, label in (("weight_dtype", "weights"), ("act_dtype", "activations")):
+            want = str(info.attrs.get(role, ""))
+            if not want.startswith("int") or want in self.dtypes:
+                continue
+            if role == "weight_dtype" and self.kind in ("cpu", "gpu"):
+                continue
+            gaps.append(f"{label} in {want}")
+        return gaps
 
     def peak(self, dtype: str) -> float:
         """Peak rate for ``dtype``; without a native rate, the best floating-point rate the unit has.

@@ -67,6 +67,9 @@ class NodeCosts:
         dev = self.soc.device(device)
         if op in dev.unsupported_ops:
             return f"{op} is in the {device} profile's unsupported ops"
+        gaps = dev.quant_gaps(op)
+        if gaps:
+            return f"{op} needs {' and '.join(gaps)}; the {device} profile lists {', '.join(sorted(dev.dtypes))}"
         info = lookup(op)
         kinds = ",".join(sorted(info.devices)) if info is not None else "?"
         return f"op registry: {op} runs on {kinds} only, not on a {dev.kind}"
