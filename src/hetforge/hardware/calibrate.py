@@ -380,8 +380,8 @@ def _native_specs(quick: bool) -> list[tuple[str, tuple, dict]]:
         ("layer_norm", ((1, 1, 768), (768,), (768,)), {}), ("layer_norm", ((1, 128, 768), (768,), (768,)), {}),
         ("rotary", ((1, 12, 1, 64),), {}), ("rotary", ((1, 32, 1, 128),), {}),
         ("kv_attention", (128,), {}), ("kv_attention", (512,), {}),
-        ("linear_act", ((1, 1, 768), (3072, 768)), {"act": "gelu_tanh"}),
-        ("linear_act", ((1, 1, 3072), (3072, 768)), {"act": "relu"}),
+        ("linear_act", ((1, 1, 768), (3072, 768)), {"act": "none"}),  # the activation: _native_act_costs
+        ("linear_act", ((1, 1, 3072), (3072, 768)), {"act": "none"}),
         ("gated_mlp", ((1, 1, 768), (2048, 768), (2048, 768), (768, 2048)), {}),
         ("gated_mlp", ((1, 1, 512), (1024, 512), (1024, 512), (512, 1024)), {}),
         ("linear_w8", ((1, 1, 768), (3072, 768)), {}), ("linear_w8", ((1, 1, 768), (768, 768)), {}),
@@ -566,6 +566,39 @@ def fit_group(pts: list[tuple[float, float]], dispatch: float = 0.0) -> tuple[fl
         o, k = 0.0, (b2 / a22 if a22 > 0 else 1.0)
     e = 1.0 / k if k > 0 else EFF_MAX
     return min(EFF_MAX, max(EFF_MIN, e)), o
+
+
+ACT_SHAPE = (8, 2048)  # [K, N] of the activation benchmark: 8 weight rows (hot, a negligible product), 2048 outputs
+
+
+def _native_act_costs(quick: bool) -> dict[str, float]:
+    """``native:hetforge.linear_act.default:act:<act>``: seconds per output element that ``hf_linear_act`` spends on
+    its activation, measured directly — a one-row product over 8 weight rows (so the product itself is a few µs) with
+    the activation and with ``none``, each the best of many calls, interleaved in rounds: ``(t_act − t_none)/N``,
+    ≥ 0, median over the rounds. Measured this way rather than as the difference of two cold products, whose
+    noise on a loaded host (±10 ns per output) is larger than the term. Empty without the native kernels."""
+    from hetforge.kernels import native
+
+    lib = native.library()
+    if lib is None:
+        return {}
+    k, n = ACT_SHAPE
+    nt = torch.get_num_threads
+    w, x, y, part = _rn(k, n), _rn(k), torch.empty(n), torch.empty(max(2, os.cpu_count() or 1), n)
+
+    def runner(code: int) -> Callable[[], object]:
+        return lambda: lib.hf_linear_act(w.data_ptr(), x.data_ptr(), None, y.data_ptr(), n, k, 1, code, nt(),
+                                         part.data_ptr(), part.shape[0])
+
+    out, base = {}, runner(native.ACT_CODES["none"])
+    for act, code in native.ACT_CODES.items():
+        if act == "none":
+            continue
+        fn = runner(code)
+        diffs = [_best_time(fn, 20, 0.005 if quick else 0.02) - _best_time(base, 20, 0.005 if quick else 0.02)
+                 for _ in range(3 if quick else 5)]
+        out[f"native:hetforge.linear_act.default:act:{act}"] = float(f"{max(0.0, statistics.median(diffs)) / n:.4g}")
+    return out
 
 
 def _passes(quick: bool) -> int:
@@ -871,13 +904,15 @@ def _measure(quick: bool, tick: Progress) -> Measured:
     if p_evict > 0:
         eff["seq:evict"], over["seq:evict-tau"] = round(min(1.0, p_evict), 4), float(f"{tau_evict:.4g}")
     tick("caches lost over a long op")
+    over.update(_native_act_costs(quick))
+    tick("native activations")
     return Measured(gemm, bw_copy, bw_triad, disp, eff, samples, time.perf_counter() - t0, torch.get_num_threads(),
                     over, bw_read=read.bytes_per_s, read=read)
 
 
 def n_steps(quick: bool) -> int:
     """Number of ``tick`` calls :func:`measure` makes (for a progress bar)."""
-    return 3 * (2 if quick else 3) + 6 + _n_group_benchmarks(quick)
+    return 3 * (2 if quick else 3) + 7 + _n_group_benchmarks(quick)
 
 
 def _n_group_benchmarks(quick: bool) -> int:
