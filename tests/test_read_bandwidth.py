@@ -71,3 +71,26 @@ def test_cost_model_prices_a_memory_bound_one_row_product_at_the_read_bandwidth(
     assert c.bound == "memory"
     assert c.time_s == pytest.approx(c.bytes / r.bytes_per_s + cpu.dispatch_s, rel=1e-6)
     assert c.bytes >= 768 * 3072 * 4
+
+
+def test_native_activation_is_costed_per_output_element_from_the_profile(tmp_path):
+    """A native ``linear_act`` pays ``overhead_s['native:<op>:act:<act>']`` per output element on top of its
+    product; ``none`` and a profile without the key pay nothing more."""
+    import dataclasses
+
+    from hetforge.cost import estimate_parts
+    from hetforge.hardware import load_soc
+
+    host = load_soc("host").device("cpu")
+    cpu = dataclasses.replace(host, overhead_s={k: v for k, v in host.overhead_s.items() if ":act:" not in k})
+    x, w = TensorMeta((1, 1, 768), torch.float32), TensorMeta((3072, 768), torch.float32)
+    out = (TensorMeta((1, 1, 3072), torch.float32),)
+
+    def cost(dev, act: str) -> float:
+        call = OpCall("hetforge.linear_act.default", (x, w, None, act, False), {}, out)
+        return estimate_parts(call, dev, native=True)[0][1].time_s
+
+    key = "native:hetforge.linear_act.default:act:gelu_tanh"
+    with_term = dataclasses.replace(cpu, overhead_s={**cpu.overhead_s, key: 1e-8})
+    assert cost(with_term, "gelu_tanh") - cost(cpu, "gelu_tanh") == pytest.approx(3072 * 1e-8, rel=1e-6)
+    assert cost(with_term, "none") == pytest.approx(cost(cpu, "none"))
