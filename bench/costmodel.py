@@ -239,6 +239,21 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _bandwidth_line(res: dict) -> str:
+    """The profile's memory bandwidth and how it was measured (β_read, or the older copy/triad figure)."""
+    dev = (res.get("host") or {}).get("devices", [{}])[0]
+    bw, src = dev.get("mem_bandwidth"), dev.get("sources", {}).get("mem_bandwidth", {}).get("source", "")
+    if not bw:
+        return "- Memory bandwidth: not recorded in this JSON."
+    if "read bandwidth (docs/arch" in src:
+        return (f"- Memory bandwidth: β_read = {bw / 1e9:.2f} GB/s (measured; [definition]"
+                "(../arch/hardware-cost.md#read-bandwidth)); the DRAM-streaming micro-benchmarks (one-row products, "
+                "native row kernels) are timed with its statistic — per pool copy the best of the passes, averaged "
+                "over the pool — the statistic this bench takes per instruction.")
+    return (f"- Memory bandwidth: {bw / 1e9:.2f} GB/s, the better of copy and triad (calibration before β_read); "
+            "micro-benchmarks timed as the best single call over their pool.")
+
+
 def page(res: dict, json_path: Path) -> str:
     """The accuracy page (in sample, and out of sample where those models ran), generated from the bench JSON
     (no figure typed by hand)."""
@@ -268,6 +283,7 @@ def page(res: dict, json_path: Path) -> str:
              "preemption but not shared caches and memory bandwidth.",
              f"- Calibration: {res['calibration_seconds']:.1f} s (measured, wall)." if res.get("calibration_seconds")
              else f"- Calibration: profile `{res['profile']}`.",
+             _bandwidth_line(res),
              "- **In sample** (`gpt2`, `llama-110m`): calibration measures their exact product widths (K = 768, "
              "N = 768/3072/2048-gated), 12 × 64 attention heads and their FFN shapes. **Out of sample** "
              f"(`{'`, `'.join(OUT_OF_SAMPLE)}`): hidden 1536 / 1024, 16 heads of 96 / 64, FFN 4096 — none of these "

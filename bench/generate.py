@@ -11,15 +11,11 @@ seeded prompt (interleaved, so drift hits both). Greedy, end-of-text ignored by 
 * HF time to first token = wall time of ``generate(max_new_tokens=1)``; HF decode ms/token =
   (``generate(max_new_tokens=N)`` − that) / (N − 1). hetforge's figures come from its own per-step
   timers (prefill + first sample; mean decode step). All wall-clock, measured.
-* Bandwidth bounds: bytes a decode step must read (every weight except the unused rows of input-only
-  embedding tables, plus the live KV rows at the mean context) ÷ a measured bandwidth, at the bench's
-  thread count. Three are reported: **copy/triad** (what ``hetforge calibrate`` writes into the ``host``
-  profile's ``mem_bandwidth``: the better of copy and triad over 128 MiB); **read stream** (one read-only
-  pass over 512 MiB, best of 5, read as hetforge's GEMVs read: four streams per thread; ``hetforge
-  calibrate`` records it too); and **weights read**: the measured time to read the model's own weights
-  once with that kernel — the bandwidth of the very pages the weights sit on, which on this VM differs
-  from buffer to buffer (38–56 GB/s for one 154 MB tensor). The first two are modeled from measured
-  inputs, the third is measured.
+* Bandwidth bound (modeled from a measured bandwidth): bytes a decode step must read (every weight except the
+  unused rows of input-only embedding tables, plus the live KV rows at the mean context) ÷ β_read, the one
+  read bandwidth hetforge defines (docs/arch/hardware-cost.md#read-bandwidth;
+  ``hetforge.hardware.bandwidth.read_bandwidth``, the figure ``hetforge calibrate`` writes as the profile's
+  bandwidth), measured here at the bench's thread count. A ratio below 1.0 means the bound is wrong.
   For a quantized run the linears' weights count at their quantized size (int8 + fp32 scales).
 * ``--quantize``: one hetforge row per scheme (``none`` = fp32, the same precision as HF). A quantized
   row is *not* the same computation as HF's fp32 one: its tokens are compared with HF's (length of the
@@ -41,50 +37,12 @@ from hetforge.models.zoo import load_model
 from hetforge.runtime import Engine, SamplingParams
 
 
-def read_bandwidth() -> float:
-    """Measured bytes/s of one read-only pass over 512 MiB, best of 5, read as hetforge's GEMVs read
-    (``hetforge.hardware.calibrate.read_stream_bandwidth``; what ``hetforge calibrate`` also records)."""
-    from hetforge.hardware.calibrate import read_stream_bandwidth
+def read_bandwidth() -> tuple[float, str]:
+    """β_read at the bench's thread count and its method (measured; docs/arch/hardware-cost.md#read-bandwidth)."""
+    from hetforge.hardware.bandwidth import read_bandwidth as measure_read
 
-    return read_stream_bandwidth(512 * 2**20, 5)
-
-
-def weights_read_s(model, repeat: int = 5) -> float:
-    """Measured seconds to read every weight a decode step reads once (input-only embedding tables left out:
-    a step reads one row of them), with the same read kernel, best of ``repeat``.
-
-    This is bytes ÷ the bandwidth of the very pages the weights live on: on this VM the bandwidth of a
-    buffer depends on where it lands in memory (38-56 GB/s for one 154 MB tensor), so a probe buffer
-    elsewhere can be faster or slower than the weights themselves."""
-    from hetforge.kernels import native
-
-    out_emb = model.get_output_embeddings().weight
-    seen, tensors = set(), []
-    for name, p in model.named_parameters():
-        if p.data_ptr() in seen:
-            continue
-        seen.add(p.data_ptr())
-        if isinstance(_owner(model, name), torch.nn.Embedding) and p.data_ptr() != out_emb.data_ptr():
-            continue
-        tensors.append(p.detach())
-    lib, threads = native.library(), torch.get_num_threads()
-    best = float("inf")
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        for t in tensors:
-            if lib is not None and t.dtype == torch.float32 and t.is_contiguous():
-                lib.hf_read_stream(t.data_ptr(), t.numel(), threads)
-            else:
-                t.sum()
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
-def calibrated_bandwidth() -> float:
-    """The ``host`` profile's bandwidth, measured as ``hetforge calibrate`` does (max of copy and triad)."""
-    from hetforge.hardware.calibrate import _bandwidth
-
-    return max(_bandwidth(128 * 2**20, 2.0))
+    r = measure_read()
+    return r.bytes_per_s, r.method
 
 
 def decode_bytes(model, kv_bytes_per_pos: int, mean_ctx: float) -> int:
@@ -166,7 +124,6 @@ def bench_model(name: str, args, bw: float) -> dict:
             ours[scheme]["ttft"].append(r.ttft_s)
             ours[scheme]["dec"].append(r.decode_ms_per_token / 1e3)
             ours[scheme]["prefix"].append(common_prefix(r.tokens, hf_tokens))
-    wread = weights_read_s(model)
     first = warm[args.quantize[0]]
     cache = engines[args.quantize[0]].programs.cache(first.cache_length)
     per_pos = cache.nbytes // cache.length
@@ -186,8 +143,6 @@ def bench_model(name: str, args, bw: float) -> dict:
             "ttft_ratio_vs_hf": statistics.median(o["ttft"]) / statistics.median(hf_ttft),
             "decode_bytes_per_token": need_q, "bandwidth_bound_s_per_token": need_q / bw,
             "decode_ratio_vs_bound": statistics.median(o["dec"]) / (need_q / bw),
-            "decode_ratio_vs_calibrated_bound": statistics.median(o["dec"]) / (need_q / args.bw_cal),
-            "decode_ratio_vs_weights_read": statistics.median(o["dec"]) / wread if scheme == "none" else None,
             "tokens_equal_to_hf_prefix": min(o["prefix"]), "same_tokens_as_hf": min(o["prefix"]) == n,
         }
     return {
@@ -197,28 +152,24 @@ def bench_model(name: str, args, bw: float) -> dict:
         "kv_cache_bytes": first.kv_cache_bytes,
         "hf": {"ttft_s": st(hf_ttft), "decode_s_per_token": st(hf_dec), "decode_bytes_per_token": need,
                "bandwidth_bound_s_per_token": need / bw,
-               "decode_ratio_vs_bound": statistics.median(hf_dec) / (need / bw),
-               "decode_ratio_vs_calibrated_bound": statistics.median(hf_dec) / (need / args.bw_cal),
-               "weights_read_s": wread, "decode_ratio_vs_weights_read": statistics.median(hf_dec) / wread},
+               "decode_ratio_vs_bound": statistics.median(hf_dec) / (need / bw)},
         "hetforge": runs,
     }
 
 
-def table(results: list[dict], bw: float, bw_cal: float) -> str:
+def table(results: list[dict], bw: float) -> str:
     rows = ["| model | system | TTFT median (min) ms | decode median (min) ms/token | decode ÷ HF median (min) | "
-            "decode ÷ bound: copy/triad / read stream / weights read | tokens equal to HF |",
+            "decode ÷ bound (β_read) | tokens equal to HF |",
             "|---|---|---|---|---|---|---|"]
     for r in results:
         h = r["hf"]
         rows.append(f"| {r['model']} | HF eager generate (fp32) | {_ms(h['ttft_s'])} | "
-                    f"{_ms(h['decode_s_per_token'], 2)} | 1 | {h['decode_ratio_vs_calibrated_bound']:.2f} / "
-                    f"{h['decode_ratio_vs_bound']:.2f} / {h['decode_ratio_vs_weights_read']:.2f} | — |")
+                    f"{_ms(h['decode_s_per_token'], 2)} | 1 | {h['decode_ratio_vs_bound']:.2f} | — |")
         for scheme, o in r["hetforge"].items():
             prec = "fp32" if scheme == "none" else scheme
             rows.append(f"| {r['model']} | hetforge ({o['executor']}, {prec}) | {_ms(o['ttft_s'])} | "
                         f"{_ms(o['decode_s_per_token'], 2)} | {o['decode_ratio_vs_hf']:.2f} "
-                        f"({o['decode_ratio_vs_hf_min']:.2f}) | {o['decode_ratio_vs_calibrated_bound']:.2f} / "
-                        f"{o['decode_ratio_vs_bound']:.2f} / {_ratio(o['decode_ratio_vs_weights_read'])} | "
+                        f"({o['decode_ratio_vs_hf_min']:.2f}) | {o['decode_ratio_vs_bound']:.2f} | "
                         f"{o['tokens_equal_to_hf_prefix']}/{r['new_tokens']} |")
     rows.append("")
     for r in results:
@@ -226,17 +177,11 @@ def table(results: list[dict], bw: float, bw_cal: float) -> str:
                            f"{o['decode_bytes_per_token'] / 1e6:.1f} MB" for s, o in r["hetforge"].items())
         comp = "; ".join(f"{s}: " + ", ".join(f"{k} {v:.1f} s" for k, v in o["compile_s"].items())
                          for s, o in r["hetforge"].items())
-        rows.append(f"- {r['model']}: read-stream bound at {bw / 1e9:.1f} GB/s: {bounds}; weights read (measured) "
-                    f"{1e3 * r['hf']['weights_read_s']:.2f} ms; prefill tier {r['prefill_tier']}, "
+        rows.append(f"- {r['model']}: bound at β_read = {bw / 1e9:.1f} GB/s (measured): {bounds}; "
+                    f"prefill tier {r['prefill_tier']}, "
                     f"KV cache {r['kv_cache_length']} positions = {r['kv_cache_bytes'] / 2**20:.1f} MiB; "
                     f"compiled (measured) {comp}")
-    rows.append(f"- copy/triad bandwidth {bw_cal / 1e9:.1f} GB/s (the profile's `mem_bandwidth` from `hetforge "
-                f"calibrate`): those bounds are the read-stream bounds × {bw / bw_cal:.2f}")
     return "\n".join(rows)
-
-
-def _ratio(x: float | None) -> str:
-    return "—" if x is None else f"{x:.2f}"
 
 
 def _ms(s: dict, nd: int = 1) -> str:
@@ -256,22 +201,21 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    bw = read_bandwidth()
-    args.bw_cal = calibrated_bandwidth()
+    bw, bw_method = read_bandwidth()
     machine = {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(), "threads": args.threads,
                "torch": torch.__version__, "load_avg_start": os.getloadavg()}
-    print(f"bandwidth (measured): read stream {bw / 1e9:.2f} GB/s, copy/triad {args.bw_cal / 1e9:.2f} GB/s; "
+    print(f"read bandwidth β_read (measured): {bw / 1e9:.2f} GB/s ({bw_method}); "
           f"machine {machine}", flush=True)
     results = []
     for name in args.models:
         results.append(bench_model(name, args, bw))
         print(json.dumps(results[-1], indent=1, default=str), flush=True)
     machine["load_avg_end"] = os.getloadavg()
-    print(table(results, bw, args.bw_cal))
+    print(table(results, bw))
     if args.json:
         tmp = args.json + ".tmp"
         with open(tmp, "w") as f:
-            json.dump({"machine": machine, "read_bandwidth_Bps": bw, "calibrated_bandwidth_Bps": args.bw_cal,
+            json.dump({"machine": machine, "read_bandwidth_Bps": bw, "read_bandwidth_method": bw_method,
                        "results": results}, f, indent=1, default=str)
         os.replace(tmp, args.json)
 

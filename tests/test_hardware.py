@@ -151,7 +151,12 @@ def test_calibrate_quick_writes_valid_profile(tmp_path, monkeypatch):
     assert soc.calibrated and soc.name == "host"
     assert cpu.peak_flops["fp32"] > 1e6 and cpu.mem_bandwidth > 1e6 and 0 < cpu.dispatch_s < 1e-2
     assert rep["gemm_flops"]["fp32"] and rep["bandwidth_copy"] > 0 and rep["bandwidth_triad"] > 0
-    assert rep["bandwidth_read"] > 1e6 and "read-only stream" in cpu.sources["mem_bandwidth"]["source"]
+    assert rep["bandwidth_read"] > 1e6 and "read bandwidth" in cpu.sources["mem_bandwidth"]["source"]
+    # the profile's bandwidth is β_read, read from a pool of distinct buffers beyond the last-level cache
+    rb = rep["bandwidth_read_method"]
+    assert cpu.mem_bandwidth == pytest.approx(rep["bandwidth_read"]) and rb["passes"] == 3
+    assert rb["buffers"] * rb["buffer_bytes"] >= 8 * rb["llc_bytes"] > 0 and rb["method"] in cpu.sources[
+        "mem_bandwidth"]["source"]
     assert "matmul:compute" in cpu.efficiency or "matmul:memory" in cpu.efficiency
     # the per-op and in-program terms of the cost model, and the cache size they need
     for key in ("matmul:rows<8", "aten.tanh.default", "aten.gelu.default:tanh", "aten.copy_.default", "cache-hit",

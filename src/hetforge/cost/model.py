@@ -13,6 +13,8 @@ For an op with registry entry ``info`` on device ``d`` (formulas in the sibling 
     DASI      = clip(AI / (π/β), 0, 1)                               (energy.py)
     E         = P_TDP · (0.3 + 0.7·DASI) · t / Φ(T) · penalty(CPQ)   (energy.py, thermal.py, memory_pressure.py)
 
+A native kernel (``native=True``) with a string argument ``a`` (its activation) also pays
+``overhead_s['native:<op>:act:<a>']`` seconds per output element (measured by ``hetforge calibrate``).
 A matmul-group op also pays ``c = overhead_s['matmul:per-row']`` per row ``R`` of its weight in memory order
 (:func:`weight_rows`), in its memory time: one-row products (GEMVs) stream a weight row by row. ``hot_bytes``
 (inputs in the last-level cache) comes from a caller that tracks the program (:mod:`hetforge.cost.context`).
@@ -223,6 +225,10 @@ def estimate_parts(call_or_node: OpCall | torch.fx.Node, device: DeviceProfile, 
         keys = (f"native:{call.op}", "native", *keys)
     keys = (*first_keys, *keys)
     fixed = device.dispatch_s + device.overhead(*keys)
+    act_s = 0.0
+    if native:  # a native kernel's activation: calibrated seconds per output element (hardware/calibrate.py)
+        per_out = sum(device.overhead_s.get(f"native:{call.op}:act:{a}", 0.0) for a in call.args if isinstance(a, str))
+        act_s = per_out * sum(o.numel for o in call.outputs)
     eff = device.eff(*keys)
     hit = min(1.0, device.efficiency.get("cache-hit", 1.0))
     b_eff = nbytes - (1.0 - hit) * min(max(hot_bytes, 0.0), call.bytes_in(), nbytes)
@@ -231,6 +237,8 @@ def estimate_parts(call_or_node: OpCall | torch.fx.Node, device: DeviceProfile, 
         b_eff += weight_rows(call) * per_row * device.mem_bandwidth * eff
     rl = roofline(flops, b_eff, peak * device.compute_efficiency, device.mem_bandwidth * device.bandwidth_efficiency,
                   fixed * device.efficiency.get("seq:warm", 1.0), eff)
+    if act_s > 0:
+        rl = replace(rl, t_dispatch=rl.t_dispatch + act_s)  # added once, not scaled as fixed costs are
     res = nbytes if resident_bytes is None else resident_bytes
     pen = cpq_penalty(cpq(res, device.mem_capacity), device.cpq_threshold)
     f = phi(temp_c, device.t_ref_c, device.thermal_sigma_c)

@@ -6,8 +6,10 @@ processes only adds time):
 
 * GEMM throughput per dtype — ``2·M·N·K / t`` for square fp32 and bf16 ``torch.mm`` at several sizes, int8 via
   ``torch._int_mm`` and ``aten._weight_int8pack_mm`` (best of both); the peak is the best size.
-* memory bandwidth — copy ``b.copy_(a)`` moves ``2·n·s`` bytes; triad ``a = b + α·c`` moves ``3·n·s``;
-  the profile's bandwidth is the better of the two.
+* memory bandwidth — the profile's ``mem_bandwidth`` is the read bandwidth β_read, measured by the one
+  documented method of :mod:`hetforge.hardware.bandwidth` (distinct buffers totalling ≥ 8× the last-level
+  cache, read in turn as the GEMVs read, per buffer the best of the passes). Copy (``b.copy_(a)``, ``2·n·s``
+  bytes) and triad (``a = b + α·c``, ``3·n·s``) are still measured and named in its source, for reference.
 * dispatch overhead — one ``aten.add`` on one-element tensors.
 * efficiency factors and fixed overheads — representative ops of each cost group (matmul, attention,
   elementwise, transcendental — also per function —, softmax, norm, reduction, gather, movement, view,
@@ -20,7 +22,10 @@ processes only adds time):
   arena slice) and op variants (``aten.gelu.default:tanh``). Operands are cold: each call takes the next of
   several copies totalling 8× the last-level cache, as in a real graph run where every weight streams from
   DRAM once per pass and evicts the caches; elementwise ops write into a cold slice too (``out=``, as the arena
-  executor runs them).
+  executor runs them). A memory-bound benchmark whose copies are at least 1 MiB (a DRAM stream: one-row
+  products, native row kernels, large elementwise ops) is timed with β_read's statistic
+  (:func:`~hetforge.hardware.bandwidth.pooled_time`: per copy the best of the passes, averaged over the pool),
+  not the best single call: the best call over a pool is the copy that happens to lie in the fastest memory.
 * in-program terms (:mod:`hetforge.cost.context`) — ``cache-hit``: the cost of a cache-resident input byte
   relative to a DRAM byte (an add with hot inputs against the same add with cold ones, :func:`_cache_hit`);
   ``seq:warm``/``seq:cold``: how much larger the fixed cost of an op is in a cycle of distinct tiny ops than in
@@ -49,6 +54,7 @@ import psutil
 import torch
 import torch.nn.functional as F
 
+from hetforge.hardware.bandwidth import PASSES, ReadBandwidth, llc_bytes, pooled_time, read_bandwidth
 from hetforge.hardware.host import POWER_SRC, TDP_PER_CORE_W, cpu_count, cpu_name
 from hetforge.hardware.profile import row_band
 from hetforge.hardware.schema import DeviceSpec, Figure, PositiveFigure, SocSpec
@@ -75,7 +81,8 @@ class Measured:
     threads: int = 1
     overhead_s: dict[str, float] = field(default_factory=dict)
     clock: str = "wall"
-    bw_read: float = 0.0  # read_stream_bandwidth (reported; the cost model uses max(copy, triad))
+    bw_read: float = 0.0  # β_read (hetforge.hardware.bandwidth): the profile's mem_bandwidth
+    read: ReadBandwidth | None = None  # how β_read was measured (method, buffers, passes, threads)
 
 
 def _best_time(fn: Callable[[], object], min_reps: int, budget_s: float,
@@ -96,24 +103,6 @@ def _best_time(fn: Callable[[], object], min_reps: int, budget_s: float,
         fn()
         times.append(clock() - t0)
     return min(times)
-
-
-def llc_bytes() -> int:
-    """Last-level cache size from sysfs (32 MiB when unknown)."""
-    best = 0
-    for idx in range(8):
-        try:
-            with open(f"/sys/devices/system/cpu/cpu0/cache/index{idx}/size") as f:
-                txt = f.read().strip()
-        except OSError:
-            continue
-        mult = {"K": 1024, "M": 1024 ** 2, "G": 1024 ** 3}.get(txt[-1:], 1)
-        try:
-            best = max(best, int(txt.rstrip("KMG")) * mult)
-        except ValueError:
-            continue
-    return best or 32 * 1024 ** 2
-
 
 
 def _once(fn: Callable[[], object]) -> float:
@@ -162,28 +151,6 @@ def _bandwidth(n_bytes: int, budget: float) -> tuple[float, float]:
     return 2 * n * 4 / t_copy, 3 * n * 4 / t_triad
 
 
-def read_stream_bandwidth(n_bytes: int = 512 * 2**20, repeat: int = 5) -> float:
-    """Bytes/s of reading a large fp32 buffer once, best of ``repeat``: the bandwidth a weight-streaming
-    decode step can use (measured).
-
-    With the native kernels built it reads like hetforge's GEMVs do (four streams per thread,
-    ``hf_read_stream``); one stream per core, which ATen's ``sum`` uses, leaves bandwidth unused on small
-    CPUs (33 vs 38-56 GB/s on the 2-core build host, where the figure also moves with where the buffer
-    lands in memory). Without them it is ``sum``."""
-    from hetforge.kernels import native
-
-    x = torch.ones(max(1, n_bytes // 4))
-    lib = native.library()
-    threads = torch.get_num_threads()
-    fn = (lambda: lib.hf_read_stream(x.data_ptr(), x.numel(), threads)) if lib is not None else x.sum
-    best = float("inf")
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return x.numel() * 4 / best
-
-
 def _dispatch(budget: float) -> float:
     x, y = torch.ones(1), torch.ones(1)
     add = torch.ops.aten.add.Tensor
@@ -195,6 +162,8 @@ Bench = tuple[tuple[str, ...], Callable[[], Callable[[], object]], float, float,
 
 
 COLD_FACTOR = 8  # cold pools span this many last-level caches
+STREAM_COPY_BYTES = 2**20  # a memory-bound benchmark whose pool copies are this large is a DRAM stream
+_pools: list[tuple[int, int]] = []  # (copies, bytes per copy) of the pools made since the last clear
 
 
 def _pool_count(size: int) -> int:
@@ -210,7 +179,9 @@ def _cold(*ts: torch.Tensor) -> Callable[[], tuple[torch.Tensor, ...]]:
     best of many calls still found part of its data cached (elementwise ops beat the DRAM roof by ~1.6×,
     while the same ops inside a graph run at it); 8× removes that.
     """
-    k = _pool_count(sum(t.numel() * t.element_size() for t in ts))
+    size = sum(t.numel() * t.element_size() for t in ts)
+    k = _pool_count(size)
+    _pools.append((k, size))
     pool = [ts] + [tuple(t.clone() for t in ts) for _ in range(k - 1)]
     state = [0]
 
@@ -228,6 +199,7 @@ def _streamed(n: int, k: int) -> Callable[[], torch.Tensor]:
     :func:`_cold` gives, makes every small one-row product pay a stream start-up that it does not pay in a
     program: 100 µs vs 80 µs for a 768×768 one-row product on the build host, 1 thread.)"""
     count = max(2, -(-COLD_FACTOR * llc_bytes() // (n * k * 4)))
+    _pools.append((count, n * k * 4))
     buf = _rn(count * n, k)
     state = [0]
 
@@ -249,6 +221,7 @@ def _native_row(n: int, k: int, weight_t: bool) -> Callable[[], object] | None:
         return None
     rows, cols = (k, n) if weight_t else (n, k)
     count = max(2, -(-COLD_FACTOR * llc_bytes() // (n * k * 4)))
+    _pools.append((count, n * k * 4))
     buf = _rn(count * rows, cols)
     ptrs = [buf[i * rows:(i + 1) * rows].data_ptr() for i in range(count)]
     x, y, bias = _rn(k), torch.empty(n), _rn(n)
@@ -291,6 +264,7 @@ def _packed_product(m: int, n: int, k: int, bias: bool) -> Callable[[], object] 
         return None
     x, b = _rn(m, k), (_rn(n) if bias else None)
     packs = [torch.ops.mkldnn._reorder_linear_weight(_rn(n, k) + i, m) for i in range(_pool_count(n * k * 4))]
+    _pools.append((len(packs), n * k * 4))
     fns = [onednn.linear_fn(pk, b) for pk in packs]
     state = [0]
 
@@ -406,8 +380,8 @@ def _native_specs(quick: bool) -> list[tuple[str, tuple, dict]]:
         ("layer_norm", ((1, 1, 768), (768,), (768,)), {}), ("layer_norm", ((1, 128, 768), (768,), (768,)), {}),
         ("rotary", ((1, 12, 1, 64),), {}), ("rotary", ((1, 32, 1, 128),), {}),
         ("kv_attention", (128,), {}), ("kv_attention", (512,), {}),
-        ("linear_act", ((1, 1, 768), (3072, 768)), {"act": "gelu_tanh"}),
-        ("linear_act", ((1, 1, 3072), (3072, 768)), {"act": "relu"}),
+        ("linear_act", ((1, 1, 768), (3072, 768)), {"act": "none"}),  # the activation: _native_act_costs
+        ("linear_act", ((1, 1, 3072), (3072, 768)), {"act": "none"}),
         ("gated_mlp", ((1, 1, 768), (2048, 768), (2048, 768), (768, 2048)), {}),
         ("gated_mlp", ((1, 1, 512), (1024, 512), (1024, 512), (512, 1024)), {}),
         ("linear_w8", ((1, 1, 768), (3072, 768)), {}), ("linear_w8", ((1, 1, 768), (768, 768)), {}),
@@ -594,6 +568,54 @@ def fit_group(pts: list[tuple[float, float]], dispatch: float = 0.0) -> tuple[fl
     return min(EFF_MAX, max(EFF_MIN, e)), o
 
 
+ACT_SHAPE = (8, 2048)  # [K, N] of the activation benchmark: 8 weight rows (hot, a negligible product), 2048 outputs
+
+
+def _native_act_costs(quick: bool) -> dict[str, float]:
+    """``native:hetforge.linear_act.default:act:<act>``: seconds per output element that ``hf_linear_act`` spends on
+    its activation, measured directly — a one-row product over 8 weight rows (so the product itself is a few µs) with
+    the activation and with ``none``, each the best of many calls, interleaved in rounds: ``(t_act − t_none)/N``,
+    ≥ 0, median over the rounds. Measured this way rather than as the difference of two cold products, whose
+    noise on a loaded host (±10 ns per output) is larger than the term. Empty without the native kernels."""
+    from hetforge.kernels import native
+
+    lib = native.library()
+    if lib is None:
+        return {}
+    k, n = ACT_SHAPE
+    nt = torch.get_num_threads
+    w, x, y, part = _rn(k, n), _rn(k), torch.empty(n), torch.empty(max(2, os.cpu_count() or 1), n)
+
+    def runner(code: int) -> Callable[[], object]:
+        return lambda: lib.hf_linear_act(w.data_ptr(), x.data_ptr(), None, y.data_ptr(), n, k, 1, code, nt(),
+                                         part.data_ptr(), part.shape[0])
+
+    out, base = {}, runner(native.ACT_CODES["none"])
+    for act, code in native.ACT_CODES.items():
+        if act == "none":
+            continue
+        fn = runner(code)
+        diffs = [_best_time(fn, 20, 0.005 if quick else 0.02) - _best_time(base, 20, 0.005 if quick else 0.02)
+                 for _ in range(3 if quick else 5)]
+        out[f"native:hetforge.linear_act.default:act:{act}"] = float(f"{max(0.0, statistics.median(diffs)) / n:.4g}")
+    return out
+
+
+def _passes(quick: bool) -> int:
+    """Passes of β_read and of the DRAM-stream benchmarks (full: bandwidth.PASSES, the runs bench/costmodel.py
+    takes its per-instruction best over; quick: 3)."""
+    return 3 if quick else PASSES
+
+
+def _time_bench(fn: Callable[[], object], memory: bool, quick: bool, budget: float) -> float:
+    """A benchmark's time: β_read's statistic for a memory-bound one whose pool copies are DRAM streams (≥ 1 MiB,
+    at most 256 of them), else the best call (:func:`_best_time`)."""
+    count, size = _pools[-1] if _pools else (1, 0)
+    if memory and size >= STREAM_COPY_BYTES and 2 <= count <= 256:
+        return pooled_time(fn, count, _passes(quick), _clock[0])
+    return _best_time(fn, 5, budget)
+
+
 def _fit_efficiency(peak: float, bw: float, dispatch: float, quick: bool, budget: float,
                     tick: Progress) -> tuple[dict[str, float], dict[str, float], dict[str, list[tuple[float, float]]]]:
     samples: dict[str, list[tuple[float, float]]] = {}
@@ -604,8 +626,9 @@ def _fit_efficiency(peak: float, bw: float, dispatch: float, quick: bool, budget
     for keys, make, fl, by, rows in benches:
         t_c, t_m = fl / peak, by / bw
         cls = "compute" if t_c >= t_m and t_c > 0 else "memory"
+        _pools.clear()
         fn = make()
-        m = _best_time(fn, 5, budget)
+        m = _time_bench(fn, cls == "memory", quick, budget)
         del fn
         for key in keys:
             key = f"{key}:{cls}" if key in ("matmul", "attention") else key
@@ -860,13 +883,12 @@ def _measure(quick: bool, tick: Progress) -> Measured:
                     slow = 2 * n ** 3 / r > budget  # larger sizes would take too long
             tick(f"GEMM {dt} {n}")
     bw_copy, bw_triad = _bandwidth((16 if quick else 128) * 2 ** 20, budget * 2)
-    bw_read = read_stream_bandwidth((64 if quick else 512) * 2 ** 20, 3 if quick else 5)
+    read = read_bandwidth(passes=_passes(quick), clock=_clock[0])
     tick("memory bandwidth")
     disp = _dispatch(budget)
     tick("dispatch overhead")
     peak = max(gemm["fp32"].values())
-    bw = max(bw_copy, bw_triad)
-    eff, over, samples = _fit_efficiency(peak, bw, disp, quick, budget / 2, tick)
+    eff, over, samples = _fit_efficiency(peak, read.bytes_per_s, disp, quick, budget / 2, tick)
     sizes = [128 * 768] if quick else [128 * 768, 256 * 768, 128 * 3072]
     eff["cache-hit"] = round(_cache_hit(disp, sizes, budget / 2), 4)
     tick("cache-hit bytes")
@@ -882,13 +904,15 @@ def _measure(quick: bool, tick: Progress) -> Measured:
     if p_evict > 0:
         eff["seq:evict"], over["seq:evict-tau"] = round(min(1.0, p_evict), 4), float(f"{tau_evict:.4g}")
     tick("caches lost over a long op")
+    over.update(_native_act_costs(quick))
+    tick("native activations")
     return Measured(gemm, bw_copy, bw_triad, disp, eff, samples, time.perf_counter() - t0, torch.get_num_threads(),
-                    over, bw_read=bw_read)
+                    over, bw_read=read.bytes_per_s, read=read)
 
 
 def n_steps(quick: bool) -> int:
     """Number of ``tick`` calls :func:`measure` makes (for a progress bar)."""
-    return 3 * (2 if quick else 3) + 6 + _n_group_benchmarks(quick)
+    return 3 * (2 if quick else 3) + 7 + _n_group_benchmarks(quick)
 
 
 def _n_group_benchmarks(quick: bool) -> int:
@@ -913,10 +937,10 @@ def host_spec(m: Measured, quick: bool) -> SocSpec:
             for dt, r in m.gemm.items()}
     dev = DeviceSpec(
         name="cpu", kind="cpu", peak_flops=peak,
-        mem_bandwidth=meas(max(m.bw_copy, m.bw_triad),
-                           f"max of copy {m.bw_copy / 1e9:.2f} GB/s and triad {m.bw_triad / 1e9:.2f} GB/s"
-                           + (f" (a read-only stream as the GEMVs read: {m.bw_read / 1e9:.2f} GB/s)"
-                              if m.bw_read else "")),
+        mem_bandwidth=(meas(m.bw_read, f"{m.read.method} (copy {m.bw_copy / 1e9:.2f} GB/s, triad "
+                            f"{m.bw_triad / 1e9:.2f} GB/s, for reference)") if m.read is not None and m.bw_read > 0
+                       else meas(max(m.bw_copy, m.bw_triad),
+                                 f"max of copy {m.bw_copy / 1e9:.2f} GB/s and triad {m.bw_triad / 1e9:.2f} GB/s")),
         mem_capacity=PositiveFigure(value=float(psutil.virtual_memory().total), source="psutil total RAM (measured)"),
         tdp_w=PositiveFigure(value=TDP_PER_CORE_W * n, source=POWER_SRC, estimate=True),
         idle_w=Figure(value=TDP_PER_CORE_W * n * 0.1, source=POWER_SRC, estimate=True),

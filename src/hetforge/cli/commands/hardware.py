@@ -86,6 +86,7 @@ def calibrate(
            "clock": m.clock,
            "gemm_flops": {k: {str(n): v for n, v in r.items()} for k, r in m.gemm.items()},
            "bandwidth_copy": m.bw_copy, "bandwidth_triad": m.bw_triad, "bandwidth_read": m.bw_read,
+           "bandwidth_read_method": m.read.to_dict() if m.read is not None else None,
            "dispatch_s": m.dispatch_s,
            "efficiency": m.efficiency, "overhead_s": m.overhead_s}
     if json_out:
@@ -93,8 +94,9 @@ def calibrate(
         return
     console.print(f"host profile written to {path} (calibrated in {m.seconds:.1f} s, measured)")
     console.print("  peak (measured): " + ", ".join(f"{k} {v / 1e9:.1f} GFLOP/s" for k, v in d.peak_flops.items()))
-    console.print(f"  memory bandwidth (measured): copy {m.bw_copy / 1e9:.2f} GB/s, triad {m.bw_triad / 1e9:.2f} GB/s, "
-                  f"read stream {m.bw_read / 1e9:.2f} GB/s")
+    console.print(f"  read bandwidth β_read (measured; the profile's bandwidth): {m.bw_read / 1e9:.2f} GB/s"
+                  + (f" — {m.read.method}" if m.read is not None else ""))
+    console.print(f"  copy {m.bw_copy / 1e9:.2f} GB/s, triad {m.bw_triad / 1e9:.2f} GB/s (measured, for reference)")
     console.print(f"  dispatch overhead (measured): {m.dispatch_s * 1e6:.2f} µs")
     console.print("  efficiency factors (fitted): " + ", ".join(f"{k} {v:.3g}" for k, v in m.efficiency.items()))
     console.print("  fixed overheads (fitted): " + ", ".join(f"{k} {v * 1e6:.2g} µs" for k, v in m.overhead_s.items()))
