@@ -42,6 +42,7 @@ import torch
 from hetforge.kernels import onednn
 
 FORMAT = "hetforge-cache/1"
+KEYED = "keyed"  # the checksum field of a parameter in an entry: the key's weight fingerprint covers it
 _warned: set[str] = set()
 _fingerprints: dict[int, tuple[tuple, str]] = {}
 _source_digest: list[str] = []
@@ -203,12 +204,15 @@ def store(key: str, doc: dict[str, Any], res: Any, notes: list[str], nodes: int,
     from hetforge.ir.serialize import program_to_dict
 
     p = res.program
-    saved_inline = {vid: w.inline for vid, w in p.weights.items()}
+    saved = {vid: (w.inline, w.checksum) for vid, w in p.weights.items()}
+    for w in p.weights.values():
+        if w.param and not w.checksum:  # the key's weight fingerprint already covers every parameter: a CRC of
+            w.checksum = KEYED  # each one again here cost ~10% of a cold compile (gpt2) and was never read
     try:
         pd = program_to_dict(p)
     finally:
         for vid, w in p.weights.items():
-            w.inline = saved_inline[vid]
+            w.inline, w.checksum = saved[vid]
     extra: dict[str, torch.Tensor] = {}
     for w in pd["weights"]:
         w.pop("inline", None)
@@ -287,12 +291,14 @@ def _load(text: str, tpath: Path, doc: dict[str, Any], module: torch.nn.Module) 
     validate_program_dict(pd, "the cached program")
     p = _build_program(pd)
     extra = torch.load(tpath, weights_only=True, mmap=True) if any(not w["param"] for w in pd["weights"]) else {}
-    from hetforge.ir.serialize import _lookup_tensor
+    from hetforge.ir.serialize import _lookup_tensor, checksum
 
     for vid, ref in p.weights.items():
         t = _lookup_tensor(module, ref.path) if ref.param else extra.get(str(vid))
         if t is None or tuple(t.shape) != ref.shape or t.dtype != ref.dtype:
             raise CacheEntryError(f"stale (weight '{ref.path}' missing or of another shape)")
+        if not ref.param and checksum(t) != ref.checksum:  # tensors the passes made (small): garbled in KEY.pt
+            raise CacheEntryError(f"corrupt (tensor '{ref.path}' does not match its checksum)")
         p.tensors[vid] = t.detach()
     verify_program(p, "schedule")
     mem = plan_memory(p)
