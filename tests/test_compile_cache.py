@@ -132,3 +132,38 @@ def test_cache_off(cache, loaded, monkeypatch):
     monkeypatch.setenv("HETFORGE_COMPILE_CACHE", "0")
     prog, _ = _prefill(loaded)
     assert "compile cache" not in _notes(prog) and not cache.exists()
+
+
+def test_garbled_tensor_values_in_a_valid_tensor_file_are_detected(cache, loaded):
+    """A KEY.pt that still loads but whose numbers changed (the JSON's sha256 does not cover it) is caught by the
+    CRC of each pass-made tensor, deleted and rebuilt, never used."""
+    _, ref = _prefill(loaded)
+    (pt,) = cache.glob("*.pt")
+    tensors = torch.load(pt, weights_only=True)
+    assert tensors, "gpt2-tiny's prefill keeps pass-made tensors (folded constants) in its entry"
+    name = next(iter(tensors))
+    flat = tensors[name].reshape(-1)
+    flat[0] = flat[0] + 1.0 if flat.is_floating_point() else flat[0] + 1
+    torch.save(tensors, pt)
+    prog, out = _prefill(loaded)
+    notes = _notes(prog)
+    assert "compile cache: hit" not in notes and "does not match its checksum" in notes, notes
+    assert "deleted, rebuilt" in notes and "compile cache: stored" in notes
+    for a, b in zip(ref, out, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_seeded_zoo_weights_are_keyed_by_their_recipe_until_changed():
+    a, b, other = load_model("gpt2-tiny"), load_model("gpt2-tiny"), load_model("gpt2-tiny", seed=1)
+    fa = compile_cache.weights_fingerprint(a.model)
+    assert fa == compile_cache.weights_fingerprint(b.model)  # same recipe, same bytes
+    assert fa != compile_cache.weights_fingerprint(other.model)  # another seed
+    for x, y in zip(a.model.state_dict().values(), b.model.state_dict().values(), strict=True):
+        assert torch.equal(x, y)  # what the recipe key relies on: the same recipe made the same bytes
+    with torch.no_grad():
+        b.model.transformer.h[1].attn.c_proj.bias[0] += 1e-3  # modified in place: no longer the recipe
+    assert compile_cache.weights_fingerprint(b.model) not in (fa, compile_cache.weights_fingerprint(other.model))
+    c = load_model("gpt2-tiny")
+    c.model.transformer.ln_f.weight = torch.nn.Parameter(c.model.transformer.ln_f.weight.detach().clone())
+    fc = compile_cache.weights_fingerprint(c.model)  # a replaced tensor (same bytes): read, not taken on trust
+    assert fc != fa and fc == compile_cache.weights_fingerprint(c.model)

@@ -16,6 +16,7 @@ import re
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -37,6 +38,7 @@ class CapturedGraph:
     strict: bool
     name: str = "model"
     param_paths: dict[str, str] = field(default_factory=dict)  # get_attr target -> module path
+    note: str = ""  # how it was made, when not by its own export (e.g. specialised from a dynamic capture)
 
     def op_counts(self) -> Counter:
         return op_counts(self.gm)
@@ -72,13 +74,17 @@ def capture(
     dynamic_dims: dict[int, dict[int, tuple[str, int, int]]] | None = None,
     strict: bool = False,
     name: str = "model",
+    stack_traces: bool = True,
+    dynamic_shapes: Any = None,
 ) -> CapturedGraph:
     """Export ``model`` on ``example_inputs`` and return the captured graph.
 
     ``dynamic_dims`` maps input index → {dim: (name, min, max)}; dims with the same name share one
     symbol (e.g. the sequence length of ids and mask). Everything else is specialized (static).
+    ``dynamic_shapes`` is passed to ``torch.export`` as is (instead of ``dynamic_dims``).
+    ``stack_traces=False`` records no user stack trace per node (``torch.fx.config.do_not_emit_stack_traces``):
+    20-30% of a capture's time on our models; nothing downstream reads them (the runtime captures without).
     """
-    dynamic_shapes = None
     if dynamic_dims:
         symbols: dict[str, Dim] = {}
         dynamic_shapes = []
@@ -91,11 +97,15 @@ def capture(
         dynamic_shapes = tuple(dynamic_shapes)
     model = model.eval()
     t0 = time.perf_counter()
+    saved = torch.fx.config.do_not_emit_stack_traces
     try:
+        torch.fx.config.do_not_emit_stack_traces = saved or not stack_traces
         with torch.no_grad():
             ep = torch.export.export(model, tuple(example_inputs), dynamic_shapes=dynamic_shapes, strict=strict)
     except Exception as e:  # torch raises many types here; all mean "this model cannot be captured"
         raise CaptureError(explain_export_failure(e, model)) from None
+    finally:
+        torch.fx.config.do_not_emit_stack_traces = saved
     seconds = time.perf_counter() - t0
     gm = ep.module()
     prefix = _wrapper_prefix(model)
@@ -105,6 +115,79 @@ def capture(
             target = str(n.target)
             paths[target] = target[len(prefix):] if prefix and target.startswith(prefix) else target
     return CapturedGraph(gm, ep, tuple(example_inputs), seconds, strict, name, paths)
+
+
+class SpecializeError(CaptureError):
+    """A dynamic capture that cannot be specialised to the given shapes (outside its range, or a construct
+    :func:`specialize` does not know)."""
+
+
+def _is_symbolic(v: Any) -> bool:
+    return isinstance(v, (torch.SymInt, torch.SymBool, torch.SymFloat))
+
+
+def specialize(cg: CapturedGraph, example_inputs: tuple[torch.Tensor, ...], name: str | None = None
+               ) -> CapturedGraph:
+    """The static graph for ``example_inputs`` from a capture with dynamic dimensions, without capturing again.
+
+    Why: one ``torch.export`` with a dynamic sequence (or cache) length serves every tier; each tier is then a
+    shape propagation (fake tensors, no weights touched) instead of a fresh trace of the model's Python. How: the
+    graph is copied (weights shared), every node is run once on fake tensors of the concrete shapes
+    (``FakeTensorProp``); a node whose dynamic value was a symbol (``sym_size``, the integer arithmetic on it,
+    a guard) now evaluates to a Python number and is replaced by that constant in its users' arguments; a
+    runtime assert on a constant is checked here and dropped. Every remaining node gets the static
+    ``meta["val"]`` a static capture would have given it.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    t0 = time.perf_counter()
+    graph = torch.fx.Graph()
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    out = graph.graph_copy(cg.gm.graph, env)
+    graph.output(out)
+    graph._codegen = cg.gm.graph._codegen  # the same pytree calling convention as the captured module
+    gm = torch.fx.GraphModule(cg.gm, graph)
+    symbolic = {env[n] for n in cg.gm.graph.nodes if _is_symbolic(n.meta.get("val"))}
+    values: dict[torch.fx.Node, Any] = {}
+
+    class _Prop(FakeTensorProp):
+        def run_node(self, n: torch.fx.Node) -> Any:
+            res = super().run_node(n)
+            if n in symbolic:
+                values[n] = res
+            return res
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    try:
+        _Prop(gm, mode).propagate(*example_inputs)
+    except Exception as e:  # a shape outside the captured range trips a guard here
+        raise SpecializeError(f"cannot specialise the {cg.name} capture to input shapes "
+                              f"{[list(t.shape) for t in example_inputs]}: {str(e).splitlines()[0][:300]}") from None
+    for n, v in values.items():
+        if _is_symbolic(v) or not isinstance(v, (int, float, bool)):
+            raise SpecializeError(f"cannot specialise the {cg.name} capture: node '{n.name}' stays symbolic ({v!r})")
+        _replace_uses(n, v)
+    for n in reversed(list(graph.nodes)):
+        if n.op != "call_function":
+            continue
+        if n.target is torch.ops.aten._assert_scalar.default and not isinstance(n.args[0], torch.fx.Node):
+            if not n.args[0]:
+                raise SpecializeError(f"cannot specialise the {cg.name} capture: {n.args[1] if len(n.args) > 1 else n}")
+            graph.erase_node(n)
+        elif n in values and not n.users:
+            graph.erase_node(n)
+    graph.lint()
+    gm.recompile()
+    return CapturedGraph(gm, cg.exported, tuple(example_inputs), time.perf_counter() - t0, cg.strict,
+                         name or cg.name, dict(cg.param_paths))
+
+
+def _replace_uses(node: torch.fx.Node, value: Any) -> None:
+    """Put the constant ``value`` in place of ``node`` in every user's arguments."""
+    for user in list(node.users):
+        user.args = torch.fx.node.map_arg(user.args, lambda a: value if a is node else a)
+        user.kwargs = torch.fx.node.map_arg(user.kwargs, lambda a: value if a is node else a)
 
 
 def capture_shaped(name: str = "llama-3.1-8b-shape", seq: int = 16, layers: int | None = None,

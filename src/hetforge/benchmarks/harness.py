@@ -383,10 +383,16 @@ def compare(rows: list[Row]) -> list[dict]:
             entry["ratios"][p.system] = ratio
         prep_peers = [p for p in peers if p.system in PEER_KEYS_FOR_PREP_TARGET and p.prep_s]
         if prep_peers and mine.prep_s:
+            # judged on the slower of hetforge's two pairs: the forward programs ([1, seq] and [1, 1], no cache:
+            # what the peers prepare) and the runtime's prefill + KV-cache decode programs (what `hetforge run`
+            # waits for before its first token; decode_prep_s)
+            fwd, rt = mine.prep_s.median, _med(mine.decode_prep_s)
+            hs = max(fwd, rt) if rt is not None else fwd
             fastest = min(prep_peers, key=lambda p: p.prep_s.median)
-            speedup = fastest.prep_s.median / mine.prep_s.median if mine.prep_s.median > 0 else None
+            speedup = fastest.prep_s.median / hs if hs > 0 else None
             entry["targets"]["cold_prep_5x"] = {
-                "fastest_peer": fastest.system, "peer_s": fastest.prep_s.median, "hetforge_s": mine.prep_s.median,
+                "fastest_peer": fastest.system, "peer_s": fastest.prep_s.median, "hetforge_s": hs,
+                "hetforge_forward_pair_s": fwd, "hetforge_runtime_pair_s": rt,
                 "speedup": speedup, "met": speedup is not None and speedup >= 5.0}
         f32 = [p for p in peers if _is_f32(p)]
         for metric in ("prefill_ms", "step_ms", "decode_ms_per_token"):

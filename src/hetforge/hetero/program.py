@@ -121,8 +121,18 @@ def _build(p: Program, index: int, device: str, instrs: list[Any], resolve, owne
     outputs = [o for ins in instrs for o in ins.outputs
                if o in graph_out or any(k != index for k in read_by.get(o, ()))]
     g.output(tuple(env[o] for o in outputs))
-    gm = fx.GraphModule(weights, g, class_name=f"Partition{index}")
+    gm = _graph_module(weights, g, f"Partition{index}")
     return Partition(index, device, node_names, gm, inputs, [_vname(o) for o in outputs], list(weights))
+
+
+def _graph_module(weights: dict[str, torch.Tensor], g: fx.Graph, name: str) -> fx.GraphModule:
+    """The partition's GraphModule, its Python code generated on first use only: the CPU executor lowers the
+    graph itself and never calls it (generating the code was ~10% of building a cached program)."""
+    try:
+        from torch.fx._lazy_graph_module import _LazyGraphModule
+    except ImportError:  # an older torch: generate now
+        return fx.GraphModule(weights, g, class_name=name)
+    return _LazyGraphModule(weights, g, class_name=name)
 
 
 def _returns_sequence(target: Any) -> bool:

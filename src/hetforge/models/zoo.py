@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -251,7 +252,34 @@ def load_model(name: str, attn: str = "sdpa", seed: int = 0, dtype: torch.dtype 
         return loader(attn=attn, dtype=dtype)
     torch.manual_seed(seed)
     model = _build(spec, spec.make_config(), attn).to(dtype).eval()
+    _note_recipe(model, f"zoo {spec.name}, seed {seed}, {dtype}, attn {attn}")
     return LoadedModel(spec.name, spec.family, spec.kind, model, model.config, attn, f"seeded random (seed {seed})")
+
+
+_recipes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def weight_versions(model: nn.Module) -> tuple:
+    """(name, version counter, data pointer) of every parameter and buffer: changes when any tensor is modified
+    in place or replaced."""
+    return tuple((n, t._version, t.data_ptr()) for n, t in sorted(model.state_dict(keep_vars=True).items()))
+
+
+def _note_recipe(model: nn.Module, recipe: str) -> None:
+    import transformers
+
+    _recipes[model] = (f"{recipe}, torch {torch.__version__}, transformers {transformers.__version__}",
+                       weight_versions(model))
+
+
+def weights_recipe(model: nn.Module, versions: tuple | None = None) -> str | None:
+    """How a zoo model's seeded weights were made (name, seed, dtype, torch and transformers versions), while no
+    tensor has been modified or replaced since :func:`load_model` made them; else None. The same recipe makes the
+    same bytes (seeded CPU initialisation is deterministic), so it identifies the weights without reading them."""
+    got = _recipes.get(model)
+    if got is None:
+        return None
+    return got[0] if (versions if versions is not None else weight_versions(model)) == got[1] else None
 
 
 # Entries whose weights come from files rather than a seed (the demo model) register a loader here.

@@ -19,9 +19,11 @@ stays unfused and is reported as a near-miss with the reason.
 from __future__ import annotations
 
 import operator
+from typing import Any
 
 import torch
 from torch.fx import GraphModule, Node
+from torch.fx.node import map_aggregate
 
 from hetforge.passes.common import (
     Miss,
@@ -160,11 +162,12 @@ def fuse_moe(gm: GraphModule, log: PassLog) -> None:
     """Replace every recognised MoE block by one ``hetforge::moe`` node (numerically checked)."""
     fm = fake_mode_of(gm)
     layer = 0
+    checked: dict[str, tuple[int, float, str]] = {}  # block structure → (layout index, max |Δ|, first layer's name)
     for tk in [n for n in gm.graph.nodes if is_call(n, aten.topk.default)]:
         if getattr(tk, "_erased", False):
             continue
         try:
-            new, region, path, detail = _fuse_one(gm, tk, layer, fm)
+            new, region, path, detail = _fuse_one(gm, tk, layer, fm, checked)
         except Miss as e:
             log.near_misses.append(NearMiss("moe", tk.name, str(e)))
             continue
@@ -172,7 +175,26 @@ def fuse_moe(gm: GraphModule, log: PassLog) -> None:
         layer += 1
 
 
-def _fuse_one(gm: GraphModule, tk: Node, layer: int, fm) -> tuple[Node, list[Node], str, str]:
+def _signature(region: list[Node], x: Node) -> str:
+    """The block's structure: every node's op and arguments, with nodes as positions in the block, the hidden
+    states as ``x`` and parameters as their shape and dtype (not their names or values)."""
+    pos = {n: i for i, n in enumerate(region)}
+
+    def enc(a: Any) -> Any:
+        if not isinstance(a, Node):
+            return a
+        if a in pos:
+            return f"n{pos[a]}"
+        if a is x:
+            return "x"
+        v = tval(a)
+        return f"p{tuple(v.shape)}{v.dtype}" if v is not None else f"?{a.op}"
+
+    return repr([(str(n.target), map_aggregate(n.args, enc), map_aggregate(dict(n.kwargs), enc)) for n in region])
+
+
+def _fuse_one(gm: GraphModule, tk: Node, layer: int, fm,
+              checked: dict[str, tuple[int, float, str]]) -> tuple[Node, list[Node], str, str]:
     _, lin, _ = _router(tk)
     rw = const_tensor(gm, lin.args[1])
     if rw is None or rw.dim() != 2:
@@ -200,27 +222,21 @@ def _fuse_one(gm: GraphModule, tk: Node, layer: int, fm) -> tuple[Node, list[Nod
     layouts = _layouts(gm, p["experts"], d)
     if not layouts:
         raise Miss("stacked expert shapes are not gate_up [E, 2F, D] + down [E, D, F] (or transposed)")
-    sub = _subgraph(gm, region, x, out)
-    xe = _example(xv)
-    with torch.no_grad():
-        ref = sub(xe)
-    from hetforge.ops.moe import moe_forward
-
-    def real(k):
-        return const_tensor(gm, p[k]) if k in p else None
-
-    worst = float("inf")
-    for gu, dn, tr in layouts:
-        with torch.no_grad():
-            got = moe_forward(xe, rw, const_tensor(gm, gu), const_tensor(gm, dn), real("s_gate"), real("s_up"),
-                              real("s_down"), real("s_router"), top_k, norm, act, tr)
-        err = float((got - ref).abs().max())
-        worst = min(worst, err)
-        if err <= 1e-4 * (1.0 + float(ref.abs().max())):
-            break
+    # The numerical check runs the block (HF's expert path gathers every token's expert weights) and the
+    # candidate op on a random input of the block's real shape: ~90% of mixtral-small's prefill passes when it
+    # ran for every layer. It checks the mapping from a block's structure to the op's arguments, which does not
+    # depend on weight values: a block with the same structure as one already checked in this graph (every
+    # decoder layer of a model) takes the same layout without running again, and says so.
+    sig = _signature(region, x)
+    if sig in checked:
+        k, worst, first = checked[sig]
+        gu, dn, tr = layouts[k]
+        how = f"same block structure as {first}, checked there max |Δ| {worst:.2g}"
     else:
-        raise Miss(f"candidate MoE op differs from the block on a random input (max |Δ| = {worst:.3g}); "
-                    "variant not recognised")
+        k, worst = _check(gm, region, x, out, xv, rw, p, layouts, top_k, norm, act)
+        gu, dn, tr = layouts[k]
+        checked[sig] = (k, worst, tk.name)
+        how = f"checked max |Δ| {worst:.2g}"
     # every schema argument positionally, as torch.export writes a direct call of the op
     args = (x, lin.args[1], gu, dn, p.get("s_gate"), p.get("s_up"), p.get("s_down"), p.get("s_router"), top_k, norm,
             act, tr, 0, [], [], layer)
@@ -233,9 +249,34 @@ def _fuse_one(gm: GraphModule, tk: Node, layer: int, fm) -> tuple[Node, list[Nod
     for n in reversed(_ordered(gm, rset)):
         gm.graph.erase_node(n)
     shared = "shared expert, " if "s_up" in p else ""
-    detail = (f"{n_exp} experts, top-{top_k}{' renormalised' if norm else ''}, {shared}{act}, "
-              f"checked max |Δ| {worst:.2g}")
+    detail = f"{n_exp} experts, top-{top_k}{' renormalised' if norm else ''}, {shared}{act}, {how}"
     return new, region, path, detail
+
+
+def _check(gm: GraphModule, region: list[Node], x: Node, out: Node, xv: torch.Tensor, rw: torch.Tensor, p: dict,
+           layouts: list, top_k: int, norm: bool, act: str) -> tuple[int, float]:
+    """Run the block and the candidate op (each expert layout in turn) on one random input; the first layout
+    that matches, with its max |Δ|, or :class:`Miss`."""
+    sub = _subgraph(gm, region, x, out)
+    xe = _example(xv)
+    with torch.no_grad():
+        ref = sub(xe)
+    from hetforge.ops.moe import moe_forward
+
+    def real(k):
+        return const_tensor(gm, p[k]) if k in p else None
+
+    worst = float("inf")
+    for i, (gu, dn, tr) in enumerate(layouts):
+        with torch.no_grad():
+            got = moe_forward(xe, rw, const_tensor(gm, gu), const_tensor(gm, dn), real("s_gate"), real("s_up"),
+                              real("s_down"), real("s_router"), top_k, norm, act, tr)
+        err = float((got - ref).abs().max())
+        worst = min(worst, err)
+        if err <= 1e-4 * (1.0 + float(ref.abs().max())):
+            return i, err
+    raise Miss(f"candidate MoE op differs from the block on a random input (max |Δ| = {worst:.3g}); "
+               "variant not recognised")
 
 
 def _ordered(gm: GraphModule, nodes: set[Node]) -> list[Node]:

@@ -10,7 +10,8 @@ model's weights and builds its executor from it, skipping every step above.
 torch version, the model's config, a fingerprint of every weight (CRC-32 of the bytes, names, shapes and
 dtypes: any change of any weight gives another key), the executor's options (SoC profile hash, strategy,
 objective, quantization, group size, backends, policy, passes on/off), the program (kind and length) and
-the GEMM policy (``HETFORGE_GEMM``).
+the GEMM policy (``HETFORGE_GEMM``), and the CPU (model, ISA flags, threads: the entry carries the kernel choices
+measured on it).
 
 **Entries** are two files, ``KEY.json`` (header with the key document and the sha256 of the program
 document, then the program) and ``KEY.pt`` (tensors the passes made: fused or quantized weights). A
@@ -42,9 +43,11 @@ import torch
 from hetforge.kernels import onednn
 
 FORMAT = "hetforge-cache/1"
+KEYED = "keyed"  # the checksum field of a parameter in an entry: the key's weight fingerprint covers it
 _warned: set[str] = set()
 _fingerprints: dict[int, tuple[tuple, str]] = {}
 _source_digest: list[str] = []
+_cpu: list[list] = []
 
 
 def warn_once(msg: str) -> None:
@@ -86,17 +89,30 @@ def _crc(t: torch.Tensor) -> int:
 
 def weights_fingerprint(model: torch.nn.Module) -> str:
     """A fingerprint of every parameter and buffer: names, shapes, dtypes and a CRC-32 of the bytes (in a thread
-    pool: zlib releases the GIL). Remembered per model object while no tensor is modified in place."""
+    pool: zlib releases the GIL; a tensor shared by two names, e.g. tied embeddings, is read once). Remembered per
+    model object while no tensor is modified in place. A zoo model whose seeded weights are untouched since
+    loading is identified by its recipe instead (:func:`hetforge.models.zoo.weights_recipe`: name, seed, dtype,
+    torch and transformers versions; the same recipe makes the same bytes), without reading ~0.5 GB."""
+    from hetforge.models.zoo import weights_recipe
+
     items = sorted(model.state_dict(keep_vars=True).items())
     versions = tuple((n, t._version, t.data_ptr()) for n, t in items)
     got = _fingerprints.get(id(model))
     if got is not None and got[0] == versions:
         return got[1]
-    with ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1))) as pool:
-        crcs = list(pool.map(lambda kv: _crc(kv[1]), items))
     h = hashlib.sha256()
-    for (n, t), c in zip(items, crcs, strict=True):
-        h.update(f"{n}:{tuple(t.shape)}:{t.dtype}:{c};".encode())
+    recipe = weights_recipe(model, versions)
+    if recipe is not None:
+        h.update(f"recipe:{recipe};".encode())
+        for n, t in items:
+            h.update(f"{n}:{tuple(t.shape)}:{t.dtype};".encode())
+    else:
+        uniq = {(t.data_ptr(), t.numel(), t.dtype, tuple(t.stride())): t for _, t in items}
+        with ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1))) as pool:
+            crcs = dict(zip(uniq, pool.map(_crc, uniq.values()), strict=True))
+        for n, t in items:
+            h.update(f"{n}:{tuple(t.shape)}:{t.dtype}:{crcs[(t.data_ptr(), t.numel(), t.dtype, tuple(t.stride()))]};"
+                     .encode())
     fp = h.hexdigest()[:32]
     _fingerprints[id(model)] = (versions, fp)
     return fp
@@ -140,7 +156,18 @@ def key_document(model: torch.nn.Module, options: dict[str, Any], optimize: bool
             "options": options, "passes": bool(optimize), "program": [kind, int(length)],
             "module": type(module).__qualname__ if module is not None else None,
             "inputs": [[list(t.shape), str(t.dtype)] if isinstance(t, torch.Tensor) else repr(t) for t in inputs],
-            "gemm": os.environ.get("HETFORGE_GEMM", "auto")}
+            "gemm": os.environ.get("HETFORGE_GEMM", "auto"), "cpu": _cpu_key()}
+
+
+def _cpu_key() -> list:
+    """The CPU the entry's measured kernel choices (oneDNN or ATen per GEMM shape) and seeded weights were made
+    on: model, ISA flags and thread count (a cache folder shared between machines must not carry them over)."""
+    if not _cpu:
+        from hetforge.hardware.isa import host_record
+
+        r = host_record()
+        _cpu.append([r["cpu"], r["machine"], r["isa"]])
+    return [*_cpu[0], torch.get_num_threads()]
 
 
 def key_of(doc: dict[str, Any]) -> str:
@@ -203,12 +230,15 @@ def store(key: str, doc: dict[str, Any], res: Any, notes: list[str], nodes: int,
     from hetforge.ir.serialize import program_to_dict
 
     p = res.program
-    saved_inline = {vid: w.inline for vid, w in p.weights.items()}
+    saved = {vid: (w.inline, w.checksum) for vid, w in p.weights.items()}
+    for w in p.weights.values():
+        if w.param and not w.checksum:  # the key's weight fingerprint already covers every parameter: a CRC of
+            w.checksum = KEYED  # each one again here cost ~10% of a cold compile (gpt2) and was never read
     try:
         pd = program_to_dict(p)
     finally:
         for vid, w in p.weights.items():
-            w.inline = saved_inline[vid]
+            w.inline, w.checksum = saved[vid]
     extra: dict[str, torch.Tensor] = {}
     for w in pd["weights"]:
         w.pop("inline", None)
@@ -287,12 +317,14 @@ def _load(text: str, tpath: Path, doc: dict[str, Any], module: torch.nn.Module) 
     validate_program_dict(pd, "the cached program")
     p = _build_program(pd)
     extra = torch.load(tpath, weights_only=True, mmap=True) if any(not w["param"] for w in pd["weights"]) else {}
-    from hetforge.ir.serialize import _lookup_tensor
+    from hetforge.ir.serialize import _lookup_tensor, checksum
 
     for vid, ref in p.weights.items():
         t = _lookup_tensor(module, ref.path) if ref.param else extra.get(str(vid))
         if t is None or tuple(t.shape) != ref.shape or t.dtype != ref.dtype:
             raise CacheEntryError(f"stale (weight '{ref.path}' missing or of another shape)")
+        if not ref.param and checksum(t) != ref.checksum:  # tensors the passes made (small): garbled in KEY.pt
+            raise CacheEntryError(f"corrupt (tensor '{ref.path}' does not match its checksum)")
         p.tensors[vid] = t.detach()
     verify_program(p, "schedule")
     mem = plan_memory(p)

@@ -3,6 +3,14 @@
 A program is made on first use: capture the static-shape module with ``torch.export``, run the
 optimization passes, then hand the graph to an :class:`Executor`.
 Each step is timed (measured) and kept on the :class:`Program`.
+
+Capture policy (``capture=`` or ``HETFORGE_CAPTURE``): ``static`` (the default) exports each program's module at
+its own shape; ``dynamic`` exports each module once with a dynamic length (the prompt tier of prefill, the cache
+length of decode: ``torch.export.Dim.DYNAMIC``) and makes every program of that module by specialising that one
+capture to its shape (:func:`hetforge.frontend.specialize`: shape propagation, no second trace). Why static is
+the default: on this host (torch 2.13) a dynamic export costs about 2.5-3x a static one and a specialisation
+about 0.4x, so one dynamic capture only pays from about the fifth shape of one module; a first prefill +
+decode pair needs one shape of each (see docs/arch/runtime.md).
 """
 
 from __future__ import annotations
@@ -20,6 +28,21 @@ from hetforge.runtime.kvcache import KVCache
 from hetforge.runtime.static_kv import DecodeModule, PrefillModule, model_dims
 
 TIERS = (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+
+CAPTURE_POLICIES = ("static", "dynamic")
+
+
+def capture_policy(given: str | None = None) -> str:
+    """``given``, else ``HETFORGE_CAPTURE``, else ``static``; an unknown name is a usage error."""
+    import os
+
+    from hetforge.errors import UsageError
+
+    p = (given or os.environ.get("HETFORGE_CAPTURE") or "static").strip().lower()
+    if p not in CAPTURE_POLICIES:
+        raise UsageError(f"capture policy '{p}' (HETFORGE_CAPTURE): allowed {', '.join(CAPTURE_POLICIES)}")
+    return p
 
 
 def tiers_for(max_positions: int) -> tuple[int, ...]:
@@ -64,7 +87,8 @@ class Program:
 class ProgramCache:
     """Prefill and decode programs of one model, made on first use and kept in memory."""
 
-    def __init__(self, model: nn.Module, max_positions: int, executor: Executor, optimize: bool = True):
+    def __init__(self, model: nn.Module, max_positions: int, executor: Executor, optimize: bool = True,
+                 capture: str | None = None):
         self.model = model.eval()
         self.max_positions = max_positions
         self.tiers = tiers_for(max_positions)
@@ -76,6 +100,8 @@ class ProgramCache:
         self.caches: dict[int, KVCache] = {}
         self.fixed: dict[tuple[str, int], dict] | None = None  # from a generation plan (runtime.genplan)
         self.fixed_source = ""
+        self.capture_policy = capture_policy(capture)
+        self.dynamic: dict[str, Any] = {}  # module kind → its one dynamic capture (capture policy "dynamic")
 
     def cache(self, length: int) -> KVCache:
         """The preallocated KV cache of ``length`` positions (made once, reused by later requests)."""
@@ -125,8 +151,6 @@ class ProgramCache:
         return prog, True
 
     def _make(self, kind: str, length: int, module: nn.Module, inputs: tuple, label: str = "") -> Program:
-        from hetforge.frontend import capture
-
         label = label or f"{kind}-{length}"
         entry = None
         if self.fixed is not None:
@@ -143,7 +167,7 @@ class ProgramCache:
             if hit is not None:
                 b, secs = hit
                 return Program(kind, length, b.run, self.executor.name, b.nodes, 0.0, 0.0, secs, b.notes, b.placed)
-        cg = capture(module, inputs, name=label)
+        cg = self._capture(module, inputs, label, kind, length)
         if entry is None:
             b = self.executor.build(cg.gm, inputs, label, self.optimize)
             b.notes[:0] = cache_notes
@@ -151,12 +175,41 @@ class ProgramCache:
                 store(b)
         else:
             b = self._build_fixed(cg.gm, inputs, label, entry)
+        if cg.note:
+            b.notes.insert(0, cg.note)
         t0 = time.perf_counter()
         b.run(*inputs)  # one warm-up call: one-time kernel work (e.g. FBGEMM weight prepacking) is paid here
         warm = time.perf_counter() - t0
         notes = [*b.notes, f"warm-up call {warm:.3f} s (measured), counted in compile_s"]
         return Program(kind, length, b.run, self.executor.name, b.nodes, cg.seconds, b.optimize_s,
                        b.compile_s + warm, notes, b.placed)
+
+    def _capture(self, module: nn.Module, inputs: tuple, label: str, kind: str, length: int):
+        """The static graph of ``module`` at ``inputs``' shapes: its own export (policy ``static``), or the
+        module's one dynamic export specialised to them (policy ``dynamic``); capture seconds are measured."""
+        from hetforge.frontend import capture, specialize
+
+        if self.capture_policy == "static":
+            return capture(module, inputs, name=label, stack_traces=False)
+        dyn_key = f"{type(module).__qualname__}:{inputs[0].shape[0]}"  # one per module and batch size
+        t0 = time.perf_counter()
+        made = dyn_key not in self.dynamic
+        if made:
+            from torch.export import Dim
+
+            hi = self.max_positions
+            if kind == "prefill":  # (input_ids[1, T], last[1]): T dynamic
+                shapes: tuple = ({1: Dim.DYNAMIC(min=2, max=hi)}, None)
+            else:  # (ids, pos, *cache): every cache buffer's length (dim 2) dynamic
+                s = Dim.DYNAMIC(min=2, max=hi)
+                shapes = (None, None, tuple({2: s} for _ in inputs[2:]))
+            self.dynamic[dyn_key] = capture(module, inputs, name=f"{kind}-dynamic", stack_traces=False,
+                                            dynamic_shapes=shapes)
+        cg = specialize(self.dynamic[dyn_key], inputs, name=label)
+        cg.seconds = time.perf_counter() - t0  # the dynamic export (first program of this module) + specialising
+        cg.note = (f"capture: one dynamic export of {type(module).__name__}"
+                   f"{' (made now)' if made else ' (reused)'}, specialised to {kind} {length}")
+        return cg
 
     def _build_fixed(self, gm, inputs: tuple, label: str, entry: dict):
         """Build with a generation plan's stored placement; the program must come out as stored."""
