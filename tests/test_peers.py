@@ -151,7 +151,7 @@ def test_compare_computes_ratios_and_targets():
 def test_compare_puts_hetforge_bf16_against_openvino_bf16_only():
     mk = lambda s, pre, prec: Row(MODEL, s, s, "ok", runs_ok=1, runs=1, precision=prec, prefill_ms=_stat(pre),
                                   step_ms=_stat(10.0))
-    rows = [mk("hetforge", 90.0, "f32"), mk("hetforge-bf16", 45.0, "bf16"), mk("ov-default", 50.0, "bf16"),
+    rows = [mk("hetforge", 90.0, "f32"), mk("hetforge-bf16", 45.0, "bf16"), mk("ov-default", 50.0, "bfloat16"),
             mk("ov-f32", 40.0, "f32"), mk("ort", 30.0, "f32")]
     rows[1].kl_max = 2e-5
     t = compare(rows)[0]["targets"]

@@ -409,7 +409,7 @@ def _bf16_targets(rows: list[Row], model: str) -> dict:
     with hetforge-bf16's KL against fp32 eager reported beside (issue: at or below OpenVINO's bf16)."""
     mine = next((r for r in rows if r.model == model and r.system == "hetforge-bf16" and r.runs_ok), None)
     ov = [r for r in rows if r.model == model and r.system.startswith("ov") and r.runs_ok
-          and "bf16" in (r.precision or "").lower()]
+          and (r.precision or "").lower() in ("bf16", "bfloat16")]  # OpenVINO reports its hint as "bfloat16"
     out: dict = {}
     if mine is None or not ov:
         return out
