@@ -15,6 +15,9 @@ fresh process). Its ttft/decode figures exclude compilation (measured on a secon
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+
 import torch
 
 from hetforge.benchmarks.base import DecodeTiming, Prepared, PrepContext, first_line
@@ -77,3 +80,24 @@ def prepare_hetforge(ctx: PrepContext) -> Prepared:
     label = "hetforge (compile: capture → passes → place → lower → schedule → plan → executor)"
     decode = _runtime_decode(ctx, notes) if ctx.loaded.kind == "causal-lm" else None
     return Prepared(forward=prefill, step_forward=step, stages=stages, label=label, notes=notes, decode=decode)
+
+
+def bf16_context(ctx: PrepContext) -> PrepContext:
+    """``ctx`` with the same weights cast to bfloat16 (what ``hetforge run --precision bf16`` loads: the zoo
+    model built in bf16 from the same seed); the harness still compares against the fp32 eager reference."""
+    model = copy.deepcopy(ctx.loaded.model).to(torch.bfloat16).eval()
+    loaded = dataclasses.replace(ctx.loaded, model=model)
+    return dataclasses.replace(ctx, loaded=loaded, module=loaded.logits_module().eval())
+
+
+def prepare_hetforge_bf16(ctx: PrepContext) -> Prepared:
+    """The hetforge row at ``--precision bf16``: the same pipeline on the bf16 model (weights and activations in
+    bfloat16; the products on oneDNN's bf16 kernels where the CPU has AVX512-BF16/AMX). Refused, as the CLI
+    refuses it, on a CPU without the instructions."""
+    from hetforge.precision import resolve_precision
+
+    resolve_precision("bf16")
+    prep = prepare_hetforge(bf16_context(ctx))
+    prep.precision = "bf16"
+    prep.label = "hetforge --precision bf16 (same pipeline, bf16 weights and activations)"
+    return prep

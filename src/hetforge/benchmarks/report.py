@@ -107,6 +107,14 @@ def target_lines(cmp: dict) -> list[str]:
     if "kl_le_1e-8" in t:
         x = t["kl_le_1e-8"]
         out.append(f"- fidelity KL ≤ 1e-8 at fp32: hetforge KL max {x['kl_max']:.1e} — {mark(x['met'])}")
+    for metric, name in names.items():
+        key = f"{metric}_bf16_at_or_below_openvino_bf16"
+        if key in t:
+            x = t[key]
+            kl = "—" if x["kl_max"] is None else f"{x['kl_max']:.1e}"
+            out.append(f"- bf16 {name} at or below OpenVINO in bf16 ({x['best_peer']}, {x['peer']:.1f} ms): hetforge "
+                       f"--precision bf16 {x['hetforge']:.1f} ms ({x['ratio']:.2f}×, KL vs fp32 eager {kl}) — "
+                       f"{mark(x['met'])}")
     return out or ["- no hetforge figures to check against the targets"]
 
 

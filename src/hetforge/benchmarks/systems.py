@@ -205,6 +205,12 @@ def _prepare_hetforge(ctx: PrepContext) -> Prepared:
     return prepare_hetforge(ctx)
 
 
+def _prepare_hetforge_bf16(ctx: PrepContext) -> Prepared:
+    from hetforge.benchmarks.hetforge_system import prepare_hetforge_bf16
+
+    return prepare_hetforge_bf16(ctx)
+
+
 LLAMACPP_INSTALL = ("pip install -e .[llamacpp]; llama-cpp-python has no wheel on PyPI and builds llama.cpp from "
                     "source: CMake and a C++ compiler, many minutes on 2 cores")
 
@@ -219,6 +225,7 @@ SYSTEMS: dict[str, System] = {
     s.key: s
     for s in [
         System("hetforge", "hetforge", _prepare_hetforge, is_hetforge=True),
+        System("hetforge-bf16", "hetforge --precision bf16", _prepare_hetforge_bf16, is_hetforge=True),
         System("eager", "HF eager", _prepare_eager),
         System("export", "torch.export (module run)", _prepare_export),
         System("compile", "torch.compile (inductor)", _prepare_compile, has_cache=True),

@@ -395,6 +395,10 @@ class _Codegen:
                     f"{float(args['eps'])!r}, {nt})")
         elif fn == "hf_rotary":
             call = f"hf_rotary({p(x)}, {p(args['cos'])}, {p(args['sin'])}, {{y}}, {rows}, {d}, {nt})"
+        elif fn == "hf_rotary_pos":  # x read with its own strides (known at run time), in Python then C
+            cs = 0 if math.prod(self.p.values[args["cos"].id].shape) == d else d  # as lowering checked it
+            call = (f"{self.const(native.rotary_positions, 'f')}(r{x.id}, {p(args['cos'])}, {p(args['sin'])}, "
+                    f"{{y}}, {cs})")
         elif fn == "hf_gemv_q8":  # int8 weight-only, one row
             kk = math.prod(self.p.values[x.id].shape)
             call = (f"hf_gemv_q8({p(args['qweight'])}, {p(args['scales'])}, {p(x)}, {p(args['bias'])}, {{y}}, {d}, "
@@ -421,7 +425,8 @@ class _Codegen:
                     f"{p(args['new_mask'])}, {{y}}, {self.g[scratch].data_ptr()}, {h}, {hkv}, {s}, {hd}, "
                     f"{float(args['scale'])!r}, {nt})")
         name, rest = call.split("(", 1)
-        call = f"{self.const(getattr(lib, name), 'nk')}({rest}"
+        if fn != "hf_rotary_pos":
+            call = f"{self.const(getattr(lib, name), 'nk')}({rest}"
         self.stats.native_ops += 1
         if self.planned(o):
             buf = self.buffer(o)

@@ -14,7 +14,9 @@ The kernels, per instruction kind:
 * in-place: ``inplace``; transfer: ``zero-copy`` (the source is bound), ``transfer-copy`` (copied into the
   destination's slice) or ``transfer`` (a fresh tensor on the destination);
 * kernel, op-specific (registered): ``native:<fn>`` (one call of the native C kernel ``fn`` of
-  :mod:`hetforge.kernels.native`: one-row GEMVs and the ``hetforge::`` row ops, writing the slice),
+  :mod:`hetforge.kernels.native`: one-row GEMVs and the ``hetforge::`` row ops, writing the slice; a
+  prefill rotary, many positions, is ``native:hf_rotary_pos``, which reads a transposed projection output with
+  its strides instead of copying it),
   ``split-gemv:<c>`` (a one-row product as one threaded ``bmm`` over ``c`` chunks, :mod:`hetforge.ops.gemv`),
   ``gemm-out`` (``linear`` as ``addmm.out``/``mm.out`` on 2-D views of input and slice, the weight
   transposed once at load — the same GEMM eager's ``linear`` runs);
@@ -280,7 +282,7 @@ def _native_row(lw: Lowering, ins: Instr, o: int, dev: torch.device, args: dict,
                 d: int) -> str | None:
     x = args["x"]
     if not lw.native_operand(x, dev, rows * d) or lw.p.values[x.id].shape != lw.p.values[o].shape:
-        return None
+        return _native_rotary_positions(lw, ins, o, dev, args, d) if ins.op == "hetforge.rotary.default" else None
     if ins.op == "hetforge.rms_norm.default":
         ok, fn = _optional(lw, args["weight"], dev, d), "hf_rms_norm"
     elif ins.op == "hetforge.layer_norm.default":
@@ -291,6 +293,38 @@ def _native_row(lw: Lowering, ins: Instr, o: int, dev: torch.device, args: dict,
         ok = not d % 2 and lw.native_operand(args["cos"], dev, d) and lw.native_operand(args["sin"], dev, d)
         fn = "hf_rotary"
     return f"native:{fn}" if ok else None
+
+
+def rotary_cos_stride(lw: Lowering, a: Any, dev: torch.device, s: int, d: int) -> int | None:
+    """How a rotary ``cos``/``sin`` operand steps from one position's row to the next (``d``: one row per
+    position, ``[.., s, d]``; ``0``: one row for all), or None when ``hf_rotary_pos`` cannot read it (not a dense
+    fp32 operand on this CPU, or another broadcast)."""
+    if not isinstance(a, Reg):
+        return None
+    shape = tuple(lw.p.values[a.id].shape)
+    if lw.native_operand(a, dev, d) and shape[-1:] == (d,):
+        return 0
+    if lw.native_operand(a, dev, s * d) and shape[-2:] == (s, d):
+        return d
+    return None
+
+
+def _native_rotary_positions(lw: Lowering, ins: Instr, o: int, dev: torch.device, args: dict,
+                             d: int) -> str | None:
+    """Rotary over many positions (prefill) on ``hf_rotary_pos``: a 4-D fp32 ``x`` read with its own strides (a
+    transposed view of a projection: no copy; the last dim dense), one cos/sin row per position."""
+    x = args["x"]
+    if not isinstance(x, Reg) or d % 2:
+        return None
+    vx, vo = lw.p.values[x.id], lw.p.values[o]
+    if vx.dtype != torch.float32 or lw.dm[vx.device] != dev or len(vx.shape) != 4 or vx.stride[-1] != 1 \
+            or tuple(vx.shape) != tuple(vo.shape):
+        return None
+    s = vx.shape[2]
+    cs = rotary_cos_stride(lw, args["cos"], dev, s, d)
+    if cs is None or rotary_cos_stride(lw, args["sin"], dev, s, d) != cs:
+        return None
+    return "native:hf_rotary_pos"
 
 
 @native_row_op("hetforge.linear_w8.default")

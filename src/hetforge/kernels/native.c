@@ -135,6 +135,24 @@ void hf_rotary(const float *x, const float *cos_, const float *sin_, float *y, l
     }
 }
 
+/* Hugging Face rotary over many positions (prefill): x [b, h, s, d] read with strides sb, sh, ss (elements; the
+ * last dim dense), e.g. a transposed view of a projection's output, read in place; cos/sin one row of width d per
+ * position (row i at cos_ + i * cs; cs = 0: one row for every position); y dense [b, h, s, d]. Same roundings
+ * as hf_rotary (and the ATen chain). */
+void hf_rotary_pos(const float *x, const float *cos_, const float *sin_, float *y, long b, long nh, long s,
+                   long d, long sb, long sh, long ss, long cs, int threads) {
+    threads = clamp_threads(threads);
+    long h = d / 2, rows = b * nh * s;
+#pragma omp parallel for num_threads(threads) if (rows * d >= 65536) schedule(static)
+    for (long r = 0; r < rows; r++) {
+        long ib = r / (nh * s), ih = (r / s) % nh, is = r % s;
+        const float *xr = x + ib * sb + ih * sh + is * ss, *c = cos_ + is * cs, *sn = sin_ + is * cs;
+        float *yr = y + r * d;
+        for (long i = 0; i < h; i++) yr[i] = xr[i] * c[i] + (-xr[i + h]) * sn[i];
+        for (long i = h; i < d; i++) yr[i] = xr[i] * c[i] + xr[i - h] * sn[i];
+    }
+}
+
 /* RMSNorm of contiguous rows: y = w * (x * (1 / sqrt(mean(x^2) + eps))); w may be NULL. */
 void hf_rms_norm(const float *x, const float *w, float *y, long rows, long d, float eps, int threads) {
     threads = clamp_threads(threads);

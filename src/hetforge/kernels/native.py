@@ -38,6 +38,7 @@ SIGNATURES = {
     "hf_gemv_nk": [_P, _P, _P, _P, _L, _L, _I],
     "hf_gemv_kn": [_P, _P, _P, _P, _L, _L, _I, _P, _I],
     "hf_rotary": [_P, _P, _P, _P, _L, _L, _I],
+    "hf_rotary_pos": [_P, _P, _P, _P, _L, _L, _L, _L, _L, _L, _L, _L, _I],
     "hf_rms_norm": [_P, _P, _P, _L, _L, _F, _I],
     "hf_layer_norm": [_P, _P, _P, _P, _L, _L, _F, _I],
     "hf_decode_attention": [_P, _P, _P, _P, _P, _P, _P, _P, _P, _L, _L, _L, _L, _F, _I],
@@ -304,6 +305,20 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     library().hf_rotary(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), y.data_ptr(), x.numel() // d, d,
                         torch.get_num_threads())
     return y
+
+
+def rotary_positions(x: torch.Tensor, cos_ptr: int, sin_ptr: int, y_ptr: int, cos_stride: int) -> None:
+    """Hugging Face rotary of a 4-D fp32 ``x`` ``[b, h, s, d]`` over many positions (``hf_rotary_pos``: read with
+    ``x``'s own strides, e.g. a transposed projection output, no copy) into the dense ``[b, h, s, d]`` at
+    ``y_ptr``; ``cos``/``sin`` hold one row of ``d`` floats per position (``cos_stride = d``) or one row for all
+    (``0``). The executor calls it with pointers it checked at lowering; ``x`` is checked here (its layout is
+    known only at run time): a last dim that is not dense, or not fp32 on the CPU, is refused."""
+    if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 4 or x.stride(3) != 1:
+        raise ValueError(f"hf_rotary_pos needs a 4-D float32 CPU tensor with a dense last dim, got {x.dtype} "
+                         f"{tuple(x.shape)} strides {x.stride()} on {x.device}")
+    b, h, s, d = x.shape
+    library().hf_rotary_pos(x.data_ptr(), cos_ptr, sin_ptr, y_ptr, b, h, s, d, x.stride(0), x.stride(1),
+                            x.stride(2), cos_stride, torch.get_num_threads())
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:

@@ -13,14 +13,19 @@ for every program of that row count: prefill tiers share nothing, decode uses th
 original weight). Packing copies the weight: a prefill tier adds about one model of memory.
 
 Which kernel runs is a measured choice (:func:`choose`): for every ``(rows, K, N, dtype, threads)`` the
-executor meets, ATen and oneDNN are timed interleaved (best of a few calls each) once per process, and
-oneDNN is used where it is faster. ``HETFORGE_GEMM=aten`` or ``=onednn`` forces one kernel (``auto``, the
+executor meets, ATen and oneDNN are timed interleaved once per process (:data:`ROUNDS` rounds of one call
+each, after two warm-up calls each), and oneDNN is used where the median over rounds of the per-round ratio
+ATen time ÷ oneDNN time is above 1. A round's ratio compares two calls made back to back, so a round in which
+another process took the core spoils that round only, and the median leaves it out; the best of each kernel's
+times, which an earlier version compared, flipped choices on a loaded 2-core host (a 2× slower ATen chosen
+for a third of the shapes). ``HETFORGE_GEMM=aten`` or ``=onednn`` forces one kernel (``auto``, the
 default, measures).
 """
 
 from __future__ import annotations
 
 import os
+import statistics
 import time
 import weakref
 from collections.abc import Callable
@@ -36,10 +41,11 @@ ACT_ATTR: dict[str, tuple[str, list, str]] = {
 }
 DTYPES = (torch.float32, torch.bfloat16)
 PROBE_N = 4096  # most output columns :func:`choose` times
+ROUNDS = 5  # interleaved rounds of :func:`choose`
 
 _packed: dict[tuple[int, bool, int], torch.Tensor] = {}
 _choices: dict[tuple, bool] = {}
-_choice_times: dict[tuple, tuple[float, float]] = {}
+_choice_times: dict[tuple, tuple[float, float, float]] = {}
 
 
 def available() -> bool:
@@ -96,19 +102,24 @@ def linear_fn(packed: torch.Tensor, bias: torch.Tensor | None,
     return lambda x: lp(x, packed, bias, attr, scalars, algo)
 
 
-def _bench_pair(fa: Callable[[], object], fb: Callable[[], object], rounds: int = 3) -> tuple[float, float]:
-    """Best wall time of ``fa`` and ``fb`` over ``rounds`` interleaved calls each (after one warm-up each)."""
-    fa()
-    fb()
-    ta = tb = float("inf")
+def _bench_pair(fa: Callable[[], object], fb: Callable[[], object],
+                rounds: int = ROUNDS) -> tuple[float, float, float]:
+    """``(median time of fa, median time of fb, median of the per-round ratios fa ÷ fb)`` over ``rounds``
+    interleaved calls each (wall clock, after two warm-up calls each)."""
+    for _ in range(2):
+        fa()
+        fb()
+    ta, tb, ratio = [], [], []
     for _ in range(rounds):
         t0 = time.perf_counter()
         fa()
         t1 = time.perf_counter()
         fb()
         t2 = time.perf_counter()
-        ta, tb = min(ta, t1 - t0), min(tb, t2 - t1)
-    return ta, tb
+        ta.append(t1 - t0)
+        tb.append(t2 - t1)
+        ratio.append((t1 - t0) / max(t2 - t1, 1e-9))
+    return statistics.median(ta), statistics.median(tb), statistics.median(ratio)
 
 
 def choose(rows: int, k: int, n: int, dtype: torch.dtype, w: torch.Tensor | None = None,
@@ -130,9 +141,9 @@ def choose(rows: int, k: int, n: int, dtype: torch.dtype, w: torch.Tensor | None
         b = torch.zeros(m, dtype=dtype)
         pk = torch.ops.mkldnn._reorder_linear_weight(wt.contiguous(), rows)
         fn = linear_fn(pk, b)
-        t_aten, t_dnn = _bench_pair(lambda: F.linear(x, wt, b), lambda: fn(x))
-        _choice_times[key] = (t_aten, t_dnn)
-        _choices[key] = t_dnn < t_aten
+        t_aten, t_dnn, ratio = _bench_pair(lambda: F.linear(x, wt, b), lambda: fn(x))
+        _choice_times[key] = (t_aten, t_dnn, ratio)
+        _choices[key] = ratio > 1.0
     return _choices[key]
 
 
@@ -148,9 +159,11 @@ def decided(rows: int, k: int, n: int, dtype: torch.dtype) -> bool | None:
 
 
 def measured_choices() -> list[dict]:
-    """The choices :func:`choose` measured in this process (rows, K, N, dtype, threads, seconds of each)."""
+    """The choices :func:`choose` measured in this process: rows, K, N, dtype, threads, median seconds of each
+    kernel, ``ratio`` (median per-round ATen ÷ oneDNN time, what decided) and the choice."""
     return [{"rows": k[0], "k": k[1], "n": k[2], "dtype": str(k[3]).removeprefix("torch."), "threads": k[4],
-             "aten_s": t[0], "onednn_s": t[1], "onednn": _choices[k]} for k, t in _choice_times.items()]
+             "aten_s": t[0], "onednn_s": t[1], "ratio": t[2], "onednn": _choices[k]}
+            for k, t in _choice_times.items()]
 
 
 def gemm_fn(a: torch.Tensor, b: torch.Tensor) -> Callable[[], torch.Tensor]:
@@ -182,6 +195,7 @@ def seed_choices(rows: list[dict]) -> None:
             key = (int(r["rows"]), int(r["k"]), int(r["n"]), getattr(torch, r["dtype"]), int(r["threads"]))
             if key not in _choices and isinstance(key[3], torch.dtype):
                 _choices[key] = bool(r["onednn"])
-                _choice_times[key] = (float(r["aten_s"]), float(r["onednn_s"]))
+                t_aten, t_dnn = float(r["aten_s"]), float(r["onednn_s"])
+                _choice_times[key] = (t_aten, t_dnn, float(r.get("ratio", t_aten / max(t_dnn, 1e-12))))
         except (KeyError, TypeError, ValueError, AttributeError):
             continue

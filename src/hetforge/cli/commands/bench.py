@@ -43,8 +43,8 @@ def peers(
                                             help="zoo names (repeat or comma-separate); default gpt2, llama-110m, "
                                                  "mixtral-small (gpt2-tiny, llama-tiny with --quick)"),
     systems: list[str] | None = typer.Option(None, "--systems", "-s",
-                                             help="subset of: hetforge, eager, export, compile, ort, ov-default, "
-                                                  "ov-f32 (default all)"),
+                                             help="subset of: hetforge, hetforge-bf16, eager, export, compile, ort, "
+                                                  "ov-default, ov-f32, llamacpp-f32, llamacpp-q8 (default all)"),
     repeats: int = typer.Option(3, "--repeats", "-n", help="fresh-process repeats per system"),
     quick: bool = typer.Option(False, "--quick", help="1 repeat, few calls per figure, no warm-cache runs, "
                                                       "tiny models unless --models is given"),
