@@ -108,3 +108,25 @@ def test_a_forked_child_computes_with_its_own_helpers():
         os._exit(0 if ok and native.pool_info().helpers >= 1 else 1)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_an_engine_decode_runs_on_the_pool_and_its_tokens_do_not_depend_on_the_thread_count(monkeypatch):
+    from hetforge.models.zoo import load_model
+    from hetforge.runtime import Engine, SamplingParams
+
+    monkeypatch.setenv("HETFORGE_ADAPT_THREADS", "0")  # fixed counts: the tuner would probe 1 thread
+    old = torch.get_num_threads()
+    eng = Engine(load_model("gpt2-tiny"), executor="auto")
+    tokens = {}
+    try:
+        for threads in (2, 1):
+            torch.set_num_threads(threads)
+            before = native.pool_info()
+            g = eng.stream([5, 6, 7, 8], SamplingParams(max_new_tokens=8, ignore_eos=True))
+            list(g)
+            tokens[threads] = g.result.tokens
+            jobs = native.pool_info().jobs - before.jobs
+            assert (jobs >= 7) if threads == 2 else (jobs == 0)  # each 2-thread step splits at least its lm head
+    finally:
+        torch.set_num_threads(old)
+    assert tokens[1] == tokens[2]
