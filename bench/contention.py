@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -315,8 +316,8 @@ def main() -> None:
                     new, old = raw[(m, "pool", load, c)]["decode_ms"], raw[(m, "omp", load, c)]["decode_ms"]
                     ratios.append({"model": m, "load": load, "config": c,
                                    "ratio": round(statistics.median(x / y for x, y in zip(new, old, strict=True)), 3)})
-    doc = {"command": "python bench/contention.py " + " ".join(sys.argv[1:]), "models": models, "tokens": a.tokens,
-           "rounds": a.rounds, "loads": loads, "kernels": kernels, "timing": "measured",
+    doc = {"command": shlex.join(["python", "bench/contention.py", *sys.argv[1:]]), "models": models,
+           "tokens": a.tokens, "rounds": a.rounds, "loads": loads, "kernels": kernels, "timing": "measured",
            "load_modes": {"none": "no background process of ours",
                           "pinned": "one `while True: pass` process pinned to the last CPU",
                           "unpinned": "one `while True: pass` process, not pinned"},
