@@ -231,12 +231,24 @@ static float act_of(float v, int act) {
 
 /* Chunk sizes: ~128 KiB of weight per chunk (a few µs of streaming: small enough that a descheduled helper
  * leaves little behind, large enough that claiming one is noise), rows a multiple of four (four streams). */
+#ifndef HF_CHUNK_BYTES
 #define HF_CHUNK_BYTES 131072L
+#endif
 #define HF_COLS 256 /* columns per chunk of a split-K reduction */
 
+/* Rows per stream of one chunk (a chunk reads four streams of this many rows). */
 static long rows_per_chunk(long row_bytes) {
-    long r = (HF_CHUNK_BYTES / (row_bytes > 0 ? row_bytes : 1)) & ~3L;
-    return r < 4 ? 4 : r;
+    long r = HF_CHUNK_BYTES / 4 / (row_bytes > 0 ? row_bytes : 1);
+    return r < 1 ? 1 : r;
+}
+
+/* Chunks of a four-stream product over ``n`` rows: the rows are four quarters of ``n / 4`` (plus a tail of
+ * n % 4 rows, one more chunk); chunk c reads rows [c*rows, (c+1)*rows) of every quarter. Consecutive chunks
+ * continue the same four streams, so one thread running them in order streams each quarter start to end
+ * (as one contiguous block would), and the chunking costs no prefetch restarts. */
+static long four_stream_chunks(long n, long rows) {
+    long quarter = n / 4;
+    return (quarter + rows - 1) / rows + (n % 4 ? 1 : 0);
 }
 
 typedef struct {
@@ -246,26 +258,32 @@ typedef struct {
     int act, chunks;
 } gemv_ctx;
 
-/* Rows [c*rows, (c+1)*rows) of y = act(W x + b), W [N, K]: the chunk's rows read as four streams (its
- * quarters, one row of each at a time): one stream per core leaves memory bandwidth unused on the build
- * host (29 GB/s vs 35 GB/s for four, measured on one 768 MiB weight). */
+/* Chunk c of y = act(W x + b), W [N, K]: rows [c*rows, (c+1)*rows) of each quarter of W, read as four
+ * streams (one per quarter): one stream per core leaves memory bandwidth unused on the build host (29 GB/s
+ * vs 35 GB/s for four, measured on one 768 MiB weight). The last chunk holds the n % 4 tail rows. */
 static void nk_chunk(void *p, long c) {
     const gemv_ctx *a = p;
-    long r0 = c * a->rows, r1 = r0 + a->rows < a->n ? r0 + a->rows : a->n, q = (r1 - r0) / 4, k = a->k;
+    long n = a->n, k = a->k, q = n / 4, i0 = c * a->rows, i1 = i0 + a->rows < q ? i0 + a->rows : q;
     const float *w = a->w, *x = a->x;
     float *y = a->y, o[4];
-    for (long i = r0; i < r0 + q; i++) {
-        dot4(w + i * k, w + (i + q) * k, w + (i + 2 * q) * k, w + (i + 3 * q) * k, x, k, o);
-        for (int j = 0; j < 4; j++) y[i + j * q] = o[j];
+    if (i0 >= q) { /* the tail */
+        for (long r = 4 * q; r < n; r++) y[r] = act_of(a->bias ? dot(w + r * k, x, k) + a->bias[r] : dot(w + r * k, x, k),
+                                                    a->act);
+        return;
     }
-    for (long r = r0 + 4 * q; r < r1; r++) y[r] = dot(w + r * k, x, k);
-    for (long r = r0; r < r1; r++) y[r] = act_of(a->bias ? y[r] + a->bias[r] : y[r], a->act);
+    for (long i = i0; i < i1; i++) {
+        dot4(w + i * k, w + (i + q) * k, w + (i + 2 * q) * k, w + (i + 3 * q) * k, x, k, o);
+        for (int j = 0; j < 4; j++) {
+            long r = i + j * q;
+            y[r] = act_of(a->bias ? o[j] + a->bias[r] : o[j], a->act);
+        }
+    }
 }
 
 static void gemv_nk_act(const float *w, const float *x, const float *bias, float *y, long n, long k, int act,
                         int threads) {
     gemv_ctx a = {w, x, bias, y, 0, n, k, rows_per_chunk(k * (long)sizeof(float)), act, 0};
-    hf_run(nk_chunk, &a, (n + a.rows - 1) / a.rows, clamp_threads(threads));
+    hf_run(nk_chunk, &a, four_stream_chunks(n, a.rows), clamp_threads(threads));
 }
 
 /* y[n] = sum_k w[n, k] x[k] (+ bias[n]); w is [N, K] row-major (F.linear layout), in row chunks. */
@@ -273,42 +291,49 @@ void hf_gemv_nk(const float *w, const float *x, const float *bias, float *y, lon
     gemv_nk_act(w, x, bias, y, n, k, ACT_NONE, threads);
 }
 
-/* Split-K part c: rows [k*c/C, k*(c+1)/C) of W [K, N] (as four streams, its quarters) into row c of part. */
+/* Split-K part c of C: rows [c*r, (c+1)*r) of each quarter of W [K, N] (r = ceil((K/4) / C); four streams,
+ * one per quarter, so consecutive parts continue the same streams), plus the K % 4 tail rows in the last part,
+ * into row c of part. */
 static void kn_partial(void *p, long c) {
     const gemv_ctx *a = p;
-    long n = a->n, k0 = a->k * c / a->chunks, k1 = a->k * (c + 1) / a->chunks, q = (k1 - k0) / 4;
+    long n = a->n, q = a->k / 4, r = (q + a->chunks - 1) / a->chunks;
+    long i0 = c * r < q ? c * r : q, i1 = i0 + r < q ? i0 + r : q;
     const float *w = a->w, *x = a->x;
     float *restrict acc = a->part + (size_t)c * n;
     memset(acc, 0, (size_t)n * sizeof(float));
-    for (long i = k0; i < k0 + q; i++) {
+    for (long i = i0; i < i1; i++) {
         const float x0 = x[i], x1 = x[i + q], x2 = x[i + 2 * q], x3 = x[i + 3 * q];
         const float *restrict w0 = w + i * n, *restrict w1 = w0 + q * n;
         const float *restrict w2 = w1 + q * n, *restrict w3 = w2 + q * n;
 #pragma omp simd
         for (long j = 0; j < n; j++) acc[j] += (x0 * w0[j] + x1 * w1[j]) + (x2 * w2[j] + x3 * w3[j]);
     }
-    for (long i = k0 + 4 * q; i < k1; i++) {
-        const float xi = x[i];
-        const float *restrict wr = w + i * n;
+    if (c == a->chunks - 1)
+        for (long i = 4 * q; i < a->k; i++) {
+            const float xi = x[i];
+            const float *restrict wr = w + i * n;
 #pragma omp simd
-        for (long j = 0; j < n; j++) acc[j] += xi * wr[j];
-    }
+            for (long j = 0; j < n; j++) acc[j] += xi * wr[j];
+        }
 }
 
 /* Columns [c*HF_COLS, ...) of the sum of the parts, in part order, then bias and activation. */
 static void kn_reduce(void *p, long c) {
     const gemv_ctx *a = p;
     long n = a->n, j0 = c * HF_COLS, j1 = j0 + HF_COLS < n ? j0 + HF_COLS : n;
-    for (long j = j0; j < j1; j++) {
-        float s = a->part[j];
-        for (int cc = 1; cc < a->chunks; cc++) s += a->part[(size_t)cc * n + j];
-        a->y[j] = act_of(a->bias ? s + a->bias[j] : s, a->act);
+    float *restrict y = a->y;
+    for (long j = j0; j < j1; j++) y[j] = a->part[j];
+    for (int cc = 1; cc < a->chunks; cc++) { /* part by part: vectorized along the columns, same order per column */
+        const float *restrict pc = a->part + (size_t)cc * n;
+#pragma omp simd
+        for (long j = j0; j < j1; j++) y[j] += pc[j];
     }
+    for (long j = j0; j < j1; j++) y[j] = act_of(a->bias ? y[j] + a->bias[j] : y[j], a->act);
 }
 
 static void gemv_kn_act(const float *w, const float *x, const float *bias, float *y, long n, long k, int act,
                         int threads, float *part, int slots) {
-    long most = (k + 31) / 32; /* at least 32 rows of K per part */
+    long most = (k / 4 + 7) / 8; /* at least 8 rows of each quarter of K per part */
     int chunks = slots < 1 ? 1 : slots;
     if (chunks > most) chunks = most < 1 ? 1 : (int)most;
     gemv_ctx a = {w, x, bias, y, part, n, k, 0, act, chunks};
@@ -478,18 +503,22 @@ typedef struct {
     int act;
 } gated_ctx;
 
-/* Rows [c*rows, ...) of h = act(Wg·x) * (Wu·x): gate and up rows i and i + q of the chunk (four streams). */
+/* Chunk c of h = act(Wg·x) * (Wu·x): rows [c*rows, (c+1)*rows) of each half of Wg and of Wu (four streams,
+ * continued by the next chunk); the last chunk holds the odd row. */
 static void gated_chunk(void *p, long c) {
     const gated_ctx *a = p;
-    long d = a->d, r0 = c * a->rows, r1 = r0 + a->rows < a->f ? r0 + a->rows : a->f, q = (r1 - r0) / 2;
+    long d = a->d, q = a->f / 2, i0 = c * a->rows, i1 = i0 + a->rows < q ? i0 + a->rows : q;
     const float *wg = a->wg, *wu = a->wu, *x = a->x;
     float *h = a->h, o[4];
-    for (long i = r0; i < r0 + q; i++) {
+    if (i0 >= q) {
+        for (long i = 2 * q; i < a->f; i++) h[i] = act_of(dot(wg + i * d, x, d), a->act) * dot(wu + i * d, x, d);
+        return;
+    }
+    for (long i = i0; i < i1; i++) {
         dot4(wg + i * d, wg + (i + q) * d, wu + i * d, wu + (i + q) * d, x, d, o);
         h[i] = act_of(o[0], a->act) * o[2];
         h[i + q] = act_of(o[1], a->act) * o[3];
     }
-    for (long i = r0 + 2 * q; i < r1; i++) h[i] = act_of(dot(wg + i * d, x, d), a->act) * dot(wu + i * d, x, d);
 }
 
 /* SwiGLU-style block for one row: h = act(Wg·x) * (Wu·x) into ``h`` ([F] scratch), then y = Wd·h when wd
@@ -497,8 +526,9 @@ static void gated_chunk(void *p, long c) {
 void hf_gated_mlp(const float *x, const float *wg, const float *wu, const float *wd, float *h, float *y,
                   long f, long d, int act, int threads) {
     threads = clamp_threads(threads);
-    gated_ctx a = {x, wg, wu, h, f, d, rows_per_chunk(2 * d * (long)sizeof(float)), act};
-    hf_run(gated_chunk, &a, (f + a.rows - 1) / a.rows, threads);
+    gated_ctx a = {x, wg, wu, h, f, d, rows_per_chunk(d * (long)sizeof(float)), act};
+    long halves = f / 2;
+    hf_run(gated_chunk, &a, (halves + a.rows - 1) / a.rows + (f % 2 ? 1 : 0), threads);
     if (wd) hf_gemv_nk(wd, h, 0, y, d, f, threads);
 }
 
@@ -519,16 +549,26 @@ typedef struct {
     int act;
 } q8_ctx;
 
+/* Chunk c: rows [c*rows, (c+1)*rows) of each quarter of q (four streams, continued by the next chunk); the
+ * last chunk holds the n % 4 tail rows. */
 static void q8_chunk(void *p, long c) {
     const q8_ctx *a = p;
-    long k = a->k, r0 = c * a->rows, r1 = r0 + a->rows < a->n ? r0 + a->rows : a->n, qn = (r1 - r0) / 4;
+    long k = a->k, n = a->n, qn = n / 4, i0 = c * a->rows, i1 = i0 + a->rows < qn ? i0 + a->rows : qn;
     const int8_t *q = a->q;
     const float *x = a->x;
     float *y = a->y;
-    for (long i = r0; i < r0 + qn; i++) {
+    long rows[4];
+    if (i0 >= qn) {
+        for (long r = 4 * qn; r < n; r++) {
+            float v = dot_q8(q + r * k, x, k) * a->scales[r];
+            y[r] = act_of(a->bias ? v + a->bias[r] : v, a->act);
+        }
+        return;
+    }
+    for (long i = i0; i < i1; i++) {
         const int8_t *restrict a0 = q + i * k, *restrict a1 = q + (i + qn) * k;
         const int8_t *restrict a2 = q + (i + 2 * qn) * k, *restrict a3 = q + (i + 3 * qn) * k;
-        float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
+        float s[4] = {0.f, 0.f, 0.f, 0.f}, s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
 #pragma omp simd reduction(+ : s0, s1, s2, s3)
         for (long c2 = 0; c2 < k; c2++) {
             s0 += (float)a0[c2] * x[c2];
@@ -536,21 +576,20 @@ static void q8_chunk(void *p, long c) {
             s2 += (float)a2[c2] * x[c2];
             s3 += (float)a3[c2] * x[c2];
         }
-        y[i] = s0, y[i + qn] = s1, y[i + 2 * qn] = s2, y[i + 3 * qn] = s3;
-    }
-    for (long r = r0 + 4 * qn; r < r1; r++) y[r] = dot_q8(q + r * k, x, k);
-    for (long r = r0; r < r1; r++) {
-        float v = y[r] * a->scales[r];
-        if (a->bias) v = v + a->bias[r];
-        y[r] = act_of(v, a->act);
+        s[0] = s0, s[1] = s1, s[2] = s2, s[3] = s3;
+        for (int j = 0; j < 4; j++) rows[j] = i + j * qn;
+        for (int j = 0; j < 4; j++) {
+            float v = s[j] * a->scales[rows[j]];
+            y[rows[j]] = act_of(a->bias ? v + a->bias[rows[j]] : v, a->act);
+        }
     }
 }
 
 /* y[n] = act(scale[n] * sum_k q[n, k] x[k] (+ bias[n])) for one fp32 row x and int8 weights q [N, K] with
  * per-output-channel fp32 scales (hetforge::linear_w8; ATen's _weight_int8pack_mm scales the same way).
- * A quarter of the bytes of the fp32 product, read like hf_gemv_nk: row chunks, four streams each. */
+ * A quarter of the bytes of the fp32 product, read like hf_gemv_nk (four streams, chunks continue them). */
 void hf_gemv_q8(const int8_t *q, const float *scales, const float *x, const float *bias, float *y, long n, long k,
                 int act, int threads) {
     q8_ctx a = {q, scales, x, bias, y, n, k, rows_per_chunk(k), act};
-    hf_run(q8_chunk, &a, (n + a.rows - 1) / a.rows, clamp_threads(threads));
+    hf_run(q8_chunk, &a, four_stream_chunks(n, a.rows), clamp_threads(threads));
 }
