@@ -17,7 +17,6 @@ an arena (they are fresh tensors each call), so a caller may keep them.
 from __future__ import annotations
 
 import math
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -361,9 +360,9 @@ class _Codegen:
         return pre + call + post
 
     def gemv_scratch(self, n: int) -> torch.Tensor:
-        """The split-K partial rows of a native ``[K, N]`` GEMV (one row per possible thread; shared by the
+        """The split-K partial rows of a native ``[K, N]`` GEMV (one row per part of K; shared by the
         program's products of width ``n``, which run one at a time)."""
-        return self.g.setdefault(f"_gemv_part{n}", torch.empty((max(os.cpu_count() or 1, 2), n), dtype=torch.float32))
+        return self.g.setdefault(f"_gemv_part{n}", torch.empty((native.split_k_slots(), n), dtype=torch.float32))
 
     def ptr(self, vid: int, dev: torch.device) -> str:
         """The data pointer of ``r<vid>`` for a native kernel: a literal when the tensor is known at build

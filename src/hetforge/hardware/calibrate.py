@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import datetime as _dt
 import math
-import os
 import statistics
 import time
 from collections.abc import Callable
@@ -225,7 +224,7 @@ def _native_row(n: int, k: int, weight_t: bool) -> Callable[[], object] | None:
     buf = _rn(count * rows, cols)
     ptrs = [buf[i * rows:(i + 1) * rows].data_ptr() for i in range(count)]
     x, y, bias = _rn(k), torch.empty(n), _rn(n)
-    part = torch.empty(max(2, os.cpu_count() or 1), n)
+    part = torch.empty(native.split_k_slots(), n)
     state, nt = [0], torch.get_num_threads
     keep = buf  # the raw pointers above point into it: it must live as long as the closure
 
@@ -437,7 +436,7 @@ def _native_bench(op: str, shapes: tuple, opts: dict) -> Bench:
         n = w[1] if wt else w[0]
         args = (*meta(x, w), None, opts["act"], wt)
         out = meta((1, 1, n))
-        part = torch.empty(max(2, os.cpu_count() or 1), n)
+        part = torch.empty(native.split_k_slots(), n)
 
         def make() -> Callable[[], object]:
             xx, y, nxt = _rn(*x), torch.empty(n), _cold(_rn(*w))

@@ -3,10 +3,12 @@
  *
  * Why: a decode step reads every weight once, so it is bound by memory bandwidth. ATen runs a one-row
  * linear as a single-threaded MKL GEMV (~17 GB/s on the 2-core build host); a bmm over a chunked view
- * of the weight uses both cores but still reaches only 25-29 GB/s. These loops give each thread one
- * contiguous block of the weight and stream it once (33 GB/s there, the same as a plain read of memory).
- * Plain C: the compiler vectorizes the loops (-O3 -march=native); OpenMP comes from the libgomp that
- * torch has already loaded, so this shares torch's thread pool. Built and loaded by native.py. */
+ * of the weight uses both cores but still reaches only 25-29 GB/s. These loops stream each weight once in
+ * contiguous chunks (33 GB/s there, the same as a plain read of memory). Plain C: the compiler vectorizes
+ * the loops (-O3 -march=native). The one-row kernels of a decode step run on this file's own small thread
+ * pool (below: chunks claimed by whoever runs, so a descheduled thread stalls nobody); the row ops'
+ * prefill-sized work and the bandwidth probe use OpenMP from the libgomp that torch has already loaded
+ * (torch's thread pool). Built and loaded by native.py. */
 #define _GNU_SOURCE
 #include <math.h>
 #include <omp.h>
@@ -16,6 +18,176 @@
 /* An OpenMP team size: at least one (num_threads(0) would mean "the default", possibly more threads than
  * a caller's per-thread scratch has rows). */
 static int clamp_threads(int threads) { return threads < 1 ? 1 : threads; }
+
+/* ---------------------------------------------------------------- the decode kernels' thread pool
+ * Why not an OpenMP team: every OpenMP region ends at a barrier that waits for *every* team thread, and
+ * libgomp's idle threads spin for a long time (300000 rounds by default) before sleeping. When another busy
+ * process shares the cores, one team thread is often descheduled for a whole time slice (milliseconds):
+ * each of a decode step's ~100 regions then waits for it, and the spinning threads take the CPU time that
+ * the descheduled one needs (measured: a 2-thread decode step 20x slower than a 1-thread one).
+ *
+ * Here a call is cut into many small chunks (~128 KiB of weight each) and every thread, the caller
+ * included, claims the next chunk from one atomic counter. The caller starts at once and, when the chunks
+ * run out, waits only for chunks that a helper has already claimed, never for a helper that has not shown
+ * up: a descheduled helper's share is done by whoever runs. Helpers that find no work spin briefly
+ * (``spin_us``, default 50 µs: enough to stay awake between the back-to-back kernels of one step) and then
+ * sleep on a futex, so an idle helper gives its core back; the caller, waiting for a claimed chunk, yields
+ * after the same spin. Chunks are fixed by the problem (not by the thread count or by who ran them), so a
+ * result does not depend on the thread count or on timing. One job at a time: a second concurrent caller
+ * (another Python thread) runs its job inline. After fork() the child has no helpers; the caller then does
+ * every chunk itself (still correct). */
+#include <limits.h>
+#include <linux/futex.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+typedef void (*hf_chunk_fn)(void *ctx, long chunk);
+#define HF_MAX_HELPERS 63
+
+static struct {
+    pthread_mutex_t lock; /* held by the caller of the job in flight */
+    pthread_mutex_t grow; /* held while starting helpers */
+    int helpers;          /* helper threads started */
+    pid_t owner;          /* process that started them (after fork() the child has none) */
+    _Atomic unsigned seq; /* job number; helpers sleep on it (futex) */
+    _Atomic unsigned long long state; /* (job number << 32) | next unclaimed chunk */
+    _Atomic long done;                /* chunks of the current job finished */
+    _Atomic(hf_chunk_fn) fn;
+    _Atomic(void *) ctx;
+    _Atomic long nchunks;
+    _Atomic int width;    /* helpers with an id below this may join the current job */
+    _Atomic int sleepers; /* helpers asleep (or about to sleep) on seq */
+    _Atomic int spin_us;  /* how long an idle helper / a waiting caller spins before sleeping / yielding */
+    _Atomic int hold;     /* test hook: helpers claim nothing (as if all were descheduled) */
+    _Atomic long jobs, chunks_total, chunks_by_helpers, helper_sleeps;
+} pool = {.lock = PTHREAD_MUTEX_INITIALIZER, .grow = PTHREAD_MUTEX_INITIALIZER, .spin_us = 50};
+
+static double now_us(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec * 1e6 + ts.tv_nsec * 1e-3;
+}
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+/* Claim and run chunks of job ``job`` until none is left (or a newer job replaced it); returns how many. */
+static long run_chunks(unsigned job) {
+    hf_chunk_fn fn = atomic_load(&pool.fn);
+    void *ctx = atomic_load(&pool.ctx);
+    long n = atomic_load(&pool.nchunks), ran = 0;
+    unsigned long long st = atomic_load(&pool.state);
+    for (;;) {
+        if ((unsigned)(st >> 32) != job || (long)(st & 0xffffffffu) >= n) return ran;
+        if (!atomic_compare_exchange_weak(&pool.state, &st, st + 1)) continue;
+        fn(ctx, (long)(st & 0xffffffffu));
+        ran++;
+        atomic_fetch_add_explicit(&pool.done, 1, memory_order_release);
+        st = atomic_load(&pool.state);
+    }
+}
+
+static void *helper_main(void *arg) {
+    int id = (int)(intptr_t)arg;
+    unsigned seen = atomic_load(&pool.seq);
+    for (;;) {
+        double t0 = now_us();
+        int spins = 0;
+        while (atomic_load_explicit(&pool.seq, memory_order_acquire) == seen) {
+            cpu_relax();
+            if (++spins % 64 == 0 && now_us() - t0 > atomic_load_explicit(&pool.spin_us, memory_order_relaxed)) {
+                atomic_fetch_add(&pool.sleepers, 1);
+                atomic_fetch_add_explicit(&pool.helper_sleeps, 1, memory_order_relaxed);
+                if (atomic_load(&pool.seq) == seen) syscall(SYS_futex, &pool.seq, FUTEX_WAIT_PRIVATE, seen, NULL, NULL, 0);
+                atomic_fetch_sub(&pool.sleepers, 1);
+                t0 = now_us();
+            }
+        }
+        seen = atomic_load_explicit(&pool.seq, memory_order_acquire);
+        if (id < atomic_load(&pool.width) && !atomic_load(&pool.hold)) {
+            long ran = run_chunks(seen);
+            if (ran) atomic_fetch_add_explicit(&pool.chunks_by_helpers, ran, memory_order_relaxed);
+        }
+    }
+    return NULL;
+}
+
+/* Start helpers until there are ``want`` (fewer if thread creation fails: the caller covers for them). */
+static int ensure_helpers(int want) {
+    if (want > HF_MAX_HELPERS) want = HF_MAX_HELPERS;
+    pthread_mutex_lock(&pool.grow);
+    if (pool.owner != getpid()) pool.helpers = 0, pool.owner = getpid(); /* a forked child inherits no threads */
+    while (pool.helpers < want) {
+        pthread_t t;
+        pthread_attr_t a;
+        pthread_attr_init(&a);
+        pthread_attr_setdetachstate(&a, PTHREAD_CREATE_DETACHED);
+        int err = pthread_create(&t, &a, helper_main, (void *)(intptr_t)pool.helpers);
+        pthread_attr_destroy(&a);
+        if (err) break;
+        pool.helpers++;
+    }
+    int have = pool.helpers;
+    pthread_mutex_unlock(&pool.grow);
+    return have;
+}
+
+/* Run fn(ctx, 0..n-1) on the caller and up to ``threads - 1`` helpers; returns when all chunks are done. */
+static void hf_run(hf_chunk_fn fn, void *ctx, long n, int threads) {
+    if (threads <= 1 || n <= 1 || pthread_mutex_trylock(&pool.lock) != 0) {
+        for (long i = 0; i < n; i++) fn(ctx, i);
+        return;
+    }
+    int helpers = ensure_helpers(threads - 1);
+    unsigned job = atomic_load(&pool.seq) + 1;
+    atomic_store(&pool.fn, fn);
+    atomic_store(&pool.ctx, ctx);
+    atomic_store(&pool.nchunks, n);
+    atomic_store(&pool.width, helpers < threads - 1 ? helpers : threads - 1);
+    atomic_store(&pool.done, 0);
+    atomic_store(&pool.state, (unsigned long long)job << 32);
+    atomic_store(&pool.seq, job);
+    if (atomic_load(&pool.sleepers) > 0) syscall(SYS_futex, &pool.seq, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
+    run_chunks(job);
+    double t0 = 0;
+    int spins = 0;
+    while (atomic_load_explicit(&pool.done, memory_order_acquire) < n) { /* chunks a helper claimed */
+        cpu_relax();
+        if (++spins % 64 == 0) {
+            if (t0 == 0) t0 = now_us();
+            else if (now_us() - t0 > atomic_load_explicit(&pool.spin_us, memory_order_relaxed)) sched_yield();
+        }
+    }
+    atomic_fetch_add_explicit(&pool.jobs, 1, memory_order_relaxed);
+    atomic_fetch_add_explicit(&pool.chunks_total, n, memory_order_relaxed);
+    pthread_mutex_unlock(&pool.lock);
+}
+
+/* Read back the pool: out[0..5] = helpers started, spin_us, jobs run by the pool, their chunks, chunks run
+ * by helpers, helper sleeps (futex waits). */
+void hf_pool_info(long *out) {
+    out[0] = pool.owner == getpid() ? pool.helpers : 0;
+    out[1] = atomic_load(&pool.spin_us);
+    out[2] = atomic_load(&pool.jobs);
+    out[3] = atomic_load(&pool.chunks_total);
+    out[4] = atomic_load(&pool.chunks_by_helpers);
+    out[5] = atomic_load(&pool.helper_sleeps);
+}
+
+/* Set the spin time (µs, >= 0) and the test hook ``hold`` (1: helpers claim nothing, as if descheduled). */
+void hf_pool_config(int spin_us, int hold) {
+    atomic_store(&pool.spin_us, spin_us < 0 ? 0 : spin_us);
+    atomic_store(&pool.hold, hold);
+}
 
 static float dot(const float *restrict a, const float *restrict b, long k) {
     float s = 0.f;
@@ -38,63 +210,146 @@ static void dot4(const float *restrict a0, const float *restrict a1, const float
     out[0] = s0, out[1] = s1, out[2] = s2, out[3] = s3;
 }
 
-/* y[n] = sum_k w[n, k] x[k] (+ bias[n]); w is [N, K] row-major (F.linear layout). Each thread takes one
- * contiguous block of rows and reads it as four streams (the block's quarters, one row of each at a time):
- * one stream per core leaves memory bandwidth unused on the build host (29 GB/s vs 35 GB/s for four,
- * measured on one 768 MiB weight). */
-void hf_gemv_nk(const float *w, const float *x, const float *bias, float *y, long n, long k, int threads) {
-    threads = clamp_threads(threads);
-#pragma omp parallel num_threads(threads)
-    {
-        int t = omp_get_thread_num(), nt = omp_get_num_threads();
-        long r0 = n * t / nt, r1 = n * (t + 1) / nt, q = (r1 - r0) / 4;
-        float o[4];
-        for (long i = r0; i < r0 + q; i++) {
-            dot4(w + i * k, w + (i + q) * k, w + (i + 2 * q) * k, w + (i + 3 * q) * k, x, k, o);
-            for (int j = 0; j < 4; j++) y[i + j * q] = o[j];
-        }
-        for (long r = r0 + 4 * q; r < r1; r++) y[r] = dot(w + r * k, x, k);
-        if (bias)
-            for (long r = r0; r < r1; r++) y[r] += bias[r];
+/* act(v) for ACT_RELU, ACT_GELU (erf), ACT_GELU_TANH, ACT_SILU: the formulas of ATen's kernels (results equal
+ * to rounding: libm's erff/tanhf/expf are not ATen's vectorized ones). */
+enum { ACT_NONE = 0, ACT_RELU = 1, ACT_GELU = 2, ACT_GELU_TANH = 3, ACT_SILU = 4 };
+
+static float act_of(float v, int act) {
+    switch (act) {
+    case ACT_RELU: return v <= 0.f ? 0.f : v; /* NaN stays NaN, as in torch.relu */
+    case ACT_GELU: return v * 0.5f * (1.f + erff(v * (float)M_SQRT1_2));
+    case ACT_GELU_TANH: {
+        const float beta = (float)(M_SQRT2 * M_2_SQRTPI * 0.5), kappa = 0.044715f;
+        float cube = v * v * v;
+        float inner = beta * (v + kappa * cube);
+        return 0.5f * v * (1.f + tanhf(inner));
+    }
+    case ACT_SILU: return v / (1.f + expf(-v));
+    default: return v;
     }
 }
 
-/* y[n] = sum_k x[k] w[k, n] (+ bias[n]); w is [K, N] row-major (GPT-2 Conv1D / addmm layout). Split-K:
- * each thread streams a contiguous block of rows (as four streams, its quarters) into its own row of
- * ``part`` (a [slots, N] scratch the caller owns; at most ``slots`` threads run), then the partial rows
- * are summed in thread order, so the result does not depend on timing. */
-void hf_gemv_kn(const float *w, const float *x, const float *bias, float *y, long n, long k, int threads,
-                float *part, int slots) {
-    threads = clamp_threads(threads > slots ? slots : threads);
-#pragma omp parallel num_threads(threads)
-    {
-        int t = omp_get_thread_num(), nt = omp_get_num_threads();
-        {  /* acc is this thread's row of part; its restrict scope ends before part is read across rows */
-            long k0 = k * t / nt, k1 = k * (t + 1) / nt, q = (k1 - k0) / 4;
-            float *restrict acc = part + (size_t)t * n;
-            memset(acc, 0, (size_t)n * sizeof(float));
-            for (long i = k0; i < k0 + q; i++) {
-                const float x0 = x[i], x1 = x[i + q], x2 = x[i + 2 * q], x3 = x[i + 3 * q];
-                const float *restrict w0 = w + i * n, *restrict w1 = w0 + q * n;
-                const float *restrict w2 = w1 + q * n, *restrict w3 = w2 + q * n;
-#pragma omp simd
-                for (long j = 0; j < n; j++) acc[j] += (x0 * w0[j] + x1 * w1[j]) + (x2 * w2[j] + x3 * w3[j]);
-            }
-            for (long i = k0 + 4 * q; i < k1; i++) {
-                const float xi = x[i];
-                const float *restrict wr = w + i * n;
-#pragma omp simd
-                for (long j = 0; j < n; j++) acc[j] += xi * wr[j];
-            }
-        }
-#pragma omp barrier
-        long j0 = n * t / nt, j1 = n * (t + 1) / nt;
-        for (long j = j0; j < j1; j++) {
-            float s = part[j];
-            for (int c = 1; c < nt; c++) s += part[(size_t)c * n + j];
-            y[j] = bias ? s + bias[j] : s;
+/* Chunk sizes: ~128 KiB of weight per chunk (a few µs of streaming: small enough that a descheduled helper
+ * leaves little behind, large enough that claiming one is noise), rows a multiple of four (four streams). */
+#ifndef HF_CHUNK_BYTES
+#define HF_CHUNK_BYTES 131072L
+#endif
+#define HF_COLS 256 /* columns per chunk of a split-K reduction */
+
+/* Rows per stream of one chunk (a chunk reads four streams of this many rows). */
+static long rows_per_chunk(long row_bytes) {
+    long r = HF_CHUNK_BYTES / 4 / (row_bytes > 0 ? row_bytes : 1);
+    return r < 1 ? 1 : r;
+}
+
+/* Chunks of a four-stream product over ``n`` rows: the rows are four quarters of ``n / 4`` (plus a tail of
+ * n % 4 rows, one more chunk); chunk c reads rows [c*rows, (c+1)*rows) of every quarter. Consecutive chunks
+ * continue the same four streams, so one thread running them in order streams each quarter start to end
+ * (as one contiguous block would), and the chunking costs no prefetch restarts. */
+static long four_stream_chunks(long n, long rows) {
+    long quarter = n / 4;
+    return (quarter + rows - 1) / rows + (n % 4 ? 1 : 0);
+}
+
+typedef struct {
+    const float *w, *x, *bias;
+    float *y, *part;
+    long n, k, rows;
+    int act, chunks;
+} gemv_ctx;
+
+/* Chunk c of y = act(W x + b), W [N, K]: rows [c*rows, (c+1)*rows) of each quarter of W, read as four
+ * streams (one per quarter): one stream per core leaves memory bandwidth unused on the build host (29 GB/s
+ * vs 35 GB/s for four, measured on one 768 MiB weight). The last chunk holds the n % 4 tail rows. */
+static void nk_chunk(void *p, long c) {
+    const gemv_ctx *a = p;
+    long n = a->n, k = a->k, q = n / 4, i0 = c * a->rows, i1 = i0 + a->rows < q ? i0 + a->rows : q;
+    const float *w = a->w, *x = a->x;
+    float *y = a->y, o[4];
+    if (i0 >= q) { /* the tail */
+        for (long r = 4 * q; r < n; r++) y[r] = act_of(a->bias ? dot(w + r * k, x, k) + a->bias[r] : dot(w + r * k, x, k),
+                                                    a->act);
+        return;
+    }
+    for (long i = i0; i < i1; i++) {
+        dot4(w + i * k, w + (i + q) * k, w + (i + 2 * q) * k, w + (i + 3 * q) * k, x, k, o);
+        for (int j = 0; j < 4; j++) {
+            long r = i + j * q;
+            y[r] = act_of(a->bias ? o[j] + a->bias[r] : o[j], a->act);
         }
     }
+}
+
+static void gemv_nk_act(const float *w, const float *x, const float *bias, float *y, long n, long k, int act,
+                        int threads) {
+    gemv_ctx a = {w, x, bias, y, 0, n, k, rows_per_chunk(k * (long)sizeof(float)), act, 0};
+    hf_run(nk_chunk, &a, four_stream_chunks(n, a.rows), clamp_threads(threads));
+}
+
+/* y[n] = sum_k w[n, k] x[k] (+ bias[n]); w is [N, K] row-major (F.linear layout), in row chunks. */
+void hf_gemv_nk(const float *w, const float *x, const float *bias, float *y, long n, long k, int threads) {
+    gemv_nk_act(w, x, bias, y, n, k, ACT_NONE, threads);
+}
+
+/* Split-K part c of C: rows [c*r, (c+1)*r) of each quarter of W [K, N] (r = ceil((K/4) / C); four streams,
+ * one per quarter, so consecutive parts continue the same streams), plus the K % 4 tail rows in the last part,
+ * into row c of part. */
+static void kn_partial(void *p, long c) {
+    const gemv_ctx *a = p;
+    long n = a->n, q = a->k / 4, r = (q + a->chunks - 1) / a->chunks;
+    long i0 = c * r < q ? c * r : q, i1 = i0 + r < q ? i0 + r : q;
+    const float *w = a->w, *x = a->x;
+    float *restrict acc = a->part + (size_t)c * n;
+    memset(acc, 0, (size_t)n * sizeof(float));
+    for (long i = i0; i < i1; i++) {
+        const float x0 = x[i], x1 = x[i + q], x2 = x[i + 2 * q], x3 = x[i + 3 * q];
+        const float *restrict w0 = w + i * n, *restrict w1 = w0 + q * n;
+        const float *restrict w2 = w1 + q * n, *restrict w3 = w2 + q * n;
+#pragma omp simd
+        for (long j = 0; j < n; j++) acc[j] += (x0 * w0[j] + x1 * w1[j]) + (x2 * w2[j] + x3 * w3[j]);
+    }
+    if (c == a->chunks - 1)
+        for (long i = 4 * q; i < a->k; i++) {
+            const float xi = x[i];
+            const float *restrict wr = w + i * n;
+#pragma omp simd
+            for (long j = 0; j < n; j++) acc[j] += xi * wr[j];
+        }
+}
+
+/* Columns [c*HF_COLS, ...) of the sum of the parts, in part order, then bias and activation. */
+static void kn_reduce(void *p, long c) {
+    const gemv_ctx *a = p;
+    long n = a->n, j0 = c * HF_COLS, j1 = j0 + HF_COLS < n ? j0 + HF_COLS : n;
+    float *restrict y = a->y;
+    for (long j = j0; j < j1; j++) y[j] = a->part[j];
+    for (int cc = 1; cc < a->chunks; cc++) { /* part by part: vectorized along the columns, same order per column */
+        const float *restrict pc = a->part + (size_t)cc * n;
+#pragma omp simd
+        for (long j = j0; j < j1; j++) y[j] += pc[j];
+    }
+    for (long j = j0; j < j1; j++) y[j] = act_of(a->bias ? y[j] + a->bias[j] : y[j], a->act);
+}
+
+static void gemv_kn_act(const float *w, const float *x, const float *bias, float *y, long n, long k, int act,
+                        int threads, float *part, int slots) {
+    long most = (k / 4 + 7) / 8; /* at least 8 rows of each quarter of K per part */
+    int chunks = slots < 1 ? 1 : slots;
+    if (chunks > most) chunks = most < 1 ? 1 : (int)most;
+    gemv_ctx a = {w, x, bias, y, part, n, k, 0, act, chunks};
+    threads = clamp_threads(threads);
+    hf_run(kn_partial, &a, chunks, threads);
+    hf_run(kn_reduce, &a, (n + HF_COLS - 1) / HF_COLS, threads);
+}
+
+/* y[n] = sum_k x[k] w[k, n] (+ bias[n]); w is [K, N] row-major (GPT-2 Conv1D / addmm layout). Split-K:
+ * ``slots`` parts of K (at most; ``part`` is a [slots, N] scratch the caller owns), each streamed into its
+ * own row of ``part`` by whichever thread claims it, then the partial rows are summed in part order in
+ * column chunks: the parts are fixed by ``slots`` and K, so the result depends on neither the thread count
+ * nor timing. */
+void hf_gemv_kn(const float *w, const float *x, const float *bias, float *y, long n, long k, int threads,
+                float *part, int slots) {
+    gemv_kn_act(w, x, bias, y, n, k, ACT_NONE, threads, part, slots);
 }
 
 /* Reads ``n`` floats as ``threads`` x four streams, like the GEMVs above (a memory-bandwidth probe for
@@ -196,102 +451,102 @@ void hf_layer_norm(const float *x, const float *w, const float *b, float *y, lon
     }
 }
 
-/* One new query row per head against a read-only KV cache plus the new row (the decode step's attention).
- * q [h, d], k_new/v_new [hkv, d], caches [hkv, s, d], mask [s] additive (may hold -inf), new_mask the
- * additive mask of the new row against itself (one float, or NULL); out [h, d]. Head i reads kv head i / (h / hkv). Heads
- * run in parallel; scores sit in a per-head buffer of s + 1 floats (scratch [h, s + 1]). */
-void hf_decode_attention(const float *q, const float *k_new, const float *v_new, const float *k_cache,
-                         const float *v_cache, const float *mask, const float *new_mask, float *out, float *scratch,
-                         long h, long hkv, long s, long d, float scale, int threads) {
-    threads = clamp_threads(threads);
-    long g = h / hkv;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (long i = 0; i < h; i++) {
-        long j = i / g;
-        const float *qi = q + i * d, *kc = k_cache + j * s * d, *vc = v_cache + j * s * d;
-        float *p = scratch + i * (s + 1), *o = out + i * d;
-        float mx = -INFINITY;
-        for (long t = 0; t < s; t++) {
-            float v = scale * dot(qi, kc + t * d, d) + mask[t];
-            p[t] = v;
-            if (v > mx) mx = v;
-        }
-        float vn = scale * dot(qi, k_new + j * d, d) + (new_mask ? *new_mask : 0.f);
-        p[s] = vn;
-        if (vn > mx) mx = vn;
-        float z = 0.f;
-        for (long t = 0; t <= s; t++) {
-            float e = expf(p[t] - mx);
-            p[t] = e;
-            z += e;
-        }
-        float iz = 1.f / z;
-        for (long c = 0; c < d; c++) o[c] = 0.f;
-        for (long t = 0; t < s; t++) {
-            float w = p[t] * iz;
-            if (w == 0.f) continue;
-            const float *vr = vc + t * d;
-#pragma omp simd
-            for (long c = 0; c < d; c++) o[c] += w * vr[c];
-        }
-        float w = p[s] * iz;
-        const float *vr = v_new + j * d;
+typedef struct {
+    const float *q, *k_new, *v_new, *k_cache, *v_cache, *mask, *new_mask;
+    float *out, *scratch, scale;
+    long h, hkv, s, d;
+} att_ctx;
+
+static void att_head(void *p, long i) {
+    const att_ctx *a = p;
+    long s = a->s, d = a->d, j = i / (a->h / a->hkv);
+    const float *qi = a->q + i * d, *kc = a->k_cache + j * s * d, *vc = a->v_cache + j * s * d;
+    float *pr = a->scratch + i * (s + 1), *o = a->out + i * d, scale = a->scale;
+    float mx = -INFINITY;
+    for (long t = 0; t < s; t++) {
+        float v = scale * dot(qi, kc + t * d, d) + a->mask[t];
+        pr[t] = v;
+        if (v > mx) mx = v;
+    }
+    float vn = scale * dot(qi, a->k_new + j * d, d) + (a->new_mask ? *a->new_mask : 0.f);
+    pr[s] = vn;
+    if (vn > mx) mx = vn;
+    float z = 0.f;
+    for (long t = 0; t <= s; t++) {
+        float e = expf(pr[t] - mx);
+        pr[t] = e;
+        z += e;
+    }
+    float iz = 1.f / z;
+    for (long c = 0; c < d; c++) o[c] = 0.f;
+    for (long t = 0; t < s; t++) {
+        float w = pr[t] * iz;
+        if (w == 0.f) continue;
+        const float *vr = vc + t * d;
 #pragma omp simd
         for (long c = 0; c < d; c++) o[c] += w * vr[c];
     }
+    float w = pr[s] * iz;
+    const float *vr = a->v_new + j * d;
+#pragma omp simd
+    for (long c = 0; c < d; c++) o[c] += w * vr[c];
+}
+
+/* One new query row per head against a read-only KV cache plus the new row (the decode step's attention).
+ * q [h, d], k_new/v_new [hkv, d], caches [hkv, s, d], mask [s] additive (may hold -inf), new_mask the
+ * additive mask of the new row against itself (one float, or NULL); out [h, d]. Head i reads kv head i / (h / hkv). Heads
+ * are the pool's chunks; scores sit in a per-head buffer of s + 1 floats (scratch [h, s + 1]). */
+void hf_decode_attention(const float *q, const float *k_new, const float *v_new, const float *k_cache,
+                         const float *v_cache, const float *mask, const float *new_mask, float *out, float *scratch,
+                         long h, long hkv, long s, long d, float scale, int threads) {
+    att_ctx a = {q, k_new, v_new, k_cache, v_cache, mask, new_mask, out, scratch, scale, h, hkv, s, d};
+    hf_run(att_head, &a, h, clamp_threads(threads));
 }
 
 /* ---------------------------------------------------------------- one-row MLP blocks */
 
-/* act(v) for ACT_RELU, ACT_GELU (erf), ACT_GELU_TANH, ACT_SILU: the formulas of ATen's kernels (results equal
- * to rounding: libm's erff/tanhf/expf are not ATen's vectorized ones). */
-enum { ACT_NONE = 0, ACT_RELU = 1, ACT_GELU = 2, ACT_GELU_TANH = 3, ACT_SILU = 4 };
-
-static float act_of(float v, int act) {
-    switch (act) {
-    case ACT_RELU: return v <= 0.f ? 0.f : v; /* NaN stays NaN, as in torch.relu */
-    case ACT_GELU: return v * 0.5f * (1.f + erff(v * (float)M_SQRT1_2));
-    case ACT_GELU_TANH: {
-        const float beta = (float)(M_SQRT2 * M_2_SQRTPI * 0.5), kappa = 0.044715f;
-        float cube = v * v * v;
-        float inner = beta * (v + kappa * cube);
-        return 0.5f * v * (1.f + tanhf(inner));
-    }
-    case ACT_SILU: return v / (1.f + expf(-v));
-    default: return v;
-    }
-}
-
-/* y = act(x·W (+ b)) for one row: the GEMV above, then the activation over the row, split over threads. */
+/* y = act(x·W (+ b)) for one row: the GEMV above with the activation applied per chunk. */
 void hf_linear_act(const float *w, const float *x, const float *bias, float *y, long n, long k, int weight_t,
                    int act, int threads, float *part, int slots) {
-    threads = clamp_threads(threads);
     if (weight_t)
-        hf_gemv_kn(w, x, bias, y, n, k, threads, part, slots);
+        gemv_kn_act(w, x, bias, y, n, k, act, threads, part, slots);
     else
-        hf_gemv_nk(w, x, bias, y, n, k, threads);
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (long j = 0; j < n; j++) y[j] = act_of(y[j], act);
+        gemv_nk_act(w, x, bias, y, n, k, act, threads);
+}
+
+typedef struct {
+    const float *x, *wg, *wu;
+    float *h;
+    long f, d, rows;
+    int act;
+} gated_ctx;
+
+/* Chunk c of h = act(Wg·x) * (Wu·x): rows [c*rows, (c+1)*rows) of each half of Wg and of Wu (four streams,
+ * continued by the next chunk); the last chunk holds the odd row. */
+static void gated_chunk(void *p, long c) {
+    const gated_ctx *a = p;
+    long d = a->d, q = a->f / 2, i0 = c * a->rows, i1 = i0 + a->rows < q ? i0 + a->rows : q;
+    const float *wg = a->wg, *wu = a->wu, *x = a->x;
+    float *h = a->h, o[4];
+    if (i0 >= q) {
+        for (long i = 2 * q; i < a->f; i++) h[i] = act_of(dot(wg + i * d, x, d), a->act) * dot(wu + i * d, x, d);
+        return;
+    }
+    for (long i = i0; i < i1; i++) {
+        dot4(wg + i * d, wg + (i + q) * d, wu + i * d, wu + (i + q) * d, x, d, o);
+        h[i] = act_of(o[0], a->act) * o[2];
+        h[i + q] = act_of(o[1], a->act) * o[3];
+    }
 }
 
 /* SwiGLU-style block for one row: h = act(Wg·x) * (Wu·x) into ``h`` ([F] scratch), then y = Wd·h when wd
- * is given. Wg, Wu [F, D], Wd [D, F], row-major, no biases. Gate and up rows are streamed together
- * (rows i and i + q of each: four streams), one parallel region for both products. */
+ * is given. Wg, Wu [F, D], Wd [D, F], row-major, no biases. */
 void hf_gated_mlp(const float *x, const float *wg, const float *wu, const float *wd, float *h, float *y,
                   long f, long d, int act, int threads) {
     threads = clamp_threads(threads);
-#pragma omp parallel num_threads(threads)
-    {
-        int t = omp_get_thread_num(), nt = omp_get_num_threads();
-        long r0 = f * t / nt, r1 = f * (t + 1) / nt, q = (r1 - r0) / 2;
-        float o[4];
-        for (long i = r0; i < r0 + q; i++) {
-            dot4(wg + i * d, wg + (i + q) * d, wu + i * d, wu + (i + q) * d, x, d, o);
-            h[i] = act_of(o[0], act) * o[2];
-            h[i + q] = act_of(o[1], act) * o[3];
-        }
-        for (long i = r0 + 2 * q; i < r1; i++) h[i] = act_of(dot(wg + i * d, x, d), act) * dot(wu + i * d, x, d);
-    }
+    gated_ctx a = {x, wg, wu, h, f, d, rows_per_chunk(d * (long)sizeof(float)), act};
+    long halves = f / 2;
+    hf_run(gated_chunk, &a, (halves + a.rows - 1) / a.rows + (f % 2 ? 1 : 0), threads);
     if (wd) hf_gemv_nk(wd, h, 0, y, d, f, threads);
 }
 
@@ -304,34 +559,55 @@ static float dot_q8(const int8_t *restrict q, const float *restrict x, long k) {
     return s;
 }
 
-/* y[n] = act(scale[n] * sum_k q[n, k] x[k] (+ bias[n])) for one fp32 row x and int8 weights q [N, K] with
- * per-output-channel fp32 scales (hetforge::linear_w8; ATen's _weight_int8pack_mm scales the same way).
- * A quarter of the bytes of the fp32 product, read like hf_gemv_nk: four streams per thread. */
-void hf_gemv_q8(const int8_t *q, const float *scales, const float *x, const float *bias, float *y, long n, long k,
-                int act, int threads) {
-    threads = clamp_threads(threads);
-#pragma omp parallel num_threads(threads)
-    {
-        int t = omp_get_thread_num(), nt = omp_get_num_threads();
-        long r0 = n * t / nt, r1 = n * (t + 1) / nt, qn = (r1 - r0) / 4;
-        for (long i = r0; i < r0 + qn; i++) {
-            const int8_t *restrict a0 = q + i * k, *restrict a1 = q + (i + qn) * k;
-            const int8_t *restrict a2 = q + (i + 2 * qn) * k, *restrict a3 = q + (i + 3 * qn) * k;
-            float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
-#pragma omp simd reduction(+ : s0, s1, s2, s3)
-            for (long c = 0; c < k; c++) {
-                s0 += (float)a0[c] * x[c];
-                s1 += (float)a1[c] * x[c];
-                s2 += (float)a2[c] * x[c];
-                s3 += (float)a3[c] * x[c];
-            }
-            y[i] = s0, y[i + qn] = s1, y[i + 2 * qn] = s2, y[i + 3 * qn] = s3;
+typedef struct {
+    const int8_t *q;
+    const float *scales, *x, *bias;
+    float *y;
+    long n, k, rows;
+    int act;
+} q8_ctx;
+
+/* Chunk c: rows [c*rows, (c+1)*rows) of each quarter of q (four streams, continued by the next chunk); the
+ * last chunk holds the n % 4 tail rows. */
+static void q8_chunk(void *p, long c) {
+    const q8_ctx *a = p;
+    long k = a->k, n = a->n, qn = n / 4, i0 = c * a->rows, i1 = i0 + a->rows < qn ? i0 + a->rows : qn;
+    const int8_t *q = a->q;
+    const float *x = a->x;
+    float *y = a->y;
+    long rows[4];
+    if (i0 >= qn) {
+        for (long r = 4 * qn; r < n; r++) {
+            float v = dot_q8(q + r * k, x, k) * a->scales[r];
+            y[r] = act_of(a->bias ? v + a->bias[r] : v, a->act);
         }
-        for (long r = r0 + 4 * qn; r < r1; r++) y[r] = dot_q8(q + r * k, x, k);
-        for (long r = r0; r < r1; r++) {
-            float v = y[r] * scales[r];
-            if (bias) v = v + bias[r];
-            y[r] = act_of(v, act);
+        return;
+    }
+    for (long i = i0; i < i1; i++) {
+        const int8_t *restrict a0 = q + i * k, *restrict a1 = q + (i + qn) * k;
+        const int8_t *restrict a2 = q + (i + 2 * qn) * k, *restrict a3 = q + (i + 3 * qn) * k;
+        float s[4] = {0.f, 0.f, 0.f, 0.f}, s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
+#pragma omp simd reduction(+ : s0, s1, s2, s3)
+        for (long c2 = 0; c2 < k; c2++) {
+            s0 += (float)a0[c2] * x[c2];
+            s1 += (float)a1[c2] * x[c2];
+            s2 += (float)a2[c2] * x[c2];
+            s3 += (float)a3[c2] * x[c2];
+        }
+        s[0] = s0, s[1] = s1, s[2] = s2, s[3] = s3;
+        for (int j = 0; j < 4; j++) rows[j] = i + j * qn;
+        for (int j = 0; j < 4; j++) {
+            float v = s[j] * a->scales[rows[j]];
+            y[rows[j]] = act_of(a->bias ? v + a->bias[rows[j]] : v, a->act);
         }
     }
+}
+
+/* y[n] = act(scale[n] * sum_k q[n, k] x[k] (+ bias[n])) for one fp32 row x and int8 weights q [N, K] with
+ * per-output-channel fp32 scales (hetforge::linear_w8; ATen's _weight_int8pack_mm scales the same way).
+ * A quarter of the bytes of the fp32 product, read like hf_gemv_nk (four streams, chunks continue them). */
+void hf_gemv_q8(const int8_t *q, const float *scales, const float *x, const float *bias, float *y, long n, long k,
+                int act, int threads) {
+    q8_ctx a = {q, scales, x, bias, y, n, k, rows_per_chunk(k), act};
+    hf_run(q8_chunk, &a, four_stream_chunks(n, a.rows), clamp_threads(threads));
 }

@@ -46,6 +46,8 @@ SIGNATURES = {
     "hf_linear_act": [_P, _P, _P, _P, _L, _L, _I, _I, _I, _P, _I],
     "hf_gated_mlp": [_P, _P, _P, _P, _P, _P, _L, _L, _I, _I],
     "hf_gemv_q8": [_P, _P, _P, _P, _P, _L, _L, _I, _I],
+    "hf_pool_info": [_P],
+    "hf_pool_config": [_I, _I],
 }
 ACT_CODES = {"none": 0, "relu": 1, "gelu": 2, "gelu_tanh": 3, "silu": 4}  # native.c's ACT_* (linear_act, gated_mlp)
 
@@ -222,6 +224,36 @@ def status() -> NativeStatus:
     return _state["status"]  # type: ignore[return-value]
 
 
+def split_k_slots() -> int:
+    """Rows of a ``[K, N]`` GEMV's split-K scratch: the number of K parts (fixed per host, so a result does
+    not depend on the thread count), at least 16 so a part claimed by a descheduled thread is a small one."""
+    return max(os.cpu_count() or 1, 16)
+
+
+@dataclass
+class PoolInfo:
+    """The native kernels' thread pool, read back from the library (see ``native.c``)."""
+
+    helpers: int  # helper threads started in this process
+    spin_us: int  # how long an idle helper spins before it sleeps (and a waiting caller before it yields)
+    jobs: int  # kernel calls split over the pool
+    chunks: int  # their chunks
+    chunks_by_helpers: int  # chunks that helper threads ran (the caller ran the rest)
+    helper_sleeps: int  # times an idle helper went to sleep on its futex
+
+
+def pool_info() -> PoolInfo:
+    """Read back the pool's state and counters; check :func:`library` first."""
+    out = (ctypes.c_long * 6)()
+    library().hf_pool_info(out)
+    return PoolInfo(*out)
+
+
+def pool_config(spin_us: int = 50, hold: bool = False) -> None:
+    """Set the pool's spin time (µs) and its test hook ``hold`` (helpers claim no work, as if descheduled)."""
+    library().hf_pool_config(spin_us, int(hold))
+
+
 def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
@@ -244,7 +276,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: torch
     """``out = x·Wᵀ (+ b)`` (``x·W`` when ``weight_t``) for one fp32 row, on the native kernel.
 
     All tensors must be contiguous fp32 on the CPU (checked by :func:`fits`); ``scratch`` is the split-K
-    partial-row buffer (``[slots, N]``) for ``weight_t``, made here when not given."""
+    partial-row buffer (``[slots, N]``, ``slots`` parts of K) for ``weight_t``, made here when not given."""
     lib = library()
     assert lib is not None, status().reason
     k_w, n_w = w.shape if weight_t else (w.shape[1], w.shape[0])
@@ -256,7 +288,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: torch
     if weight_t:
         k, n = w.shape
         if scratch is None:
-            scratch = torch.empty((threads, n), dtype=torch.float32)
+            scratch = torch.empty((split_k_slots(), n), dtype=torch.float32)
         if (scratch.dtype != torch.float32 or not scratch.is_contiguous() or scratch.dim() != 2
                 or scratch.shape[0] < 1 or scratch.shape[1] != n):
             raise ValueError(f"split-K scratch must be contiguous float32 [slots >= 1, {n}], got "

@@ -1,14 +1,16 @@
 """Adaptive thread count for decode steps: no collapse when another process takes a core.
 
-A decode step is ~100 short parallel kernels (native GEMVs, norms, attention; oneDNN/ATen for the rest), each
-ending at a barrier. When another busy process shares the cores, one of the team's threads is often
-descheduled for a whole time slice (milliseconds) and every barrier waits for it: a 2-thread step can take
-20× a 1-thread one. The tuner measures the steps it runs (wall time) and keeps, per thread count (the
-requested count and 1), a moving average of the count in use; every ``explore_every`` steps — or at once
-when a step takes ``spike``× that average — one step runs with the other count (its time replaces that
-count's stale average), and the faster count is kept; a probe that loses doubles the interval to the next
-(up to 8×). The tuner lives on the engine: a request's prefill runs with the count its decode steps last
-found faster. Off with ``HETFORGE_ADAPT_THREADS=0``; torch's thread count is restored when the request ends.
+A decode step is ~100 short parallel kernels (native GEMVs, norms, attention; oneDNN/ATen for the rest). The
+native ones run on their own pool, where no call waits for a descheduled thread (``hetforge.kernels.native``);
+the ATen/oneDNN ones end at OpenMP barriers, and when another busy process shares the cores one thread of the
+team is often descheduled for a whole time slice (milliseconds) and every barrier waits for it. Even without
+barriers, two threads on a shared core can lose to one. The tuner measures the steps it runs (wall time) and
+keeps, per thread count (the requested count and 1), a moving average of the count in use; every
+``explore_every`` steps — or at once when a step takes ``spike``× that average — one step runs with the other
+count (its time replaces that count's stale average), and the faster count is kept; a probe that loses doubles
+the interval to the next (up to 8×). The tuner lives on the engine: a request's prefill runs with the count
+its decode steps last found faster. Off with ``HETFORGE_ADAPT_THREADS=0``; torch's thread count is restored
+when the request ends.
 """
 
 from __future__ import annotations

@@ -1,0 +1,132 @@
+"""The native decode kernels' own thread pool (kernels/native.c): calls are split into chunks that whoever runs
+claims, so a helper thread that never shows up (descheduled by a busy neighbour) stalls nobody, and results do
+not depend on the thread count. Speed under contention is measured by bench/contention.py, not here."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_native import needs_cc
+
+from hetforge.kernels import native
+
+pytestmark = needs_cc
+
+
+def _kernels(threads: int) -> dict[str, torch.Tensor]:
+    """Every pooled kernel on fixed inputs with ``threads`` threads (sizes give each call several chunks)."""
+    lib = native.library()
+    g = torch.Generator().manual_seed(7)
+    x, w = torch.randn(768, generator=g), torch.randn(3072, 768, generator=g)
+    wt, b = w.t().contiguous(), torch.randn(3072, generator=g)
+    out = {}
+    out["nk"] = native.gemv(x, w, b, torch.empty(3072), False, threads=threads)
+    out["kn"] = native.gemv(x, wt, b, torch.empty(3072), True, threads=threads)
+    y, part = torch.empty(3072), torch.empty(native.split_k_slots(), 3072)
+    lib.hf_linear_act(wt.data_ptr(), x.data_ptr(), b.data_ptr(), y.data_ptr(), 3072, 768, 1, native.ACT_CODES["gelu"],
+                      threads, part.data_ptr(), part.shape[0])
+    out["linear_act_kn"] = y
+    wg, wu, wd = torch.randn(2048, 768, generator=g), torch.randn(2048, 768, generator=g), w[:768, :2048].contiguous()
+    h, y2 = torch.empty(2048), torch.empty(768)
+    lib.hf_gated_mlp(x.data_ptr(), wg.data_ptr(), wu.data_ptr(), wd.data_ptr(), h.data_ptr(), y2.data_ptr(), 2048,
+                     768, native.ACT_CODES["silu"], threads)
+    out["gated_mlp"] = y2
+    q, kc, vc = torch.randn(12, 64, generator=g), torch.randn(12, 40, 64, generator=g), torch.randn(12, 40, 64,
+                                                                                                   generator=g)
+    kn_, vn_ = torch.randn(12, 64, generator=g), torch.randn(12, 64, generator=g)
+    mask, att, scratch = torch.zeros(40), torch.empty(12, 64), \
+        torch.empty(12, 41)
+    lib.hf_decode_attention(q.data_ptr(), kn_.data_ptr(), vn_.data_ptr(), kc.data_ptr(), vc.data_ptr(),
+                            mask.data_ptr(), None, att.data_ptr(), scratch.data_ptr(), 12, 12, 40, 64, 0.125, threads)
+    out["attention"] = att
+    qw, sc = torch.randint(-127, 128, (3072, 768), generator=g, dtype=torch.int8), torch.rand(3072, generator=g)
+    y3 = torch.empty(3072)
+    lib.hf_gemv_q8(qw.data_ptr(), sc.data_ptr(), x.data_ptr(), None, y3.data_ptr(), 3072, 768, 0, threads)
+    out["q8"] = y3
+    out["_ref_nk"] = F.linear(x, w, b)
+    return out
+
+
+def test_results_are_bitwise_the_same_for_any_thread_count():
+    one = _kernels(1)
+    torch.testing.assert_close(one["nk"], one["_ref_nk"], rtol=1e-4, atol=1e-4)
+    for threads in (2, 3):
+        other = _kernels(threads)
+        for name, t in one.items():
+            assert torch.equal(t, other[name]), f"{name} differs between 1 and {threads} threads"
+
+
+def test_a_two_thread_call_is_split_into_chunks_on_the_pool_and_reads_back():
+    before = native.pool_info()
+    x, w = torch.randn(768), torch.randn(3072, 768)
+    native.gemv(x, w, None, torch.empty(3072), False, threads=2)
+    after = native.pool_info()
+    assert after.helpers >= 1 and after.spin_us == 50  # a helper thread exists; idle helpers spin 50 µs, then sleep
+    assert after.jobs == before.jobs + 1
+    assert after.chunks - before.chunks >= 16  # 3072 rows of 3 KiB: many small chunks, not one block per thread
+    one = native.pool_info()
+    native.gemv(x, w, None, torch.empty(3072), False, threads=1)  # one thread: inline, the pool is not used
+    assert native.pool_info().jobs == one.jobs
+
+
+CHILD = """
+import torch
+from hetforge.kernels import native
+x, w = torch.randn(768), torch.randn(3072, 768)
+ref = native.gemv(x, w, None, torch.empty(3072), False, threads=1)
+native.gemv(x, w, None, torch.empty(3072), False, threads=2)  # start the helper
+native.pool_config(spin_us=50, hold=True)  # from now on helpers claim nothing, as if always descheduled
+before = native.pool_info()
+for _ in range(200):
+    out = native.gemv(x, w, None, torch.empty(3072), False, threads=2)
+    assert torch.equal(out, ref)
+after = native.pool_info()
+assert after.jobs == before.jobs + 200 and after.chunks_by_helpers == before.chunks_by_helpers, (before, after)
+print("ok")
+"""
+
+
+def test_a_call_finishes_when_no_helper_ever_takes_work():
+    """With an OpenMP team the caller would wait at the barrier for the absent helper (here: forever); the pool's
+    caller runs every chunk itself. A subprocess, so a hang fails the test instead of stopping the suite."""
+    r = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="os.fork is POSIX-only; the pool's fork handling is too")
+def test_a_forked_child_computes_with_its_own_helpers():
+    x, w = torch.randn(768), torch.randn(3072, 768)
+    ref = native.gemv(x, w, None, torch.empty(3072), False, threads=2)  # the parent's helpers exist
+    pid = os.fork()
+    if pid == 0:  # the child inherits no helper threads; the pool starts its own
+        ok = torch.equal(native.gemv(x, w, None, torch.empty(3072), False, threads=2), ref)
+        os._exit(0 if ok and native.pool_info().helpers >= 1 else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_an_engine_decode_runs_on_the_pool_and_its_tokens_do_not_depend_on_the_thread_count(monkeypatch):
+    from hetforge.models.zoo import load_model
+    from hetforge.runtime import Engine, SamplingParams
+
+    monkeypatch.setenv("HETFORGE_ADAPT_THREADS", "0")  # fixed counts: the tuner would probe 1 thread
+    old = torch.get_num_threads()
+    eng = Engine(load_model("gpt2-tiny"), executor="auto")
+    tokens = {}
+    try:
+        for threads in (2, 1):
+            torch.set_num_threads(threads)
+            before = native.pool_info()
+            g = eng.stream([5, 6, 7, 8], SamplingParams(max_new_tokens=8, ignore_eos=True))
+            list(g)
+            tokens[threads] = g.result.tokens
+            jobs = native.pool_info().jobs - before.jobs
+            assert (jobs >= 7) if threads == 2 else (jobs == 0)  # each 2-thread step splits at least its lm head
+    finally:
+        torch.set_num_threads(old)
+    assert tokens[1] == tokens[2]
