@@ -236,7 +236,7 @@ def main() -> None:
     ap.add_argument("--own-every", type=int, default=20)
     ap.add_argument("--own-pool", type=int, default=2048)
     ap.add_argument("--val-samples", type=int, default=8)
-    ap.add_argument("--verify-weight", type=float, default=3.0, help="loss weight of a verification byte "
+    ap.add_argument("--verify-weight", type=float, default=1.0, help="loss weight of a verification byte "
                                                                      "(a generation byte weighs 1)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1)
@@ -285,7 +285,7 @@ def main() -> None:
         per = torch.nn.functional.cross_entropy(logits.reshape(-1, 128), tgt.reshape(-1), ignore_index=-100,
                                                 reduction="none").reshape(tgt.shape)
         w = mask[:, 1:].float()
-        w[len(rows):] *= args.verify_weight  # the verification byte weighs as much as a whole answer
+        w[len(rows):] *= args.verify_weight
         loss = (per * w).sum() / w.sum()
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -309,6 +309,7 @@ def main() -> None:
     record = {"task": "a+b= with 0 <= a, b < 100; answer bytes then a newline (the end-of-text token); "
                       "verification a+b=c? then Y or N",
               "seed": args.seed, "steps": args.steps, "batch": args.batch, "lr": args.lr, "threads": args.threads,
+              "verify_weight": args.verify_weight, "own_from": args.own_from, "own_every": args.own_every,
               "parameters": n_params, "train_seconds": round(seconds, 1), "history": history,
               "greedy_test_accuracy": round(acc, 4), "splits": {"train": len(train), "validation": len(val),
                                                                 "test": len(test)},
