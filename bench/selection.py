@@ -128,7 +128,7 @@ def batching(args, engine, prompts: list[str], max_new: int, ignore_eos: bool = 
 
     out = []
     for k in args.ks:
-        sel = SelectParams(k=k, mode="best-of")
+        sel = SelectParams(k=k, mode="best-of", verifier="logprob")  # decoding alone on both sides (no verify pass)
         tb, ts, eb, es, same = [], [], [], [], 0
         for i, prompt in enumerate(prompts):
             p = SamplingParams(max_new_tokens=max_new, temperature=args.temperatures[-1], seed=args.seed + 1000 * i,
@@ -195,7 +195,9 @@ def render(doc: dict) -> str:
                      f"{r['decode_steps']:.2f} | {early} | {rules} |")
     lines += ["", "## K candidates as one batch vs K separate requests", "",
               "Same prompts, same seeds; per prompt and round the batched request and the K separate ones run back "
-              "to back (interleaved), medians of measured wall time; modeled energy means. `arith-demo` on the first "
+              "to back (interleaved), medians of measured wall time; modeled energy means. Decoding alone on both "
+              "sides (the batched requests use the log-probability verifier: no verification pass). `arith-demo` on "
+              "the first "
               "held-out problems (answers end by themselves); the larger model (seeded random weights) decodes a "
               "fixed number of tokens past end-of-text. Batch > 1 rows run ATen kernels, batch 1 the native one-row "
               "kernels.", "",

@@ -138,9 +138,11 @@ def test_csvet_threshold_filter_and_best_of_rank_by_p_yes():
         return c
 
     # the likelier answer (log-probability) fails the check; the other passes it
-    cands = [cand(0, "81", -0.1, 0.2), cand(1, "82", -2.0, 0.9)]
-    best, why = choose(cands, SelectParams(k=2, mode="best-of"))
+    cands = [cand(0, "81", -0.1, 0.2), cand(1, "82", -1.0, 0.9)]
+    best, why = choose(cands, SelectParams(k=2, mode="best-of"))  # log 0.9 - 1.0 > log 0.2 - 0.1
     assert best.index == 1 and "P(yes) 0.900" in why
+    cands[1].logprobs = [-2.0]  # now log 0.9 - 2.0 < log 0.2 - 0.1: the model's own probability wins
+    assert choose(cands, SelectParams(k=2, mode="best-of"))[0].index == 0
     best, why = choose(cands, SelectParams(k=2, mode="csvet"), threshold=0.5)
     assert best.index == 1 and "1 of 2 reached" in why and cands[0].verdict.startswith("self-verification")
     # nobody passes: all kept, consensus on probability mass × P(yes)

@@ -28,8 +28,10 @@ The filters, in cascade order:
    token sequences), times, with a model verifier, each sequence's P(yes) (the model's prior on the answer
    times its own check of it); the heaviest group wins, and its best-verified member is returned.
 
-``best-of`` ranks by P(yes) when the model verifier is used (log-probability breaks ties), else by the
-log-probability; ``majority`` breaks vote ties by the groups' summed P(yes) (or ``exp(log-probability)``).
+``best-of`` ranks by the log-probability, plus log P(yes) when the model verifier is used (the candidate's
+probability times the model's own check of it: a confident "no" sinks a likely candidate, an unsure verifier
+leaves the model's ranking as it is); ``majority`` breaks vote ties by the groups' summed P(yes) (or
+``exp(log-probability)``).
 
 Early termination (``csvet`` only), checked after every decode step, with ``f`` = the share of the modeled
 energy budget spent so far (budget: the prefill plus all K candidates decoded to the token limit at the first
@@ -132,8 +134,11 @@ class Candidate:
 
     @property
     def rank(self) -> tuple[float, ...]:
-        """The self-verification ranking key: (P(yes), log-probability) when model-verified, else (log-prob,)."""
-        return (self.verify_p, self.score) if self.verify_p is not None else (self.score,)
+        """The self-verification ranking key: (log P(yes) + log-probability, log-probability) when model-verified,
+        else (log-probability,)."""
+        if self.verify_p is None:
+            return (self.score,)
+        return (math.log(max(self.verify_p, 1e-30)) + self.score, self.score)
 
     @property
     def mean_entropy(self) -> float:
