@@ -280,9 +280,13 @@ def reading(doc: dict) -> list[str]:
             out.append(f"- {m} + greedy anchor, T={t:g}, K={k}: model verifier {a['pass_at_1']:.3f} at "
                        f"{a['modeled_mj_per_problem']:.2f} mJ vs log-prob verifier {b['pass_at_1']:.3f} at "
                        f"{b['modeled_mj_per_problem']:.2f} mJ (modeled); greedy {g['pass_at_1']:.3f}.")
+    n_prob = doc["meta"]["problems"]
     out.append(f"- Against plain greedy decoding: the best selection result, {top['method']} at "
                f"T={top['temperature']:g}, K={top['k']}, pass@1 {top['pass_at_1']:.3f}, "
-               f"{'beats' if beats else 'does not beat'} greedy's {g['pass_at_1']:.3f}; a right answer is among the "
+               f"{'beats' if beats else 'does not beat'} greedy's {g['pass_at_1']:.3f} "
+               f"({top['pass_at_1'] - g['pass_at_1']:+.3f} = {round((top['pass_at_1'] - g['pass_at_1']) * n_prob):+d} "
+               f"of {n_prob} problems, at {top['modeled_mj_per_problem'] / g['modeled_mj_per_problem']:.2f}× greedy's "
+               f"modeled energy); a right answer is among the "
                f"candidates in up to {orc['pass_at_k_oracle']:.3f} of the problems (oracle, T={orc['temperature']:g}, "
                f"K={orc['k']}){why}.")
     for r in doc["batching"]:
