@@ -405,7 +405,14 @@ def load_folder(path: Path, attn: str = "sdpa", dtype: torch.dtype = torch.float
             tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
         except Exception as e:
             raise ModelFolderError(f"tokenizer in '{path}' could not be loaded: {str(e).splitlines()[0]}") from None
-    return LoadedModel(path.name, config.model_type, kind, model.eval(), config, attn, str(path), tokenizer)
+    loaded = LoadedModel(path.name, config.model_type, kind, model.eval(), config, attn, str(path), tokenizer)
+    vf = path / "verifier.json"  # a self-verification template the model was trained for (runtime.verify)
+    if vf.is_file():
+        try:
+            loaded.extra["verifier"] = json.loads(vf.read_text())
+        except json.JSONDecodeError as e:
+            raise ModelFolderError(f"'{vf}' is not valid JSON ({e.msg} at line {e.lineno})") from None
+    return loaded
 
 
 def example_inputs(loaded: LoadedModel, seq: int = 16, batch: int = 1, seed: int = 0) -> tuple[torch.Tensor, ...]:

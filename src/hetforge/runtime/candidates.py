@@ -12,8 +12,13 @@ chooses between the greedy answer and the samples.
 After every step the CSVET policy may stop live candidates early (``select.early_stops``); when the live rows
 fit a smaller batch tier, the cache is compacted and decoding goes on with the smaller (cheaper) program.
 
+When decoding is over, the valid candidates are scored by the model's own verifier when it ships one
+(``runtime.verify``: one batched pass over the finished candidates' cached rows through the same batched
+decode program) before one is chosen; the record names the verifier used.
+
 Energy is **modeled**: each placed call's modeled energy (the ledger's list-scheduled timeline for the SoC) is
-shared among the candidates decoded in it (the prefill equally among all K). Times are **measured** here.
+shared among the candidates decoded in it (the prefill equally among all K; the verification pass among the
+candidates it scored). Times are **measured** here.
 """
 
 from __future__ import annotations
@@ -27,7 +32,8 @@ import torch
 from hetforge.runtime.batched import BatchKVCache, batch_tier
 from hetforge.runtime.ledger import Ledger, Step, _step_figures
 from hetforge.runtime.sampling import SamplingParams
-from hetforge.runtime.select import Candidate, SelectParams, choose, early_stops
+from hetforge.runtime.select import Candidate, SelectParams, choose, early_stops, valid_candidates
+from hetforge.runtime.verify import resolve, save_row, verify
 
 
 @dataclass
@@ -46,6 +52,7 @@ class CandidatesResult:
     measured_s: float  # the request's wall time, less programs compiled during it
     compile_s: dict[str, float] = field(default_factory=dict)
     placed: dict | None = None
+    verifier: dict[str, Any] = field(default_factory=dict)  # which self-verification score was used, and its pass
 
     @property
     def text(self) -> str:
@@ -62,7 +69,7 @@ class CandidatesResult:
                 "answer": self.chosen.answer if self.chosen is not None else None, "why": self.why,
                 "decode_steps": self.steps, "batch_sizes": self.batch_sizes,
                 "modeled_energy_mj": self.modeled_energy_mj, "modeled_budget_mj": self.modeled_budget_mj,
-                "measured_s": self.measured_s, "compile_s": self.compile_s,
+                "measured_s": self.measured_s, "compile_s": self.compile_s, "verifier": self.verifier,
                 "labels": {"modeled_*": "modeled (cost model of the SoC, list-scheduled timeline)",
                            "measured_*": "measured (this host)"},
                 "candidates": [c.to_dict() for c in self.candidates], "placed": self.placed}
@@ -115,6 +122,8 @@ def generate_candidates(engine, prompt: str | list[int], params: SamplingParams,
     eos = tok.eos_id
     vocab = engine.vocab_size
     ledger = Ledger(engine.soc_name)
+    spec, vwhy = resolve(engine.loaded, tok, sel.verifier)
+    saved: dict[int, list[torch.Tensor]] = {}  # finished candidates' cache rows (for the verification pass)
     t_start = time.perf_counter()
     excluded = 0.0  # measured seconds spent compiling programs mid-request (not counted in measured_s)
     x = torch.zeros((1, tier), dtype=torch.long)
@@ -140,12 +149,15 @@ def generate_candidates(engine, prompt: str | list[int], params: SamplingParams,
         _sample(rows, logits, history, procs, gens, params)
         for c in rows:
             _check_stop(c, tok, eos, params, fit)
+        for c in rows:
+            if not c.live and spec is not None:
+                saved[c.index] = save_row(cache, row_of[c.index])
         done += [c for c in rows if not c.live]
         live = [c for c in rows if c.live]
         if live and steps:
             frac = spent / budget if budget else steps / max(1, fit - 1)
             elapsed = time.perf_counter() - t_start
-            for c, rule, why in early_stops(live, done, sel, frac):
+            for c, rule, why in early_stops(live, done, sel, frac, model_verifier=spec is not None):
                 c.stop_reason = f"stopped early: {rule}"
                 c.stopped_early = {"rule": rule, "why": why, "after_tokens": len(c.tokens), "step": steps,
                                    "modeled_mj_spent": spent if budget else None, "measured_s": elapsed}
@@ -187,10 +199,25 @@ def generate_candidates(engine, prompt: str | list[int], params: SamplingParams,
         logits = out[0][torch.tensor(rows_idx)][:, :vocab].float()
         rows = live
         pos += 1
-    chosen, why = choose(cands, sel)
+    vinfo: dict[str, Any] = {"kind": "logprob", "why": vwhy}
+    valid = valid_candidates(cands, sel)
+    if spec is not None and valid:
+        try:
+            run = verify(engine, spec, valid, saved, n, eos, ledger, t_start, _modeled_mj)
+        except ValueError as e:  # no room in the context for the suffix: the log-probability score instead
+            vinfo = {"kind": "logprob", "why": f"log-probability (the verification pass does not fit: {e})"}
+            spec = None
+        else:
+            spent += run["modeled_mj"] or 0.0
+            excluded += run.pop("compile_wall_s")  # a program compiled mid-request is not in the measured time
+            compile_s.update(run.pop("compile_s"))
+            vinfo = {**spec.to_dict(), "why": vwhy, "pass": run}
+    elif spec is not None:
+        vinfo = {**spec.to_dict(), "why": vwhy, "pass": None}
+    chosen, why = choose(cands, sel, spec.threshold if spec is not None else None)
     return CandidatesResult(n, sel.mode, cands, chosen, why, steps, batch_sizes,
                             spent if pre_mj is not None else None, budget, time.perf_counter() - t_start - excluded,
-                            compile_s, ledger.summary())
+                            compile_s, ledger.summary(), vinfo)
 
 
 def _sample(rows: list[Candidate], logits: torch.Tensor, history: torch.Tensor, procs, gens, params) -> None:

@@ -27,7 +27,7 @@ from hetforge.trace import Trace
 
 @dataclass
 class Step:
-    kind: str  # "prefill" | "decode"
+    kind: str  # "prefill" | "decode" | "verify"
     start_s: float  # measured: from the generation's start
     report: RunReport
     placed: Any  # runtime.executors.Placed
@@ -90,6 +90,10 @@ class Ledger:
             "decode_per_token": _mean(dec) if dec else None,
             "decode_tokens": len(dec),
         }
+        ver = [_step_figures(s) for s in self.steps if s.kind == "verify"]
+        if ver:  # the self-verification pass over the candidates (runtime.verify)
+            out["verify"] = {"calls": len(ver), "modeled_mj": sum(v["modeled_mj"] for v in ver),
+                             "modeled_ms": sum(v["modeled_ms"] for v in ver)}
         last = self.steps[-1].placed
         out["partitions"] = {s.kind: s.placed.to_dict() for s in self.steps[:1] + self.steps[-1:]}
         out["bindings"] = {d: b.to_dict() for d, b in last.exe.bindings.items()}
@@ -102,7 +106,7 @@ class Ledger:
         tr = Trace(title)
         cursor = 0.0
         for k, step in enumerate(self.steps):
-            label = f"decode {k}" if step.kind == "decode" else "prefill"
+            label = f"{step.kind} {k}" if step.kind != "prefill" else "prefill"
             cursor = record_trace(tr, step.report, step.start_s, cursor, label)
         tr.metadata["soc"] = self.soc
         return tr.write(path)

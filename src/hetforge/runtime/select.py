@@ -16,11 +16,22 @@ The filters, in cascade order:
    (``--schema``), and the stop rule (``--require-stop``: a candidate cut off by the token limit is dropped).
 2. **entropy** — the mean token entropy (nats, of the model's own distribution at temperature 1) over a threshold
    (``--max-entropy``) drops the candidate: the model was guessing.
-3. **self-verification** — the model scores its own candidate: the log-probability it gives the candidate's
-   tokens (sum over tokens, at temperature 1, from the logits it produced while decoding: no extra pass).
+3. **self-verification** — the model scores its own candidate. With a model that ships a verifier
+   (``runtime.verify``: arith-demo is trained to answer ``Y``/``N`` after ``{prompt}{candidate}?``) the score
+   is the model's P(yes) from one batched pass over the valid candidates, and ``csvet`` drops candidates under
+   the threshold the model's training chose on its validation split (when none reaches it, all are kept and the
+   record says so). Without one (or with ``--verifier logprob``) the score is the log-probability the model
+   gave the candidate's tokens while decoding (sum over tokens, at temperature 1: no extra pass) and nothing
+   is dropped at this stage.
 4. **consensus** — candidates are grouped by answer; a group weighs the probability mass the model gives that
-   answer as far as the candidates show it (the sum of ``exp(score)`` over the group's *distinct* token
-   sequences); the heaviest group wins, and its best-scored member is returned.
+   answer as far as the candidates show it (the sum of ``exp(log-probability)`` over the group's *distinct*
+   token sequences), times, with a model verifier, each sequence's P(yes) (the model's prior on the answer
+   times its own check of it); the heaviest group wins, and its best-verified member is returned.
+
+``best-of`` ranks by the log-probability, plus log P(yes) when the model verifier is used (the candidate's
+probability times the model's own check of it: a confident "no" sinks a likely candidate, an unsure verifier
+leaves the model's ranking as it is); ``majority`` breaks vote ties by the groups' summed P(yes) (or
+``exp(log-probability)``).
 
 Early termination (``csvet`` only), checked after every decode step, with ``f`` = the share of the modeled
 energy budget spent so far (budget: the prefill plus all K candidates decoded to the token limit at the first
@@ -28,7 +39,8 @@ step's modeled energy; when no energy is modeled, the share of the token limit):
 
 * a live candidate whose running mean entropy is over the threshold (after ``min_tokens``) stops (``entropy``);
 * a live candidate whose log-probability so far is below a finished valid candidate's whole score stops
-  (``dominated``: its score can only fall, so it can never win the self-verification ranking);
+  (``dominated``: its score can only fall, so it can never win the self-verification ranking) — only with the
+  log-probability verifier: under a model verifier a lower log-probability does not mean a lower P(yes);
 * a live candidate more than ``margin·(1 − f)`` nats behind the leader (the best score among live and finished
   candidates) stops (``behind leader``): the margin shrinks as energy is spent;
 * all live candidates stop when the leading answer's share of the finished valid votes plus the live
@@ -46,6 +58,7 @@ from typing import Any
 from hetforge.errors import UsageError
 
 MODES = ("csvet", "best-of", "majority")
+VERIFIERS = ("auto", "logprob")  # auto: the model's own verifier when it ships one, else the log-probability
 MAX_CANDIDATES = 16  # the largest batch tier of runtime.batched
 
 
@@ -64,12 +77,15 @@ class SelectParams:
     tau_hi: float = 0.9  # consensus share needed at no energy spent
     tau_lo: float = 0.5  # ... and at the whole budget spent
     greedy_anchor: bool = False  # candidate 0 decodes greedily (the others sample): selection starts from greedy
+    verifier: str = "auto"  # self-verification score: the model's verifier when it has one, or "logprob"
 
     def __post_init__(self) -> None:
         if not 1 <= self.k <= MAX_CANDIDATES:
             raise UsageError(f"--candidates must be in 1..{MAX_CANDIDATES} (got {self.k})")
         if self.mode not in MODES:
             raise UsageError(f"unknown --select '{self.mode}'; allowed: {', '.join(MODES)}")
+        if self.verifier not in VERIFIERS:
+            raise UsageError(f"unknown --verifier '{self.verifier}'; allowed: {', '.join(VERIFIERS)}")
         if self.match is not None:
             try:
                 re.compile(self.match)
@@ -108,11 +124,21 @@ class Candidate:
     greedy: bool = False  # decoded by argmax (the greedy anchor), not sampled
     answer: str | None = None
     verdict: str = ""  # "kept" or the filter that dropped it, with why
+    verify_p: float | None = None  # the model verifier's P(yes) (None: not verified by the model)
+    verify_p_no: float | None = None  # ... and its P(no)
 
     @property
     def score(self) -> float:
         """Self-verification score: the model's log-probability of the candidate (sum over its tokens)."""
         return float(sum(self.logprobs))
+
+    @property
+    def rank(self) -> tuple[float, ...]:
+        """The self-verification ranking key: (log P(yes) + log-probability, log-probability) when model-verified,
+        else (log-probability,)."""
+        if self.verify_p is None:
+            return (self.score,)
+        return (math.log(max(self.verify_p, 1e-30)) + self.score, self.score)
 
     @property
     def mean_entropy(self) -> float:
@@ -127,6 +153,8 @@ class Candidate:
                 "tokens": self.tokens,
                 "stop_reason": self.stop_reason, "stopped_early": self.stopped_early,
                 "score_logprob": round(self.score, 4), "mean_entropy_nats": round(self.mean_entropy, 4),
+                "verify_p_yes": None if self.verify_p is None else round(self.verify_p, 5),
+                "verify_p_no": None if self.verify_p_no is None else round(self.verify_p_no, 5),
                 "modeled_energy_mj": round(self.energy_mj, 5), "answer": self.answer, "verdict": self.verdict}
 
 
@@ -183,46 +211,83 @@ def _valid(done: list[Candidate], sel: SelectParams, use_entropy: bool) -> list[
     return out
 
 
-def choose(cands: list[Candidate], sel: SelectParams) -> tuple[Candidate | None, str]:
-    """The chosen candidate (None when every candidate was dropped) and why, per ``sel.mode``."""
-    valid = _valid(cands, sel, use_entropy=sel.mode == "csvet")
+def valid_candidates(cands: list[Candidate], sel: SelectParams) -> list[Candidate]:
+    """The finished candidates that pass the structural (and, for csvet, entropy) filters of ``sel.mode``."""
+    return _valid(cands, sel, use_entropy=sel.mode == "csvet")
+
+
+def _scored(c: Candidate) -> str:
+    if c.verify_p is not None:
+        return f"P(yes) {c.verify_p:.3f}, log-probability {c.score:.3f}"
+    return f"log-probability {c.score:.3f}"
+
+
+def choose(cands: list[Candidate], sel: SelectParams, threshold: float | None = None) -> tuple[Candidate | None, str]:
+    """The chosen candidate (None when every candidate was dropped) and why, per ``sel.mode``.
+
+    ``threshold``: the model verifier's P(yes) threshold for csvet's self-verification filter (None: no filter)."""
+    valid = valid_candidates(cands, sel)
     if not valid:
         return None, f"no candidate passed the filters ({len(cands)} started)"
     n = len(valid)
+    verified = all(c.verify_p is not None for c in valid)
     if sel.mode == "best-of":
-        best = max(valid, key=lambda c: (c.score, -c.index))
-        return best, (f"best-of: highest self-verification score (log-probability {best.score:.3f}) among {n} valid "
+        best = max(valid, key=lambda c: (*c.rank, -c.index))
+        return best, (f"best-of: highest self-verification score ({_scored(best)}) among {n} valid "
                       f"candidate(s)")
+    if sel.mode == "majority":
+        groups = _groups(valid)
+        ans, members = max(groups.items(), key=lambda kv: (len(kv[1]), sum(
+            c.verify_p if verified else math.exp(c.score) for c in kv[1])))
+        best = max(members, key=lambda c: (*c.rank, -c.index))
+        return best, f"majority: answer {ans!r} given by {len(members)} of {n} valid candidate(s)"
+    note = ""
+    if verified and threshold is not None:
+        passed = [c for c in valid if c.verify_p >= threshold]
+        for c in valid:
+            if c.verify_p < threshold:
+                c.verdict = f"self-verification: P(yes) {c.verify_p:.3f} < threshold {threshold:.3f}"
+        if passed:
+            note = f"; {len(passed)} of {n} reached the self-verification threshold P(yes) >= {threshold:.3f}"
+            valid = passed
+        else:
+            for c in valid:
+                c.verdict = "kept"
+            note = f"; none reached the self-verification threshold P(yes) >= {threshold:.3f}, all kept"
+    groups = _groups(valid)
+    weights = {a: _mass(m) for a, m in groups.items()}
+    ans = max(weights, key=lambda a: (weights[a], len(groups[a])))
+    best = max(groups[ans], key=lambda c: (*c.rank, -c.index))
+    total = sum(weights.values()) or 1.0
+    what = "probability mass × P(yes)" if verified else "probability mass"
+    return best, (f"csvet: consensus answer {ans!r} ({len(groups[ans])} of {len(valid)} candidate(s), "
+                  f"{weights[ans] / total:.0%} of their {what}){note}; passed structural, entropy "
+                  f"(mean {best.mean_entropy:.2f} nats) and self-verification ({_scored(best)})")
+
+
+def _groups(valid: list[Candidate]) -> dict[str, list[Candidate]]:
     groups: dict[str, list[Candidate]] = {}
     for c in valid:
         groups.setdefault(c.answer or "", []).append(c)
-    if sel.mode == "majority":
-        ans, members = max(groups.items(), key=lambda kv: (len(kv[1]), sum(math.exp(c.score) for c in kv[1])))
-        best = max(members, key=lambda c: (c.score, -c.index))
-        return best, f"majority: answer {ans!r} given by {len(members)} of {n} valid candidate(s)"
-    weights = {a: _mass(m) for a, m in groups.items()}
-    ans = max(weights, key=lambda a: (weights[a], len(groups[a])))
-    best = max(groups[ans], key=lambda c: (c.score, -c.index))
-    total = sum(weights.values())
-    return best, (f"csvet: consensus answer {ans!r} ({len(groups[ans])} of {n} valid candidate(s), "
-                  f"{weights[ans] / total:.0%} of their probability mass); passed structural, entropy "
-                  f"(mean {best.mean_entropy:.2f} nats) and self-verification (log-probability {best.score:.3f})")
+    return groups
 
 
 def _mass(members: list[Candidate]) -> float:
     """The probability the model gives an answer, as far as the candidates show it: the sum of ``exp(score)``
-    over the *distinct* token sequences giving it (a sequence sampled twice is one sequence, not twice the mass)."""
+    over the *distinct* token sequences giving it (a sequence sampled twice is one sequence, not twice the mass),
+    each times its P(yes) when the model verified it."""
     seen: dict[tuple[int, ...], float] = {}
     for c in members:
-        seen[tuple(c.tokens)] = c.score
-    return sum(math.exp(s) for s in seen.values())
+        seen[tuple(c.tokens)] = math.exp(c.score) * (c.verify_p if c.verify_p is not None else 1.0)
+    return sum(seen.values())
 
 
 def early_stops(live: list[Candidate], done: list[Candidate], sel: SelectParams,
-                spent: float) -> list[tuple[Candidate, str, str]]:
+                spent: float, model_verifier: bool = False) -> list[tuple[Candidate, str, str]]:
     """CSVET's early terminations after a step: ``(candidate, rule, why)`` for each live candidate to stop.
 
-    ``spent`` is the share (0..1) of the modeled energy budget spent so far."""
+    ``spent`` is the share (0..1) of the modeled energy budget spent so far; with ``model_verifier`` the
+    ``dominated`` rule is off (a lower log-probability does not mean a lower P(yes))."""
     if sel.mode != "csvet" or not live:
         return []
     spent = min(max(spent, 0.0), 1.0)
@@ -241,7 +306,7 @@ def early_stops(live: list[Candidate], done: list[Candidate], sel: SelectParams,
     margin = sel.margin * (1 - spent)
     keep = []
     for c in rest:
-        if c.score < best_done:
+        if c.score < best_done and not model_verifier:
             out.append((c, "dominated", f"log-probability so far {c.score:.3f} < finished candidate's "
                                         f"{best_done:.3f}"))
         elif c.score < leader - margin:

@@ -88,6 +88,9 @@ def run(
                                       "entropy is above this (nats)"),
     greedy_anchor: bool = typer.Option(False, "--greedy-anchor", help="with --candidates: candidate 0 decodes "
                                        "greedily, the others sample (selection starts from the greedy answer)"),
+    verifier: str = typer.Option("auto", "--verifier", help="with --candidates: the self-verification score: auto "
+                                 "(the model's own verifier when it ships one, e.g. arith-demo, else the "
+                                 "log-probability) or logprob"),
     inject_fault: str = typer.Option(None, "--inject-fault",
                                      help="DEVICE@TOKEN: the device fails while that new token is computed; the "
                                           "runtime re-plans onto the survivors and goes on"),
@@ -123,7 +126,7 @@ def run(
     from hetforge.errors import UsageError
     from hetforge.runtime import SamplingParams
 
-    sel = select_params(candidates, select, match, schema, require_stop, max_entropy, greedy_anchor)
+    sel = select_params(candidates, select, match, schema, require_stop, max_entropy, greedy_anchor, verifier)
     if greedy_anchor and candidates == 1:
         raise UsageError("--greedy-anchor needs --candidates K with K >= 2 (it makes candidate 0 greedy)")
     if candidates != 1 and (report is not None or trace is not None):
@@ -335,7 +338,7 @@ def write_generation_report(path: Path, engine, gen, prompt: str, params, model:
 
 
 def select_params(k: int, mode: str, match: str | None, schema: Path | None, require_stop: bool,
-                  max_entropy: float, greedy_anchor: bool = False):
+                  max_entropy: float, greedy_anchor: bool = False, verifier: str = "auto"):
     """The validated :class:`~hetforge.runtime.select.SelectParams` of ``hetforge run --candidates``."""
     import json
 
@@ -353,7 +356,7 @@ def select_params(k: int, mode: str, match: str | None, schema: Path | None, req
         if not isinstance(doc, dict):
             raise UsageError(f"--schema file '{schema}' must hold a JSON object (a JSON schema)")
     return SelectParams(k=k, mode=mode, match=match, schema=doc, require_stop=require_stop, max_entropy=max_entropy,
-                        greedy_anchor=greedy_anchor)
+                        greedy_anchor=greedy_anchor, verifier=verifier)
 
 
 def run_candidates(engine, prompt: str, params, sel, json_out: bool, strategy: str) -> None:
@@ -370,7 +373,8 @@ def run_candidates(engine, prompt: str, params, sel, json_out: bool, strategy: s
         early = c.stopped_early
         when = (f"; stopped early after {early['after_tokens']} tokens (step {early['step']}): {early['rule']}, "
                 f"{early['why']}") if early else ""
-        console.print(f"  #{c.index} seed {c.seed}: {c.text!r} ({c.stop_reason}; log-probability {c.score:.3f}, "
+        pyes = f"P(yes) {c.verify_p:.3f}, " if c.verify_p is not None else ""
+        console.print(f"  #{c.index} seed {c.seed}: {c.text!r} ({c.stop_reason}; {pyes}log-probability {c.score:.3f}, "
                       f"mean entropy {c.mean_entropy:.2f} nats, {c.energy_mj:.3f} mJ modeled){when} -> {c.verdict}",
                       style="dim", highlight=False, soft_wrap=True)
     energy = (f"{res.modeled_energy_mj:.3f} mJ modeled (budget for all {len(res.candidates)} to the token limit "
@@ -381,6 +385,7 @@ def run_candidates(engine, prompt: str, params, sel, json_out: bool, strategy: s
                   f"{res.steps} batched decode steps (batch sizes {res.batch_sizes}) | {energy} | "
                   f"{1e3 * res.measured_s:.1f} ms (measured) | chosen {chosen}: {res.why}",
                   style="dim", highlight=False, soft_wrap=True)
+    console.print(f"verifier: {res.verifier.get('why', '')}", style="dim", highlight=False, soft_wrap=True)
     if res.chosen is None:
         err_console.print("no candidate passed the filters")
         raise typer.Exit(1)

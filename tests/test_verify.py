@@ -1,0 +1,162 @@
+"""Self-verification by the model itself (issue 19, item 2): the shipped arith-demo was trained to answer
+``Y``/``N`` after ``a+b=c?`` (scripts/train_arith.py); ``runtime.verify`` reads its P(yes) in one batched pass.
+
+Real model, real compiled and placed programs (host SoC): the pass gives the same P(yes) as a plain forward of
+the template text, ranks right answers above near misses on held-out problems, is in the request's ledger and
+modeled energy, and a model without a verifier falls back to the log-probability, saying so.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from hetforge.cli.common import app
+from hetforge.cli.main import _load_commands
+from hetforge.models.zoo import load_model
+from hetforge.runtime import Engine, SamplingParams
+from hetforge.runtime.candidates import generate_candidates
+from hetforge.runtime.select import Candidate, SelectParams, choose
+from hetforge.runtime.verify import resolve, score_texts
+
+_load_commands()
+
+
+@pytest.fixture(scope="module")
+def arith() -> Engine:
+    return Engine(load_model("arith-demo"))
+
+
+def _plain_p_yes(engine: Engine, text: str) -> float:
+    """P(yes) from a plain forward of the Hugging Face module over the whole template text (no hetforge)."""
+    spec, _ = resolve(engine.loaded, engine.tokenizer)
+    ids = engine.tokenizer.encode(text) + spec.suffix
+    with torch.no_grad():
+        logits = engine.loaded.model(input_ids=torch.tensor([ids])).logits[0, -1].float()
+    return float(torch.softmax(logits, -1)[spec.yes])
+
+
+def test_arith_demo_ships_a_verifier_with_a_threshold_chosen_on_validation(arith):
+    entry = arith.loaded.extra["verifier"]
+    assert entry["template"] == "{prompt}{candidate}?" and (entry["yes"], entry["no"]) == ("Y", "N")
+    assert 0 < entry["threshold"] < 1 and entry["threshold_chosen_on"].startswith("validation split")
+    rec = arith.loaded.extra["training"]
+    test, val = {tuple(p) for p in rec["test"]}, {tuple(p) for p in rec["validation"]}
+    assert len(test) == 400 and len(val) == entry["validation"]["problems"] and not test & val
+
+
+def test_verify_pass_equals_a_plain_forward_of_the_template(arith):
+    """Candidates finished by end-of-text and cut off by the token limit: the cached-row pass's P(yes) is the
+    plain forward's."""
+    for max_new in (6, 2):  # "12+99=" → 3 digits: with 2 new tokens every candidate is cut off
+        res = generate_candidates(arith, "12+99=", SamplingParams(max_new_tokens=max_new, temperature=1.0, seed=5),
+                                  SelectParams(k=4, mode="best-of"))
+        assert res.verifier["kind"] == "model"
+        for c in res.candidates:
+            assert c.verify_p is not None
+            assert math.isclose(c.verify_p, _plain_p_yes(arith, "12+99=" + c.text), abs_tol=1e-4)
+        assert {c.stop_reason for c in res.candidates} == ({"length"} if max_new == 2 else {"eos"})
+
+
+HELD_OUT = 12
+
+
+def _pairwise_wins(arith: Engine, wrong_of) -> tuple[int, int]:
+    """On the first held-out test problems: in how many (right, wrong) pairs the runtime's verify pass gives the
+    sum a higher P(yes) than each wrong answer ``wrong_of(a, b)`` lists."""
+    problems = [tuple(p) for p in arith.loaded.extra["training"]["test"][:HELD_OUT]]
+    spec, _ = resolve(arith.loaded, arith.tokenizer)
+    wins, total = 0, 0
+    for a, b in problems:
+        wrong = [w for w in wrong_of(a, b) if w != str(a + b)]
+        scores, _ = score_texts(arith, spec, f"{a}+{b}=", [str(a + b), *wrong])
+        wins += sum(scores[0] > w for w in scores[1:])
+        total += len(wrong)
+    return wins, total
+
+
+def test_verifier_ranks_the_sum_above_answers_of_the_wrong_length_on_held_out_problems(arith):
+    """What the shipped verifier did learn: an answer with a digit too many or too few (a digit appended, the
+    last digit dropped) scores below the sum."""
+    wins, total = _pairwise_wins(arith, lambda a, b: [str(a + b) + "9", str(a + b)[:-1] or "00"])
+    assert wins / total >= 0.75, f"the sum ranked above the wrong-length answer in {wins} of {total} pairs"
+
+
+@pytest.mark.xfail(strict=True, reason="known limit of the shipped arith-demo verifier: on near misses of the sum "
+                   "(±1, ±10) it is at chance (ROC AUC 0.575 on its validation split, see verifier.json); this "
+                   "test passes, and must then lose this mark, once the training script teaches it to tell them "
+                   "apart")
+def test_verifier_ranks_the_sum_above_near_misses_on_held_out_problems(arith):
+    wins, total = _pairwise_wins(arith, lambda a, b: [str(w) for w in (a + b + 1, a + b - 1, a + b + 10, a + b - 10)
+                                                      if w >= 0])
+    assert wins / total >= 0.9, f"the sum ranked above a near miss in {wins} of {total} pairs"
+
+
+def test_verifier_pass_is_in_the_ledger_and_the_modeled_energy(arith):
+    """The same request with and without the model verifier decodes the same tokens; the difference in modeled
+    energy is exactly the verify calls in the ledger."""
+    p = SamplingParams(max_new_tokens=6, temperature=1.0, seed=11)
+    on = generate_candidates(arith, "47+38=", p, SelectParams(k=8, mode="csvet"))
+    off = generate_candidates(arith, "47+38=", p, SelectParams(k=8, mode="csvet", verifier="logprob"))
+    assert [c.tokens for c in on.candidates] == [c.tokens for c in off.candidates]
+    ver = on.placed["verify"]
+    assert ver["calls"] == on.verifier["pass"]["calls"] == 1 and ver["modeled_mj"] > 0
+    assert math.isclose(on.modeled_energy_mj - off.modeled_energy_mj, ver["modeled_mj"], rel_tol=1e-9)
+    assert math.isclose(sum(c.energy_mj for c in on.candidates), on.modeled_energy_mj, rel_tol=1e-9)
+    assert "verify" not in off.placed and off.verifier["kind"] == "logprob"
+    assert on.verifier["pass"]["rows"] == len({tuple(c.tokens) for c in on.candidates if c.verify_p is not None})
+
+
+def test_model_without_a_verifier_falls_back_to_the_log_probability():
+    e = Engine(load_model("llama-tiny"))
+    res = generate_candidates(e, "Hello", SamplingParams(max_new_tokens=3, temperature=1.0, ignore_eos=True),
+                              SelectParams(k=4, mode="best-of"))
+    assert res.verifier == {"kind": "logprob",
+                            "why": "log-probability (model 'llama-tiny' ships no verifier template)"}
+    assert all(c.verify_p is None for c in res.candidates) and "verify" not in res.placed
+    assert res.chosen.score == max(c.score for c in res.candidates) and "log-probability" in res.why
+
+
+def test_verifier_with_multi_token_yes_falls_back_with_the_reason(arith):
+    class Loaded:
+        name = "m"
+        extra = {"verifier": {"suffix": "?", "yes": "YES", "no": "N"}}
+
+    spec, why = resolve(Loaded(), arith.tokenizer)
+    assert spec is None and "one token each" in why
+
+
+def test_csvet_threshold_filter_and_best_of_rank_by_p_yes():
+    def cand(i, text, lp, p):
+        c = Candidate(i, i, tokens=[ord(ch) for ch in text] + [10], logprobs=[lp], entropies=[0.1], text=text,
+                      stop_reason="eos")
+        c.verify_p = p
+        return c
+
+    # the likelier answer (log-probability) fails the check; the other passes it
+    cands = [cand(0, "81", -0.1, 0.2), cand(1, "82", -1.0, 0.9)]
+    best, why = choose(cands, SelectParams(k=2, mode="best-of"))  # log 0.9 - 1.0 > log 0.2 - 0.1
+    assert best.index == 1 and "P(yes) 0.900" in why
+    cands[1].logprobs = [-2.0]  # now log 0.9 - 2.0 < log 0.2 - 0.1: the model's own probability wins
+    assert choose(cands, SelectParams(k=2, mode="best-of"))[0].index == 0
+    best, why = choose(cands, SelectParams(k=2, mode="csvet"), threshold=0.5)
+    assert best.index == 1 and "1 of 2 reached" in why and cands[0].verdict.startswith("self-verification")
+    # nobody passes: all kept, consensus on probability mass × P(yes)
+    cands = [cand(0, "81", -0.1, 0.2), cand(1, "82", -2.0, 0.3)]
+    best, why = choose(cands, SelectParams(k=2, mode="csvet"), threshold=0.5)
+    assert best.index == 0 and "none reached" in why
+
+
+def test_run_json_names_the_verifier_and_bad_verifier_exits_2():
+    r = CliRunner().invoke(app, ["run", "arith-demo", "-p", "37+45=", "-n", "5", "--candidates", "4",
+                                 "--temperature", "1", "--select", "best-of", "--json"])
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.stdout)
+    assert d["verifier"]["kind"] == "model" and d["verifier"]["pass"]["calls"] == 1
+    assert all(c["verify_p_yes"] is not None for c in d["candidates"])
+    r = CliRunner().invoke(app, ["run", "arith-demo", "-p", "1+2=", "--candidates", "2", "--verifier", "nope"])
+    assert r.exit_code == 2 and "allowed: auto, logprob" in r.output
