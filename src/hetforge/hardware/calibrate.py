@@ -583,7 +583,7 @@ def _native_act_costs(quick: bool) -> dict[str, float]:
         return {}
     k, n = ACT_SHAPE
     nt = torch.get_num_threads
-    w, x, y, part = _rn(k, n), _rn(k), torch.empty(n), torch.empty(max(2, os.cpu_count() or 1), n)
+    w, x, y, part = _rn(k, n), _rn(k), torch.empty(n), torch.empty(native.split_k_slots(), n)
 
     def runner(code: int) -> Callable[[], object]:
         return lambda: lib.hf_linear_act(w.data_ptr(), x.data_ptr(), None, y.data_ptr(), n, k, 1, code, nt(),
