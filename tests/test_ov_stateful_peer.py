@@ -67,3 +67,15 @@ def test_ov_stateful_greedy_tokens_equal_hf_generate(name, tmp_path):
     with torch.no_grad():
         ref = lm.model(seq).logits[0, -1].numpy()
     np.testing.assert_allclose(last, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_cli_name_that_is_not_a_file_stem_is_usage_error(tmp_path):
+    from typer.testing import CliRunner
+
+    import hetforge.cli.commands.bench  # noqa: F401  (registers `bench` on the app)
+    from hetforge.cli.common import app
+
+    res = CliRunner().invoke(app, ["bench", "peers", "-m", "gpt2-tiny", "-s", "eager", "--quick", "--in-process",
+                                   "--out-dir", str(tmp_path), "--name", "../elsewhere"])
+    assert res.exit_code == 2 and "--name" in res.output
+    assert not any(tmp_path.iterdir())  # nothing half-written
