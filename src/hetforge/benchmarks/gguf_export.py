@@ -4,7 +4,8 @@ The ``gguf`` package (llama.cpp's own writer) does the file format; this module 
 tensors to llama.cpp's names and layouts the way llama.cpp's ``convert_hf_to_gguf.py`` does: Llama's
 ``q_proj``/``k_proj`` rows are permuted from HF's half-split rotary layout to llama.cpp's interleaved one;
 GPT-2's ``Conv1D`` weights (``[in, out]``) are transposed. The vocabulary is a placeholder list of the
-model's size (the peers are fed token ids, never text), with the config's BOS/EOS ids.
+model's size in llama.cpp's SPM kind for both families (the peers are fed token ids, never text), with the
+config's BOS/EOS ids.
 
 Types: ``f32`` (every tensor fp32) or ``q8_0`` (2-D weight matrices in llama.cpp's Q8_0 blocks of 32,
 quantized by ``gguf.quants``; norms, biases and embeddings of positions stay fp32).
@@ -109,8 +110,9 @@ def write_gguf(loaded, path: str | Path, qtype: str = "f32") -> Path:
         w.add_head_count(cfg.n_head)
         w.add_layer_norm_eps(float(cfg.layer_norm_epsilon))
         tensors = _gpt2_tensors(loaded.model, cfg)
-        w.add_tokenizer_model("gpt2")
-        w.add_token_merges([])
+        # llama.cpp's BPE vocabulary ("gpt2") refuses a file without merges, and the gguf writer drops an empty
+        # merge list; the placeholder vocabulary is never used to tokenize (ids are fed), so take the SPM kind
+        w.add_tokenizer_model("llama")
     n = loaded.vocab_size
     w.add_vocab_size(n)
     w.add_token_list([f"<t{i}>" for i in range(n)])

@@ -224,7 +224,7 @@ def _run_inprocess(spec: WorkerSpec, env_extra: dict[str, str]) -> RunResult:
 def _env_for(system: str, cache_dir: Path) -> dict[str, str]:
     if system == "compile":
         return {"TORCHINDUCTOR_CACHE_DIR": str(cache_dir / "inductor")}
-    if system in ("hetforge", "hetforge-bf16"):  # own compile cache folder: a cold run is cold (runtime.compile_cache)
+    if system.startswith("hetforge"):  # own compile cache folder: a cold run is cold (runtime.compile_cache)
         return {"HETFORGE_COMPILE_CACHE_DIR": str(cache_dir / "hetforge-programs")}
     return {}
 
@@ -370,7 +370,7 @@ def compare(rows: list[Row]) -> list[dict]:
     out: list[dict] = []
     for model in dict.fromkeys(r.model for r in rows):
         mine = next((r for r in rows if r.model == model and r.system == "hetforge" and r.runs_ok), None)
-        peers = [r for r in rows if r.model == model and r.system != "hetforge" and r.runs_ok]
+        peers = [r for r in rows if r.model == model and not r.system.startswith("hetforge") and r.runs_ok]
         entry: dict = {"model": model, "hetforge": mine is not None, "ratios": {}, "targets": {}}
         if mine is None:
             out.append(entry)
@@ -403,6 +403,12 @@ def compare(rows: list[Row]) -> list[dict]:
                 bv = getattr(best, metric).median
                 entry["targets"][f"{metric}_at_or_below_best_f32_peer"] = {
                     "best_peer": best.system, "peer": bv, "hetforge": mv, "ratio": mv / bv, "met": mv <= bv}
+        w8 = next((r for r in rows if r.model == model and r.system == "hetforge-w8" and r.runs_ok), None)
+        q8 = next((r for r in rows if r.model == model and r.system == "llamacpp-q8" and r.runs_ok), None)
+        if w8 is not None and q8 is not None and w8.decode_ms_per_token and q8.decode_ms_per_token:
+            mv, bv = w8.decode_ms_per_token.median, q8.decode_ms_per_token.median
+            entry["targets"]["w8_decode_at_or_below_llamacpp_q8"] = {
+                "peer": bv, "hetforge": mv, "ratio": mv / bv, "met": mv <= bv}
         if mine.kl_max is not None:
             entry["targets"]["kl_le_1e-8"] = {"kl_max": mine.kl_max, "met": mine.kl_max <= 1e-8}
         entry["targets"].update(_bf16_targets(rows, model))

@@ -25,7 +25,7 @@ from hetforge.benchmarks.base import DecodeTiming, Prepared, PrepContext, first_
 COMPILE_STAGES = ("capture", "passes", "place", "lower", "schedule", "memory", "kernels", "build")
 
 
-def _compiled_forward(ctx: PrepContext, stages: dict[str, float], notes: list[str]):
+def _compiled_forward(ctx: PrepContext, stages: dict[str, float], notes: list[str], quantize: str = "none"):
     """Compile one static program per shape with ``hetforge.compile``; return (prefill fn, step fn)."""
     from hetforge.compile import compile_graph
     from hetforge.frontend import capture
@@ -33,7 +33,8 @@ def _compiled_forward(ctx: PrepContext, stages: dict[str, float], notes: list[st
     fns = []
     for tag, inputs in (("prefill", ctx.prefill_inputs), ("one-token", ctx.step_inputs)):
         cg = capture(ctx.module, inputs, name=f"{ctx.loaded.name}-{tag}", stack_traces=False)
-        res = compile_graph(cg.gm, soc="host", example_inputs=inputs, name=f"{ctx.loaded.name}-{tag}")
+        res = compile_graph(cg.gm, soc="host", example_inputs=inputs, name=f"{ctx.loaded.name}-{tag}",
+                            quantize=quantize)
         secs = {"capture": cg.seconds, **res.seconds}
         for k in COMPILE_STAGES:
             if k in secs:
@@ -49,7 +50,7 @@ def _compiled_forward(ctx: PrepContext, stages: dict[str, float], notes: list[st
     return fns[0], fns[1]
 
 
-def _runtime_decode(ctx: PrepContext, notes: list[str]):
+def _runtime_decode(ctx: PrepContext, notes: list[str], quantize: str = "none"):
     """A decode callable over ``hetforge.runtime.Engine``."""
     def decode(inputs: tuple[torch.Tensor, torch.Tensor], n: int) -> DecodeTiming:
         from hetforge.runtime import Engine, SamplingParams
@@ -57,11 +58,11 @@ def _runtime_decode(ctx: PrepContext, notes: list[str]):
         prompt = [int(t) for t in inputs[0][0].tolist()]
         params = SamplingParams(max_new_tokens=n + 1, ignore_eos=True)
         try:
-            engine = Engine(ctx.loaded, executor="auto")
+            engine = Engine(ctx.loaded, executor="auto", quantize=quantize)
             first = engine.generate(prompt, params)  # compiles the prefill and decode programs
         except Exception as e:  # the backend executor may not take every graph yet: fall back, and say so
             notes.append(f"runtime executor 'auto' failed ({first_line(e)}); decode measured with executor 'fx'")
-            engine = Engine(ctx.loaded, executor="fx")
+            engine = Engine(ctx.loaded, executor="fx", quantize=quantize)
             first = engine.generate(prompt, params)
         best = engine.generate(prompt, params)  # programs cached: ttft/decode without compilation
         notes.append(f"decode: hetforge.runtime executor '{best.executor}', prefill tier {best.prefill_tier}, "
@@ -72,14 +73,20 @@ def _runtime_decode(ctx: PrepContext, notes: list[str]):
     return decode
 
 
-def prepare_hetforge(ctx: PrepContext) -> Prepared:
-    """Prepare the hetforge row: compiled forward programs, and the runtime's decode for causal LMs."""
+def prepare_hetforge(ctx: PrepContext, quantize: str = "none") -> Prepared:
+    """Prepare the hetforge row: compiled forward programs, and the runtime's decode for causal LMs.
+
+    ``quantize`` (``w8``, …) is passed to both ``compile_graph`` and the runtime ``Engine``, as
+    ``hetforge run --quantize`` does."""
     stages: dict[str, float] = {}
     notes: list[str] = []
-    prefill, step = _compiled_forward(ctx, stages, notes)
+    prefill, step = _compiled_forward(ctx, stages, notes, quantize)
     label = "hetforge (compile: capture → passes → place → lower → schedule → plan → executor)"
-    decode = _runtime_decode(ctx, notes) if ctx.loaded.kind == "causal-lm" else None
-    return Prepared(forward=prefill, step_forward=step, stages=stages, label=label, notes=notes, decode=decode)
+    if quantize != "none":
+        label = f"hetforge --quantize {quantize} (compile: capture → passes → quantize → place → … → executor)"
+    decode = _runtime_decode(ctx, notes, quantize) if ctx.loaded.kind == "causal-lm" else None
+    return Prepared(forward=prefill, step_forward=step, stages=stages, label=label, notes=notes, decode=decode,
+                    precision="f32" if quantize == "none" else quantize)
 
 
 def bf16_context(ctx: PrepContext) -> PrepContext:

@@ -104,6 +104,10 @@ def target_lines(cmp: dict) -> list[str]:
             x = t[key]
             out.append(f"- {name} at or below the best f32 peer ({x['best_peer']}, {x['peer']:.1f} ms): hetforge "
                        f"{x['hetforge']:.1f} ms ({x['ratio']:.2f}×) — {mark(x['met'])}")
+    if "w8_decode_at_or_below_llamacpp_q8" in t:
+        x = t["w8_decode_at_or_below_llamacpp_q8"]
+        out.append(f"- decode per token with 8-bit weights at or below llama.cpp Q8_0 ({x['peer']:.1f} ms): hetforge "
+                   f"--quantize w8 {x['hetforge']:.1f} ms ({x['ratio']:.2f}×) — {mark(x['met'])}")
     if "kl_le_1e-8" in t:
         x = t["kl_le_1e-8"]
         out.append(f"- fidelity KL ≤ 1e-8 at fp32: hetforge KL max {x['kl_max']:.1e} — {mark(x['met'])}")

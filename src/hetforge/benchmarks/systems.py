@@ -199,10 +199,10 @@ def _prepare_openvino(ctx: PrepContext, force_f32: bool) -> Prepared:
 # ---------------------------------------------------------------- registry
 
 
-def _prepare_hetforge(ctx: PrepContext) -> Prepared:
+def _prepare_hetforge(ctx: PrepContext, quantize: str = "none") -> Prepared:
     from hetforge.benchmarks.hetforge_system import prepare_hetforge
 
-    return prepare_hetforge(ctx)
+    return prepare_hetforge(ctx, quantize)
 
 
 def _prepare_hetforge_bf16(ctx: PrepContext) -> Prepared:
@@ -219,6 +219,12 @@ def _prepare_llamacpp(ctx: PrepContext, qtype: str) -> Prepared:
     from hetforge.benchmarks.llamacpp_system import prepare_llamacpp
 
     return prepare_llamacpp(ctx, qtype)
+
+
+def _prepare_ov_stateful(ctx: PrepContext, force_f32: bool) -> Prepared:
+    from hetforge.benchmarks.ov_stateful_system import prepare_ov_stateful
+
+    return prepare_ov_stateful(ctx, force_f32)
 
 
 SYSTEMS: dict[str, System] = {
@@ -241,6 +247,13 @@ SYSTEMS: dict[str, System] = {
                requires=("llama_cpp", "gguf"), install=LLAMACPP_INSTALL),
         System("llamacpp-q8", "llama.cpp (GGUF Q8_0)", lambda c: _prepare_llamacpp(c, "q8_0"),
                requires=("llama_cpp", "gguf"), install=LLAMACPP_INSTALL),
+        # OpenVINO's stateful KV-cache model (what optimum-intel exports), made with OpenVINO's own API
+        System("ov-stateful-f32", "OpenVINO stateful KV cache (f32 hint)", lambda c: _prepare_ov_stateful(c, True),
+               requires=("openvino",)),
+        System("ov-stateful", "OpenVINO stateful KV cache (default precision)",
+               lambda c: _prepare_ov_stateful(c, False), requires=("openvino",)),
+        # hetforge with 8-bit weights (``hetforge run --quantize w8``), the counterpart of llama.cpp's Q8_0
+        System("hetforge-w8", "hetforge --quantize w8", lambda c: _prepare_hetforge(c, "w8"), is_hetforge=True),
     ]
 }
 

@@ -21,7 +21,8 @@ def _split(values: list[str] | None) -> list[str] | None:
     return [x for v in values for x in v.replace(",", " ").split()]
 
 
-def _command_line(cfg, out_dir: Path | None, json_out: bool, in_process: bool, no_warm: bool) -> str:
+def _command_line(cfg, out_dir: Path | None, json_out: bool, in_process: bool, no_warm: bool,
+                  name: str = "peers") -> str:
     """The exact command that reproduces this run, rebuilt from the resolved options."""
     parts = ["hetforge", "bench", "peers", "--models", ",".join(cfg.models), "--systems", ",".join(cfg.systems),
              "--repeats", str(cfg.repeats), "--seq", str(cfg.seq), "--threads", str(cfg.threads)]
@@ -32,6 +33,7 @@ def _command_line(cfg, out_dir: Path | None, json_out: bool, in_process: bool, n
     parts += ["--timeout-s", f"{cfg.timeout_s:g}"] if cfg.timeout_s != 600.0 else []
     parts += ["--in-process"] if in_process else []
     parts += ["--out-dir", str(out_dir)] if out_dir is not None else []
+    parts += ["--name", name] if name != "peers" else []
     parts += ["--json"] if json_out else []
     return " ".join(shlex.quote(p) for p in parts)
 
@@ -43,8 +45,9 @@ def peers(
                                             help="zoo names (repeat or comma-separate); default gpt2, llama-110m, "
                                                  "mixtral-small (gpt2-tiny, llama-tiny with --quick)"),
     systems: list[str] | None = typer.Option(None, "--systems", "-s",
-                                             help="subset of: hetforge, hetforge-bf16, eager, export, compile, ort, "
-                                                  "ov-default, ov-f32, llamacpp-f32, llamacpp-q8 (default all)"),
+                                             help="subset of: hetforge, hetforge-bf16, hetforge-w8, eager, export, "
+                                                  "compile, ort, ov-default, ov-f32, ov-stateful-f32, ov-stateful, "
+                                                  "llamacpp-f32, llamacpp-q8 (default all)"),
     repeats: int = typer.Option(3, "--repeats", "-n", help="fresh-process repeats per system"),
     quick: bool = typer.Option(False, "--quick", help="1 repeat, few calls per figure, no warm-cache runs, "
                                                       "tiny models unless --models is given"),
@@ -58,6 +61,8 @@ def peers(
     timeout_s: float = typer.Option(600.0, "--timeout-s", help="per-process time limit"),
     in_process: bool = typer.Option(False, "--in-process", help="run systems in this process (RSS not per system)"),
     out_dir: Path | None = typer.Option(None, "--out-dir", help="write peers.md, peers.png and peers.json here"),
+    name: str = typer.Option("peers", "--name", help="file stem of the page, chart and JSON in --out-dir "
+                                                     "(e.g. peers_decode → peers_decode.md)"),
     json_out: bool = typer.Option(False, "--json", help="print JSON (progress goes to stderr)"),
 ) -> None:
     """Run the peer suite: prep time, prefill, one token, decode, peak RSS and fidelity per system (measured)."""
@@ -73,9 +78,13 @@ def peers(
     cfg = SuiteConfig(models=model_list, systems=_split(systems) or list(SYSTEMS), repeats=1 if quick else repeats,
                       quick=quick, seq=seq, threads=threads, isolate=not in_process, warm=not (no_warm or quick),
                       timeout_s=timeout_s, budget_s=budget_s, limit_s=limit_s, max_repeats={"mixtral-small": 1})
-    command = _command_line(cfg, out_dir, json_out, in_process, no_warm)
+    if not name or not all(c.isalnum() or c in "-_" for c in name):
+        from hetforge.errors import UsageError
+
+        raise UsageError(f"--name '{name}' must be letters, digits, '-' or '_' (a file stem)")
+    command = _command_line(cfg, out_dir, json_out, in_process, no_warm, name)
     res = run_suite(cfg, progress=lambda m: err_console.print(m, highlight=False), command=command)
-    paths = write_report(res, out_dir) if out_dir is not None else {}
+    paths = write_report(res, out_dir, stem=name) if out_dir is not None else {}
     if json_out:
         d = res.to_dict()
         d["written"] = {k: str(v) for k, v in paths.items()}
