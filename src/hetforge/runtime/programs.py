@@ -21,7 +21,8 @@ from hetforge.runtime.static_kv import ChunkModule, DecodeModule, PrefillModule,
 
 TIERS = (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 CHUNK_MIN = 16  # the smallest chunk of a chunked prefill (a shorter remainder is padded to it)
-CALL_TOKENS = 8  # what one more program call costs, in prompt tokens of work (measured: bench/ttft.py)
+CALL_TOKENS = 8  # what one more program call is taken to cost, in prompt tokens of work (an estimate: one more
+# pass over the weights and the per-call overhead; bench/ttft.py measures the resulting choice against the tier)
 
 
 def tiers_for(max_positions: int) -> tuple[int, ...]:
