@@ -1,7 +1,9 @@
 """Quantized linear operators: real low-bit matmuls on the CPU, registered like every other op.
 
-The quantization pass (:mod:`hetforge.quant`) replaces float linears with these. Each kernel runs an
-integer matmul that PyTorch ships for the CPU; none of them dequantizes the weight to fp32 first:
+The quantization pass (:mod:`hetforge.quant`) replaces float linears with these. For one row each runs an
+integer kernel (PyTorch's, or hetforge's native int8 GEMV); for several rows (prefill) ``w8``/``w4`` dequantize
+the weight once per call and run one float GEMM instead, because ATen's weight-only kernels are 10–65× slower
+than that there (:func:`dequant_rows`); ``w8a8`` stays on FBGEMM's int8 GEMM:
 
 * ``hetforge::linear_w8(x, qweight int8 [N,K], scales [N], bias?, act)`` — weight-only int8, per output
   channel symmetric: ``aten._weight_int8pack_mm`` (fp32 activations × int8 weights).
