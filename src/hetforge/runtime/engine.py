@@ -81,7 +81,8 @@ class Engine:
         self.vocab_size = loaded.vocab_size
         self._ids = torch.zeros((1, 1), dtype=torch.long)
         self._pos = torch.zeros((1, 1), dtype=torch.long)
-        self.chunked_prefill = True  # False: pad every prompt to its tier (one prefill call; runtime.programs)
+        # False: pad every prompt to its tier (one prefill call); an executor may forbid chunks (runtime.moe_exec)
+        self.chunked_prefill = bool(getattr(self.executor, "chunked_prefill", True))
 
     @property
     def max_positions(self) -> int:
