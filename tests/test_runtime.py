@@ -198,14 +198,15 @@ def test_decode_graph_has_one_kv_attention_node_per_layer():
 
 @pytest.mark.parametrize(("executor", "scheme", "kernel"), [("backend", "w8a8", "quantized::linear_dynamic"),
                                                           ("fx", "w8", "aten::_weight_int8pack_mm")])
-def test_quantized_generation_runs_int8_linears_in_both_programs(executor, scheme, kernel, no_native):
-    """The ATen int8 kernels (the native one-row int8 GEMV is tested below; the profiler cannot see it)."""
+def test_quantized_generation_runs_int8_linears_in_every_program(executor, scheme, kernel, no_native):
+    """The ATen int8 kernels (the native one-row int8 GEMV is tested below; the profiler cannot see it). The
+    37-token prompt is prefilled as prefill-32 + a 16-token chunk (runtime.programs.prefill_pieces)."""
     loaded = engine("llama-tiny").loaded
     q = Engine(loaded, executor=executor, quantize=scheme)
     r = q.generate(PROMPT, SamplingParams(max_new_tokens=6))
     assert r.executor == f"{executor}+{scheme}" and len(r.tokens) == 6
     progs = {p.kind: p for p in q.programs.programs.values()}
-    assert set(progs) == {"prefill", "decode"}
+    assert set(progs) == {"prefill", "chunk", "decode"}
     for p in progs.values():
         assert any(n.startswith("quantization:") for n in p.notes), p.notes
     cache = q.programs.cache(r.cache_length)

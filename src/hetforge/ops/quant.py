@@ -1,7 +1,9 @@
 """Quantized linear operators: real low-bit matmuls on the CPU, registered like every other op.
 
-The quantization pass (:mod:`hetforge.quant`) replaces float linears with these. Each kernel runs an
-integer matmul that PyTorch ships for the CPU; none of them dequantizes the weight to fp32 first:
+The quantization pass (:mod:`hetforge.quant`) replaces float linears with these. For one row each runs an
+integer kernel (PyTorch's, or hetforge's native int8 GEMV); for several rows (prefill) ``w8``/``w4`` dequantize
+the weight once per call and run one float GEMM instead, because ATen's weight-only kernels are 10–65× slower
+than that there (:func:`dequant_rows`); ``w8a8`` stays on FBGEMM's int8 GEMM:
 
 * ``hetforge::linear_w8(x, qweight int8 [N,K], scales [N], bias?, act)`` — weight-only int8, per output
   channel symmetric: ``aten._weight_int8pack_mm`` (fp32 activations × int8 weights).
@@ -81,6 +83,95 @@ def _flat(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1]).contiguous()
 
 
+# ---------------------------------------------------------------- several rows: dequantize once, float GEMM
+
+DEQUANT_MIN_ROWS = 2  # from this many rows on, w8/w4 dequantize the weight and run one float GEMM
+
+
+def dequant_rows(x: torch.Tensor) -> bool:
+    """Whether a w8/w4 product of ``x`` runs as dequantize + float GEMM: several float rows (a prefill or chunk).
+
+    Why: PyTorch's weight-only int8/int4 CPU kernels are 10–50× slower than the float GEMM for more than one
+    row on the hosts measured (docs/bench/quant.md, docs/bench/ttft.md), while dequantizing the weight costs
+    one pass over it — small next to ``rows`` passes of a GEMM. The weight stays int8/int4 in memory."""
+    return x.is_floating_point() and x.dtype != torch.float16 and x.numel() // max(x.shape[-1], 1) >= DEQUANT_MIN_ROWS
+
+
+_INT4_LAYOUT: dict[tuple[int, int], tuple[str, object]] = {}  # (N, K) -> ("block", B) or ("gather", index)
+_INT4_CHECKED: set[tuple[int, int]] = set()  # shapes whose layout agreed with the kernel on a real weight
+
+
+def _packed_positions(n: int, k: int) -> torch.Tensor:
+    """For each int4 slot of ``_convert_weight_to_int4pack_for_cpu``'s output (low nibble, then high, per byte),
+    the flat index of the ``[n, k]`` element it holds: found by packing the base-16 digits of every index."""
+    idx = torch.arange(n * k, dtype=torch.long).view(n, k)
+    src = torch.zeros(n * k, dtype=torch.long)
+    for d in range(max(1, math.ceil(math.log2(max(n * k, 2)) / 4))):
+        p = torch.ops.aten._convert_weight_to_int4pack_for_cpu(((idx >> (4 * d)) & 15).to(torch.int32), 1)
+        src |= torch.stack([p & 15, p >> 4], dim=-1).reshape(-1).long() << (4 * d)
+    return src
+
+
+def _int4_layout(n: int, k: int) -> tuple[str, object]:
+    """Where each int4 value of an ``[n, k]`` weight sits in the packed bytes of this torch build, once per shape:
+    ``("block", B)`` when byte ``(b, k, i)`` holds rows ``b·B+i`` (low nibble) and ``b·B+B/2+i`` (high) of column
+    ``k`` (what AVX2/AVX-512 builds do; found on a ``B``-row probe; :func:`dequantize_w4` checks it against the
+    kernel on the first weight of each shape), else ``("gather", index)`` from the full shape's positions."""
+    key = (n, k)
+    if key not in _INT4_LAYOUT:
+        found: tuple[str, object] | None = None
+        for b in (64, 32, 16):
+            if n % b == 0:
+                probe = _packed_positions(b, k)
+                if torch.equal(_block_unpack(probe, b, b, k), torch.arange(b * k).view(b, k)):
+                    found = ("block", b)
+                break
+        if found is None:
+            src = _packed_positions(n, k)
+            found = ("gather", torch.argsort(src))
+        _INT4_LAYOUT[key] = found
+    return _INT4_LAYOUT[key]
+
+
+def _block_unpack(packed_or_lo: torch.Tensor, b: int, n: int, k: int, hi: torch.Tensor | None = None) -> torch.Tensor:
+    """``[n, k]`` from the block layout: the low/high halves as ``[n/b, k, b/2]`` joined and transposed."""
+    if hi is None:  # an index tensor (layout check): digit pairs are (low, high) elements of a [n, k/2, 2] view
+        v = packed_or_lo.reshape(-1)
+        lo, hi = v[0::2], v[1::2]
+    else:
+        lo = packed_or_lo
+    lo = lo.reshape(n // b, k, b // 2)
+    hi = hi.reshape(n // b, k, b // 2)
+    return torch.cat([lo, hi], dim=2).transpose(1, 2).reshape(n, k)
+
+
+def dequantize_w4(packed: torch.Tensor, scales_zeros: torch.Tensor, group_size: int,
+                  dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The float ``[N, K]`` weight of a ``linear_w4`` (``(q - 8)·scale + zero`` per group, as the kernel computes)."""
+    n, k = packed.shape[0], packed.shape[1] * 2
+    kind, how = _int4_layout(n, k)
+    lo, hi = packed & 15, packed >> 4
+    if kind == "block":
+        q = _block_unpack(lo, int(how), n, k, hi)
+    else:
+        q = torch.stack([lo, hi], dim=-1).reshape(-1)[how].view(n, k)
+    sz = scales_zeros.to(dtype).transpose(0, 1)  # [N, K/G, 2]: one (scale, zero) per row and group
+    w = q.to(dtype).sub_(8).view(n, k // group_size, group_size)
+    w.mul_(sz[..., 0:1])
+    if bool(scales_zeros[..., 1].any()):  # hetforge's int4 is symmetric (zeros 0): no add then
+        w.add_(sz[..., 1:2])
+    w = w.view(n, k)
+    if (n, k) not in _INT4_CHECKED:  # the probe's layout must hold for the whole weight: one kernel row agrees
+        x = torch.randn(1, k, dtype=dtype)
+        want = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group_size, scales_zeros.to(dtype))
+        if not torch.allclose(x @ w.t(), want, rtol=1e-3, atol=1e-3 * float(want.abs().max()) + 1e-6):
+            _INT4_LAYOUT[(n, k)] = ("gather", torch.argsort(_packed_positions(n, k)))
+            _INT4_CHECKED.add((n, k))
+            return dequantize_w4(packed, scales_zeros, group_size, dtype)
+        _INT4_CHECKED.add((n, k))
+    return w
+
+
 # ---------------------------------------------------------------- int8 weight-only
 
 
@@ -95,10 +186,14 @@ def _w8_fake(x, qweight, scales, bias=None, act="none"):
     fake=_w8_fake,
 )
 def linear_w8(x, qweight, scales, bias=None, act="none"):
-    """``act(x·(q·s)ᵀ + b)`` with int8 ``q`` [N,K] and per-channel ``s`` [N]: ``aten._weight_int8pack_mm``,
-    or for one fp32 row the native int8 GEMV (:mod:`hetforge.kernels.native`: a quarter of the fp32 bytes)."""
+    """``act(x·(q·s)ᵀ + b)`` with int8 ``q`` [N,K] and per-channel ``s`` [N]: for one fp32 row the native int8
+    GEMV (:mod:`hetforge.kernels.native`: a quarter of the fp32 bytes), for several rows (prefill) the weight
+    dequantized once per call and one float GEMM (:func:`dequant_rows`), else ``aten._weight_int8pack_mm``."""
     if native.q8_fits(x, qweight, scales, bias, act):
         return native.gemv_q8(x, qweight, scales, bias, act)
+    if dequant_rows(x):
+        w = qweight.to(x.dtype).mul_(scales.to(x.dtype)[:, None])
+        return _act(torch.nn.functional.linear(x, w, bias), act)
     y = torch.ops.aten._weight_int8pack_mm(_flat(x), qweight, scales.to(x.dtype))
     if bias is not None:
         y = y + bias
@@ -120,7 +215,11 @@ def _w4_fake(x, packed, scales_zeros, group_size, bias=None, act="none"):
     fake=_w4_fake,
 )
 def linear_w4(x, packed, scales_zeros, group_size, bias=None, act="none"):
-    """``act(x·Wᵀ + b)`` with ``W`` group-wise int4 (packed): ``aten._weight_int4pack_mm_for_cpu``."""
+    """``act(x·Wᵀ + b)`` with ``W`` group-wise int4 (packed): ``aten._weight_int4pack_mm_for_cpu``, or for several
+    rows (prefill) the weight unpacked and dequantized once per call and one float GEMM (:func:`dequant_rows`)."""
+    if dequant_rows(x):
+        w = dequantize_w4(packed, scales_zeros, group_size, x.dtype)
+        return _act(torch.nn.functional.linear(x, w, bias), act)
     y = torch.ops.aten._weight_int4pack_mm_for_cpu(_flat(x), packed, group_size, scales_zeros.to(x.dtype))
     if bias is not None:
         y = y + bias

@@ -18,7 +18,7 @@ import torch
 from hetforge.errors import UsageError
 from hetforge.runtime.executors import Executor, make_executor
 from hetforge.runtime.ledger import Ledger
-from hetforge.runtime.programs import ProgramCache, pick_tier
+from hetforge.runtime.programs import Piece, ProgramCache, pick_tier, prefill_pieces
 from hetforge.runtime.sampling import Sampler, SamplingParams
 from hetforge.runtime.threads import ThreadTuner
 from hetforge.tokenizers import StreamDecoder, Tokenizer, for_model
@@ -40,6 +40,7 @@ class GenerationResult:
     stop_reason: str = "length"
     executor: str = "fx"
     placed: dict | None = None  # Ledger.summary(): modeled SoC figures and measured runner overheads
+    prefill_pieces: list[str] = field(default_factory=list)  # the program calls of the prefill, e.g. prefill-64
 
     @property
     def decode_ms_per_token(self) -> float | None:
@@ -57,7 +58,7 @@ class GenerationResult:
             "tokens_per_s": self.tokens_per_s, "prefill_tier": self.prefill_tier,
             "kv_cache_length": self.cache_length, "kv_cache_bytes": self.kv_cache_bytes,
             "compile_s": self.compile_s, "stop_reason": self.stop_reason, "executor": self.executor,
-            "timing": "measured", "placed": self.placed,
+            "timing": "measured", "placed": self.placed, "prefill_pieces": self.prefill_pieces,
         }
 
 
@@ -80,6 +81,8 @@ class Engine:
         self.vocab_size = loaded.vocab_size
         self._ids = torch.zeros((1, 1), dtype=torch.long)
         self._pos = torch.zeros((1, 1), dtype=torch.long)
+        # False: pad every prompt to its tier (one prefill call); an executor may forbid chunks (runtime.moe_exec)
+        self.chunked_prefill = bool(getattr(self.executor, "chunked_prefill", True))
 
     @property
     def max_positions(self) -> int:
@@ -131,6 +134,8 @@ class Engine:
 class Generation:
     """One request in progress. Iterating yields decoded text pieces as tokens arrive."""
 
+    chunkable = True  # whether this kind of request may prefill in pieces (subclasses that place each call: no)
+
     def __init__(self, engine: Engine, prompt_ids: list[int], params: SamplingParams):
         self.engine, self.prompt_ids, self.params = engine, prompt_ids, params
         tier, length, fit = engine.plan(len(prompt_ids), params.max_new_tokens)
@@ -139,6 +144,11 @@ class Generation:
         self.result = GenerationResult("", [], len(prompt_ids), tier, length, cache.nbytes, 0.0,
                                        executor=engine.executor.name)
         self.cache = cache
+        chunked = engine.chunked_prefill and self.chunkable and engine.programs.fixed is None
+        # chunked: the largest tier <= n and chunks over the cache (all within it: tier <= length); else the tier
+        self.pieces: list[Piece] = (prefill_pieces(len(prompt_ids), engine.programs.tiers) if chunked
+                                    else [Piece("prefill", 0, tier, len(prompt_ids))])
+        self.result.prefill_pieces = [_piece_name(p) for p in self.pieces]
         self.ledger = Ledger(engine.soc_name)
         self.decoder = StreamDecoder(engine.tokenizer)
         self.tuner: ThreadTuner | None = None
@@ -196,13 +206,8 @@ class Generation:
         self._start()
         sampler = Sampler(self.params, e.vocab_size)
         sampler.observe(self.prompt_ids)
-        ids = torch.zeros((1, r.prefill_tier), dtype=torch.long)
-        ids[0, :n] = torch.tensor(self.prompt_ids)
-        last = torch.tensor([n - 1])
         t0 = start = time.perf_counter()
-        out, placed = self._prefill(ids, last)
-        self.ledger.add("prefill", 0.0, placed)
-        self.cache.write(out[1:], 0)
+        out = self._prefill_all()
         token = sampler.pick(out[0])
         r.ttft_s = time.perf_counter() - t0
         try:
@@ -233,10 +238,46 @@ class Generation:
     def _start(self) -> None:
         """Before prefill: compile (or fetch) the programs, set the thread count."""
         r = self.result
-        self._prefill_prog = self._compile("prefill", r.prefill_tier)
+        first = self.pieces[0]
+        self._prefill_prog = self._compile("prefill", first.size) if first.kind == "prefill" else None
+        self._chunk_progs = {}
+        for p in self.pieces:
+            if p.kind == "chunk" and p.size not in self._chunk_progs:
+                prog, fresh = self.engine.programs.chunk(p.size, r.cache_length)
+                if fresh:
+                    r.compile_s[f"chunk-{p.size}x{r.cache_length}"] = prog.total_s
+                self._chunk_progs[p.size] = prog
         self._decode_prog = self._compile("decode", r.cache_length) if self.max_new > 1 else None
         self.tuner = self.engine.thread_tuner()  # adaptive thread count (runtime/threads.py), kept per engine
         self.tuner.before_prefill()
+
+    def _prefill_all(self) -> Any:
+        """Prefill the prompt into the cache, piece by piece (:func:`~hetforge.runtime.programs.prefill_pieces`);
+        returns the last piece's outputs (its logits are the first token's)."""
+        n = len(self.prompt_ids)
+        prompt = torch.tensor(self.prompt_ids)
+        if len(self.pieces) == 1 and self.pieces[0].kind == "prefill":  # one tier call (pad rows written too)
+            ids = torch.zeros((1, self.pieces[0].size), dtype=torch.long)
+            ids[0, :n] = prompt
+            out, placed = self._prefill(ids, torch.tensor([n - 1]))
+            self.ledger.add("prefill", 0.0, placed)
+            self.cache.write(out[1:], 0)
+            return out
+        top = self.engine.max_positions - 1
+        for p in self.pieces:
+            ids = torch.zeros((1, p.size), dtype=torch.long)
+            ids[0, :p.real] = prompt[p.start:p.start + p.real]
+            last = torch.tensor([p.real - 1])
+            if p.kind == "prefill":
+                out, placed = self._prefill(ids, last)
+            else:  # pad rows sit past the prompt; their positions are clamped into the model's range
+                pos = torch.arange(p.start, p.start + p.size).clamp_(max=top).unsqueeze(0)
+                prog = self._chunk_progs[p.size]
+                out, placed = prog.run(ids, pos, last, *self.cache.buffers), prog.placed
+            self.ledger.add("prefill", 0.0, placed)
+            rows = out[1:] if p.real == p.size else [t[:, :, :p.real] for t in out[1:]]
+            self.cache.write(rows, p.start)
+        return out
 
     def _prefill(self, ids: torch.Tensor, last: torch.Tensor) -> tuple[Any, Any]:
         """The prefill program's outputs (logits, K/V rows) and where it ran."""
@@ -256,6 +297,10 @@ class Generation:
         """Settle ``result.text`` (also after an interruption): shown text plus any held-back text."""
         self.result.text = self._shown + self._pending
         self.result.placed = self.ledger.summary()
+
+
+def _piece_name(p: Piece) -> str:
+    return f"{p.kind}-{p.size}" if p.real == p.size else f"{p.kind}-{p.size} ({p.real} real)"
 
 
 def _held_back(text: str, stops: tuple[str, ...]) -> int:

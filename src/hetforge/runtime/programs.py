@@ -25,9 +25,12 @@ from torch import nn
 
 from hetforge.runtime.executors import Executor
 from hetforge.runtime.kvcache import KVCache
-from hetforge.runtime.static_kv import DecodeModule, PrefillModule, model_dims
+from hetforge.runtime.static_kv import ChunkModule, DecodeModule, PrefillModule, model_dims
 
 TIERS = (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+CHUNK_MIN = 16  # the smallest chunk of a chunked prefill (a shorter remainder is padded to it)
+CALL_TOKENS = 8  # what one more program call is taken to cost, in prompt tokens of work (an estimate: one more
+# pass over the weights and the per-call overhead; bench/ttft.py measures the resulting choice against the tier)
 
 
 CAPTURE_POLICIES = ("static", "dynamic")
@@ -56,11 +59,42 @@ def pick_tier(n: int, tiers: Sequence[int]) -> int:
     return next(t for t in tiers if t >= n)
 
 
+@dataclass(frozen=True)
+class Piece:
+    """One program call of a prompt's prefill: ``size`` tokens (``real`` of them prompt tokens) from ``start``;
+    ``kind`` is ``prefill`` (the tier program, first piece only) or ``chunk`` (attends to the cache too)."""
+
+    kind: str
+    start: int
+    size: int
+    real: int
+
+
+def prefill_pieces(n: int, tiers: Sequence[int], chunked: bool = True) -> list[Piece]:
+    """How a prompt of ``n`` tokens is prefilled: one call of the smallest tier that holds it, or (chunked) the
+    largest tier ``<= n`` and the rest in power-of-two chunks (the rest rounded up to :data:`CHUNK_MIN`), when
+    that is less work: padded tokens plus :data:`CALL_TOKENS` per extra call. So a prompt between tiers pays for
+    at most ``CHUNK_MIN - 1`` pad tokens plus the extra calls, not for the next tier in full."""
+    whole = [Piece("prefill", 0, pick_tier(n, tiers), n)]
+    if not chunked:
+        return whole
+    base = max((t for t in tiers if t <= n), default=0)
+    rest = -(-(n - base) // CHUNK_MIN) * CHUNK_MIN
+    pieces = [Piece("prefill", 0, base, base)] if base else []
+    start = base
+    while rest:
+        size = 1 << (rest.bit_length() - 1)  # the largest power of two in what is left (a multiple of 16)
+        pieces.append(Piece("chunk", start, size, min(size, n - start)))
+        start, rest = start + size, rest - size
+    work = sum(p.size for p in pieces) + CALL_TOKENS * (len(pieces) - 1)
+    return pieces if work < whole[0].size else whole
+
+
 @dataclass
 class Program:
     """One compiled static-shape program and what making it cost (measured seconds)."""
 
-    kind: str  # "prefill" or "decode"
+    kind: str  # "prefill", "decode" or "chunk" (chunked prefill over the cache)
     length: int  # prompt tier (prefill) or KV cache length (decode)
     run: Callable[..., Sequence[torch.Tensor]]
     executor: str
@@ -127,6 +161,18 @@ class ProgramCache:
         inputs = (torch.zeros((1, 1), dtype=torch.long), torch.zeros((1, 1), dtype=torch.long), *cache.buffers)
         self.programs[key] = self._make("decode", length, DecodeModule(self.model), inputs)
         return self.programs[key], True
+
+    def chunk(self, size: int, length: int) -> tuple[Program, bool]:
+        """The chunked-prefill program: ``size`` prompt tokens over a KV cache of ``length`` positions."""
+        key = (f"chunk-{size}", length)
+        if key in self.programs:
+            return self.programs[key], False
+        cache = self.cache(length)
+        inputs = (torch.zeros((1, size), dtype=torch.long), torch.arange(size).unsqueeze(0),
+                  torch.tensor([size - 1]), *cache.buffers)
+        prog = self._make("chunk", length, ChunkModule(self.model), inputs, label=f"chunk-{size}x{length}")
+        self.programs[key] = prog
+        return prog, True
 
     def decode_batch(self, length: int, batch: int) -> tuple[Program, bool]:
         """The decode program over ``batch`` rows of a KV cache of ``length`` positions (runtime.batched);

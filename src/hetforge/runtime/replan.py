@@ -317,6 +317,8 @@ class Adaptive:
 class AdaptiveGeneration(Generation):
     """One request whose every step runs on the program placed for the situation at that step."""
 
+    chunkable = False  # its prefill is one placed tier call (the failover plans hold tier programs only)
+
     def __init__(self, adaptive: Adaptive, prompt_ids: list[int], params: SamplingParams):
         super().__init__(adaptive.engine, prompt_ids, params)
         self.adaptive = adaptive

@@ -168,3 +168,28 @@ class DecodeModule(_Base):
             hidden = self._hidden(input_ids, pos)
             logits = self.model.get_output_embeddings()(hidden)[:, 0, :]
             return (logits, *self._kv_outputs(ctx))
+
+
+class ChunkModule(_Base):
+    """``(input_ids[1, C], pos[1, C], last[1], k_cache_0, v_cache_0, ...) -> (logits[1, V], k/v rows [1, Hkv, C, D])``.
+
+    Chunked prefill: ``C`` prompt tokens at positions ``pos`` (consecutive, starting at ``pos[0, 0]``) attend to
+    the cache positions ``< pos[0, 0]`` (written by the earlier pieces of the prompt) and causally to each other,
+    through the same ``hetforge::kv_attention`` node as decode (with a ``[C, C]`` causal mask). A short last
+    chunk is right-padded: a real row never sees a pad row after it, and only the real rows are written to the
+    cache. ``last`` selects the row whose logits are returned (one row through the LM head, as in prefill).
+    """
+
+    def forward(self, input_ids: torch.Tensor, pos: torch.Tensor, last: torch.Tensor,
+                *cache: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        dtype = cache[0].dtype
+        s, c = cache[0].shape[2], input_ids.shape[1]
+        valid = torch.arange(s, dtype=torch.long).unsqueeze(0) < pos[:, :1]  # [1, S]: the earlier pieces
+        cache_mask = torch.zeros((1, s), dtype=dtype).masked_fill(~valid, float("-inf"))
+        pairs = [(cache[2 * i], cache[2 * i + 1]) for i in range(self.layers)]
+        ctx = _AttnContext(new_mask=_causal(c, dtype), cache=pairs, cache_mask=cache_mask)
+        with _Switch(self.model, ctx):
+            hidden = self._hidden(input_ids, pos)
+            row = hidden.index_select(1, last)
+            logits = self.model.get_output_embeddings()(row)[:, 0, :]
+            return (logits, *self._kv_outputs(ctx))

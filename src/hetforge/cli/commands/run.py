@@ -44,8 +44,9 @@ def summary_line(r) -> str:
     dec = f"{r.decode_ms_per_token:.2f} ms/token" if r.decode_ms_per_token is not None else "n/a (1 token)"
     tps = f"{r.tokens_per_s:.1f} tokens/s" if r.tokens_per_s else "n/a"
     comp = ", ".join(f"{k} {v:.2f} s" for k, v in r.compile_s.items()) or "none (programs cached)"
+    pre = " + ".join(getattr(r, "prefill_pieces", None) or [f"tier {r.prefill_tier}"])  # e.g. prefill-64 + chunk-32
     return (f"{len(r.tokens)} tokens ({r.stop_reason}) | time to first token {1e3 * r.ttft_s:.1f} ms | decode {dec} | "
-            f"{tps} (measured, executor {r.executor}) | prefill tier {r.prefill_tier}, KV cache {r.cache_length} "
+            f"{tps} (measured, executor {r.executor}) | prefill {pre}, KV cache {r.cache_length} "
             f"positions = {r.kv_cache_bytes / 2**20:.2f} MiB | compiled: {comp} (measured)")
 
 

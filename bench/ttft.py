@@ -1,0 +1,278 @@
+"""Time to first token (TTFT) at several prompt lengths: hetforge's tier-padded prefill (before) vs its chunked
+prefill (after), per ``--quantize`` scheme, next to peers that prefill the exact prompt length.
+
+Usage: python bench/ttft.py [--models gpt2 llama-110m] [--lengths 16 84 500] [--quantize none w8 w4 w8a8]
+                            [--rounds 3] [--threads 2] [--peers hf ov-f32 ov-default]
+                            [--json docs/bench/ttft.json] [--md docs/bench/ttft.md]
+       python bench/ttft.py --from-json docs/bench/ttft.json --md docs/bench/ttft.md
+
+Per model, in one process: build every system, warm each up at every length (hetforge compiles its programs
+here; the compile seconds per program are recorded), then ``--rounds`` rounds; in each round every length
+runs every system once, in the same order (interleaved, so drift and other processes hit all of them).
+
+* hetforge TTFT = the runtime's own timer (``GenerationResult.ttft_s``: every prefill program call, the KV
+  writes and the first greedy pick; compilation excluded), for a request of ``--new-tokens`` (default 1, so
+  the KV cache is the prompt's tier). ``tier`` = today's path before this bench's change: the prompt padded to
+  the next tier, one prefill call (``Engine.chunked_prefill = False``); ``chunked`` = the largest tier
+  ``<= n`` plus chunks over the KV cache (``runtime.programs.prefill_pieces``).
+* ``hf`` = Hugging Face eager, one forward of exactly ``n`` tokens with ``logits_to_keep=1`` and the argmax.
+* ``ov-f32`` / ``ov-default`` = OpenVINO's CPU plugin on the same model converted with a dynamic sequence
+  length (``logits_to_keep=1``), compiled with ``INFERENCE_NUM_THREADS`` = ``--threads`` and the f32 hint or
+  the plugin's default precision (bf16 where the CPU has it); one stateless inference of exactly ``n`` tokens
+  and the argmax. This is OpenVINO's prefill, not its stateful KV-cache pipeline (optimum-intel, which also
+  writes the KV state); llama.cpp is listed when ``llama_cpp`` is importable, else marked not installed.
+
+All times are wall clock, measured on this host. The peers run in the same process as hetforge (their thread
+pools may wait on each other between calls); the page says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _pages import page_from_json, write_result  # noqa: E402
+
+from hetforge.hardware.isa import host_record  # noqa: E402
+from hetforge.models.zoo import load_model  # noqa: E402
+from hetforge.runtime import Engine, SamplingParams  # noqa: E402
+from hetforge.runtime.programs import CALL_TOKENS, CHUNK_MIN, prefill_pieces  # noqa: E402
+
+
+def _prompt(n: int, vocab: int, seed: int = 0) -> list[int]:
+    g = torch.Generator().manual_seed(seed + n)
+    return torch.randint(1, vocab - 1, (n,), generator=g).tolist()
+
+
+class _LastLogits(torch.nn.Module):
+    """``(input_ids [1, T], attention_mask [1, T]) -> logits of the last position [1, V]`` (one row through the
+    LM head). The mask is passed so that transformers does not call ``torch.diff``, which OpenVINO cannot convert
+    (as ``hetforge.models.zoo.LogitsModule``)."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
+                          logits_to_keep=1).logits[:, -1, :]
+
+
+def _hf_system(model: torch.nn.Module):
+    mod = _LastLogits(model).eval()
+
+    def ttft(prompt: list[int]) -> tuple[float, int]:
+        ids = torch.tensor([prompt])
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            tok = int(mod(ids, torch.ones_like(ids)).argmax(-1))
+        return time.perf_counter() - t0, tok
+
+    return ttft, {"precision": "f32"}
+
+
+def _ov_system(model: torch.nn.Module, threads: int, f32: bool, max_pos: int):
+    import numpy as np
+    import openvino as ov
+
+    t0 = time.perf_counter()
+    ex = torch.ones((1, 8), dtype=torch.long)
+    with torch.no_grad():
+        seq = ov.PartialShape([1, ov.Dimension(1, max_pos)])
+        ovm = ov.convert_model(_LastLogits(model).eval(), example_input=(ex, torch.ones_like(ex)),
+                               input=[(seq, ov.Type.i64), (seq, ov.Type.i64)])
+    config: dict[str, object] = {"INFERENCE_NUM_THREADS": threads}
+    if f32:
+        config["INFERENCE_PRECISION_HINT"] = "f32"
+    compiled = ov.Core().compile_model(ovm, "CPU", config)
+    try:
+        precision = str(compiled.get_property("INFERENCE_PRECISION_HINT")).replace("<Type: '", "").replace("'>", "")
+    except Exception:  # older plugins do not expose it
+        precision = "f32" if f32 else "plugin default"
+    req = compiled.create_infer_request()
+    prep = time.perf_counter() - t0
+
+    def ttft(prompt: list[int]) -> tuple[float, int]:
+        ids = np.array([prompt], dtype=np.int64)
+        t = time.perf_counter()
+        req.infer([ids, np.ones_like(ids)], share_inputs=True)
+        tok = int(np.argmax(req.get_output_tensor(0).data[0]))
+        return time.perf_counter() - t, tok
+
+    return ttft, {"precision": precision, "prepare_s": prep}
+
+
+def _hetforge_system(engine: Engine, chunked: bool, new_tokens: int):
+    def ttft(prompt: list[int]) -> tuple[float, int]:
+        engine.chunked_prefill = chunked
+        r = engine.generate(prompt, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))
+        ttft.last = r  # type: ignore[attr-defined]
+        return r.ttft_s, r.tokens[0]
+
+    return ttft
+
+
+def bench_model(name: str, lengths: list[int], schemes: list[str], peers: list[str], rounds: int, threads: int,
+                new_tokens: int) -> dict:
+    loaded = load_model(name)
+    vocab, max_pos = loaded.vocab_size, loaded.max_positions
+    prompts = {n: _prompt(n, vocab) for n in lengths}
+    systems: dict[str, tuple] = {}  # key -> (ttft fn, info)
+    notes: list[str] = []
+    for p in peers:
+        if p == "hf":
+            systems["hf"] = _hf_system(loaded.model)
+        elif p in ("ov-f32", "ov-default"):
+            if importlib.util.find_spec("openvino") is None:
+                notes.append(f"{p}: not installed (no module named 'openvino')")
+                continue
+            systems[p] = _ov_system(loaded.model, threads, p == "ov-f32", max_pos)
+        elif p.startswith("llamacpp"):
+            notes.append(f"{p}: not measured here: no module named 'llama_cpp' in this environment"
+                         if importlib.util.find_spec("llama_cpp") is None else
+                         f"{p}: llama_cpp is importable but this bench does not drive it yet (bench/peers.py does)")
+    compile_s: dict[str, dict[str, float]] = {}
+    pieces: dict[str, dict[str, list[str]]] = {}
+    for scheme in schemes:
+        eng = Engine(loaded, quantize=scheme)
+        label = "fp32" if scheme == "none" else scheme
+        for mode in ("tier", "chunked"):
+            fn = _hetforge_system(eng, mode == "chunked", new_tokens)
+            systems[f"hetforge {label} {mode}"] = (fn, {"precision": label, "scheme": scheme, "mode": mode})
+    # warm-up: every system at every length (hetforge compiles here)
+    first: dict[str, dict[int, int]] = {}
+    for key, (fn, info) in list(systems.items()):
+        for n in lengths:
+            try:
+                _, tok = fn(prompts[n])
+            except Exception as e:  # a scheme this model cannot run: reported, the rest still measured
+                notes.append(f"{key}: failed at n = {n}: {type(e).__name__}: {str(e).splitlines()[0][:300]}")
+                del systems[key]
+                break
+            first.setdefault(key, {})[n] = tok
+            if "mode" in info:
+                r = fn.last
+                for prog, secs in r.compile_s.items():
+                    compile_s.setdefault(key, {})[prog] = round(secs, 3)
+                pieces.setdefault(key, {})[str(n)] = r.prefill_pieces
+    times: dict[str, dict[int, list[float]]] = {k: {n: [] for n in lengths} for k in systems}
+    for _ in range(rounds):
+        for n in lengths:
+            for key, (fn, _info) in systems.items():
+                s, _ = fn(prompts[n])
+                times[key][n].append(s * 1e3)
+    out = {"model": name, "vocab": vocab, "max_positions": max_pos, "notes": notes, "systems": {}}
+    for key, (_fn, info) in systems.items():
+        info = {k: v for k, v in info.items() if k != "scheme"}
+        out["systems"][key] = {
+            **info, "ttft_ms": {str(n): times[key][n] for n in lengths},
+            "median_ms": {str(n): statistics.median(times[key][n]) for n in lengths},
+            "min_ms": {str(n): min(times[key][n]) for n in lengths},
+            "first_token": {str(n): first[key][n] for n in lengths},
+            "compile_s": compile_s.get(key, {}), "pieces": pieces.get(key, {}),
+        }
+    return out
+
+
+# ---------------------------------------------------------------- the page
+
+
+def _fmt(d: dict, n: str) -> str:
+    return f"{d['median_ms'][n]:.1f} ({d['min_ms'][n]:.1f})"
+
+
+def render(res: dict) -> str:
+    lines = ["# Time to first token: tier-padded vs chunked prefill, next to exact-length peers", "",
+             f"Generated by `bench/ttft.py` from `docs/bench/ttft.json` (never edited by hand). Measured on "
+             f"{res['host']['cpu']} ({res['host']['cores']} cores; ISA: {', '.join(res['host']['isa'])}), "
+             f"{res['threads']} thread(s), {res['rounds']} interleaved rounds, load average "
+             f"{res['load_before']} before and {res['load_after']} after the run (a machine shared with other "
+             f"jobs: figures are noisy, compare within a round). Command: `{res['command']}`.", "",
+             "TTFT = prefill of the prompt + the first greedy token, compilation excluded, measured; hetforge's "
+             "from its runtime timer, the peers' around one exact-length forward (see the script's docstring). "
+             f"`tier` pads the prompt to the next tier (the path before this change); `chunked` runs the largest "
+             f"tier <= n, then chunks over the KV cache (powers of two, the rest rounded up to {res['chunk_min']}, "
+             f"chosen when padded tokens + {res['call_tokens']} per extra call is less than the next tier). "
+             "Cells: median (min) ms.", ""]
+    lengths = [str(n) for n in res["lengths"]]
+    for m in res["models"]:
+        lines += [f"## {m['model']}", "", "| system | precision | " + " | ".join(f"n = {n}" for n in lengths) + " |",
+                  "|---|---|" + "---|" * len(lengths)]
+        sy = m["systems"]
+        for key, d in sy.items():
+            lines.append(f"| {key} | {d['precision']} | " + " | ".join(_fmt(d, n) for n in lengths) + " |")
+        lines += ["", "| hetforge scheme | " + " | ".join(f"chunked ÷ tier, n = {n}" for n in lengths)
+                  + " | " + " | ".join(f"chunked ÷ best peer, n = {n}" for n in lengths) + " |",
+                  "|---|" + "---|" * (2 * len(lengths))]
+        peers = {k: d for k, d in sy.items() if not k.startswith("hetforge")}
+        ov_or_cpp = {k: d for k, d in peers.items() if k.startswith(("ov", "llamacpp"))}
+        for key, d in sy.items():
+            if not key.endswith(" chunked"):
+                continue
+            tier = sy[key.replace(" chunked", " tier")]
+            r1 = [f"{d['median_ms'][n] / tier['median_ms'][n]:.2f}" for n in lengths]
+            r2 = [(f"{d['median_ms'][n] / min(p['median_ms'][n] for p in ov_or_cpp.values()):.2f}"
+                   if ov_or_cpp else "—") for n in lengths]
+            lines.append(f"| {key.removesuffix(' chunked')} | " + " | ".join(r1) + " | " + " | ".join(r2) + " |")
+        lines += ["", "Prefill programs per length (chunked):", ""]
+        for key, d in sy.items():
+            if key.endswith(" chunked"):
+                lines.append(f"- {key}: " + "; ".join(f"n = {n}: {' + '.join(p)}" for n, p in d["pieces"].items()))
+        lines += ["", "Compile on first use (measured s, capture + passes + lowering + warm-up call; 0 = compile "
+                  "cache hit):", ""]
+        for key, d in sy.items():
+            if d.get("compile_s"):
+                lines.append(f"- {key}: " + ", ".join(f"{p} {s:.1f}" for p, s in d["compile_s"].items()))
+        equal = [n for n in lengths if len({d["first_token"][n] for k, d in sy.items()
+                                            if d["precision"] in ("f32", "fp32") and "default" not in k}) == 1]
+        lines += ["", f"First token equal across the fp32 systems (hf, ov-f32, hetforge fp32 tier and chunked) at "
+                  f"n = {', '.join(equal) or 'none'} of {', '.join(lengths)}."]
+        for note in m["notes"]:
+            lines.append(f"- {note}")
+        lines.append("")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", nargs="+", default=["gpt2", "llama-110m"])
+    ap.add_argument("--lengths", nargs="+", type=int, default=[16, 84, 500])
+    ap.add_argument("--quantize", nargs="+", default=["none", "w8", "w4", "w8a8"])
+    ap.add_argument("--peers", nargs="+", default=["hf", "ov-f32", "ov-default", "llamacpp-f32"])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--new-tokens", type=int, default=1)
+    ap.add_argument("--json", default="")
+    ap.add_argument("--md", default="")
+    ap.add_argument("--from-json", default="")
+    a = ap.parse_args()
+    if a.from_json:
+        page_from_json(a.from_json, a.md, render)
+        return
+    torch.set_num_threads(a.threads)
+    load_before = " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    t0 = time.time()
+    models = []
+    for name in a.models:
+        models.append(bench_model(name, a.lengths, a.quantize, a.peers, a.rounds, a.threads, a.new_tokens))
+        print(f"{name} done in {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
+    res = {"host": host_record(), "threads": a.threads, "rounds": a.rounds, "lengths": a.lengths,
+           "new_tokens": a.new_tokens, "chunk_min": CHUNK_MIN, "call_tokens": CALL_TOKENS,
+           "pieces_rule": {str(n): [f"{p.kind}-{p.size}" for p in prefill_pieces(n, (32, 64, 128, 256, 512, 1024))]
+                           for n in a.lengths},
+           "load_before": load_before, "load_after": " ".join(Path("/proc/loadavg").read_text().split()[:3]),
+           "command": "python bench/ttft.py " + " ".join(sys.argv[1:]), "timing": "measured",
+           "compile_cache": os.environ.get("HETFORGE_COMPILE_CACHE", "default"), "models": models}
+    write_result(res, a.json, a.md, render)
+
+
+if __name__ == "__main__":
+    main()
