@@ -98,6 +98,7 @@ def test_a_call_finishes_when_no_helper_ever_takes_work():
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
 
 
+# Windows has no fork(); the pool re-creates its helpers only after a fork, so there is nothing to check there.
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="os.fork is POSIX-only; the pool's fork handling is too")
 def test_a_forked_child_computes_with_its_own_helpers():
     x, w = torch.randn(768), torch.randn(3072, 768)

@@ -35,6 +35,7 @@ def test_compare_checks_w8_decode_against_llamacpp_q8_and_keeps_w8_out_of_the_pe
 # openvino comes with the peers extra (`make install` and CI's `make test` install it).
 @pytest.mark.parametrize("name", ["llama-tiny"])
 def test_ov_stateful_greedy_tokens_equal_hf_generate(name, tmp_path):
+    # OpenVINO is a peer, not a dependency of hetforge itself: `make install` adds it with the peers extra.
     pytest.importorskip("openvino", reason="openvino is not installed: it comes with the peers extra "
                                            "(`make install`, or pip install -e '.[peers]')")
     from hetforge.benchmarks.ov_stateful_system import StatefulRunner, compile_stateful, stateful_ov_model

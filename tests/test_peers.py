@@ -208,6 +208,7 @@ def test_hetforge_bf16_row_runs_the_bf16_model_and_reports_kl_vs_fp32(tmp_path):
     from hetforge.hardware.isa import missing_feature
 
     if missing_feature("bf16") is not None:
+        # a CPU without bf16 instructions refuses the bf16 row by design; that refusal is tested elsewhere.
         pytest.skip(f"this CPU lacks {missing_feature('bf16')}; the hetforge-bf16 row is refused there (tested in "
                     "test_precision); run on an AVX512-BF16/AMX host")
     spec = WorkerSpec(system="hetforge-bf16", model=MODEL, seq=8, workdir=str(tmp_path / "w"),
