@@ -16,6 +16,11 @@ both for the plain roofline (the calibrated π, β and dispatch with efficiency 
 removed: "before") and with the factors and overheads calibration fitted ("after"). The calibration runs
 first (same thread count and clock) unless ``--profile`` names a file; it never sees these models.
 
+The host's memory bandwidth drifts with other tenants' load (10–20% within a minute here), so by default
+(``--track-bandwidth``) one β_read pass is read before each profiled run and each case is priced with β_read of its
+own minute (calibration's other terms unchanged); the page shows both figures and the whole-program error at
+calibration's β_read too. ``--no-track-bandwidth`` prices every case at calibration's β_read.
+
 Out of sample (issue 18): ``llama-oos-1536`` (hidden 1536, 16 heads of 96, FFN 4096) and ``gpt2-oos-1024``
 (hidden 1024, 16 heads of 64, FFN 4096) have no width, FFN or head shape among the shapes calibration
 measures (K = 768 products, 12 × 64 attention, FFN 2048/3072 — which are gpt2's and llama-110m's, so those
@@ -46,6 +51,7 @@ from hetforge.compile import compile_graph
 from hetforge.cost import estimate_program
 from hetforge.frontend import capture
 from hetforge.hardware import load_file, save_spec
+from hetforge.hardware.bandwidth import ReadProbe
 from hetforge.hardware.calibrate import CLOCKS, host_spec, measure
 from hetforge.hardware.host import cpu_count, cpu_name
 from hetforge.hardware.profile import SocProfile
@@ -57,20 +63,30 @@ TARGET_PROGRAM, TARGET_MAPE = 0.10, 0.25
 STATS = {"min": min, "median": statistics.median}
 
 
-def profile_runs(exe, inputs, runs: int, clock: str) -> tuple[list[list[float]], list[float]]:
+def profile_runs(exe, inputs, runs: int, clock: str, probe: ReadProbe | None = None
+                 ) -> tuple[list[list[float]], list[float]]:
     """Per-instruction seconds of ``runs`` profiled runs (one repeat each, after one warm-up run), measured, and
     each run's total (wall clock, as ``Executable.profile`` reports it).
 
-    ``clock='thread'`` times instructions with the calling thread's CPU time (``profile(clock=…)``).
+    ``clock='thread'`` times instructions with the calling thread's CPU time (``profile(clock=…)``). With a
+    ``probe``, one β_read pass is read before each profiled run (the bandwidth of the same minute).
     """
     kw = {"clock": CLOCKS[clock]}
     exe.profile(*inputs, warmup=1, repeat=1, **kw)
     per, totals = [], []
     for _ in range(runs):
+        if probe is not None:
+            probe.read_pass()
         rep = exe.profile(*inputs, warmup=0, repeat=1, **kw)
         per.append([t.seconds for t in rep.times])
         totals.append(rep.total_seconds)
     return per, totals
+
+
+def with_bandwidth(soc: SocProfile, bw: float) -> SocProfile:
+    """``soc`` with its host CPU's memory bandwidth set to ``bw`` (β_read of the case's own minute)."""
+    devs = [dataclasses.replace(d, mem_bandwidth=bw) if i == 0 else d for i, d in enumerate(soc.devices)]
+    return dataclasses.replace(soc, devices=devs)
 
 
 def without_efficiency(soc: SocProfile) -> SocProfile:
@@ -109,14 +125,20 @@ def metrics(rows: list[dict], key: str) -> dict:
 
 
 def run_case(model: str, seq: int, passes: bool, soc: SocProfile, plain: SocProfile, runs: int, stat: str,
-             clock: str) -> dict:
+             clock: str, track: bool = True) -> dict:
     loaded = load_model(model)
     inputs = example_inputs(loaded, seq=seq)
     cg = capture(loaded.logits_module(), inputs, name=model)
     res = compile_graph(cg.gm, soc=soc, example_inputs=inputs, passes=passes, name=model)
     exe, prog, planned = res.executable, res.program, res.memory.offsets
-    per, totals = profile_runs(exe, inputs, runs, clock)
+    probe = ReadProbe(clock=CLOCKS[clock]) if track else None
+    per, totals = profile_runs(exe, inputs, runs, clock, probe)
     meas = [STATS[stat](ts) for ts in zip(*per, strict=True)]
+    calib_soc, beta_case = soc, None
+    if probe is not None:  # the model priced with the bandwidth of this case's minute (calibration's other terms kept)
+        beta_case = probe.result().bytes_per_s
+        del probe
+        soc, plain = with_bandwidth(soc, beta_case), with_bandwidth(plain, beta_case)
     with torch.no_grad():  # plain executable calls, for reference (wall clock)
         plain_runs = []
         for _ in range(max(3, runs // 3)):
@@ -125,6 +147,7 @@ def run_case(model: str, seq: int, passes: bool, soc: SocProfile, plain: SocProf
             plain_runs.append(time.perf_counter() - t0)
     kernels = exe.kernels  # the kernel each instruction runs (recorded by lowering; oneDNN candidates decided)
     after, before = estimate_program(prog, soc, planned), estimate_program(prog, plain, planned)
+    at_calib = estimate_program(prog, calib_soc, planned) if beta_case is not None else after
     rows = []
     for ins, m, a, b in zip(prog.instrs, meas, after, before, strict=True):
         out = prog.values[ins.outputs[0]] if ins.outputs else None
@@ -132,7 +155,10 @@ def run_case(model: str, seq: int, passes: bool, soc: SocProfile, plain: SocProf
         rows.append({"instr": ins.id, "op": ins.op, "kind": ins.kind, "write": wm,
                      "shape": list(out.shape) if out is not None else [], "group": a.group,
                      "measured_s": max(m, 1e-9), "modeled_s": a.time_s, "plain_s": b.time_s, "bound": a.bound})
+    calib_rows = [dict(r, modeled_s=c.time_s) for r, c in zip(rows, at_calib, strict=True)]
     return {"model": model, "seq": seq, "passes": passes, "instructions": len(rows),
+            "beta_read_case": beta_case, "beta_read_calibration": calib_soc.devices[0].mem_bandwidth,
+            "after_calibration_beta": metrics(calib_rows, "modeled_s"),
             "profile_run_total_s": {"min": min(totals), "median": statistics.median(totals)},
             "plain_run_s": {"min": min(plain_runs), "median": statistics.median(plain_runs)},
             "after": metrics(rows, "modeled_s"), "before": metrics(rows, "plain_s"), "rows": rows}
@@ -149,15 +175,17 @@ def report(res: dict) -> str:
              "Measured: Σ of the per-instruction times. Modeled: the cost model with the calibrated host profile "
              "(before = plain roofline, after = with the fitted factors and overheads).", ""]
     lines.append("| model | shape | passes | instrs | measured Σ (ms) | modeled before (ms) | modeled after (ms) | "
-                 "program error before | after | MAPE >50µs before | after | top-20 MAPE before | after |")
-    lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+                 "program error before | after | MAPE >50µs before | after | top-20 MAPE before | after | "
+                 "β_read case / calibration (GB/s) | program error at calibration's β |")
+    lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for c in res["cases"]:
         b, a = c["before"], c["after"]
         lines.append(f"| {c['model']} | seq {c['seq']} | {'on' if c['passes'] else 'off'} | {c['instructions']} | "
                      f"{a['program_measured_s'] * 1e3:.2f} | {b['program_modeled_s'] * 1e3:.2f} | "
                      f"{a['program_modeled_s'] * 1e3:.2f} | {fmt_pct(b['program_error'])} | "
                      f"{fmt_pct(a['program_error'])} | {fmt_pct(b['mape_gt_50us'])} ({b['instructions_gt_50us']}) | "
-                     f"{fmt_pct(a['mape_gt_50us'])} | {fmt_pct(b['top20_mape'])} | {fmt_pct(a['top20_mape'])} |")
+                     f"{fmt_pct(a['mape_gt_50us'])} | {fmt_pct(b['top20_mape'])} | {fmt_pct(a['top20_mape'])} | "
+                     f"{_beta_cell(c)} | {_calib_err(c)} |")
     lines += ["", "| model | shape | passes | group | instrs | >50µs | measured (ms) | modeled after (ms) | "
               "MAPE all before | after | MAPE >50µs before | after |", "|---" * 12 + "|"]
     for c in res["cases"]:
@@ -168,6 +196,18 @@ def report(res: dict) -> str:
                          f"{a['modeled_s'] * 1e3:.3f} | {fmt_pct(b['mape_all'])} | {fmt_pct(a['mape_all'])} | "
                          f"{fmt_pct(b['mape_gt_50us'])} | {fmt_pct(a['mape_gt_50us'])} |")
     return "\n".join(lines)
+
+
+def _beta_cell(c: dict) -> str:
+    """β_read of the case's own minute and of calibration, GB/s ('–' where the case did not track it)."""
+    case, cal = c.get("beta_read_case"), c.get("beta_read_calibration")
+    return "–" if not case or not cal else f"{case / 1e9:.1f} / {cal / 1e9:.1f}"
+
+
+def _calib_err(c: dict) -> str:
+    """Whole-program error of the model priced with calibration's β_read (the case without bandwidth tracking)."""
+    a = c.get("after_calibration_beta")
+    return "–" if not a or not c.get("beta_read_case") else fmt_pct(a["program_error"])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -183,6 +223,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--models", default="gpt2,llama-110m")
     ap.add_argument("--profile", type=Path, default=None, help="use this host profile instead of calibrating")
     ap.add_argument("--quick-calibration", action="store_true")
+    ap.add_argument("--track-bandwidth", action=argparse.BooleanOptionalAction, default=True,
+                    help="read one β_read pass before each profiled run and price each case with the bandwidth of "
+                         "its own minute (default); --no-track-bandwidth keeps calibration's figure")
     ap.add_argument("--out", type=Path, default=Path("bench/out/costmodel.json"))
     ap.add_argument("--md", type=Path, default=None, help="write a page generated from the JSON")
     ap.add_argument("--from-json", action="store_true", help="only regenerate --md from --out")
@@ -218,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
         for seq in (a.seq, 1):
             for p in passes:
                 t0 = time.perf_counter()
-                cases.append(run_case(model, seq, p == "on", soc, plain, a.runs, a.stat, a.clock))
+                cases.append(run_case(model, seq, p == "on", soc, plain, a.runs, a.stat, a.clock, a.track_bandwidth))
                 print(f"{model} seq {seq} passes {p}: {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     res = {"machine": f"{cpu_name()}, {cpu_count()} cores, {platform.system()}", "torch": torch.__version__,
            "threads": a.threads, "runs": a.runs, "stat": a.stat, "clock": a.clock,
