@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import platform
 import statistics
@@ -46,6 +45,7 @@ import time
 from pathlib import Path
 
 import torch
+from _pages import page_from_json, write_result
 
 from hetforge.compile import compile_graph
 from hetforge.cost import estimate_program
@@ -233,7 +233,9 @@ def main(argv: list[str] | None = None) -> int:
     if a.from_json:
         if a.md is None:
             ap.error("--from-json needs --md")
-        a.md.write_text(page(json.loads(a.out.read_text()), a.out))
+        if not a.out.is_file():
+            ap.error(f"--from-json reads --out, and {a.out} is not a file")
+        page_from_json(a.out, a.md, lambda r: page(r, a.out))
         return 0
     if a.clock == "thread" and a.threads != 1:
         ap.error("--clock thread needs --threads 1")
@@ -272,13 +274,8 @@ def main(argv: list[str] | None = None) -> int:
            "overhead_s": soc.devices[0].overhead_s, "host": soc.to_dict(),
            "command": "python bench/costmodel.py " + " ".join(argv if argv is not None else sys.argv[1:]),
            "cases": cases}
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = a.out.with_name(a.out.name + ".tmp")
-    tmp.write_text(json.dumps(res, indent=1))
-    tmp.replace(a.out)
+    write_result(res, a.out, a.md, lambda r: page(r, a.out))
     print(report(res))
-    if a.md is not None:
-        a.md.write_text(page(res, a.out))
     return 0
 
 
