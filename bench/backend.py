@@ -274,12 +274,11 @@ def _render_switches(rows: list[dict]) -> list[str]:
         met = all(r["reduction"] >= 0.6 for r in llama)
         red = ", ".join(f"{_pct(r['reduction'])} with passes {'on' if r['passes'] else 'off'}" for r in llama)
         lines += ["", f"**{'Met' if met else 'Not met'} on llama-110m** ({red})."
-                  + (" The scheduler reaches the proven minimum in every row, so what remains is forced by the "
-                     "placement: each decoder layer needs two switches, NPU (q/k projections) → CPU (rotary "
-                     "slice/neg/cat) → NPU (attention), plus one at the start (CPU embedding and masks) and one at "
-                     "the end (logits back to the host). With the passes on, the graph-order baseline is already "
-                     "lower, so the percentage drops even though the minimum is the same. Running views where their "
-                     "base lives (`rehome_views`, see docs/arch/backend.md) lowers that minimum."
+                  + (" The scheduler reaches the proven minimum in every row, so the switches left are forced by the "
+                     "placement (the ops the NPU profile lacks run on the CPU), not by the order: without the passes, "
+                     "each decoder layer goes NPU (q/k projections) → CPU (rotary slice/neg/cat) → NPU (attention). "
+                     "The reduction is counted against the graph-order count, which the passes already lower, so a "
+                     "low percentage with the passes on can sit at the same proven minimum."
                      if at_min else " The scheduler is above the exact minimum in at least one row.")]
     return lines + [""]
 
