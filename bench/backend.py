@@ -410,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.from_json:
         if args.out is None or not args.out.is_file():
-            ap.error("--from-json needs --out FILE (an existing JSON)")
+            ap.error(f"--from-json reads --out, and {args.out or 'no --out'} is not a file")
         page_from_json(args.out, args.md, render)
         return 0
     if args.rounds < 1 or args.seeds < 1:

@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if a.from_json:
         if a.out is None or not a.out.is_file():
-            ap.error("--from-json needs --out FILE (an existing JSON)")
+            ap.error(f"--from-json reads --out, and {a.out or 'no --out'} is not a file")
         page_from_json(a.out, a.md, render)
         return 0
     if a.repeats < 1:

@@ -116,3 +116,31 @@ def test_page_regenerates_from_its_json(page: str) -> None:
     want = (PAGES / page).read_text()
     assert got == want, (f"docs/bench/{page} differs from what bench/{SCRIPT_OF[page]} renders from {src.name}: "
                          "regenerate it with --from-json (never edit a page by hand)")
+
+
+@pytest.mark.parametrize("script", ["backend.py", "capture.py", "generate.py", "passes.py", "costmodel.py",
+                                    "costmodel_ab.py", "read_bandwidth.py"])
+def test_from_json_of_a_missing_file_exits_2(script: str, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    mod = _module(script)
+    with pytest.raises(SystemExit) as e:
+        mod.main(["--from-json", "--out", str(tmp_path / "missing.json"), "--md", str(tmp_path / "page.md")])
+    assert e.value.code == 2
+    assert "missing.json" in capsys.readouterr().err
+    assert not (tmp_path / "page.md").exists()
+
+
+def test_write_result_then_from_json_gives_the_same_page(tmp_path: Path) -> None:
+    pages = _module("_pages.py")
+    res = {"meta": {"command": "python bench/x.py", "host": {"cpu": "cpu", "machine": "m", "cores": 2, "isa": []},
+                    "torch": "t", "threads": 1, "date": "d", "loadavg_before": [3.0, 1, 1],
+                    "loadavg_after": [1.0, 1, 1]}, "x": 0.1 + 0.2}
+
+    def render(r: dict) -> str:
+        return "\n".join(pages.meta_lines(r["meta"])) + f"\nx = {r['x']!r}\n"
+
+    pages.write_result(res, tmp_path / "r.json", tmp_path / "a.md", render)
+    pages.page_from_json(tmp_path / "r.json", tmp_path / "b.md", render)
+    a = (tmp_path / "a.md").read_text()
+    assert a == (tmp_path / "b.md").read_text()
+    assert "x = 0.30000000000000004" in a and "**The machine was loaded**" in a
+    assert not list(tmp_path.glob("*.tmp"))
