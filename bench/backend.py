@@ -334,9 +334,12 @@ def _render_latency(rows: list[dict], rounds: int, threads: int, seq: int) -> li
         lines.append(("Executor rows above eager in CPU time: " + "; ".join(
             f"{r['model']} {r['variant']} ({r['cpu_paired_ratio']:.3f}×)" for r in above) + ".") if above
             else "No executor row is above eager in CPU time.")
-    lines += ["Every variant runs the same ATen kernels. The executor saves Python work: it drops the shape "
-              "assertions, runs no module code, and binds views that change nothing instead of calling them. It "
-              "spends a little on copies into the arena for ops without an `out=` kernel.", ""]
+    lines += ["Eager and the captured graph run ATen's kernels. The executor runs the multi-row products on "
+              "oneDNN's prepacked kernels where a choice measured when the executor is built picks them "
+              "(docs/arch/backend.md), "
+              "and it saves Python work: it drops the shape assertions, runs no module code, and binds views that "
+              "change nothing instead of calling them. It spends a little on copies into the arena for ops without "
+              "an `out=` kernel.", ""]
     return lines
 
 
