@@ -209,7 +209,7 @@ def render(res: dict) -> str:
              "`hetforge calibrate` writes as the profile's bandwidth), measured in the same process at the bench's "
              f"thread count: **{bw / 1e9:.2f} GB/s**, {_method(res['read_bandwidth_method'])}. A ratio below 1.0 "
              "would mean the bound is wrong.", "",
-             table(results, bw), ""]
+             table(results, bw), "", _spread(results), ""]
     fp32 = [(r, r["hetforge"]["none"]) for r in results if "none" in r["hetforge"]]
     quant = [s for r in results for s in r["hetforge"] if s != "none"]
     if fp32:
@@ -235,6 +235,19 @@ def render(res: dict) -> str:
                   "the greedy token almost at once; the quality of quantized models is measured on the trained demo "
                   "model in [quant.md](quant.md).", ""]
     return "\n".join(lines)
+
+
+def _spread(results: list[dict]) -> str:
+    """Round-to-round spread of each system's decode time (median ÷ fastest round), computed from the JSON."""
+    def sp(d: dict) -> str:
+        return f"{d['median'] / d['min']:.2f}"
+
+    cells = "; ".join(f"{r['model']}: HF {sp(r['hf']['decode_s_per_token'])}, " + ", ".join(
+        f"hetforge {'fp32' if s == 'none' else s} {sp(o['decode_s_per_token'])}" for s, o in r["hetforge"].items())
+        for r in results)
+    return (f"Round-to-round spread of decode time (median ÷ fastest round; measured): {cells}. A spread well above "
+            "1 means that system's rounds were disturbed by other load; the ratios to HF of such a run are then "
+            "uncertain by as much, so compare the fastest rounds (the figures in parentheses) as well.")
 
 
 def _method(method: str) -> str:
