@@ -2,7 +2,7 @@
 
 Each headline row is one small extractor: it reads the JSON files it names, returns the figures as text, and
 decides met / not met where the issue's target is numeric. A page that has no committed JSON yet gets a row that
-points at the page without figures (``PENDING``); giving it figures later is one function registered with
+points at the page without figures (``pending(...)``); giving it figures later is one function registered with
 ``@row(...)`` in place of its ``pending(...)`` line. Prose sections are templates below; every number in them is
 filled in from a JSON.
 
@@ -184,8 +184,12 @@ def pending(area: str, target: str, page: str, json_name: str) -> None:
     """A row of a page that has no committed JSON yet: the target and a link, no figures."""
 
     def fn() -> Row:
-        return Row(area, target, f"no committed JSON yet (expected: `docs/bench/{json_name}`); figures on the page",
-                   "page: see link", link(page))
+        if (BENCH / json_name).exists():
+            text = (f"`docs/bench/{json_name}` is committed but bench/summary.py has no extractor for it yet; "
+                    "figures on the page")
+        else:
+            text = f"no committed JSON yet (expected: `docs/bench/{json_name}`); figures on the page"
+        return Row(area, target, text, "page: see link", link(page))
 
     fn.__name__ = f"pending_{json_name.removesuffix('.json')}"
     HEADLINE.append(Extractor((), fn))
@@ -217,6 +221,13 @@ def entry(mapping: dict[Any, Any], key: Any, where: J) -> Any:
 
 
 # ---- capture, passes, backend: pages without JSON yet (another branch adds docs/bench/{capture,passes,backend}.json)
+# To give a pending row figures, replace its pending(...) line with an extractor in the same place, e.g.
+#     @row("backend.json")
+#     def backend_arena(d: J) -> Row:
+#         ratios = [m.f("arena_over_lower_bound") for m in d["models"]]     # the keys the JSON really has
+#         return Row("backend", "arena ≤ 1.05 × lower bound", f"{span(ratios, times)} ...",
+#                    met(max(ratios) <= 1.05), link("backend.md"))
+# then run `python bench/summary.py`; tests/test_benchmarks_summary.py checks its missing-key errors by itself.
 
 pending("capture", "non-strict vs strict `torch.export`", "capture.md", "capture.json")
 pending("passes", "pass time < 10% of capture", "passes.md", "passes.json")
@@ -292,18 +303,23 @@ def costmodel_oos(d: J, ab: J, rb: J) -> Row:
     before = [e.f() for r in ab_rows for k, e in r["error"].items() if k.startswith("before")]
     after = [e.f() for r in ab_rows for k, e in r["error"].items() if k.startswith("after")]
     best = rb["summary"]["per_buffer_best_GBps"]
+    profiles = [k for k, _ in ab["profiles"].items()]
+    n_before = sum(k.startswith("before") for k in profiles)
+    n_after = sum(k.startswith("after") for k in profiles)
     result = (f"measured (profiling executor, {d.f('threads'):.0f} thread, {d.s('clock')} clock) vs modeled with "
               "β_read ([the one read-bandwidth definition](arch/hardware-cost.md#read-bandwidth)), load average "
               f"{load_avg(d['load_average_before'])} before: " + "; ".join(per_model("out"))
               + ". In sample on the same page: " + "; ".join(per_model("in"))
-              + f". Same measured one-token programs, profiles before vs after this calibration "
+              + f". Same measured one-token programs modeled with {n_before} profiles of the old calibration and "
+              f"{n_after} of the new "
               f"([bench/costmodel_ab.md](bench/costmodel_ab.md), load average {load_avg(ab['load_average_before'])}): "
               f"program error {span(before, lambda x: pct(x, sign=True))} before, "
               f"{span(after, lambda x: pct(x, sign=True))} after. Cause of the old under-prediction: calibration "
               "timed each DRAM-streaming kernel as its best single call over a rotating pool of copies, while a "
               f"program reads all its weights; the best read of one {num(rb['spread'].f('buffer_bytes') / 1e6, 1)} MB "
               f"buffer ranges {num(best.f('min'), 1)}–{num(best.f('max'), 1)} GB/s by buffer "
-              "([bench/read_bandwidth.md](bench/read_bandwidth.md)). "
+              "([bench/read_bandwidth.md](bench/read_bandwidth.md)); and the native `linear_act`'s tanh-GELU was "
+              "folded into one efficiency for both layouts. "
               + (f"The miss ({'; '.join(missed)}) comes from small cache-resident prefill nodes: residual adds "
                  f"modeled {span(adds, times)} their measured time, embedding {span(emb, times)}."
                  if missed and adds and emb else ""))
@@ -324,7 +340,7 @@ def placement_exact(d: J) -> Row:
               f"plans: {span([c.f('exact_s') for c in big], lambda x: num(x, 2))} s measured, "
               f"{len(big)} cases; slowest exact solve of all {len(q)} cases "
               f"{num(d['quality_summary'].f('exact_s_max'), 2)} s); equal to brute force in a hypothesis test "
-              "(tests/)")
+              "(`tests/test_exact.py`)")
     return Row("placement", "exact front where it fits (issue 18)", result, "met", link("placement.md"))
 
 
@@ -435,7 +451,8 @@ def placed_overhead(d: J) -> Row:
     for name, r in rs.items():
         if r.f("switches") == 0:
             continue
-        parts.append(f"{name} ({r.f('switches'):.0f} switches, {r.f('transfers'):.0f} transfers/token): "
+        sw = r.f("switches")
+        parts.append(f"{name} ({sw:.0f} switch{'' if sw == 1 else 'es'}, {r.f('transfers'):.0f} transfers/token): "
                      f"{times(r.f('vs_host'))} the host plan, {num(r['per_transfer_us'].f(), 0)} µs per transfer, "
                      f"{num(r['per_switch_us'].f(), 0)} µs per switch")
     result = ("; ".join(parts) + f" (measured, load average {num(d['meta'].f('load'), 2)} at start)")
@@ -462,8 +479,8 @@ def candidates(d: J) -> Row:
     logp_v = [a for a in acc if a.has("verifier") and a.s("verifier") == "logprob"]
     sampled = [a for a in acc if a.s("method") == "plain sampled"]
 
-    def fam(prefix: str) -> list[J]:
-        return [a for a in model_v if a.s("method").split(" + ")[0] == prefix]
+    def fam(method: str) -> list[J]:
+        return [a for a in model_v if a.s("method") == method]
 
     def pr(rows: list[J]) -> str:
         return span([a.f("pass_at_1") for a in rows], lambda x: num(x, 3))
@@ -472,6 +489,7 @@ def candidates(d: J) -> Row:
         return span([a.f("modeled_mj_per_problem") / ge for a in rows], times)
 
     best = max(model_v + logp_v, key=lambda a: a.f("pass_at_1"))
+    anchored = [a for a in model_v if "anchor" in a.s("method")]
     problems = m.f("problems")
     gain = best.f("pass_at_1") - g
     oracle = [a.f("pass_at_k_oracle") for a in acc if a.has("pass_at_k_oracle")]
@@ -483,8 +501,10 @@ def candidates(d: J) -> Row:
               f"energy: {batch}; same tokens as the separate runs in "
               f"{pct(min(r.f('same_tokens_share') for r in bat), 0)}"
               f"; greedy pass@1 {num(g, 3)}, plain sampling {pr(sampled)}; with the model's own verifier: best-of "
-              f"{pr(fam('best-of'))}, csvet {pr(fam('csvet'))}, majority {pr(fam('majority'))} at {en(model_v)} "
-              f"greedy's **modeled** energy; with the log-probability verifier best-of/csvet {pr(logp_v)} at "
+              f"{pr(fam('best-of'))}, csvet {pr(fam('csvet'))}, majority {pr(fam('majority'))} at "
+              f"{en(fam('best-of') + fam('csvet') + fam('majority'))} "
+              f"greedy's **modeled** energy (with the greedy answer as anchor: {pr(anchored)}); "
+              f"with the log-probability verifier (anchored) best-of/csvet {pr(logp_v)} at "
               f"{en(logp_v)}; oracle pass@K {span(oracle, lambda x: num(x, 2))}. Verifier validation ROC AUC "
               f"{num(auc, 3)}; the best result, {best.s('method')} T={num(best.f('temperature'), 1)} "
               f"K={best.f('k'):.0f} {num(best.f('pass_at_1'), 3)}, is {round(gain * problems):+d} problems of "
@@ -519,16 +539,19 @@ def quant_speed(d: J) -> Row:
             dec = m["shapes"]["decode [1,1]"]
             if m.s("model") == "demo" or not dec.has(kind):
                 continue
-            out.append(dec["hetforge fp32"].f("median_ms") / dec[kind].f("median_ms"))
+            base = "openvino f32" if kind.startswith("openvino") else "hetforge fp32"
+            out.append(dec[base].f("median_ms") / dec[kind].f("median_ms"))
         return out
 
     mc = d["machine"]
     models = [m.s("model") for m in d["models"] if m.s("model") != "demo"]
-    result = (f"{'/'.join(models)} decode [1,1], fp32 time ÷ the scheme's time (> 1 = faster), median, "
+    result = (f"{'/'.join(models)} decode [1,1], the same system's fp32 time ÷ the scheme's time (> 1 = faster), "
+              "median, "
               f"{mc.f('threads'):.0f} thread, {mc.s('cpu_capability')}: w8a8 (FBGEMM) "
               f"{span(ratio('hetforge w8a8'), times)}; "
               f"PyTorch weight-only w8 {span(ratio('hetforge w8'), times)}, w4 {span(ratio('hetforge w4'), times)}; "
-              f"OpenVINO int8 weights {span(ratio('openvino int8 weights'), times)} (an early run; the native int8 "
+              f"OpenVINO int8 weights {span(ratio('openvino int8 weights'), times)} OpenVINO f32 (an early run; the "
+              "native int8 "
               "GEMV decode is on the generate page)")
     return Row("quantization", "low-bit speed on CPU", result, "measured",
                f"{link('quant.md')}, {link('generate.md')}")
@@ -798,7 +821,8 @@ def thermal(d: J) -> Row:
               f"fixed vs {hot_phi} °C Φ-guided (with dwell), tokens/s "
               f"{span(tps, times)} and mJ/token {span(mj, times)} of fixed; re-placements per {d.f('minutes'):.0f} min "
               f"with hysteresis + dwell (energy switch only for ≥ {pct(hy.f('min_gain'), 0)} gain after "
-              f"≥ {hy.f('min_dwell_s'):.0f} s on a plan) vs without dwell: {', '.join(moved)}, others ≤ {small:.0f}; "
+              f"≥ {hy.f('min_dwell_s'):.0f} s on a plan; safety switches before the dwell only when they cannot wait) "
+              f"vs without dwell: {', '.join(moved)}, others ≤ {small:.0f}; "
               f"mJ/token {span(nodwell, lambda x: pct(x, sign=True))} vs the controller without dwell. "
               f"{t_label(th)}")
     return Row("thermal (QEIL v2)", "throttling events over 30 min, fixed placement vs Φ-guided re-placement "
