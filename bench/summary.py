@@ -714,9 +714,10 @@ def kforge(d: J) -> Row:
               f"torch.compile (correct problems; {times(mt.f('geomean_speedup_all'))} with failures as 1×); best "
               + ", ".join(f"{p.s('name')} {times(p.f('speedup'))}" for p in top)
               + f"; {mt.s('label')}, load average {load_avg(d['loadavg_start'])} at start")
-    return Row("kforge", "offline provider (fused C++/OpenMP, no LLM) on the 40 shipped problems, fp32, 1 thread, "
-               "3 rounds (KForge reports 5.13× on GPU with fp16 — not comparable)", result, "reported",
-               link("kforge.md"))
+    target = (f"{d.s('provider')} provider (fused C++/OpenMP, no LLM) on the {mt.f('problems'):.0f} shipped problems, "
+              f"fp32, {d['config'].f('threads'):.0f} thread, {d.f('rounds'):.0f} rounds (KForge reports 5.13× on GPU "
+              "with fp16 — not comparable)")
+    return Row("kforge", target, result, "reported", link("kforge.md"))
 
 
 # ---- MoE (NPUMoE)
