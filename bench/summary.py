@@ -1238,7 +1238,11 @@ def main(argv: list[str] | None = None) -> int:
         same = out.exists() and out.read_text() == md
         print(f"{out}: {'up to date' if same else 'differs from the JSON (run python bench/summary.py)'}")
         return 0 if same else 1
-    out.write_text(md)
+    try:
+        out.write_text(md)
+    except OSError as e:
+        print(f"bench/summary.py: cannot write {out}: {e.strerror}", file=sys.stderr)
+        return 2
     print(f"wrote {out}")
     return 0
 

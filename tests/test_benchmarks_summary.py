@@ -100,6 +100,12 @@ def test_missing_file_exits_2(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
     assert len(err) == 1 and "docs/bench/" in err[0] and "file missing" in err[0]
 
 
+def test_unwritable_out_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert summary.main(["--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "cannot write" in err[0]
+
+
 def test_pending_pages_name_their_json() -> None:
     """Pages without JSON yet point at the page and name the file an extractor will read."""
     pending = [ex for ex in summary.HEADLINE if not ex.files]
