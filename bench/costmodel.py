@@ -198,6 +198,16 @@ def report(res: dict) -> str:
     return "\n".join(lines)
 
 
+def _tracking_line(res: dict) -> str:
+    """Whether each case was priced at β_read of its own minute (``--track-bandwidth``) or at calibration's."""
+    if any(c.get("beta_read_case") for c in res["cases"]):
+        return ("- Bandwidth: one β_read pass was read before each profiled run, and each case is priced with β_read "
+                "of its own minute (`--track-bandwidth`; calibration's other terms unchanged): the host's memory "
+                "bandwidth drifts with other tenants' load. The last two columns give both figures and the "
+                "whole-program error at calibration's β_read.")
+    return "- Bandwidth: every case priced at calibration's β_read."
+
+
 def _beta_cell(c: dict) -> str:
     """β_read of the case's own minute and of calibration, GB/s ('–' where the case did not track it)."""
     case, cal = c.get("beta_read_case"), c.get("beta_read_calibration")
@@ -330,9 +340,12 @@ def page(res: dict, json_path: Path) -> str:
              "shapes is measured by calibration.",
              f"- Targets (issue 18, out of sample): whole-program error within ±{TARGET_PROGRAM:.0%}, MAPE of "
              f"instructions measured above 50 µs ≤ {TARGET_MAPE:.0%}.", "",
+             _tracking_line(res),
+             "",
              "| model | sample | shape | passes | instrs | measured Σ (ms) | modeled (ms) | program error | target | "
-             "MAPE >50µs (n) | target | plain-roofline program error | plain MAPE >50µs |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "MAPE >50µs (n) | target | plain-roofline program error | plain MAPE >50µs | β_read case / calibration "
+             "(GB/s) | program error at calibration's β |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in res["cases"]:
         a, b = c["after"], c["before"]
         oos = c["model"] in OUT_OF_SAMPLE
@@ -342,7 +355,7 @@ def page(res: dict, json_path: Path) -> str:
             f"{fmt_pct(a['program_error'])} | {ok(a['program_error'], TARGET_PROGRAM) if oos else '–'} | "
             f"{fmt_pct(a['mape_gt_50us'])} ({a['instructions_gt_50us']}) | "
             f"{ok(a['mape_gt_50us'], TARGET_MAPE) if oos else '–'} | {fmt_pct(b['program_error'])} | "
-            f"{fmt_pct(b['mape_gt_50us'])} |")
+            f"{fmt_pct(b['mape_gt_50us'])} | {_beta_cell(c)} | {_calib_err(c)} |")
     lines += ["", f"## Error per cost group, {'out of sample' if oos_run else 'in sample'} (instructions above "
               "50 µs, calibrated model)", "",
               "| model | shape | group | >50µs | measured (ms) | modeled (ms) | MAPE >50µs |", "|---" * 7 + "|"]
