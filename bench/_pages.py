@@ -82,3 +82,20 @@ def load_note(meta: dict[str, Any]) -> str:
     return (f" **The machine was loaded** (1-min load average up to {peak:.2f} on {cores} cores, other jobs running): "
             "wall times are noisy upper bounds, and ratios between variants measured in the same round are the "
             "figures to read.")
+
+
+def add_page_args(ap) -> None:
+    """``--out JSON``, ``--md PAGE`` and ``--from-json``: the options every bench that writes a page takes."""
+    ap.add_argument("--out", type=Path, default=None, help="raw JSON of the run")
+    ap.add_argument("--md", type=Path, default=None, help="the page generated from the JSON")
+    ap.add_argument("--from-json", action="store_true", help="only regenerate --md from --out")
+
+
+def from_json_done(ap, args, render: Callable[[dict], str]) -> bool:
+    """With ``--from-json``: write the page of ``--out`` (a missing file is one line and exit 2) and say True."""
+    if not args.from_json:
+        return False
+    if args.out is None or not args.out.is_file():
+        ap.error(f"--from-json reads --out, and {args.out or 'no --out'} is not a file")
+    page_from_json(args.out, args.md, render)
+    return True

@@ -19,11 +19,10 @@ import argparse
 import random
 import statistics
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
-from _pages import end_meta, meta_lines, page_from_json, run_meta, write_result
+from _pages import add_page_args, end_meta, from_json_done, meta_lines, run_meta, write_result
 
 from hetforge.compile import compile_graph
 from hetforge.frontend import capture
@@ -407,14 +406,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--seeds", type=int, default=300)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--out", type=Path, default=None, help="raw JSON of the run")
-    ap.add_argument("--md", type=Path, default=None, help="the page generated from the JSON")
-    ap.add_argument("--from-json", action="store_true", help="only regenerate --md from --out")
+    add_page_args(ap)
     args = ap.parse_args(argv)
-    if args.from_json:
-        if args.out is None or not args.out.is_file():
-            ap.error(f"--from-json reads --out, and {args.out or 'no --out'} is not a file")
-        page_from_json(args.out, args.md, render)
+    if from_json_done(ap, args, render):
         return 0
     if args.rounds < 1 or args.seeds < 1:
         ap.error("--rounds and --seeds must be >= 1")

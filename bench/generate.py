@@ -30,10 +30,9 @@ import json
 import os
 import statistics
 import time
-from pathlib import Path
 
 import torch
-from _pages import end_meta, meta_lines, page_from_json, run_meta, write_result
+from _pages import add_page_args, end_meta, from_json_done, meta_lines, run_meta, write_result
 
 from hetforge.models.zoo import load_model
 from hetforge.runtime import Engine, SamplingParams
@@ -265,14 +264,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--executor", default="auto")
     ap.add_argument("--quantize", nargs="+", default=["none"], help="one hetforge row per scheme: none w8 w4 w8a8")
-    ap.add_argument("--out", type=Path, default=None, help="raw JSON of the run")
-    ap.add_argument("--md", type=Path, default=None, help="the page generated from the JSON")
-    ap.add_argument("--from-json", action="store_true", help="only regenerate --md from --out")
+    add_page_args(ap)
     args = ap.parse_args(argv)
-    if args.from_json:
-        if args.out is None or not args.out.is_file():
-            ap.error(f"--from-json reads --out, and {args.out or 'no --out'} is not a file")
-        page_from_json(args.out, args.md, render)
+    if from_json_done(ap, args, render):
         return 0
     if args.rounds < 1 or args.new_tokens < 2:
         ap.error("--rounds must be >= 1 and --new-tokens >= 2")

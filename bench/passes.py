@@ -18,10 +18,9 @@ import json
 import statistics
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
-from _pages import end_meta, meta_lines, page_from_json, run_meta, write_result
+from _pages import add_page_args, end_meta, from_json_done, meta_lines, run_meta, write_result
 
 from hetforge.frontend import capture
 from hetforge.models.zoo import example_inputs, load_model
@@ -152,14 +151,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--runs", type=int, default=9)
-    ap.add_argument("--out", type=Path, default=None, help="raw JSON of the run")
-    ap.add_argument("--md", type=Path, default=None, help="the page generated from the JSON")
-    ap.add_argument("--from-json", action="store_true", help="only regenerate --md from --out")
+    add_page_args(ap)
     a = ap.parse_args(argv)
-    if a.from_json:
-        if a.out is None or not a.out.is_file():
-            ap.error(f"--from-json reads --out, and {a.out or 'no --out'} is not a file")
-        page_from_json(a.out, a.md, render)
+    if from_json_done(ap, a, render):
         return 0
     if a.repeats < 1 or a.runs < 1:
         ap.error("--repeats and --runs must be >= 1")
