@@ -194,15 +194,79 @@ def youden(scores: list[float], right: list[bool]) -> tuple[float, dict]:
                  "kept_wrong": round(sum(s >= thr for s in neg) / max(1, len(neg)), 4)}
 
 
-def validate(model, val: list[tuple[int, int]], samples: int, seed: int) -> dict:
-    """The verifier on the validation split: each problem's distinct candidates (greedy + ``samples`` at
-    temperature 1) scored by P(yes); the threshold (Youden's J) and what ranking by P(yes) would choose."""
+def validation_candidates(model, val: list[tuple[int, int]], samples: int, seed: int) -> list[list[str]]:
+    """Each validation problem's distinct candidates: the greedy answer first, then ``samples`` at temperature 1."""
     g = torch.Generator().manual_seed(seed + 1)
     cands = [[c] for c in sample_answers(model, val, 0.0, g)]
     for _ in range(samples):
         for lst, c in zip(cands, sample_answers(model, val, 1.0, g), strict=True):
             if c not in lst:
                 lst.append(c)
+    return cands
+
+
+@torch.no_grad()
+def seq_logp(model, rows: list[tuple[str, str]], batch: int = 512) -> list[float]:
+    """log P(answer bytes + the newline | prompt) for each ``(prompt, answer)`` (full softmax, temperature 1)."""
+    was = model.training
+    model.eval()
+    out: list[float] = []
+    for i in range(0, len(rows), batch):
+        ids, mask = encode_rows([(p, f"{c}\n") for p, c in rows[i:i + batch]])
+        logp = torch.log_softmax(model(input_ids=ids[:, :-1]).logits.float(), -1)
+        tok = logp.gather(-1, ids[:, 1:, None])[..., 0]
+        out += (tok * mask[:, 1:]).sum(-1).tolist()
+    model.train(was)
+    return out
+
+
+def validate_rewrite(model, val: list[tuple[int, int]], cands: list[list[str]]) -> dict:
+    """The re-derivation verifier on the validation split: each candidate ``c`` of ``a+b=`` scored by
+    P(``c`` + newline | ``b+a=``) (the swapped, equivalent prompt); the threshold on it (Youden's J) and what ranking
+    by P(c | a+b=) · P(c | b+a=) (the runtime's best-of) would choose."""
+    rows = [(a, b, c) for (a, b), lst in zip(val, cands, strict=True) for c in lst]
+    fwd = seq_logp(model, [(f"{a}+{b}=", c) for a, b, c in rows])
+    swp = seq_logp(model, [(f"{b}+{a}=", c) for a, b, c in rows])
+    right = [c == str(a + b) for a, b, c in rows]
+    thr, fig = youden([math.exp(x) for x in swp], right)
+    top, greedy_swapped, i = [], 0, 0
+    for lst in cands:
+        n = len(lst)
+        k = max(range(n), key=lambda j: (fwd[i + j] + swp[i + j], -j))
+        top.append(right[i + k])
+        i += n
+    g = torch.Generator().manual_seed(0)
+    for (a, b), c in zip(val, sample_answers(model, [(b, a) for a, b in val], 0.0, g), strict=True):
+        greedy_swapped += c == str(a + b)
+    ga = [lst[0] == str(a + b) for (a, b), lst in zip(val, cands, strict=True)]
+    fig.update({"problems": len(val), "candidates_per_problem": round(len(rows) / len(val), 2),
+                "greedy_pass_at_1": round(sum(ga) / len(val), 4),
+                "greedy_swapped_pass_at_1": round(greedy_swapped / len(val), 4),
+                "rewrite_best_pass_at_1": round(sum(top) / len(val), 4),
+                "oracle": round(sum(any(c == str(a + b) for c in lst) for (a, b), lst in zip(val, cands, strict=True))
+                                / len(val), 4)})
+    return {"threshold": round(thr, 6), "validation": fig}
+
+
+def verifier_entry(model, val: list[tuple[int, int]], samples: int, seed: int) -> dict:
+    """``verifier.json``: the declared (auto) verifier — re-derivation under the swapped sum — with its threshold
+    and validation figures, and the yes/no verifier the model was also trained for (``--verifier yesno``)."""
+    cands = validation_candidates(model, val, samples, seed)
+    ver = validate(model, val, cands)
+    rew = validate_rewrite(model, val, cands)
+    on = (f"validation split ({len(val)} problems, never trained on; Youden's J over the model's greedy answer and "
+          f"{samples} samples at temperature 1)")
+    print(f"verifiers on the {len(val)} validation problems: yes/no {ver}; rewrite {rew}")
+    return {"kind": "rewrite", "match": r"^(?P<a>\d+)\+(?P<b>\d+)=$", "prompt": "{b}+{a}=",
+            "threshold": rew["threshold"], "threshold_chosen_on": on, "validation": rew["validation"],
+            "yes_no": {"template": "{prompt}{candidate}" + SUFFIX, "suffix": SUFFIX, "yes": YES, "no": NO,
+                       "threshold": ver["threshold"], "threshold_chosen_on": on, "validation": ver["validation"]},
+            "trained_by": "scripts/train_arith.py"}
+
+
+def validate(model, val: list[tuple[int, int]], cands: list[list[str]]) -> dict:
+    """The yes/no verifier on the validation split: each problem's distinct candidates scored by P(yes); the
+    threshold (Youden's J) and what ranking by P(yes) would choose."""
     rows = [(a, b, c) for (a, b), lst in zip(val, cands, strict=True) for c in lst]
     scores = p_yes(model, rows)
     right = [c == str(a + b) for a, b, c in rows]
@@ -241,7 +305,12 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", type=Path, default=ASSETS)
+    ap.add_argument("--verifier-only", action="store_true", help="no training: recompute verifier.json of the model "
+                                                                 "already in --out (its training.json splits)")
     args = ap.parse_args()
+    if args.verifier_only:
+        rewrite_verifier_json(args)
+        return
 
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -299,13 +368,7 @@ def main() -> None:
     seconds = time.perf_counter() - t0
     acc = greedy_accuracy(model, test)
     print(f"greedy accuracy on the {len(test)} test problems: {acc:.3f} ({seconds:.0f} s training)")
-    ver = validate(model, val, args.val_samples, args.seed)
-    print(f"verifier on the {len(val)} validation problems: {ver}")
-    verifier = {"template": "{prompt}{candidate}" + SUFFIX, "suffix": SUFFIX, "yes": YES, "no": NO,
-                "threshold": ver["threshold"],
-                "threshold_chosen_on": f"validation split ({len(val)} problems, never trained on; Youden's J over "
-                                       f"the model's greedy answer and {args.val_samples} samples at temperature 1)",
-                "validation": ver["validation"], "trained_by": "scripts/train_arith.py"}
+    verifier = verifier_entry(model, val, args.val_samples, args.seed)
     record = {"task": "a+b= with 0 <= a, b < 100; answer bytes then a newline (the end-of-text token); "
                       "verification a+b=c? then Y or N",
               "seed": args.seed, "steps": args.steps, "batch": args.batch, "lr": args.lr, "threads": args.threads,
@@ -315,6 +378,20 @@ def main() -> None:
                                                                 "test": len(test)},
               "test": [list(p) for p in test], "validation": [list(p) for p in val]}
     save(model, args.out, record, verifier)
+
+
+def rewrite_verifier_json(args) -> None:
+    """Recompute ``verifier.json`` of the model in ``args.out`` (no training; the validation split of its
+    ``training.json``), single-threaded."""
+    from transformers import LlamaForCausalLM
+
+    torch.set_num_threads(args.threads)
+    model = LlamaForCausalLM.from_pretrained(str(args.out)).eval()
+    rec = json.loads((args.out / "training.json").read_text())
+    val = [tuple(p) for p in rec["validation"]]
+    entry = verifier_entry(model, val, args.val_samples, args.seed)
+    (args.out / "verifier.json").write_text(json.dumps(entry, indent=1) + "\n")
+    print(f"wrote {args.out / 'verifier.json'}")
 
 
 def save(model, out: Path, record: dict, verifier: dict) -> None:

@@ -122,7 +122,7 @@ def generate_candidates(engine, prompt: str | list[int], params: SamplingParams,
     eos = tok.eos_id
     vocab = engine.vocab_size
     ledger = Ledger(engine.soc_name)
-    spec, vwhy = resolve(engine.loaded, tok, sel.verifier)
+    spec, vwhy = resolve(engine.loaded, tok, sel.verifier, prompt if isinstance(prompt, str) else tok.decode(ids))
     saved: dict[int, list[torch.Tensor]] = {}  # finished candidates' cache rows (for the verification pass)
     t_start = time.perf_counter()
     excluded = 0.0  # measured seconds spent compiling programs mid-request (not counted in measured_s)
@@ -150,7 +150,7 @@ def generate_candidates(engine, prompt: str | list[int], params: SamplingParams,
         for c in rows:
             _check_stop(c, tok, eos, params, fit)
         for c in rows:
-            if not c.live and spec is not None:
+            if not c.live and spec is not None and spec.kind == "yes-no":
                 saved[c.index] = save_row(cache, row_of[c.index])
         done += [c for c in rows if not c.live]
         live = [c for c in rows if c.live]
