@@ -37,7 +37,8 @@ leaves the model's ranking as it is); ``majority`` breaks vote ties by the group
 
 Early termination (``csvet`` only), checked after every decode step, with ``f`` = the share of the modeled
 energy budget spent so far (budget: the prefill plus all K candidates decoded to the token limit at the first
-step's modeled energy; when no energy is modeled, the share of the token limit):
+step's modeled energy, plus the verification pass at its longest; when no energy is modeled, the share of
+the token limit):
 
 * a live candidate whose running mean entropy is over the threshold (after ``min_tokens``) stops (``entropy``);
 * a live candidate whose log-probability so far is below a finished valid candidate's whole score stops

@@ -1,4 +1,4 @@
-"""Self-verification: the model scores its own candidates with one more batched pass.
+r"""Self-verification: the model scores its own candidates with one more batched pass.
 
 A model ships its verifier in ``verifier.json`` (read into ``LoadedModel.extra["verifier"]``); its ``kind`` says
 which of two kinds it is:
@@ -30,11 +30,10 @@ from decoding: no extra pass), and the request's record says which verifier was 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
-
 import math
 import re
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
