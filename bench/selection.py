@@ -264,15 +264,18 @@ def verifier_lines(m: dict) -> list[str]:
     out = []
     if v.get("kind") == "rewrite":
         f = v["validation"]
+        checks = v.get("checks") or [{"prompt": v["prompt"], "expect": "{candidate}"}]
+        listed = "; ".join(f"`{c.get('expect', '{candidate}')}` after `{c['prompt']}`" for c in checks)
         out.append(f"Self-verification score, verifier `rewrite` (the model's declared verifier, `--verifier auto`): "
-                   f"re-derivation under an equivalent prompt — the prompt must match `{v['match']}`, the rewritten "
-                   f"prompt is `{v['prompt']}`, and a candidate's score is the probability of its exact tokens (end "
-                   "of text included) after the rewritten prompt, read by one prefill of that prompt and one "
-                   "batched decode call per candidate token but the last over the distinct valid candidates (its "
-                   "modeled energy is in every figure below); selection multiplies it with the candidate's own "
-                   f"probability. csvet's threshold on it, {v['threshold']:.3f}, was chosen on the "
-                   f"{v['threshold_chosen_on']}. On that split its ROC AUC (right vs wrong candidates) is "
-                   f"{f['auc']:.3f}; ranking the candidates by the product gives pass@1 "
+                   f"re-derivation under equivalent prompts — the prompt must match `{v['match']}`, and a "
+                   f"candidate's score is the product over the checks ({listed}; `{{candidate}}` is the candidate's "
+                   "text, each expected answer followed by end of text) of the probability the model gives the "
+                   "expected answer after the check's prompt: one prefill per distinct check prompt and one batched "
+                   "decode call per expected token but the last over all (candidate, check) rows; skipped when the "
+                   "valid candidates all give one answer (its modeled energy is in every figure below). Selection "
+                   f"multiplies it with the candidate's own probability. csvet's threshold on it, "
+                   f"{v['threshold']:.3f}, was chosen on the {v['threshold_chosen_on']}. On that split its ROC AUC "
+                   f"(right vs wrong candidates) is {f['auc']:.3f}; ranking the candidates by the product gives pass@1 "
                    f"{f['rewrite_best_pass_at_1']:.3f} vs greedy {f['greedy_pass_at_1']:.3f} (greedy on the swapped "
                    f"prompt {f['greedy_swapped_pass_at_1']:.3f}; oracle {f['oracle']:.3f}).")
         v = v.get("yes_no")

@@ -197,7 +197,7 @@ def generate_candidates(engine, prompt: str | list[int], params: SamplingParams,
             for c in live:
                 c.energy_mj += mj / len(live)
             if budget is None:
-                budget = (pre_mj or 0.0) + mj * max(1, fit - 1) + verify_budget(spec, pre_mj or 0.0, mj, fit)
+                budget = (pre_mj or 0.0) + mj * max(1, fit - 1) + verify_budget(spec, tok, k, pre_mj or 0.0, mj, fit)
         logits = out[0][torch.tensor(rows_idx)][:, :vocab].float()
         rows = live
         pos += 1
@@ -228,14 +228,22 @@ def generate_candidates(engine, prompt: str | list[int], params: SamplingParams,
                             compile_s, ledger.summary(), vinfo)
 
 
-def verify_budget(spec, pre_mj: float, dec_mj: float, fit: int) -> float:
+def verify_budget(spec, tok, k: int, pre_mj: float, dec_mj: float, fit: int) -> float:
     """The verification pass at its longest, at the request's prefill and first decode call's modeled energy: a
-    rewrite verifier prefills its prompt and feeds up to ``fit`` tokens (``fit - 1`` decode calls); a yes/no one
-    feeds a cut-off candidate's last token and the suffix (one decode call each); none: 0."""
+    rewrite verifier prefills each check prompt (once, or per candidate when it holds the candidate) and feeds the
+    longest expected answer (a candidate of ``fit`` tokens) through ``ceil(rows / 16)`` batched decode loops; a
+    yes/no one feeds a cut-off candidate's last token and the suffix (one decode call each); none: 0."""
     if spec is None:
         return 0.0
     if spec.kind == "rewrite":
-        return pre_mj + dec_mj * max(0, fit - 1)
+        from hetforge.runtime.batched import BATCH_TIERS
+
+        f = {**dict(spec.groups), "candidate": "0" * fit}
+        per_cand = sum("{candidate}" in p for p, _ in spec.checks)
+        prefills = len(spec.checks) - per_cand + k * per_cand
+        longest = max(len(tok.encode(e.format(**f))) + 1 for _, e in spec.checks)
+        loops = -(-k * len(spec.checks) // BATCH_TIERS[-1])
+        return pre_mj * prefills + dec_mj * max(0, longest - 1) * loops
     return dec_mj * (len(spec.suffix) + 1)
 
 

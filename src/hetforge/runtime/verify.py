@@ -39,6 +39,7 @@ import torch
 
 from hetforge.runtime.batched import BatchKVCache, batch_tier
 from hetforge.runtime.ledger import Ledger, Step, _step_figures
+from hetforge.runtime.programs import pick_tier
 from hetforge.runtime.select import Candidate
 
 
@@ -54,17 +55,20 @@ class VerifierSpec:
     source: str
     kind: str = "yes-no"  # or "rewrite"
     match: str = ""  # rewrite: the regex the whole prompt must match (named groups)
-    rewrite: list[int] | None = None  # rewrite: the equivalent prompt of this request, tokens
+    rewrite: list[int] | None = None  # rewrite: the first check's prompt for this request, tokens (when fixed)
+    checks: tuple[tuple[str, str], ...] = ()  # rewrite: (prompt, expected answer) templates
+    groups: tuple[tuple[str, str], ...] = ()  # rewrite: this request's prompt's named groups
 
     @property
     def label(self) -> str:
         """What the score is, for records and reasons."""
-        return "P(yes)" if self.kind == "yes-no" else "P(answer | rewritten prompt)"
+        return "P(yes)" if self.kind == "yes-no" else "P(re-derivations)"
 
     def to_dict(self) -> dict[str, Any]:
         if self.kind == "rewrite":
             return {"kind": "model", "verifier_kind": "rewrite", "match": self.match, "template": self.template,
-                    "rewritten_prompt_tokens": self.rewrite, "threshold": self.threshold, "source": self.source}
+                    "checks": [{"prompt": p, "expect": e} for p, e in self.checks],
+                    "groups": dict(self.groups), "threshold": self.threshold, "source": self.source}
         return {"kind": "model", "verifier_kind": "yes-no", "template": self.template, "suffix_tokens": self.suffix,
                 "yes_token": self.yes, "no_token": self.no, "threshold": self.threshold, "source": self.source}
 
@@ -88,22 +92,29 @@ def resolve(loaded, tokenizer, choice: str = "auto", prompt: str | None = None) 
     thr = entry.get("threshold")
     source = str(entry.get("threshold_chosen_on", "the model's verifier entry"))
     if kind == "rewrite":
-        pattern, template = str(entry.get("match", "")), str(entry.get("prompt", ""))
+        pattern = str(entry.get("match", ""))
+        checks = tuple((str(c["prompt"]), str(c.get("expect", "{candidate}"))) for c in entry.get("checks", [])) or (
+            (str(entry.get("prompt", "")), "{candidate}"),)
+        template = "; ".join(f"{p} -> {e}" for p, e in checks)
+        thr_f = float(thr) if thr is not None else None
         if prompt is None:
-            return VerifierSpec(template, [], -1, -1, float(thr) if thr is not None else None, source, "rewrite",
-                                pattern), f"model re-derivation under {template!r}"
+            return VerifierSpec(template, [], -1, -1, thr_f, source, "rewrite", pattern, None, checks), \
+                f"model re-derivation ({template})"
         m = re.fullmatch(pattern, prompt)
         if m is None:
             return None, (f"log-probability (the prompt does not match the model's rewrite verifier regex "
                           f"{pattern!r})")
+        groups = {k: v for k, v in m.groupdict().items() if v is not None}
         try:
-            rewritten = template.format(**m.groupdict())
+            first = [p.format(**groups, candidate="") for p, _ in checks]
+            for _, e in checks:
+                e.format(**groups, candidate="")
         except (KeyError, IndexError) as e:
-            return None, f"log-probability (the model's rewrite template {template!r} names a missing group {e})"
-        spec = VerifierSpec(template, [], -1, -1, float(thr) if thr is not None else None, source, "rewrite",
-                            pattern, tokenizer.encode(rewritten))
-        return spec, (f"model re-derivation: P(candidate) after the equivalent prompt {rewritten!r} (template "
-                      f"{template!r}) times its own probability")
+            return None, f"log-probability (the model's rewrite checks {template!r} name a missing group {e})"
+        spec = VerifierSpec(template, [], -1, -1, thr_f, source, "rewrite", pattern, tokenizer.encode(first[0]),
+                            checks, tuple(groups.items()))
+        return spec, (f"model re-derivation: the product of P(expected answer | prompt) over the checks "
+                      f"{template} (groups {groups}) times the candidate's own probability")
     if kind != "yes-no":
         return None, f"log-probability (model '{loaded.name}': unknown verifier kind {kind!r})"
     suffix = tokenizer.encode(str(entry.get("suffix", "")))
@@ -204,62 +215,87 @@ def verify(engine, spec: VerifierSpec, cands: list[Candidate], rows: dict[int, l
 
 def verify_rewrite(engine, spec: VerifierSpec, cands: list[Candidate], ledger, t_start: float,
                    modeled_mj) -> dict[str, Any]:
-    """Score ``cands`` by the probability of their exact tokens after the rewritten prompt: one prefill of that
-    prompt, then its rows copied into a batch cache and the distinct candidates fed together through the batched
-    decode program (one call per token but the last). Sets each one's ``verify_p``; returns what :func:`verify`
-    returns."""
+    """Score ``cands`` by the product over the spec's checks of P(expected answer + end-of-text | check prompt),
+    the templates filled with the request prompt's groups and the candidate's stripped text. Each distinct check
+    prompt is prefilled once (the batch-1 prefill program; a prompt without ``{candidate}`` serves every
+    candidate), its rows copied into a batch KV cache, and all (candidate, check) rows are fed together through
+    the batched decode program, each at its own positions (one call per expected token but the last; rows in
+    chunks of the largest batch tier). Sets each one's ``verify_p``; returns what :func:`verify` returns."""
     import time
 
+    from hetforge.runtime.batched import BATCH_TIERS
+
     t0 = time.perf_counter()
-    groups: dict[tuple[int, ...], list[Candidate]] = {}
+    tok = engine.tokenizer
+    eos = tok.eos_id
+    groups_by_seq: dict[tuple[int, ...], list[Candidate]] = {}
     for c in cands:
-        if c.tokens:
-            groups.setdefault(tuple(c.tokens), []).append(c)
-    if not groups:
-        return {"calls": 0, "batch": 0, "rows": 0, "cache_length": 0, "modeled_mj": None, "measured_s": 0.0,
-                "compile_s": {}, "compile_wall_s": 0.0}
-    seqs = [list(t) for t in groups]
-    ids = spec.rewrite or []
-    n, longest = len(ids), max(len(q) for q in seqs)
-    if n + longest - 1 > engine.max_positions:
-        raise ValueError(f"verification needs {n + longest - 1} positions; the model's context is "
-                         f"{engine.max_positions}")
-    tier, length, _ = engine.plan(n, longest)
+        groups_by_seq.setdefault(tuple(c.tokens), []).append(c)
+    reps = [m[0] for m in groups_by_seq.values()]
+    fields = dict(spec.groups)
+    rows: list[tuple[int, list[int], list[int]]] = []  # (candidate rep, prompt ids, expected ids)
+    for r, c in enumerate(reps):
+        for pt, et in spec.checks:
+            f = {**fields, "candidate": c.text.strip()}
+            rows.append((r, tok.encode(pt.format(**f)), tok.encode(et.format(**f)) + ([eos] if eos is not None
+                                                                                      else [])))
     progs = engine.programs
+    need = max(len(p) + max(len(e), 2) - 1 for _, p, e in rows)
+    if need > progs.tiers[-1]:
+        raise ValueError(f"verification needs {need} positions; the model's context is {progs.tiers[-1]}")
     compile_s: dict[str, float] = {}
-    excluded = 0.0
-    tc = time.perf_counter()
-    prefill, fresh = progs.prefill(tier)
-    if fresh:
-        compile_s[f"prefill-{tier}"] = prefill.total_s
-        excluded += time.perf_counter() - tc
-    x = torch.zeros((1, tier), dtype=torch.long)
-    x[0, :n] = torch.tensor(ids)
-    ts = time.perf_counter()
-    out = prefill.run(x, torch.tensor([n - 1]))
-    ledger.add("verify", ts - t_start, prefill.placed)
-    mj_total, any_mj = 0.0, False
-    mj = modeled_mj(prefill.placed)
-    if mj is not None:
-        mj_total, any_mj = mj, True
+    excluded, mj_total, any_mj, calls = 0.0, 0.0, False, 0
     vocab = engine.vocab_size
-    first = torch.log_softmax(out[0].reshape(1, -1)[:, :vocab].float(), dim=-1)[0]
-    logp = [float(first[q[0]]) for q in seqs]
-    calls = 1
-    batch = batch_tier(len(seqs))
-    if longest > 1:
+    logp = [0.0] * len(rows)
+    cached: dict[tuple[int, ...], list[torch.Tensor]] = {}
+    max_tier = 0
+    for _, p, _e in rows:  # one prefill per distinct prompt: the first expected token's log-probability
+        key = tuple(p)
+        if key not in cached:
+            tier = pick_tier(len(p), progs.tiers)
+            max_tier = max(max_tier, tier)
+            tc = time.perf_counter()
+            prefill, fresh = progs.prefill(tier)
+            if fresh:
+                compile_s[f"prefill-{tier}"] = prefill.total_s
+                excluded += time.perf_counter() - tc
+            x = torch.zeros((1, tier), dtype=torch.long)
+            x[0, :len(p)] = torch.tensor(p)
+            ts = time.perf_counter()
+            out = prefill.run(x, torch.tensor([len(p) - 1]))
+            ledger.add("verify", ts - t_start, prefill.placed)
+            calls += 1
+            mj = modeled_mj(prefill.placed)
+            if mj is not None:
+                mj_total, any_mj = mj_total + mj, True
+            cached[key] = [torch.log_softmax(out[0].reshape(1, -1)[:, :vocab].float(), dim=-1)[0],
+                           *[t.clone() for t in out[1:]]]
+    for i, (_, p, e) in enumerate(rows):
+        logp[i] = float(cached[tuple(p)][0][e[0]])
+    length = next(t for t in progs.tiers if t >= max(need, max_tier))
+    steps = max(len(e) for _, _, e in rows) - 1
+    top = BATCH_TIERS[-1]
+    batches = []
+    for lo in range(0, len(rows), top) if steps > 0 else ():
+        chunk = list(range(lo, min(lo + top, len(rows))))
+        batch = batch_tier(len(chunk))
+        batches.append(batch)
         cache = BatchKVCache.for_model(engine.loaded.model, length, batch)
-        cache.fill_rows(out[1:], 0)
+        for b, i in enumerate(chunk):
+            cache.write_row(b, cached[tuple(rows[i][1])][1:], 0)
         tc = time.perf_counter()
         dec, fresh = progs.decode_batch(length, batch)
         if fresh:
             compile_s[f"decode-{length}x{batch}"] = dec.total_s
             excluded += time.perf_counter() - tc
-        for j in range(longest - 1):
+        for j in range(steps):
             ids_in = torch.zeros((batch, 1), dtype=torch.long)
-            for r, q in enumerate(seqs):
-                ids_in[r, 0] = q[min(j, len(q) - 1)]  # a finished row repeats its last token (result unused)
-            pos_in = torch.full((batch, 1), n + j, dtype=torch.long)
+            pos_in = torch.zeros((batch, 1), dtype=torch.long)
+            at = [0] * batch
+            for b, i in enumerate(chunk):
+                _, p, e = rows[i]
+                k = min(j, max(len(e) - 2, 0))  # a row whose tokens are all fed repeats its last (result unused)
+                ids_in[b, 0], pos_in[b, 0], at[b] = e[k], len(p) + k, len(p) + k
             ts = time.perf_counter()
             out = dec.run(ids_in, pos_in, *cache.buffers)
             ledger.add("verify", ts - t_start, dec.placed)
@@ -267,19 +303,23 @@ def verify_rewrite(engine, spec: VerifierSpec, cands: list[Candidate], ledger, t
             mj = modeled_mj(dec.placed)
             if mj is not None:
                 mj_total, any_mj = mj_total + mj, True
-            cache.write_rows(out[1:], [n + j] * batch)
+            cache.write_rows(out[1:], at)
             lp = torch.log_softmax(out[0][:, :vocab].float(), dim=-1)
-            for r, q in enumerate(seqs):
-                if j + 1 < len(q):
-                    logp[r] += float(lp[r, q[j + 1]])
-    for r, q in enumerate(seqs):
-        for c in groups[tuple(q)]:
-            c.verify_p, c.verify_p_no, c.verify_label = math.exp(logp[r]), None, spec.label
+            for b, i in enumerate(chunk):
+                e = rows[i][2]
+                if j + 1 < len(e):
+                    logp[i] += float(lp[b, e[j + 1]])
+    score = [0.0] * len(reps)
+    for i, (r, _, _) in enumerate(rows):
+        score[r] += logp[i]
+    for r, c in enumerate(reps):
+        for m in groups_by_seq[tuple(c.tokens)]:
+            m.verify_p, m.verify_p_no, m.verify_label = math.exp(score[r]), None, spec.label
     if any_mj:
         for c in cands:
             c.energy_mj += mj_total / len(cands)
-    return {"calls": calls, "batch": batch, "rows": len(seqs), "cache_length": length,
-            "modeled_mj": mj_total if any_mj else None,
+    return {"calls": calls, "batch": max(batches, default=1), "rows": len(rows), "cache_length": length,
+            "prefills": len(cached), "modeled_mj": mj_total if any_mj else None,
             "measured_s": time.perf_counter() - t0 - excluded, "compile_s": compile_s, "compile_wall_s": excluded}
 
 
