@@ -66,7 +66,8 @@ def _plain_p_rewrite(engine: Engine, prompt: str, candidate: str) -> float:
 
 def test_arith_demo_ships_a_verifier_with_a_threshold_chosen_on_validation(arith):
     entry = arith.loaded.extra["verifier"]
-    assert entry["kind"] == "rewrite" and entry["prompt"] == "{b}+{a}="
+    assert entry["kind"] == "rewrite" and entry["checks"] == [{"prompt": "{b}+{a}=", "expect": "{candidate}"},
+                                                              {"prompt": "{candidate}-{b}=", "expect": "{a}"}]
     assert 0 < entry["threshold"] < 1 and entry["threshold_chosen_on"].startswith("validation split")
     yn = entry["yes_no"]
     assert yn["template"] == "{prompt}{candidate}?" and (yn["yes"], yn["no"]) == ("Y", "N")
@@ -78,18 +79,18 @@ def test_arith_demo_ships_a_verifier_with_a_threshold_chosen_on_validation(arith
 
 def test_verify_pass_equals_a_plain_forward_of_the_template(arith):
     """Candidates finished by end-of-text and cut off by the token limit: the yes/no pass over cached rows gives
-    the plain forward's P(yes), the rewrite pass the plain forward's P(candidate tokens | "38+47=")."""
-    for max_new in (6, 2):  # "47+38=" → 2 digits and end-of-text: with 2 new tokens every candidate is cut off
+    the plain forward's P(yes), the rewrite pass the plain forward's product over the declared checks."""
+    for max_new in (6, 2):  # "1+70=" → 2 digits and end-of-text: with 2 new tokens every candidate is cut off
         for verifier in ("yesno", "auto"):
-            res = generate_candidates(arith, "47+38=", SamplingParams(max_new_tokens=max_new, temperature=1.0,
-                                                                      seed=0), SelectParams(k=4, mode="best-of",
-                                                                                            verifier=verifier))
+            res = generate_candidates(arith, "1+70=", SamplingParams(max_new_tokens=max_new, temperature=1.0,
+                                                                     seed=0), SelectParams(k=4, mode="best-of",
+                                                                                           verifier=verifier))
             assert res.verifier["kind"] == "model" and len({c.text for c in res.candidates}) > 1
             assert res.verifier["verifier_kind"] == ("yes-no" if verifier == "yesno" else "rewrite")
             for c in res.candidates:
                 assert c.verify_p is not None
-                want = (_plain_p_yes(arith, "47+38=" + c.text) if verifier == "yesno"
-                        else _plain_p_rewrite(arith, "47+38=", c.text))
+                want = (_plain_p_yes(arith, "1+70=" + c.text) if verifier == "yesno"
+                        else _plain_p_rewrite(arith, "1+70=", c.text))
                 assert math.isclose(c.verify_p, want, abs_tol=1e-4)
             assert {c.stop_reason for c in res.candidates} == ({"length"} if max_new == 2 else {"eos"})
 
@@ -258,7 +259,7 @@ def test_csvet_threshold_filter_and_best_of_rank_by_p_yes():
 
 def test_run_json_names_the_verifier_and_bad_verifier_exits_2():
     for verifier, kind in (("auto", "rewrite"), ("yesno", "yes-no")):
-        r = CliRunner().invoke(app, ["run", "arith-demo", "-p", "47+38=", "-n", "6", "--candidates", "4",
+        r = CliRunner().invoke(app, ["run", "arith-demo", "-p", "1+70=", "-n", "6", "--candidates", "4",
                                      "--temperature", "1", "--select", "best-of", "--verifier", verifier, "--json"])
         assert r.exit_code == 0, r.output
         d = json.loads(r.stdout)
