@@ -17,10 +17,10 @@ The filters, in cascade order:
 2. **entropy** — the mean token entropy (nats, of the model's own distribution at temperature 1) over a threshold
    (``--max-entropy``) drops the candidate: the model was guessing.
 3. **self-verification** — the model scores its own candidate. With a model that ships a verifier
-   (``runtime.verify``: arith-demo declares re-derivation under the swapped sum ``{b}+{a}=``, and also ships a
-   ``Y``/``N`` entry after ``{prompt}{candidate}?``) the score — written P(yes) below: the probability of the
-   candidate after the rewritten prompt for a rewrite verifier — comes from one batched pass over the valid
-   candidates, and ``csvet`` drops candidates under
+   (``runtime.verify``: arith-demo declares re-derivation — the candidate after the swapped sum ``{b}+{a}=``
+   and ``{a}`` after ``{candidate}-{b}=`` — and also ships a ``Y``/``N`` entry after ``{prompt}{candidate}?``)
+   the score — written P(yes) below; for a rewrite verifier the product of the checks' probabilities — comes
+   from one batched pass over the valid candidates, and ``csvet`` drops candidates under
    the threshold the model's training chose on its validation split (when none reaches it, all are kept and the
    record says so). Without one (or with ``--verifier logprob``) the score is the log-probability the model
    gave the candidate's tokens while decoding (sum over tokens, at temperature 1: no extra pass) and nothing

@@ -3,14 +3,16 @@ r"""Self-verification: the model scores its own candidates with one more batched
 A model ships its verifier in ``verifier.json`` (read into ``LoadedModel.extra["verifier"]``); its ``kind`` says
 which of two kinds it is:
 
-* ``rewrite`` — *re-derivation under an equivalent prompt*: a regex with named groups that the whole prompt must
-  match (``match``) and a template of an equivalent prompt built from those groups (``prompt``; arith-demo:
-  ``^(?P<a>\d+)\+(?P<b>\d+)=$`` and ``{b}+{a}=``, the swapped sum). The score of a candidate is the
-  probability the model gives the candidate's exact tokens (its end-of-text included) after the rewritten
-  prompt; selection multiplies it with the candidate's own probability (product of experts: the model must
-  derive the same answer twice, from two prompts whose errors are partly independent). The pass prefills the
-  rewritten prompt once (the batch-1 prefill program), copies its rows into a batch KV cache and feeds the
-  distinct candidates' tokens through the batched decode program (one call per token but the last).
+* ``rewrite`` — *re-derivation under equivalent prompts*: a regex with named groups that the whole prompt must
+  match (``match``) and a list of ``checks``, each a prompt template and an expected-answer template over those
+  groups and ``{candidate}`` (arith-demo: ``^(?P<a>\d+)\+(?P<b>\d+)=$``; the candidate after the swapped sum
+  ``{b}+{a}=``, and ``{a}`` after ``{candidate}-{b}=``). The score of a candidate is the product over the checks
+  of the probability the model gives the expected answer, then end-of-text, after the check's prompt; selection
+  multiplies it with the candidate's own probability (product of experts: the model must derive the answer
+  again from prompts whose errors are partly independent). The pass (:func:`verify_rewrite`) prefills each
+  distinct check prompt once (the batch-1 prefill program), copies its rows into a batch KV cache and feeds all
+  (candidate, check) rows through the batched decode program (one call per expected token but the last). An
+  older entry with one ``prompt`` is the single check ``prompt`` → ``{candidate}``.
 * ``yes-no`` (no ``kind``: the older entry) — a suffix appended after the prompt and the candidate (arith-demo:
   ``"{prompt}{candidate}?"``), the token the model answers when the candidate is right (``yes``) and when it is
   wrong (``no``); the score is the model's P(yes) at the last suffix token. The candidates already sit in the

@@ -91,7 +91,7 @@ def run(
                                        "greedily, the others sample (selection starts from the greedy answer)"),
     verifier: str = typer.Option("auto", "--verifier", help="with --candidates: the self-verification score: auto "
                                  "(the model's declared verifier when it ships one, e.g. arith-demo's "
-                                 "re-derivation under the swapped sum, else the log-probability), yesno (its "
+                                 "re-derivation under equivalent prompts, else the log-probability), yesno (its "
                                  "yes/no verifier entry) or logprob"),
     inject_fault: str = typer.Option(None, "--inject-fault",
                                      help="DEVICE@TOKEN: the device fails while that new token is computed; the "
