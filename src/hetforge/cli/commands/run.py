@@ -387,7 +387,8 @@ def run_candidates(engine, prompt: str, params, sel, json_out: bool, strategy: s
                   f"{res.steps} batched decode steps (batch sizes {res.batch_sizes}) | {energy} | "
                   f"{1e3 * res.measured_s:.1f} ms (measured) | chosen {chosen}: {res.why}",
                   style="dim", highlight=False, soft_wrap=True)
-    console.print(f"verifier: {res.verifier.get('why', '')}", style="dim", highlight=False, soft_wrap=True)
+    skipped = f" ({res.verifier['skipped']})" if res.verifier.get("skipped") else ""
+    console.print(f"verifier: {res.verifier.get('why', '')}{skipped}", style="dim", highlight=False, soft_wrap=True)
     if res.chosen is None:
         err_console.print("no candidate passed the filters")
         raise typer.Exit(1)
