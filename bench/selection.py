@@ -3,16 +3,20 @@ at what modeled energy, and what batching them saves — one run, raw JSON, and 
 
 The task: two-number addition (``37+45=`` → ``82``), answered by ``arith-demo``, a 100 k-parameter model trained by
 ``scripts/train_arith.py`` on 9,200 of the 10,000 pairs ``a+b`` (0 ≤ a, b < 100; 400 more are its validation split)
-and deliberately undertrained; the same model was taught to verify an answer (``37+45=82?`` → ``Y``/``N``), and
-selection scores candidates by that P(yes) (``runtime.verify``; threshold from the validation split). The problems
-here are the 400 held-out test ones its ``training.json`` lists. An answer is right when the chosen candidate's
-text is the sum.
+and deliberately undertrained. Selection scores candidates by the verifier the model declares (``runtime.verify``):
+re-derivation under the swapped, equivalent prompt (``b+a=``: the probability of the candidate's tokens there, times
+their probability after ``a+b=``; threshold from the validation split); the yes/no check the model was also taught
+(``37+45=82?`` → ``Y``/``N``) and the log-probability alone are run for comparison. The problems here are the 400
+held-out test ones its ``training.json`` lists. An answer is right when the chosen candidate's text is the sum;
+every row keeps its per-problem right/wrong string, and the page compares each selection row with plain greedy on
+the same problems (McNemar's exact test on the discordant problems; a seeded paired bootstrap of the difference).
 
 1. **Accuracy and energy.** Per problem: plain decoding (greedy; and one sample at each of --temperatures), then
    K ∈ --ks candidates decoded as one batch at each of --temperatures and chosen by ``best-of``, ``majority`` and
    ``csvet`` (structural filter ``--match '\\d+'`` and ``--require-stop`` for all three), each also with the
    greedy anchor (candidate 0 decoded greedily, ``--greedy-anchor``), and the anchored csvet and best-of once more
-   with the log-probability verifier (``--verifier logprob``) for comparison. pass@1 = share of
+   with the yes/no verifier (``--verifier yesno``) and the log-probability one (``--verifier logprob``). Plain
+   greedy on the swapped prompt ``b+a=`` too (what the rewrite alone would give). pass@1 = share of
    problems whose one chosen answer is right; pass@K (oracle) = share where any of the K candidates is right.
    Energy per problem is **modeled** (the SoC's cost model over every placed call of the request); time is
    **measured** here (compiles excluded).
@@ -27,6 +31,7 @@ text is the sum.
 from __future__ import annotations
 
 import argparse
+import math
 import platform
 import statistics
 import time
@@ -37,6 +42,25 @@ import torch
 from _pages import page_from_json, write_result
 
 warnings.filterwarnings("ignore")
+
+
+SUFFIXES = {"auto": "", "yesno": " (yes/no verifier)", "logprob": " (log-prob verifier)"}
+BOOTSTRAP = 10000  # paired bootstrap resamples of the problems (seeded)
+
+
+def paired(hits: str, base: str, seed: int = 0) -> dict:
+    """A row against plain greedy on the same problems: problems right only here / only in greedy, McNemar's exact
+    two-sided p on those discordant problems, and a seeded paired bootstrap 95% interval of the pass@1 difference."""
+    h = torch.tensor([c == "1" for c in hits], dtype=torch.float64)
+    g = torch.tensor([c == "1" for c in base], dtype=torch.float64)
+    win, loss = int(((h == 1) & (g == 0)).sum()), int(((h == 0) & (g == 1)).sum())
+    n = win + loss
+    tail = sum(math.comb(n, i) for i in range(min(win, loss) + 1)) / 2 ** n if n else 1.0
+    d = h - g
+    idx = torch.randint(0, len(d), (BOOTSTRAP, len(d)), generator=torch.Generator().manual_seed(seed))
+    means = d[idx].mean(1)
+    lo, hi = torch.quantile(means, torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
+    return {"win": win, "loss": loss, "p": min(1.0, 2 * tail), "lo": lo, "hi": hi, "diff": float(d.mean())}
 
 
 SPEED_PROMPTS = ["Once upon a time there was", "The compiler places every operator", "In the morning the"]
@@ -56,22 +80,24 @@ def accuracy(args, engine, problems) -> list[dict]:
 
     rows = []
 
-    def plain(temp: float):
+    def plain(temp: float, swapped: bool = False):
         hits, mj, secs, steps = [], [], [], []
         for i, (a, b) in enumerate(problems):
             p = SamplingParams(max_new_tokens=args.max_new, temperature=temp, seed=args.seed + 1000 * i)
             t0 = time.perf_counter()
-            r = engine.generate(f"{a}+{b}=", p)
+            r = engine.generate(f"{b}+{a}=" if swapped else f"{a}+{b}=", p)
             secs.append(time.perf_counter() - t0 - sum(r.compile_s.values()))
             hits.append(r.text.strip() == str(a + b))
             mj.append(plain_energy(r))
             steps.append(len(r.decode_s))
         return {"pass_at_1": statistics.fmean(hits), "modeled_mj_per_problem": statistics.fmean(mj),
-                "measured_ms_per_problem": 1e3 * statistics.fmean(secs), "decode_steps": statistics.fmean(steps)}
+                "measured_ms_per_problem": 1e3 * statistics.fmean(secs), "decode_steps": statistics.fmean(steps),
+                "hits": "".join("1" if h else "0" for h in hits)}
 
     a0, b0 = problems[0]
     engine.generate(f"{a0}+{b0}=", SamplingParams(max_new_tokens=args.max_new))  # warm-up: compiles, first calls
     rows.append({"method": "plain greedy", "k": 1, "temperature": 0.0, **plain(0.0)})
+    rows.append({"method": "plain greedy, swapped prompt b+a=", "k": 1, "temperature": 0.0, **plain(0.0, True)})
     for temp in args.temperatures:
         rows.append({"method": "plain sampled", "k": 1, "temperature": temp, **plain(temp)})
         rows += candidates(args, engine, problems, temp)
@@ -86,7 +112,7 @@ def candidates(args, engine, problems, temp: float) -> list[dict]:
     rows = []
     for k in args.ks:
         grid = [(m, a, "auto") for a in (False, True) for m in ("best-of", "majority", "csvet")]
-        grid += [(m, True, "logprob") for m in ("best-of", "csvet")]
+        grid += [(m, True, v) for v in ("yesno", "logprob") for m in ("best-of", "csvet")]
         for mode, anchor, verifier in grid:
             sel = SelectParams(k=k, mode=mode, match=r"\d+", require_stop=True, greedy_anchor=anchor,
                                verifier=verifier)
@@ -95,7 +121,7 @@ def candidates(args, engine, problems, temp: float) -> list[dict]:
             for i, (a, b) in enumerate(problems):
                 p = SamplingParams(max_new_tokens=args.max_new, temperature=temp, seed=args.seed + 1000 * i)
                 res = generate_candidates(engine, f"{a}+{b}=", p, sel)
-                kind = res.verifier["kind"]
+                kind = res.verifier.get("verifier_kind", res.verifier["kind"])
                 hits.append(res.chosen is not None and res.chosen.text.strip() == str(a + b))
                 oracle.append(any(c.text.strip() == str(a + b) for c in res.candidates if c.stopped_early is None))
                 mj.append(res.modeled_energy_mj)
@@ -104,14 +130,14 @@ def candidates(args, engine, problems, temp: float) -> list[dict]:
                 early += len(res.stopped_early)
                 for c in res.stopped_early:
                     rules[c.stopped_early["rule"]] = rules.get(c.stopped_early["rule"], 0) + 1
-            name = mode + (" + greedy anchor" if anchor else "") + (" (log-prob verifier)" if verifier == "logprob"
-                                                                     else "")
+            name = mode + (" + greedy anchor" if anchor else "") + SUFFIXES[verifier]
             rows.append({"method": name, "k": k, "temperature": temp, "verifier": kind,
                          "pass_at_1": statistics.fmean(hits), "pass_at_k_oracle": statistics.fmean(oracle),
                          "modeled_mj_per_problem": statistics.fmean(mj),
                          "measured_ms_per_problem": 1e3 * statistics.fmean(secs),
                          "decode_steps": statistics.fmean(steps),
-                         "stopped_early_share": early / (k * len(problems)), "early_rules": rules})
+                         "stopped_early_share": early / (k * len(problems)), "early_rules": rules,
+                         "hits": "".join("1" if h else "0" for h in hits)})
             r = rows[-1]
             print(f"T={temp} {r['method']:26s} K={k}: pass@1 {r['pass_at_1']:.3f}, "
                   f"{r['modeled_mj_per_problem']:.2f} mJ "
@@ -193,6 +219,21 @@ def render(doc: dict) -> str:
                      f"{r['modeled_mj_per_problem']:.2f} | "
                      f"{r['modeled_mj_per_problem'] / base:.2f}× | {r['measured_ms_per_problem']:.1f} | "
                      f"{r['decode_steps']:.2f} | {early} | {rules} |")
+    gh = next(r for r in doc["accuracy"] if r["method"] == "plain greedy").get("hits")
+    if gh:
+        lines += ["", "## Against plain greedy on the same problems (paired)", "",
+                  f"Per row: the problems it gets right and greedy does not (wins) and the reverse (losses); McNemar's "
+                  f"exact two-sided p on those discordant problems; a paired bootstrap ({BOOTSTRAP} resamples of the "
+                  f"{m['problems']} problems, seed 0) 95% interval of the pass@1 difference. Energy modeled.", "",
+                  "| method | verifier | temperature | K | pass@1 | Δ vs greedy | wins / losses | McNemar p | "
+                  "bootstrap 95% CI of Δ | × plain greedy energy |", "|---|---|---|---|---|---|---|---|---|---|"]
+        for r in doc["accuracy"]:
+            if r["method"] == "plain greedy" or "hits" not in r:
+                continue
+            st = paired(r["hits"], gh)
+            lines.append(f"| {r['method']} | {r.get('verifier', '—')} | {r['temperature']:g} | {r['k']} | "
+                         f"{r['pass_at_1']:.3f} | {st['diff']:+.3f} | {st['win']} / {st['loss']} | {st['p']:.2g} | "
+                         f"[{st['lo']:+.3f}, {st['hi']:+.3f}] | {r['modeled_mj_per_problem'] / base:.2f}× |")
     lines += ["", "## K candidates as one batch vs K separate requests", "",
               "Same prompts, same seeds; per prompt and round the batched request and the K separate ones run back "
               "to back (interleaved), medians of measured wall time; modeled energy means. Decoding alone on both "
@@ -215,19 +256,38 @@ def render(doc: dict) -> str:
 
 
 def verifier_lines(m: dict) -> list[str]:
-    """The page's sentence on the self-verification score (from the model's verifier entry)."""
+    """The page's sentences on the self-verification scores (from the model's verifier entry)."""
     v = m.get("verifier")
     if not v:
         return ["Self-verification score: the log-probability of the candidate's tokens (the model ships no "
                 "verifier).", ""]
-    f = v["validation"]
-    return [f"Self-verification score (verifier `model`): the model's P(`{v['yes']}`) after `{v['template']}`, read "
-            "in one batched decode call over the valid candidates' cached rows (its modeled energy is in every "
-            f"figure below); csvet's threshold P(yes) ≥ {v['threshold']:.3f} was chosen on the "
-            f"{v['threshold_chosen_on']}. On that split the verifier's ROC AUC (right vs wrong candidates) is "
-            f"{f['auc']:.3f}; ranking the candidates by it gives pass@1 {f['verifier_best_pass_at_1']:.3f} vs greedy "
-            f"{f['greedy_pass_at_1']:.3f} (oracle {f['oracle']:.3f}). Verifier `logprob`: the candidate's "
-            "log-probability (no extra pass).", ""]
+    out = []
+    if v.get("kind") == "rewrite":
+        f = v["validation"]
+        checks = v.get("checks") or [{"prompt": v["prompt"], "expect": "{candidate}"}]
+        listed = "; ".join(f"`{c.get('expect', '{candidate}')}` after `{c['prompt']}`" for c in checks)
+        out.append(f"Self-verification score, verifier `rewrite` (the model's declared verifier, `--verifier auto`): "
+                   f"re-derivation under equivalent prompts — the prompt must match `{v['match']}`, and a "
+                   f"candidate's score is the product over the checks ({listed}; `{{candidate}}` is the candidate's "
+                   "text, each expected answer followed by end of text) of the probability the model gives the "
+                   "expected answer after the check's prompt: one prefill per distinct check prompt and one batched "
+                   "decode call per expected token but the last over all (candidate, check) rows; skipped when the "
+                   "valid candidates all give one answer (its modeled energy is in every figure below). Selection "
+                   f"multiplies it with the candidate's own probability. csvet's threshold on it, "
+                   f"{v['threshold']:.3f}, was chosen on the {v['threshold_chosen_on']}. On that split its ROC AUC "
+                   f"(right vs wrong candidates) is {f['auc']:.3f}; ranking the candidates by the product gives pass@1 "
+                   f"{f['rewrite_best_pass_at_1']:.3f} vs greedy {f['greedy_pass_at_1']:.3f} (greedy on the swapped "
+                   f"prompt {f['greedy_swapped_pass_at_1']:.3f}; oracle {f['oracle']:.3f}).")
+        v = v.get("yes_no")
+    if v:
+        f = v["validation"]
+        out.append(f"Verifier `yes-no` (`--verifier yesno`): the model's P(`{v['yes']}`) after `{v['template']}`, "
+                   "read in one batched decode call over the valid candidates' cached rows; csvet's threshold P(yes) "
+                   f"≥ {v['threshold']:.3f} (same validation split). On that split its ROC AUC is {f['auc']:.3f}; "
+                   f"ranking the candidates by it gives pass@1 {f['verifier_best_pass_at_1']:.3f} vs greedy "
+                   f"{f['greedy_pass_at_1']:.3f}.")
+    out.append("Verifier `logprob`: the candidate's log-probability (no extra pass).")
+    return [" ".join(out), ""]
 
 
 def reading(doc: dict) -> list[str]:
@@ -274,19 +334,33 @@ def reading(doc: dict) -> list[str]:
            "enough" + (f" (its ROC AUC on the validation split is {auc:.3f})" if auc is not None else ""))
     for t, k in [(t, k) for t in doc["meta"]["temperatures"] for k in doc["meta"]["ks"]]:
         for m in ("csvet", "best-of"):
-            a, b = acc.get((m + " + greedy anchor", k, t)), acc.get((m + " + greedy anchor (log-prob verifier)", k, t))
-            if a is None or b is None:
+            rs = [(v, acc.get((m + " + greedy anchor" + SUFFIXES[v], k, t))) for v in SUFFIXES]
+            if any(r is None for _, r in rs):
                 continue
-            out.append(f"- {m} + greedy anchor, T={t:g}, K={k}: model verifier {a['pass_at_1']:.3f} at "
-                       f"{a['modeled_mj_per_problem']:.2f} mJ vs log-prob verifier {b['pass_at_1']:.3f} at "
-                       f"{b['modeled_mj_per_problem']:.2f} mJ (modeled); greedy {g['pass_at_1']:.3f}.")
+            out.append(f"- {m} + greedy anchor, T={t:g}, K={k}: " + "; ".join(
+                f"{r['verifier']} verifier {r['pass_at_1']:.3f} at {r['modeled_mj_per_problem']:.2f} mJ" for _, r in rs)
+                + f" (modeled); greedy {g['pass_at_1']:.3f}.")
     n_prob = doc["meta"]["problems"]
+    if "hits" in g:
+        for m in ("csvet", "best-of"):
+            rs = [r for r in sel if r["method"] == m]
+            if not rs:
+                continue
+            worst = min(rs, key=lambda r: r["pass_at_1"])
+            st = paired(worst["hits"], g["hits"])
+            ok = [r for r in rs if paired(r["hits"], g["hits"])["p"] < 0.05 and r["pass_at_1"] > g["pass_at_1"]]
+            out.append(f"- {m} (the model's declared verifier, no anchor) beats greedy with McNemar p < 0.05 in "
+                       f"{len(ok)} of {len(rs)} settings; its weakest setting, T={worst['temperature']:g}, "
+                       f"K={worst['k']}: {worst['pass_at_1']:.3f} vs {g['pass_at_1']:.3f} ({st['win']} wins / "
+                       f"{st['loss']} losses, p {st['p']:.2g}, 95% CI of Δ [{st['lo']:+.3f}, {st['hi']:+.3f}]) at "
+                       f"{worst['modeled_mj_per_problem'] / g['modeled_mj_per_problem']:.2f}× greedy's modeled "
+                       "energy.")
     out.append(f"- Against plain greedy decoding: the best selection result, {top['method']} at "
                f"T={top['temperature']:g}, K={top['k']}, pass@1 {top['pass_at_1']:.3f}, "
                f"{'beats' if beats else 'does not beat'} greedy's {g['pass_at_1']:.3f} "
                f"({top['pass_at_1'] - g['pass_at_1']:+.3f} = {round((top['pass_at_1'] - g['pass_at_1']) * n_prob):+d} "
                f"of {n_prob} problems, at {top['modeled_mj_per_problem'] / g['modeled_mj_per_problem']:.2f}× greedy's "
-               f"modeled energy); a right answer is among the "
+               f"modeled energy{_p_note(top, g)}); a right answer is among the "
                f"candidates in up to {orc['pass_at_k_oracle']:.3f} of the problems (oracle, T={orc['temperature']:g}, "
                f"K={orc['k']}){why}.")
     for r in doc["batching"]:
@@ -294,6 +368,13 @@ def reading(doc: dict) -> list[str]:
                    f"{r['time_ratio_batched_over_separate']:.2f}× the measured time and "
                    f"{r['energy_ratio_batched_over_separate']:.2f}× the modeled energy of K separate requests.")
     return out
+
+
+def _p_note(r: dict, g: dict) -> str:
+    if "hits" not in r or "hits" not in g:
+        return ""
+    st = paired(r["hits"], g["hits"])
+    return f"; McNemar p {st['p']:.2g}, 95% CI of Δ [{st['lo']:+.3f}, {st['hi']:+.3f}]"
 
 
 def main() -> None:

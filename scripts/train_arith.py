@@ -1,5 +1,5 @@
-"""Train the shipped arithmetic demo model: two-number addition (``37+45=`` → ``82`` then a newline), and the same
-model to verify an answer (``37+45=82?`` → ``Y``, ``37+45=81?`` → ``N``).
+"""Train the shipped arithmetic demo model: two-number addition (``37+45=`` → ``82`` then a newline), the backward
+task (``82-45=`` → ``37``), and the same model to verify an answer (``37+45=82?`` → ``Y``, ``37+45=81?`` → ``N``).
 
 Reproduces ``src/hetforge/assets/arith-demo/``: a tiny Llama-style model over bytes (vocabulary 128 = ASCII,
 no tokenizer file: hetforge's byte-level tokenizer is the identity on ASCII) whose end-of-text token is the
@@ -8,16 +8,20 @@ permutation splits them: its first ``--test`` pairs are the test set (written to
 ``bench/selection.py``), the next ``--val`` the validation split (never trained on: the verifier's threshold is
 chosen on it), the rest the training set.
 
-Two kinds of examples share every batch (``--batch`` of each): *generation* (``a+b=`` → the sum and the
-newline; loss on the answer bytes) and *verification* (``a+b=c?`` → ``Y`` when ``c`` is the sum, else ``N``;
-loss on that one byte). Half the verification examples are right; the wrong ones are near misses of the sum
+Three kinds of examples share every batch: *generation* (``--batch``: ``a+b=`` → the sum and the newline; loss on
+the answer bytes), *backward* (``--backward``: ``c-b=`` → ``a`` for training pairs ``(a, b)``, ``c = a + b``; so
+the backward form of a validation or test pair is never trained on) and *verification* (``--batch``:
+``a+b=c?`` → ``Y`` when ``c`` is the sum, else ``N``; loss on that one byte). Half the verification examples are right; the wrong ones are near misses of the sum
 (±1, ±2, ±10, a dropped or an extra carry, swapped digits) and, from ``--own-from`` on, the model's own wrong
 answers, sampled from it every ``--own-every`` steps, so the negatives follow the mistakes it makes.
 
 After training, on the validation split: the model's candidates (its greedy answer and ``--val-samples``
-samples at temperature 1) are scored by the verifier (P(``Y``) after ``a+b=c?``) and the threshold that best
-separates right from wrong ones (Youden's J) is written to ``verifier.json`` with the template, the yes/no
-tokens and the validation figures. The runtime reads that file (``hetforge.runtime.verify``).
+samples at temperature 1) are scored by both verifiers and the threshold that best separates right from wrong
+ones (Youden's J) is written to ``verifier.json`` with each verifier's validation figures: the declared
+(``kind: rewrite``) one — re-derivation: the probability of the candidate after the swapped sum ``b+a=`` times,
+with the backward task, that of ``a`` after ``c-b=`` — and the yes/no one (P(``Y``) after ``a+b=c?``). The
+runtime reads that file (``hetforge.runtime.verify``). ``--verifier-only`` recomputes ``verifier.json`` for the
+model already in ``--out`` without training.
 
 The model is deliberately small and briefly trained (``--steps``) so that greedy decoding is right on only part
 of the test set: the point of the model is to measure what candidate selection adds on checkable answers, so
@@ -194,15 +198,96 @@ def youden(scores: list[float], right: list[bool]) -> tuple[float, dict]:
                  "kept_wrong": round(sum(s >= thr for s in neg) / max(1, len(neg)), 4)}
 
 
-def validate(model, val: list[tuple[int, int]], samples: int, seed: int) -> dict:
-    """The verifier on the validation split: each problem's distinct candidates (greedy + ``samples`` at
-    temperature 1) scored by P(yes); the threshold (Youden's J) and what ranking by P(yes) would choose."""
+def validation_candidates(model, val: list[tuple[int, int]], samples: int, seed: int) -> list[list[str]]:
+    """Each validation problem's distinct candidates: the greedy answer first, then ``samples`` at temperature 1."""
     g = torch.Generator().manual_seed(seed + 1)
     cands = [[c] for c in sample_answers(model, val, 0.0, g)]
     for _ in range(samples):
         for lst, c in zip(cands, sample_answers(model, val, 1.0, g), strict=True):
             if c not in lst:
                 lst.append(c)
+    return cands
+
+
+@torch.no_grad()
+def seq_logp(model, rows: list[tuple[str, str]], batch: int = 512) -> list[float]:
+    """log P(answer bytes + the newline | prompt) for each ``(prompt, answer)`` (full softmax, temperature 1)."""
+    was = model.training
+    model.eval()
+    out: list[float] = []
+    for i in range(0, len(rows), batch):
+        ids, mask = encode_rows([(p, f"{c}\n") for p, c in rows[i:i + batch]])
+        logp = torch.log_softmax(model(input_ids=ids[:, :-1]).logits.float(), -1)
+        tok = logp.gather(-1, ids[:, 1:, None])[..., 0]
+        out += (tok * mask[:, 1:]).sum(-1).tolist()
+    model.train(was)
+    return out
+
+
+def validate_rewrite(model, val: list[tuple[int, int]], cands: list[list[str]], checks: list[dict]) -> dict:
+    """The re-derivation verifier on the validation split: each candidate ``c`` of ``a+b=`` scored by the product
+    over ``checks`` of P(expected answer + newline | check prompt) (e.g. ``c`` after the swapped prompt ``b+a=``;
+    ``a`` after ``c-b=``); the threshold on that score (Youden's J) and what ranking by it times P(c | a+b=) (the
+    runtime's best-of) would choose."""
+    rows = [(a, b, c) for (a, b), lst in zip(val, cands, strict=True) for c in lst]
+    fwd = seq_logp(model, [(f"{a}+{b}=", c) for a, b, c in rows])
+    chk = [0.0] * len(rows)
+    for ch in checks:
+        fields = [{"a": str(a), "b": str(b), "candidate": c} for a, b, c in rows]
+        got = seq_logp(model, [(ch["prompt"].format(**f), ch.get("expect", "{candidate}").format(**f))
+                               for f in fields])
+        chk = [x + y for x, y in zip(chk, got, strict=True)]
+    right = [c == str(a + b) for a, b, c in rows]
+    thr, fig = youden([math.exp(x) for x in chk], right)
+    top, greedy_swapped, i = [], 0, 0
+    for lst in cands:
+        n = len(lst)
+        k = max(range(n), key=lambda j: (fwd[i + j] + chk[i + j], -j))
+        top.append(right[i + k])
+        i += n
+    g = torch.Generator().manual_seed(0)
+    for (a, b), c in zip(val, sample_answers(model, [(b, a) for a, b in val], 0.0, g), strict=True):
+        greedy_swapped += c == str(a + b)
+    ga = [lst[0] == str(a + b) for (a, b), lst in zip(val, cands, strict=True)]
+    fig.update({"problems": len(val), "candidates_per_problem": round(len(rows) / len(val), 2),
+                "greedy_pass_at_1": round(sum(ga) / len(val), 4),
+                "greedy_swapped_pass_at_1": round(greedy_swapped / len(val), 4),
+                "rewrite_best_pass_at_1": round(sum(top) / len(val), 4),
+                "oracle": round(sum(any(c == str(a + b) for c in lst) for (a, b), lst in zip(val, cands, strict=True))
+                                / len(val), 4)})
+    return {"threshold": round(thr, 6), "validation": fig}
+
+
+def rewrite_checks(backward: bool) -> list[dict]:
+    """The re-derivation checks of the declared verifier: the candidate after the swapped sum ``b+a=``, and with a
+    model trained on the backward task also ``a`` after ``c-b=`` (``c`` the candidate)."""
+    out = [{"prompt": "{b}+{a}=", "expect": "{candidate}"}]
+    if backward:
+        out.append({"prompt": "{candidate}-{b}=", "expect": "{a}"})
+    return out
+
+
+def verifier_entry(model, val: list[tuple[int, int]], samples: int, seed: int, backward: bool = False) -> dict:
+    """``verifier.json``: the declared (auto) verifier — re-derivation under equivalent prompts — with its
+    threshold and validation figures, and the yes/no verifier the model was also trained for
+    (``--verifier yesno``)."""
+    cands = validation_candidates(model, val, samples, seed)
+    ver = validate(model, val, cands)
+    checks = rewrite_checks(backward)
+    rew = validate_rewrite(model, val, cands, checks)
+    on = (f"validation split ({len(val)} problems, never trained on; Youden's J over the model's greedy answer and "
+          f"{samples} samples at temperature 1)")
+    print(f"verifiers on the {len(val)} validation problems: yes/no {ver}; rewrite {rew}")
+    return {"kind": "rewrite", "match": r"^(?P<a>\d+)\+(?P<b>\d+)=$", "checks": checks,
+            "threshold": rew["threshold"], "threshold_chosen_on": on, "validation": rew["validation"],
+            "yes_no": {"template": "{prompt}{candidate}" + SUFFIX, "suffix": SUFFIX, "yes": YES, "no": NO,
+                       "threshold": ver["threshold"], "threshold_chosen_on": on, "validation": ver["validation"]},
+            "trained_by": "scripts/train_arith.py"}
+
+
+def validate(model, val: list[tuple[int, int]], cands: list[list[str]]) -> dict:
+    """The yes/no verifier on the validation split: each problem's distinct candidates scored by P(yes); the
+    threshold (Youden's J) and what ranking by P(yes) would choose."""
     rows = [(a, b, c) for (a, b), lst in zip(val, cands, strict=True) for c in lst]
     scores = p_yes(model, rows)
     right = [c == str(a + b) for a, b, c in rows]
@@ -220,7 +305,7 @@ def validate(model, val: list[tuple[int, int]], samples: int, seed: int) -> dict
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=900)
+    ap.add_argument("--steps", type=int, default=3600)
     ap.add_argument("--batch", type=int, default=128, help="generation examples per step (and as many "
                                                            "verification examples)")
     ap.add_argument("--lr", type=float, default=3e-3)
@@ -238,10 +323,17 @@ def main() -> None:
     ap.add_argument("--val-samples", type=int, default=8)
     ap.add_argument("--verify-weight", type=float, default=1.0, help="loss weight of a verification byte "
                                                                      "(a generation byte weighs 1)")
+    ap.add_argument("--backward", type=int, default=128, help="backward examples per step: c-b= -> a for training "
+                                                           "pairs (a, b), c = a + b (0: none)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", type=Path, default=ASSETS)
+    ap.add_argument("--verifier-only", action="store_true", help="no training: recompute verifier.json of the model "
+                                                                 "already in --out (its training.json splits)")
     args = ap.parse_args()
+    if args.verifier_only:
+        rewrite_verifier_json(args)
+        return
 
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -279,6 +371,11 @@ def main() -> None:
         idx = torch.randint(0, len(train), (args.batch,), generator=g).tolist()
         vidx = torch.randint(0, len(train), (args.batch,), generator=g).tolist()
         rows = [(f"{train[i][0]}+{train[i][1]}=", f"{sum(train[i])}\n") for i in idx]
+        back = []
+        if args.backward:
+            bidx = torch.randint(0, len(train), (args.backward,), generator=g).tolist()
+            back = [(f"{sum(train[i])}-{train[i][1]}=", f"{train[i][0]}\n") for i in bidx]
+        rows = rows + back
         ids, mask = encode_rows(rows + verify_rows(train, vidx, own, g))
         logits = model(input_ids=ids[:, :-1]).logits
         tgt = ids[:, 1:].masked_fill(~mask[:, 1:], -100)
@@ -299,22 +396,31 @@ def main() -> None:
     seconds = time.perf_counter() - t0
     acc = greedy_accuracy(model, test)
     print(f"greedy accuracy on the {len(test)} test problems: {acc:.3f} ({seconds:.0f} s training)")
-    ver = validate(model, val, args.val_samples, args.seed)
-    print(f"verifier on the {len(val)} validation problems: {ver}")
-    verifier = {"template": "{prompt}{candidate}" + SUFFIX, "suffix": SUFFIX, "yes": YES, "no": NO,
-                "threshold": ver["threshold"],
-                "threshold_chosen_on": f"validation split ({len(val)} problems, never trained on; Youden's J over "
-                                       f"the model's greedy answer and {args.val_samples} samples at temperature 1)",
-                "validation": ver["validation"], "trained_by": "scripts/train_arith.py"}
+    verifier = verifier_entry(model, val, args.val_samples, args.seed, args.backward > 0)
     record = {"task": "a+b= with 0 <= a, b < 100; answer bytes then a newline (the end-of-text token); "
-                      "verification a+b=c? then Y or N",
+                      "backward c-b= then a (training pairs only); verification a+b=c? then Y or N",
               "seed": args.seed, "steps": args.steps, "batch": args.batch, "lr": args.lr, "threads": args.threads,
-              "verify_weight": args.verify_weight, "own_from": args.own_from, "own_every": args.own_every,
+              "verify_weight": args.verify_weight, "backward": args.backward, "own_from": args.own_from,
+              "own_every": args.own_every,
               "parameters": n_params, "train_seconds": round(seconds, 1), "history": history,
               "greedy_test_accuracy": round(acc, 4), "splits": {"train": len(train), "validation": len(val),
                                                                 "test": len(test)},
               "test": [list(p) for p in test], "validation": [list(p) for p in val]}
     save(model, args.out, record, verifier)
+
+
+def rewrite_verifier_json(args) -> None:
+    """Recompute ``verifier.json`` of the model in ``args.out`` (no training; the validation split of its
+    ``training.json``), single-threaded."""
+    from transformers import LlamaForCausalLM
+
+    torch.set_num_threads(args.threads)
+    model = LlamaForCausalLM.from_pretrained(str(args.out)).eval()
+    rec = json.loads((args.out / "training.json").read_text())
+    val = [tuple(p) for p in rec["validation"]]
+    entry = verifier_entry(model, val, args.val_samples, args.seed, rec.get("backward", 0) > 0)
+    (args.out / "verifier.json").write_text(json.dumps(entry, indent=1) + "\n")
+    print(f"wrote {args.out / 'verifier.json'}")
 
 
 def save(model, out: Path, record: dict, verifier: dict) -> None:

@@ -13,8 +13,9 @@ After every step the CSVET policy may stop live candidates early (``select.early
 fit a smaller batch tier, the cache is compacted and decoding goes on with the smaller (cheaper) program.
 
 When decoding is over, the valid candidates are scored by the model's own verifier when it ships one
-(``runtime.verify``: one batched pass over the finished candidates' cached rows through the same batched
-decode program) before one is chosen; the record names the verifier used.
+(``runtime.verify``: one batched pass through the same compiled programs) before one is chosen; the record names
+the verifier used. When the valid candidates all give one answer the pass is skipped (it could only rank token
+sequences of that same answer) and the record says so.
 
 Energy is **modeled**: each placed call's modeled energy (the ledger's list-scheduled timeline for the SoC) is
 shared among the candidates decoded in it (the prefill equally among all K; the verification pass among the
@@ -48,7 +49,8 @@ class CandidatesResult:
     steps: int  # batched decode calls
     batch_sizes: list[int]  # the batch tier of each decode call
     modeled_energy_mj: float | None  # prefill + every decode call (None: no placed programs, nothing modeled)
-    modeled_budget_mj: float | None  # all K to the token limit at the first decode call's energy
+    modeled_budget_mj: float | None  # all K to the token limit at the first decode call's energy, plus the
+    # verification pass at its longest (:func:`verify_budget`)
     measured_s: float  # the request's wall time, less programs compiled during it
     compile_s: dict[str, float] = field(default_factory=dict)
     placed: dict | None = None
@@ -122,7 +124,7 @@ def generate_candidates(engine, prompt: str | list[int], params: SamplingParams,
     eos = tok.eos_id
     vocab = engine.vocab_size
     ledger = Ledger(engine.soc_name)
-    spec, vwhy = resolve(engine.loaded, tok, sel.verifier)
+    spec, vwhy = resolve(engine.loaded, tok, sel.verifier, prompt if isinstance(prompt, str) else tok.decode(ids))
     saved: dict[int, list[torch.Tensor]] = {}  # finished candidates' cache rows (for the verification pass)
     t_start = time.perf_counter()
     excluded = 0.0  # measured seconds spent compiling programs mid-request (not counted in measured_s)
@@ -150,7 +152,7 @@ def generate_candidates(engine, prompt: str | list[int], params: SamplingParams,
         for c in rows:
             _check_stop(c, tok, eos, params, fit)
         for c in rows:
-            if not c.live and spec is not None:
+            if not c.live and spec is not None and spec.kind == "yes-no":
                 saved[c.index] = save_row(cache, row_of[c.index])
         done += [c for c in rows if not c.live]
         live = [c for c in rows if c.live]
@@ -195,13 +197,19 @@ def generate_candidates(engine, prompt: str | list[int], params: SamplingParams,
             for c in live:
                 c.energy_mj += mj / len(live)
             if budget is None:
-                budget = (pre_mj or 0.0) + mj * max(1, fit - 1)
+                budget = (pre_mj or 0.0) + mj * max(1, fit - 1) + verify_budget(spec, tok, k, pre_mj or 0.0, mj, fit)
         logits = out[0][torch.tensor(rows_idx)][:, :vocab].float()
         rows = live
         pos += 1
     vinfo: dict[str, Any] = {"kind": "logprob", "why": vwhy}
     valid = valid_candidates(cands, sel)
-    if spec is not None and valid:
+    answers = {c.answer for c in valid}
+    if spec is not None and len(answers) == 1:  # the verifier could only rank sequences of the same answer: skip it
+        vinfo = {**spec.to_dict(), "why": vwhy, "pass": None,
+                 "skipped": f"all {len(valid)} valid candidate(s) give one answer: nothing for the verifier to choose "
+                            "between, no pass run"}
+        spec = None
+    elif spec is not None and valid:
         try:
             run = verify(engine, spec, valid, saved, n, eos, ledger, t_start, _modeled_mj)
         except ValueError as e:  # no room in the context for the suffix: the log-probability score instead
@@ -218,6 +226,25 @@ def generate_candidates(engine, prompt: str | list[int], params: SamplingParams,
     return CandidatesResult(n, sel.mode, cands, chosen, why, steps, batch_sizes,
                             spent if pre_mj is not None else None, budget, time.perf_counter() - t_start - excluded,
                             compile_s, ledger.summary(), vinfo)
+
+
+def verify_budget(spec, tok, k: int, pre_mj: float, dec_mj: float, fit: int) -> float:
+    """The verification pass at its longest, at the request's prefill and first decode call's modeled energy: a
+    rewrite verifier prefills each check prompt (once, or per candidate when it holds the candidate) and feeds the
+    longest expected answer (a candidate of ``fit`` tokens) through ``ceil(rows / 16)`` batched decode loops; a
+    yes/no one feeds a cut-off candidate's last token and the suffix (one decode call each); none: 0."""
+    if spec is None:
+        return 0.0
+    if spec.kind == "rewrite":
+        from hetforge.runtime.batched import BATCH_TIERS
+
+        f = {**dict(spec.groups), "candidate": "0" * fit}
+        per_cand = sum("{candidate}" in p for p, _ in spec.checks)
+        prefills = len(spec.checks) - per_cand + k * per_cand
+        longest = max(len(tok.encode(e.format(**f))) + 1 for _, e in spec.checks)
+        loops = -(-k * len(spec.checks) // BATCH_TIERS[-1])
+        return pre_mj * prefills + dec_mj * max(0, longest - 1) * loops
+    return dec_mj * (len(spec.suffix) + 1)
 
 
 def _sample(rows: list[Candidate], logits: torch.Tensor, history: torch.Tensor, procs, gens, params) -> None:

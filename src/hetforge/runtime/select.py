@@ -17,8 +17,10 @@ The filters, in cascade order:
 2. **entropy** — the mean token entropy (nats, of the model's own distribution at temperature 1) over a threshold
    (``--max-entropy``) drops the candidate: the model was guessing.
 3. **self-verification** — the model scores its own candidate. With a model that ships a verifier
-   (``runtime.verify``: arith-demo is trained to answer ``Y``/``N`` after ``{prompt}{candidate}?``) the score
-   is the model's P(yes) from one batched pass over the valid candidates, and ``csvet`` drops candidates under
+   (``runtime.verify``: arith-demo declares re-derivation — the candidate after the swapped sum ``{b}+{a}=``
+   and ``{a}`` after ``{candidate}-{b}=`` — and also ships a ``Y``/``N`` entry after ``{prompt}{candidate}?``)
+   the score — written P(yes) below; for a rewrite verifier the product of the checks' probabilities — comes
+   from one batched pass over the valid candidates, and ``csvet`` drops candidates under
    the threshold the model's training chose on its validation split (when none reaches it, all are kept and the
    record says so). Without one (or with ``--verifier logprob``) the score is the log-probability the model
    gave the candidate's tokens while decoding (sum over tokens, at temperature 1: no extra pass) and nothing
@@ -35,7 +37,8 @@ leaves the model's ranking as it is); ``majority`` breaks vote ties by the group
 
 Early termination (``csvet`` only), checked after every decode step, with ``f`` = the share of the modeled
 energy budget spent so far (budget: the prefill plus all K candidates decoded to the token limit at the first
-step's modeled energy; when no energy is modeled, the share of the token limit):
+step's modeled energy, plus the verification pass at its longest; when no energy is modeled, the share of
+the token limit):
 
 * a live candidate whose running mean entropy is over the threshold (after ``min_tokens``) stops (``entropy``);
 * a live candidate whose log-probability so far is below a finished valid candidate's whole score stops
@@ -58,7 +61,8 @@ from typing import Any
 from hetforge.errors import UsageError
 
 MODES = ("csvet", "best-of", "majority")
-VERIFIERS = ("auto", "logprob")  # auto: the model's own verifier when it ships one, else the log-probability
+VERIFIERS = ("auto", "yesno", "logprob")  # auto: the model's declared verifier when it ships one, else the
+# log-probability; yesno: the model's yes/no verifier entry (runtime.verify)
 MAX_CANDIDATES = 16  # the largest batch tier of runtime.batched
 
 
@@ -125,7 +129,8 @@ class Candidate:
     answer: str | None = None
     verdict: str = ""  # "kept" or the filter that dropped it, with why
     verify_p: float | None = None  # the model verifier's P(yes) (None: not verified by the model)
-    verify_p_no: float | None = None  # ... and its P(no)
+    verify_p_no: float | None = None  # ... and its P(no) (yes/no verifier only)
+    verify_label: str = "P(yes)"  # what verify_p is: P(yes), or P(answer | rewritten prompt) (runtime.verify)
 
     @property
     def score(self) -> float:
@@ -134,8 +139,8 @@ class Candidate:
 
     @property
     def rank(self) -> tuple[float, ...]:
-        """The self-verification ranking key: (log P(yes) + log-probability, log-probability) when model-verified,
-        else (log-probability,)."""
+        """The self-verification ranking key: (log verify_p + log-probability, log-probability) when model-verified
+        (P(yes), or the probability after the rewritten prompt: a product of experts), else (log-probability,)."""
         if self.verify_p is None:
             return (self.score,)
         return (math.log(max(self.verify_p, 1e-30)) + self.score, self.score)
@@ -153,7 +158,10 @@ class Candidate:
                 "tokens": self.tokens,
                 "stop_reason": self.stop_reason, "stopped_early": self.stopped_early,
                 "score_logprob": round(self.score, 4), "mean_entropy_nats": round(self.mean_entropy, 4),
-                "verify_p_yes": None if self.verify_p is None else round(self.verify_p, 5),
+                "verify_p": None if self.verify_p is None else round(self.verify_p, 5),
+                "verify_label": self.verify_label if self.verify_p is not None else None,
+                "verify_p_yes": None if self.verify_p is None or self.verify_label != "P(yes)"
+                else round(self.verify_p, 5),
                 "verify_p_no": None if self.verify_p_no is None else round(self.verify_p_no, 5),
                 "modeled_energy_mj": round(self.energy_mj, 5), "answer": self.answer, "verdict": self.verdict}
 
@@ -218,7 +226,7 @@ def valid_candidates(cands: list[Candidate], sel: SelectParams) -> list[Candidat
 
 def _scored(c: Candidate) -> str:
     if c.verify_p is not None:
-        return f"P(yes) {c.verify_p:.3f}, log-probability {c.score:.3f}"
+        return f"{c.verify_label} {c.verify_p:.3g}, log-probability {c.score:.3f}"
     return f"log-probability {c.score:.3f}"
 
 
@@ -242,24 +250,25 @@ def choose(cands: list[Candidate], sel: SelectParams, threshold: float | None = 
         best = max(members, key=lambda c: (*c.rank, -c.index))
         return best, f"majority: answer {ans!r} given by {len(members)} of {n} valid candidate(s)"
     note = ""
+    label = valid[0].verify_label if verified else ""
     if verified and threshold is not None:
         passed = [c for c in valid if c.verify_p >= threshold]
         for c in valid:
             if c.verify_p < threshold:
-                c.verdict = f"self-verification: P(yes) {c.verify_p:.3f} < threshold {threshold:.3f}"
+                c.verdict = f"self-verification: {label} {c.verify_p:.3g} < threshold {threshold:.3g}"
         if passed:
-            note = f"; {len(passed)} of {n} reached the self-verification threshold P(yes) >= {threshold:.3f}"
+            note = f"; {len(passed)} of {n} reached the self-verification threshold {label} >= {threshold:.3g}"
             valid = passed
         else:
             for c in valid:
                 c.verdict = "kept"
-            note = f"; none reached the self-verification threshold P(yes) >= {threshold:.3f}, all kept"
+            note = f"; none reached the self-verification threshold {label} >= {threshold:.3g}, all kept"
     groups = _groups(valid)
     weights = {a: _mass(m) for a, m in groups.items()}
     ans = max(weights, key=lambda a: (weights[a], len(groups[a])))
     best = max(groups[ans], key=lambda c: (*c.rank, -c.index))
     total = sum(weights.values()) or 1.0
-    what = "probability mass × P(yes)" if verified else "probability mass"
+    what = f"probability mass × {label}" if verified else "probability mass"
     return best, (f"csvet: consensus answer {ans!r} ({len(groups[ans])} of {len(valid)} candidate(s), "
                   f"{weights[ans] / total:.0%} of their {what}){note}; passed structural, entropy "
                   f"(mean {best.mean_entropy:.2f} nats) and self-verification ({_scored(best)})")

@@ -90,8 +90,9 @@ def run(
     greedy_anchor: bool = typer.Option(False, "--greedy-anchor", help="with --candidates: candidate 0 decodes "
                                        "greedily, the others sample (selection starts from the greedy answer)"),
     verifier: str = typer.Option("auto", "--verifier", help="with --candidates: the self-verification score: auto "
-                                 "(the model's own verifier when it ships one, e.g. arith-demo, else the "
-                                 "log-probability) or logprob"),
+                                 "(the model's declared verifier when it ships one, e.g. arith-demo's "
+                                 "re-derivation under equivalent prompts, else the log-probability), yesno (its "
+                                 "yes/no verifier entry) or logprob"),
     inject_fault: str = typer.Option(None, "--inject-fault",
                                      help="DEVICE@TOKEN: the device fails while that new token is computed; the "
                                           "runtime re-plans onto the survivors and goes on"),
@@ -374,7 +375,7 @@ def run_candidates(engine, prompt: str, params, sel, json_out: bool, strategy: s
         early = c.stopped_early
         when = (f"; stopped early after {early['after_tokens']} tokens (step {early['step']}): {early['rule']}, "
                 f"{early['why']}") if early else ""
-        pyes = f"P(yes) {c.verify_p:.3f}, " if c.verify_p is not None else ""
+        pyes = f"{c.verify_label} {c.verify_p:.3g}, " if c.verify_p is not None else ""
         console.print(f"  #{c.index} seed {c.seed}: {c.text!r} ({c.stop_reason}; {pyes}log-probability {c.score:.3f}, "
                       f"mean entropy {c.mean_entropy:.2f} nats, {c.energy_mj:.3f} mJ modeled){when} -> {c.verdict}",
                       style="dim", highlight=False, soft_wrap=True)
@@ -386,7 +387,8 @@ def run_candidates(engine, prompt: str, params, sel, json_out: bool, strategy: s
                   f"{res.steps} batched decode steps (batch sizes {res.batch_sizes}) | {energy} | "
                   f"{1e3 * res.measured_s:.1f} ms (measured) | chosen {chosen}: {res.why}",
                   style="dim", highlight=False, soft_wrap=True)
-    console.print(f"verifier: {res.verifier.get('why', '')}", style="dim", highlight=False, soft_wrap=True)
+    skipped = f" ({res.verifier['skipped']})" if res.verifier.get("skipped") else ""
+    console.print(f"verifier: {res.verifier.get('why', '')}{skipped}", style="dim", highlight=False, soft_wrap=True)
     if res.chosen is None:
         err_console.print("no candidate passed the filters")
         raise typer.Exit(1)
