@@ -46,6 +46,9 @@ SIGNATURES = {
     "hf_linear_act": [_P, _P, _P, _P, _L, _L, _I, _I, _I, _P, _I],
     "hf_gated_mlp": [_P, _P, _P, _P, _P, _P, _L, _L, _I, _I],
     "hf_gemv_q8": [_P, _P, _P, _P, _P, _L, _L, _I, _I],
+    "hf_gemv_q8a": [_P, _P, _P, _P, _P, _L, _L, _I, _I],
+    "hf_quantize_q8_blocks": [_P, _L, _P, _P, _P],
+    "hf_q8a_path": [_I],
     "hf_pool_info": [_P],
     "hf_pool_config": [_I, _I],
 }
@@ -171,6 +174,7 @@ def _open(path: Path) -> tuple[ctypes.CDLL | None, str]:
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = argtypes, None
     lib.hf_read_stream.restype = _F
+    lib.hf_q8a_path.restype = _I
     return lib, ""
 
 
