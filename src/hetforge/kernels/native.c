@@ -682,6 +682,7 @@ static void q8a_dot4(const int8_t *const *w, const int8_t *xq, const float *xd, 
     float acc[4][16];
     memset(acc, 0, sizeof acc);
     long nb = (k + 31) / 32, full = k / 32, b = 0;
+    (void)full, (void)path; /* unused in a build without AVX2 */
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
     if (path == Q8A_VNNI) {
         __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
