@@ -398,9 +398,9 @@ class _Codegen:
             cs = 0 if math.prod(self.p.values[args["cos"].id].shape) == d else d  # as lowering checked it
             call = (f"{self.const(native.rotary_positions, 'f')}(r{x.id}, {p(args['cos'])}, {p(args['sin'])}, "
                     f"{{y}}, {cs})")
-        elif fn == "hf_gemv_q8":  # int8 weight-only, one row
+        elif fn in ("hf_gemv_q8", "hf_gemv_q8a"):  # int8 weights, one row (q8a: x quantized per block of 32)
             kk = math.prod(self.p.values[x.id].shape)
-            call = (f"hf_gemv_q8({p(args['qweight'])}, {p(args['scales'])}, {p(x)}, {p(args['bias'])}, {{y}}, {d}, "
+            call = (f"{fn}({p(args['qweight'])}, {p(args['scales'])}, {p(x)}, {p(args['bias'])}, {{y}}, {d}, "
                     f"{kk}, {native.ACT_CODES[args['act']]}, {nt})")
         elif fn == "hf_linear_act":
             w, wt = args["weight"], bool(args["weight_t"])

@@ -330,7 +330,8 @@ def _native_rotary_positions(lw: Lowering, ins: Instr, o: int, dev: torch.device
 @native_row_op("hetforge.linear_w8.default")
 def _native_w8(lw: Lowering, ins: Instr, o: int, dev: torch.device, args: dict, rows: int,
                d: int) -> str | None:
-    """int8 weight-only product of one row on the native int8 GEMV."""
+    """int8 weight-only product of one row on the native int8 GEMV (``hf_gemv_q8``, or ``hf_gemv_q8a`` with the
+    activation quantized per block of 32 under ``HETFORGE_W8_ACT=q8``: :func:`native.w8_act_mode`)."""
     x, qw, sc = args["x"], args["qweight"], args["scales"]
     if not (isinstance(qw, Reg) and isinstance(sc, Reg)) or args["act"] not in native.ACT_CODES:
         return None
@@ -339,7 +340,7 @@ def _native_w8(lw: Lowering, ins: Instr, o: int, dev: torch.device, args: dict, 
     ok = (rows == 1 and lw.native_operand(x, dev, kk) and vq.kind == WEIGHT and vq.dtype == torch.int8
           and vq.is_contiguous and tuple(vq.shape) == (d, kk) and lw.dm[vq.device] == dev
           and lw.native_operand(sc, dev, d) and _optional(lw, args["bias"], dev, d))
-    return "native:hf_gemv_q8" if ok else None
+    return f"native:{native.q8_kernel()}" if ok else None
 
 
 @native_row_op("hetforge.linear_act.default")
@@ -510,7 +511,8 @@ def kernel_context(device_map: dict[str, torch.device], mode: str, planned) -> d
     and which values the memory plan gave a slice (a CRC-32 of their ids)."""
     return {"mode": mode, "devices": {d: str(t) for d, t in sorted(device_map.items())},
             "native": native.library() is not None, "onednn": onednn.available(),
-            "threads": torch.get_num_threads(), "planned": zlib.crc32(repr(sorted(planned)).encode())}
+            "threads": torch.get_num_threads(), "w8_act": native.w8_act_mode(),
+            "planned": zlib.crc32(repr(sorted(planned)).encode())}
 
 
 def lower_kernels(p: Program, planned, device_map: dict[str, torch.device] | None = None,

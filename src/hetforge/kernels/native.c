@@ -13,6 +13,7 @@
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 /* An OpenMP team size: at least one (num_threads(0) would mean "the default", possibly more threads than
@@ -610,4 +611,179 @@ void hf_gemv_q8(const int8_t *q, const float *scales, const float *x, const floa
                 int act, int threads) {
     q8_ctx a = {q, scales, x, bias, y, n, k, rows_per_chunk(k), act};
     hf_run(q8_chunk, &a, four_stream_chunks(n, a.rows), clamp_threads(threads));
+}
+
+/* ---------------------------------------------------------------- int8 weights × int8 activation blocks, one row
+ * Why: hf_gemv_q8 converts every int8 weight to float and multiplies in float, which is compute-bound, not
+ * bandwidth-bound. Here the row x is quantized once per call, per block of 32 (one fp32 scale d_b per block,
+ * symmetric, x_q = round-half-even(x / d_b) in [-127, 127], as llama.cpp's Q8_0 does), and each weight row is
+ * an int8·int8 product with exact int32 sums: AVX512-VNNI ``vpdpbusd``, AVX2 ``maddubs``, or plain C.
+ *
+ * The float epilogue is fixed so every path gives the same bits: block b's 32 products are summed in eight
+ * int32 lanes of four consecutive products (lane l: elements 4l..4l+3, exactly what vpdpbusd/maddubs+madd
+ * produce); lane l of block b is added, as ``acc[(b % 2) * 8 + l] += d_b * (float)sum`` (no FMA), to one of 16
+ * float accumulators; the 16 are reduced by halves (8, 4, 2, 1); then ``* scale[n] (+ bias[n])``, act. */
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+enum { Q8A_PORTABLE = 0, Q8A_AVX2 = 1, Q8A_VNNI = 2 };
+
+static int q8a_best(void) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    return Q8A_VNNI;
+#elif defined(__AVX2__)
+    return Q8A_AVX2;
+#else
+    return Q8A_PORTABLE;
+#endif
+}
+
+static _Atomic int q8a_forced = -1; /* test hook: a lower path than the best compiled one, or -1 */
+
+/* Force path ``path`` (0 portable, 1 AVX2, 2 AVX512-VNNI; clamped to the best compiled), -1 for the best;
+ * returns the best path this build has. */
+int hf_q8a_path(int path) {
+    atomic_store(&q8a_forced, path);
+    return q8a_best();
+}
+
+typedef struct {
+    const int8_t *q, *xq;
+    const float *scales, *xd, *xd8, *bias;
+    float *y;
+    long n, k, rows;
+    int act, path;
+} q8a_ctx;
+
+/* Lane sums of block b of one row into acc (scalar; also the partial last block of every path). */
+static void q8a_block_scalar(const int8_t *restrict w, const int8_t *restrict xq, float d, long b, long k,
+                             float *acc) {
+    for (int l = 0; l < 8; l++) {
+        int32_t s = 0;
+        for (int t = 0; t < 4; t++) {
+            long i = b * 32 + l * 4 + t;
+            if (i < k) s += (int32_t)w[i] * (int32_t)xq[i];
+        }
+        acc[(b & 1) * 8 + l] += d * (float)s;
+    }
+}
+
+static float q8a_reduce(float *acc) {
+    for (int h = 8; h >= 1; h /= 2)
+        for (int i = 0; i < h; i++) acc[i] += acc[i + h];
+    return acc[0];
+}
+
+/* The four rows w[0..3] · x_q, each as the 16-accumulator sum above, into out[0..3]. */
+static void q8a_dot4(const int8_t *const *w, const int8_t *xq, const float *xd, const float *xd8, long k, int path,
+                     float *out) {
+    float acc[4][16];
+    memset(acc, 0, sizeof acc);
+    long nb = (k + 31) / 32, full = k / 32, b = 0;
+    (void)full, (void)path; /* unused in a build without AVX2 */
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    if (path == Q8A_VNNI) {
+        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        const __m512i z = _mm512_setzero_si512();
+        for (; b + 2 <= full; b += 2) {
+            __m512i xv = _mm512_loadu_si512((const void *)(xq + b * 32));
+            __m512 dv = _mm512_loadu_ps(xd8 + b * 8);
+#define HF_Q8A_VNNI_ROW(j, aj)                                                                                     \
+    {                                                                                                          \
+        __m512i wv = _mm512_loadu_si512((const void *)(w[j] + b * 32));                                        \
+        __m512i sx = _mm512_mask_sub_epi8(xv, _mm512_movepi8_mask(wv), z, xv);                                 \
+        __m512i s = _mm512_dpbusd_epi32(z, _mm512_abs_epi8(wv), sx);                                           \
+        aj = _mm512_add_ps(aj, _mm512_mul_ps(_mm512_cvtepi32_ps(s), dv));                                      \
+    }
+            HF_Q8A_VNNI_ROW(0, a0) HF_Q8A_VNNI_ROW(1, a1) HF_Q8A_VNNI_ROW(2, a2) HF_Q8A_VNNI_ROW(3, a3)
+#undef HF_Q8A_VNNI_ROW
+        }
+        _mm512_storeu_ps(acc[0], a0), _mm512_storeu_ps(acc[1], a1);
+        _mm512_storeu_ps(acc[2], a2), _mm512_storeu_ps(acc[3], a3);
+    }
+#endif
+#if defined(__AVX2__)
+    if (path == Q8A_AVX2) {
+        __m256 lo[4], hi[4];
+        const __m256i ones = _mm256_set1_epi16(1);
+        for (int j = 0; j < 4; j++) lo[j] = hi[j] = _mm256_setzero_ps();
+        for (; b < full; b++) {
+            __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + b * 32));
+            __m256 dv = _mm256_loadu_ps(xd8 + b * 8);
+            for (int j = 0; j < 4; j++) {
+                __m256i wv = _mm256_loadu_si256((const __m256i *)(w[j] + b * 32));
+                __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv));
+                __m256 f = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones)), dv);
+                if (b & 1) hi[j] = _mm256_add_ps(hi[j], f);
+                else lo[j] = _mm256_add_ps(lo[j], f);
+            }
+        }
+        for (int j = 0; j < 4; j++) _mm256_storeu_ps(acc[j], lo[j]), _mm256_storeu_ps(acc[j] + 8, hi[j]);
+    }
+#endif
+    for (; b < nb; b++)
+        for (int j = 0; j < 4; j++) q8a_block_scalar(w[j], xq, xd[b], b, k, acc[j]);
+    for (int j = 0; j < 4; j++) out[j] = q8a_reduce(acc[j]);
+}
+
+static float q8a_dot1(const int8_t *w, const int8_t *xq, const float *xd, long k) {
+    float acc[16] = {0};
+    for (long b = 0; b < (k + 31) / 32; b++) q8a_block_scalar(w, xq, xd[b], b, k, acc);
+    return q8a_reduce(acc);
+}
+
+/* Chunk c: rows [c*rows, (c+1)*rows) of each quarter of q (four streams), the last chunk the n % 4 tail. */
+static void q8a_chunk(void *p, long c) {
+    const q8a_ctx *a = p;
+    long k = a->k, n = a->n, qn = n / 4, i0 = c * a->rows, i1 = i0 + a->rows < qn ? i0 + a->rows : qn;
+    if (i0 >= qn) {
+        for (long r = 4 * qn; r < n; r++) {
+            float v = q8a_dot1(a->q + r * k, a->xq, a->xd, k) * a->scales[r];
+            a->y[r] = act_of(a->bias ? v + a->bias[r] : v, a->act);
+        }
+        return;
+    }
+    for (long i = i0; i < i1; i++) {
+        const int8_t *w[4] = {a->q + i * k, a->q + (i + qn) * k, a->q + (i + 2 * qn) * k, a->q + (i + 3 * qn) * k};
+        float o[4];
+        q8a_dot4(w, a->xq, a->xd, a->xd8, k, a->path, o);
+        for (int j = 0; j < 4; j++) {
+            long r = i + j * qn;
+            float v = o[j] * a->scales[r];
+            a->y[r] = act_of(a->bias ? v + a->bias[r] : v, a->act);
+        }
+    }
+}
+
+/* Quantize x [k] per block of 32: xq [nb*32] (zero-padded), xd [nb] block scales, xd8 [nb*8] each scale 8x. */
+void hf_quantize_q8_blocks(const float *x, long k, int8_t *xq, float *xd, float *xd8) {
+    long nb = (k + 31) / 32;
+    for (long b = 0; b < nb; b++) {
+        float amax = 0.f;
+        for (long i = b * 32; i < b * 32 + 32 && i < k; i++) amax = fmaxf(amax, fabsf(x[i]));
+        float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
+        for (long i = b * 32; i < b * 32 + 32; i++) {
+            float v = i < k ? nearbyintf(x[i] * id) : 0.f;
+            xq[i] = (int8_t)(v > 127.f ? 127.f : v < -127.f ? -127.f : v);
+        }
+        xd[b] = d;
+        for (int l = 0; l < 8; l++) xd8[b * 8 + l] = d;
+    }
+}
+
+/* y[n] = act(scale[n] * sum_b d_b * sum_{k in b} q[n, k] x_q[k] (+ bias[n])): x quantized per block of 32 (see
+ * above), int8·int8 products, four weight streams per chunk as hf_gemv_q8. Same bits on every path/CPU. */
+void hf_gemv_q8a(const int8_t *q, const float *scales, const float *x, const float *bias, float *y, long n, long k,
+                 int act, int threads) {
+    long nb = (k + 31) / 32;
+    int8_t *xq = aligned_alloc(64, (size_t)((nb * 32 + 63) / 64 * 64));
+    float *xd = malloc((size_t)(nb + 1) * sizeof(float)), *xd8 = aligned_alloc(64, (size_t)((nb * 32 + 63) / 64 * 64));
+    hf_quantize_q8_blocks(x, k, xq, xd, xd8);
+    int path = q8a_best(), f = atomic_load(&q8a_forced);
+    if (f >= 0 && f < path) path = f;
+    q8a_ctx a = {q, xq, scales, xd, xd8, bias, y, n, k, rows_per_chunk(k), act, path};
+    hf_run(q8a_chunk, &a, four_stream_chunks(n, a.rows), clamp_threads(threads));
+    free(xq), free(xd), free(xd8);
 }

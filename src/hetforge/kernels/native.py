@@ -46,6 +46,9 @@ SIGNATURES = {
     "hf_linear_act": [_P, _P, _P, _P, _L, _L, _I, _I, _I, _P, _I],
     "hf_gated_mlp": [_P, _P, _P, _P, _P, _P, _L, _L, _I, _I],
     "hf_gemv_q8": [_P, _P, _P, _P, _P, _L, _L, _I, _I],
+    "hf_gemv_q8a": [_P, _P, _P, _P, _P, _L, _L, _I, _I],
+    "hf_quantize_q8_blocks": [_P, _L, _P, _P, _P],
+    "hf_q8a_path": [_I],
     "hf_pool_info": [_P],
     "hf_pool_config": [_I, _I],
 }
@@ -171,6 +174,7 @@ def _open(path: Path) -> tuple[ctypes.CDLL | None, str]:
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = argtypes, None
     lib.hf_read_stream.restype = _F
+    lib.hf_q8a_path.restype = _I
     return lib, ""
 
 
@@ -407,12 +411,31 @@ def q8_fits(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: 
             and (bias is None or bias.numel() == n) and library() is not None)
 
 
+W8_ACT_MODES = ("float", "q8")
+
+
+def w8_act_mode() -> str:
+    """How the one-row w8 kernel takes its activation: ``float`` (default: ``hf_gemv_q8``, fp32 x, equal to
+    ``_weight_int8pack_mm`` to rounding) or ``q8`` (``HETFORGE_W8_ACT=q8``: ``hf_gemv_q8a``, x quantized per block
+    of 32 as llama.cpp's Q8_0 does, int8·int8 sums; faster, slightly larger logit error). Opt-in because it
+    changes w8's numerics (decode no longer equals the prefill's dequantized GEMM to rounding)."""
+    mode = os.environ.get("HETFORGE_W8_ACT", "float") or "float"
+    if mode not in W8_ACT_MODES:
+        raise ValueError(f"HETFORGE_W8_ACT must be one of {', '.join(W8_ACT_MODES)}, got {mode!r}")
+    return mode
+
+
+def q8_kernel() -> str:
+    """The native function a one-row w8 product runs under :func:`w8_act_mode`."""
+    return "hf_gemv_q8a" if w8_act_mode() == "q8" else "hf_gemv_q8"
+
+
 def gemv_q8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
             act: str) -> torch.Tensor:
-    """``act(x·(q·s)ᵀ + b)`` for one fp32 row (equal to ``_weight_int8pack_mm`` to rounding); check
-    :func:`q8_fits` first."""
+    """``act(x·(q·s)ᵀ + b)`` for one fp32 row (equal to ``_weight_int8pack_mm`` to rounding, or with x quantized
+    per block of 32 under ``HETFORGE_W8_ACT=q8``, :func:`w8_act_mode`); check :func:`q8_fits` first."""
     n, k = qweight.shape
     y = torch.empty((*x.shape[:-1], n), dtype=torch.float32)
-    library().hf_gemv_q8(qweight.data_ptr(), scales.data_ptr(), x.data_ptr(), _ptr(bias), y.data_ptr(), n, k,
+    getattr(library(), q8_kernel())(qweight.data_ptr(), scales.data_ptr(), x.data_ptr(), _ptr(bias), y.data_ptr(), n, k,
                          ACT_CODES[act], torch.get_num_threads())
     return y
