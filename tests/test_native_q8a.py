@@ -8,6 +8,7 @@ import shutil
 import pytest
 import torch
 
+from hetforge.errors import UsageError
 from hetforge.kernels import native
 from hetforge.ops.quant import _act
 
@@ -106,5 +107,5 @@ def test_w8_act_mode_selects_the_kernel_and_refuses_unknown_values(monkeypatch):
     assert native.q8_kernel() == "hf_gemv_q8a"
     assert torch.equal(torch.ops.hetforge.linear_w8(x, q, s)[0], _run(q, s, x[0].contiguous(), None, "none", 1))
     monkeypatch.setenv("HETFORGE_W8_ACT", "int4")
-    with pytest.raises(ValueError, match="HETFORGE_W8_ACT"):
+    with pytest.raises(UsageError, match="HETFORGE_W8_ACT"):
         native.w8_act_mode()

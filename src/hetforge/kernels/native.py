@@ -421,7 +421,9 @@ def w8_act_mode() -> str:
     changes w8's numerics (decode no longer equals the prefill's dequantized GEMM to rounding)."""
     mode = os.environ.get("HETFORGE_W8_ACT", "float") or "float"
     if mode not in W8_ACT_MODES:
-        raise ValueError(f"HETFORGE_W8_ACT must be one of {', '.join(W8_ACT_MODES)}, got {mode!r}")
+        from hetforge.errors import UsageError
+
+        raise UsageError(f"HETFORGE_W8_ACT must be one of {', '.join(W8_ACT_MODES)}, got {mode!r}")
     return mode
 
 
