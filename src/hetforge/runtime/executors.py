@@ -177,14 +177,18 @@ class PlacedExecutor:
     def build(self, gm: torch.fx.GraphModule, inputs: tuple, label: str, optimize: bool) -> Built:
         return self.build_program(self.place(gm, inputs, label, optimize))
 
-    def build_program(self, res) -> Built:
-        """Partition a compiled (scheduled) program and compile each partition on its device's backend."""
-        from hetforge.hetero.program import partition_program
-        from hetforge.hetero.runner import build
-
+    def build_program(self, res, built: tuple[Any, Any, Any] | None = None) -> Built:
+        """Partition a compiled (scheduled) program and compile each partition on its device's backend;
+        ``built``: the partitions, executable and build report made already (a compile-cache hit)."""
         t0 = time.perf_counter()
-        pg = partition_program(res.program)
-        exe, breport = build(pg, self.soc_profile, self.bindings, getattr(res, "partition_costs", None))
+        if built is None:
+            from hetforge.hetero.program import partition_program
+            from hetforge.hetero.runner import build
+
+            pg = partition_program(res.program)
+            exe, breport = build(pg, self.soc_profile, self.bindings, getattr(res, "partition_costs", None))
+        else:
+            pg, exe, breport = built
         placed = Placed(res, pg, exe, breport)
 
         def call(*args: torch.Tensor) -> Sequence[torch.Tensor]:
@@ -193,10 +197,10 @@ class PlacedExecutor:
             return out
 
         devs = ", ".join(f"{p.device}:{self.bindings[p.device].spec}" for p in pg.partitions)
+        instrs, by_device, memory = program_summary(res)
         notes = [f"executor: {len(pg.partitions)} partition(s) on soc '{self.soc_profile.name}' "
-                 f"(strategy {self.strategy}), {len(res.program.instrs)} instructions, devices "
-                 f"{res.program.count_by_device()}; partitions {devs}",
-                 f"memory plan: {res.memory.to_dict()}"]
+                 f"(strategy {self.strategy}), {instrs} instructions, devices {by_device}; partitions {devs}",
+                 f"memory plan: {memory}"]
         quant = res.extra.get("quantize")
         if quant is not None:
             notes.append(f"quantization: {quant.report.summary_line()}")
@@ -210,6 +214,15 @@ class PlacedExecutor:
         passes_s = secs.get("passes", 0.0)
         compile_s = secs.get("total", 0.0) - passes_s + time.perf_counter() - t0
         return Built(call, passes_s, compile_s, len(res.gm.graph.nodes), notes, placed)
+
+
+def program_summary(res: Any) -> tuple[int, dict[str, int], dict[str, Any]]:
+    """Instruction count, instructions per device and memory-plan figures of a compile result (a compile-cache
+    hit carries them as stored, without rebuilding the whole program)."""
+    got = getattr(res, "cached_summary", None)
+    if got is not None:
+        return got
+    return len(res.program.instrs), res.program.count_by_device(), res.memory.to_dict()
 
 
 EXECUTORS = ("auto", "fx", "backend")
