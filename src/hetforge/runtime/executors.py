@@ -142,7 +142,7 @@ class PlacedExecutor:
     def __post_init__(self) -> None:
         from hetforge.backends.mapping import resolve
         from hetforge.hardware import load_soc
-        from hetforge.placement import get_strategy
+        from hetforge.placement import check_strategy
         from hetforge.placement.costs import check_objective
 
         _check_quant(self.quantize, self.group_size)
@@ -152,7 +152,7 @@ class PlacedExecutor:
             if base != "single":
                 raise UsageError(f"strategy '{self.strategy}': only 'single' takes a device (single:DEVICE)")
             self.soc_profile.device(self.device)  # names the SoC's devices when unknown
-        get_strategy(base)
+        check_strategy(base)
         self.base_strategy = base
         check_objective(self.objective)
         self.bindings = resolve(self.soc_profile, self.backends, self.policy)
