@@ -13,11 +13,14 @@ objective, quantization, group size, backends, policy, passes on/off), the progr
 the GEMM policy (``HETFORGE_GEMM``), and the CPU (model, ISA flags, threads: the entry carries the kernel choices
 measured on it).
 
-**Entries** are two files, ``KEY.json`` (header with the key document and the sha256 of the program
-document, then the program) and ``KEY.pt`` (tensors the passes made: fused or quantized weights). A
-missing, cut-off or edited entry, one whose key document differs from the one asked for (stale), whose
-program fails the program verifier, or whose weights no longer fit, is detected, reported in the program's
-notes, deleted and rebuilt — never used.
+**Entries** are two files, ``KEY.json`` (header with the key document and the sha256 of the body, then the
+body: the program, its weights, and — when every partition runs on hetforge's CPU executor — the partitions
+as built: each one's lowered program with its kernel choices and memory plan, so a hit generates the executor
+straight from them) and ``KEY.pt`` (tensors the passes made: fused or quantized weights). A
+missing, cut-off or edited entry (sha256), one whose key document differs from the one asked for (stale),
+whose weights no longer fit, whose memory plan differs from the one this hetforge makes, or whose program
+fails the program verifier (run when the whole program is rebuilt: always without built partitions, on first
+use with them), is detected, reported in the program's notes, deleted and rebuilt — never used.
 
 **Where**: ``$HETFORGE_COMPILE_CACHE_DIR``, else ``programs/`` in hetforge's cache folder (``$HETFORGE_CACHE``,
 else ``$XDG_CACHE_HOME/hetforge``, else ``~/.cache/hetforge``). ``HETFORGE_COMPILE_CACHE=0`` turns it off.
@@ -43,7 +46,7 @@ import torch
 from hetforge.backends.partition import Partition, PartitionedGraph
 from hetforge.kernels import onednn
 
-FORMAT = "hetforge-cache/1"
+FORMAT = "hetforge-cache/2"
 KEYED = "keyed"  # the checksum field of a parameter in an entry: the key's weight fingerprint covers it
 _warned: set[str] = set()
 _fingerprints: dict[int, tuple[tuple, str]] = {}
@@ -300,7 +303,10 @@ def store(key: str, doc: dict[str, Any], res: Any, notes: list[str], nodes: int,
             "passes": ({"nodes_before": res.optimized.nodes_before, "nodes_after": res.optimized.nodes_after,
                         "fused": dict(res.optimized.fused)} if res.optimized is not None else None),
             "built": _built_section(placed) if placed is not None else None}
-    body = json.dumps({"program": pd, "meta": meta}, sort_keys=True)
+    # the whole program as a JSON string inside the body: parsed only when something asks for it (a hit with
+    # built partitions never does); its weights beside it, read by every hit
+    body = json.dumps({"program": json.dumps(pd, sort_keys=True), "weights": pd["weights"], "meta": meta},
+                      sort_keys=True)
     header = {"format": FORMAT, "key": doc, "sha256": hashlib.sha256(body.encode()).hexdigest()}
     jpath, tpath = _paths(key)
     try:
@@ -361,19 +367,19 @@ def _load(text: str, tpath: Path, doc: dict[str, Any], module: torch.nn.Module,
     if hashlib.sha256(body.encode()).hexdigest() != header.get("sha256"):
         raise CacheEntryError("corrupt (content does not match its sha256)")
     d = json.loads(body)
-    pd, meta = d["program"], d["meta"]
-    extra = torch.load(tpath, weights_only=True, mmap=True) if any(not w["param"] for w in pd["weights"]) else {}
-    tensors = _bound_weights(pd, extra, module)
+    text, weights, meta = d["program"], d["weights"], d["meta"]
+    extra = torch.load(tpath, weights_only=True, mmap=True) if any(not w["param"] for w in weights) else {}
+    tensors = _bound_weights(weights, extra, module)
     onednn.seed_choices(meta.get("gemm_choices") or [])  # the kernel choices measured when it was compiled
     placement = Placement(meta["strategy"], dict(meta["assignment"]), objective=meta["objective"])
     gm = _Graph(_Nodes([None] * int(meta["nodes"])))
     built = meta.get("built")
     fast = built is not None and executor is not None and _builds_here(built, executor)
     if fast:
-        res = CachedResult(None, None, placement, gm, lambda: _program(pd, tensors),
+        res = CachedResult(None, None, placement, gm, lambda: _program(text, weights, tensors),
                            (int(built["summary"][0]), dict(built["summary"][1]), built["summary"][2]))
     else:
-        res = CachedResult(*_program(pd, tensors), placement, gm)
+        res = CachedResult(*_program(text, weights, tensors), placement, gm)
     if meta.get("partition_costs"):
         from hetforge.hetero.runner import PartitionCost
 
@@ -381,11 +387,11 @@ def _load(text: str, tpath: Path, doc: dict[str, Any], module: torch.nn.Module,
     if meta.get("quantize"):
         res.extra["quantize"] = type("Q", (), {"report": _QuantNote(meta["quantize"])})()
     if fast:
-        res.extra["built"] = _built(built, pd["weights"], tensors, executor, res)
+        res.extra["built"] = _built(built, weights, tensors, executor, res)
     return res, meta
 
 
-def _bound_weights(pd: dict[str, Any], extra: dict[str, torch.Tensor], module: torch.nn.Module) \
+def _bound_weights(weights: list[dict[str, Any]], extra: dict[str, torch.Tensor], module: torch.nn.Module) \
         -> dict[int, torch.Tensor]:
     """Value id → tensor for every weight of the stored program: the model's own (no copy) or a tensor the
     passes made (from ``KEY.pt``, checked against its CRC); a missing or reshaped one makes the entry stale."""
@@ -393,7 +399,7 @@ def _bound_weights(pd: dict[str, Any], extra: dict[str, torch.Tensor], module: t
     from hetforge.ir.serialize import _lookup_tensor, checksum
 
     out = {}
-    for w in pd["weights"]:
+    for w in weights:
         t = _lookup_tensor(module, w["path"]) if w["param"] else extra.get(str(w["value"]))
         if t is None or list(t.shape) != w["shape"] or t.dtype != dtype_from_short(w["dtype"]):
             raise CacheEntryError(f"stale (weight '{w['path']}' missing or of another shape)")
@@ -403,13 +409,16 @@ def _bound_weights(pd: dict[str, Any], extra: dict[str, torch.Tensor], module: t
     return out
 
 
-def _program(pd: dict[str, Any], tensors: dict[int, torch.Tensor]) -> tuple[Any, Any]:
-    """The whole scheduled program of an entry, checked (shape, verifier, memory plan) and bound."""
+def _program(text: str, weights: list[dict[str, Any]], tensors: dict[int, torch.Tensor]) -> tuple[Any, Any]:
+    """The whole scheduled program of an entry (its JSON text), checked (shape, verifier, memory plan) and bound."""
     from hetforge.ir.serialize import _build_program, validate_program_dict
     from hetforge.ir.verify import verify_program
     from hetforge.memplan import plan_memory
 
+    pd = json.loads(text)
     validate_program_dict(pd, "the cached program")
+    if pd["weights"] != weights:
+        raise CacheEntryError("corrupt (the program's weights differ from the entry's)")
     p = _build_program(pd)
     for vid in p.weights:
         p.tensors[vid] = tensors[vid]
