@@ -78,9 +78,13 @@ def source_digest() -> str:
     """sha256 of hetforge's own source files (a development checkout changes without a version bump)."""
     if not _source_digest:
         root = Path(__file__).resolve().parents[1]  # the hetforge package (this file is in hetforge/runtime/)
+        files = []
+        for folder, dirs, names in os.walk(root):  # os.walk, skipping bytecode folders: ~10x faster than rglob
+            dirs[:] = [d for d in dirs if d != "__pycache__"]
+            files += [Path(folder) / n for n in names if n.endswith((".py", ".c"))]
         h = hashlib.sha256()
-        for p in sorted(root.rglob("*")):
-            if p.suffix in (".py", ".c") and p.is_file():
+        for p in sorted(files):
+            if p.is_file():
                 h.update(str(p.relative_to(root)).encode())
                 h.update(p.read_bytes())
         _source_digest.append(h.hexdigest()[:16])
