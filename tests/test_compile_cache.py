@@ -177,14 +177,16 @@ def _greedy(loaded, **engine):
     return eng, r.tokens
 
 
-def test_warm_hit_builds_from_the_stored_partitions_and_generates_the_same_tokens(cache, loaded, monkeypatch):
+@pytest.mark.parametrize("quantize", ["none", "w8"])
+def test_warm_hit_builds_from_the_stored_partitions_and_generates_the_same_tokens(cache, loaded, monkeypatch,
+                                                                                   quantize):
     """A hit builds the executor from the entry's lowered partition programs (no partitioning, no lowering), and
     greedy generation after it gives the cold run's tokens; the whole program and the partitions' graphs are
     still there when something asks for them."""
     import hetforge.hetero.program
     import hetforge.lower
 
-    cold_eng, cold = _greedy(loaded)
+    cold_eng, cold = _greedy(loaded, quantize=quantize)
     assert all("compile cache: stored" in "\n".join(p.notes) for p in cold_eng.programs.programs.values())
 
     def refuse(*a, **k):
@@ -192,11 +194,12 @@ def test_warm_hit_builds_from_the_stored_partitions_and_generates_the_same_token
 
     monkeypatch.setattr(hetforge.lower, "lower", refuse)
     monkeypatch.setattr(hetforge.hetero.program, "partition_program", refuse)
-    warm_eng, warm = _greedy(loaded)
+    warm_eng, warm = _greedy(loaded, quantize=quantize)
     progs = list(warm_eng.programs.programs.values())
     assert {p.kind for p in progs} >= {"prefill", "decode"}
     assert all("compile cache: hit" in "\n".join(p.notes) for p in progs)
     assert warm == cold
+    assert all(p.placed.compiled._program is None for p in progs)  # the whole program was never needed
     monkeypatch.undo()
     placed = progs[0].placed
     cold_placed = cold_eng.programs.programs[(progs[0].kind, progs[0].length)].placed

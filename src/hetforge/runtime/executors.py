@@ -118,7 +118,7 @@ class Placed:
                                 "backend": self.exe.bindings[p.device].spec} for p in pg.partitions],
                 "switches": pg.switches, "strategy": getattr(self.compiled.placement, "strategy", None),
                 "objective": getattr(self.compiled.placement, "objective", None),
-                "instructions_by_device": self.compiled.program.count_by_device()}
+                "instructions_by_device": program_summary(self.compiled)[1]}
 
 
 @dataclass
