@@ -5,24 +5,80 @@ Each script imports this beside itself (``python bench/x.py`` puts ``bench/`` on
 from __future__ import annotations
 
 import json
+import os
+import shlex
+import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 
-def page_from_json(json_path: str, md_path: str, render: Callable[[dict], str]) -> None:
+def page_from_json(json_path: str | Path, md_path: str | Path | None, render: Callable[[dict], str]) -> None:
     """``--from-json``: the page of an earlier run's JSON, written to ``md_path`` (or printed)."""
     md = render(json.loads(Path(json_path).read_text()))
     Path(md_path).write_text(md) if md_path else print(md)
 
 
-def write_result(result: dict[str, Any], out: str, md_path: str, render: Callable[[dict], str]) -> None:
-    """The raw JSON to ``out`` and the page generated from it to ``md_path``; the page is printed when neither
-    file is given."""
+def write_result(result: dict[str, Any], out: str | Path | None, md_path: str | Path | None,
+                 render: Callable[[dict], str]) -> None:
+    """The raw JSON to ``out`` (atomically) and the page generated from it to ``md_path``; the page is printed
+    when neither file is given."""
     if out:
-        Path(out).write_text(json.dumps(result, indent=1, default=float) + "\n")
+        out = Path(out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_name(out.name + ".tmp")
+        tmp.write_text(json.dumps(result, indent=1, default=float) + "\n")
+        tmp.replace(out)
     md = render(result)
     if md_path:
         Path(md_path).write_text(md)
     elif not out:
         print(md)
+
+
+def _load() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else []
+
+
+def run_meta(script: str, argv: list[str] | None = None) -> dict[str, Any]:
+    """What a result's JSON records about its run, taken before it starts: the command line, the host (CPU model,
+    cores, ISA flags), torch version, UTC date and the load average (1/5/15 min). :func:`end_meta` adds the load
+    average after."""
+    import torch
+
+    from hetforge.hardware.isa import host_record
+
+    args = sys.argv[1:] if argv is None else argv
+    return {"command": shlex.join(["python", script, *args]), "host": host_record(), "torch": torch.__version__,
+            "threads": torch.get_num_threads(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "loadavg_before": _load()}
+
+
+def end_meta(meta: dict[str, Any]) -> dict[str, Any]:
+    """``meta`` with the load average at the end of the run."""
+    meta["loadavg_after"] = _load()
+    return meta
+
+
+def meta_lines(meta: dict[str, Any]) -> list[str]:
+    """The page's run paragraph: command, machine, torch, date, load average — all from the JSON."""
+    h = meta["host"]
+    isa = ", ".join(h["isa"]) or "none recorded"
+    fmt = ", ".join
+    return [f"Command: `{meta['command']}`", "",
+            f"Run {meta['date']} on {h['cpu']} ({h['machine']}, {h['cores']} cores; ISA: {isa}), torch "
+            f"{meta['torch']}, {meta['threads']} torch thread(s). Load average (1/5/15 min) "
+            f"{fmt(f'{x:.2f}' for x in meta['loadavg_before'])} before, "
+            f"{fmt(f'{x:.2f}' for x in meta['loadavg_after'])} after.{load_note(meta)}"]
+
+
+def load_note(meta: dict[str, Any]) -> str:
+    """A warning when the 1-min load average exceeded the core count at either end of the run (else empty)."""
+    peak = max([*meta["loadavg_before"][:1], *meta["loadavg_after"][:1]], default=0.0)
+    cores = meta["host"]["cores"] or 1
+    if peak <= cores:
+        return ""
+    return (f" **The machine was loaded** (1-min load average up to {peak:.2f} on {cores} cores, other jobs running): "
+            "wall times are noisy upper bounds, and ratios between variants measured in the same round are the "
+            "figures to read.")

@@ -16,6 +16,11 @@ both for the plain roofline (the calibrated π, β and dispatch with efficiency 
 removed: "before") and with the factors and overheads calibration fitted ("after"). The calibration runs
 first (same thread count and clock) unless ``--profile`` names a file; it never sees these models.
 
+The host's memory bandwidth drifts with other tenants' load (10–20% within a minute here), so by default
+(``--track-bandwidth``) one β_read pass is read before each profiled run and each case is priced with β_read of its
+own minute (calibration's other terms unchanged); the page shows both figures and the whole-program error at
+calibration's β_read too. ``--no-track-bandwidth`` prices every case at calibration's β_read.
+
 Out of sample (issue 18): ``llama-oos-1536`` (hidden 1536, 16 heads of 96, FFN 4096) and ``gpt2-oos-1024``
 (hidden 1024, 16 heads of 64, FFN 4096) have no width, FFN or head shape among the shapes calibration
 measures (K = 768 products, 12 × 64 attention, FFN 2048/3072 — which are gpt2's and llama-110m's, so those
@@ -32,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import platform
 import statistics
@@ -41,11 +45,13 @@ import time
 from pathlib import Path
 
 import torch
+from _pages import page_from_json, write_result
 
 from hetforge.compile import compile_graph
 from hetforge.cost import estimate_program
 from hetforge.frontend import capture
 from hetforge.hardware import load_file, save_spec
+from hetforge.hardware.bandwidth import ReadProbe
 from hetforge.hardware.calibrate import CLOCKS, host_spec, measure
 from hetforge.hardware.host import cpu_count, cpu_name
 from hetforge.hardware.profile import SocProfile
@@ -57,20 +63,30 @@ TARGET_PROGRAM, TARGET_MAPE = 0.10, 0.25
 STATS = {"min": min, "median": statistics.median}
 
 
-def profile_runs(exe, inputs, runs: int, clock: str) -> tuple[list[list[float]], list[float]]:
+def profile_runs(exe, inputs, runs: int, clock: str, probe: ReadProbe | None = None
+                 ) -> tuple[list[list[float]], list[float]]:
     """Per-instruction seconds of ``runs`` profiled runs (one repeat each, after one warm-up run), measured, and
     each run's total (wall clock, as ``Executable.profile`` reports it).
 
-    ``clock='thread'`` times instructions with the calling thread's CPU time (``profile(clock=…)``).
+    ``clock='thread'`` times instructions with the calling thread's CPU time (``profile(clock=…)``). With a
+    ``probe``, one β_read pass is read before each profiled run (the bandwidth of the same minute).
     """
     kw = {"clock": CLOCKS[clock]}
     exe.profile(*inputs, warmup=1, repeat=1, **kw)
     per, totals = [], []
     for _ in range(runs):
+        if probe is not None:
+            probe.read_pass()
         rep = exe.profile(*inputs, warmup=0, repeat=1, **kw)
         per.append([t.seconds for t in rep.times])
         totals.append(rep.total_seconds)
     return per, totals
+
+
+def with_bandwidth(soc: SocProfile, bw: float) -> SocProfile:
+    """``soc`` with its host CPU's memory bandwidth set to ``bw`` (β_read of the case's own minute)."""
+    devs = [dataclasses.replace(d, mem_bandwidth=bw) if i == 0 else d for i, d in enumerate(soc.devices)]
+    return dataclasses.replace(soc, devices=devs)
 
 
 def without_efficiency(soc: SocProfile) -> SocProfile:
@@ -109,14 +125,20 @@ def metrics(rows: list[dict], key: str) -> dict:
 
 
 def run_case(model: str, seq: int, passes: bool, soc: SocProfile, plain: SocProfile, runs: int, stat: str,
-             clock: str) -> dict:
+             clock: str, track: bool = True) -> dict:
     loaded = load_model(model)
     inputs = example_inputs(loaded, seq=seq)
     cg = capture(loaded.logits_module(), inputs, name=model)
     res = compile_graph(cg.gm, soc=soc, example_inputs=inputs, passes=passes, name=model)
     exe, prog, planned = res.executable, res.program, res.memory.offsets
-    per, totals = profile_runs(exe, inputs, runs, clock)
+    probe = ReadProbe(clock=CLOCKS[clock]) if track else None
+    per, totals = profile_runs(exe, inputs, runs, clock, probe)
     meas = [STATS[stat](ts) for ts in zip(*per, strict=True)]
+    calib_soc, beta_case = soc, None
+    if probe is not None:  # the model priced with the bandwidth of this case's minute (calibration's other terms kept)
+        beta_case = probe.result().bytes_per_s
+        del probe
+        soc, plain = with_bandwidth(soc, beta_case), with_bandwidth(plain, beta_case)
     with torch.no_grad():  # plain executable calls, for reference (wall clock)
         plain_runs = []
         for _ in range(max(3, runs // 3)):
@@ -125,6 +147,7 @@ def run_case(model: str, seq: int, passes: bool, soc: SocProfile, plain: SocProf
             plain_runs.append(time.perf_counter() - t0)
     kernels = exe.kernels  # the kernel each instruction runs (recorded by lowering; oneDNN candidates decided)
     after, before = estimate_program(prog, soc, planned), estimate_program(prog, plain, planned)
+    at_calib = estimate_program(prog, calib_soc, planned) if beta_case is not None else after
     rows = []
     for ins, m, a, b in zip(prog.instrs, meas, after, before, strict=True):
         out = prog.values[ins.outputs[0]] if ins.outputs else None
@@ -132,7 +155,10 @@ def run_case(model: str, seq: int, passes: bool, soc: SocProfile, plain: SocProf
         rows.append({"instr": ins.id, "op": ins.op, "kind": ins.kind, "write": wm,
                      "shape": list(out.shape) if out is not None else [], "group": a.group,
                      "measured_s": max(m, 1e-9), "modeled_s": a.time_s, "plain_s": b.time_s, "bound": a.bound})
+    calib_rows = [dict(r, modeled_s=c.time_s) for r, c in zip(rows, at_calib, strict=True)]
     return {"model": model, "seq": seq, "passes": passes, "instructions": len(rows),
+            "beta_read_case": beta_case, "beta_read_calibration": calib_soc.devices[0].mem_bandwidth,
+            "after_calibration_beta": metrics(calib_rows, "modeled_s"),
             "profile_run_total_s": {"min": min(totals), "median": statistics.median(totals)},
             "plain_run_s": {"min": min(plain_runs), "median": statistics.median(plain_runs)},
             "after": metrics(rows, "modeled_s"), "before": metrics(rows, "plain_s"), "rows": rows}
@@ -149,15 +175,17 @@ def report(res: dict) -> str:
              "Measured: Σ of the per-instruction times. Modeled: the cost model with the calibrated host profile "
              "(before = plain roofline, after = with the fitted factors and overheads).", ""]
     lines.append("| model | shape | passes | instrs | measured Σ (ms) | modeled before (ms) | modeled after (ms) | "
-                 "program error before | after | MAPE >50µs before | after | top-20 MAPE before | after |")
-    lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+                 "program error before | after | MAPE >50µs before | after | top-20 MAPE before | after | "
+                 "β_read case / calibration (GB/s) | program error at calibration's β |")
+    lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for c in res["cases"]:
         b, a = c["before"], c["after"]
         lines.append(f"| {c['model']} | seq {c['seq']} | {'on' if c['passes'] else 'off'} | {c['instructions']} | "
                      f"{a['program_measured_s'] * 1e3:.2f} | {b['program_modeled_s'] * 1e3:.2f} | "
                      f"{a['program_modeled_s'] * 1e3:.2f} | {fmt_pct(b['program_error'])} | "
                      f"{fmt_pct(a['program_error'])} | {fmt_pct(b['mape_gt_50us'])} ({b['instructions_gt_50us']}) | "
-                     f"{fmt_pct(a['mape_gt_50us'])} | {fmt_pct(b['top20_mape'])} | {fmt_pct(a['top20_mape'])} |")
+                     f"{fmt_pct(a['mape_gt_50us'])} | {fmt_pct(b['top20_mape'])} | {fmt_pct(a['top20_mape'])} | "
+                     f"{_beta_cell(c)} | {_calib_err(c)} |")
     lines += ["", "| model | shape | passes | group | instrs | >50µs | measured (ms) | modeled after (ms) | "
               "MAPE all before | after | MAPE >50µs before | after |", "|---" * 12 + "|"]
     for c in res["cases"]:
@@ -168,6 +196,28 @@ def report(res: dict) -> str:
                          f"{a['modeled_s'] * 1e3:.3f} | {fmt_pct(b['mape_all'])} | {fmt_pct(a['mape_all'])} | "
                          f"{fmt_pct(b['mape_gt_50us'])} | {fmt_pct(a['mape_gt_50us'])} |")
     return "\n".join(lines)
+
+
+def _tracking_line(res: dict) -> str:
+    """Whether each case was priced at β_read of its own minute (``--track-bandwidth``) or at calibration's."""
+    if any(c.get("beta_read_case") for c in res["cases"]):
+        return ("- Bandwidth: one β_read pass was read before each profiled run, and each case is priced with β_read "
+                "of its own minute (`--track-bandwidth`; calibration's other terms unchanged): the host's memory "
+                "bandwidth drifts with other tenants' load. The last two columns give both figures and the "
+                "whole-program error at calibration's β_read.")
+    return "- Bandwidth: every case priced at calibration's β_read."
+
+
+def _beta_cell(c: dict) -> str:
+    """β_read of the case's own minute and of calibration, GB/s ('–' where the case did not track it)."""
+    case, cal = c.get("beta_read_case"), c.get("beta_read_calibration")
+    return "–" if not case or not cal else f"{case / 1e9:.1f} / {cal / 1e9:.1f}"
+
+
+def _calib_err(c: dict) -> str:
+    """Whole-program error of the model priced with calibration's β_read (the case without bandwidth tracking)."""
+    a = c.get("after_calibration_beta")
+    return "–" if not a or not c.get("beta_read_case") else fmt_pct(a["program_error"])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -183,6 +233,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--models", default="gpt2,llama-110m")
     ap.add_argument("--profile", type=Path, default=None, help="use this host profile instead of calibrating")
     ap.add_argument("--quick-calibration", action="store_true")
+    ap.add_argument("--track-bandwidth", action=argparse.BooleanOptionalAction, default=True,
+                    help="read one β_read pass before each profiled run and price each case with the bandwidth of "
+                         "its own minute (default); --no-track-bandwidth keeps calibration's figure")
     ap.add_argument("--out", type=Path, default=Path("bench/out/costmodel.json"))
     ap.add_argument("--md", type=Path, default=None, help="write a page generated from the JSON")
     ap.add_argument("--from-json", action="store_true", help="only regenerate --md from --out")
@@ -190,7 +243,9 @@ def main(argv: list[str] | None = None) -> int:
     if a.from_json:
         if a.md is None:
             ap.error("--from-json needs --md")
-        a.md.write_text(page(json.loads(a.out.read_text()), a.out))
+        if not a.out.is_file():
+            ap.error(f"--from-json reads --out, and {a.out} is not a file")
+        page_from_json(a.out, a.md, lambda r: page(r, a.out))
         return 0
     if a.clock == "thread" and a.threads != 1:
         ap.error("--clock thread needs --threads 1")
@@ -218,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
         for seq in (a.seq, 1):
             for p in passes:
                 t0 = time.perf_counter()
-                cases.append(run_case(model, seq, p == "on", soc, plain, a.runs, a.stat, a.clock))
+                cases.append(run_case(model, seq, p == "on", soc, plain, a.runs, a.stat, a.clock, a.track_bandwidth))
                 print(f"{model} seq {seq} passes {p}: {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     res = {"machine": f"{cpu_name()}, {cpu_count()} cores, {platform.system()}", "torch": torch.__version__,
            "threads": a.threads, "runs": a.runs, "stat": a.stat, "clock": a.clock,
@@ -229,13 +284,8 @@ def main(argv: list[str] | None = None) -> int:
            "overhead_s": soc.devices[0].overhead_s, "host": soc.to_dict(),
            "command": "python bench/costmodel.py " + " ".join(argv if argv is not None else sys.argv[1:]),
            "cases": cases}
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = a.out.with_name(a.out.name + ".tmp")
-    tmp.write_text(json.dumps(res, indent=1))
-    tmp.replace(a.out)
+    write_result(res, a.out, a.md, lambda r: page(r, a.out))
     print(report(res))
-    if a.md is not None:
-        a.md.write_text(page(res, a.out))
     return 0
 
 
@@ -290,9 +340,12 @@ def page(res: dict, json_path: Path) -> str:
              "shapes is measured by calibration.",
              f"- Targets (issue 18, out of sample): whole-program error within ±{TARGET_PROGRAM:.0%}, MAPE of "
              f"instructions measured above 50 µs ≤ {TARGET_MAPE:.0%}.", "",
+             _tracking_line(res),
+             "",
              "| model | sample | shape | passes | instrs | measured Σ (ms) | modeled (ms) | program error | target | "
-             "MAPE >50µs (n) | target | plain-roofline program error | plain MAPE >50µs |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "MAPE >50µs (n) | target | plain-roofline program error | plain MAPE >50µs | β_read case / calibration "
+             "(GB/s) | program error at calibration's β |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in res["cases"]:
         a, b = c["after"], c["before"]
         oos = c["model"] in OUT_OF_SAMPLE
@@ -302,7 +355,7 @@ def page(res: dict, json_path: Path) -> str:
             f"{fmt_pct(a['program_error'])} | {ok(a['program_error'], TARGET_PROGRAM) if oos else '–'} | "
             f"{fmt_pct(a['mape_gt_50us'])} ({a['instructions_gt_50us']}) | "
             f"{ok(a['mape_gt_50us'], TARGET_MAPE) if oos else '–'} | {fmt_pct(b['program_error'])} | "
-            f"{fmt_pct(b['mape_gt_50us'])} |")
+            f"{fmt_pct(b['mape_gt_50us'])} | {_beta_cell(c)} | {_calib_err(c)} |")
     lines += ["", f"## Error per cost group, {'out of sample' if oos_run else 'in sample'} (instructions above "
               "50 µs, calibrated model)", "",
               "| model | shape | group | >50µs | measured (ms) | modeled (ms) | MAPE >50µs |", "|---" * 7 + "|"]

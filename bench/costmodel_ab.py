@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 
 import torch
+from _pages import page_from_json, write_result
 
 from hetforge.compile import compile_graph
 from hetforge.cost import estimate_program
@@ -108,7 +109,9 @@ def main(argv: list[str] | None = None) -> int:
     if a.from_json:
         if a.md is None:
             ap.error("--from-json needs --md")
-        a.md.write_text(page(json.loads(a.out.read_text()), a.out))
+        if not a.out.is_file():
+            ap.error(f"--from-json reads --out, and {a.out} is not a file")
+        page_from_json(a.out, a.md, lambda r: page(r, a.out))
         return 0
     profiles = {}
     for item in filter(None, (s.strip() for s in a.profiles.split(","))):
@@ -128,12 +131,7 @@ def main(argv: list[str] | None = None) -> int:
            "runs": a.runs, "profiles": {k: str(v) for k, v in profiles.items()}, "load_average_before": load,
            "load_average_at_end": list(os.getloadavg()), "rows": rows,
            "command": "python bench/costmodel_ab.py " + " ".join(argv if argv is not None else sys.argv[1:])}
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = a.out.with_name(a.out.name + ".tmp")
-    tmp.write_text(json.dumps(res, indent=1))
-    tmp.replace(a.out)
-    if a.md is not None:
-        a.md.write_text(page(res, a.out))
+    write_result(res, a.out, a.md, lambda r: page(r, a.out))
     return 0
 
 

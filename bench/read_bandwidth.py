@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 import torch
+from _pages import page_from_json, write_result
 
 from hetforge.hardware.bandwidth import BUFFER_BYTES, llc_bytes, pool_size
 from hetforge.hardware.host import cpu_count, cpu_name
@@ -166,7 +167,9 @@ def main(argv: list[str] | None = None) -> int:
     if a.from_json:
         if a.md is None:
             ap.error("--from-json needs --md")
-        a.md.write_text(page(json.loads(a.out.read_text()), a.out))
+        if not a.out.is_file():
+            ap.error(f"--from-json reads --out, and {a.out} is not a file")
+        page_from_json(a.out, a.md, lambda r: page(r, a.out))
         return 0
     if a.threads < 1 or a.rounds < 1 or a.passes < 1:
         ap.error("--threads, --rounds and --passes must be >= 1")
@@ -188,13 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     res["spread"] = spread(a.passes, clock)
     res["load_average_at_end"] = list(os.getloadavg())
     res["summary"] = summary(res)
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = a.out.with_name(a.out.name + ".tmp")
-    tmp.write_text(json.dumps(res, indent=1))
-    tmp.replace(a.out)
+    write_result(res, a.out, a.md, lambda r: page(r, a.out))
     print(json.dumps(res["summary"], indent=1))
-    if a.md is not None:
-        a.md.write_text(page(res, a.out))
     return 0
 
 

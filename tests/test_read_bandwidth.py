@@ -94,3 +94,71 @@ def test_native_activation_is_costed_per_output_element_from_the_profile(tmp_pat
     with_term = dataclasses.replace(cpu, overhead_s={**cpu.overhead_s, key: 1e-8})
     assert cost(with_term, "gelu_tanh") - cost(cpu, "gelu_tanh") == pytest.approx(3072 * 1e-8, rel=1e-6)
     assert cost(with_term, "none") == pytest.approx(cost(cpu, "none"))
+
+
+def test_read_probe_keeps_each_buffers_best_over_its_passes_and_reset_forgets_them():
+    """The probe's statistic is β_read's (pool bytes ÷ Σ per-buffer best), on a fake clock: pass 1 reads every
+    buffer in 3 ticks, pass 2 in 1 tick; after reset only the new pass counts."""
+    from hetforge.hardware.bandwidth import ReadProbe
+
+    now, step = [0.0], [3.0]
+
+    def clock() -> float:
+        now[0] += step[0]  # each read of the clock advances it: a timed read spans one step
+        return now[0]
+
+    probe = ReadProbe(buffer_bytes=1 << 20, factor=1, clock=clock)
+    with pytest.raises(ValueError, match="at least one read_pass"):
+        probe.result()
+    probe.read_pass()
+    assert probe.result().bytes_per_s == pytest.approx(probe.n * 4 / 3.0)
+    step[0] = 1.0
+    probe.read_pass()
+    assert probe.passes == 2 and probe.result().bytes_per_s == pytest.approx(probe.n * 4 / 1.0)
+    probe.reset()
+    step[0] = 2.0
+    probe.read_pass()
+    assert probe.passes == 1 and probe.result().bytes_per_s == pytest.approx(probe.n * 4 / 2.0)
+
+
+def test_pooled_time_runs_before_pass_once_per_timed_pass_outside_the_timing():
+    seen, now = [], [0.0]
+
+    def clock() -> float:
+        return now[0]
+
+    def fn() -> None:
+        now[0] += 1.0
+
+    def before() -> None:
+        seen.append(now[0])
+        now[0] += 100.0  # untimed: must not reach the result
+
+    assert pooled_time(fn, 2, 3, clock, before_pass=before) == pytest.approx(1.0)
+    assert len(seen) == 3
+
+
+def test_a_dram_stream_benchmark_is_reported_at_calibrations_bandwidth(monkeypatch):
+    """calibrate._time_bench scales a pooled stream's time by β_window / β: a benchmark timed while the host
+    read at half calibration's bandwidth is reported at half its measured time."""
+    import hetforge.hardware.calibrate as cal
+    from hetforge.hardware import bandwidth as bwmod
+
+    class HalfProbe:
+        def reset(self):
+            pass
+
+        def read_pass(self):
+            pass
+
+        def result(self):
+            return bwmod.ReadBandwidth(bytes_per_s=5e9, buffers=2, buffer_bytes=1, llc_bytes=1, passes=1,
+                                       threads=1, kernel="fake")
+
+    monkeypatch.setattr(cal, "pooled_time", lambda fn, count, passes, clock, before_pass=None: 8e-3)
+    monkeypatch.setattr(cal, "_pools", [(4, cal.STREAM_COPY_BYTES)])
+    monkeypatch.setattr(cal, "_probe", [HalfProbe()])
+    monkeypatch.setattr(cal, "_beta", [10e9])
+    assert cal._time_bench(lambda: None, True, True, 0.01) == pytest.approx(4e-3)
+    monkeypatch.setattr(cal, "_probe", [None])
+    assert cal._time_bench(lambda: None, True, True, 0.01) == pytest.approx(8e-3)

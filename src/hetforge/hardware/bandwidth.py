@@ -79,17 +79,20 @@ def pool_size(buffer_bytes: int = BUFFER_BYTES, factor: int = FACTOR, llc: int |
     return max(2, -(-factor * cap // buffer_bytes))
 
 
-def pooled_time(fn: Callable[[], object], count: int, passes: int, clock: Callable[[], float] = time.perf_counter
-                ) -> float:
+def pooled_time(fn: Callable[[], object], count: int, passes: int, clock: Callable[[], float] = time.perf_counter,
+                before_pass: Callable[[], object] | None = None) -> float:
     """Mean over a pool of ``count`` buffers of each buffer's best time: ``fn`` reads the next buffer of the
     pool on every call (call ``i`` reads buffer ``i mod count``); it is called ``count·passes`` times after
-    one warm-up pass (measured; ``clock`` times each call)."""
+    one warm-up pass (measured; ``clock`` times each call). ``before_pass`` (untimed) runs before each pass:
+    :class:`ReadProbe.read_pass` there measures β_read in the same minute."""
     if count < 1 or passes < 1:
         raise ValueError(f"count and passes must be >= 1, got {count} and {passes}")
     for _ in range(count):
         fn()
     best = [float("inf")] * count
     for _ in range(passes):
+        if before_pass is not None:
+            before_pass()
         for i in range(count):
             t0 = clock()
             fn()
@@ -97,25 +100,59 @@ def pooled_time(fn: Callable[[], object], count: int, passes: int, clock: Callab
     return sum(best) / count
 
 
+class ReadProbe:
+    """β_read measured pass by pass, so its passes can be interleaved with other work (``bench/costmodel.py``
+    reads one pass before each profiled run: the host's bandwidth drifts with other tenants' load, and a
+    figure measured a minute earlier can be 10–20% off). Same pool, kernel and statistic as
+    :func:`read_bandwidth`: per buffer the best read over the passes so far; the pool is read once on creation
+    (warm-up, not counted)."""
+
+    def __init__(self, buffer_bytes: int = BUFFER_BYTES, factor: int = FACTOR,
+                 clock: Callable[[], float] = time.perf_counter):
+        from hetforge.kernels import native
+
+        self.count = pool_size(buffer_bytes, factor)
+        self.n = max(1, buffer_bytes // 4)
+        self.bufs = [torch.ones(self.n) for _ in range(self.count)]
+        self.lib, self.threads, self.clock = native.library(), torch.get_num_threads(), clock
+        self.best = [float("inf")] * self.count
+        self.passes = 0
+        for b in self.bufs:
+            self._read(b)
+
+    def _read(self, b: torch.Tensor) -> object:
+        return self.lib.hf_read_stream(b.data_ptr(), self.n, self.threads) if self.lib is not None else b.sum()
+
+    def reset(self) -> None:
+        """Forget the passes read so far (a new measurement window on the same pool)."""
+        self.best = [float("inf")] * self.count
+        self.passes = 0
+
+    def read_pass(self) -> None:
+        """Read every buffer once, keeping each buffer's best time (measured)."""
+        for i, b in enumerate(self.bufs):
+            t0 = self.clock()
+            self._read(b)
+            self.best[i] = min(self.best[i], self.clock() - t0)
+        self.passes += 1
+
+    def result(self) -> ReadBandwidth:
+        """β_read over the passes read so far (at least one)."""
+        if self.passes < 1:
+            raise ValueError("ReadProbe.result needs at least one read_pass")
+        per_buffer = sum(self.best) / self.count
+        return ReadBandwidth(bytes_per_s=self.n * 4 / per_buffer, buffers=self.count, buffer_bytes=self.n * 4,
+                             llc_bytes=llc_bytes(), passes=self.passes, threads=self.threads,
+                             kernel="hf_read_stream (native, 4 streams per thread)" if self.lib is not None
+                             else "torch.sum")
+
+
 def read_bandwidth(passes: int = PASSES, buffer_bytes: int = BUFFER_BYTES, factor: int = FACTOR,
                    clock: Callable[[], float] = time.perf_counter) -> ReadBandwidth:
     """Measure β_read as the module docstring defines it, at the current torch thread count (measured)."""
-    from hetforge.kernels import native
-
     if passes < 1:
         raise ValueError(f"passes must be >= 1, got {passes}")
-    count = pool_size(buffer_bytes, factor)
-    n = max(1, buffer_bytes // 4)
-    bufs = [torch.ones(n) for _ in range(count)]
-    lib, threads = native.library(), torch.get_num_threads()
-    state = [0]
-
-    def read() -> object:
-        b = bufs[state[0]]
-        state[0] = (state[0] + 1) % count
-        return lib.hf_read_stream(b.data_ptr(), n, threads) if lib is not None else b.sum()
-
-    per_buffer = pooled_time(read, count, passes, clock)
-    return ReadBandwidth(bytes_per_s=n * 4 / per_buffer, buffers=count, buffer_bytes=n * 4, llc_bytes=llc_bytes(),
-                         passes=passes, threads=threads,
-                         kernel="hf_read_stream (native, 4 streams per thread)" if lib is not None else "torch.sum")
+    probe = ReadProbe(buffer_bytes, factor, clock)
+    for _ in range(passes):
+        probe.read_pass()
+    return probe.result()

@@ -53,7 +53,7 @@ import psutil
 import torch
 import torch.nn.functional as F
 
-from hetforge.hardware.bandwidth import PASSES, ReadBandwidth, llc_bytes, pooled_time, read_bandwidth
+from hetforge.hardware.bandwidth import PASSES, ReadBandwidth, ReadProbe, llc_bytes, pooled_time
 from hetforge.hardware.host import POWER_SRC, TDP_PER_CORE_W, cpu_count, cpu_name
 from hetforge.hardware.profile import row_band
 from hetforge.hardware.schema import DeviceSpec, Figure, PositiveFigure, SocSpec
@@ -63,6 +63,8 @@ Progress = Callable[[str], None]
 EFF_MIN, EFF_MAX = 0.01, 100.0
 CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "thread": time.thread_time}
 _clock: list[Callable[[], float]] = [time.perf_counter]  # the clock in use (set by measure)
+_probe: list[ReadProbe | None] = [None]  # β_read read beside each DRAM-stream benchmark (set by _measure)
+_beta: list[float] = [0.0]  # calibration's β_read, the figure those benchmarks are reported at
 _cold_cap = [100_000]  # most copies _cold makes (quick mode: 64, so small tensors stay partly cached)
 
 
@@ -608,10 +610,20 @@ def _passes(quick: bool) -> int:
 
 def _time_bench(fn: Callable[[], object], memory: bool, quick: bool, budget: float) -> float:
     """A benchmark's time: β_read's statistic for a memory-bound one whose pool copies are DRAM streams (≥ 1 MiB,
-    at most 256 of them), else the best call (:func:`_best_time`)."""
+    at most 256 of them), else the best call (:func:`_best_time`).
+
+    A DRAM stream is timed with one β_read pass before each of its passes (:data:`_probe`) and reported at
+    calibration's β_read: ``t · β_window / β`` — so the fitted efficiency is the kernel's speed relative to the
+    bandwidth of the same minute. On a shared host the bandwidth drifts by 10–20% within a minute; without
+    this, a stream kernel's efficiency absorbed the drift between the β_read measurement and its own."""
     count, size = _pools[-1] if _pools else (1, 0)
     if memory and size >= STREAM_COPY_BYTES and 2 <= count <= 256:
-        return pooled_time(fn, count, _passes(quick), _clock[0])
+        probe, beta = _probe[0], _beta[0]
+        if probe is None or beta <= 0:
+            return pooled_time(fn, count, _passes(quick), _clock[0])
+        probe.reset()
+        t = pooled_time(fn, count, _passes(quick), _clock[0], before_pass=probe.read_pass)
+        return t * probe.result().bytes_per_s / beta
     return _best_time(fn, 5, budget)
 
 
@@ -882,12 +894,19 @@ def _measure(quick: bool, tick: Progress) -> Measured:
                     slow = 2 * n ** 3 / r > budget  # larger sizes would take too long
             tick(f"GEMM {dt} {n}")
     bw_copy, bw_triad = _bandwidth((16 if quick else 128) * 2 ** 20, budget * 2)
-    read = read_bandwidth(passes=_passes(quick), clock=_clock[0])
+    _probe[0] = ReadProbe(clock=_clock[0])
+    for _ in range(_passes(quick)):
+        _probe[0].read_pass()
+    read = _probe[0].result()
+    _beta[0] = read.bytes_per_s
     tick("memory bandwidth")
     disp = _dispatch(budget)
     tick("dispatch overhead")
     peak = max(gemm["fp32"].values())
-    eff, over, samples = _fit_efficiency(peak, read.bytes_per_s, disp, quick, budget / 2, tick)
+    try:
+        eff, over, samples = _fit_efficiency(peak, read.bytes_per_s, disp, quick, budget / 2, tick)
+    finally:
+        _probe[0], _beta[0] = None, 0.0
     sizes = [128 * 768] if quick else [128 * 768, 256 * 768, 128 * 3072]
     eff["cache-hit"] = round(_cache_hit(disp, sizes, budget / 2), 4)
     tick("cache-hit bytes")
