@@ -167,3 +167,53 @@ def test_seeded_zoo_weights_are_keyed_by_their_recipe_until_changed():
     c.model.transformer.ln_f.weight = torch.nn.Parameter(c.model.transformer.ln_f.weight.detach().clone())
     fc = compile_cache.weights_fingerprint(c.model)  # a replaced tensor (same bytes): read, not taken on trust
     assert fc != fa and fc == compile_cache.weights_fingerprint(c.model)
+
+
+def _greedy(loaded, **engine):
+    from hetforge.runtime import SamplingParams
+
+    eng = Engine(loaded, executor="auto", **engine)
+    r = eng.generate(list(range(1, TIER + 1)), SamplingParams(max_new_tokens=6, ignore_eos=True))
+    return eng, r.tokens
+
+
+@pytest.mark.parametrize("quantize", ["none", "w8"])
+def test_warm_hit_builds_from_the_stored_partitions_and_generates_the_same_tokens(cache, loaded, monkeypatch,
+                                                                                   quantize):
+    """A hit builds the executor from the entry's lowered partition programs (no partitioning, no lowering), and
+    greedy generation after it gives the cold run's tokens; the whole program and the partitions' graphs are
+    still there when something asks for them."""
+    import hetforge.hetero.program
+    import hetforge.lower
+
+    cold_eng, cold = _greedy(loaded, quantize=quantize)
+    assert all("compile cache: stored" in "\n".join(p.notes) for p in cold_eng.programs.programs.values())
+
+    def refuse(*a, **k):
+        raise AssertionError("a compile-cache hit partitioned or lowered again")
+
+    monkeypatch.setattr(hetforge.lower, "lower", refuse)
+    monkeypatch.setattr(hetforge.hetero.program, "partition_program", refuse)
+    warm_eng, warm = _greedy(loaded, quantize=quantize)
+    progs = list(warm_eng.programs.programs.values())
+    assert {p.kind for p in progs} >= {"prefill", "decode"}
+    assert all("compile cache: hit" in "\n".join(p.notes) for p in progs)
+    assert warm == cold
+    assert all(p.placed.compiled._program is None for p in progs)  # the whole program was never needed
+    monkeypatch.undo()
+    placed = progs[0].placed
+    cold_placed = cold_eng.programs.programs[(progs[0].kind, progs[0].length)].placed
+    assert str(placed.compiled.program) == str(cold_placed.compiled.program)  # made on first use, checked
+    part, cold_part = placed.partitions.partitions[0], cold_placed.partitions.partitions[0]
+    assert str(part.gm.graph) == str(cold_part.gm.graph) and part.nodes == cold_part.nodes
+
+
+def test_entry_for_another_backend_hits_through_the_whole_program(cache, loaded):
+    """Partitions on a backend that compiles from the graph (here the eager ``torch-cpu:fx``) are not stored
+    built: the hit rebuilds them from the whole program, as before."""
+    _, cold = _greedy(loaded, backends={"cpu": "torch-cpu:fx"})
+    for entry in cache.glob("*.json"):
+        assert json.loads(entry.read_text().split("\n", 1)[1])["meta"]["built"] is None
+    eng, warm = _greedy(loaded, backends={"cpu": "torch-cpu:fx"})
+    assert all("compile cache: hit" in "\n".join(p.notes) for p in eng.programs.programs.values())
+    assert warm == cold

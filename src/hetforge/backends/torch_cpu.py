@@ -27,6 +27,7 @@ class TorchCompiled(CompiledPartition):
         self.report = report
         self.memory = memory
         self._sync = sync
+        self.executable: Any = None  # the hetforge Executable behind ``fn`` (engine ``executor``), else None
 
     def run(self, args: Sequence[Any]) -> tuple[list[Any], float]:
         if self._sync is not None:
@@ -62,14 +63,21 @@ class TorchCpuBackend(Backend):
             part.gm.recompile()
             report = CompileReport(self.name, "torch CPU (eager GraphModule)", time.perf_counter() - t0)
             return TorchCompiled(self.name, part.gm, report)
-        from hetforge.executor import Executable
         from hetforge.lower import lower
         from hetforge.memplan import plan_memory
 
         prog = lower(part.gm, None, None, name=part.name).program
-        plan = plan_memory(prog)
+        return self.executable(prog, plan_memory(prog), t0)
+
+    def executable(self, prog: Any, plan: Any, t0: float) -> TorchCompiled:
+        """A lowered partition program and its memory plan as a compiled partition on hetforge's executor (the
+        compile cache calls this with a stored program, skipping the lowering above)."""
+        from hetforge.executor import Executable
+
         exe = Executable(prog, plan, {d: torch.device("cpu") for d in prog.devices}, mode="arena")
         arena = sum(exe.arena_bytes().values())
         report = CompileReport(self.name, "torch CPU (hetforge executor)", time.perf_counter() - t0,
                                [f"executor: {len(prog.instrs)} instructions, arena {arena / 2**20:.2f} MiB"])
-        return TorchCompiled(self.name, exe.run_flat, report)
+        out = TorchCompiled(self.name, exe.run_flat, report)
+        out.executable = exe  # what the compile cache stores (the lowered, kernel-chosen program)
+        return out

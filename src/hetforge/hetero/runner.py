@@ -304,13 +304,19 @@ def build(pg: PartitionedGraph, soc, bindings: dict[str, Binding],
             raise BackendUnavailable(f"{n} partition(s) run on device '{dev}', bound to backend "
                                      f"'{bindings[dev].spec}': {e}") from None
     t0 = time.perf_counter()
-    compiled, costs, rows = [], [], []
+    compiled = [bindings[part.device].backend.compile(part) for part in pg.partitions]
+    return assemble(pg, soc, bindings, compiled, costs_given, t0)
+
+
+def assemble(pg: PartitionedGraph, soc, bindings: dict[str, Binding], compiled: list[CompiledPartition],
+             costs_given: list[PartitionCost] | None, t0: float) -> tuple[HeteroExecutable, BuildReport]:
+    """The executable and its build report from partitions compiled already (by :func:`build`, or rebuilt by
+    the compile cache); ``t0``: when compiling started (perf_counter)."""
+    costs, rows = [], []
     if costs_given is not None and len(costs_given) != len(pg.partitions):
         costs_given = None
-    for part in pg.partitions:
-        comp = bindings[part.device].backend.compile(part)
+    for part, comp in zip(pg.partitions, compiled, strict=True):
         cost = costs_given[len(costs)] if costs_given else partition_cost(part, soc.device(part.device))
-        compiled.append(comp)
         costs.append(cost)
         rows.append({"partition": part.index, "device": part.device, "backend": comp.backend,
                      "target": comp.report.target, "nodes": len(part.nodes), "inputs": len(part.inputs),

@@ -127,10 +127,23 @@ class Instr:
     def input_regs(self) -> list[int]:
         """Register ids read by this instruction, in argument order, without duplicates."""
         seen: list[int] = []
-        for r in iter_regs((self.args, self.kwargs)):
-            if r not in seen:
-                seen.append(r)
+        _collect_regs(self.args, seen)
+        _collect_regs(self.kwargs, seen)
         return seen
+
+
+def _collect_regs(obj: Any, seen: list[int]) -> None:
+    """:func:`iter_regs` into ``seen`` without duplicates, as plain recursion (no generator per level: this is
+    called for every instruction by liveness, memory planning and code generation)."""
+    if isinstance(obj, Reg):
+        if obj.id not in seen:
+            seen.append(obj.id)
+    elif isinstance(obj, (list, tuple)):
+        for x in obj:
+            _collect_regs(x, seen)
+    elif isinstance(obj, dict):
+        for x in obj.values():
+            _collect_regs(x, seen)
 
 
 def iter_regs(obj: Any) -> Iterator[int]:

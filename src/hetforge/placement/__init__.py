@@ -77,6 +77,13 @@ def get_strategy(name: str) -> Strategy:
     return STRATEGIES[name]
 
 
+def check_strategy(name: str) -> None:
+    """Refuse an unknown strategy name (:func:`get_strategy`'s error) without importing the strategies when the
+    name is declared: an executor checks its options at once, and a compile-cache hit never places."""
+    if name not in declared_strategies():
+        get_strategy(name)
+
+
 def declared_strategies() -> list[str]:
     """The strategy names this package registers, read from its source (the ``register_strategy`` decorators) without
     importing the strategies (which pull in the cost model): what the CLI's help lists. A test holds it equal to

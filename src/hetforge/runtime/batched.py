@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hetforge.runtime.kvcache import zeros
 from hetforge.runtime.static_kv import _AttnContext, _Base, _Switch, model_dims
 
 BATCH_TIERS = (1, 2, 4, 8, 16)  # batch sizes programs are compiled for (rows beyond the live ones are idle)
@@ -62,7 +63,7 @@ class BatchKVCache:
 
     def __post_init__(self) -> None:
         shape = (self.batch, self.kv_heads, self.length, self.head_dim)
-        self.buffers: list[torch.Tensor] = [torch.zeros(shape, dtype=self.dtype) for _ in range(2 * self.layers)]
+        self.buffers: list[torch.Tensor] = [zeros(shape, self.dtype) for _ in range(2 * self.layers)]
 
     @classmethod
     def for_model(cls, model, length: int, batch: int) -> BatchKVCache:

@@ -13,11 +13,14 @@ objective, quantization, group size, backends, policy, passes on/off), the progr
 the GEMM policy (``HETFORGE_GEMM``), and the CPU (model, ISA flags, threads: the entry carries the kernel choices
 measured on it).
 
-**Entries** are two files, ``KEY.json`` (header with the key document and the sha256 of the program
-document, then the program) and ``KEY.pt`` (tensors the passes made: fused or quantized weights). A
-missing, cut-off or edited entry, one whose key document differs from the one asked for (stale), whose
-program fails the program verifier, or whose weights no longer fit, is detected, reported in the program's
-notes, deleted and rebuilt — never used.
+**Entries** are two files, ``KEY.json`` (header with the key document and the sha256 of the body, then the
+body: the program, its weights, and — when every partition runs on hetforge's CPU executor — the partitions
+as built: each one's lowered program with its kernel choices and memory plan, so a hit generates the executor
+straight from them) and ``KEY.pt`` (tensors the passes made: fused or quantized weights). A
+missing, cut-off or edited entry (sha256), one whose key document differs from the one asked for (stale),
+whose weights no longer fit, whose memory plan differs from the one this hetforge makes, or whose program
+fails the program verifier (run when the whole program is rebuilt: always without built partitions, on first
+use with them), is detected, reported in the program's notes, deleted and rebuilt — never used.
 
 **Where**: ``$HETFORGE_COMPILE_CACHE_DIR``, else ``programs/`` in hetforge's cache folder (``$HETFORGE_CACHE``,
 else ``$XDG_CACHE_HOME/hetforge``, else ``~/.cache/hetforge``). ``HETFORGE_COMPILE_CACHE=0`` turns it off.
@@ -34,15 +37,16 @@ import sys
 import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from hetforge.backends.partition import Partition, PartitionedGraph
 from hetforge.kernels import onednn
 
-FORMAT = "hetforge-cache/1"
+FORMAT = "hetforge-cache/2"
 KEYED = "keyed"  # the checksum field of a parameter in an entry: the key's weight fingerprint covers it
 _warned: set[str] = set()
 _fingerprints: dict[int, tuple[tuple, str]] = {}
@@ -74,9 +78,13 @@ def source_digest() -> str:
     """sha256 of hetforge's own source files (a development checkout changes without a version bump)."""
     if not _source_digest:
         root = Path(__file__).resolve().parents[1]  # the hetforge package (this file is in hetforge/runtime/)
+        files = []
+        for folder, dirs, names in os.walk(root):  # os.walk, skipping bytecode folders: ~10x faster than rglob
+            dirs[:] = [d for d in dirs if d != "__pycache__"]
+            files += [Path(folder) / n for n in names if n.endswith((".py", ".c"))]
         h = hashlib.sha256()
-        for p in sorted(root.rglob("*")):
-            if p.suffix in (".py", ".c") and p.is_file():
+        for p in sorted(files):
+            if p.is_file():
                 h.update(str(p.relative_to(root)).encode())
                 h.update(p.read_bytes())
         _source_digest.append(h.hexdigest()[:16])
@@ -196,19 +204,36 @@ class _QuantNote:
         return self.line
 
 
-@dataclass
 class CachedResult:
     """What :meth:`~hetforge.runtime.executors.PlacedExecutor.build_program` reads from a compile result,
-    rebuilt from a cache entry (the graph itself is not kept: only its node count)."""
+    rebuilt from a cache entry (the graph itself is not kept: only its node count). ``program`` and ``memory``
+    (the whole scheduled program, bound and re-planned) are made on first use when the entry holds the built
+    partitions (a hit builds the executor from those and never needs them); ``cached_summary`` is what the
+    executor's notes read instead."""
 
-    program: Any
-    memory: Any
-    placement: Any
-    gm: Any
-    seconds: dict[str, float] = field(default_factory=dict)
-    optimized: Any = None
-    extra: dict[str, Any] = field(default_factory=dict)
-    partition_costs: list | None = None  # modeled, as computed when the entry was made
+    def __init__(self, program: Any, memory: Any, placement: Any, gm: Any, make: Any = None,
+                 cached_summary: tuple | None = None):
+        self._program, self._memory, self._make = program, memory, make
+        self.placement, self.gm = placement, gm
+        self.seconds: dict[str, float] = {}
+        self.optimized: Any = None
+        self.extra: dict[str, Any] = {}
+        self.partition_costs: list | None = None  # modeled, as computed when the entry was made
+        self.cached_summary = cached_summary
+
+    def _materialize(self) -> None:
+        if self._program is None:
+            self._program, self._memory = self._make()
+
+    @property
+    def program(self) -> Any:
+        self._materialize()
+        return self._program
+
+    @property
+    def memory(self) -> Any:
+        self._materialize()
+        return self._memory
 
 
 def _paths(key: str) -> tuple[Path, Path]:
@@ -224,9 +249,37 @@ def _drop(key: str) -> None:
             pass
 
 
-def store(key: str, doc: dict[str, Any], res: Any, notes: list[str], nodes: int, costs: list | None = None) -> bool:
-    """Write one entry for compile result ``res`` atomically; False (and one warning) when the folder cannot be
-    written."""
+def _built_section(placed: Any) -> dict[str, Any] | None:
+    """What a hit needs to build the executor without partitioning and lowering again: the partitions' wiring
+    and, per partition, its lowered program with the kernels chosen for it (weights by path: the scheduled
+    program's weights) and its memory plan's offsets. None when a partition is not on hetforge's CPU executor
+    (another backend compiles from the partition's graph: the hit rebuilds that from the program)."""
+    from hetforge.ir.serialize import ProgramFileError, _enc, program_to_dict
+
+    top = placed.compiled.program
+    paths = {w.path for w in top.weights.values()}
+    parts = []
+    for part, comp in zip(placed.partitions.partitions, placed.exe.compiled, strict=True):
+        exe = getattr(comp, "executable", None)
+        if exe is None or any(w.path not in paths for w in exe.program.weights.values()):
+            return None
+        try:  # no tensors: weights by path only (no checksums, nothing inline)
+            pd = program_to_dict(replace(exe.program, tensors={}))
+        except ProgramFileError:
+            return None
+        parts.append({"index": part.index, "device": part.device, "nodes": list(part.nodes),
+                      "inputs": list(part.inputs), "outputs": list(part.outputs), "weights": list(part.weights),
+                      "program": pd, "offsets": {str(k): v for k, v in exe.plan.offsets.items()}})
+    pg = placed.partitions
+    return {"partitions": parts, "graph_inputs": list(pg.graph_inputs), "output_args": _enc(pg.output_args),
+            "out_spec": top.attrs.get("out_spec"), "fixups": list(pg.fixups),
+            "summary": [len(top.instrs), top.count_by_device(), placed.compiled.memory.to_dict()]}
+
+
+def store(key: str, doc: dict[str, Any], res: Any, notes: list[str], nodes: int, costs: list | None = None,
+          placed: Any = None) -> bool:
+    """Write one entry for compile result ``res`` (and its built partitions ``placed``, when given) atomically;
+    False (and one warning) when the folder cannot be written."""
     from hetforge.ir.serialize import program_to_dict
 
     p = res.program
@@ -252,8 +305,12 @@ def store(key: str, doc: dict[str, Any], res: Any, notes: list[str], nodes: int,
             "partition_costs": [[c.time_s, c.energy_j, list(c.unknown_ops)] for c in (costs or [])],
             "quantize": quant.report.summary_line() if quant is not None else None,
             "passes": ({"nodes_before": res.optimized.nodes_before, "nodes_after": res.optimized.nodes_after,
-                        "fused": dict(res.optimized.fused)} if res.optimized is not None else None)}
-    body = json.dumps({"program": pd, "meta": meta}, sort_keys=True)
+                        "fused": dict(res.optimized.fused)} if res.optimized is not None else None),
+            "built": _built_section(placed) if placed is not None else None}
+    # the whole program as a JSON string inside the body: parsed only when something asks for it (a hit with
+    # built partitions never does); its weights beside it, read by every hit
+    body = json.dumps({"program": json.dumps(pd, sort_keys=True), "weights": pd["weights"], "meta": meta},
+                      sort_keys=True)
     header = {"format": FORMAT, "key": doc, "sha256": hashlib.sha256(body.encode()).hexdigest()}
     jpath, tpath = _paths(key)
     try:
@@ -271,9 +328,12 @@ def store(key: str, doc: dict[str, Any], res: Any, notes: list[str], nodes: int,
     return True
 
 
-def load(key: str, doc: dict[str, Any], module: torch.nn.Module) -> tuple[CachedResult, dict[str, Any]] | None:
+def load(key: str, doc: dict[str, Any], module: torch.nn.Module,
+         executor: Any = None) -> tuple[CachedResult, dict[str, Any]] | None:
     """The entry for ``key`` as a :class:`CachedResult` (program bound to ``module``'s weights, memory plan
-    re-made and checked against the stored one) and its meta; None when there is none. Raises
+    re-made and checked against the stored one) and its meta; None when there is none. With ``executor`` (a
+    placed executor) and an entry that holds built partitions, ``res.extra["built"]`` carries them rebuilt for
+    it (see :func:`_built`). Raises
     :class:`CacheEntryError` for a corrupt or stale entry (after deleting it)."""
     jpath, tpath = _paths(key)
     try:
@@ -284,7 +344,7 @@ def load(key: str, doc: dict[str, Any], module: torch.nn.Module) -> tuple[Cached
         _drop(key)
         raise CacheEntryError(f"unreadable ({e})") from None
     try:
-        return _load(text, tpath, doc, module)
+        return _load(text, tpath, doc, module, executor)
     except CacheEntryError:
         _drop(key)
         raise
@@ -293,10 +353,8 @@ def load(key: str, doc: dict[str, Any], module: torch.nn.Module) -> tuple[Cached
         raise CacheEntryError(f"corrupt ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
 
 
-def _load(text: str, tpath: Path, doc: dict[str, Any], module: torch.nn.Module) -> tuple[CachedResult, dict]:
-    from hetforge.ir.serialize import _build_program, validate_program_dict
-    from hetforge.ir.verify import verify_program
-    from hetforge.memplan import plan_memory
+def _load(text: str, tpath: Path, doc: dict[str, Any], module: torch.nn.Module,
+          executor: Any = None) -> tuple[CachedResult, dict]:
     from hetforge.placement import Placement
 
     head, sep, body = text.partition("\n")
@@ -313,34 +371,134 @@ def _load(text: str, tpath: Path, doc: dict[str, Any], module: torch.nn.Module) 
     if hashlib.sha256(body.encode()).hexdigest() != header.get("sha256"):
         raise CacheEntryError("corrupt (content does not match its sha256)")
     d = json.loads(body)
-    pd, meta = d["program"], d["meta"]
-    validate_program_dict(pd, "the cached program")
-    p = _build_program(pd)
-    extra = torch.load(tpath, weights_only=True, mmap=True) if any(not w["param"] for w in pd["weights"]) else {}
-    from hetforge.ir.serialize import _lookup_tensor, checksum
-
-    for vid, ref in p.weights.items():
-        t = _lookup_tensor(module, ref.path) if ref.param else extra.get(str(vid))
-        if t is None or tuple(t.shape) != ref.shape or t.dtype != ref.dtype:
-            raise CacheEntryError(f"stale (weight '{ref.path}' missing or of another shape)")
-        if not ref.param and checksum(t) != ref.checksum:  # tensors the passes made (small): garbled in KEY.pt
-            raise CacheEntryError(f"corrupt (tensor '{ref.path}' does not match its checksum)")
-        p.tensors[vid] = t.detach()
-    verify_program(p, "schedule")
-    mem = plan_memory(p)
-    stored = {int(k): v for k, v in p.memory["offsets"].items()}
-    if mem.offsets != stored:
-        raise CacheEntryError("stale (its memory plan differs from the one this hetforge makes)")
+    text, weights, meta = d["program"], d["weights"], d["meta"]
+    extra = torch.load(tpath, weights_only=True, mmap=True) if any(not w["param"] for w in weights) else {}
+    tensors = _bound_weights(weights, extra, module)
     onednn.seed_choices(meta.get("gemm_choices") or [])  # the kernel choices measured when it was compiled
     placement = Placement(meta["strategy"], dict(meta["assignment"]), objective=meta["objective"])
-    res = CachedResult(p, mem, placement, _Graph(_Nodes([None] * int(meta["nodes"]))))
+    gm = _Graph(_Nodes([None] * int(meta["nodes"])))
+    built = meta.get("built")
+    fast = built is not None and executor is not None and _builds_here(built, executor)
+    if fast:
+        res = CachedResult(None, None, placement, gm, lambda: _program(text, weights, tensors),
+                           (int(built["summary"][0]), dict(built["summary"][1]), built["summary"][2]))
+    else:
+        res = CachedResult(*_program(text, weights, tensors), placement, gm)
     if meta.get("partition_costs"):
         from hetforge.hetero.runner import PartitionCost
 
         res.partition_costs = [PartitionCost(float(t), float(e), list(u)) for t, e, u in meta["partition_costs"]]
     if meta.get("quantize"):
         res.extra["quantize"] = type("Q", (), {"report": _QuantNote(meta["quantize"])})()
+    if fast:
+        res.extra["built"] = _built(built, weights, tensors, executor, res)
     return res, meta
+
+
+def _bound_weights(weights: list[dict[str, Any]], extra: dict[str, torch.Tensor], module: torch.nn.Module) \
+        -> dict[int, torch.Tensor]:
+    """Value id → tensor for every weight of the stored program: the model's own (no copy) or a tensor the
+    passes made (from ``KEY.pt``, checked against its CRC); a missing or reshaped one makes the entry stale."""
+    from hetforge.ir.program import dtype_from_short
+    from hetforge.ir.serialize import _lookup_tensor, checksum
+
+    out = {}
+    for w in weights:
+        t = _lookup_tensor(module, w["path"]) if w["param"] else extra.get(str(w["value"]))
+        if t is None or list(t.shape) != w["shape"] or t.dtype != dtype_from_short(w["dtype"]):
+            raise CacheEntryError(f"stale (weight '{w['path']}' missing or of another shape)")
+        if not w["param"] and checksum(t) != w["checksum"]:  # tensors the passes made (small): garbled in KEY.pt
+            raise CacheEntryError(f"corrupt (tensor '{w['path']}' does not match its checksum)")
+        out[int(w["value"])] = t.detach()
+    return out
+
+
+def _program(text: str, weights: list[dict[str, Any]], tensors: dict[int, torch.Tensor]) -> tuple[Any, Any]:
+    """The whole scheduled program of an entry (its JSON text), checked (shape, verifier, memory plan) and bound."""
+    from hetforge.ir.serialize import _build_program, validate_program_dict
+    from hetforge.ir.verify import verify_program
+    from hetforge.memplan import plan_memory
+
+    pd = json.loads(text)
+    validate_program_dict(pd, "the cached program")
+    if pd["weights"] != weights:
+        raise CacheEntryError("corrupt (the program's weights differ from the entry's)")
+    p = _build_program(pd)
+    for vid in p.weights:
+        p.tensors[vid] = tensors[vid]
+    verify_program(p, "schedule")
+    mem = plan_memory(p)
+    stored = {int(k): v for k, v in p.memory["offsets"].items()}
+    if mem.offsets != stored:
+        raise CacheEntryError("stale (its memory plan differs from the one this hetforge makes)")
+    return p, mem
+
+
+def _builds_here(built: dict[str, Any], executor: Any) -> bool:
+    """Whether every stored partition's device is bound here to hetforge's CPU executor (what stored them)."""
+    from hetforge.backends.torch_cpu import TorchCpuBackend
+
+    for part in built["partitions"]:
+        b = executor.bindings.get(part["device"])
+        if b is None or type(b.backend) is not TorchCpuBackend or b.backend.engine != "executor":
+            return False
+    return True
+
+
+class _CachedPartition(Partition):
+    """A partition rebuilt from a cache entry: its GraphModule is made from the whole program on first use
+    (the CPU executor runs the stored lowered program and never reads it; failover or a report may)."""
+
+    def __init__(self, index: int, device: str, nodes: list[str], inputs: list[str], outputs: list[str],
+                 weights: list[str], res: CachedResult, graphs: dict[str, Any]):
+        self.index, self.device, self.nodes = index, device, nodes
+        self.inputs, self.outputs, self.weights = inputs, outputs, weights
+        self._res, self._graphs = res, graphs
+
+    @property
+    def gm(self) -> Any:  # type: ignore[override]
+        if "pg" not in self._graphs:
+            from hetforge.hetero.program import partition_program
+
+            self._graphs["pg"] = partition_program(self._res.program)
+        return self._graphs["pg"].partitions[self.index].gm
+
+
+def _built(built: dict[str, Any], weights: list[dict], tensors: dict[int, torch.Tensor], executor: Any,
+           res: CachedResult) -> tuple:
+    """(partitions, executable, build report) from an entry's built partitions: each stored lowered program
+    bound to the weights, its memory plan made again and checked against the stored one, then generated into
+    the executor's code; no partitioning, lowering or kernel choice again. (No program verifier here: the entry
+    is byte for byte what this same hetforge source stored — sha256 and key — from a program it had lowered and
+    run; the whole program, when something asks for it, is verified as before.)"""
+    from hetforge.hetero.runner import assemble
+    from hetforge.ir.serialize import _build_program, _dec
+    from hetforge.memplan import plan_memory
+
+    t0 = time.perf_counter()
+    by_path = {w["path"]: tensors[int(w["value"])] for w in weights}
+    graphs: dict[str, Any] = {}
+    parts, compiled = [], []
+    for sp in built["partitions"]:
+        q = _build_program(sp["program"])
+        for vid, ref in q.weights.items():
+            t = by_path.get(ref.path)
+            if t is None or tuple(t.shape) != ref.shape or t.dtype != ref.dtype:
+                raise CacheEntryError(f"corrupt (partition weight '{ref.path}' is not a weight of the program)")
+            q.tensors[vid] = t
+        plan = plan_memory(q)
+        if plan.offsets != {int(k): v for k, v in sp["offsets"].items()}:
+            raise CacheEntryError("stale (a partition's memory plan differs from the one this hetforge makes)")
+        backend = executor.bindings[sp["device"]].backend
+        compiled.append(backend.executable(q, plan, time.perf_counter()))
+        parts.append(_CachedPartition(int(sp["index"]), sp["device"], list(sp["nodes"]), list(sp["inputs"]),
+                                      list(sp["outputs"]), list(sp["weights"]), res, graphs))
+    spec = built.get("out_spec")
+    out_spec = torch.utils._pytree.treespec_loads(spec) if spec else None
+    pg = PartitionedGraph(parts, list(built["graph_inputs"]), _dec(built["output_args"]), out_spec, None,
+                          list(built["fixups"]))
+    exe, report = assemble(pg, executor.soc_profile, executor.bindings, compiled, res.partition_costs, t0)
+    return pg, exe, report
 
 
 def cached_build(programs: Any, kind: str, length: int, module: torch.nn.Module, inputs: tuple) -> Any:
@@ -358,13 +516,13 @@ def cached_build(programs: Any, kind: str, length: int, module: torch.nn.Module,
     key = key_of(doc)
     notes: list[str] = []
     try:
-        got = load(key, doc, module)
+        got = load(key, doc, module, programs.executor)
     except CacheEntryError as e:
         got = None
         notes.append(f"compile cache: entry {key[:12]}… {e}: deleted, rebuilt")
     if got is not None:
         res, meta = got
-        b = programs.executor.build_program(res)
+        b = programs.executor.build_program(res, res.extra.pop("built", None))
         secs = time.perf_counter() - t0
         b.notes.insert(0, f"compile cache: hit {key[:12]}… in {cache_dir()} ({secs:.3f} s measured, capture, passes, "
                           "placement, lowering, scheduling and memory planning skipped; no warm-up call)")
@@ -375,7 +533,7 @@ def cached_build(programs: Any, kind: str, length: int, module: torch.nn.Module,
         return (b, secs), None, []
 
     def store_fn(b: Any) -> None:
-        if b.placed is not None and store(key, doc, b.placed.compiled, [], b.nodes, b.placed.exe.costs):
+        if b.placed is not None and store(key, doc, b.placed.compiled, [], b.nodes, b.placed.exe.costs, b.placed):
             b.notes.append(f"compile cache: stored {key[:12]}… in {cache_dir()}")
 
     return None, store_fn, notes

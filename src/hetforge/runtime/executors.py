@@ -118,7 +118,7 @@ class Placed:
                                 "backend": self.exe.bindings[p.device].spec} for p in pg.partitions],
                 "switches": pg.switches, "strategy": getattr(self.compiled.placement, "strategy", None),
                 "objective": getattr(self.compiled.placement, "objective", None),
-                "instructions_by_device": self.compiled.program.count_by_device()}
+                "instructions_by_device": program_summary(self.compiled)[1]}
 
 
 @dataclass
@@ -142,7 +142,7 @@ class PlacedExecutor:
     def __post_init__(self) -> None:
         from hetforge.backends.mapping import resolve
         from hetforge.hardware import load_soc
-        from hetforge.placement import get_strategy
+        from hetforge.placement import check_strategy
         from hetforge.placement.costs import check_objective
 
         _check_quant(self.quantize, self.group_size)
@@ -152,7 +152,7 @@ class PlacedExecutor:
             if base != "single":
                 raise UsageError(f"strategy '{self.strategy}': only 'single' takes a device (single:DEVICE)")
             self.soc_profile.device(self.device)  # names the SoC's devices when unknown
-        get_strategy(base)
+        check_strategy(base)
         self.base_strategy = base
         check_objective(self.objective)
         self.bindings = resolve(self.soc_profile, self.backends, self.policy)
@@ -177,14 +177,18 @@ class PlacedExecutor:
     def build(self, gm: torch.fx.GraphModule, inputs: tuple, label: str, optimize: bool) -> Built:
         return self.build_program(self.place(gm, inputs, label, optimize))
 
-    def build_program(self, res) -> Built:
-        """Partition a compiled (scheduled) program and compile each partition on its device's backend."""
-        from hetforge.hetero.program import partition_program
-        from hetforge.hetero.runner import build
-
+    def build_program(self, res, built: tuple[Any, Any, Any] | None = None) -> Built:
+        """Partition a compiled (scheduled) program and compile each partition on its device's backend;
+        ``built``: the partitions, executable and build report made already (a compile-cache hit)."""
         t0 = time.perf_counter()
-        pg = partition_program(res.program)
-        exe, breport = build(pg, self.soc_profile, self.bindings, getattr(res, "partition_costs", None))
+        if built is None:
+            from hetforge.hetero.program import partition_program
+            from hetforge.hetero.runner import build
+
+            pg = partition_program(res.program)
+            exe, breport = build(pg, self.soc_profile, self.bindings, getattr(res, "partition_costs", None))
+        else:
+            pg, exe, breport = built
         placed = Placed(res, pg, exe, breport)
 
         def call(*args: torch.Tensor) -> Sequence[torch.Tensor]:
@@ -193,10 +197,10 @@ class PlacedExecutor:
             return out
 
         devs = ", ".join(f"{p.device}:{self.bindings[p.device].spec}" for p in pg.partitions)
+        instrs, by_device, memory = program_summary(res)
         notes = [f"executor: {len(pg.partitions)} partition(s) on soc '{self.soc_profile.name}' "
-                 f"(strategy {self.strategy}), {len(res.program.instrs)} instructions, devices "
-                 f"{res.program.count_by_device()}; partitions {devs}",
-                 f"memory plan: {res.memory.to_dict()}"]
+                 f"(strategy {self.strategy}), {instrs} instructions, devices {by_device}; partitions {devs}",
+                 f"memory plan: {memory}"]
         quant = res.extra.get("quantize")
         if quant is not None:
             notes.append(f"quantization: {quant.report.summary_line()}")
@@ -210,6 +214,15 @@ class PlacedExecutor:
         passes_s = secs.get("passes", 0.0)
         compile_s = secs.get("total", 0.0) - passes_s + time.perf_counter() - t0
         return Built(call, passes_s, compile_s, len(res.gm.graph.nodes), notes, placed)
+
+
+def program_summary(res: Any) -> tuple[int, dict[str, int], dict[str, Any]]:
+    """Instruction count, instructions per device and memory-plan figures of a compile result (a compile-cache
+    hit carries them as stored, without rebuilding the whole program)."""
+    got = getattr(res, "cached_summary", None)
+    if got is not None:
+        return got
+    return len(res.program.instrs), res.program.count_by_device(), res.memory.to_dict()
 
 
 EXECUTORS = ("auto", "fx", "backend")
