@@ -270,7 +270,7 @@ def run_suite(cfg: SuiteConfig, progress: Callable[[str], None] | None = None, c
     machine["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
     rows = aggregate(runs, cfg.models, systems)
     return SuiteResult(
-        config=asdict(cfg), machine=machine, command=command or _default_command(), started=started,
+        config=asdict(cfg), machine=machine, command=with_env(command or _default_command()), started=started,
         seconds=time.perf_counter() - t_suite, rows=rows, runs=[r.to_dict() for r in runs],
         comparisons=compare(rows), skipped=skipped, isolated=cfg.isolate,
     )
@@ -316,8 +316,17 @@ def _run_block(cfg: SuiteConfig, model: str, r: int, reps: int, active: list[str
         shutil.rmtree(cache, ignore_errors=True)
 
 
+BEHAVIOUR_ENV = ("HETFORGE_W8_ACT", "HETFORGE_GEMM", "HETFORGE_CAPTURE")  # settings that change what hetforge runs
+
+
 def _default_command() -> str:
     return " ".join(shlex.quote(a) for a in [Path(sys.argv[0]).name, *sys.argv[1:]])
+
+
+def with_env(command: str) -> str:
+    """``command`` with the environment settings that change what hetforge runs in front of it (as a shell line)."""
+    env = [f"{k}={shlex.quote(os.environ[k])}" for k in BEHAVIOUR_ENV if os.environ.get(k)]
+    return " ".join([*env, command])
 
 
 def aggregate(runs: list[RunResult], models: list[str], systems: list[str]) -> list[Row]:
