@@ -751,6 +751,23 @@ def peers_prefill_step(d: J) -> Row:
     return Row("peers", "prefill / one-token ≤ best fp32 peer", result, status, link("peers.md"))
 
 
+@row("peers_w8q8.json")
+def peers_w8q8(d: J) -> Row:
+    rows = [r for r in d["rows"] if r.s("status") == "ok"]
+    per, ratios = [], []
+    for model in dict.fromkeys(r.s("model") for r in rows):
+        mine = {r.s("system"): r for r in rows if r.s("model") == model}
+        w8, q8 = (mine[k]["decode_ms_per_token"].f("median") for k in ("hetforge-w8", "llamacpp-q8"))
+        ratios.append(w8 / q8)
+        per.append(f"{model} hetforge w8 {num(w8, 1)} vs llama.cpp Q8_0 {num(q8, 1)} ms/token ({times(w8 / q8)})")
+    m = d["machine"]
+    result = (f"`{d.s('command').split(' hetforge ')[0]}` (activations quantized per block of 32, int8·int8 sums, as "
+              f"Q8_0 does); medians of 2 repeats, load average {load_avg(m['loadavg_end'])} at the end: "
+              + "; ".join(per))
+    return Row("peers (decode, w8 q8)", "`--quantize w8` decode ≤ llama.cpp Q8_0 (opt-in `HETFORGE_W8_ACT=q8`)",
+               result, met(all(r <= 1 for r in ratios)), link("peers_w8q8.md"))
+
+
 @row("peers.json")
 def peers_decode_kv(d: J) -> Row:
     t = _targets(d)
@@ -761,6 +778,9 @@ def peers_decode_kv(d: J) -> Row:
     peers = {x.s("best_peer") for _, x in dec}
     return Row("peers", "decode ≤ best peer with a KV cache", result,
                met(all(x.b("met") for _, x in dec)) + f" against {', '.join(sorted(peers))}", link("peers.md"))
+
+
+LOADED_NOTE = " (loaded: not a usable comparison until rerun quiet)"
 
 
 @row("peers_decode.json")
@@ -783,13 +803,15 @@ def peers_decode(d: J) -> Row:
     w8 = ", ".join(f"{m} {times(x['w8_decode_at_or_below_llamacpp_q8'].f('ratio'))}" for m, x in t)
     m = d["machine"]
     reps = min(r["decode_ms_per_token"].f("n") for r in rows)
+    # the 1-minute load average at the end of a run of several minutes is the run's own; at the start it still
+    # carries what ran before
+    quiet = m["loadavg_end"][0].f() < m.f("logical_cpus")
     result = (f"{reps:.0f} repeat{'s' if reps != 1 else ''} per system, load average "
-              f"{load_avg(m['loadavg_start'])} at start on "
-              f"{m.f('logical_cpus'):.0f} cores (not a usable comparison until rerun quiet). Decode ms/token: "
+              f"{load_avg(m['loadavg_start'])} at start and {load_avg(m['loadavg_end'])} at the end on "
+              f"{m.f('logical_cpus'):.0f} cores{'' if quiet else LOADED_NOTE}. Decode ms/token: "
               + "; ".join(parts) + ". TTFT (ms): " + "; ".join(ttft)
               + f". hetforge fp32 ÷ best f32 peer: {f32}; w8 ÷ llama.cpp Q8_0: {w8}"
               + (f". llama.cpp f32 KL vs eager {', '.join(kl)} (GGUF export checked)" if kl else ""))
-    quiet = max(v.f() for v in m["loadavg_start"]) < m.f("logical_cpus")
     status = ("f32 " + met(all(x["decode_ms_per_token_at_or_below_best_f32_peer"].b("met") for _, x in t))
               + "; w8 " + met(all(x["w8_decode_at_or_below_llamacpp_q8"].b("met") for _, x in t))
               + ("" if quiet else "; not decided: rerun quiet"))
