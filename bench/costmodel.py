@@ -125,19 +125,19 @@ def metrics(rows: list[dict], key: str) -> dict:
 
 
 def run_case(model: str, seq: int, passes: bool, soc: SocProfile, plain: SocProfile, runs: int, stat: str,
-             clock: str, track: bool = True) -> dict:
+             clock: str, probe: ReadProbe | None = None) -> dict:
     loaded = load_model(model)
     inputs = example_inputs(loaded, seq=seq)
     cg = capture(loaded.logits_module(), inputs, name=model)
     res = compile_graph(cg.gm, soc=soc, example_inputs=inputs, passes=passes, name=model)
     exe, prog, planned = res.executable, res.program, res.memory.offsets
-    probe = ReadProbe(clock=CLOCKS[clock]) if track else None
+    if probe is not None:
+        probe.reset()  # this case's own window
     per, totals = profile_runs(exe, inputs, runs, clock, probe)
     meas = [STATS[stat](ts) for ts in zip(*per, strict=True)]
     calib_soc, beta_case = soc, None
     if probe is not None:  # the model priced with the bandwidth of this case's minute (calibration's other terms kept)
         beta_case = probe.result().bytes_per_s
-        del probe
         soc, plain = with_bandwidth(soc, beta_case), with_bandwidth(plain, beta_case)
     with torch.no_grad():  # plain executable calls, for reference (wall clock)
         plain_runs = []
@@ -269,11 +269,12 @@ def main(argv: list[str] | None = None) -> int:
     plain = without_efficiency(soc)
     torch.set_num_threads(a.threads)
     cases = []
+    probe = ReadProbe(clock=CLOCKS[a.clock]) if a.track_bandwidth else None  # one pool for every case
     for model in a.models.split(","):
         for seq in (a.seq, 1):
             for p in passes:
                 t0 = time.perf_counter()
-                cases.append(run_case(model, seq, p == "on", soc, plain, a.runs, a.stat, a.clock, a.track_bandwidth))
+                cases.append(run_case(model, seq, p == "on", soc, plain, a.runs, a.stat, a.clock, probe))
                 print(f"{model} seq {seq} passes {p}: {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     res = {"machine": f"{cpu_name()}, {cpu_count()} cores, {platform.system()}", "torch": torch.__version__,
            "threads": a.threads, "runs": a.runs, "stat": a.stat, "clock": a.clock,

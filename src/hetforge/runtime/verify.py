@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import math
 import re
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -136,6 +137,29 @@ def modeled_mj(placed) -> float | None:
     return _step_figures(Step("verify", 0.0, placed.last, placed))["modeled_mj"]
 
 
+class _Calls:
+    """The program calls of one verify pass: each recorded in the request's ledger (``verify``), their modeled mJ
+    summed (``mj`` stays None when no call has a modeled figure), then shared evenly by the candidates."""
+
+    def __init__(self, ledger, t_start: float):
+        self.ledger, self.t_start, self.calls, self.mj = ledger, t_start, 0, None
+
+    def run(self, prog, *args):
+        ts = time.perf_counter()
+        out = prog.run(*args)
+        self.ledger.add("verify", ts - self.t_start, prog.placed)
+        self.calls += 1
+        mj = modeled_mj(prog.placed)
+        if mj is not None:
+            self.mj = (self.mj or 0.0) + mj
+        return out
+
+    def share(self, cands: list[Candidate]) -> None:
+        if self.mj is not None:
+            for c in cands:
+                c.energy_mj += self.mj / len(cands)
+
+
 def save_row(cache: BatchKVCache, row: int) -> list[torch.Tensor]:
     """A copy of one batch row of the cache (``[1, Hkv, S, D]`` per buffer)."""
     return [buf[row:row + 1].clone() for buf in cache.buffers]
@@ -185,7 +209,7 @@ def verify(engine, spec: VerifierSpec, cands: list[Candidate], rows: dict[int, l
         compile_s[f"decode-{length}x{batch}"] = dec.total_s
         excluded += time.perf_counter() - tc
     steps = max(len(q) for q in pend)
-    mj_total, any_mj = 0.0, False
+    spent = _Calls(ledger, t_start)
     vocab = engine.vocab_size
     for j in range(steps):
         ids_in = torch.zeros((batch, 1), dtype=torch.long)
@@ -194,12 +218,7 @@ def verify(engine, spec: VerifierSpec, cands: list[Candidate], rows: dict[int, l
         for r, (p, q) in enumerate(zip(pos0, pend, strict=True)):
             k = min(j, len(q) - 1)  # a row whose tokens are all fed repeats its last one (its result is unused)
             ids_in[r, 0], pos_in[r, 0], at[r] = q[k], p + k, p + k
-        ts = time.perf_counter()
-        out = dec.run(ids_in, pos_in, *cache.buffers)
-        ledger.add("verify", ts - t_start, dec.placed)
-        mj = modeled_mj(dec.placed)
-        if mj is not None:
-            mj_total, any_mj = mj_total + mj, True
+        out = spent.run(dec, ids_in, pos_in, *cache.buffers)
         cache.write_rows(out[1:], at)
         probs = torch.softmax(out[0][:, :vocab].float(), dim=-1)
         for r, q in enumerate(pend):
@@ -207,11 +226,8 @@ def verify(engine, spec: VerifierSpec, cands: list[Candidate], rows: dict[int, l
                 py, pn = float(probs[r, spec.yes]), float(probs[r, spec.no])
                 for c in groups[tuple(reps[r].tokens)]:
                     c.verify_p, c.verify_p_no, c.verify_label = py, pn, spec.label
-    if any_mj:
-        for c in cands:
-            c.energy_mj += mj_total / len(cands)
-    return {"calls": steps, "batch": batch, "rows": len(reps), "cache_length": length,
-            "modeled_mj": mj_total if any_mj else None,
+    spent.share(cands)
+    return {"calls": steps, "batch": batch, "rows": len(reps), "cache_length": length, "modeled_mj": spent.mj,
             "measured_s": time.perf_counter() - t0 - excluded, "compile_s": compile_s, "compile_wall_s": excluded}
 
 
@@ -246,7 +262,7 @@ def verify_rewrite(engine, spec: VerifierSpec, cands: list[Candidate], ledger, t
     if need > progs.tiers[-1]:
         raise ValueError(f"verification needs {need} positions; the model's context is {progs.tiers[-1]}")
     compile_s: dict[str, float] = {}
-    excluded, mj_total, any_mj, calls = 0.0, 0.0, False, 0
+    excluded, spent = 0.0, _Calls(ledger, t_start)
     vocab = engine.vocab_size
     logp = [0.0] * len(rows)
     cached: dict[tuple[int, ...], list[torch.Tensor]] = {}
@@ -263,13 +279,7 @@ def verify_rewrite(engine, spec: VerifierSpec, cands: list[Candidate], ledger, t
                 excluded += time.perf_counter() - tc
             x = torch.zeros((1, tier), dtype=torch.long)
             x[0, :len(p)] = torch.tensor(p)
-            ts = time.perf_counter()
-            out = prefill.run(x, torch.tensor([len(p) - 1]))
-            ledger.add("verify", ts - t_start, prefill.placed)
-            calls += 1
-            mj = modeled_mj(prefill.placed)
-            if mj is not None:
-                mj_total, any_mj = mj_total + mj, True
+            out = spent.run(prefill, x, torch.tensor([len(p) - 1]))
             cached[key] = [torch.log_softmax(out[0].reshape(1, -1)[:, :vocab].float(), dim=-1)[0],
                            *[t.clone() for t in out[1:]]]
     for i, (_, p, e) in enumerate(rows):
@@ -298,13 +308,7 @@ def verify_rewrite(engine, spec: VerifierSpec, cands: list[Candidate], ledger, t
                 _, p, e = rows[i]
                 k = min(j, max(len(e) - 2, 0))  # a row whose tokens are all fed repeats its last (result unused)
                 ids_in[b, 0], pos_in[b, 0], at[b] = e[k], len(p) + k, len(p) + k
-            ts = time.perf_counter()
-            out = dec.run(ids_in, pos_in, *cache.buffers)
-            ledger.add("verify", ts - t_start, dec.placed)
-            calls += 1
-            mj = modeled_mj(dec.placed)
-            if mj is not None:
-                mj_total, any_mj = mj_total + mj, True
+            out = spent.run(dec, ids_in, pos_in, *cache.buffers)
             cache.write_rows(out[1:], at)
             lp = torch.log_softmax(out[0][:, :vocab].float(), dim=-1)
             for b, i in enumerate(chunk):
@@ -317,11 +321,9 @@ def verify_rewrite(engine, spec: VerifierSpec, cands: list[Candidate], ledger, t
     for r, c in enumerate(reps):
         for m in groups_by_seq[tuple(c.tokens)]:
             m.verify_p, m.verify_p_no, m.verify_label = math.exp(score[r]), None, spec.label
-    if any_mj:
-        for c in cands:
-            c.energy_mj += mj_total / len(cands)
-    return {"calls": calls, "batch": max(batches, default=1), "rows": len(rows), "cache_length": length,
-            "prefills": len(cached), "modeled_mj": mj_total if any_mj else None,
+    spent.share(cands)
+    return {"calls": spent.calls, "batch": max(batches, default=1), "rows": len(rows), "cache_length": length,
+            "prefills": len(cached), "modeled_mj": spent.mj,
             "measured_s": time.perf_counter() - t0 - excluded, "compile_s": compile_s, "compile_wall_s": excluded}
 
 
