@@ -95,30 +95,32 @@ PRODUCTS = [
 
 def _product_call(lib, kernel: str, ws: list[torch.Tensor], x: torch.Tensor, y: torch.Tensor, h: torch.Tensor,
                   part: torch.Tensor):
-    """A function of the thread count that runs ``kernel`` once on weights ``ws`` (decode's arguments)."""
-    w = ws[0]
+    """A function of the thread count that runs ``kernel`` once on weights ``ws`` (decode's arguments; pointers
+    taken once, as the executor bakes them into its generated code)."""
+    w, xp, yp, hp = ws[0].data_ptr(), x.data_ptr(), y.data_ptr(), h.data_ptr()
+    pp, slots = part.data_ptr(), part.shape[0]
     if kernel == "hf_gemv_nk":
-        n, k = w.shape
-        return lambda t: lib.hf_gemv_nk(w.data_ptr(), x.data_ptr(), None, y.data_ptr(), n, k, t)
+        n, k = ws[0].shape
+        fn = lib.hf_gemv_nk
+        return lambda t: fn(w, xp, None, yp, n, k, t)
     if kernel == "hf_gemv_kn":
-        k, n = w.shape
-        return lambda t: lib.hf_gemv_kn(w.data_ptr(), x.data_ptr(), None, y.data_ptr(), n, k, t, part.data_ptr(),
-                                        part.shape[0])
+        k, n = ws[0].shape
+        fn = lib.hf_gemv_kn
+        return lambda t: fn(w, xp, None, yp, n, k, t, pp, slots)
     if kernel == "hf_linear_act":
-        k, n = w.shape
-        act = native.ACT_CODES["gelu_tanh"]
-        return lambda t: lib.hf_linear_act(w.data_ptr(), x.data_ptr(), None, y.data_ptr(), n, k, 1, act, t,
-                                           part.data_ptr(), part.shape[0])
-    f, d = w.shape
-    silu = native.ACT_CODES["silu"]
-    return lambda t: lib.hf_gated_mlp(x.data_ptr(), ws[0].data_ptr(), ws[1].data_ptr(), ws[2].data_ptr(),
-                                      h.data_ptr(), y.data_ptr(), f, d, silu, t)
+        k, n = ws[0].shape
+        fn, act = lib.hf_linear_act, native.ACT_CODES["gelu_tanh"]
+        return lambda t: fn(w, xp, None, yp, n, k, 1, act, t, pp, slots)
+    f, d = ws[0].shape
+    fn, silu, wu, wd = lib.hf_gated_mlp, native.ACT_CODES["silu"], ws[1].data_ptr(), ws[2].data_ptr()
+    return lambda t: fn(xp, w, wu, wd, hp, yp, f, d, silu, t)
 
 
 def products(rounds: int, threads: list[int], cases_spec: list = PRODUCTS, factor: int = FACTOR,
              beta_buffers: int | None = None) -> dict:
-    """Wall times (s) per pool copy of each one-row product and of β_read's pool, ``rounds`` interleaved rounds
-    at each thread count in ``threads``: ``times_s[case][str(t)][round][copy]``. Each pool totals at least
+    """Wall times (s) of each one-row product and of β_read's pool, ``rounds`` interleaved rounds at each thread
+    count in ``threads``: ``best_s[case][str(t)][copy]`` (per copy its best call) and ``round_total_s[case][str(t)]
+    [round]``. Each pool totals at least
     ``factor`` last-level caches (at least 2 copies); ``beta_buffers`` overrides β_read's pool size (tests)."""
     lib = native.library()
     llc = llc_bytes()
@@ -131,10 +133,11 @@ def products(rounds: int, threads: list[int], cases_spec: list = PRODUCTS, facto
         pool = [[torch.empty(s).uniform_(-0.05, 0.05) for s in shapes] for _ in range(copies)]
         calls = [_product_call(lib, kernel, ws, x, y, h, part) for ws in pool]
         cases.append({"kernel": kernel, "shapes": shapes, "use": use, "bytes": nbytes, "copies": copies,
-                      "calls": calls})
+                      "calls": calls, "pool": pool})  # the calls hold raw pointers: the pool must outlive them
     n = BUFFER_BYTES // 4
     bufs = [torch.ones(n) for _ in range(pool_size() if beta_buffers is None else beta_buffers)]
-    beta_calls = [(lambda t, b=b: lib.hf_read_stream(b.data_ptr(), n, t)) for b in bufs]
+    read = lib.hf_read_stream
+    beta_calls = [(lambda t, p=b.data_ptr(): read(p, n, t)) for b in bufs]
     every = [("beta_read", beta_calls)] + [(str(i), c["calls"]) for i, c in enumerate(cases)]
     times: dict[str, dict[str, list[list[float]]]] = {k: {str(t): [] for t in threads} for k, _ in every}
     for t in threads:  # warm-up: first touch, helper threads started
@@ -150,13 +153,17 @@ def products(rounds: int, threads: list[int], cases_spec: list = PRODUCTS, facto
                     call(t)
                     row.append(time.perf_counter() - t0)
                 times[key][str(t)].append(row)
+    # kept: per copy its best call (what the statistic uses) and per round the pool's total (the spread of rounds)
+    best = {k: {t: [min(col) for col in zip(*rows, strict=True)] for t, rows in per_t.items()}
+            for k, per_t in times.items()}
+    totals = {k: {t: [sum(r) for r in rows] for t, rows in per_t.items()} for k, per_t in times.items()}
     return {"threads": threads, "rounds": rounds, "beta_buffer_bytes": n * 4, "beta_buffers": len(bufs),
-            "cases": [{k: v for k, v in c.items() if k != "calls"} for c in cases], "times_s": times}
+            "cases": [{k: v for k, v in c.items() if k not in ("calls", "pool")} for c in cases],
+            "best_s": best, "round_total_s": totals}
 
 
-def _pooled_GBps(nbytes: int, rounds: list[list[float]]) -> float:
+def _pooled_GBps(nbytes: int, best: list[float]) -> float:
     """Bytes of the pool ÷ Σ over copies of each copy's best time (β_read's statistic)."""
-    best = [min(col) for col in zip(*rounds, strict=True)]
     return nbytes * len(best) / sum(best) / 1e9
 
 
@@ -164,10 +171,10 @@ def product_summary(pr: dict) -> dict:
     """Per thread count: β_read (GB/s) and each product's GB/s and ratio to it."""
     out: dict = {}
     for t in map(str, pr["threads"]):
-        beta = _pooled_GBps(pr["beta_buffer_bytes"], pr["times_s"]["beta_read"][t])
+        beta = _pooled_GBps(pr["beta_buffer_bytes"], pr["best_s"]["beta_read"][t])
         rows = []
         for i, c in enumerate(pr["cases"]):
-            gbps = _pooled_GBps(c["bytes"], pr["times_s"][str(i)][t])
+            gbps = _pooled_GBps(c["bytes"], pr["best_s"][str(i)][t])
             rows.append({"kernel": c["kernel"], "GBps": gbps, "ratio_to_beta_read": gbps / beta})
         out[t] = {"beta_read_GBps": beta, "products": rows}
     return out
