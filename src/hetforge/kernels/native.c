@@ -6,7 +6,8 @@
  * of the weight uses both cores but still reaches only 25-29 GB/s. These loops stream each weight once in
  * contiguous chunks (33 GB/s there, the same as a plain read of memory). Plain C: the compiler vectorizes
  * the loops (-O3 -march=native); the one-row products' inner loops also have AVX-512 / AVX2 versions by
- * hand that round exactly as the plain C does (same bits on every path). The one-row kernels of a decode step run on this file's own small thread
+ * hand that round exactly as the plain C does (same bits on every path). The one-row kernels of a decode
+ * step run on this file's own small thread
  * pool (below: chunks claimed by whoever runs, so a descheduled thread stalls nobody); the row ops'
  * prefill-sized work and the bandwidth probe use OpenMP from the libgomp that torch has already loaded
  * (torch's thread pool). Built and loaded by native.py. */
@@ -34,7 +35,8 @@ static int clamp_threads(int threads) { return threads < 1 ? 1 : threads; }
  * caller starts at once and, when the chunks run out, waits only for chunks that a helper has already
  * claimed, never for a helper that has not shown up: a descheduled helper's share is done by whoever runs.
  * Helpers that find no work spin briefly (``spin_us``, default 50 µs: enough to stay awake between the
- * back-to-back kernels of one step) and then sleep on a futex, so an idle helper gives its core back; the caller, waiting for a claimed chunk, yields
+ * back-to-back kernels of one step) and then sleep on a futex, so an idle helper gives its core back; the
+ * caller, waiting for a claimed chunk, yields
  * after the same spin. Chunks are fixed by the problem (not by the thread count or by who ran them), so a
  * result does not depend on the thread count or on timing. One job at a time: a second concurrent caller
  * (another Python thread) runs its job inline. After fork() the child has no helpers; the caller then does
@@ -367,8 +369,10 @@ static void nk_chunk(void *p, long c) {
     const float *w = a->w, *x = a->x;
     float *y = a->y, o[4];
     if (i0 >= q) { /* the tail */
-        for (long r = 4 * q; r < n; r++) y[r] = act_of(a->bias ? dot1(w + r * k, x, k) + a->bias[r] : dot1(w + r * k, x, k),
-                                                    a->act);
+        for (long r = 4 * q; r < n; r++) {
+            float v = dot1(w + r * k, x, k);
+            y[r] = act_of(a->bias ? v + a->bias[r] : v, a->act);
+        }
         return;
     }
     for (long i = i0; i < i1; i++) {
@@ -409,8 +413,10 @@ static void kn_partial(void *p, long c) {
 #if defined(__AVX512F__) /* the loop below by hand (same roundings): the compiler's version was slower */
         const __m512 v0 = _mm512_set1_ps(x0), v1 = _mm512_set1_ps(x1), v2 = _mm512_set1_ps(x2), v3 = _mm512_set1_ps(x3);
         for (; j + HF_LANES <= n; j += HF_LANES) {
-            __m512 s01 = _mm512_add_ps(_mm512_mul_ps(v0, _mm512_loadu_ps(w0 + j)), _mm512_mul_ps(v1, _mm512_loadu_ps(w1 + j)));
-            __m512 s23 = _mm512_add_ps(_mm512_mul_ps(v2, _mm512_loadu_ps(w2 + j)), _mm512_mul_ps(v3, _mm512_loadu_ps(w3 + j)));
+            __m512 s01 = _mm512_add_ps(_mm512_mul_ps(v0, _mm512_loadu_ps(w0 + j)),
+                                       _mm512_mul_ps(v1, _mm512_loadu_ps(w1 + j)));
+            __m512 s23 = _mm512_add_ps(_mm512_mul_ps(v2, _mm512_loadu_ps(w2 + j)),
+                                       _mm512_mul_ps(v3, _mm512_loadu_ps(w3 + j)));
             _mm512_storeu_ps(acc + j, _mm512_add_ps(_mm512_loadu_ps(acc + j), _mm512_add_ps(s01, s23)));
         }
 #endif
