@@ -73,10 +73,7 @@ def packed_weight(w: torch.Tensor, weight_t: bool, rows: int) -> torch.Tensor:
     key = (id(w), weight_t, rows)
     got = _packed.get(key)
     if got is None:
-        # oneDNN reads any strides, but reorders a transposed view (GPT-2's Conv1D [K, N] weights) several times
-        # slower than a contiguous [N, K] copy made first (measured: bench/compile_cache.py's first-call time)
-        src = w.t().contiguous() if weight_t else w
-        got = torch.ops.mkldnn._reorder_linear_weight(src, rows)
+        got = torch.ops.mkldnn._reorder_linear_weight(w.t() if weight_t else w, rows)  # reads any strides
         _packed[key] = got
         weakref.finalize(w, _drop, key)
     return got
