@@ -16,7 +16,8 @@ The kernels, per instruction kind:
 * kernel, op-specific (registered): ``native:<fn>`` (one call of the native C kernel ``fn`` of
   :mod:`hetforge.kernels.native`: one-row GEMVs and the ``hetforge::`` row ops, writing the slice; a
   prefill rotary, many positions, is ``native:hf_rotary_pos``, which reads a transposed projection output with
-  its strides instead of copying it),
+  its strides instead of copying it; a bf16 instruction gets the ``_bf16`` twin of its fp32 kernel, and a one-row
+  bf16 ``linear``/``addmm``/``mm``/``linear_act`` ``native:hf_gemv_bf16``, not measured against oneDNN),
   ``split-gemv:<c>`` (a one-row product as one threaded ``bmm`` over ``c`` chunks, :mod:`hetforge.ops.gemv`),
   ``gemm-out`` (``linear`` as ``addmm.out``/``mm.out`` on 2-D views of input and slice, the weight
   transposed once at load — the same GEMM eager's ``linear`` runs);
