@@ -240,3 +240,34 @@ def test_bf16_generation_gives_the_tokens_of_the_onednn_aten_program(name):
     with native.disabled("the oneDNN/ATen bf16 engine"):
         ref = Engine(loaded).generate(prompt, params).tokens
     assert got == ref
+
+
+def test_prefill_rotary_over_positions_is_bit_equal_to_the_aten_chain():
+    g = torch.Generator().manual_seed(10)
+    x = torch.randn(1, 7, 3, 32, generator=g).to(BF).transpose(1, 2)  # [1, 3, 7, 32]: a transposed projection
+    cos, sin = torch.randn(1, 1, 7, 32, generator=g).to(BF), torch.randn(1, 1, 7, 32, generator=g).to(BF)
+    ref = torch.ops.hetforge.rotary(x, cos, sin)
+    y = torch.empty(ref.shape, dtype=BF)
+    native.rotary_positions(x, cos.data_ptr(), sin.data_ptr(), y.data_ptr(), 32, BF)
+    assert torch.equal(y, ref)
+    with pytest.raises(ValueError, match="bfloat16"):
+        native.rotary_positions(x.float(), cos.data_ptr(), sin.data_ptr(), y.data_ptr(), 32, BF)
+
+
+def test_a_compiled_bf16_prefill_uses_the_bf16_rotary_and_norm():
+    from hetforge.compile import compile_graph
+    from hetforge.frontend import capture
+    from hetforge.ir.kernel_choice import resolved_kernels
+    from hetforge.models.zoo import example_inputs, load_model
+
+    loaded = load_model("llama-tiny", dtype=BF)
+    module = loaded.logits_module().eval()
+    inputs = example_inputs(loaded, 16)
+    cg = capture(module, inputs, name="llama-tiny-bf16-prefill", stack_traces=False)
+    exe = compile_graph(cg.gm, soc="host", example_inputs=inputs, name="llama-tiny-bf16-prefill").executable
+    kernels = set(resolved_kernels(exe.program).values())
+    assert {"native:hf_rotary_pos_bf16", "native:hf_rms_norm_bf16"} <= kernels
+    with torch.no_grad():
+        got, ref = exe(*inputs).float(), module(*inputs).float()
+    assert (got.argmax(-1) == ref.argmax(-1)).float().mean().item() >= 0.9
+    assert (got - ref).abs().max().item() <= 8 * STEP * ref.abs().max().item()

@@ -396,10 +396,11 @@ class _Codegen:
                     f"{float(args['eps'])!r}, {nt})")
         elif fn == "hf_rotary":
             call = f"hf_rotary({p(x)}, {p(args['cos'])}, {p(args['sin'])}, {{y}}, {rows}, {d}, {nt})"
-        elif fn == "hf_rotary_pos":  # x read with its own strides (known at run time), in Python then C
+        elif fn in ("hf_rotary_pos", "hf_rotary_pos_bf16"):  # x read with its own strides (known at run time)
             cs = 0 if math.prod(self.p.values[args["cos"].id].shape) == d else d  # as lowering checked it
+            dt = "" if fn == "hf_rotary_pos" else f", {self.const(vo.dtype, 'dt')}"
             call = (f"{self.const(native.rotary_positions, 'f')}(r{x.id}, {p(args['cos'])}, {p(args['sin'])}, "
-                    f"{{y}}, {cs})")
+                    f"{{y}}, {cs}{dt})")
         elif fn in ("hf_gemv_q8", "hf_gemv_q8a"):  # int8 weights, one row (q8a: x quantized per block of 32)
             kk = math.prod(self.p.values[x.id].shape)
             call = (f"{fn}({p(args['qweight'])}, {p(args['scales'])}, {p(x)}, {p(args['bias'])}, {{y}}, {d}, "
@@ -452,7 +453,7 @@ class _Codegen:
                     f"{p(args['new_mask'])}, {{y}}, {self.g[scratch].data_ptr()}, {h}, {hkv}, {s}, {hd}, "
                     f"{float(args['scale'])!r}, {nt})")
         name, rest = call.split("(", 1)
-        if fn != "hf_rotary_pos":
+        if fn not in ("hf_rotary_pos", "hf_rotary_pos_bf16"):
             call = f"{self.const(getattr(lib, name), 'nk')}({rest}"
         self.stats.native_ops += 1
         if self.planned(o):

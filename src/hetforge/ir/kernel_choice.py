@@ -334,10 +334,11 @@ def rotary_cos_stride(lw: Lowering, a: Any, dev: torch.device, s: int, d: int) -
     fp32 operand on this CPU, or another broadcast)."""
     if not isinstance(a, Reg):
         return None
-    shape = tuple(lw.p.values[a.id].shape)
-    if lw.native_operand(a, dev, d) and shape[-1:] == (d,):
+    shape, dt = tuple(lw.p.values[a.id].shape), lw.p.values[a.id].dtype
+    dt = dt if dt == BF16 else torch.float32
+    if lw.native_operand(a, dev, d, dt) and shape[-1:] == (d,):
         return 0
-    if lw.native_operand(a, dev, s * d) and shape[-2:] == (s, d):
+    if lw.native_operand(a, dev, s * d, dt) and shape[-2:] == (s, d):
         return d
     return None
 
@@ -350,14 +351,15 @@ def _native_rotary_positions(lw: Lowering, ins: Instr, o: int, dev: torch.device
     if not isinstance(x, Reg) or d % 2:
         return None
     vx, vo = lw.p.values[x.id], lw.p.values[o]
-    if vx.dtype != torch.float32 or lw.dm[vx.device] != dev or len(vx.shape) != 4 or vx.stride[-1] != 1 \
-            or tuple(vx.shape) != tuple(vo.shape):
+    if vx.dtype not in (torch.float32, BF16) or vo.dtype != vx.dtype or lw.dm[vx.device] != dev \
+            or len(vx.shape) != 4 or vx.stride[-1] != 1 or tuple(vx.shape) != tuple(vo.shape):
         return None
     s = vx.shape[2]
     cs = rotary_cos_stride(lw, args["cos"], dev, s, d)
-    if cs is None or rotary_cos_stride(lw, args["sin"], dev, s, d) != cs:
+    if cs is None or rotary_cos_stride(lw, args["sin"], dev, s, d) != cs \
+            or any(lw.p.values[args[n].id].dtype != vx.dtype for n in ("cos", "sin")):
         return None
-    return "native:hf_rotary_pos"
+    return f"native:hf_rotary_pos{_bf16_suffix(vx.dtype)}"
 
 
 @native_row_op("hetforge.linear_w8.default")

@@ -1178,3 +1178,21 @@ void hf_decode_attention_bf16(const hf_bf16 *q, const hf_bf16 *k_new, const hf_b
     batt_ctx a = {q, k_new, v_new, k_cache, v_cache, mask, new_mask, out, scratch, scale, h, hkv, s, d};
     hf_run(bf16_att_head, &a, h, clamp_threads(threads));
 }
+
+/* hf_rotary_pos on bf16 (prefill: x [b, h, s, d] read with strides sb, sh, ss, cos/sin one row per position, row
+ * stride cs, or one row for all when cs = 0; y dense), rounded as hf_rotary_bf16 (bit-equal to ATen's chain). */
+void hf_rotary_pos_bf16(const hf_bf16 *x, const hf_bf16 *cos_, const hf_bf16 *sin_, hf_bf16 *y, long b, long nh,
+                        long s, long d, long sb, long sh, long ss, long cs, int threads) {
+    threads = clamp_threads(threads);
+    long h = d / 2, rows = b * nh * s;
+#pragma omp parallel for num_threads(threads) if (rows * d >= 65536) schedule(static)
+    for (long r = 0; r < rows; r++) {
+        long ib = r / (nh * s), ih = (r / s) % nh, is = r % s;
+        const hf_bf16 *xr = x + ib * sb + ih * sh + is * ss, *c = cos_ + is * cs, *sn = sin_ + is * cs;
+        hf_bf16 *yr = y + r * d;
+        for (long i = 0; i < d; i++) {
+            float rh = i < h ? -bf2f(xr[i + h]) : bf2f(xr[i - h]);
+            yr[i] = f2bf(bf2f(f2bf(bf2f(xr[i]) * bf2f(c[i]))) + bf2f(f2bf(rh * bf2f(sn[i]))));
+        }
+    }
+}

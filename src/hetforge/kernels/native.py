@@ -44,6 +44,7 @@ SIGNATURES = {
     "hf_layer_norm_bf16": [_P, _P, _P, _P, _L, _L, _F],
     "hf_decode_attention_bf16": [_P, _P, _P, _P, _P, _P, _P, _P, _P, _L, _L, _L, _L, _F, _I],
     "hf_bf16_path": [_I],
+    "hf_rotary_pos_bf16": [_P, _P, _P, _P, _L, _L, _L, _L, _L, _L, _L, _L, _I],
     "hf_rotary": [_P, _P, _P, _P, _L, _L, _I],
     "hf_rotary_pos": [_P, _P, _P, _P, _L, _L, _L, _L, _L, _L, _L, _L, _I],
     "hf_rms_norm": [_P, _P, _P, _L, _L, _F, _I],
@@ -354,17 +355,20 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return y
 
 
-def rotary_positions(x: torch.Tensor, cos_ptr: int, sin_ptr: int, y_ptr: int, cos_stride: int) -> None:
+def rotary_positions(x: torch.Tensor, cos_ptr: int, sin_ptr: int, y_ptr: int, cos_stride: int,
+                     dtype: torch.dtype = torch.float32) -> None:
     """Hugging Face rotary of a 4-D fp32 ``x`` ``[b, h, s, d]`` over many positions (``hf_rotary_pos``: read with
     ``x``'s own strides, e.g. a transposed projection output, no copy) into the dense ``[b, h, s, d]`` at
     ``y_ptr``; ``cos``/``sin`` hold one row of ``d`` floats per position (``cos_stride = d``) or one row for all
     (``0``). The executor calls it with pointers it checked at lowering; ``x`` is checked here (its layout is
-    known only at run time): a last dim that is not dense, or not fp32 on the CPU, is refused."""
-    if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 4 or x.stride(3) != 1:
-        raise ValueError(f"hf_rotary_pos needs a 4-D float32 CPU tensor with a dense last dim, got {x.dtype} "
-                         f"{tuple(x.shape)} strides {x.stride()} on {x.device}")
+    known only at run time): a last dim that is not dense, or not ``dtype`` (fp32; bf16: ``hf_rotary_pos_bf16``) on
+    the CPU, is refused."""
+    if x.dtype != dtype or x.device.type != "cpu" or x.dim() != 4 or x.stride(3) != 1:
+        raise ValueError(f"hf_rotary_pos needs a 4-D {str(dtype).removeprefix('torch.')} CPU tensor with a dense "
+                         f"last dim, got {x.dtype} {tuple(x.shape)} strides {x.stride()} on {x.device}")
     b, h, s, d = x.shape
-    library().hf_rotary_pos(x.data_ptr(), cos_ptr, sin_ptr, y_ptr, b, h, s, d, x.stride(0), x.stride(1),
+    fn = library().hf_rotary_pos if dtype == torch.float32 else library().hf_rotary_pos_bf16
+    fn(x.data_ptr(), cos_ptr, sin_ptr, y_ptr, b, h, s, d, x.stride(0), x.stride(1),
                             x.stride(2), cos_stride, torch.get_num_threads())
 
 
