@@ -271,3 +271,19 @@ def test_a_compiled_bf16_prefill_uses_the_bf16_rotary_and_norm():
         got, ref = exe(*inputs).float(), module(*inputs).float()
     assert (got.argmax(-1) == ref.argmax(-1)).float().mean().item() >= 0.9
     assert (got - ref).abs().max().item() <= 8 * STEP * ref.abs().max().item()
+
+
+def test_prefill_sized_norms_split_over_threads_give_the_same_bits():
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(200, 768, generator=g).to(BF)  # large enough for the OpenMP split
+    w, b = torch.randn(768, generator=g).to(BF), torch.randn(768, generator=g).to(BF)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = native.rms_norm_bf16(x, w, 1e-6), native.layer_norm_bf16(x, w, b, 1e-5)
+        torch.set_num_threads(2)
+        two = native.rms_norm_bf16(x, w, 1e-6), native.layer_norm_bf16(x, w, b, 1e-5)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one[0], two[0]) and torch.equal(one[1], two[1])
+    _close(two[0], torch.ops.hetforge.rms_norm(x, w, 1e-6), 1.0, equal_frac=0.95)

@@ -430,12 +430,13 @@ class _Codegen:
             call = (f"hf_gemv_bf16({p(w)}, {p(x)}, {p(b)}, {{y}}, {d}, {kk}, {int(wt)}, {native.ACT_CODES[act]}, "
                     f"{nt}, {part})")
         elif fn == "hf_rms_norm_bf16":
-            call = f"hf_rms_norm_bf16({p(x)}, {p(args['weight'])}, {{y}}, {rows}, {d}, {float(args['eps'])!r})"
+            call = (f"hf_rms_norm_bf16({p(x)}, {p(args['weight'])}, {{y}}, {rows}, {d}, {float(args['eps'])!r}, "
+                    f"{nt})")
         elif fn == "hf_layer_norm_bf16":
             call = (f"hf_layer_norm_bf16({p(x)}, {p(args['weight'])}, {p(args['bias'])}, {{y}}, {rows}, {d}, "
-                    f"{float(args['eps'])!r})")
+                    f"{float(args['eps'])!r}, {nt})")
         elif fn == "hf_rotary_bf16":
-            call = f"hf_rotary_bf16({p(x)}, {p(args['cos'])}, {p(args['sin'])}, {{y}}, {rows}, {d})"
+            call = f"hf_rotary_bf16({p(x)}, {p(args['cos'])}, {p(args['sin'])}, {{y}}, {rows}, {d}, {nt})"
         elif fn == "hf_decode_attention_bf16":
             q, k, v, kc, vc = (args[n] for n in ("q", "k", "v", "k_cache", "v_cache"))
             sq, sk, sc = (self.p.values[a.id].shape for a in (q, k, kc))

@@ -1078,8 +1078,11 @@ void hf_gated_mlp_bf16(const hf_bf16 *x, const hf_bf16 *wg, const hf_bf16 *wu, c
 
 /* Rotary on bf16 rows, one position: y = round(round(x*cos) + round(rotate_half(x)*sin)): every step of ATen's
  * bf16 chain rounded as it rounds (bit-equal to it). */
-void hf_rotary_bf16(const hf_bf16 *x, const hf_bf16 *cos_, const hf_bf16 *sin_, hf_bf16 *y, long rows, long d) {
+void hf_rotary_bf16(const hf_bf16 *x, const hf_bf16 *cos_, const hf_bf16 *sin_, hf_bf16 *y, long rows, long d,
+                    int threads) {
+    threads = clamp_threads(threads);
     long h = d / 2;
+#pragma omp parallel for num_threads(threads) if (rows * d >= 65536) schedule(static)
     for (long r = 0; r < rows; r++) {
         const hf_bf16 *xr = x + r * d;
         hf_bf16 *yr = y + r * d;
@@ -1091,7 +1094,9 @@ void hf_rotary_bf16(const hf_bf16 *x, const hf_bf16 *cos_, const hf_bf16 *sin_, 
 }
 
 /* Hugging Face RMSNorm of bf16 rows: h = round(x * (1 / sqrt(mean(x^2) + eps))) in fp32, y = round(w * h). */
-void hf_rms_norm_bf16(const hf_bf16 *x, const hf_bf16 *w, hf_bf16 *y, long rows, long d, float eps) {
+void hf_rms_norm_bf16(const hf_bf16 *x, const hf_bf16 *w, hf_bf16 *y, long rows, long d, float eps, int threads) {
+    threads = clamp_threads(threads);
+#pragma omp parallel for num_threads(threads) if (rows * d >= 65536) schedule(static)
     for (long r = 0; r < rows; r++) {
         const hf_bf16 *xr = x + r * d;
         hf_bf16 *yr = y + r * d;
@@ -1109,7 +1114,9 @@ void hf_rms_norm_bf16(const hf_bf16 *x, const hf_bf16 *w, hf_bf16 *y, long rows,
 /* LayerNorm of bf16 rows in fp32 (biased variance, two passes), rounded once: ATen's bf16 layer_norm does the
  * same (fp32 statistics and affine, one rounding), summing in its own order. */
 void hf_layer_norm_bf16(const hf_bf16 *x, const hf_bf16 *w, const hf_bf16 *b, hf_bf16 *y, long rows, long d,
-                        float eps) {
+                        float eps, int threads) {
+    threads = clamp_threads(threads);
+#pragma omp parallel for num_threads(threads) if (rows * d >= 65536) schedule(static)
     for (long r = 0; r < rows; r++) {
         const hf_bf16 *xr = x + r * d;
         hf_bf16 *yr = y + r * d;

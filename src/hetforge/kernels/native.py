@@ -39,9 +39,9 @@ SIGNATURES = {
     "hf_gemv_kn": [_P, _P, _P, _P, _L, _L, _I, _P, _I],
     "hf_gemv_bf16": [_P, _P, _P, _P, _L, _L, _I, _I, _I, _P, _I],
     "hf_gated_mlp_bf16": [_P, _P, _P, _P, _P, _P, _L, _L, _I, _I],
-    "hf_rotary_bf16": [_P, _P, _P, _P, _L, _L],
-    "hf_rms_norm_bf16": [_P, _P, _P, _L, _L, _F],
-    "hf_layer_norm_bf16": [_P, _P, _P, _P, _L, _L, _F],
+    "hf_rotary_bf16": [_P, _P, _P, _P, _L, _L, _I],
+    "hf_rms_norm_bf16": [_P, _P, _P, _L, _L, _F, _I],
+    "hf_layer_norm_bf16": [_P, _P, _P, _P, _L, _L, _F, _I],
     "hf_decode_attention_bf16": [_P, _P, _P, _P, _P, _P, _P, _P, _P, _L, _L, _L, _L, _F, _I],
     "hf_bf16_path": [_I],
     "hf_rotary_pos_bf16": [_P, _P, _P, _P, _L, _L, _L, _L, _L, _L, _L, _L, _I],
@@ -513,7 +513,8 @@ def rms_norm_bf16(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> t
     """Hugging Face RMSNorm of bf16 rows (fp32 statistics, ATen's two roundings)."""
     y = torch.empty_like(x)
     d = x.shape[-1]
-    library().hf_rms_norm_bf16(x.data_ptr(), _ptr(weight), y.data_ptr(), x.numel() // d, d, eps)
+    library().hf_rms_norm_bf16(x.data_ptr(), _ptr(weight), y.data_ptr(), x.numel() // d, d, eps,
+                                torch.get_num_threads())
     return y
 
 
@@ -522,7 +523,8 @@ def layer_norm_bf16(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Te
     """LayerNorm of bf16 rows over the last dim (fp32 inside, one rounding)."""
     y = torch.empty_like(x)
     d = x.shape[-1]
-    library().hf_layer_norm_bf16(x.data_ptr(), _ptr(weight), _ptr(bias), y.data_ptr(), x.numel() // d, d, eps)
+    library().hf_layer_norm_bf16(x.data_ptr(), _ptr(weight), _ptr(bias), y.data_ptr(), x.numel() // d, d, eps,
+                                  torch.get_num_threads())
     return y
 
 
@@ -530,7 +532,8 @@ def rotary_bf16(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     """Hugging Face rotary of bf16 rows with one position's ``cos``/``sin`` row (bit-equal to ATen's bf16 chain)."""
     y = torch.empty(x.shape, dtype=x.dtype)
     d = x.shape[-1]
-    library().hf_rotary_bf16(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), y.data_ptr(), x.numel() // d, d)
+    library().hf_rotary_bf16(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), y.data_ptr(), x.numel() // d, d,
+                             torch.get_num_threads())
     return y
 
 
