@@ -1143,6 +1143,37 @@ typedef struct {
     long h, hkv, s, d;
 } batt_ctx;
 
+/* q (fp32) . k (bf16) over d, and o += w * v (bf16) over d: AVX-512 16 at a time when d is a multiple of 16. */
+static inline float bf16_qk(const float *q, const hf_bf16 *k, long d) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    if (d % 16 == 0) {
+        __m512 a = _mm512_setzero_ps();
+        for (long c = 0; c < d; c += 16)
+            a = _mm512_fmadd_ps(_mm512_loadu_ps(q + c),
+                                _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(k + c))), 16)), a);
+        return _mm512_reduce_add_ps(a);
+    }
+#endif
+    float dt = 0.f;
+#pragma omp simd reduction(+ : dt)
+    for (long c = 0; c < d; c++) dt += q[c] * bf2f(k[c]);
+    return dt;
+}
+
+static inline void bf16_axpy(float *o, float w, const hf_bf16 *v, long d) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    if (d % 16 == 0) {
+        const __m512 wv = _mm512_set1_ps(w);
+        for (long c = 0; c < d; c += 16)
+            _mm512_storeu_ps(o + c, _mm512_fmadd_ps(wv, _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(v + c))), 16)), _mm512_loadu_ps(o + c)));
+        return;
+    }
+#endif
+#pragma omp simd
+    for (long c = 0; c < d; c++) o[c] += w * bf2f(v[c]);
+}
+
 /* One head of the bf16 decode attention, in fp32 (scores, softmax, weighted sum), the output rounded once.
  * Scratch per head: s + 1 scores, then d floats of q and d of the output. */
 static void bf16_att_head(void *p, long i) {
@@ -1154,10 +1185,7 @@ static void bf16_att_head(void *p, long i) {
     float mx = -INFINITY;
     for (long t = 0; t <= s; t++) {
         const hf_bf16 *kr = t < s ? kc + t * d : a->k_new + j * d;
-        float dt = 0.f;
-#pragma omp simd reduction(+ : dt)
-        for (long c = 0; c < d; c++) dt += qi[c] * bf2f(kr[c]);
-        float v = scale * dt + (t < s ? bf2f(a->mask[t]) : a->new_mask ? bf2f(*a->new_mask) : 0.f);
+        float v = scale * bf16_qk(qi, kr, d) + (t < s ? bf2f(a->mask[t]) : a->new_mask ? bf2f(*a->new_mask) : 0.f);
         pr[t] = v;
         if (v > mx) mx = v;
     }
@@ -1171,9 +1199,7 @@ static void bf16_att_head(void *p, long i) {
     for (long t = 0; t <= s; t++) {
         float wt = pr[t] * iz;
         if (wt == 0.f) continue;
-        const hf_bf16 *vr = t < s ? vc + t * d : a->v_new + j * d;
-#pragma omp simd
-        for (long c = 0; c < d; c++) o[c] += wt * bf2f(vr[c]);
+        bf16_axpy(o, wt, t < s ? vc + t * d : a->v_new + j * d, d);
     }
     for (long c = 0; c < d; c++) a->out[i * d + c] = f2bf(o[c]);
 }
