@@ -7,11 +7,13 @@ that: it reads the kernel that lowering recorded on the instruction (``attrs["ke
 :func:`hetforge.ir.kernel_choice.resolved_kernels`) and prices it (:func:`cost_mode`):
 
 * ``native:<fn>`` of a ``hetforge::`` row op: one native kernel writing its slice — one roofline under the
-  calibrated ``native`` efficiency and overhead (:func:`hetforge.cost.estimate_parts`);
+  calibrated ``native`` efficiency and overhead (:func:`hetforge.cost.estimate_parts`); the bf16 kernels
+  (``native:<fn>_bf16``, and ``native:hf_gemv_bf16`` of a ``linear_act``) the same way, over bf16 bytes;
 * ``elided`` (a view that returns its input) and ``static-view`` (made once at build time): free;
 * views and in-place ops: the op's cost (a view costs one dispatch and its fitted overhead);
 * an unplanned result (``fresh``: a graph output), ``onednn``, and every kernel that writes the slice itself
-  (``gemm-out``, ``split-gemv``, the native GEMVs, ``copy-into``, ``out-variant``; ``unplanned`` in mode
+  (``gemm-out``, ``split-gemv``, the native GEMVs — fp32, and ``native:hf_gemv_bf16`` of a
+  ``linear``/``addmm``/``mm`` —, ``copy-into``, ``out-variant``; ``unplanned`` in mode
   ``fast``): the op's cost only;
 * ``functional-copy``: the functional op, then ``slice.copy_(result)`` — the op's cost plus one
   ``aten.copy_.default`` of every planned output (``F = n``, ``B = 2·bytes(out)``, the ``aten.copy_.default``
@@ -44,7 +46,14 @@ from typing import Any
 from hetforge.cost.context import CacheContext
 from hetforge.cost.model import OpCost, estimate_parts
 from hetforge.hardware.profile import DeviceProfile, row_band
-from hetforge.ir.kernel_choice import ATEN_PRODUCTS, NATIVE_GEMV, PERMUTING_VIEWS, onednn_known, program_kernels
+from hetforge.ir.kernel_choice import (
+    ATEN_PRODUCTS,
+    NATIVE_GEMV,
+    NATIVE_GEMV_BF16,
+    PERMUTING_VIEWS,
+    onednn_known,
+    program_kernels,
+)
 from hetforge.ir.program import INPLACE, KERNEL, TRANSFER, VIEW, Instr, Program, Reg, map_regs
 from hetforge.ops.registry import OpCall, TensorMeta, lookup
 
@@ -88,7 +97,8 @@ def _kernel_keys(call: OpCall, device: DeviceProfile, mode: str | None, recorded
 def cost_mode(ins: Instr, planned, kernel: str) -> str:
     """How the recorded ``kernel`` of ``ins`` is priced: ``native``, ``free``, ``view``, ``inplace``,
     ``transfer``, ``fresh``, ``view-copy``, ``copy`` or ``out`` (see the module docstring)."""
-    if kernel.startswith("native:") and kernel not in NATIVE_GEMV:
+    if kernel.startswith("native:") and kernel not in NATIVE_GEMV \
+            and not (kernel == NATIVE_GEMV_BF16 and ins.op in ATEN_PRODUCTS):
         return "native"
     if kernel in ("elided", "static-view"):
         return "free"

@@ -374,7 +374,9 @@ class _Codegen:
             return str(t.data_ptr())
         self.sites += 1
         self.g.setdefault("_keep", {})
-        return f"{self.const(native.contiguous_ptr, 'f')}(r{vid}, _keep, {self.sites})"
+        dt = self.p.values[vid].dtype  # bf16 for the _bf16 kernels (lowering checked every operand's dtype)
+        extra = "" if dt == torch.float32 else f", {self.const(dt, 'dt')}"
+        return f"{self.const(native.contiguous_ptr, 'f')}(r{vid}, _keep, {self.sites}{extra})"
 
     def native_op(self, ins, o: int, dev: torch.device, fn: str) -> str:
         """A ``hetforge::`` row op (rms_norm, layer_norm, rotary, one-row kv_attention, linear_act, gated_mlp,
@@ -394,10 +396,11 @@ class _Codegen:
                     f"{float(args['eps'])!r}, {nt})")
         elif fn == "hf_rotary":
             call = f"hf_rotary({p(x)}, {p(args['cos'])}, {p(args['sin'])}, {{y}}, {rows}, {d}, {nt})"
-        elif fn == "hf_rotary_pos":  # x read with its own strides (known at run time), in Python then C
+        elif fn in ("hf_rotary_pos", "hf_rotary_pos_bf16"):  # x read with its own strides (known at run time)
             cs = 0 if math.prod(self.p.values[args["cos"].id].shape) == d else d  # as lowering checked it
+            dt = "" if fn == "hf_rotary_pos" else f", {self.const(vo.dtype, 'dt')}"
             call = (f"{self.const(native.rotary_positions, 'f')}(r{x.id}, {p(args['cos'])}, {p(args['sin'])}, "
-                    f"{{y}}, {cs})")
+                    f"{{y}}, {cs}{dt})")
         elif fn in ("hf_gemv_q8", "hf_gemv_q8a"):  # int8 weights, one row (q8a: x quantized per block of 32)
             kk = math.prod(self.p.values[x.id].shape)
             call = (f"{fn}({p(args['qweight'])}, {p(args['scales'])}, {p(x)}, {p(args['bias'])}, {{y}}, {d}, "
@@ -408,13 +411,40 @@ class _Codegen:
             part = self.gemv_scratch(d)
             call = (f"hf_linear_act({p(w)}, {p(x)}, {p(args['bias'])}, {{y}}, {d}, {kk}, {int(wt)}, "
                     f"{native.ACT_CODES[args['act']]}, {nt}, {part.data_ptr()}, {part.shape[0]})")
-        elif fn == "hf_gated_mlp":
+        elif fn in ("hf_gated_mlp", "hf_gated_mlp_bf16"):
             wg, wu, wd = args["w_gate"], args["w_up"], args["w_down"]
             dm = math.prod(self.p.values[x.id].shape)
             f = self.p.values[wg.id].shape[0]
-            h = "{y}" if wd is None else str(self.g[self.const(torch.empty(f, dtype=torch.float32), "scr")].data_ptr())
-            call = (f"hf_gated_mlp({p(x)}, {p(wg)}, {p(wu)}, {p(wd)}, {h}, {{y}}, {f}, {dm}, "
+            h = "{y}" if wd is None else str(self.g[self.const(torch.empty(f, dtype=vo.dtype), "scr")].data_ptr())
+            call = (f"{fn}({p(x)}, {p(wg)}, {p(wu)}, {p(wd)}, {h}, {{y}}, {f}, {dm}, "
                     f"{native.ACT_CODES[args['act']]}, {nt})")
+        elif fn == "hf_gemv_bf16":  # one bf16 row: linear / addmm / mm, or linear_act with its activation
+            gops = gemm_operands(ins)
+            if gops is not None:
+                x, w, b, wt = gops
+                act = "none"
+            else:
+                x, w, b, wt, act = args["x"], args["weight"], args["bias"], bool(args["weight_t"]), args["act"]
+            kk = math.prod(self.p.values[x.id].shape)
+            part = f"{self.gemv_scratch(d).data_ptr()}, {self.gemv_scratch(d).shape[0]}" if wt else "None, 0"
+            call = (f"hf_gemv_bf16({p(w)}, {p(x)}, {p(b)}, {{y}}, {d}, {kk}, {int(wt)}, {native.ACT_CODES[act]}, "
+                    f"{nt}, {part})")
+        elif fn == "hf_rms_norm_bf16":
+            call = (f"hf_rms_norm_bf16({p(x)}, {p(args['weight'])}, {{y}}, {rows}, {d}, {float(args['eps'])!r}, "
+                    f"{nt})")
+        elif fn == "hf_layer_norm_bf16":
+            call = (f"hf_layer_norm_bf16({p(x)}, {p(args['weight'])}, {p(args['bias'])}, {{y}}, {rows}, {d}, "
+                    f"{float(args['eps'])!r}, {nt})")
+        elif fn == "hf_rotary_bf16":
+            call = f"hf_rotary_bf16({p(x)}, {p(args['cos'])}, {p(args['sin'])}, {{y}}, {rows}, {d}, {nt})"
+        elif fn == "hf_decode_attention_bf16":
+            q, k, v, kc, vc = (args[n] for n in ("q", "k", "v", "k_cache", "v_cache"))
+            sq, sk, sc = (self.p.values[a.id].shape for a in (q, k, kc))
+            h, hd, hkv, s = sq[1], sq[3], sk[1], sc[2]
+            scratch = self.const(torch.empty(native.attention_scratch_floats(h, s, hd), dtype=torch.float32), "scr")
+            call = (f"hf_decode_attention_bf16({p(q)}, {p(k)}, {p(v)}, {p(kc)}, {p(vc)}, {p(args['cache_mask'])}, "
+                    f"{p(args['new_mask'])}, {{y}}, {self.g[scratch].data_ptr()}, {h}, {hkv}, {s}, {hd}, "
+                    f"{float(args['scale'])!r}, {nt})")
         else:  # hf_decode_attention: kv_attention, one new row
             q, k, v, kc, vc = (args[n] for n in ("q", "k", "v", "k_cache", "v_cache"))
             sq, sk, sc = (self.p.values[a.id].shape for a in (q, k, kc))
@@ -424,14 +454,14 @@ class _Codegen:
                     f"{p(args['new_mask'])}, {{y}}, {self.g[scratch].data_ptr()}, {h}, {hkv}, {s}, {hd}, "
                     f"{float(args['scale'])!r}, {nt})")
         name, rest = call.split("(", 1)
-        if fn != "hf_rotary_pos":
+        if fn not in ("hf_rotary_pos", "hf_rotary_pos_bf16"):
             call = f"{self.const(getattr(lib, name), 'nk')}({rest}"
         self.stats.native_ops += 1
         if self.planned(o):
             buf = self.buffer(o)
             return call.format(y=self.g[buf].data_ptr()) + f"; r{o} = {buf}"
         fresh = self.const(torch.empty, "f")
-        return f"r{o} = {fresh}({tuple(vo.shape)}, dtype={self.const(torch.float32, 'dt')}); " + \
+        return f"r{o} = {fresh}({tuple(vo.shape)}, dtype={self.const(vo.dtype, 'dt')}); " + \
             call.format(y=f"r{o}.data_ptr()")
 
     def split_gemv(self, x: Reg, w: torch.Tensor, b: Any, c: int, weight_t: bool, o: int, dev: torch.device) -> str:

@@ -16,7 +16,8 @@ The kernels, per instruction kind:
 * kernel, op-specific (registered): ``native:<fn>`` (one call of the native C kernel ``fn`` of
   :mod:`hetforge.kernels.native`: one-row GEMVs and the ``hetforge::`` row ops, writing the slice; a
   prefill rotary, many positions, is ``native:hf_rotary_pos``, which reads a transposed projection output with
-  its strides instead of copying it),
+  its strides instead of copying it; a bf16 instruction gets the ``_bf16`` twin of its fp32 kernel, and a one-row
+  bf16 ``linear``/``addmm``/``mm``/``linear_act`` ``native:hf_gemv_bf16``, not measured against oneDNN),
   ``split-gemv:<c>`` (a one-row product as one threaded ``bmm`` over ``c`` chunks, :mod:`hetforge.ops.gemv`),
   ``gemm-out`` (``linear`` as ``addmm.out``/``mm.out`` on 2-D views of input and slice, the weight
   transposed once at load — the same GEMM eager's ``linear`` runs);
@@ -59,6 +60,9 @@ MODES = ("arena", "fast")
 GEMM_OPS = ("aten.linear.default", "aten.addmm.default", "aten.mm.default")
 ONEDNN_OPS = GEMM_OPS + ("hetforge.linear_act.default", "hetforge.gated_mlp.default")
 NATIVE_GEMV = ("native:hf_gemv_nk", "native:hf_gemv_kn")  # one-row products (costed as the op itself)
+# one bf16 row of a linear/addmm/mm (costed as the op itself, as NATIVE_GEMV) or of a linear_act
+NATIVE_GEMV_BF16 = "native:hf_gemv_bf16"
+BF16 = torch.bfloat16
 # kernels that leave the register bound to its arena slice (a later view of it can be made at build time)
 WRITES_SLICE = ("gemm-out", "copy-into", "out-variant", "functional-copy", "transfer-copy")
 # views that return their input (or an equal view of it) when shape and dtype do not change
@@ -181,12 +185,14 @@ class Lowering:
             self._moved[(vid, str(dev))] = t.to(dev)
         return self._moved[(vid, str(dev))]
 
-    def native_operand(self, a: Any, dev: torch.device, numel: int | None = None) -> bool:
-        """Whether ``a`` is a register a native kernel can read: fp32, contiguous, on this CPU (and ``numel``)."""
+    def native_operand(self, a: Any, dev: torch.device, numel: int | None = None,
+                       dtype: torch.dtype = torch.float32) -> bool:
+        """Whether ``a`` is a register a native kernel can read: ``dtype`` (fp32, or bf16 for the ``_bf16``
+        kernels), contiguous, on this CPU (and ``numel``)."""
         if not isinstance(a, Reg):
             return False
         v = self.p.values[a.id]
-        return (v.dtype == torch.float32 and v.is_contiguous and self.dm[v.device] == dev
+        return (v.dtype == dtype and v.is_contiguous and self.dm[v.device] == dev
                 and (numel is None or math.prod(v.shape) == numel))
 
     def is_weight(self, a: Any) -> bool:
@@ -225,6 +231,8 @@ def _gemm(lw: Lowering, ins: Instr, o: int, dev: torch.device) -> str | None:
     if wt is not None and wt.is_contiguous():  # one row on the CPU
         if _native_gemv_fits(lw, x, wt, b, weight_t, o, dev):
             return NATIVE_GEMV[weight_t]
+        if _native_bf16_gemv_fits(lw, x, wt, b, weight_t, o, dev):
+            return NATIVE_GEMV_BF16
         c = gemv.chunks_for(wt.shape[0])  # N of an [N, K] weight (split over outputs), K of a [K, N] one
         if c is not None:
             return f"split-gemv:{c}"
@@ -249,13 +257,33 @@ def _native_gemv_fits(lw: Lowering, x: Reg, w: torch.Tensor, b: Any, weight_t: b
     return vb.dtype == vx.dtype and vb.is_contiguous and math.prod(vb.shape) == n and lw.dm[vb.device] == dev
 
 
+def _native_bf16_gemv_fits(lw: Lowering, x: Reg, w: torch.Tensor, b: Any, weight_t: bool, o: int,
+                           dev: torch.device) -> bool:
+    """Whether ``hf_gemv_bf16`` runs this one-row product: input, output, weight (and a bias that is a contiguous
+    ``[N]``) bf16 on this CPU, the library built. Chosen over oneDNN's bf16 linear without measuring: one row
+    is a bandwidth-bound stream, which the native kernel reads at the host's stream rate (the fp32 GEMV's rule)."""
+    vx, vo = lw.p.values[x.id], lw.p.values[o]
+    k, n = (w.shape if weight_t else (w.shape[1], w.shape[0]))
+    if dev.type != "cpu" or vx.dtype != BF16 or vo.dtype != BF16 or w.dim() != 2 or not native.bf16_fits(w) \
+            or lw.dm[vx.device] != dev or vx.shape[-1] != k or math.prod(vo.shape) != n:
+        return False
+    if b is None:
+        return True
+    vb = lw.p.values[b.id]
+    if vb.kind == WEIGHT:
+        bt = lw.weight(b.id, dev)
+        return native.bf16_fits(bt) and bt.numel() == n
+    return vb.dtype == BF16 and vb.is_contiguous and math.prod(vb.shape) == n and lw.dm[vb.device] == dev
+
+
 def _row_shape(lw: Lowering, ins: Instr, o: int, dev: torch.device) -> tuple[dict, int, int] | None:
-    """Bound arguments, rows and last dim of a ``hetforge::`` row op the native kernels may run, or None."""
+    """Bound arguments, rows and last dim of a ``hetforge::`` row op the native kernels may run (fp32, or bf16
+    for the ``_bf16`` kernels), or None."""
     if dev.type != "cpu" or native.library() is None:
         return None
     args = bind_args(ins)
     vo = lw.p.values[o]
-    if args is None or vo.dtype != torch.float32 or not vo.is_contiguous or not vo.shape:
+    if args is None or vo.dtype not in (torch.float32, BF16) or not vo.is_contiguous or not vo.shape:
         return None
     d = vo.shape[-1]
     return args, math.prod(vo.shape) // d, d
@@ -273,26 +301,31 @@ def native_row_op(*ops: str):
     return deco
 
 
-def _optional(lw: Lowering, a: Any, dev: torch.device, n: int) -> bool:
-    return a is None or lw.native_operand(a, dev, n)
+def _optional(lw: Lowering, a: Any, dev: torch.device, n: int, dtype: torch.dtype = torch.float32) -> bool:
+    return a is None or lw.native_operand(a, dev, n, dtype)
+
+
+def _bf16_suffix(dt: torch.dtype) -> str:
+    """``_bf16`` for a bf16 instruction (its kernel is the fp32 one's ``_bf16`` twin in native.c), else ``""``."""
+    return "_bf16" if dt == BF16 else ""
 
 
 @native_row_op("hetforge.rms_norm.default", "hetforge.layer_norm.default", "hetforge.rotary.default")
 def _native_row(lw: Lowering, ins: Instr, o: int, dev: torch.device, args: dict, rows: int,
                 d: int) -> str | None:
-    x = args["x"]
-    if not lw.native_operand(x, dev, rows * d) or lw.p.values[x.id].shape != lw.p.values[o].shape:
+    x, dt = args["x"], lw.p.values[o].dtype
+    if not lw.native_operand(x, dev, rows * d, dt) or lw.p.values[x.id].shape != lw.p.values[o].shape:
         return _native_rotary_positions(lw, ins, o, dev, args, d) if ins.op == "hetforge.rotary.default" else None
     if ins.op == "hetforge.rms_norm.default":
-        ok, fn = _optional(lw, args["weight"], dev, d), "hf_rms_norm"
+        ok, fn = _optional(lw, args["weight"], dev, d, dt), "hf_rms_norm"
     elif ins.op == "hetforge.layer_norm.default":
-        ok = list(args["normalized_shape"]) == [d] and _optional(lw, args["weight"], dev, d) \
-            and _optional(lw, args["bias"], dev, d)
+        ok = list(args["normalized_shape"]) == [d] and _optional(lw, args["weight"], dev, d, dt) \
+            and _optional(lw, args["bias"], dev, d, dt)
         fn = "hf_layer_norm"
     else:
-        ok = not d % 2 and lw.native_operand(args["cos"], dev, d) and lw.native_operand(args["sin"], dev, d)
+        ok = not d % 2 and lw.native_operand(args["cos"], dev, d, dt) and lw.native_operand(args["sin"], dev, d, dt)
         fn = "hf_rotary"
-    return f"native:{fn}" if ok else None
+    return f"native:{fn}{_bf16_suffix(dt)}" if ok else None
 
 
 def rotary_cos_stride(lw: Lowering, a: Any, dev: torch.device, s: int, d: int) -> int | None:
@@ -301,10 +334,11 @@ def rotary_cos_stride(lw: Lowering, a: Any, dev: torch.device, s: int, d: int) -
     fp32 operand on this CPU, or another broadcast)."""
     if not isinstance(a, Reg):
         return None
-    shape = tuple(lw.p.values[a.id].shape)
-    if lw.native_operand(a, dev, d) and shape[-1:] == (d,):
+    shape, dt = tuple(lw.p.values[a.id].shape), lw.p.values[a.id].dtype
+    dt = dt if dt == BF16 else torch.float32
+    if lw.native_operand(a, dev, d, dt) and shape[-1:] == (d,):
         return 0
-    if lw.native_operand(a, dev, s * d) and shape[-2:] == (s, d):
+    if lw.native_operand(a, dev, s * d, dt) and shape[-2:] == (s, d):
         return d
     return None
 
@@ -317,14 +351,15 @@ def _native_rotary_positions(lw: Lowering, ins: Instr, o: int, dev: torch.device
     if not isinstance(x, Reg) or d % 2:
         return None
     vx, vo = lw.p.values[x.id], lw.p.values[o]
-    if vx.dtype != torch.float32 or lw.dm[vx.device] != dev or len(vx.shape) != 4 or vx.stride[-1] != 1 \
-            or tuple(vx.shape) != tuple(vo.shape):
+    if vx.dtype not in (torch.float32, BF16) or vo.dtype != vx.dtype or lw.dm[vx.device] != dev \
+            or len(vx.shape) != 4 or vx.stride[-1] != 1 or tuple(vx.shape) != tuple(vo.shape):
         return None
     s = vx.shape[2]
     cs = rotary_cos_stride(lw, args["cos"], dev, s, d)
-    if cs is None or rotary_cos_stride(lw, args["sin"], dev, s, d) != cs:
+    if cs is None or rotary_cos_stride(lw, args["sin"], dev, s, d) != cs \
+            or any(lw.p.values[args[n].id].dtype != vx.dtype for n in ("cos", "sin")):
         return None
-    return "native:hf_rotary_pos"
+    return f"native:hf_rotary_pos{_bf16_suffix(vx.dtype)}"
 
 
 @native_row_op("hetforge.linear_w8.default")
@@ -346,36 +381,36 @@ def _native_w8(lw: Lowering, ins: Instr, o: int, dev: torch.device, args: dict, 
 @native_row_op("hetforge.linear_act.default")
 def _native_linear_act(lw: Lowering, ins: Instr, o: int, dev: torch.device, args: dict, rows: int,
                        d: int) -> str | None:
-    """One row of ``act(x·W + b)`` on the native fused kernel."""
-    x, w, wt = args["x"], args["weight"], bool(args["weight_t"])
-    if not (lw.native_operand(x, dev) and lw.is_weight(w)):
+    """One row of ``act(x·W + b)`` on the native fused kernel (``hf_gemv_bf16`` with its activation for bf16)."""
+    x, w, wt, dt = args["x"], args["weight"], bool(args["weight_t"]), lw.p.values[o].dtype
+    if not (lw.native_operand(x, dev, None, dt) and lw.is_weight(w)):
         return None
     ws = lw.p.values[w.id].shape
     kk = math.prod(lw.p.values[x.id].shape)
     if rows != 1 or args["act"] in ("none", None) or args["act"] not in native.ACT_CODES or len(ws) != 2 \
             or ws != ((kk, d) if wt else (d, kk)) \
-            or not (lw.native_operand(w, dev) and _optional(lw, args["bias"], dev, d)):
+            or not (lw.native_operand(w, dev, None, dt) and _optional(lw, args["bias"], dev, d, dt)):
         return None
-    return "native:hf_linear_act"
+    return NATIVE_GEMV_BF16 if dt == BF16 else "native:hf_linear_act"
 
 
 @native_row_op("hetforge.gated_mlp.default")
 def _native_gated_mlp(lw: Lowering, ins: Instr, o: int, dev: torch.device, args: dict, rows: int,
                       d: int) -> str | None:
     """One row of a gated MLP (gate, up, and down when present) on the native fused kernel."""
-    x, wg, wu, wd = args["x"], args["w_gate"], args["w_up"], args["w_down"]
-    if not lw.native_operand(x, dev) or any(args[b] is not None for b in ("b_gate", "b_up", "b_down")):
+    x, wg, wu, wd, dt = args["x"], args["w_gate"], args["w_up"], args["w_down"], lw.p.values[o].dtype
+    if not lw.native_operand(x, dev, None, dt) or any(args[b] is not None for b in ("b_gate", "b_up", "b_down")):
         return None
     dm = math.prod(lw.p.values[x.id].shape)
     ws = [wg, wu] if wd is None else [wg, wu, wd]
-    if not all(lw.is_weight(a) and lw.native_operand(a, dev) for a in ws):
+    if not all(lw.is_weight(a) and lw.native_operand(a, dev, None, dt) for a in ws):
         return None
     f = lw.p.values[wg.id].shape[0]
     want = [(f, dm), (f, dm)] + ([] if wd is None else [(dm, f)])
     if rows != 1 or args["act"] in ("none", None) or args["act"] not in native.ACT_CODES or \
             d != (f if wd is None else dm) or [tuple(lw.p.values[a.id].shape) for a in ws] != want:
         return None
-    return "native:hf_gated_mlp"
+    return f"native:hf_gated_mlp{_bf16_suffix(dt)}"
 
 
 @native_row_op("hetforge.kv_attention.default")
@@ -392,10 +427,11 @@ def _native_decode_attention(lw: Lowering, ins: Instr, o: int, dev: torch.device
     if sk != lw.p.values[v.id].shape or sk[3] != hd or h % hkv or tuple(sc) != (1, hkv, s, hd) \
             or lw.p.values[vc.id].shape != sc:
         return None
-    if not (all(lw.native_operand(a, dev) for a in (q, k, v, kc, vc))
-            and lw.native_operand(args["cache_mask"], dev, s) and _optional(lw, args["new_mask"], dev, 1)):
+    dt = lw.p.values[o].dtype
+    if not (all(lw.native_operand(a, dev, None, dt) for a in (q, k, v, kc, vc))
+            and lw.native_operand(args["cache_mask"], dev, s, dt) and _optional(lw, args["new_mask"], dev, 1, dt)):
         return None
-    return "native:hf_decode_attention"
+    return f"native:hf_decode_attention{_bf16_suffix(dt)}"
 
 
 def onednn_operands(ins: Instr) -> tuple[Any, Any, Any, bool, str, tuple | None] | None:
@@ -546,7 +582,8 @@ def lower_kernels(p: Program, planned, device_map: dict[str, torch.device] | Non
             assert ins.kind == KERNEL, ins.kind
             chooser = OP_KERNELS.get(ins.op) if o is not None else None
             k = (chooser(lw, ins, o, dev) if chooser is not None else None) or _general(lw, ins, o)
-            cand_fn = ONEDNN_CANDIDATES.get(ins.op) if o is not None else None
+            # a native kernel (one row) is not measured against oneDNN: the one-row rule of the fp32 GEMV
+            cand_fn = ONEDNN_CANDIDATES.get(ins.op) if o is not None and not k.startswith("native:") else None
             cand = cand_fn(lw, ins, o, dev) if cand_fn is not None else None
         ins.attrs[KERNEL_ATTR] = k
         if cand is not None:

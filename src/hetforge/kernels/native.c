@@ -901,3 +901,445 @@ void hf_gemv_q8a(const int8_t *q, const float *scales, const float *x, const flo
     hf_run(q8a_chunk, &a, four_stream_chunks(n, a.rows), clamp_threads(threads));
     free(xq), free(xd), free(xd8);
 }
+
+/* ---------------------------------------------------------------- bfloat16 one-row kernels (--precision bf16)
+ * Why: a bf16 decode step reads half the weight bytes of an fp32 one, but ATen/oneDNN run its one-row
+ * products as small GEMMs (dispatch, a per-call reorder check, one thread per call) and its row ops as chains
+ * of bf16 ATen kernels. These are the fp32 kernels above on bf16 storage (uint16_t: the top half of an fp32):
+ * the same four-stream chunks on the same pool (hf_run), fp32 accumulation, each result rounded to bf16 once,
+ * round-to-nearest-even as torch's c10::BFloat16 (and oneDNN) round.
+ *
+ * Products: a bf16 x bf16 product is exact in fp32 (8 + 8 significant bits), so an FMA and a multiply-then-add
+ * round alike, and the paths below give the same bits: each row sums into 16 fp32 lanes, lane l taking, per
+ * block of 32 elements, element 2l+1 then element 2l (what AVX512-BF16 ``vdpbf16ps`` does; the AVX-512 path
+ * shifts bf16 to fp32 and uses two FMAs in that order; the portable C loop does the same); a partial last
+ * block is zero-padded; the 16 lanes are reduced by halves (8, 4, 2, 1). (vdpbf16ps treats denormal inputs
+ * and results as zero; the other paths do not: they differ only there.) Rounding of the steps mirrors ATen's
+ * bf16 chains: a linear's fp32 sum (+ bias) is rounded, then an activation is computed in fp32 from the
+ * rounded value and rounded again (ATen's bf16 ``gelu(linear(x))``). */
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#endif
+
+typedef uint16_t hf_bf16;
+
+static inline float bf2f(hf_bf16 v) {
+    uint32_t u = (uint32_t)v << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* fp32 -> bf16, round to nearest even; NaN -> 0x7FC0 (c10::BFloat16's round_to_nearest_even). */
+static inline hf_bf16 f2bf(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if (f != f) return 0x7FC0;
+    return (hf_bf16)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+enum { BF16_PORTABLE = 0, BF16_AVX512 = 1, BF16_DPBF16 = 2 };
+
+static int bf16_best(void) {
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+    return BF16_DPBF16;
+#elif defined(__AVX512F__) && defined(__AVX512BW__)
+    return BF16_AVX512;
+#else
+    return BF16_PORTABLE;
+#endif
+}
+
+static _Atomic int bf16_forced = -1; /* test hook: a lower path than the best compiled one, or -1 */
+
+/* Force path ``path`` (0 portable C, 1 AVX-512 shift + FMA, 2 AVX512-BF16 vdpbf16ps; clamped to the best
+ * compiled), -1 for the best; returns the best path this build has. */
+int hf_bf16_path(int path) {
+    atomic_store(&bf16_forced, path);
+    return bf16_best();
+}
+
+static int bf16_path(void) {
+    int p = bf16_best(), f = atomic_load(&bf16_forced);
+    return f >= 0 && f < p ? f : p;
+}
+
+static float bf16_reduce16(float *acc) {
+    for (int h = 8; h >= 1; h /= 2)
+        for (int i = 0; i < h; i++) acc[i] += acc[i + h];
+    return acc[0];
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+/* bf16_reduce16 of a vector: the same halving adds (lane i + lane i+8, then +4, +2, +1), so the same bits. */
+static inline float bf16_reduce_v(__m512 a) {
+    __m256 r8 = _mm256_add_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+    __m128 r4 = _mm_add_ps(_mm256_castps256_ps128(r8), _mm256_extractf128_ps(r8, 1));
+    __m128 r2 = _mm_add_ps(r4, _mm_movehl_ps(r4, r4));
+    return _mm_cvtss_f32(_mm_add_ss(r2, _mm_shuffle_ps(r2, r2, 1)));
+}
+
+static inline __m512i bf16_load(const hf_bf16 *p, long i, long k) {
+    return i + 32 <= k ? _mm512_loadu_si512((const void *)(p + i))
+                       : _mm512_maskz_loadu_epi16((__mmask32)((1ull << (k - i)) - 1), p + i);
+}
+#endif
+
+/* out[j] = w[j] . x (k elements) for four rows, in the lane order described above. */
+static void bf16_dot4(const hf_bf16 *const *w, const hf_bf16 *x, long k, int path, float *out) {
+    (void)path;
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+    if (path == BF16_DPBF16) {
+        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        long i = 0;
+        for (; i + 32 <= k; i += 32) {
+            __m512bh xv = (__m512bh)_mm512_loadu_si512((const void *)(x + i));
+            a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512((const void *)(w[0] + i)), xv);
+            a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_loadu_si512((const void *)(w[1] + i)), xv);
+            a2 = _mm512_dpbf16_ps(a2, (__m512bh)_mm512_loadu_si512((const void *)(w[2] + i)), xv);
+            a3 = _mm512_dpbf16_ps(a3, (__m512bh)_mm512_loadu_si512((const void *)(w[3] + i)), xv);
+        }
+        if (i < k) {
+            __m512bh xv = (__m512bh)bf16_load(x, i, k);
+            a0 = _mm512_dpbf16_ps(a0, (__m512bh)bf16_load(w[0], i, k), xv);
+            a1 = _mm512_dpbf16_ps(a1, (__m512bh)bf16_load(w[1], i, k), xv);
+            a2 = _mm512_dpbf16_ps(a2, (__m512bh)bf16_load(w[2], i, k), xv);
+            a3 = _mm512_dpbf16_ps(a3, (__m512bh)bf16_load(w[3], i, k), xv);
+        }
+        out[0] = bf16_reduce_v(a0), out[1] = bf16_reduce_v(a1), out[2] = bf16_reduce_v(a2), out[3] = bf16_reduce_v(a3);
+        return;
+    }
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    if (path == BF16_AVX512) {
+        const __m512i hi = _mm512_set1_epi32((int)0xFFFF0000u);
+        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (long i = 0; i < k; i += 32) {
+            __m512i xv = bf16_load(x, i, k);
+            __m512 xo = _mm512_castsi512_ps(_mm512_and_si512(xv, hi)), xe = _mm512_castsi512_ps(_mm512_slli_epi32(xv, 16));
+#define HF_BF16_FMA2(j, aj)                                                                                    \
+    {                                                                                                          \
+        __m512i wv = bf16_load(w[j], i, k);                                                                    \
+        aj = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(wv, hi)), xo, aj);                           \
+        aj = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(wv, 16)), xe, aj);                          \
+    }
+            HF_BF16_FMA2(0, a0) HF_BF16_FMA2(1, a1) HF_BF16_FMA2(2, a2) HF_BF16_FMA2(3, a3)
+#undef HF_BF16_FMA2
+        }
+        out[0] = bf16_reduce_v(a0), out[1] = bf16_reduce_v(a1), out[2] = bf16_reduce_v(a2), out[3] = bf16_reduce_v(a3);
+        return;
+    }
+#endif
+    float acc[4][16];
+    memset(acc, 0, sizeof acc);
+    for (long i = 0; i < k; i += 32)
+        for (int j = 0; j < 4; j++)
+            for (int l = 0; l < 16; l++) {
+                long io = i + 2 * l + 1, ie = i + 2 * l;
+                float po = io < k ? bf2f(w[j][io]) * bf2f(x[io]) : 0.f;
+                acc[j][l] += po;
+                float pe = ie < k ? bf2f(w[j][ie]) * bf2f(x[ie]) : 0.f;
+                acc[j][l] += pe;
+            }
+    for (int j = 0; j < 4; j++) out[j] = bf16_reduce16(acc[j]);
+}
+
+/* A linear's output element: round(sum (+ bias)), then act computed from the rounded value and rounded. */
+static inline hf_bf16 bf16_out(float v, const hf_bf16 *bias, long r, int act) {
+    hf_bf16 o = f2bf(bias ? v + bf2f(bias[r]) : v);
+    return act == ACT_NONE ? o : f2bf(act_of(bf2f(o), act));
+}
+
+typedef struct {
+    const hf_bf16 *w, *x, *bias;
+    hf_bf16 *y;
+    float *part;
+    long n, k, rows;
+    int act, chunks, path;
+} bgemv_ctx;
+
+/* Chunk c of y = act(W x + b), W bf16 [N, K]: four streams (one per quarter of the rows), as nk_chunk. */
+static void bf16_nk_chunk(void *p, long c) {
+    const bgemv_ctx *a = p;
+    long n = a->n, k = a->k, q = n / 4, i0 = c * a->rows, i1 = i0 + a->rows < q ? i0 + a->rows : q;
+    float o[4];
+    if (i0 >= q) { /* the n % 4 tail rows */
+        for (long r = 4 * q; r < n; r++) {
+            const hf_bf16 *w[4] = {a->w + r * k, a->w + r * k, a->w + r * k, a->w + r * k};
+            bf16_dot4(w, a->x, k, a->path, o);
+            a->y[r] = bf16_out(o[0], a->bias, r, a->act);
+        }
+        return;
+    }
+    for (long i = i0; i < i1; i++) {
+        const hf_bf16 *w[4] = {a->w + i * k, a->w + (i + q) * k, a->w + (i + 2 * q) * k, a->w + (i + 3 * q) * k};
+        bf16_dot4(w, a->x, k, a->path, o);
+        for (int j = 0; j < 4; j++) a->y[i + j * q] = bf16_out(o[j], a->bias, i + j * q, a->act);
+    }
+}
+
+/* Split-K part c of a bf16 W [K, N] (four streams over quarters of K, as kn_partial) into row c of the fp32
+ * ``part``. Plain C (vectorized by the compiler): every product is exact, so the sums do not depend on it. */
+static void bf16_kn_partial(void *p, long c) {
+    const bgemv_ctx *a = p;
+    long n = a->n, q = a->k / 4, r = (q + a->chunks - 1) / a->chunks;
+    long i0 = c * r < q ? c * r : q, i1 = i0 + r < q ? i0 + r : q;
+    float *restrict acc = a->part + (size_t)c * n;
+    memset(acc, 0, (size_t)n * sizeof(float));
+    for (long i = i0; i < i1; i++) {
+        const float x0 = bf2f(a->x[i]), x1 = bf2f(a->x[i + q]), x2 = bf2f(a->x[i + 2 * q]), x3 = bf2f(a->x[i + 3 * q]);
+        const hf_bf16 *restrict w0 = a->w + i * n, *restrict w1 = w0 + q * n;
+        const hf_bf16 *restrict w2 = w1 + q * n, *restrict w3 = w2 + q * n;
+        long j = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+        /* the C line below, 16 columns at a time (an FMA onto an exact product rounds as the add does) */
+        const __m512 v0 = _mm512_set1_ps(x0), v1 = _mm512_set1_ps(x1), v2 = _mm512_set1_ps(x2), v3 = _mm512_set1_ps(x3);
+#define HF_BF16_W(wp) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((wp) + j))), 16))
+        for (; j + 16 <= n; j += 16) {
+            __m512 t01 = _mm512_fmadd_ps(v1, HF_BF16_W(w1), _mm512_mul_ps(v0, HF_BF16_W(w0)));
+            __m512 t23 = _mm512_fmadd_ps(v3, HF_BF16_W(w3), _mm512_mul_ps(v2, HF_BF16_W(w2)));
+            _mm512_storeu_ps(acc + j, _mm512_add_ps(_mm512_loadu_ps(acc + j), _mm512_add_ps(t01, t23)));
+        }
+#undef HF_BF16_W
+#endif
+        for (; j < n; j++) acc[j] += (x0 * bf2f(w0[j]) + x1 * bf2f(w1[j])) + (x2 * bf2f(w2[j]) + x3 * bf2f(w3[j]));
+    }
+    if (c == a->chunks - 1)
+        for (long i = 4 * q; i < a->k; i++) {
+            const float xi = bf2f(a->x[i]);
+            const hf_bf16 *restrict wr = a->w + i * n;
+#pragma omp simd
+            for (long j = 0; j < n; j++) acc[j] += xi * bf2f(wr[j]);
+        }
+}
+
+static void bf16_kn_reduce(void *p, long c) {
+    const bgemv_ctx *a = p;
+    long n = a->n, j0 = c * HF_COLS, j1 = j0 + HF_COLS < n ? j0 + HF_COLS : n;
+    float s[HF_COLS];
+    for (long j = j0; j < j1; j++) s[j - j0] = a->part[j];
+    for (int cc = 1; cc < a->chunks; cc++) {
+        const float *restrict pc = a->part + (size_t)cc * n;
+#pragma omp simd
+        for (long j = j0; j < j1; j++) s[j - j0] += pc[j];
+    }
+    for (long j = j0; j < j1; j++) a->y[j] = bf16_out(s[j - j0], a->bias, j, a->act);
+}
+
+/* y = act(x·Wᵀ + b) for one bf16 row: W bf16 [N, K] (weight_t = 0, F.linear layout) or [K, N] (weight_t = 1,
+ * addmm / Conv1D layout: split-K into ``slots`` fp32 partial rows of ``part`` [slots, N], summed in part
+ * order, so the result depends on neither the thread count nor timing); bias bf16 [N] or NULL; y bf16 [N]. */
+void hf_gemv_bf16(const hf_bf16 *w, const hf_bf16 *x, const hf_bf16 *bias, hf_bf16 *y, long n, long k,
+                  int weight_t, int act, int threads, float *part, int slots) {
+    threads = clamp_threads(threads);
+    if (weight_t) {
+        long most = (k / 4 + 7) / 8;
+        int chunks = slots < 1 ? 1 : slots;
+        if (chunks > most) chunks = most < 1 ? 1 : (int)most;
+        bgemv_ctx a = {w, x, bias, y, part, n, k, 0, act, chunks, 0};
+        hf_run(bf16_kn_partial, &a, chunks, threads);
+        hf_run(bf16_kn_reduce, &a, (n + HF_COLS - 1) / HF_COLS, threads);
+    } else {
+        bgemv_ctx a = {w, x, bias, y, 0, n, k, rows_per_chunk(k * 2), act, 0, bf16_path()};
+        hf_run(bf16_nk_chunk, &a, four_stream_chunks(n, a.rows), threads);
+    }
+}
+
+typedef struct {
+    const hf_bf16 *x, *wg, *wu;
+    hf_bf16 *h;
+    long f, d, rows;
+    int act, path;
+} bgated_ctx;
+
+/* h = round(round(act(round(Wg·x))) * round(Wu·x)): ATen's bf16 ``act(linear) * linear``, rounding for rounding. */
+static inline hf_bf16 bf16_gate(float g, float u, int act) {
+    return f2bf(bf2f(f2bf(act_of(bf2f(f2bf(g)), act))) * bf2f(f2bf(u)));
+}
+
+static void bf16_gated_chunk(void *p, long c) {
+    const bgated_ctx *a = p;
+    long d = a->d, q = a->f / 2, i0 = c * a->rows, i1 = i0 + a->rows < q ? i0 + a->rows : q;
+    float o[4];
+    if (i0 >= q) {
+        for (long i = 2 * q; i < a->f; i++) {
+            const hf_bf16 *w[4] = {a->wg + i * d, a->wu + i * d, a->wg + i * d, a->wu + i * d};
+            bf16_dot4(w, a->x, d, a->path, o);
+            a->h[i] = bf16_gate(o[0], o[1], a->act);
+        }
+        return;
+    }
+    for (long i = i0; i < i1; i++) {
+        const hf_bf16 *w[4] = {a->wg + i * d, a->wg + (i + q) * d, a->wu + i * d, a->wu + (i + q) * d};
+        bf16_dot4(w, a->x, d, a->path, o);
+        a->h[i] = bf16_gate(o[0], o[2], a->act);
+        a->h[i + q] = bf16_gate(o[1], o[3], a->act);
+    }
+}
+
+/* Gated MLP for one bf16 row: h = act(Wg·x) * (Wu·x) into ``h`` (bf16 [F]), then y = Wd·h when wd is given.
+ * Wg, Wu bf16 [F, D], Wd bf16 [D, F], no biases. */
+void hf_gated_mlp_bf16(const hf_bf16 *x, const hf_bf16 *wg, const hf_bf16 *wu, const hf_bf16 *wd, hf_bf16 *h,
+                       hf_bf16 *y, long f, long d, int act, int threads) {
+    threads = clamp_threads(threads);
+    bgated_ctx a = {x, wg, wu, h, f, d, rows_per_chunk(d * 2), act, bf16_path()};
+    hf_run(bf16_gated_chunk, &a, (f / 2 + a.rows - 1) / a.rows + (f % 2 ? 1 : 0), threads);
+    if (wd) hf_gemv_bf16(wd, h, 0, y, d, f, 0, ACT_NONE, threads, 0, 0);
+}
+
+/* ---- bf16 row ops of a decode step (one call each instead of a chain of bf16 ATen kernels) */
+
+/* Rotary on bf16 rows, one position: y = round(round(x*cos) + round(rotate_half(x)*sin)): every step of ATen's
+ * bf16 chain rounded as it rounds (bit-equal to it). */
+void hf_rotary_bf16(const hf_bf16 *x, const hf_bf16 *cos_, const hf_bf16 *sin_, hf_bf16 *y, long rows, long d,
+                    int threads) {
+    threads = clamp_threads(threads);
+    long h = d / 2;
+#pragma omp parallel for num_threads(threads) if (rows * d >= 65536) schedule(static)
+    for (long r = 0; r < rows; r++) {
+        const hf_bf16 *xr = x + r * d;
+        hf_bf16 *yr = y + r * d;
+        for (long i = 0; i < d; i++) {
+            float rh = i < h ? -bf2f(xr[i + h]) : bf2f(xr[i - h]);
+            yr[i] = f2bf(bf2f(f2bf(bf2f(xr[i]) * bf2f(cos_[i]))) + bf2f(f2bf(rh * bf2f(sin_[i]))));
+        }
+    }
+}
+
+/* Hugging Face RMSNorm of bf16 rows: h = round(x * (1 / sqrt(mean(x^2) + eps))) in fp32, y = round(w * h). */
+void hf_rms_norm_bf16(const hf_bf16 *x, const hf_bf16 *w, hf_bf16 *y, long rows, long d, float eps, int threads) {
+    threads = clamp_threads(threads);
+#pragma omp parallel for num_threads(threads) if (rows * d >= 65536) schedule(static)
+    for (long r = 0; r < rows; r++) {
+        const hf_bf16 *xr = x + r * d;
+        hf_bf16 *yr = y + r * d;
+        float s = 0.f;
+#pragma omp simd reduction(+ : s)
+        for (long i = 0; i < d; i++) s += bf2f(xr[i]) * bf2f(xr[i]);
+        float inv = 1.f / sqrtf(s / (float)d + eps);
+        for (long i = 0; i < d; i++) {
+            hf_bf16 hv = f2bf(bf2f(xr[i]) * inv);
+            yr[i] = w ? f2bf(bf2f(w[i]) * bf2f(hv)) : hv;
+        }
+    }
+}
+
+/* LayerNorm of bf16 rows in fp32 (biased variance, two passes), rounded once: ATen's bf16 layer_norm does the
+ * same (fp32 statistics and affine, one rounding), summing in its own order. */
+void hf_layer_norm_bf16(const hf_bf16 *x, const hf_bf16 *w, const hf_bf16 *b, hf_bf16 *y, long rows, long d,
+                        float eps, int threads) {
+    threads = clamp_threads(threads);
+#pragma omp parallel for num_threads(threads) if (rows * d >= 65536) schedule(static)
+    for (long r = 0; r < rows; r++) {
+        const hf_bf16 *xr = x + r * d;
+        hf_bf16 *yr = y + r * d;
+        float s = 0.f, q = 0.f;
+#pragma omp simd reduction(+ : s)
+        for (long i = 0; i < d; i++) s += bf2f(xr[i]);
+        float mean = s / (float)d;
+#pragma omp simd reduction(+ : q)
+        for (long i = 0; i < d; i++) q += (bf2f(xr[i]) - mean) * (bf2f(xr[i]) - mean);
+        float rstd = 1.f / sqrtf(q / (float)d + eps);
+        for (long i = 0; i < d; i++) {
+            float v = (bf2f(xr[i]) - mean) * rstd;
+            if (w) v = v * bf2f(w[i]);
+            if (b) v = v + bf2f(b[i]);
+            yr[i] = f2bf(v);
+        }
+    }
+}
+
+typedef struct {
+    const hf_bf16 *q, *k_new, *v_new, *k_cache, *v_cache, *mask, *new_mask;
+    hf_bf16 *out;
+    float *scratch, scale;
+    long h, hkv, s, d;
+} batt_ctx;
+
+/* q (fp32) . k (bf16) over d, and o += w * v (bf16) over d: AVX-512 16 at a time when d is a multiple of 16. */
+static inline float bf16_qk(const float *q, const hf_bf16 *k, long d) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    if (d % 16 == 0) {
+        __m512 a = _mm512_setzero_ps();
+        for (long c = 0; c < d; c += 16)
+            a = _mm512_fmadd_ps(_mm512_loadu_ps(q + c),
+                                _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(k + c))), 16)), a);
+        return _mm512_reduce_add_ps(a);
+    }
+#endif
+    float dt = 0.f;
+#pragma omp simd reduction(+ : dt)
+    for (long c = 0; c < d; c++) dt += q[c] * bf2f(k[c]);
+    return dt;
+}
+
+static inline void bf16_axpy(float *o, float w, const hf_bf16 *v, long d) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    if (d % 16 == 0) {
+        const __m512 wv = _mm512_set1_ps(w);
+        for (long c = 0; c < d; c += 16)
+            _mm512_storeu_ps(o + c, _mm512_fmadd_ps(wv, _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(v + c))), 16)), _mm512_loadu_ps(o + c)));
+        return;
+    }
+#endif
+#pragma omp simd
+    for (long c = 0; c < d; c++) o[c] += w * bf2f(v[c]);
+}
+
+/* One head of the bf16 decode attention, in fp32 (scores, softmax, weighted sum), the output rounded once.
+ * Scratch per head: s + 1 scores, then d floats of q and d of the output. */
+static void bf16_att_head(void *p, long i) {
+    const batt_ctx *a = p;
+    long s = a->s, d = a->d, j = i / (a->h / a->hkv);
+    const hf_bf16 *kc = a->k_cache + j * s * d, *vc = a->v_cache + j * s * d;
+    float *pr = a->scratch + i * (s + 1 + 2 * d), *qi = pr + s + 1, *o = qi + d, scale = a->scale;
+    for (long c = 0; c < d; c++) qi[c] = bf2f(a->q[i * d + c]), o[c] = 0.f;
+    float mx = -INFINITY;
+    for (long t = 0; t <= s; t++) {
+        const hf_bf16 *kr = t < s ? kc + t * d : a->k_new + j * d;
+        float v = scale * bf16_qk(qi, kr, d) + (t < s ? bf2f(a->mask[t]) : a->new_mask ? bf2f(*a->new_mask) : 0.f);
+        pr[t] = v;
+        if (v > mx) mx = v;
+    }
+    float z = 0.f;
+    for (long t = 0; t <= s; t++) {
+        float e = expf(pr[t] - mx);
+        pr[t] = e;
+        z += e;
+    }
+    float iz = 1.f / z;
+    for (long t = 0; t <= s; t++) {
+        float wt = pr[t] * iz;
+        if (wt == 0.f) continue;
+        bf16_axpy(o, wt, t < s ? vc + t * d : a->v_new + j * d, d);
+    }
+    for (long c = 0; c < d; c++) a->out[i * d + c] = f2bf(o[c]);
+}
+
+/* hf_decode_attention on bf16 tensors (mask and new_mask bf16 too); scratch fp32 [h, s + 1 + 2 d]. */
+void hf_decode_attention_bf16(const hf_bf16 *q, const hf_bf16 *k_new, const hf_bf16 *v_new, const hf_bf16 *k_cache,
+                              const hf_bf16 *v_cache, const hf_bf16 *mask, const hf_bf16 *new_mask, hf_bf16 *out,
+                              float *scratch, long h, long hkv, long s, long d, float scale, int threads) {
+    batt_ctx a = {q, k_new, v_new, k_cache, v_cache, mask, new_mask, out, scratch, scale, h, hkv, s, d};
+    hf_run(bf16_att_head, &a, h, clamp_threads(threads));
+}
+
+/* hf_rotary_pos on bf16 (prefill: x [b, h, s, d] read with strides sb, sh, ss, cos/sin one row per position, row
+ * stride cs, or one row for all when cs = 0; y dense), rounded as hf_rotary_bf16 (bit-equal to ATen's chain). */
+void hf_rotary_pos_bf16(const hf_bf16 *x, const hf_bf16 *cos_, const hf_bf16 *sin_, hf_bf16 *y, long b, long nh,
+                        long s, long d, long sb, long sh, long ss, long cs, int threads) {
+    threads = clamp_threads(threads);
+    long h = d / 2, rows = b * nh * s;
+#pragma omp parallel for num_threads(threads) if (rows * d >= 65536) schedule(static)
+    for (long r = 0; r < rows; r++) {
+        long ib = r / (nh * s), ih = (r / s) % nh, is = r % s;
+        const hf_bf16 *xr = x + ib * sb + ih * sh + is * ss, *c = cos_ + is * cs, *sn = sin_ + is * cs;
+        hf_bf16 *yr = y + r * d;
+        for (long i = 0; i < d; i++) {
+            float rh = i < h ? -bf2f(xr[i + h]) : bf2f(xr[i - h]);
+            yr[i] = f2bf(bf2f(f2bf(bf2f(xr[i]) * bf2f(c[i]))) + bf2f(f2bf(rh * bf2f(sn[i]))));
+        }
+    }
+}

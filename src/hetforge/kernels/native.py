@@ -37,6 +37,14 @@ _P, _L, _I, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
 SIGNATURES = {
     "hf_gemv_nk": [_P, _P, _P, _P, _L, _L, _I],
     "hf_gemv_kn": [_P, _P, _P, _P, _L, _L, _I, _P, _I],
+    "hf_gemv_bf16": [_P, _P, _P, _P, _L, _L, _I, _I, _I, _P, _I],
+    "hf_gated_mlp_bf16": [_P, _P, _P, _P, _P, _P, _L, _L, _I, _I],
+    "hf_rotary_bf16": [_P, _P, _P, _P, _L, _L, _I],
+    "hf_rms_norm_bf16": [_P, _P, _P, _L, _L, _F, _I],
+    "hf_layer_norm_bf16": [_P, _P, _P, _P, _L, _L, _F, _I],
+    "hf_decode_attention_bf16": [_P, _P, _P, _P, _P, _P, _P, _P, _P, _L, _L, _L, _L, _F, _I],
+    "hf_bf16_path": [_I],
+    "hf_rotary_pos_bf16": [_P, _P, _P, _P, _L, _L, _L, _L, _L, _L, _L, _L, _I],
     "hf_rotary": [_P, _P, _P, _P, _L, _L, _I],
     "hf_rotary_pos": [_P, _P, _P, _P, _L, _L, _L, _L, _L, _L, _L, _L, _I],
     "hf_rms_norm": [_P, _P, _P, _L, _L, _F, _I],
@@ -175,6 +183,7 @@ def _open(path: Path) -> tuple[ctypes.CDLL | None, str]:
         fn.argtypes, fn.restype = argtypes, None
     lib.hf_read_stream.restype = _F
     lib.hf_q8a_path.restype = _I
+    lib.hf_bf16_path.restype = _I
     return lib, ""
 
 
@@ -263,14 +272,17 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-def contiguous_ptr(t: torch.Tensor, keep: dict[int, torch.Tensor], site: int) -> int:
-    """``t``'s data pointer, for a kernel that reads it as dense fp32 rows on the CPU. The executor reads an
+def contiguous_ptr(t: torch.Tensor, keep: dict[int, torch.Tensor], site: int,
+                   dtype: torch.dtype = torch.float32) -> int:
+    """``t``'s data pointer, for a kernel that reads it as dense ``dtype`` rows (fp32, or bf16 for the ``_bf16``
+    kernels) on the CPU. The executor reads an
     operand's pointer this way when its layout is only known at run time. A strided tensor (which the IR said
     would be contiguous) is copied into a contiguous one first, kept in ``keep[site]`` (the program's own
     dict) until that call site's next call, rather than let C read the wrong elements; a tensor that is not
-    fp32 on the CPU is refused (C would misread it or read another device's memory)."""
-    if t.dtype != torch.float32 or t.device.type != "cpu":
-        raise ValueError(f"native kernel operand must be float32 on the CPU, got {t.dtype} on {t.device}")
+    ``dtype`` on the CPU is refused (C would misread it or read another device's memory)."""
+    if t.dtype != dtype or t.device.type != "cpu":
+        raise ValueError(f"native kernel operand must be {str(dtype).removeprefix('torch.')} on the CPU, got "
+                         f"{t.dtype} on {t.device}")
     if not t.is_contiguous():
         t = keep[site] = t.contiguous()
     return t.data_ptr()
@@ -344,17 +356,20 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return y
 
 
-def rotary_positions(x: torch.Tensor, cos_ptr: int, sin_ptr: int, y_ptr: int, cos_stride: int) -> None:
+def rotary_positions(x: torch.Tensor, cos_ptr: int, sin_ptr: int, y_ptr: int, cos_stride: int,
+                     dtype: torch.dtype = torch.float32) -> None:
     """Hugging Face rotary of a 4-D fp32 ``x`` ``[b, h, s, d]`` over many positions (``hf_rotary_pos``: read with
     ``x``'s own strides, e.g. a transposed projection output, no copy) into the dense ``[b, h, s, d]`` at
     ``y_ptr``; ``cos``/``sin`` hold one row of ``d`` floats per position (``cos_stride = d``) or one row for all
     (``0``). The executor calls it with pointers it checked at lowering; ``x`` is checked here (its layout is
-    known only at run time): a last dim that is not dense, or not fp32 on the CPU, is refused."""
-    if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 4 or x.stride(3) != 1:
-        raise ValueError(f"hf_rotary_pos needs a 4-D float32 CPU tensor with a dense last dim, got {x.dtype} "
-                         f"{tuple(x.shape)} strides {x.stride()} on {x.device}")
+    known only at run time): a last dim that is not dense, or not ``dtype`` (fp32; bf16: ``hf_rotary_pos_bf16``) on
+    the CPU, is refused."""
+    if x.dtype != dtype or x.device.type != "cpu" or x.dim() != 4 or x.stride(3) != 1:
+        raise ValueError(f"hf_rotary_pos needs a 4-D {str(dtype).removeprefix('torch.')} CPU tensor with a dense "
+                         f"last dim, got {x.dtype} {tuple(x.shape)} strides {x.stride()} on {x.device}")
     b, h, s, d = x.shape
-    library().hf_rotary_pos(x.data_ptr(), cos_ptr, sin_ptr, y_ptr, b, h, s, d, x.stride(0), x.stride(1),
+    fn = library().hf_rotary_pos if dtype == torch.float32 else library().hf_rotary_pos_bf16
+    fn(x.data_ptr(), cos_ptr, sin_ptr, y_ptr, b, h, s, d, x.stride(0), x.stride(1),
                             x.stride(2), cos_stride, torch.get_num_threads())
 
 
@@ -442,3 +457,100 @@ def gemv_q8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: 
     getattr(library(), q8_kernel())(qweight.data_ptr(), scales.data_ptr(), x.data_ptr(), _ptr(bias), y.data_ptr(), n, k,
                          ACT_CODES[act], torch.get_num_threads())
     return y
+
+
+# ---------------------------------------------------------------- bfloat16 one-row kernels (--precision bf16)
+
+BF16_PATHS = ("portable", "avx512", "avx512_bf16")  # native.c's BF16_* (hf_bf16_path): lowest to best
+
+
+def bf16_path(force: str | None = None) -> str:
+    """The best bf16 dot-product path this build has (``avx512_bf16``: ``vdpbf16ps``; ``avx512``: shift to fp32
+    and FMA; ``portable``: plain C); ``force`` makes the kernels use a lower one (a test hook; None: the best).
+    Every path gives the same bits on normal numbers (native.c)."""
+    lib = library()
+    assert lib is not None, status().reason
+    best = lib.hf_bf16_path(-1 if force is None else BF16_PATHS.index(force))
+    return BF16_PATHS[best]
+
+
+def bf16_fits(*ts: torch.Tensor | None) -> bool:
+    """Real contiguous bf16 CPU tensors (None allowed) and the library built: what the ``_bf16`` kernels read."""
+    if torch._C._len_torch_dispatch_stack() or torch.compiler.is_compiling():
+        return False
+    return library() is not None and all(
+        t is None or (t.dtype == torch.bfloat16 and t.device.type == "cpu" and t.is_contiguous() and not is_fake(t))
+        for t in ts)
+
+
+def gemv_bf16(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, weight_t: bool = False,
+              act: str = "none", threads: int | None = None) -> torch.Tensor:
+    """``act(x·Wᵀ + b)`` (``x·W`` when ``weight_t``) for one bf16 row on ``hf_gemv_bf16``: fp32 sums, one
+    round-to-nearest-even to bf16 (then the activation from the rounded value, rounded again, as ATen's bf16
+    chain); check :func:`bf16_fits` and the shapes first."""
+    k, n = w.shape if weight_t else (w.shape[1], w.shape[0])
+    if x.numel() != k or (bias is not None and bias.numel() != n):
+        raise ValueError(f"one-row bf16 product: input {tuple(x.shape)} does not fit weight {tuple(w.shape)}")
+    y = torch.empty((*x.shape[:-1], n), dtype=torch.bfloat16)
+    part = torch.empty((split_k_slots(), n), dtype=torch.float32) if weight_t else None
+    library().hf_gemv_bf16(w.data_ptr(), x.data_ptr(), _ptr(bias), y.data_ptr(), n, k, int(weight_t),
+                           ACT_CODES[act], torch.get_num_threads() if threads is None else threads, _ptr(part),
+                           0 if part is None else part.shape[0])
+    return y
+
+
+def gated_mlp_bf16(x: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor, wd: torch.Tensor | None,
+                   act: str = "silu") -> torch.Tensor:
+    """One bf16 row of ``act(x·Wgᵀ) * (x·Wuᵀ)`` (then ``·Wdᵀ``) on ``hf_gated_mlp_bf16``."""
+    f, d = wg.shape
+    h = torch.empty(f, dtype=torch.bfloat16)
+    y = h if wd is None else torch.empty(d, dtype=torch.bfloat16)
+    library().hf_gated_mlp_bf16(x.data_ptr(), wg.data_ptr(), wu.data_ptr(), _ptr(wd), h.data_ptr(), y.data_ptr(),
+                                f, d, ACT_CODES[act], torch.get_num_threads())
+    return y.reshape(*x.shape[:-1], -1)
+
+
+def rms_norm_bf16(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """Hugging Face RMSNorm of bf16 rows (fp32 statistics, ATen's two roundings)."""
+    y = torch.empty_like(x)
+    d = x.shape[-1]
+    library().hf_rms_norm_bf16(x.data_ptr(), _ptr(weight), y.data_ptr(), x.numel() // d, d, eps,
+                                torch.get_num_threads())
+    return y
+
+
+def layer_norm_bf16(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
+                    eps: float) -> torch.Tensor:
+    """LayerNorm of bf16 rows over the last dim (fp32 inside, one rounding)."""
+    y = torch.empty_like(x)
+    d = x.shape[-1]
+    library().hf_layer_norm_bf16(x.data_ptr(), _ptr(weight), _ptr(bias), y.data_ptr(), x.numel() // d, d, eps,
+                                  torch.get_num_threads())
+    return y
+
+
+def rotary_bf16(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Hugging Face rotary of bf16 rows with one position's ``cos``/``sin`` row (bit-equal to ATen's bf16 chain)."""
+    y = torch.empty(x.shape, dtype=x.dtype)
+    d = x.shape[-1]
+    library().hf_rotary_bf16(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), y.data_ptr(), x.numel() // d, d,
+                             torch.get_num_threads())
+    return y
+
+
+def attention_scratch_floats(h: int, s: int, d: int) -> int:
+    """fp32 scratch of ``hf_decode_attention_bf16``: per head ``s + 1`` scores, ``d`` of q and ``d`` of output."""
+    return h * (s + 1 + 2 * d)
+
+
+def decode_attention_bf16(q, k, v, k_cache, v_cache, cache_mask, new_mask, scale: float) -> torch.Tensor:
+    """``kv_attention`` for one new bf16 row (fp32 inside, the output rounded once); shapes as
+    :func:`decode_attention_fits` checks them for fp32, every tensor bf16."""
+    _, h, _, d = q.shape
+    hkv, s = k_cache.shape[1], k_cache.shape[2]
+    out = torch.empty_like(q)
+    scratch = torch.empty(attention_scratch_floats(h, s, d), dtype=torch.float32)
+    library().hf_decode_attention_bf16(q.data_ptr(), k.data_ptr(), v.data_ptr(), k_cache.data_ptr(),
+                                       v_cache.data_ptr(), cache_mask.data_ptr(), _ptr(new_mask), out.data_ptr(),
+                                       scratch.data_ptr(), h, hkv, s, d, scale, torch.get_num_threads())
+    return out
