@@ -378,7 +378,7 @@ class _Codegen:
 
     def native_op(self, ins, o: int, dev: torch.device, fn: str) -> str:
         """A ``hetforge::`` row op (rms_norm, layer_norm, rotary, one-row kv_attention, linear_act, gated_mlp,
-        linear_w8) as one call of its native kernel ``fn`` (chosen by lowering), pointers baked in, writing
+        linear_w8, prefill attention) as one call of its native kernel ``fn`` (chosen by lowering), pointers baked in, writing
         straight into the result's arena slice (or a fresh tensor when the result is a graph output)."""
         args = bind_args(ins)
         vo = self.p.values[o]
@@ -415,6 +415,11 @@ class _Codegen:
             h = "{y}" if wd is None else str(self.g[self.const(torch.empty(f, dtype=torch.float32), "scr")].data_ptr())
             call = (f"hf_gated_mlp({p(x)}, {p(wg)}, {p(wu)}, {p(wd)}, {h}, {{y}}, {f}, {dm}, "
                     f"{native.ACT_CODES[args['act']]}, {nt})")
+        elif fn == "hf_prefill_attention":  # q/k/v read with their strides (known at run time), in Python then C
+            mask = args["mask"]
+            call = (f"{self.const(native.prefill_attention_into, 'f')}(r{args['q'].id}, r{args['k'].id}, "
+                    f"r{args['v'].id}, {'None' if mask is None else f'r{mask.id}'}, {{y}}, "
+                    f"{float(args['scale'])!r}, {bool(args['is_causal'])})")
         else:  # hf_decode_attention: kv_attention, one new row
             q, k, v, kc, vc = (args[n] for n in ("q", "k", "v", "k_cache", "v_cache"))
             sq, sk, sc = (self.p.values[a.id].shape for a in (q, k, kc))
@@ -424,7 +429,7 @@ class _Codegen:
                     f"{p(args['new_mask'])}, {{y}}, {self.g[scratch].data_ptr()}, {h}, {hkv}, {s}, {hd}, "
                     f"{float(args['scale'])!r}, {nt})")
         name, rest = call.split("(", 1)
-        if fn != "hf_rotary_pos":
+        if fn not in ("hf_rotary_pos", "hf_prefill_attention"):
             call = f"{self.const(getattr(lib, name), 'nk')}({rest}"
         self.stats.native_ops += 1
         if self.planned(o):
