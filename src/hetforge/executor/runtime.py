@@ -378,8 +378,8 @@ class _Codegen:
 
     def native_op(self, ins, o: int, dev: torch.device, fn: str) -> str:
         """A ``hetforge::`` row op (rms_norm, layer_norm, rotary, one-row kv_attention, linear_act, gated_mlp,
-        linear_w8, prefill attention) as one call of its native kernel ``fn`` (chosen by lowering), pointers baked in, writing
-        straight into the result's arena slice (or a fresh tensor when the result is a graph output)."""
+        linear_w8, prefill attention) as one call of its native kernel ``fn`` (chosen by lowering), pointers baked
+        in, writing straight into the result's arena slice (or a fresh tensor when the result is a graph output)."""
         args = bind_args(ins)
         vo = self.p.values[o]
         d = vo.shape[-1]
