@@ -125,3 +125,19 @@ def test_compiled_prefill_runs_it_and_matches_eager(name):
     assert {ref.kernels[i.id] for i in att} != {"native:hf_prefill_attention"}
     with torch.no_grad():
         torch.testing.assert_close(res.executable(*inputs), ref(*inputs), rtol=1e-5, atol=1e-5)
+
+
+def test_cost_model_prices_it_as_one_native_roofline_under_its_own_key():
+    import dataclasses
+
+    from hetforge.cost import cost_mode, estimate_instr
+
+    module, inputs, cg = captured("gpt2-tiny")
+    res = compile_graph(cg.gm, soc="host", example_inputs=inputs, name="gpt2-tiny")
+    prog, planned = res.program, res.memory.offsets
+    ins = next(i for i in prog.instrs if i.op == "hetforge.attention.default")
+    assert cost_mode(ins, planned, res.executable.kernels[ins.id]) == "native"
+    d = res.soc.device(ins.device)
+    key = "native:hetforge.attention.default"
+    slow = dataclasses.replace(d, efficiency={**d.efficiency, key: 0.01}, overhead_s={**d.overhead_s, key: 1e-3})
+    assert estimate_instr(ins, prog, slow, planned).time_s > estimate_instr(ins, prog, d, planned).time_s + 9e-4
