@@ -799,8 +799,11 @@ void hf_gemv_q8a(const int8_t *q, const float *scales, const float *x, const flo
  * (top-left aligned, as SDPA's: key j is seen by query i iff j <= i), and for a mask, a block of a bool mask
  * with no True or of a float mask with only -inf (decided per block from the mask itself, so any mask is exact).
  * A row that sees no key at all gives zeros, as SDPA's CPU kernel does. q/k/v are read with their strides
- * (batch, head, row; the last dim dense), so the transposed views of a fused projection need no copy; the
- * output is dense [b, h, l, dv]. Grouped-query heads: query head i reads kv head i / (h / hkv). The products
+ * (batch, head, row; the last dim dense), so the transposed views of a fused projection need no copy by the
+ * caller: a first pass packs each kv head's keys, transposed, into one dense [d][PA_KB] tile per key block, and
+ * its values into dense rows (once per call, shared by all the query heads and blocks that read them; rows of a
+ * fused projection lie a large power-of-two-ish stride apart and would crowd a few L1 sets). The output is dense
+ * [b, h, l, dv]. Grouped-query heads: query head i reads kv head i / (h / hkv). The products
  * use AVX-512 FMAs (4 rows x 64 columns of accumulators) where the build has AVX-512F, else plain C loops;
  * the exponentials use a polynomial (Cephes' expf, ~1 ulp) there and expf() otherwise. Tasks are the pool's
  * chunks, the largest causal blocks first. */
@@ -815,8 +818,9 @@ void hf_gemv_q8a(const int8_t *q, const float *scales, const float *x, const flo
 typedef struct {
     const float *q, *k, *v;
     const void *mask;
-    float *out;
-    long h, hkv, l, s, d, dv, nqb;
+    float *out, *kt; /* kt: every kv head's keys transposed per key block, [b * hkv][sp / PA_KB][d][PA_KB] */
+    float *vp;       /* vp: every kv head's values, dense [b * hkv][s][dv] */
+    long h, hkv, l, s, d, dv, nqb, sp;
     long qs[3], ks[3], vs[3], ms[4]; /* element strides: batch, head, row (last dim dense); mask: b, h, row, col */
     int mask_kind, causal;           /* mask_kind: 0 none, 1 bool (True = attend), 2 float (added) */
     float scale;
@@ -842,8 +846,9 @@ static inline __m512 pa_exp16(__m512 x) {
 }
 #endif
 
-/* s[ii][0..PA_KB) = qb[ii] · kt[:, 0..PA_KB) for ni rows (kt: the key block transposed, [d][PA_KB]). */
-static void pa_scores(const float *restrict qb, const float *restrict kt, float *restrict s, long ni, long d) {
+/* s[ii][0..PA_KB) = qb[ii] · kt[:, 0..PA_KB) for ni rows (kt: the key block transposed, rows kst apart). */
+static void pa_scores(const float *restrict qb, const float *restrict kt, long kst, float *restrict s, long ni,
+                      long d) {
     long ii = 0;
 #if defined(__AVX512F__)
     for (; ii + 4 <= ni; ii += 4) {
@@ -851,7 +856,7 @@ static void pa_scores(const float *restrict qb, const float *restrict kt, float 
         for (int r = 0; r < 4; r++)
             for (int x = 0; x < 4; x++) c[r][x] = _mm512_setzero_ps();
         for (long t = 0; t < d; t++) {
-            const float *kr = kt + t * PA_KB;
+            const float *kr = kt + t * kst;
             __m512 k0 = _mm512_loadu_ps(kr), k1 = _mm512_loadu_ps(kr + 16), k2 = _mm512_loadu_ps(kr + 32),
                    k3 = _mm512_loadu_ps(kr + 48);
             for (int r = 0; r < 4; r++) {
@@ -871,7 +876,7 @@ static void pa_scores(const float *restrict qb, const float *restrict kt, float 
         for (long j = 0; j < PA_KB; j++) sr[j] = 0.f;
         for (long t = 0; t < d; t++) {
             float qv = qb[ii * d + t];
-            const float *kr = kt + t * PA_KB;
+            const float *kr = kt + t * kst;
 #pragma omp simd
             for (long j = 0; j < PA_KB; j++) sr[j] += qv * kr[j];
         }
@@ -934,18 +939,94 @@ static int pa_mask_block(const pa_ctx *a, const char *base, long i0, long ni, lo
     return any;
 }
 
+/* Keys of kv head (batch, head) = t transposed into kt, one dense [d][PA_KB] tile per key block (zeros past s; a
+ * tile, not rows sp apart: rows of a power-of-two stride would fall into a few L1 sets): once per call, shared by
+ * every query block. */
+static void pa_transpose(void *p, long t) {
+    const pa_ctx *a = p;
+    const float *K = a->k + (t / a->hkv) * a->ks[0] + (t % a->hkv) * a->ks[1];
+    float *kt = a->kt + t * a->d * a->sp;
+    for (long j = 0; j < a->sp; j++) {
+        float *tile = kt + (j / PA_KB) * a->d * PA_KB + j % PA_KB;
+        for (long c = 0; c < a->d; c++) tile[c * PA_KB] = j < a->s ? K[j * a->ks[2] + c] : 0.f;
+    }
+    const float *V = a->v + (t / a->hkv) * a->vs[0] + (t % a->hkv) * a->vs[1];
+    float *vp = a->vp + t * a->s * a->dv;
+    for (long j = 0; j < a->s; j++) memcpy(vp + j * a->dv, V + j * a->vs[2], sizeof(float) * a->dv);
+}
+
+#if defined(__AVX512F__)
+/* Bits of the 16 columns [16c, 16c + 16) that are below cnt. */
+static inline __mmask16 pa_below(long cnt, int c) {
+    long n = cnt - 16 * c;
+    return n >= 16 ? (__mmask16)0xffff : n <= 0 ? (__mmask16)0 : (__mmask16)((1u << n) - 1);
+}
+
+/* One row's scores of one key block: columns past cnt (the block's end, or the diagonal) and those the mask hides
+ * set to -inf (a float mask added), then the online-softmax step; returns 0 when nothing is visible yet. */
+static int pa_row_avx(const pa_ctx *a, float *restrict sr, const char *mrow, long j0, long cnt, int apply,
+                      float *m, float *z, float *restrict ar) {
+    const __m512 ninf = _mm512_set1_ps(-INFINITY);
+    __m512 x[4], vmax = ninf;
+    for (int c = 0; c < 4; c++) {
+        __mmask16 keep = pa_below(cnt, c);
+        x[c] = _mm512_mask_mov_ps(ninf, keep, _mm512_loadu_ps(sr + 16 * c));
+        if (apply && keep) {
+            if (a->ms[3] == 1 && keep == 0xffff) {
+                if (a->mask_kind == 1) {
+                    __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(mrow + j0 + 16 * c)));
+                    x[c] = _mm512_mask_mov_ps(ninf, _mm512_test_epi32_mask(b, b), x[c]);
+                } else {
+                    x[c] = _mm512_add_ps(x[c], _mm512_loadu_ps((const float *)mrow + j0 + 16 * c));
+                }
+            } else {
+                float t[16];
+                _mm512_storeu_ps(t, x[c]);
+                for (int e = 0; e < 16; e++) {
+                    if (!(keep >> e & 1)) continue;
+                    long off = (j0 + 16 * c + e) * a->ms[3];
+                    if (a->mask_kind == 1) {
+                        if (!((const uint8_t *)mrow)[off]) t[e] = -INFINITY;
+                    } else {
+                        t[e] += ((const float *)mrow)[off];
+                    }
+                }
+                x[c] = _mm512_loadu_ps(t);
+            }
+        }
+        vmax = _mm512_max_ps(vmax, x[c]);
+    }
+    float mx = _mm512_reduce_max_ps(vmax), mn = mx > *m ? mx : *m;
+    if (mn == -INFINITY) {
+        for (int c = 0; c < 4; c++) _mm512_storeu_ps(sr + 16 * c, _mm512_setzero_ps());
+        return 0;
+    }
+    float corr = *m == -INFINITY ? 0.f : expf(*m - mn);
+    __m512 vm = _mm512_set1_ps(mn), vs = _mm512_setzero_ps();
+    for (int c = 0; c < 4; c++) {
+        __m512 e = pa_exp16(_mm512_sub_ps(x[c], vm));
+        _mm512_storeu_ps(sr + 16 * c, e);
+        vs = _mm512_add_ps(vs, e);
+    }
+    *z = *z * corr + _mm512_reduce_add_ps(vs);
+    *m = mn;
+    if (corr != 1.f)
+        for (long c = 0; c < a->dv; c++) ar[c] *= corr;
+    return 1;
+}
+#endif
+
 static void pa_task(void *p, long t) {
     const pa_ctx *a = p;
     long bh = t / a->nqb, qblk = a->nqb - 1 - t % a->nqb; /* the largest causal blocks first */
     long bi = bh / a->h, hi = bh % a->h, kh = hi / (a->h / a->hkv), d = a->d, dv = a->dv;
     long i0 = qblk * PA_QB, ni = a->l - i0 < PA_QB ? a->l - i0 : PA_QB;
-    const float *Q = a->q + bi * a->qs[0] + hi * a->qs[1], *K = a->k + bi * a->ks[0] + kh * a->ks[1],
-                *V = a->v + bi * a->vs[0] + kh * a->vs[1];
+    const float *Q = a->q + bi * a->qs[0] + hi * a->qs[1], *V = a->vp + (bi * a->hkv + kh) * a->s * dv;
+    const float *KT = a->kt + (bi * a->hkv + kh) * d * a->sp;
     float *O = a->out + ((bi * a->h + hi) * a->l + i0) * dv;
     int esz = a->mask_kind == 1 ? 1 : 4;
     const char *mbase = a->mask ? (const char *)a->mask + (bi * a->ms[0] + hi * a->ms[1]) * esz : NULL;
     float qb[PA_QB * PA_DMAX] __attribute__((aligned(64)));
-    float kt[PA_DMAX * PA_KB] __attribute__((aligned(64)));
     float sb[PA_QB * PA_KB] __attribute__((aligned(64)));
     float acc[PA_QB * PA_DMAX] __attribute__((aligned(64)));
     float m[PA_QB], z[PA_QB];
@@ -960,16 +1041,16 @@ static void pa_task(void *p, long t) {
         int all = 1;
         if (a->causal && j0 > i0 + ni - 1) break; /* every later key block is past the diagonal */
         if (mbase && !pa_mask_block(a, mbase, i0, ni, j0, nj, &all)) continue;
-        for (long jj = 0; jj < nj; jj++) {
-            const float *kr = K + (j0 + jj) * a->ks[2];
-            for (long c = 0; c < d; c++) kt[c * PA_KB + jj] = kr[c];
-        }
-        for (long jj = nj; jj < PA_KB; jj++)
-            for (long c = 0; c < d; c++) kt[c * PA_KB + jj] = 0.f;
-        pa_scores(qb, kt, sb, ni, d);
+        pa_scores(qb, KT + j0 * d, PA_KB, sb, ni, d); /* tile j0 / PA_KB starts at (j0 / PA_KB) * d * PA_KB */
         for (long ii = 0; ii < ni; ii++) {
             float *sr = sb + ii * PA_KB;
             long i = i0 + ii;
+#if defined(__AVX512F__)
+            long cnt = a->causal && i - j0 + 1 < nj ? i - j0 + 1 : nj;
+            pa_row_avx(a, sr, mbase ? mbase + i * a->ms[2] * esz : NULL, j0, cnt,
+                       mbase && !(a->mask_kind == 1 && all), m + ii, z + ii, acc + ii * dv);
+            continue;
+#endif
             for (long jj = nj; jj < PA_KB; jj++) sr[jj] = -INFINITY;
             if (a->causal && j0 + nj - 1 > i)
                 for (long jj = i - j0 + 1 < 0 ? 0 : i - j0 + 1; jj < nj; jj++) sr[jj] = -INFINITY;
@@ -1012,7 +1093,7 @@ static void pa_task(void *p, long t) {
                 for (long c = 0; c < dv; c++) ar[c] *= corr;
             }
         }
-        pa_pv(sb, V + j0 * a->vs[2], a->vs[2], acc, ni, nj, dv);
+        pa_pv(sb, V + j0 * dv, dv, acc, ni, nj, dv);
     }
     for (long ii = 0; ii < ni; ii++) {
         float iz = z[ii] > 0.f ? 1.f / z[ii] : 0.f; /* a row that saw no key: zeros, as SDPA gives */
@@ -1027,11 +1108,17 @@ static void pa_task(void *p, long t) {
 void hf_prefill_attention(const float *q, const float *k, const float *v, const void *mask, float *out,
                           const long *dims, const long *strides, int mask_kind, int causal, float scale,
                           int threads) {
-    pa_ctx a = {q, k, v, mask_kind ? mask : NULL, out, dims[1], dims[2], dims[3], dims[4], dims[5], dims[6], 0,
+    pa_ctx a = {q, k, v, mask_kind ? mask : NULL, out, NULL, NULL, dims[1], dims[2], dims[3], dims[4], dims[5], dims[6], 0, 0,
                 {strides[0], strides[1], strides[2]}, {strides[3], strides[4], strides[5]},
                 {strides[6], strides[7], strides[8]}, {strides[9], strides[10], strides[11], strides[12]},
                 mask ? mask_kind : 0, causal, scale};
     a.nqb = (a.l + PA_QB - 1) / PA_QB;
+    a.sp = (a.s + PA_KB - 1) / PA_KB * PA_KB;
     if (a.d > PA_DMAX || a.dv > PA_DMAX || a.h % a.hkv || a.l < 1 || a.s < 1) return;
+    a.kt = malloc(sizeof(float) * dims[0] * a.hkv * (a.d * a.sp + a.s * a.dv));
+    if (!a.kt) return;
+    a.vp = a.kt + dims[0] * a.hkv * a.d * a.sp;
+    hf_run(pa_transpose, &a, dims[0] * a.hkv, clamp_threads(threads));
     hf_run(pa_task, &a, dims[0] * a.h * a.nqb, clamp_threads(threads));
+    free(a.kt);
 }
