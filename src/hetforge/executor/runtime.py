@@ -416,9 +416,8 @@ class _Codegen:
             call = (f"hf_gated_mlp({p(x)}, {p(wg)}, {p(wu)}, {p(wd)}, {h}, {{y}}, {f}, {dm}, "
                     f"{native.ACT_CODES[args['act']]}, {nt})")
         elif fn == "hf_prefill_attention":  # q/k/v read with their strides (known at run time), in Python then C
-            mask = args["mask"]
-            call = (f"{self.const(native.prefill_attention_into, 'f')}(r{args['q'].id}, r{args['k'].id}, "
-                    f"r{args['v'].id}, {'None' if mask is None else f'r{mask.id}'}, {{y}}, "
+            q, k, v, mask = (self.expr(args[n], dev) for n in ("q", "k", "v", "mask"))  # a register or a weight
+            call = (f"{self.const(native.prefill_attention_into, 'f')}({q}, {k}, {v}, {mask}, {{y}}, "
                     f"{float(args['scale'])!r}, {bool(args['is_causal'])})")
         else:  # hf_decode_attention: kv_attention, one new row
             q, k, v, kc, vc = (args[n] for n in ("q", "k", "v", "k_cache", "v_cache"))
