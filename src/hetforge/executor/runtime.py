@@ -380,8 +380,8 @@ class _Codegen:
 
     def native_op(self, ins, o: int, dev: torch.device, fn: str) -> str:
         """A ``hetforge::`` row op (rms_norm, layer_norm, rotary, one-row kv_attention, linear_act, gated_mlp,
-        linear_w8) as one call of its native kernel ``fn`` (chosen by lowering), pointers baked in, writing
-        straight into the result's arena slice (or a fresh tensor when the result is a graph output)."""
+        linear_w8, prefill attention) as one call of its native kernel ``fn`` (chosen by lowering), pointers baked
+        in, writing straight into the result's arena slice (or a fresh tensor when the result is a graph output)."""
         args = bind_args(ins)
         vo = self.p.values[o]
         d = vo.shape[-1]
@@ -445,6 +445,10 @@ class _Codegen:
             call = (f"hf_decode_attention_bf16({p(q)}, {p(k)}, {p(v)}, {p(kc)}, {p(vc)}, {p(args['cache_mask'])}, "
                     f"{p(args['new_mask'])}, {{y}}, {self.g[scratch].data_ptr()}, {h}, {hkv}, {s}, {hd}, "
                     f"{float(args['scale'])!r}, {nt})")
+        elif fn == "hf_prefill_attention":  # q/k/v read with their strides (known at run time), in Python then C
+            q, k, v, mask = (self.expr(args[n], dev) for n in ("q", "k", "v", "mask"))  # a register or a weight
+            call = (f"{self.const(native.prefill_attention_into, 'f')}({q}, {k}, {v}, {mask}, {{y}}, "
+                    f"{float(args['scale'])!r}, {bool(args['is_causal'])})")
         else:  # hf_decode_attention: kv_attention, one new row
             q, k, v, kc, vc = (args[n] for n in ("q", "k", "v", "k_cache", "v_cache"))
             sq, sk, sc = (self.p.values[a.id].shape for a in (q, k, kc))
@@ -454,7 +458,7 @@ class _Codegen:
                     f"{p(args['new_mask'])}, {{y}}, {self.g[scratch].data_ptr()}, {h}, {hkv}, {s}, {hd}, "
                     f"{float(args['scale'])!r}, {nt})")
         name, rest = call.split("(", 1)
-        if fn not in ("hf_rotary_pos", "hf_rotary_pos_bf16"):
+        if fn not in ("hf_rotary_pos", "hf_rotary_pos_bf16", "hf_prefill_attention"):
             call = f"{self.const(getattr(lib, name), 'nk')}({rest}"
         self.stats.native_ops += 1
         if self.planned(o):

@@ -381,6 +381,7 @@ def _native_specs(quick: bool) -> list[tuple[str, tuple, dict]]:
         ("layer_norm", ((1, 1, 768), (768,), (768,)), {}), ("layer_norm", ((1, 128, 768), (768,), (768,)), {}),
         ("rotary", ((1, 12, 1, 64),), {}), ("rotary", ((1, 32, 1, 128),), {}),
         ("kv_attention", (128,), {}), ("kv_attention", (512,), {}),
+        ("attention", (128,), {}), ("attention", (512,), {}),  # prefill, as the graphs carry it: bool causal mask
         ("linear_act", ((1, 1, 768), (3072, 768)), {"act": "none"}),  # the activation: _native_act_costs
         ("linear_act", ((1, 1, 3072), (3072, 768)), {"act": "none"}),
         ("gated_mlp", ((1, 1, 768), (2048, 768), (2048, 768), (768, 2048)), {}),
@@ -410,6 +411,22 @@ def _native_bench(op: str, shapes: tuple, opts: dict) -> Bench:
             def run() -> object:
                 t = [a.data_ptr() for a in nxt()]
                 return lib.hf_decode_attention(*t[:6], None, t[6], scratch.data_ptr(), 12, 12, s, 64, 0.125, nt())
+
+            return run
+    elif op == "attention":  # prefill: q/k/v transposed views of a fused qkv output, bool causal mask [1, 1, s, s]
+        s = shapes[0]
+        hd = (1, 12, s, 64)
+        args = (*meta(hd, hd, hd), TensorMeta((1, 1, s, s), torch.bool), 0.125, False)
+        out = meta(hd)
+        mask = torch.ones(s, s, dtype=torch.bool).tril()[None, None]
+
+        def make() -> Callable[[], object]:
+            nxt = _cold(_rn(1, s, 3 * 768), torch.empty(hd))
+
+            def run() -> object:
+                x, y = nxt()
+                q, k, v = (x[..., i * 768:(i + 1) * 768].view(1, s, 12, 64).transpose(1, 2) for i in range(3))
+                return native.prefill_attention_into(q, k, v, mask, y.data_ptr(), 0.125, False)
 
             return run
     elif op in ("rms_norm", "layer_norm", "rotary"):

@@ -16,8 +16,9 @@ The kernels, per instruction kind:
 * kernel, op-specific (registered): ``native:<fn>`` (one call of the native C kernel ``fn`` of
   :mod:`hetforge.kernels.native`: one-row GEMVs and the ``hetforge::`` row ops, writing the slice; a
   prefill rotary, many positions, is ``native:hf_rotary_pos``, which reads a transposed projection output with
-  its strides instead of copying it; a bf16 instruction gets the ``_bf16`` twin of its fp32 kernel, and a one-row
-  bf16 ``linear``/``addmm``/``mm``/``linear_act`` ``native:hf_gemv_bf16``, not measured against oneDNN),
+  its strides instead of copying it, and a prefill ``attention`` is ``native:hf_prefill_attention``, likewise; a
+  bf16 instruction gets the ``_bf16`` twin of its fp32 kernel, and a one-row bf16 ``linear``/``addmm``/``mm``/
+  ``linear_act`` ``native:hf_gemv_bf16``, not measured against oneDNN),
   ``split-gemv:<c>`` (a one-row product as one threaded ``bmm`` over ``c`` chunks, :mod:`hetforge.ops.gemv`),
   ``gemm-out`` (``linear`` as ``addmm.out``/``mm.out`` on 2-D views of input and slice, the weight
   transposed once at load — the same GEMM eager's ``linear`` runs);
@@ -432,6 +433,34 @@ def _native_decode_attention(lw: Lowering, ins: Instr, o: int, dev: torch.device
             and lw.native_operand(args["cache_mask"], dev, s, dt) and _optional(lw, args["new_mask"], dev, 1, dt)):
         return None
     return f"native:hf_decode_attention{_bf16_suffix(dt)}"
+
+
+@native_row_op("hetforge.attention.default")
+def _native_prefill_attention(lw: Lowering, ins: Instr, o: int, dev: torch.device, args: dict, rows: int,
+                              d: int) -> str | None:
+    """Attention of many query rows (prefill) on ``hf_prefill_attention``: 4-D fp32 q/k/v on this CPU with any
+    strides (the transposed views of a fused projection are read in place), grouped-query heads, no mask or a
+    bool/fp32 mask that broadcasts to the scores (not with ``is_causal``); heads of at most
+    :data:`native.PREFILL_ATTENTION_DMAX`. The output is the dense ``[b, h, l, dv]`` slice."""
+    q, k, v, mask = args["q"], args["k"], args["v"], args["mask"]
+    if not all(isinstance(a, Reg) for a in (q, k, v)) or (mask is not None and not isinstance(mask, Reg)):
+        return None
+    vq, vk, vv, vo = (lw.p.values[a.id] for a in (q, k, v, Reg(o)))
+    if any(x.dtype != torch.float32 or lw.dm[x.device] != dev or len(x.shape) != 4 for x in (vq, vk, vv)):
+        return None
+    b, h, ell, hd = vq.shape
+    hkv, s = vk.shape[1], vk.shape[2]
+    dmax = native.PREFILL_ATTENTION_DMAX
+    if not (vk.shape[0] == b and tuple(vv.shape[:3]) == (b, hkv, s) and vk.shape[3] == hd and hkv and h % hkv == 0
+            and ell and s and hd <= dmax and 0 < d <= dmax and tuple(vo.shape) == (b, h, ell, d) and vv.shape[3] == d):
+        return None
+    if mask is not None:
+        vm = lw.p.values[mask.id]
+        if bool(args["is_causal"]) or vm.dtype not in (torch.bool, torch.float32) or lw.dm[vm.device] != dev \
+                or len(vm.shape) > 4 or not all(m in (1, w) for m, w in zip(vm.shape[::-1], (s, ell, h, b),
+                                                                            strict=False)):
+            return None
+    return "native:hf_prefill_attention"
 
 
 def onednn_operands(ins: Instr) -> tuple[Any, Any, Any, bool, str, tuple | None] | None:

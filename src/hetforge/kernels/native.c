@@ -1343,3 +1343,338 @@ void hf_rotary_pos_bf16(const hf_bf16 *x, const hf_bf16 *cos_, const hf_bf16 *si
         }
     }
 }
+
+/* ---- prefill attention ---- */
+/* softmax(scale·q·kᵀ + mask)·v over many query rows (a prefill's attention), flash-attention style.
+ *
+ * Why: ATen's SDPA on the strided q/k/v views of a fused qkv output reached ~75 GFLOP/s on the visible (causal)
+ * half of the work; a blocked ATen-matmul version was slower still (one dispatch per block). Here each task is
+ * one (batch, head, block of PA_QB query rows): the key blocks of PA_KB keys are visited in order with an online
+ * softmax in fp32 (running max, running sum, the output rows rescaled when the max grows), so the score matrix
+ * is never written out. Key blocks that the mask hides entirely are skipped: past the diagonal for is_causal
+ * (top-left aligned, as SDPA's: key j is seen by query i iff j <= i), and for a mask, a block of a bool mask
+ * with no True or of a float mask with only -inf (decided per block from the mask itself, so any mask is exact).
+ * A row that sees no key at all gives zeros, as SDPA's CPU kernel does. q/k/v are read with their strides
+ * (batch, head, row; the last dim dense), so the transposed views of a fused projection need no copy by the
+ * caller: a first pass packs each kv head's keys, transposed, into one dense [d][PA_KB] tile per key block, and
+ * its values into dense rows (once per call, shared by all the query heads and blocks that read them; rows of a
+ * fused projection lie a large power-of-two-ish stride apart and would crowd a few L1 sets). The output is dense
+ * [b, h, l, dv]. Grouped-query heads: query head i reads kv head i / (h / hkv). The products
+ * use AVX-512 FMAs (4 rows x 64 columns of accumulators) where the build has AVX-512F, else plain C loops;
+ * the exponentials use a polynomial (Cephes' expf, ~1 ulp) there and expf() otherwise. Tasks are the pool's
+ * chunks, the largest causal blocks first. */
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#define PA_QB 32
+#define PA_KB 64
+#define PA_DMAX 256
+
+typedef struct {
+    const float *q, *k, *v;
+    const void *mask;
+    float *out, *kt; /* kt: every kv head's keys transposed per key block, [b * hkv][sp / PA_KB][d][PA_KB] */
+    float *vp;       /* vp: every kv head's values, dense [b * hkv][s][dv] */
+    long h, hkv, l, s, d, dv, nqb, sp;
+    long qs[3], ks[3], vs[3], ms[4]; /* element strides: batch, head, row (last dim dense); mask: b, h, row, col */
+    int mask_kind, causal;           /* mask_kind: 0 none, 1 bool (True = attend), 2 float (added) */
+    float scale;
+} pa_ctx;
+
+#if defined(__AVX512F__)
+/* e^x for x <= 0 (0 below -87.3, where fp32 would underflow to a denormal): Cephes' expf polynomial. */
+static inline __m512 pa_exp16(__m512 x) {
+    __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.3f), _CMP_GE_OQ);
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500E-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507E-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073E-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894E-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459E-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201E-1f));
+    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+    return _mm512_maskz_mov_ps(keep, _mm512_scalef_ps(p, n));
+}
+#endif
+
+/* s[ii][0..PA_KB) = qb[ii] · kt[:, 0..PA_KB) for ni rows (kt: the key block transposed, rows kst apart). */
+static void pa_scores(const float *restrict qb, const float *restrict kt, long kst, float *restrict s, long ni,
+                      long d) {
+    long ii = 0;
+#if defined(__AVX512F__)
+    for (; ii + 4 <= ni; ii += 4) {
+        __m512 c[4][4];
+        for (int r = 0; r < 4; r++)
+            for (int x = 0; x < 4; x++) c[r][x] = _mm512_setzero_ps();
+        for (long t = 0; t < d; t++) {
+            const float *kr = kt + t * kst;
+            __m512 k0 = _mm512_loadu_ps(kr), k1 = _mm512_loadu_ps(kr + 16), k2 = _mm512_loadu_ps(kr + 32),
+                   k3 = _mm512_loadu_ps(kr + 48);
+            for (int r = 0; r < 4; r++) {
+                __m512 qv = _mm512_set1_ps(qb[(ii + r) * d + t]);
+                c[r][0] = _mm512_fmadd_ps(qv, k0, c[r][0]);
+                c[r][1] = _mm512_fmadd_ps(qv, k1, c[r][1]);
+                c[r][2] = _mm512_fmadd_ps(qv, k2, c[r][2]);
+                c[r][3] = _mm512_fmadd_ps(qv, k3, c[r][3]);
+            }
+        }
+        for (int r = 0; r < 4; r++)
+            for (int x = 0; x < 4; x++) _mm512_storeu_ps(s + (ii + r) * PA_KB + 16 * x, c[r][x]);
+    }
+#endif
+    for (; ii < ni; ii++) {
+        float *sr = s + ii * PA_KB;
+        for (long j = 0; j < PA_KB; j++) sr[j] = 0.f;
+        for (long t = 0; t < d; t++) {
+            float qv = qb[ii * d + t];
+            const float *kr = kt + t * kst;
+#pragma omp simd
+            for (long j = 0; j < PA_KB; j++) sr[j] += qv * kr[j];
+        }
+    }
+}
+
+/* acc[ii][0..dv) += p[ii][0..nj) · V[0..nj) for ni rows (V rows vstride apart, dense last dim). */
+static void pa_pv(const float *restrict p, const float *restrict V, long vstride, float *restrict acc, long ni,
+                  long nj, long dv) {
+    long ii = 0;
+#if defined(__AVX512F__)
+    if (dv % 64 == 0) {
+        for (; ii + 4 <= ni; ii += 4)
+            for (long c0 = 0; c0 < dv; c0 += 64) {
+                __m512 c[4][4];
+                for (int r = 0; r < 4; r++)
+                    for (int x = 0; x < 4; x++) c[r][x] = _mm512_loadu_ps(acc + (ii + r) * dv + c0 + 16 * x);
+                for (long j = 0; j < nj; j++) {
+                    const float *vr = V + j * vstride + c0;
+                    __m512 v0 = _mm512_loadu_ps(vr), v1 = _mm512_loadu_ps(vr + 16), v2 = _mm512_loadu_ps(vr + 32),
+                           v3 = _mm512_loadu_ps(vr + 48);
+                    for (int r = 0; r < 4; r++) {
+                        __m512 pv = _mm512_set1_ps(p[(ii + r) * PA_KB + j]);
+                        c[r][0] = _mm512_fmadd_ps(pv, v0, c[r][0]);
+                        c[r][1] = _mm512_fmadd_ps(pv, v1, c[r][1]);
+                        c[r][2] = _mm512_fmadd_ps(pv, v2, c[r][2]);
+                        c[r][3] = _mm512_fmadd_ps(pv, v3, c[r][3]);
+                    }
+                }
+                for (int r = 0; r < 4; r++)
+                    for (int x = 0; x < 4; x++) _mm512_storeu_ps(acc + (ii + r) * dv + c0 + 16 * x, c[r][x]);
+            }
+    }
+#endif
+    for (; ii < ni; ii++) {
+        float *ar = acc + ii * dv;
+        for (long j = 0; j < nj; j++) {
+            float w = p[ii * PA_KB + j];
+            if (w == 0.f) continue;
+            const float *vr = V + j * vstride;
+#pragma omp simd
+            for (long c = 0; c < dv; c++) ar[c] += w * vr[c];
+        }
+    }
+}
+
+/* Whether mask block [i0, i0+ni) x [j0, j0+nj) of (batch, head) base has a visible entry; *all: every one is. */
+static int pa_mask_block(const pa_ctx *a, const char *base, long i0, long ni, long j0, long nj, int *all) {
+    int any = 0, every = 1;
+    for (long ii = 0; ii < ni; ii++) {
+        const char *row = base + (i0 + ii) * a->ms[2] * (a->mask_kind == 1 ? 1 : 4);
+        for (long jj = 0; jj < nj; jj++) {
+            long off = (j0 + jj) * a->ms[3];
+            int vis = a->mask_kind == 1 ? ((const uint8_t *)row)[off] != 0 : ((const float *)row)[off] != -INFINITY;
+            any |= vis;
+            every &= vis;
+        }
+    }
+    *all = every;
+    return any;
+}
+
+/* Keys of kv head (batch, head) = t transposed into kt, one dense [d][PA_KB] tile per key block (zeros past s; a
+ * tile, not rows sp apart: rows of a power-of-two stride would fall into a few L1 sets): once per call, shared by
+ * every query block. */
+static void pa_transpose(void *p, long t) {
+    const pa_ctx *a = p;
+    const float *K = a->k + (t / a->hkv) * a->ks[0] + (t % a->hkv) * a->ks[1];
+    float *kt = a->kt + t * a->d * a->sp;
+    for (long j = 0; j < a->sp; j++) {
+        float *tile = kt + (j / PA_KB) * a->d * PA_KB + j % PA_KB;
+        for (long c = 0; c < a->d; c++) tile[c * PA_KB] = j < a->s ? K[j * a->ks[2] + c] : 0.f;
+    }
+    const float *V = a->v + (t / a->hkv) * a->vs[0] + (t % a->hkv) * a->vs[1];
+    float *vp = a->vp + t * a->s * a->dv;
+    for (long j = 0; j < a->s; j++) memcpy(vp + j * a->dv, V + j * a->vs[2], sizeof(float) * a->dv);
+}
+
+#if defined(__AVX512F__)
+/* Bits of the 16 columns [16c, 16c + 16) that are below cnt. */
+static inline __mmask16 pa_below(long cnt, int c) {
+    long n = cnt - 16 * c;
+    return n >= 16 ? (__mmask16)0xffff : n <= 0 ? (__mmask16)0 : (__mmask16)((1u << n) - 1);
+}
+
+/* One row's scores of one key block: columns past cnt (the block's end, or the diagonal) and those the mask hides
+ * set to -inf (a float mask added), then the online-softmax step; returns 0 when nothing is visible yet. */
+static int pa_row_avx(const pa_ctx *a, float *restrict sr, const char *mrow, long j0, long cnt, int apply,
+                      float *m, float *z, float *restrict ar) {
+    const __m512 ninf = _mm512_set1_ps(-INFINITY);
+    __m512 x[4], vmax = ninf;
+    for (int c = 0; c < 4; c++) {
+        __mmask16 keep = pa_below(cnt, c);
+        x[c] = _mm512_mask_mov_ps(ninf, keep, _mm512_loadu_ps(sr + 16 * c));
+        if (apply && keep) {
+            if (a->ms[3] == 1 && keep == 0xffff) {
+                if (a->mask_kind == 1) {
+                    __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(mrow + j0 + 16 * c)));
+                    x[c] = _mm512_mask_mov_ps(ninf, _mm512_test_epi32_mask(b, b), x[c]);
+                } else {
+                    x[c] = _mm512_add_ps(x[c], _mm512_loadu_ps((const float *)mrow + j0 + 16 * c));
+                }
+            } else {
+                float t[16];
+                _mm512_storeu_ps(t, x[c]);
+                for (int e = 0; e < 16; e++) {
+                    if (!(keep >> e & 1)) continue;
+                    long off = (j0 + 16 * c + e) * a->ms[3];
+                    if (a->mask_kind == 1) {
+                        if (!((const uint8_t *)mrow)[off]) t[e] = -INFINITY;
+                    } else {
+                        t[e] += ((const float *)mrow)[off];
+                    }
+                }
+                x[c] = _mm512_loadu_ps(t);
+            }
+        }
+        vmax = _mm512_max_ps(vmax, x[c]);
+    }
+    float mx = _mm512_reduce_max_ps(vmax), mn = mx > *m ? mx : *m;
+    if (mn == -INFINITY) {
+        for (int c = 0; c < 4; c++) _mm512_storeu_ps(sr + 16 * c, _mm512_setzero_ps());
+        return 0;
+    }
+    float corr = *m == -INFINITY ? 0.f : expf(*m - mn);
+    __m512 vm = _mm512_set1_ps(mn), vs = _mm512_setzero_ps();
+    for (int c = 0; c < 4; c++) {
+        __m512 e = pa_exp16(_mm512_sub_ps(x[c], vm));
+        _mm512_storeu_ps(sr + 16 * c, e);
+        vs = _mm512_add_ps(vs, e);
+    }
+    *z = *z * corr + _mm512_reduce_add_ps(vs);
+    *m = mn;
+    if (corr != 1.f)
+        for (long c = 0; c < a->dv; c++) ar[c] *= corr;
+    return 1;
+}
+#endif
+
+static void pa_task(void *p, long t) {
+    const pa_ctx *a = p;
+    long bh = t / a->nqb, qblk = a->nqb - 1 - t % a->nqb; /* the largest causal blocks first */
+    long bi = bh / a->h, hi = bh % a->h, kh = hi / (a->h / a->hkv), d = a->d, dv = a->dv;
+    long i0 = qblk * PA_QB, ni = a->l - i0 < PA_QB ? a->l - i0 : PA_QB;
+    const float *Q = a->q + bi * a->qs[0] + hi * a->qs[1], *V = a->vp + (bi * a->hkv + kh) * a->s * dv;
+    const float *KT = a->kt + (bi * a->hkv + kh) * d * a->sp;
+    float *O = a->out + ((bi * a->h + hi) * a->l + i0) * dv;
+    int esz = a->mask_kind == 1 ? 1 : 4;
+    const char *mbase = a->mask ? (const char *)a->mask + (bi * a->ms[0] + hi * a->ms[1]) * esz : NULL;
+    float qb[PA_QB * PA_DMAX] __attribute__((aligned(64)));
+    float sb[PA_QB * PA_KB] __attribute__((aligned(64)));
+    float acc[PA_QB * PA_DMAX] __attribute__((aligned(64)));
+    float m[PA_QB], z[PA_QB];
+    for (long ii = 0; ii < ni; ii++) {
+        const float *qr = Q + (i0 + ii) * a->qs[2];
+        for (long c = 0; c < d; c++) qb[ii * d + c] = qr[c] * a->scale;
+        m[ii] = -INFINITY, z[ii] = 0.f;
+    }
+    memset(acc, 0, sizeof(float) * ni * dv);
+    for (long j0 = 0; j0 < a->s; j0 += PA_KB) {
+        long nj = a->s - j0 < PA_KB ? a->s - j0 : PA_KB;
+        int all = 1;
+        if (a->causal && j0 > i0 + ni - 1) break; /* every later key block is past the diagonal */
+        if (mbase && !pa_mask_block(a, mbase, i0, ni, j0, nj, &all)) continue;
+        pa_scores(qb, KT + j0 * d, PA_KB, sb, ni, d); /* tile j0 / PA_KB starts at (j0 / PA_KB) * d * PA_KB */
+        for (long ii = 0; ii < ni; ii++) {
+            float *sr = sb + ii * PA_KB;
+            long i = i0 + ii;
+#if defined(__AVX512F__)
+            long cnt = a->causal && i - j0 + 1 < nj ? i - j0 + 1 : nj;
+            pa_row_avx(a, sr, mbase ? mbase + i * a->ms[2] * esz : NULL, j0, cnt,
+                       mbase && !(a->mask_kind == 1 && all), m + ii, z + ii, acc + ii * dv);
+            continue;
+#endif
+            for (long jj = nj; jj < PA_KB; jj++) sr[jj] = -INFINITY;
+            if (a->causal && j0 + nj - 1 > i)
+                for (long jj = i - j0 + 1 < 0 ? 0 : i - j0 + 1; jj < nj; jj++) sr[jj] = -INFINITY;
+            if (mbase && !(a->mask_kind == 1 && all)) {
+                const char *row = mbase + i * a->ms[2] * esz;
+                if (a->mask_kind == 1) {
+                    for (long jj = 0; jj < nj; jj++)
+                        if (!((const uint8_t *)row)[(j0 + jj) * a->ms[3]]) sr[jj] = -INFINITY;
+                } else {
+                    for (long jj = 0; jj < nj; jj++) sr[jj] += ((const float *)row)[(j0 + jj) * a->ms[3]];
+                }
+            }
+            float mx = -INFINITY;
+            for (long jj = 0; jj < PA_KB; jj++) mx = sr[jj] > mx ? sr[jj] : mx;
+            float mn = mx > m[ii] ? mx : m[ii];
+            if (mn == -INFINITY) { /* nothing visible to this row yet */
+                for (long jj = 0; jj < PA_KB; jj++) sr[jj] = 0.f;
+                continue;
+            }
+            float corr = m[ii] == -INFINITY ? 0.f : expf(m[ii] - mn), sum = 0.f;
+#if defined(__AVX512F__)
+            __m512 vm = _mm512_set1_ps(mn), vs = _mm512_setzero_ps();
+            for (long jj = 0; jj < PA_KB; jj += 16) {
+                __m512 e = pa_exp16(_mm512_sub_ps(_mm512_loadu_ps(sr + jj), vm));
+                _mm512_storeu_ps(sr + jj, e);
+                vs = _mm512_add_ps(vs, e);
+            }
+            sum = _mm512_reduce_add_ps(vs);
+#else
+            for (long jj = 0; jj < PA_KB; jj++) {
+                float e = expf(sr[jj] - mn);
+                sr[jj] = e;
+                sum += e;
+            }
+#endif
+            z[ii] = z[ii] * corr + sum;
+            m[ii] = mn;
+            if (corr != 1.f) {
+                float *ar = acc + ii * dv;
+                for (long c = 0; c < dv; c++) ar[c] *= corr;
+            }
+        }
+        pa_pv(sb, V + j0 * dv, dv, acc, ni, nj, dv);
+    }
+    for (long ii = 0; ii < ni; ii++) {
+        float iz = z[ii] > 0.f ? 1.f / z[ii] : 0.f; /* a row that saw no key: zeros, as SDPA gives */
+        for (long c = 0; c < dv; c++) O[ii * dv + c] = acc[ii * dv + c] * iz;
+    }
+}
+
+/* Attention of l query rows over s keys for b x h heads (see the banner above). q [b, h, l, d], k [b, hkv, s, d],
+ * v [b, hkv, s, dv] at element strides qs/ks/vs (batch, head, row; the last dim dense); mask NULL or [b, h, l, s]
+ * at element strides ms (0 where broadcast), bool (mask_kind 1) or float (2); out dense [b, h, l, dv].
+ * d, dv <= 256 (PA_DMAX); h a multiple of hkv. */
+void hf_prefill_attention(const float *q, const float *k, const float *v, const void *mask, float *out,
+                          const long *dims, const long *strides, int mask_kind, int causal, float scale,
+                          int threads) {
+    pa_ctx a = {q, k, v, mask_kind ? mask : NULL, out, NULL, NULL, dims[1], dims[2], dims[3], dims[4], dims[5], dims[6], 0, 0,
+                {strides[0], strides[1], strides[2]}, {strides[3], strides[4], strides[5]},
+                {strides[6], strides[7], strides[8]}, {strides[9], strides[10], strides[11], strides[12]},
+                mask ? mask_kind : 0, causal, scale};
+    a.nqb = (a.l + PA_QB - 1) / PA_QB;
+    a.sp = (a.s + PA_KB - 1) / PA_KB * PA_KB;
+    if (a.d > PA_DMAX || a.dv > PA_DMAX || a.h % a.hkv || a.l < 1 || a.s < 1) return;
+    a.kt = malloc(sizeof(float) * dims[0] * a.hkv * (a.d * a.sp + a.s * a.dv));
+    if (!a.kt) return;
+    a.vp = a.kt + dims[0] * a.hkv * a.d * a.sp;
+    hf_run(pa_transpose, &a, dims[0] * a.hkv, clamp_threads(threads));
+    hf_run(pa_task, &a, dims[0] * a.h * a.nqb, clamp_threads(threads));
+    free(a.kt);
+}

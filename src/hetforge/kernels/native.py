@@ -50,6 +50,7 @@ SIGNATURES = {
     "hf_rms_norm": [_P, _P, _P, _L, _L, _F, _I],
     "hf_layer_norm": [_P, _P, _P, _P, _L, _L, _F, _I],
     "hf_decode_attention": [_P, _P, _P, _P, _P, _P, _P, _P, _P, _L, _L, _L, _L, _F, _I],
+    "hf_prefill_attention": [_P, _P, _P, _P, _P, _P, _P, _I, _I, _F, _I],
     "hf_read_stream": [_P, _L, _I],
     "hf_linear_act": [_P, _P, _P, _P, _L, _L, _I, _I, _I, _P, _I],
     "hf_gated_mlp": [_P, _P, _P, _P, _P, _P, _L, _L, _I, _I],
@@ -413,6 +414,70 @@ def decode_attention(q, k, v, k_cache, v_cache, cache_mask, new_mask, scale: flo
     library().hf_decode_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
                                   cache_mask.data_ptr(), _ptr(new_mask), out.data_ptr(), scratch.data_ptr(), h, hkv,
                                   s, d, scale, torch.get_num_threads())
+    return out
+
+
+PREFILL_ATTENTION_DMAX = 256  # native.c's PA_DMAX: the widest head the prefill attention kernel takes
+
+
+def prefill_attention_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                           is_causal: bool) -> bool:
+    """Whether ``hetforge::attention`` can run on ``hf_prefill_attention``: 4-D fp32 CPU q/k/v (any strides),
+    ``q`` heads a multiple of ``k``'s, heads of at most :data:`PREFILL_ATTENTION_DMAX`, at least one query row and
+    one key, and no mask or a bool/fp32 mask broadcastable to ``[b, h, l, s]`` (not together with
+    ``is_causal``, which SDPA refuses too); real tensors only (not under tracing), library built."""
+    if torch._C._len_torch_dispatch_stack() or torch.compiler.is_compiling() or library() is None:
+        return False
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        return False
+    b, h, ell, d = q.shape
+    hkv, s = k.shape[1], k.shape[2]
+    if not (k.shape[0] == b and tuple(v.shape[:3]) == (b, hkv, s) and k.shape[3] == d and hkv > 0 and h % hkv == 0
+            and ell > 0 and s > 0 and 0 < d <= PREFILL_ATTENTION_DMAX and 0 < v.shape[3] <= PREFILL_ATTENTION_DMAX):
+        return False
+    if any(t.dtype != torch.float32 or t.device.type != "cpu" or is_fake(t) or t.requires_grad for t in (q, k, v)):
+        return False
+    if mask is None:
+        return True
+    if is_causal or mask.dtype not in (torch.bool, torch.float32) or mask.device.type != "cpu" or is_fake(mask) \
+            or mask.dim() > 4:
+        return False
+    return all(m in (1, w) for m, w in zip(mask.shape[::-1], (s, ell, h, b), strict=False))
+
+
+def _dense_rows(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(3) == 1 else t.contiguous()
+
+
+def prefill_attention_into(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                           y_ptr: int, scale: float, is_causal: bool) -> None:
+    """``softmax(scale·q·kᵀ + mask)·v`` into the dense ``[b, h, l, dv]`` fp32 buffer at ``y_ptr``, on
+    ``hf_prefill_attention`` (q/k/v read with their strides: a transposed view of a fused projection is not
+    copied; a last dim that is not dense is). The executor calls it with a pointer it checked at lowering; the
+    operands are checked here (their layouts are known only at run time): what :func:`prefill_attention_fits`
+    refuses raises ValueError."""
+    if not prefill_attention_fits(q, k, v, mask, is_causal):
+        raise ValueError(f"hf_prefill_attention cannot run q {q.dtype} {tuple(q.shape)}, k {tuple(k.shape)}, "
+                         f"v {tuple(v.shape)}, mask {None if mask is None else (mask.dtype, tuple(mask.shape))}")
+    q, k, v = _dense_rows(q), _dense_rows(k), _dense_rows(v)
+    b, h, ell, d = q.shape
+    hkv, s = k.shape[1], k.shape[2]
+    kind, ms = 0, (0, 0, 0, 0)
+    if mask is not None:
+        kind = 1 if mask.dtype == torch.bool else 2
+        ms = mask.expand(b, h, ell, s).stride()
+    dims = (ctypes.c_long * 7)(b, h, hkv, ell, s, d, v.shape[3])
+    strides = (ctypes.c_long * 13)(*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *ms)
+    library().hf_prefill_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), _ptr(mask), y_ptr, dims, strides, kind,
+                                   int(is_causal), scale, torch.get_num_threads())
+
+
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+                      is_causal: bool) -> torch.Tensor:
+    """``hetforge::attention`` on the native kernel, into a fresh dense ``[b, h, l, dv]`` tensor (equal to SDPA to
+    rounding); check :func:`prefill_attention_fits` first."""
+    out = torch.empty((*q.shape[:3], v.shape[3]), dtype=torch.float32)
+    prefill_attention_into(q, k, v, mask, out.data_ptr(), scale, is_causal)
     return out
 
 

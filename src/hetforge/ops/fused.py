@@ -93,7 +93,10 @@ def _attention_fake(q, k, v, mask=None, scale=1.0, is_causal=False):
     fake=_attention_fake,
 )
 def attention(q, k, v, mask=None, scale=1.0, is_causal=False):
-    """Scaled dot-product attention with optional mask, causality and grouped-query k/v."""
+    """Scaled dot-product attention with optional mask, causality and grouped-query k/v (fp32 on the CPU: the
+    native flash-style kernel, equal to SDPA to rounding, see ``native.c``'s prefill attention)."""
+    if native.prefill_attention_fits(q, k, v, mask, is_causal):
+        return native.prefill_attention(q, k, v, mask, scale, is_causal)
     gqa = q.dim() >= 3 and k.dim() >= 3 and k.shape[-3] != q.shape[-3]
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.0, is_causal=is_causal,
                                           scale=scale, enable_gqa=gqa)

@@ -1,0 +1,143 @@
+"""The native prefill attention (``hf_prefill_attention``): equal to ``F.scaled_dot_product_attention`` within
+2e-6 (max abs error; fp32 rounding of a different summation order and a ~1 ulp exp) for causal, bool (causal +
+padding, fully masked rows), float masks, grouped-query heads, odd lengths and strided q/k/v; chosen by lowering
+for a compiled prefill program, whose logits match eager within KL ≤ 1e-8; refused for what it cannot read."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_ir_common import captured
+
+from hetforge.compile import compile_graph
+from hetforge.kernels import native
+from hetforge.verify import verify
+
+pytestmark = pytest.mark.skipif(native.library() is None,
+                                reason="no C compiler/OpenMP here: the native kernels are not built and SDPA runs "
+                                       "(covered by the other tests)")
+
+TOL = 2e-6  # max abs error against SDPA on unit-normal q/k/v (measured up to ~1e-6)
+
+
+def _qkv(b: int, h: int, hkv: int, ell: int, s: int, d: int, seed: int = 0):
+    """q as a transposed view of a fused projection output ([b, l, (h + 2·hkv)·d]: not contiguous), k/v too."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(b, ell, (h + 2 * hkv) * d, generator=g)
+    q = x[..., : h * d].view(b, ell, h, d).transpose(1, 2)
+    kv = torch.randn(b, s, 2 * hkv * d, generator=g)
+    k = kv[..., : hkv * d].view(b, s, hkv, d).transpose(1, 2)
+    v = kv[..., hkv * d:].view(b, s, hkv, d).transpose(1, 2)
+    return q, k, v
+
+
+def _check(q, k, v, mask=None, causal=False, scale=0.125):
+    assert native.prefill_attention_fits(q, k, v, mask, causal)
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
+                                         enable_gqa=k.shape[1] != q.shape[1])
+    got = native.prefill_attention(q, k, v, mask, scale, causal)
+    assert got.is_contiguous() and got.shape == ref.shape
+    err = (got - ref).abs().max().item()
+    assert err <= TOL, err
+    return got, ref
+
+
+@pytest.mark.parametrize("ell", [1, 17, 130, 513])
+@pytest.mark.parametrize("gqa", [False, True])
+def test_causal_equals_sdpa(ell, gqa):
+    q, k, v = _qkv(1, 4, 2 if gqa else 4, ell, ell, 64)
+    assert ell == 1 or not q.is_contiguous()  # a transposed view of the fused projection
+    _check(q, k, v, causal=True)
+    _check(q, k, v)  # no mask at all
+
+
+@pytest.mark.parametrize("ell", [1, 17, 130, 513])
+def test_bool_mask_causal_and_padding_equals_sdpa(ell):
+    b = 2
+    q, k, v = _qkv(b, 4, 2, ell, ell, 32, seed=1)
+    mask = torch.ones(ell, ell, dtype=torch.bool).tril().expand(b, 1, ell, ell).clone()
+    mask[1, :, :, : min(5, ell)] = False  # left padding of the second sequence: its first rows see no key
+    got, _ = _check(q, k, v, mask)
+    assert got[1, :, : min(5, ell)].abs().max().item() == 0.0  # a row with no attendable key gives zeros, as SDPA
+
+
+def test_bool_mask_blocks_far_from_the_diagonal_and_broadcast_dims():
+    ell = 200
+    q, k, v = _qkv(1, 3, 3, ell, ell, 48, seed=2)
+    mask = torch.zeros(ell, ell, dtype=torch.bool)
+    mask[:, 150:170] = True  # only one band of keys: most key blocks are skipped, one is partly visible
+    mask[7, 3] = True
+    _check(q, k, v, mask)  # 2-D mask: broadcast over batch and heads
+    _check(q, k, v, mask[None])  # 3-D
+    _check(q, k, v, mask.t().contiguous().t())  # strided mask
+
+
+@pytest.mark.parametrize("ell,s", [(17, 17), (130, 130), (5, 70)])
+def test_float_mask_equals_sdpa(ell, s):
+    g = torch.Generator().manual_seed(3)
+    q, k, v = _qkv(2, 6, 3, ell, s, 64, seed=3)
+    mask = torch.randn(2, 1, ell, s, generator=g)
+    mask[:, :, :, s // 2:] = float("-inf")  # whole key blocks hidden by -inf are skipped
+    mask[0, 0, 0, :] = float("-inf")  # a row with no attendable key
+    _check(q, k, v, mask)
+
+
+def test_odd_head_width_and_rectangular_causal():
+    q, k, v = _qkv(1, 2, 1, 9, 33, 24, seed=4)  # head width 24: the plain-C product path
+    _check(q, k, v, causal=True)
+    q, k, v = _qkv(1, 2, 2, 40, 40, 64, seed=5)
+    _check(q.contiguous(), k.contiguous(), v.contiguous(), causal=True)
+
+
+def test_fits_refuses_what_it_cannot_read():
+    q, k, v = _qkv(1, 2, 2, 4, 4, 8)
+    m = torch.ones(4, 4, dtype=torch.bool)
+    assert not native.prefill_attention_fits(q.double(), k.double(), v.double(), None, False)
+    assert not native.prefill_attention_fits(q, k, v, m, True)  # mask with is_causal: SDPA refuses it too
+    assert not native.prefill_attention_fits(q, k, v, m.half(), False)
+    assert not native.prefill_attention_fits(q, k, v, torch.ones(3, 4, dtype=torch.bool), False)
+    assert not native.prefill_attention_fits(q[:, :, :, :0], k[:, :, :, :0], v, None, False)
+    wide = torch.zeros(1, 1, 2, native.PREFILL_ATTENTION_DMAX + 1)
+    assert not native.prefill_attention_fits(wide, wide, wide, None, False)
+    with pytest.raises(ValueError, match="cannot run"):
+        native.prefill_attention_into(q.double(), k, v, None, 0, 1.0, False)
+
+
+def test_hetforge_attention_op_runs_it_and_leaves_autograd_to_sdpa():
+    q, k, v = _qkv(1, 2, 2, 16, 16, 8)
+    got = torch.ops.hetforge.attention(q, k, v, None, 0.5, True)
+    torch.testing.assert_close(got, F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.5),
+                               rtol=0, atol=TOL)
+    qg = q.detach().clone().requires_grad_()
+    assert not native.prefill_attention_fits(qg, k, v, None, True)  # a pointer-reading kernel records no graph
+
+
+@pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny"])
+def test_compiled_prefill_runs_it_and_matches_eager(name):
+    module, inputs, cg = captured(name)
+    res = compile_graph(cg.gm, soc="host", example_inputs=inputs, name=name)
+    att = [i for i in res.program.instrs if i.op == "hetforge.attention.default"]
+    assert att and inputs[0].shape[1] > 1
+    assert {res.executable.kernels[i.id] for i in att} == {"native:hf_prefill_attention"}
+    rep = verify(module, res.executable, inputs, kl_threshold=1e-8)
+    assert rep.passed and rep.top1_agree == 1.0, rep
+    with native.disabled("A/B: SDPA"):
+        ref = compile_graph(cg.gm, soc="host", example_inputs=inputs, name=name).executable
+    assert {ref.kernels[i.id] for i in att} != {"native:hf_prefill_attention"}
+    with torch.no_grad():
+        torch.testing.assert_close(res.executable(*inputs), ref(*inputs), rtol=1e-5, atol=1e-5)
+
+
+def test_cost_model_prices_it_as_one_native_roofline_under_its_own_key():
+    import dataclasses
+
+    from hetforge.cost import cost_mode, estimate_instr
+
+    module, inputs, cg = captured("gpt2-tiny")
+    res = compile_graph(cg.gm, soc="host", example_inputs=inputs, name="gpt2-tiny")
+    prog, planned = res.program, res.memory.offsets
+    ins = next(i for i in prog.instrs if i.op == "hetforge.attention.default")
+    assert cost_mode(ins, planned, res.executable.kernels[ins.id]) == "native"
+    d = res.soc.device(ins.device)
+    key = "native:hetforge.attention.default"
+    slow = dataclasses.replace(d, efficiency={**d.efficiency, key: 0.01}, overhead_s={**d.overhead_s, key: 1e-3})
+    assert estimate_instr(ins, prog, slow, planned).time_s > estimate_instr(ins, prog, d, planned).time_s + 9e-4
