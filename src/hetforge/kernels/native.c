@@ -1660,21 +1660,23 @@ static void pa_task(void *p, long t) {
 /* Attention of l query rows over s keys for b x h heads (see the banner above). q [b, h, l, d], k [b, hkv, s, d],
  * v [b, hkv, s, dv] at element strides qs/ks/vs (batch, head, row; the last dim dense); mask NULL or [b, h, l, s]
  * at element strides ms (0 where broadcast), bool (mask_kind 1) or float (2); out dense [b, h, l, dv].
- * d, dv <= 256 (PA_DMAX); h a multiple of hkv. */
-void hf_prefill_attention(const float *q, const float *k, const float *v, const void *mask, float *out,
-                          const long *dims, const long *strides, int mask_kind, int causal, float scale,
-                          int threads) {
+ * d, dv <= 256 (PA_DMAX); h a multiple of hkv. Returns 0, -1 when the key/value scratch cannot be allocated,
+ * -2 for shapes outside those limits (the output is then not written). */
+int hf_prefill_attention(const float *q, const float *k, const float *v, const void *mask, float *out,
+                         const long *dims, const long *strides, int mask_kind, int causal, float scale,
+                         int threads) {
     pa_ctx a = {q, k, v, mask_kind ? mask : NULL, out, NULL, NULL, dims[1], dims[2], dims[3], dims[4], dims[5], dims[6], 0, 0,
                 {strides[0], strides[1], strides[2]}, {strides[3], strides[4], strides[5]},
                 {strides[6], strides[7], strides[8]}, {strides[9], strides[10], strides[11], strides[12]},
                 mask ? mask_kind : 0, causal, scale};
     a.nqb = (a.l + PA_QB - 1) / PA_QB;
     a.sp = (a.s + PA_KB - 1) / PA_KB * PA_KB;
-    if (a.d > PA_DMAX || a.dv > PA_DMAX || a.h % a.hkv || a.l < 1 || a.s < 1) return;
+    if (a.d > PA_DMAX || a.dv > PA_DMAX || a.h % a.hkv || a.l < 1 || a.s < 1) return -2;
     a.kt = malloc(sizeof(float) * dims[0] * a.hkv * (a.d * a.sp + a.s * a.dv));
-    if (!a.kt) return;
+    if (!a.kt) return -1;
     a.vp = a.kt + dims[0] * a.hkv * a.d * a.sp;
     hf_run(pa_transpose, &a, dims[0] * a.hkv, clamp_threads(threads));
     hf_run(pa_task, &a, dims[0] * a.h * a.nqb, clamp_threads(threads));
     free(a.kt);
+    return 0;
 }

@@ -185,6 +185,7 @@ def _open(path: Path) -> tuple[ctypes.CDLL | None, str]:
     lib.hf_read_stream.restype = _F
     lib.hf_q8a_path.restype = _I
     lib.hf_bf16_path.restype = _I
+    lib.hf_prefill_attention.restype = _I
     return lib, ""
 
 
@@ -468,8 +469,12 @@ def prefill_attention_into(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ma
         ms = mask.expand(b, h, ell, s).stride()
     dims = (ctypes.c_long * 7)(b, h, hkv, ell, s, d, v.shape[3])
     strides = (ctypes.c_long * 13)(*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *ms)
-    library().hf_prefill_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), _ptr(mask), y_ptr, dims, strides, kind,
-                                   int(is_causal), scale, torch.get_num_threads())
+    rc = library().hf_prefill_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), _ptr(mask), y_ptr, dims, strides,
+                                        kind, int(is_causal), scale, torch.get_num_threads())
+    if rc:
+        raise (MemoryError if rc == -1 else ValueError)(
+            "hf_prefill_attention: " + ("cannot allocate its key/value scratch" if rc == -1 else
+                                        f"shape outside its limits (head dims {d}/{v.shape[3]}, heads {h}/{hkv})"))
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
