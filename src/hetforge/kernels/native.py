@@ -47,6 +47,7 @@ SIGNATURES = {
     "hf_gated_mlp": [_P, _P, _P, _P, _P, _P, _L, _L, _I, _I],
     "hf_gemv_q8": [_P, _P, _P, _P, _P, _L, _L, _I, _I],
     "hf_gemv_q8a": [_P, _P, _P, _P, _P, _L, _L, _I, _I],
+    "hf_gemm_q8a": [_P, _P, _P, _P, _P, _L, _L, _L, _I, _I],
     "hf_quantize_q8_blocks": [_P, _L, _P, _P, _P],
     "hf_q8a_path": [_I],
     "hf_pool_info": [_P],
@@ -175,6 +176,7 @@ def _open(path: Path) -> tuple[ctypes.CDLL | None, str]:
         fn.argtypes, fn.restype = argtypes, None
     lib.hf_read_stream.restype = _F
     lib.hf_q8a_path.restype = _I
+    lib.hf_gemv_q8a.restype = lib.hf_gemm_q8a.restype = _I  # 0, or -1: scratch not allocated
     return lib, ""
 
 
