@@ -402,6 +402,10 @@ class _Codegen:
             kk = math.prod(self.p.values[x.id].shape)
             call = (f"{fn}({p(args['qweight'])}, {p(args['scales'])}, {p(x)}, {p(args['bias'])}, {{y}}, {d}, "
                     f"{kk}, {native.ACT_CODES[args['act']]}, {nt})")
+        elif fn == "hf_gemm_q8a":  # int8 weights, several rows, each quantized per block of 32
+            kk = self.p.values[x.id].shape[-1]
+            call = (f"hf_gemm_q8a({p(args['qweight'])}, {p(args['scales'])}, {p(x)}, {p(args['bias'])}, {{y}}, "
+                    f"{rows}, {d}, {kk}, {native.ACT_CODES[args['act']]}, {nt})")
         elif fn == "hf_linear_act":
             w, wt = args["weight"], bool(args["weight_t"])
             kk = math.prod(self.p.values[x.id].shape)
@@ -426,6 +430,8 @@ class _Codegen:
         name, rest = call.split("(", 1)
         if fn != "hf_rotary_pos":
             call = f"{self.const(getattr(lib, name), 'nk')}({rest}"
+        if fn in ("hf_gemv_q8a", "hf_gemm_q8a"):  # -1: no scratch for the quantized rows (raises)
+            call = f"{self.const(native.check_rc, 'f')}({call}, {fn!r})"
         self.stats.native_ops += 1
         if self.planned(o):
             buf = self.buffer(o)

@@ -946,7 +946,7 @@ int hf_gemm_q8a(const int8_t *q, const float *scales, const float *x, const floa
     long nb = (k + 31) / 32, kp = nb * 32;
     int path = q8a_best(), f = atomic_load(&q8a_forced);
     if (f >= 0 && f < path) path = f;
-    size_t qbytes = ((size_t)m * kp + 63) / 64 * 64, dbytes = ((size_t)m * nb * 8 * sizeof(float) + 63) / 64 * 64;
+    size_t qbytes = ((size_t)m * kp + 64) / 64 * 64, dbytes = ((size_t)m * nb * 8 * sizeof(float) + 64) / 64 * 64;
     int8_t *xq = aligned_alloc(64, qbytes);
     uint8_t *xu = path == Q8A_VNNI ? aligned_alloc(64, qbytes) : NULL;
     float *xd = malloc((size_t)(m * nb + 1) * sizeof(float)), *xd8 = aligned_alloc(64, dbytes);
