@@ -100,7 +100,6 @@ def test_compiled_w8_prefill_records_and_runs_the_gemm(with_native, monkeypatch)
     from hetforge.cost.instr import estimate_instr
     from hetforge.frontend import capture
     from hetforge.models.zoo import load_model
-
     from hetforge.runtime.static_kv import PrefillModule
 
     m = load_model("llama-tiny").model.eval()
@@ -145,3 +144,30 @@ def test_cli_refuses_a_bad_w8_act_with_one_line_and_exit_2():
     r = CliRunner().invoke(app, ["compile", "llama-tiny", "--quantize", "w8", "--w8-act", "int4"])
     assert r.exit_code == 2, r.output
     assert "w8-act" in r.output and len(r.output.strip().splitlines()) == 1
+
+
+def test_compile_cache_key_follows_the_w8_act_mode_of_w8_programs(monkeypatch):
+    from hetforge.models.zoo import load_model
+    from hetforge.runtime.compile_cache import key_document, key_of
+
+    m = load_model("llama-tiny").model
+
+    def key(quantize: str, mode: str) -> str:
+        monkeypatch.setenv("HETFORGE_W8_ACT", mode)
+        return key_of(key_document(m, {"quantize": quantize}, True, "prefill", 32))
+
+    assert key("w8", "q8") != key("w8", "weight-only")
+    assert key("none", "q8") == key("none", "weight-only")  # no int8 products: the mode changes nothing
+
+
+def test_gemm_op_applies_gelu_and_silu_after_the_product():
+    """GELU/SiLU of a several-row w8 product run as ATen's in-place ops on the C result (bias included)."""
+    q, s, x, b = _case(6, 20, 64, 6)
+    for act in ("gelu", "gelu_tanh", "silu", "relu"):
+        got = native.gemm_q8a(x, q, s, b, act)
+        want = _gemm(q, s, x, b, "none")
+        want = {"gelu": torch.nn.functional.gelu(want), "silu": torch.nn.functional.silu(want),
+                "relu": torch.relu(want),
+                "gelu_tanh": torch.nn.functional.gelu(want, approximate="tanh")}[act]
+        assert torch.equal(got, want), act
+
