@@ -259,10 +259,14 @@ def main() -> None:
     ap.add_argument("--baseline-rev", default="", help="also run native.c at this git revision (`omp`)")
     ap.add_argument("--note", default="")
     ap.add_argument("--out", default=str(DOCS / "contention.json"))
+    ap.add_argument("--from-json", default="", help="regenerate the page from this JSON, measuring nothing")
     ap.add_argument("--worker", default="", help=argparse.SUPPRESS)
     ap.add_argument("--source", default="", help=argparse.SUPPRESS)
     ap.add_argument("--kernel-check", type=int, default=0, help=argparse.SUPPRESS)
     a = ap.parse_args()
+    if a.from_json:
+        Path(a.from_json).with_suffix(".md").write_text(render(json.loads(Path(a.from_json).read_text())))
+        return
     if a.kernel_check:
         kernel_check(a.source, a.kernel_check)
         return

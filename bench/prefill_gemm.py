@@ -5,6 +5,12 @@ For each model and prompt length: one static capture, compiled twice by ``hetfor
 interleaved, best and median per system (measured, wall clock), and KL(eager ‖ hetforge) of the last-position
 logits. Writes docs/bench/prefill_gemm.json and generates docs/bench/prefill_gemm.md from it.
 
+The GEMM compute bound (issue 24): the FLOPs of the program's products (``aten.linear``/``addmm``/``mm`` and the
+fused ``hetforge::linear_act``/``gated_mlp``, each instruction's registered FLOP formula) ÷ the peak that
+``hetforge calibrate`` measures — the fastest kernel on the host (ATen, oneDNN prepacked) on square n×n×n
+products, best over n — measured here in the same process at the bench's thread count; a prefill below 1.0×
+of it would mean the peak is wrong. It leaves out attention, norms and elementwise ops, so it is a lower bound.
+
     .venv/bin/python bench/prefill_gemm.py [--models gpt2,llama-110m] [--seqs 128,512] [--rounds 7] [--threads 2]
 """
 
@@ -13,7 +19,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -28,6 +36,32 @@ def kl(ref: torch.Tensor, got: torch.Tensor) -> float:
     return float((p.exp() * (p - q)).sum(-1).mean())
 
 
+GEMM_OPS = ("aten.linear.default", "aten.addmm.default", "aten.mm.default", "hetforge.linear_act.default",
+            "hetforge.gated_mlp.default")
+PEAK_SIZES = (512, 1024, 2048)
+
+
+def gemm_flops(program) -> float:
+    """FLOPs of the program's products (registered formulas; the cost model's own)."""
+    from hetforge.cost.instr import op_call_from_instr
+    from hetforge.ops import lookup
+
+    total = 0.0
+    for ins in program.instrs:
+        info = lookup(ins.op) if ins.op in GEMM_OPS else None
+        if info is not None:
+            total += float(info.flops(op_call_from_instr(ins, program)))
+    return total
+
+
+def peak_flops(dtype: str) -> dict:
+    """``hetforge calibrate``'s GEMM peak for ``dtype``: best 2·n³/t over its kernels and n (measured)."""
+    from hetforge.hardware.calibrate import _gemm
+
+    by_n = {n: _gemm(dtype, n, 2.0) for n in PEAK_SIZES}
+    return {"gflops": round(max(by_n.values()) / 1e9, 1), "by_n": {n: round(v / 1e9, 1) for n, v in by_n.items()}}
+
+
 def run(models: list[str], seqs: list[int], rounds: int, threads: int, bf16: bool) -> dict:
     from hetforge.compile import compile_graph
     from hetforge.frontend import capture
@@ -35,6 +69,7 @@ def run(models: list[str], seqs: list[int], rounds: int, threads: int, bf16: boo
     from hetforge.models.zoo import example_inputs, load_model
 
     torch.set_num_threads(threads)
+    peaks = {"fp32": peak_flops("fp32"), **({"bf16": peak_flops("bf16")} if bf16 else {})}
     rows = []
     for name in models:
         loaded = load_model(name)
@@ -56,8 +91,9 @@ def run(models: list[str], seqs: list[int], rounds: int, threads: int, bf16: boo
                 mb = lb.logits_module()
                 cgb = capture(mb, inputs, name=f"{name}-{seq}-bf16")
                 fns["eager-bf16"] = (mb, inputs)
-                fns["hetforge-bf16"] = (compile_graph(cgb.gm, soc="host", example_inputs=inputs,
-                                                      name=f"{name}-{seq}-bf16").executable, inputs)
+                resb = compile_graph(cgb.gm, soc="host", example_inputs=inputs, name=f"{name}-{seq}-bf16")
+                fns["hetforge-bf16"] = (resb.executable, inputs)
+                gflop_bf16 = gemm_flops(resb.program) / 1e9
             with torch.no_grad():
                 ref = module(*inputs)
                 kls = {k: kl(ref, fns[k][0](*inputs)) for k in fns if k != "eager"}
@@ -78,9 +114,16 @@ def run(models: list[str], seqs: list[int], rounds: int, threads: int, bf16: boo
                    "approx_linear_gflop": round(flops / 1e9, 3)}
             row["ratio_onednn_over_aten_best"] = round(row["best_ms"]["hetforge-onednn"] /
                                                        row["best_ms"]["hetforge-aten"], 3)
+            gflop = gemm_flops(exes["auto"][0].program) / 1e9
+            row["gemm_gflop"] = round(gflop, 3)
+            row["bound_ms"] = {"fp32": round(gflop / peaks["fp32"]["gflops"] * 1e3, 2)}
+            row["over_bound_best"] = {"fp32": round(row["best_ms"]["hetforge-onednn"] / row["bound_ms"]["fp32"], 3)}
+            if bf16:
+                row["bound_ms"]["bf16"] = round(gflop_bf16 / peaks["bf16"]["gflops"] * 1e3, 2)
+                row["over_bound_best"]["bf16"] = round(row["best_ms"]["hetforge-bf16"] / row["bound_ms"]["bf16"], 3)
             rows.append(row)
             print(json.dumps(row))
-    return {"rows": rows, "choices": onednn.measured_choices()}
+    return {"rows": rows, "choices": onednn.measured_choices(), "peak": peaks}
 
 
 def render(doc: dict) -> str:
@@ -91,23 +134,36 @@ def render(doc: dict) -> str:
            + (f" Load average (1, 5, 15 min) at the start {doc['loadavg']['start']}, "
               f"at the end {doc['loadavg']['end']}." if "loadavg" in doc else ""), "",
            "| model | seq | threads | oneDNN GEMMs | eager best ms | hetforge ATen best ms | hetforge oneDNN best ms "
-           "| oneDNN/ATen | KL ATen | KL oneDNN |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
+           "| oneDNN/ATen | GEMM GFLOP | GEMM bound ms | oneDNN ÷ bound | KL ATen | KL oneDNN |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in doc["rows"]:
         b = r["best_ms"]
+        bound = (f"{r['gemm_gflop']} | {r['bound_ms']['fp32']} | {r['over_bound_best']['fp32']}" if "bound_ms" in r
+                 else "— | — | —")
         out.append(f"| {r['model']} | {r['seq']} | {r['threads']} | {r['onednn_gemms']} | {b['eager']} | "
-                   f"{b['hetforge-aten']} | {b['hetforge-onednn']} | {r['ratio_onednn_over_aten_best']} | "
+                   f"{b['hetforge-aten']} | {b['hetforge-onednn']} | {r['ratio_onednn_over_aten_best']} | {bound} | "
                    f"{r['kl_vs_eager']['hetforge-aten']:.2e} | {r['kl_vs_eager']['hetforge-onednn']:.2e} |")
+    pk = doc.get("peak")
+    if pk:
+        out += ["", "GEMM compute bound (measured in the same run, the peak `hetforge calibrate` uses: the fastest "
+                "kernel, ATen or oneDNN prepacked, on square n×n×n products, best over n): "
+                + "; ".join(f"{dt} {v['gflops']} GFLOP/s (by n: "
+                            + ", ".join(f"{n}: {g}" for n, g in v["by_n"].items()) + ")" for dt, v in pk.items())
+                + ". Bound = the program's GEMM FLOPs ÷ that peak (attention, norms and elementwise ops left out, so "
+                "a lower bound); the issue's target is a prefill within 1.15× of it."]
     bf = [r for r in doc["rows"] if "hetforge-bf16" in r["best_ms"]]
     if bf:
         out += ["", "bf16 (same weights cast to bfloat16; KL against fp32 eager):", "",
                 "| model | seq | eager bf16 best ms | hetforge bf16 best ms | hetforge fp32 best ms | KL eager bf16 "
-                "| KL hetforge bf16 | hetforge bf16/fp32 |", "|---|---|---|---|---|---|---|---|"]
+                "| KL hetforge bf16 | hetforge bf16/fp32 | bf16 GEMM bound ms | bf16 ÷ bound |",
+                "|---|---|---|---|---|---|---|---|---|---|"]
         for r in bf:
             b, k = r["best_ms"], r["kl_vs_eager"]
+            bb = r.get("bound_ms", {}).get("bf16")
             out.append(f"| {r['model']} | {r['seq']} | {b['eager-bf16']} | {b['hetforge-bf16']} | "
                        f"{b['hetforge-onednn']} | {k['eager-bf16']:.2e} | {k['hetforge-bf16']:.2e} | "
-                       f"{b['hetforge-bf16'] / b['hetforge-onednn']:.3f} |")
+                       f"{b['hetforge-bf16'] / b['hetforge-onednn']:.3f} | {bb if bb is not None else '—'} | "
+                       f"{r['over_bound_best']['bf16'] if bb is not None else '—'} |")
     ch = doc.get("choices") or []
     if ch:
         out += ["", "The measured kernel choices (median per-round ATen ÷ oneDNN time ratio over interleaved rounds; "
@@ -131,13 +187,19 @@ def main() -> None:
     ap.add_argument("--bf16", action="store_true", help="add bf16 rows (eager and hetforge), KL against fp32 eager")
     ap.add_argument("--note", default="")
     ap.add_argument("--out", default=str(DOCS / "prefill_gemm.json"))
+    ap.add_argument("--from-json", default="", help="regenerate the page from this JSON, measuring nothing")
     a = ap.parse_args()
+    if a.from_json:
+        doc = json.loads(Path(a.from_json).read_text())
+        Path(a.from_json).with_suffix(".md").write_text(render(doc))
+        return
     load_start = [round(x, 2) for x in os.getloadavg()]
     doc = run(a.models.split(","), [int(s) for s in a.seqs.split(",")], a.rounds, a.threads, a.bf16)
     from hetforge.hardware.isa import host_record
 
     doc["host"] = host_record()
     doc["note"] = a.note
+    doc["command"] = "python bench/prefill_gemm.py " + " ".join(shlex.quote(x) for x in sys.argv[1:])
     doc["loadavg"] = {"start": load_start, "end": [round(x, 2) for x in os.getloadavg()]}
     Path(a.out).write_text(json.dumps(doc, indent=1) + "\n")
     Path(a.out).with_suffix(".md").write_text(render(doc))

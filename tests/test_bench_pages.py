@@ -51,6 +51,7 @@ RENDER = {
     "passes.md": _render("render"), "cluster.md": _render("markdown"), "moe.md": _render("markdown"),
     "placement.md": _render("markdown"), "report.md": _render("markdown"), "select.md": _render("render"),
     "thermal.md": _render("render"), "ttft.md": _render("render"), "ttft_w4.md": _render("render"),
+    "prefill_gemm.md": _render("render"), "compile_cache.md": _render("render"), "contention.md": _render("render"),
     "costmodel.md": _render_with_path("page"), "costmodel_oos.md": _render_with_path("page"),
     "costmodel_ab.md": _render_with_path("page"), "read_bandwidth.md": _render_with_path("page"),
 }

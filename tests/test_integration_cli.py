@@ -42,3 +42,27 @@ def test_optimize_quantize_report_and_bad_scheme():
     assert r.exit_code == 2 and "w8, w4, w8a8, none" in r.output
     r = runner.invoke(app, ["compile", "gpt2-tiny", "--strategy", "greedy", "--objective", "speed"])
     assert r.exit_code == 2 and "energy, latency, balanced" in r.output
+
+
+def test_run_error_mid_stream_starts_its_own_line(monkeypatch):
+    """An error raised after the prompt was echoed ends the echoed line first: stdout 'prompt+pieces\\n', then the
+    one-line error on stderr (not 'hi there error: ...' glued to the text)."""
+    from typer.testing import CliRunner
+
+    from hetforge.cli.common import app
+    from hetforge.cli.main import _load_commands
+    from hetforge.errors import UsageError
+    from hetforge.runtime import Engine
+
+    def failing_stream(self, prompt, params):
+        def gen():
+            yield " there"
+            raise UsageError("the KV cache is full")
+        return gen()
+
+    _load_commands()
+    monkeypatch.setattr(Engine, "stream", failing_stream)
+    r = CliRunner().invoke(app, ["run", "gpt2-tiny", "-p", "hi", "-n", "3"])
+    assert r.exit_code == 2, r.output
+    assert r.stdout.endswith(" there\n"), repr(r.stdout)
+    assert r.stderr.strip().startswith("error: the KV cache is full")

@@ -5,12 +5,14 @@ import torch
 from hetforge.runtime.threads import ThreadTuner
 
 
-def _drive(tuner: ThreadTuner, step_s: dict[int, float], steps: int) -> list[int]:
-    used = []
+def _drive(tuner: ThreadTuner, step_s, steps: int) -> list[int]:
+    """Run ``steps`` steps; ``step_s`` maps a count to its step time, or is a function (count, previous count)."""
+    used: list[int] = []
     for _ in range(steps):
         n = tuner.before()
         assert torch.get_num_threads() == n
-        tuner.after(n, step_s[n])
+        t = step_s(n, used[-1] if used else n) if callable(step_s) else step_s[n]
+        tuner.after(n, t)
         used.append(n)
     return used
 
@@ -32,6 +34,24 @@ def test_drops_to_one_thread_when_two_collapse_and_comes_back_when_they_recover(
     used = _drive(t, {1: 0.010, 2: 0.004}, 80)  # the core is free again: a later probe finds two faster
     t.restore()
     assert used[-10:].count(2) >= 8 and t.cur == 2
+
+
+def test_a_sustained_slowdown_triggers_a_probe_at_once():
+    t = ThreadTuner(threads=2, explore_every=16)
+    _drive(t, {1: 0.010, 2: 0.006}, 40)  # two threads faster: probes back off
+    assert t.cur == 2 and t.interval > 16
+    used = _drive(t, {1: 0.010, 2: 0.030}, 8)  # another process took a core
+    assert t.cur == 1 and used[-2:] == [1, 1]  # two slow steps, a probe, then one thread: within 8 steps
+
+
+def test_one_slow_step_after_a_switch_neither_blocks_a_switch_nor_causes_one():
+    t = ThreadTuner(threads=2, explore_every=8)
+    # the first step with a new count is 6x slower (threads migrate, caches re-warm); after that one is faster
+    used = _drive(t, lambda n, prev: (0.060 if n != prev else 0.010) if n == 1 else 0.020, 30)
+    assert t.cur == 1 and used[-5:] == [1] * 5
+    t2 = ThreadTuner(threads=2, explore_every=8)
+    _drive(t2, lambda n, prev: 0.030 if n == 2 and len(t2.recent.get(2, ())) == 5 else {1: 0.010, 2: 0.006}[n], 30)
+    assert t2.cur == 2 and t2.switches == 0  # one outlier step of the count in use: no switch
 
 
 def test_off_by_environment(monkeypatch):

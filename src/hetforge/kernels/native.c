@@ -5,7 +5,9 @@
  * linear as a single-threaded MKL GEMV (~17 GB/s on the 2-core build host); a bmm over a chunked view
  * of the weight uses both cores but still reaches only 25-29 GB/s. These loops stream each weight once in
  * contiguous chunks (33 GB/s there, the same as a plain read of memory). Plain C: the compiler vectorizes
- * the loops (-O3 -march=native). The one-row kernels of a decode step run on this file's own small thread
+ * the loops (-O3 -march=native); the one-row products' inner loops also have AVX-512 / AVX2 versions by
+ * hand that round exactly as the plain C does (same bits on every path). The one-row kernels of a decode
+ * step run on this file's own small thread
  * pool (below: chunks claimed by whoever runs, so a descheduled thread stalls nobody); the row ops'
  * prefill-sized work and the bandwidth probe use OpenMP from the libgomp that torch has already loaded
  * (torch's thread pool). Built and loaded by native.py. */
@@ -28,11 +30,13 @@ static int clamp_threads(int threads) { return threads < 1 ? 1 : threads; }
  * the descheduled one needs (measured: a 2-thread decode step 20x slower than a 1-thread one).
  *
  * Here a call is cut into many small chunks (~128 KiB of weight each) and every thread, the caller
- * included, claims the next chunk from one atomic counter. The caller starts at once and, when the chunks
- * run out, waits only for chunks that a helper has already claimed, never for a helper that has not shown
- * up: a descheduled helper's share is done by whoever runs. Helpers that find no work spin briefly
- * (``spin_us``, default 50 µs: enough to stay awake between the back-to-back kernels of one step) and then
- * sleep on a futex, so an idle helper gives its core back; the caller, waiting for a claimed chunk, yields
+ * included, claims chunks with atomic counters: first those of its own run of consecutive chunks (one run
+ * per thread, so each thread streams one contiguous block), then whatever is left of the others' runs. The
+ * caller starts at once and, when the chunks run out, waits only for chunks that a helper has already
+ * claimed, never for a helper that has not shown up: a descheduled helper's share is done by whoever runs.
+ * Helpers that find no work spin briefly (``spin_us``, default 50 µs: enough to stay awake between the
+ * back-to-back kernels of one step) and then sleep on a futex, so an idle helper gives its core back; the
+ * caller, waiting for a claimed chunk, yields
  * after the same spin. Chunks are fixed by the problem (not by the thread count or by who ran them), so a
  * result does not depend on the thread count or on timing. One job at a time: a second concurrent caller
  * (another Python thread) runs its job inline. After fork() the child has no helpers; the caller then does
@@ -55,7 +59,6 @@ static struct {
     int helpers;          /* helper threads started */
     pid_t owner;          /* process that started them (after fork() the child has none) */
     _Atomic unsigned seq; /* job number; helpers sleep on it (futex) */
-    _Atomic unsigned long long state; /* (job number << 32) | next unclaimed chunk */
     _Atomic long done;                /* chunks of the current job finished */
     _Atomic(hf_chunk_fn) fn;
     _Atomic(void *) ctx;
@@ -64,7 +67,10 @@ static struct {
     _Atomic int sleepers; /* helpers asleep (or about to sleep) on seq */
     _Atomic int spin_us;  /* how long an idle helper / a waiting caller spins before sleeping / yielding */
     _Atomic int hold;     /* test hook: helpers claim nothing (as if all were descheduled) */
-    _Atomic long jobs, chunks_total, chunks_by_helpers, helper_sleeps;
+    _Atomic unsigned live; /* the job whose chunks may be claimed (0 while the next one is being set up) */
+    _Atomic int regions;   /* runs of consecutive chunks, one per thread of the job (see run_chunks) */
+    _Atomic unsigned long long next[HF_MAX_HELPERS + 1]; /* per run: (job << 32) | chunks of it claimed */
+    _Atomic long jobs, chunks_total, chunks_by_helpers, helper_sleeps, chunks_taken_over;
 } pool = {.lock = PTHREAD_MUTEX_INITIALIZER, .grow = PTHREAD_MUTEX_INITIALIZER, .spin_us = 50};
 
 static double now_us(void) {
@@ -81,20 +87,34 @@ static inline void cpu_relax(void) {
 #endif
 }
 
-/* Claim and run chunks of job ``job`` until none is left (or a newer job replaced it); returns how many. */
-static long run_chunks(unsigned job) {
+/* Claim and run chunks of job ``job`` until none is left (or a newer job replaced it); returns how many.
+ * The chunks are cut into ``regions`` runs of consecutive chunks, one per thread of the job; a thread claims
+ * the chunks of its own run first, in order, then those left in the others (run ``self + 1``, ...). So while
+ * every thread runs, each streams one contiguous block of the weight (chunks of a four-stream product
+ * continue the same streams: four contiguous streams per thread), and the hardware prefetchers see few
+ * jumps; a descheduled thread's run is taken over, also in order, by whoever runs. */
+static long run_chunks(unsigned job, int self) {
     hf_chunk_fn fn = atomic_load(&pool.fn);
     void *ctx = atomic_load(&pool.ctx);
     long n = atomic_load(&pool.nchunks), ran = 0;
-    unsigned long long st = atomic_load(&pool.state);
-    for (;;) {
-        if ((unsigned)(st >> 32) != job || (long)(st & 0xffffffffu) >= n) return ran;
-        if (!atomic_compare_exchange_weak(&pool.state, &st, st + 1)) continue;
-        fn(ctx, (long)(st & 0xffffffffu));
-        ran++;
-        atomic_fetch_add_explicit(&pool.done, 1, memory_order_release);
-        st = atomic_load(&pool.state);
+    int regions = atomic_load(&pool.regions);
+    if (atomic_load(&pool.live) != job) return 0; /* fn, ctx, n may be the next job's: claim nothing */
+    for (int j = 0; j < regions; j++) {
+        int r = (self + j) % regions;
+        long lo = n * r / regions, len = n * (r + 1) / regions - lo;
+        unsigned long long st = atomic_load(&pool.next[r]);
+        for (;;) {
+            if ((unsigned)(st >> 32) != job) return ran;
+            if ((long)(st & 0xffffffffu) >= len) break;
+            if (!atomic_compare_exchange_weak(&pool.next[r], &st, st + 1)) continue;
+            fn(ctx, lo + (long)(st & 0xffffffffu));
+            ran++;
+            if (r != self) atomic_fetch_add_explicit(&pool.chunks_taken_over, 1, memory_order_relaxed);
+            atomic_fetch_add_explicit(&pool.done, 1, memory_order_release);
+            st = atomic_load(&pool.next[r]);
+        }
     }
+    return ran;
 }
 
 static void *helper_main(void *arg) {
@@ -115,7 +135,7 @@ static void *helper_main(void *arg) {
         }
         seen = atomic_load_explicit(&pool.seq, memory_order_acquire);
         if (id < atomic_load(&pool.width) && !atomic_load(&pool.hold)) {
-            long ran = run_chunks(seen);
+            long ran = run_chunks(seen, id + 1);
             if (ran) atomic_fetch_add_explicit(&pool.chunks_by_helpers, ran, memory_order_relaxed);
         }
     }
@@ -148,17 +168,22 @@ static void hf_run(hf_chunk_fn fn, void *ctx, long n, int threads) {
         for (long i = 0; i < n; i++) fn(ctx, i);
         return;
     }
-    int helpers = ensure_helpers(threads - 1);
+    int helpers = ensure_helpers(threads - 1), width = helpers < threads - 1 ? helpers : threads - 1;
     unsigned job = atomic_load(&pool.seq) + 1;
+    if (job == 0) job = 1; /* 0 means "no job" in pool.live */
+    int regions = width + 1 < n ? width + 1 : (int)n;
+    atomic_store(&pool.live, 0); /* before fn, ctx, n change: a helper late for the last job claims nothing */
     atomic_store(&pool.fn, fn);
     atomic_store(&pool.ctx, ctx);
     atomic_store(&pool.nchunks, n);
-    atomic_store(&pool.width, helpers < threads - 1 ? helpers : threads - 1);
+    atomic_store(&pool.regions, regions);
+    atomic_store(&pool.width, width);
     atomic_store(&pool.done, 0);
-    atomic_store(&pool.state, (unsigned long long)job << 32);
+    for (int r = 0; r < regions; r++) atomic_store(&pool.next[r], (unsigned long long)job << 32);
+    atomic_store(&pool.live, job);
     atomic_store(&pool.seq, job);
     if (atomic_load(&pool.sleepers) > 0) syscall(SYS_futex, &pool.seq, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
-    run_chunks(job);
+    run_chunks(job, 0);
     double t0 = 0;
     int spins = 0;
     while (atomic_load_explicit(&pool.done, memory_order_acquire) < n) { /* chunks a helper claimed */
@@ -173,8 +198,8 @@ static void hf_run(hf_chunk_fn fn, void *ctx, long n, int threads) {
     pthread_mutex_unlock(&pool.lock);
 }
 
-/* Read back the pool: out[0..5] = helpers started, spin_us, jobs run by the pool, their chunks, chunks run
- * by helpers, helper sleeps (futex waits). */
+/* Read back the pool: out[0..6] = helpers started, spin_us, jobs run by the pool, their chunks, chunks run
+ * by helpers, helper sleeps (futex waits), chunks a thread ran from another thread's run (taken over). */
 void hf_pool_info(long *out) {
     out[0] = pool.owner == getpid() ? pool.helpers : 0;
     out[1] = atomic_load(&pool.spin_us);
@@ -182,6 +207,7 @@ void hf_pool_info(long *out) {
     out[3] = atomic_load(&pool.chunks_total);
     out[4] = atomic_load(&pool.chunks_by_helpers);
     out[5] = atomic_load(&pool.helper_sleeps);
+    out[6] = atomic_load(&pool.chunks_taken_over);
 }
 
 /* Set the spin time (µs, >= 0) and the test hook ``hold`` (1: helpers claim nothing, as if descheduled). */
@@ -197,18 +223,93 @@ static float dot(const float *restrict a, const float *restrict b, long k) {
     return s;
 }
 
-/* Four dot products sharing x: four weight rows streamed at once. */
+/* Four dot products sharing x: four weight rows streamed at once (the one-row products' inner loop).
+ * Summation order, the same on every path (AVX-512, AVX2, plain C), so a result does not depend on the
+ * build: element i of a row goes to lane i % 16 of that row's 16 partial sums (a * x, then +; no FMA), in
+ * order of i (the last, partial block padded with 0 * 0); the 16 lanes are then added by halves (lane l +=
+ * lane l + h for h = 8, 4, 2, 1). The halving is a few instructions per row; a lane-by-lane sum (what the
+ * compiler made of an ``omp simd`` reduction) was a long dependent chain per row that slowed the stream. */
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+#define HF_LANES 16
+
+#if defined(__AVX512F__) || defined(__AVX2__)
+static inline float hsum_halves128(__m128 v) { /* lanes 0..3 of a sum already halved from 16 to 4 */
+    v = _mm_add_ps(v, _mm_movehl_ps(v, v));         /* l += l + 2 */
+    return _mm_cvtss_f32(_mm_add_ss(v, _mm_movehdup_ps(v))); /* l += l + 1 */
+}
+#endif
+#if defined(__AVX512F__)
+static inline float hsum16(__m512 v) {
+    __m256 lo = _mm512_castps512_ps256(v), hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+    __m256 h8 = _mm256_add_ps(lo, hi); /* l += l + 8 */
+    return hsum_halves128(_mm_add_ps(_mm256_castps256_ps128(h8), _mm256_extractf128_ps(h8, 1))); /* l += l + 4 */
+}
+#elif defined(__AVX2__)
+static inline float hsum16(__m256 lo, __m256 hi) {
+    __m256 h8 = _mm256_add_ps(lo, hi);
+    return hsum_halves128(_mm_add_ps(_mm256_castps256_ps128(h8), _mm256_extractf128_ps(h8, 1)));
+}
+#endif
+
 static void dot4(const float *restrict a0, const float *restrict a1, const float *restrict a2,
                  const float *restrict a3, const float *restrict b, long k, float *out) {
-    float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
-#pragma omp simd reduction(+ : s0, s1, s2, s3)
-    for (long i = 0; i < k; i++) {
-        s0 += a0[i] * b[i];
-        s1 += a1[i] * b[i];
-        s2 += a2[i] * b[i];
-        s3 += a3[i] * b[i];
+    long i = 0;
+#if defined(__AVX512F__)
+    __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+    for (; i + HF_LANES <= k; i += HF_LANES) {
+        __m512 xv = _mm512_loadu_ps(b + i);
+        s0 = _mm512_add_ps(s0, _mm512_mul_ps(_mm512_loadu_ps(a0 + i), xv));
+        s1 = _mm512_add_ps(s1, _mm512_mul_ps(_mm512_loadu_ps(a1 + i), xv));
+        s2 = _mm512_add_ps(s2, _mm512_mul_ps(_mm512_loadu_ps(a2 + i), xv));
+        s3 = _mm512_add_ps(s3, _mm512_mul_ps(_mm512_loadu_ps(a3 + i), xv));
     }
-    out[0] = s0, out[1] = s1, out[2] = s2, out[3] = s3;
+    if (i < k) { /* masked lanes load 0: they add 0 * 0, as the plain C path does */
+        __mmask16 m = (__mmask16)((1u << (k - i)) - 1);
+        __m512 xv = _mm512_maskz_loadu_ps(m, b + i);
+        s0 = _mm512_add_ps(s0, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, a0 + i), xv));
+        s1 = _mm512_add_ps(s1, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, a1 + i), xv));
+        s2 = _mm512_add_ps(s2, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, a2 + i), xv));
+        s3 = _mm512_add_ps(s3, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, a3 + i), xv));
+    }
+    out[0] = hsum16(s0), out[1] = hsum16(s1), out[2] = hsum16(s2), out[3] = hsum16(s3);
+#else
+    const float *rows[4] = {a0, a1, a2, a3};
+#if defined(__AVX2__)
+    __m256 lo[4], hi[4];
+    for (int r = 0; r < 4; r++) lo[r] = hi[r] = _mm256_setzero_ps();
+    for (; i + HF_LANES <= k; i += HF_LANES) {
+        __m256 xl = _mm256_loadu_ps(b + i), xh = _mm256_loadu_ps(b + i + 8);
+        for (int r = 0; r < 4; r++) {
+            lo[r] = _mm256_add_ps(lo[r], _mm256_mul_ps(_mm256_loadu_ps(rows[r] + i), xl));
+            hi[r] = _mm256_add_ps(hi[r], _mm256_mul_ps(_mm256_loadu_ps(rows[r] + i + 8), xh));
+        }
+    }
+    float s[4][HF_LANES];
+    for (int r = 0; r < 4; r++) _mm256_storeu_ps(s[r], lo[r]), _mm256_storeu_ps(s[r] + 8, hi[r]);
+#else
+    float s[4][HF_LANES] = {{0.f}};
+    for (; i + HF_LANES <= k; i += HF_LANES)
+        for (int r = 0; r < 4; r++)
+            for (int l = 0; l < HF_LANES; l++) s[r][l] += rows[r][i + l] * b[i + l];
+#endif
+    if (i < k)
+        for (int r = 0; r < 4; r++)
+            for (int l = 0; l < HF_LANES; l++) s[r][l] += i + l < k ? rows[r][i + l] * b[i + l] : 0.f * 0.f;
+    for (int r = 0; r < 4; r++) {
+        for (int h = HF_LANES / 2; h >= 1; h /= 2)
+            for (int l = 0; l < h; l++) s[r][l] += s[r][l + h];
+        out[r] = s[r][0];
+    }
+#endif
+}
+
+/* One row in dot4's order (the n % 4 tail rows of a four-stream product). */
+static float dot1(const float *a, const float *b, long k) {
+    float o[4];
+    dot4(a, a, a, a, b, k, o);
+    return o[0];
 }
 
 /* act(v) for ACT_RELU, ACT_GELU (erf), ACT_GELU_TANH, ACT_SILU: the formulas of ATen's kernels (results equal
@@ -268,8 +369,10 @@ static void nk_chunk(void *p, long c) {
     const float *w = a->w, *x = a->x;
     float *y = a->y, o[4];
     if (i0 >= q) { /* the tail */
-        for (long r = 4 * q; r < n; r++) y[r] = act_of(a->bias ? dot(w + r * k, x, k) + a->bias[r] : dot(w + r * k, x, k),
-                                                    a->act);
+        for (long r = 4 * q; r < n; r++) {
+            float v = dot1(w + r * k, x, k);
+            y[r] = act_of(a->bias ? v + a->bias[r] : v, a->act);
+        }
         return;
     }
     for (long i = i0; i < i1; i++) {
@@ -306,8 +409,19 @@ static void kn_partial(void *p, long c) {
         const float x0 = x[i], x1 = x[i + q], x2 = x[i + 2 * q], x3 = x[i + 3 * q];
         const float *restrict w0 = w + i * n, *restrict w1 = w0 + q * n;
         const float *restrict w2 = w1 + q * n, *restrict w3 = w2 + q * n;
+        long j = 0;
+#if defined(__AVX512F__) /* the loop below by hand (same roundings): the compiler's version was slower */
+        const __m512 v0 = _mm512_set1_ps(x0), v1 = _mm512_set1_ps(x1), v2 = _mm512_set1_ps(x2), v3 = _mm512_set1_ps(x3);
+        for (; j + HF_LANES <= n; j += HF_LANES) {
+            __m512 s01 = _mm512_add_ps(_mm512_mul_ps(v0, _mm512_loadu_ps(w0 + j)),
+                                       _mm512_mul_ps(v1, _mm512_loadu_ps(w1 + j)));
+            __m512 s23 = _mm512_add_ps(_mm512_mul_ps(v2, _mm512_loadu_ps(w2 + j)),
+                                       _mm512_mul_ps(v3, _mm512_loadu_ps(w3 + j)));
+            _mm512_storeu_ps(acc + j, _mm512_add_ps(_mm512_loadu_ps(acc + j), _mm512_add_ps(s01, s23)));
+        }
+#endif
 #pragma omp simd
-        for (long j = 0; j < n; j++) acc[j] += (x0 * w0[j] + x1 * w1[j]) + (x2 * w2[j] + x3 * w3[j]);
+        for (long jj = j; jj < n; jj++) acc[jj] += (x0 * w0[jj] + x1 * w1[jj]) + (x2 * w2[jj] + x3 * w3[jj]);
     }
     if (c == a->chunks - 1)
         for (long i = 4 * q; i < a->k; i++) {
@@ -530,7 +644,7 @@ static void gated_chunk(void *p, long c) {
     const float *wg = a->wg, *wu = a->wu, *x = a->x;
     float *h = a->h, o[4];
     if (i0 >= q) {
-        for (long i = 2 * q; i < a->f; i++) h[i] = act_of(dot(wg + i * d, x, d), a->act) * dot(wu + i * d, x, d);
+        for (long i = 2 * q; i < a->f; i++) h[i] = act_of(dot1(wg + i * d, x, d), a->act) * dot1(wu + i * d, x, d);
         return;
     }
     for (long i = i0; i < i1; i++) {

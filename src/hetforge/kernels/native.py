@@ -246,11 +246,12 @@ class PoolInfo:
     chunks: int  # their chunks
     chunks_by_helpers: int  # chunks that helper threads ran (the caller ran the rest)
     helper_sleeps: int  # times an idle helper went to sleep on its futex
+    chunks_taken_over: int  # chunks a thread ran from another thread's run (its own run was done)
 
 
 def pool_info() -> PoolInfo:
     """Read back the pool's state and counters; check :func:`library` first."""
-    out = (ctypes.c_long * 6)()
+    out = (ctypes.c_long * 7)()
     library().hf_pool_info(out)
     return PoolInfo(*out)
 

@@ -5,17 +5,24 @@ native ones run on their own pool, where no call waits for a descheduled thread 
 the ATen/oneDNN ones end at OpenMP barriers, and when another busy process shares the cores one thread of the
 team is often descheduled for a whole time slice (milliseconds) and every barrier waits for it. Even without
 barriers, two threads on a shared core can lose to one. The tuner measures the steps it runs (wall time) and
-keeps, per thread count (the requested count and 1), a moving average of the count in use; every
-``explore_every`` steps — or at once when a step takes ``spike``× that average — one step runs with the other
-count (its time replaces that count's stale average), and the faster count is kept; a probe that loses doubles
-the interval to the next (up to 8×). The tuner lives on the engine: a request's prefill runs with the count
-its decode steps last found faster. Off with ``HETFORGE_ADAPT_THREADS=0``; torch's thread count is restored
-when the request ends.
+keeps, per thread count (the requested count and 1), a window of recent step times; every ``explore_every``
+steps — or at once after two steps in a row took ``spike``× the window's median (the window then restarts from
+them) — it *probes*: up to ``probe_steps`` steps run with the other count, the first of them discarded (a switch
+moves threads between cores and re-warms caches, so one step after it is not representative), and the median of
+the rest is compared with the median of the count in use. The other count is kept when it is faster by more than
+``margin``; a probe that loses doubles the interval to the next (up to 8× on the requested count, whose
+slowdowns the spike rule catches; 4× on one thread, where only a probe sees the core come free) and ends early
+once a counted step is clearly slower. Medians, not a moving average, so that one descheduled step neither
+triggers a switch nor blocks one. The tuner lives on the engine: a request's prefill runs with the count its
+decode steps last found faster. Off with ``HETFORGE_ADAPT_THREADS=0``; torch's thread count is restored when the
+request ends.
 """
 
 from __future__ import annotations
 
 import os
+import statistics
+from collections import deque
 
 import torch
 
@@ -23,31 +30,43 @@ import torch
 class ThreadTuner:
     """Pick the thread count of each decode step from measured step times."""
 
-    def __init__(self, threads: int | None = None, explore_every: int = 16, alpha: float = 0.3,
-                 spike: float = 3.0):
+    def __init__(self, threads: int | None = None, explore_every: int = 16, probe_steps: int = 3,
+                 spike: float = 1.3, margin: float = 0.03, window: int = 8):
         self.base = torch.get_num_threads()
         self.max = max(1, threads or self.base)
         self.enabled = self.max > 1 and os.environ.get("HETFORGE_ADAPT_THREADS", "1") != "0"
-        self.explore_every, self.alpha, self.spike = explore_every, alpha, spike
+        self.explore_every, self.probe_steps = explore_every, max(2, probe_steps)
+        self.spike, self.margin = spike, margin
         self.cur = self.max
-        self.avg: dict[int, float] = {}
+        self.recent: dict[int, deque[float]] = {}
+        self.window = window
         self.counts: dict[int, int] = {}
         self.since_probe = 0
         self.interval = explore_every
+        self.first_probe = min(4, explore_every)  # steps of the requested count before the first probe
         self.probing: int | None = None
+        self.probe_times: list[float] = []
+        self.slow_run = 0
         self.switches = 0
+        self.probes = 0
 
     def other(self, n: int) -> int:
         return 1 if n == self.max else self.max
+
+    def _median(self, n: int) -> float | None:
+        r = self.recent.get(n)
+        return statistics.median(r) if r else None
 
     def before(self) -> int:
         """Set and return the thread count for the next step."""
         if not self.enabled:
             return self.base
         n = self.cur
-        if self.probing is None and (self.since_probe >= self.interval or self.other(n) not in self.avg
-                                     and self.since_probe >= 1):
-            self.probing = self.other(n)
+        due = self.since_probe >= (self.interval if self.probes else self.first_probe)
+        if self.probing is None and due:
+            self.probing, self.probe_times = self.other(n), []
+            self.probes += 1
+        if self.probing is not None:
             n = self.probing
         if torch.get_num_threads() != n:
             torch.set_num_threads(n)
@@ -60,25 +79,38 @@ class ThreadTuner:
             torch.set_num_threads(n)
         return n
 
+    def _record(self, n: int, seconds: float) -> None:
+        self.recent.setdefault(n, deque(maxlen=self.window)).append(seconds)
+
     def after(self, n: int, seconds: float) -> None:
         """Record one step of ``n`` threads that took ``seconds`` (measured)."""
         self.counts[n] = self.counts.get(n, 0) + 1
         if not self.enabled:
             return
-        prev = self.avg.get(n)
         if self.probing is not None and n == self.probing:
-            self.avg[n] = seconds  # the other count's average is stale by now: a probe replaces it
-            self.probing, self.since_probe = None, 0
-            best = min(self.avg, key=self.avg.get)
-            if best != self.cur:
-                self.cur, self.switches, self.interval = best, self.switches + 1, self.explore_every
+            self.probe_times.append(seconds)
+            counted = self.probe_times[1:]  # the step right after a switch is not representative
+            ref = self._median(self.cur)
+            lost = bool(counted) and ref is not None and counted[-1] > (1 + 5 * self.margin) * ref
+            if len(self.probe_times) < self.probe_steps and not lost:
+                return
+            self.probing, self.since_probe, self.slow_run = None, 0, 0
+            est = statistics.median(counted)
+            if ref is None or est < (1 - self.margin) * ref:
+                self.recent[n] = deque(counted, maxlen=self.window)  # the window starts from the probe's steps
+                self.cur, self.switches, self.interval = n, self.switches + 1, self.explore_every
             else:
-                self.interval = min(2 * self.interval, 8 * self.explore_every)
+                cap = 8 if self.cur == self.max else 4  # a slowdown of the requested count is caught as a spike
+                self.interval = min(2 * self.interval, cap * self.explore_every)
             return
-        self.avg[n] = seconds if prev is None else (1 - self.alpha) * prev + self.alpha * seconds
+        ref = self._median(n)
+        self._record(n, seconds)
         self.since_probe += 1
-        if prev is not None and seconds > self.spike * prev:
-            self.since_probe = self.interval  # a sudden slowdown: try the other count next step
+        self.slow_run = self.slow_run + 1 if ref is not None and seconds > self.spike * ref else 0
+        if self.slow_run >= 2:  # a sustained slowdown (another process took a core): probe the other count now,
+            # against the slow steps (the window's older steps describe a machine that is gone)
+            self.recent[n] = deque(list(self.recent[n])[-self.slow_run:], maxlen=self.window)
+            self.since_probe, self.interval = self.interval, self.explore_every
 
     def restore(self) -> None:
         if torch.get_num_threads() != self.base:
@@ -86,4 +118,5 @@ class ThreadTuner:
 
     def summary(self) -> dict:
         return {"adaptive": self.enabled, "threads_requested": self.max, "steps_by_threads": dict(self.counts),
-                "mean_step_s_by_threads": {k: round(v, 6) for k, v in self.avg.items()}, "switches": self.switches}
+                "median_step_s_by_threads": {k: round(statistics.median(v), 6) for k, v in self.recent.items() if v},
+                "probes": self.probes, "switches": self.switches}

@@ -215,6 +215,9 @@ def run(
         from hetforge.runtime.failover import FailoverError
 
         if not isinstance(e, FailoverError):
+            if not json_out:  # end the echoed prompt's line, so the error is a line of its own
+                sys.stdout.write("\n")
+                sys.stdout.flush()
             raise
         failure = e
     r = gen.result
