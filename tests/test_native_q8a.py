@@ -1,5 +1,5 @@
 """hf_gemv_q8a: int8 weights × int8 activation blocks of 32 (one row), against a torch reference of the same
-quantized arithmetic, on every compiled path (AVX512-VNNI, AVX2, portable C), and its opt-in hook."""
+quantized arithmetic, on every compiled path (AVX512-VNNI, AVX2, portable C), and the mode that selects it."""
 
 from __future__ import annotations
 
@@ -99,12 +99,12 @@ def test_w8_act_mode_selects_the_kernel_and_refuses_unknown_values(monkeypatch):
     g = torch.Generator().manual_seed(2)
     q = torch.randint(-127, 128, (12, 40), dtype=torch.int8, generator=g)
     s, x = torch.rand(12, generator=g) / 50, torch.randn(1, 40, generator=g)
-    monkeypatch.delenv("HETFORGE_W8_ACT", raising=False)
+    monkeypatch.setenv("HETFORGE_W8_ACT", "weight-only")
     assert native.q8_kernel() == "hf_gemv_q8"
     weight_only = torch.ops.hetforge.linear_w8(x, q, s)
     torch.testing.assert_close(weight_only, torch.ops.aten._weight_int8pack_mm(x, q, s), rtol=1e-5, atol=1e-5)
-    monkeypatch.setenv("HETFORGE_W8_ACT", "q8")
-    assert native.q8_kernel() == "hf_gemv_q8a"
+    monkeypatch.delenv("HETFORGE_W8_ACT")  # the default: q8
+    assert native.w8_act_mode() == "q8" and native.q8_kernel() == "hf_gemv_q8a"
     assert torch.equal(torch.ops.hetforge.linear_w8(x, q, s)[0], _run(q, s, x[0].contiguous(), None, "none", 1))
     monkeypatch.setenv("HETFORGE_W8_ACT", "int4")
     with pytest.raises(UsageError, match="HETFORGE_W8_ACT"):

@@ -22,6 +22,13 @@ KERNELS = {"w8": "aten::_weight_int8pack_mm", "w4": "aten::_weight_int4pack_mm_f
 ROWS_KERNELS = {"w8": "aten::linear", "w4": "aten::linear", "w8a8": "quantized::linear_dynamic"}
 
 
+@pytest.fixture
+def w8_weight_only(monkeypatch):
+    """``--w8-act weight-only``: w8 with fp32 activations (the arithmetic these tests check against the
+    dequantized weight); the default ``q8`` mode is tested in test_native_q8_gemm.py and below."""
+    monkeypatch.setenv("HETFORGE_W8_ACT", "weight-only")
+
+
 @pytest.fixture(scope="module")
 def captured():
     out = {}
@@ -73,13 +80,18 @@ def _ref(x, deq, b, act="none"):
 
 
 @pytest.mark.parametrize("act", ["none", "silu"])
-def test_quant_ops_match_dequantized_reference(act):
+def test_quant_ops_match_dequantized_reference(act, monkeypatch):
     g = torch.Generator().manual_seed(3)
     w, b, x = torch.randn(48, 128, generator=g), torch.randn(48, generator=g), torch.randn(2, 5, 128, generator=g)
     q, s = quantize_int8(w)
     ref8 = _ref(x, dequantize_int8(q, s), b, act)
+    monkeypatch.delenv("HETFORGE_W8_ACT", raising=False)  # default q8: x quantized per block of 32 (native)
+    yq = torch.ops.hetforge.linear_w8(x, q, s, b, act)
+    assert yq.shape == (2, 5, 48)
+    rel = float((yq - ref8).norm() / ref8.norm())
+    assert rel < 0.02, rel
+    monkeypatch.setenv("HETFORGE_W8_ACT", "weight-only")  # fp32 x: the dequantized reference to rounding
     y8 = torch.ops.hetforge.linear_w8(x, q, s, b, act)
-    assert y8.shape == (2, 5, 48)
     torch.testing.assert_close(y8, ref8, atol=1e-4, rtol=1e-4)
 
     q4, s4 = quantize_int4(w, 32)
@@ -110,9 +122,27 @@ def test_quant_ops_registered_with_low_bit_attrs_and_bytes():
 KL_BOUND = {"w8": 1e-5, "w4": 3e-3, "w8a8": 1e-4}  # random-weight tiny models, measured ~1e-6 / 3e-4 / 4e-6
 
 
+@pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny"])
+def test_w8_default_q8_mode_runs_its_prefill_on_the_native_gemm_and_stays_close(captured, name, monkeypatch):
+    """The default w8 activation mode quantizes each prefill row per block of 32 (``hf_gemm_q8a``, no ATen
+    float GEMM of an int8 weight); the logits stay within w8's bound."""
+    from hetforge.kernels import native
+
+    if native.library() is None:
+        pytest.skip(f"native C kernels not built on this host ({native.status().reason})")
+    monkeypatch.delenv("HETFORGE_W8_ACT", raising=False)
+    cg, inputs = captured[name]
+    res = quantize_graph(cg.gm, "w8", group_size=32)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        out = res.gm(*inputs)
+    ran = {e.name for e in prof.events()}
+    assert "aten::linear" not in ran and KERNELS["w8"] not in ran, sorted(ran)
+    assert compare_logits(cg.gm(*inputs), out).kl_mean < KL_BOUND["w8"]
+
+
 @pytest.mark.parametrize(("name", "scheme"), [("gpt2-tiny", "w8"), ("gpt2-tiny", "w4"), ("llama-tiny", "w8"),
                                            ("llama-tiny", "w4"), ("llama-tiny", "w8a8")])
-def test_quantized_tiny_models_run_close_with_real_kernels(captured, name, scheme):
+def test_quantized_tiny_models_run_close_with_real_kernels(captured, name, scheme, w8_weight_only):
     cg, inputs = captured[name]
     before = {k: v.clone() for k, v in cg.gm.state_dict().items()}
     n_nodes = len(cg.gm.graph.nodes)
@@ -224,7 +254,7 @@ class _Fused(torch.nn.Module):
 
 
 @pytest.mark.parametrize("scheme", ["w8", "w4"])
-def test_fused_linear_ops_are_quantized(scheme):
+def test_fused_linear_ops_are_quantized(scheme, w8_weight_only):
     x = torch.randn(1, 6, 32, generator=torch.Generator().manual_seed(6))
     cg = capture(_Fused(), (x,))
     assert op_counts(cg.gm)["hetforge.gated_mlp.default"] == 1
@@ -278,7 +308,7 @@ def test_quantize_after_optimize_passes(captured):
 @pytest.mark.parametrize("scheme", ["w8", "w4"])
 @pytest.mark.parametrize(("rows", "n", "k", "group"), [(5, 3072, 768, 128), (16, 768, 256, 64), (3, 48, 64, 32),
                                                        (2, 80, 128, 32)])
-def test_weight_only_several_rows_dequantize_and_equal_the_int_kernel(scheme, rows, n, k, group):
+def test_weight_only_several_rows_dequantize_and_equal_the_int_kernel(scheme, rows, n, k, group, w8_weight_only):
     """Several rows take the dequantize + float GEMM path (ATen's int8/int4 kernels are far slower there); the
     result equals the ATen kernel to float rounding, for int4 tile layouts found by block probe or by gather."""
     torch.manual_seed(rows + n)

@@ -292,11 +292,13 @@ def test_decode_program_runs_its_row_ops_and_gemvs_natively(name, with_native):
         torch.set_num_threads(before)
 
 
-def test_w8_decode_runs_its_int8_products_on_the_native_kernel(with_native):
-    """One-row int8 weight-only products (``--quantize w8``) run on the native int8 GEMV; outputs match the
-    ATen ``_weight_int8pack_mm`` path to rounding."""
+def test_w8_decode_runs_its_int8_products_on_the_native_kernel(with_native, monkeypatch):
+    """Under ``--w8-act weight-only`` one-row int8 products (``--quantize w8``) run on the native int8 GEMV
+    with fp32 activations; outputs match the ATen ``_weight_int8pack_mm`` path to rounding."""
     from hetforge.compile import compile_graph
     from hetforge.kernels import native
+
+    monkeypatch.setenv("HETFORGE_W8_ACT", "weight-only")
 
     cg, inputs, layers = _decode_graph("llama-tiny", 16, token=7, pos=3)
     exe = compile_graph(cg.gm, soc="host", example_inputs=inputs, quantize="w8").executable
@@ -310,20 +312,19 @@ def test_w8_decode_runs_its_int8_products_on_the_native_kernel(with_native):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
-def test_w8_decode_with_quantized_activations_is_opt_in_and_close(with_native, monkeypatch):
-    """``HETFORGE_W8_ACT=q8`` lowers the one-row int8 products to ``hf_gemv_q8a`` (x quantized per block of 32,
-    int8·int8 sums); the logits stay close to the weight-only ATen path."""
+def test_w8_decode_with_quantized_activations_is_the_default_and_close(with_native, monkeypatch):
+    """The default w8 activation mode (``q8``) lowers the one-row int8 products to ``hf_gemv_q8a`` (x quantized
+    per block of 32, int8·int8 sums); the logits stay close to the weight-only ATen path."""
     from hetforge.compile import compile_graph
     from hetforge.kernels import native
     from hetforge.verify import compare_logits
 
     cg, inputs, layers = _decode_graph("llama-tiny", 16, token=7, pos=3)
-    monkeypatch.setenv("HETFORGE_W8_ACT", "q8")
+    monkeypatch.delenv("HETFORGE_W8_ACT", raising=False)
     exe = compile_graph(cg.gm, soc="host", example_inputs=inputs, quantize="w8").executable
     assert sum(1 for ins in exe.program.instrs if ins.op == "hetforge.linear_w8.default"
                and exe.kernels[ins.id] == "native:hf_gemv_q8a") >= 7 * layers
     got = [t.clone() for t in exe.run_flat(*inputs)]
-    monkeypatch.delenv("HETFORGE_W8_ACT")
     with native.disabled():
         want = compile_graph(cg.gm, soc="host", example_inputs=inputs, quantize="w8").executable.run_flat(*inputs)
     assert compare_logits(want[0], got[0]).kl_mean < 1e-5  # test_quant's w8 bound (random tiny weights)

@@ -405,6 +405,11 @@ class _Codegen:
             kk = math.prod(self.p.values[x.id].shape)
             call = (f"{fn}({p(args['qweight'])}, {p(args['scales'])}, {p(x)}, {p(args['bias'])}, {{y}}, {d}, "
                     f"{kk}, {native.ACT_CODES[args['act']]}, {nt})")
+        elif fn == "hf_gemm_q8a":  # int8 weights, several rows, each quantized per block of 32
+            kk = self.p.values[x.id].shape[-1]
+            code, after = native.gemm_act_split(args["act"])  # GELU/SiLU: ATen's in place on the result
+            call = (f"hf_gemm_q8a({p(args['qweight'])}, {p(args['scales'])}, {p(x)}, {p(args['bias'])}, {{y}}, "
+                    f"{rows}, {d}, {kk}, {code}, {nt})")
         elif fn == "hf_linear_act":
             w, wt = args["weight"], bool(args["weight_t"])
             kk = math.prod(self.p.values[x.id].shape)
@@ -460,13 +465,18 @@ class _Codegen:
         name, rest = call.split("(", 1)
         if fn not in ("hf_rotary_pos", "hf_rotary_pos_bf16", "hf_prefill_attention"):
             call = f"{self.const(getattr(lib, name), 'nk')}({rest}"
+        if fn in ("hf_gemv_q8a", "hf_gemm_q8a"):  # -1: no scratch for the quantized rows (raises)
+            call = f"{self.const(native.check_rc, 'f')}({call}, {fn!r})"
         self.stats.native_ops += 1
+        post = ""
+        if fn == "hf_gemm_q8a" and native.gemm_act_split(args["act"])[1] != "none":
+            post = f"; {self.const(native.act_inplace, 'f')}(r{o}, {args['act']!r})"
         if self.planned(o):
             buf = self.buffer(o)
-            return call.format(y=self.g[buf].data_ptr()) + f"; r{o} = {buf}"
+            return call.format(y=self.g[buf].data_ptr()) + f"; r{o} = {buf}" + post
         fresh = self.const(torch.empty, "f")
         return f"r{o} = {fresh}({tuple(vo.shape)}, dtype={self.const(vo.dtype, 'dt')}); " + \
-            call.format(y=f"r{o}.data_ptr()")
+            call.format(y=f"r{o}.data_ptr()") + post
 
     def split_gemv(self, x: Reg, w: torch.Tensor, b: Any, c: int, weight_t: bool, o: int, dev: torch.device) -> str:
         """One-row product as one threaded ``bmm`` over ``c`` chunks (see :mod:`hetforge.ops.gemv`), into the

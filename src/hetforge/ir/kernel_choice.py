@@ -366,17 +366,20 @@ def _native_rotary_positions(lw: Lowering, ins: Instr, o: int, dev: torch.device
 @native_row_op("hetforge.linear_w8.default")
 def _native_w8(lw: Lowering, ins: Instr, o: int, dev: torch.device, args: dict, rows: int,
                d: int) -> str | None:
-    """int8 weight-only product of one row on the native int8 GEMV (``hf_gemv_q8``, or ``hf_gemv_q8a`` with the
-    activation quantized per block of 32 under ``HETFORGE_W8_ACT=q8``: :func:`native.w8_act_mode`)."""
+    """An int8-weight product on a native kernel, by the w8 activation mode (:func:`native.w8_act_mode`): one row
+    on ``hf_gemv_q8a`` (``q8``: x quantized per block of 32) or ``hf_gemv_q8`` (``weight-only``: fp32 x); several
+    rows (prefill, chunk) on ``hf_gemm_q8a`` under ``q8`` (the same per-row arithmetic as the decode GEMV), or
+    under ``weight-only`` none (the op's own dequantize + float GEMM)."""
     x, qw, sc = args["x"], args["qweight"], args["scales"]
-    if not (isinstance(qw, Reg) and isinstance(sc, Reg)) or args["act"] not in native.ACT_CODES:
+    if not (isinstance(qw, Reg) and isinstance(sc, Reg) and isinstance(x, Reg)) or args["act"] not in native.ACT_CODES:
         return None
-    vq = lw.p.values[qw.id]
-    kk = math.prod(lw.p.values[x.id].shape) if isinstance(x, Reg) else 0
-    ok = (rows == 1 and lw.native_operand(x, dev, kk) and vq.kind == WEIGHT and vq.dtype == torch.int8
-          and vq.is_contiguous and tuple(vq.shape) == (d, kk) and lw.dm[vq.device] == dev
+    fn = native.q8_kernel(rows)
+    vq, vx = lw.p.values[qw.id], lw.p.values[x.id]
+    kk = vx.shape[-1] if vx.shape else 0
+    ok = (fn is not None and rows >= 1 and lw.native_operand(x, dev, rows * kk) and vq.kind == WEIGHT
+          and vq.dtype == torch.int8 and vq.is_contiguous and tuple(vq.shape) == (d, kk) and lw.dm[vq.device] == dev
           and lw.native_operand(sc, dev, d) and _optional(lw, args["bias"], dev, d))
-    return f"native:{native.q8_kernel()}" if ok else None
+    return f"native:{fn}" if ok else None
 
 
 @native_row_op("hetforge.linear_act.default")

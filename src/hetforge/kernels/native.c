@@ -735,8 +735,9 @@ void hf_gemv_q8(const int8_t *q, const float *scales, const float *x, const floa
  *
  * The float epilogue is fixed so every path gives the same bits: block b's 32 products are summed in eight
  * int32 lanes of four consecutive products (lane l: elements 4l..4l+3, exactly what vpdpbusd/maddubs+madd
- * produce); lane l of block b is added, as ``acc[(b % 2) * 8 + l] += d_b * (float)sum`` (no FMA), to one of 16
- * float accumulators; the 16 are reduced by halves (8, 4, 2, 1); then ``* scale[n] (+ bias[n])``, act. */
+ * produce); lane l of block b is added, as ``acc[(b % 2) * 8 + l] = fma(d_b, (float)sum, acc[..])`` (one
+ * rounding: a fused multiply-add on every path, fmaf in C), to one of 16 float accumulators; the 16 are reduced
+ * by halves (8, 4, 2, 1); then ``* scale[n] (+ bias[n])``, act. */
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) || defined(__AVX2__)
 #include <immintrin.h>
@@ -747,7 +748,7 @@ enum { Q8A_PORTABLE = 0, Q8A_AVX2 = 1, Q8A_VNNI = 2 };
 static int q8a_best(void) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
     return Q8A_VNNI;
-#elif defined(__AVX2__)
+#elif defined(__AVX2__) && defined(__FMA__)
     return Q8A_AVX2;
 #else
     return Q8A_PORTABLE;
@@ -780,7 +781,7 @@ static void q8a_block_scalar(const int8_t *restrict w, const int8_t *restrict xq
             long i = b * 32 + l * 4 + t;
             if (i < k) s += (int32_t)w[i] * (int32_t)xq[i];
         }
-        acc[(b & 1) * 8 + l] += d * (float)s;
+        acc[(b & 1) * 8 + l] = fmaf(d, (float)s, acc[(b & 1) * 8 + l]);
     }
 }
 
@@ -809,7 +810,7 @@ static void q8a_dot4(const int8_t *const *w, const int8_t *xq, const float *xd, 
         __m512i wv = _mm512_loadu_si512((const void *)(w[j] + b * 32));                                        \
         __m512i sx = _mm512_mask_sub_epi8(xv, _mm512_movepi8_mask(wv), z, xv);                                 \
         __m512i s = _mm512_dpbusd_epi32(z, _mm512_abs_epi8(wv), sx);                                           \
-        aj = _mm512_add_ps(aj, _mm512_mul_ps(_mm512_cvtepi32_ps(s), dv));                                      \
+        aj = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), dv, aj);                                                   \
     }
             HF_Q8A_VNNI_ROW(0, a0) HF_Q8A_VNNI_ROW(1, a1) HF_Q8A_VNNI_ROW(2, a2) HF_Q8A_VNNI_ROW(3, a3)
 #undef HF_Q8A_VNNI_ROW
@@ -818,7 +819,7 @@ static void q8a_dot4(const int8_t *const *w, const int8_t *xq, const float *xd, 
         _mm512_storeu_ps(acc[2], a2), _mm512_storeu_ps(acc[3], a3);
     }
 #endif
-#if defined(__AVX2__)
+#if defined(__AVX2__) && defined(__FMA__)
     if (path == Q8A_AVX2) {
         __m256 lo[4], hi[4];
         const __m256i ones = _mm256_set1_epi16(1);
@@ -829,9 +830,9 @@ static void q8a_dot4(const int8_t *const *w, const int8_t *xq, const float *xd, 
             for (int j = 0; j < 4; j++) {
                 __m256i wv = _mm256_loadu_si256((const __m256i *)(w[j] + b * 32));
                 __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv));
-                __m256 f = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones)), dv);
-                if (b & 1) hi[j] = _mm256_add_ps(hi[j], f);
-                else lo[j] = _mm256_add_ps(lo[j], f);
+                __m256 f = _mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones));
+                if (b & 1) hi[j] = _mm256_fmadd_ps(f, dv, hi[j]);
+                else lo[j] = _mm256_fmadd_ps(f, dv, lo[j]);
             }
         }
         for (int j = 0; j < 4; j++) _mm256_storeu_ps(acc[j], lo[j]), _mm256_storeu_ps(acc[j] + 8, hi[j]);
@@ -876,8 +877,13 @@ void hf_quantize_q8_blocks(const float *x, long k, int8_t *xq, float *xd, float 
     long nb = (k + 31) / 32;
     for (long b = 0; b < nb; b++) {
         float amax = 0.f;
-        for (long i = b * 32; i < b * 32 + 32 && i < k; i++) amax = fmaxf(amax, fabsf(x[i]));
-        float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
+        int bad = 0; /* a NaN or ±Inf in the block: scale NaN, x_q 0, so every sum with this block is NaN */
+        for (long i = b * 32; i < b * 32 + 32 && i < k; i++) {
+            float ax = fabsf(x[i]);
+            amax = fmaxf(amax, ax); /* fmaxf drops a NaN: caught by ``bad`` */
+            bad |= !(ax <= 3.40282347e38f);
+        }
+        float d = bad ? NAN : amax / 127.f, id = bad || d == 0.f ? 0.f : 1.f / d;
         for (long i = b * 32; i < b * 32 + 32; i++) {
             float v = i < k ? nearbyintf(x[i] * id) : 0.f;
             xq[i] = (int8_t)(v > 127.f ? 127.f : v < -127.f ? -127.f : v);
@@ -888,18 +894,195 @@ void hf_quantize_q8_blocks(const float *x, long k, int8_t *xq, float *xd, float 
 }
 
 /* y[n] = act(scale[n] * sum_b d_b * sum_{k in b} q[n, k] x_q[k] (+ bias[n])): x quantized per block of 32 (see
- * above), int8·int8 products, four weight streams per chunk as hf_gemv_q8. Same bits on every path/CPU. */
-void hf_gemv_q8a(const int8_t *q, const float *scales, const float *x, const float *bias, float *y, long n, long k,
-                 int act, int threads) {
+ * above), int8·int8 products, four weight streams per chunk as hf_gemv_q8. Same bits on every path/CPU. A block
+ * of x holding NaN or ±Inf makes every output NaN. Returns 0, or -1 when its scratch cannot be allocated. */
+int hf_gemv_q8a(const int8_t *q, const float *scales, const float *x, const float *bias, float *y, long n, long k,
+                int act, int threads) {
     long nb = (k + 31) / 32;
     int8_t *xq = aligned_alloc(64, (size_t)((nb * 32 + 63) / 64 * 64));
     float *xd = malloc((size_t)(nb + 1) * sizeof(float)), *xd8 = aligned_alloc(64, (size_t)((nb * 32 + 63) / 64 * 64));
+    if (!xq || !xd || !xd8) { /* returns -1, y untouched: the caller raises */
+        free(xq), free(xd), free(xd8);
+        return -1;
+    }
     hf_quantize_q8_blocks(x, k, xq, xd, xd8);
     int path = q8a_best(), f = atomic_load(&q8a_forced);
     if (f >= 0 && f < path) path = f;
     q8a_ctx a = {q, xq, scales, xd, xd8, bias, y, n, k, rows_per_chunk(k), act, path};
     hf_run(q8a_chunk, &a, four_stream_chunks(n, a.rows), clamp_threads(threads));
     free(xq), free(xd), free(xd8);
+    return 0;
+}
+
+/* ---------------------------------------------------------------- int8 weights × int8 activation blocks, several rows
+ * Why: a prefill (or chunk) of ``m`` rows through a w8 linear. Dequantizing the weight to fp32 on every call
+ * and running a float GEMM costs a pass over the weight plus a float GEMM at ATen's speed; here each row is
+ * quantized per block of 32 exactly as hf_gemv_q8a does it (so a prefill computes what a decode step
+ * computes: row r of the result has the bits hf_gemv_q8a gives for row r) and the products are int8·int8 with
+ * exact int32 block sums, the weight read once per call from memory and reused from cache by every row.
+ *
+ * Work: chunks of HF_Q8G_WROWS weight rows (×all m rows), claimed through the pool like the GEMVs. Inside a
+ * chunk a tile of four x rows is held in L1 while it meets each group of four weight rows (4 × 4 products).
+ * The AVX512-VNNI tile uses the unsigned form of vpdpbusd: x_u = x_q + 128 (bytes x_q ^ 0x80, made once per
+ * row) and the accumulator starts at -128·Σw per lane (made once per weight vector), so each product is one
+ * vpdpbusd with an exact int32 lane sum; the float epilogue of every lane is hf_gemv_q8a's (see above). The
+ * AVX2 and portable paths run hf_gemv_q8a's own four-row dot (q8a_dot4) per x row: same bits on every path. */
+
+#ifndef HF_Q8G_WROWS
+#define HF_Q8G_WROWS 16 /* weight rows per chunk: 16 rows of K int8 stay cache-resident for every x row */
+#endif
+
+typedef struct {
+    const float *x;
+    int8_t *xq;
+    uint8_t *xu;
+    float *xd, *xd8;
+    long k, kp, nb, rows;
+} q8q_ctx;
+
+/* Quantize x's rows [c*rows, (c+1)*rows) per block of 32 (hf_quantize_q8_blocks), and x_u = x_q ^ 0x80. */
+static void q8q_chunk(void *p, long c) {
+    const q8q_ctx *a = p;
+    for (long r = c * a->rows; r < (c + 1) * a->rows; r++) {
+        int8_t *xq = a->xq + r * a->kp;
+        hf_quantize_q8_blocks(a->x + r * a->k, a->k, xq, a->xd + r * a->nb, a->xd8 + r * a->nb * 8);
+        if (a->xu)
+            for (long i = 0; i < a->kp; i++) a->xu[r * a->kp + i] = (uint8_t)xq[i] ^ 0x80u;
+    }
+}
+
+typedef struct {
+    const int8_t *q, *xq;
+    const uint8_t *xu;
+    const float *scales, *xd, *xd8, *bias;
+    float *y;
+    long m, n, k, kp, nb;
+    int act, path;
+} q8g_ctx;
+
+static inline float q8g_out(const q8g_ctx *a, long r, long j, float dotv) {
+    float v = dotv * a->scales[j];
+    return act_of(a->bias ? v + a->bias[j] : v, a->act);
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+/* q8a_reduce of the 16 lanes of v, in registers: the same pairwise sums in the same order. */
+static inline float q8g_reduce(__m512 v) {
+    __m256 t8 = _mm256_add_ps(_mm512_castps512_ps256(v),
+                              _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+    __m128 t4 = _mm_add_ps(_mm256_castps256_ps128(t8), _mm256_extractf128_ps(t8, 1));
+    __m128 t2 = _mm_add_ps(t4, _mm_movehl_ps(t4, t4));
+    return _mm_cvtss_f32(_mm_add_ss(t2, _mm_shuffle_ps(t2, t2, 1)));
+}
+
+/* out[i][j] = row xr[i] · weight row w[j] (16-accumulator sums of hf_gemv_q8a) for a 4 × 4 tile. */
+static void q8g_tile_vnni(const int8_t *const *w, const uint8_t *const *xu, const int8_t *const *xq,
+                          const float *const *xd, const float *const *xd8, long k, float out[4][4]) {
+    long nb = (k + 31) / 32, full = k / 32, b = 0;
+    __m512 acc[4][4];
+    const __m512i z = _mm512_setzero_si512(), c128 = _mm512_set1_epi8((char)0x80);
+    for (int i = 0; i < 4; i++)
+        for (int j = 0; j < 4; j++) acc[i][j] = _mm512_setzero_ps();
+    for (; b + 2 <= full; b += 2) {
+        __m512i wv[4], corr[4];
+        for (int j = 0; j < 4; j++) {
+            wv[j] = _mm512_loadu_si512((const void *)(w[j] + b * 32));
+            corr[j] = _mm512_sub_epi32(z, _mm512_dpbusd_epi32(z, c128, wv[j])); /* -128·Σw per lane */
+        }
+        for (int i = 0; i < 4; i++) {
+            __m512i xv = _mm512_loadu_si512((const void *)(xu[i] + b * 32));
+            __m512 dv = _mm512_loadu_ps(xd8[i] + b * 8);
+            for (int j = 0; j < 4; j++) {
+                __m512i s = _mm512_dpbusd_epi32(corr[j], xv, wv[j]);
+                acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), dv, acc[i][j]);
+            }
+        }
+    }
+    for (int i = 0; i < 4; i++)
+        for (int j = 0; j < 4; j++) {
+            if (b == nb) { /* no block left for the scalar code */
+                out[i][j] = q8g_reduce(acc[i][j]);
+                continue;
+            }
+            float lanes[16];
+            _mm512_storeu_ps(lanes, acc[i][j]);
+            for (long bb = b; bb < nb; bb++) q8a_block_scalar(w[j], xq[i], xd[i][bb], bb, k, lanes);
+            out[i][j] = q8a_reduce(lanes);
+        }
+}
+#endif
+
+/* Chunk c: weight rows [c*HF_Q8G_WROWS, ...) against every x row, in tiles of 4 x rows × 4 weight rows. A tile
+ * edge past the last row repeats that row (its products are computed and dropped): every tile is full. */
+static void q8g_chunk(void *p, long c) {
+    const q8g_ctx *a = p;
+    long j0 = c * HF_Q8G_WROWS, j1 = j0 + HF_Q8G_WROWS < a->n ? j0 + HF_Q8G_WROWS : a->n, k = a->k, kp = a->kp;
+    for (long r0 = 0; r0 < a->m; r0 += 4) {
+        long rr[4];
+        for (int i = 0; i < 4; i++) rr[i] = r0 + i < a->m ? r0 + i : a->m - 1;
+        for (long jj = j0; jj < j1; jj += 4) {
+            long jr[4];
+            const int8_t *w[4];
+            for (int j = 0; j < 4; j++) {
+                jr[j] = jj + j < j1 ? jj + j : j1 - 1;
+                w[j] = a->q + jr[j] * k;
+            }
+            float out[4][4];
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+            if (a->path == Q8A_VNNI) {
+                const uint8_t *xu[4];
+                const int8_t *xq[4];
+                const float *xd[4], *xd8[4];
+                for (int i = 0; i < 4; i++) {
+                    xu[i] = a->xu + rr[i] * kp, xq[i] = a->xq + rr[i] * kp;
+                    xd[i] = a->xd + rr[i] * a->nb, xd8[i] = a->xd8 + rr[i] * a->nb * 8;
+                }
+                q8g_tile_vnni(w, xu, xq, xd, xd8, k, out);
+            } else
+#endif
+                for (int i = 0; i < 4; i++)
+                    q8a_dot4(w, a->xq + rr[i] * kp, a->xd + rr[i] * a->nb, a->xd8 + rr[i] * a->nb * 8, k, a->path,
+                             out[i]);
+            for (int i = 0; i < 4 && r0 + i < a->m; i++)
+                for (int j = 0; j < 4 && jj + j < j1; j++) a->y[rr[i] * a->n + jr[j]] = q8g_out(a, rr[i], jr[j], out[i][j]);
+        }
+    }
+}
+
+/* y[m, n] = act(scale[n] * Σ_b d_{r,b} Σ_{k in b} q[n, k] x_q[r, k] (+ bias[n])) for m fp32 rows x [m, k]: each
+ * row quantized per block of 32 as hf_gemv_q8a does (row r of y has hf_gemv_q8a's bits for row r, on every
+ * path). A block holding NaN or ±Inf gets scale NaN, so the rows it meets come out NaN (as a float product
+ * would give NaN or ±Inf). Returns 0, or -1 when the scratch for the quantized rows cannot be allocated (y is
+ * then untouched). */
+int hf_gemm_q8a(const int8_t *q, const float *scales, const float *x, const float *bias, float *y, long m, long n,
+                long k, int act, int threads) {
+    if (m <= 0 || n <= 0) return 0;
+    long nb = (k + 31) / 32, kp = nb * 32;
+    int path = q8a_best(), f = atomic_load(&q8a_forced);
+    if (f >= 0 && f < path) path = f;
+    size_t qbytes = ((size_t)m * kp + 64) / 64 * 64, dbytes = ((size_t)m * nb * 8 * sizeof(float) + 64) / 64 * 64;
+    int8_t *xq = aligned_alloc(64, qbytes);
+    uint8_t *xu = path == Q8A_VNNI ? aligned_alloc(64, qbytes) : NULL;
+    float *xd = malloc((size_t)(m * nb + 1) * sizeof(float)), *xd8 = aligned_alloc(64, dbytes);
+    if (!xq || !xd || !xd8 || (path == Q8A_VNNI && !xu)) {
+        free(xq), free(xu), free(xd), free(xd8);
+        return -1;
+    }
+    threads = clamp_threads(threads);
+    long qrows = m < 8 ? 1 : 8;
+    q8q_ctx qa = {x, xq, xu, xd, xd8, k, kp, nb, qrows};
+    if (m % qrows) { /* rows in whole chunks: the last chunk's tail rows run here */
+        for (long r = m / qrows * qrows; r < m; r++) {
+            q8q_ctx one = qa;
+            one.rows = 1;
+            q8q_chunk(&one, r);
+        }
+    }
+    hf_run(q8q_chunk, &qa, m / qrows, threads);
+    q8g_ctx a = {q, xq, xu, scales, xd, xd8, bias, y, m, n, k, kp, nb, act, path};
+    hf_run(q8g_chunk, &a, (n + HF_Q8G_WROWS - 1) / HF_Q8G_WROWS, threads);
+    free(xq), free(xu), free(xd), free(xd8);
+    return 0;
 }
 
 /* ---------------------------------------------------------------- bfloat16 one-row kernels (--precision bf16)

@@ -56,6 +56,7 @@ SIGNATURES = {
     "hf_gated_mlp": [_P, _P, _P, _P, _P, _P, _L, _L, _I, _I],
     "hf_gemv_q8": [_P, _P, _P, _P, _P, _L, _L, _I, _I],
     "hf_gemv_q8a": [_P, _P, _P, _P, _P, _L, _L, _I, _I],
+    "hf_gemm_q8a": [_P, _P, _P, _P, _P, _L, _L, _L, _I, _I],
     "hf_quantize_q8_blocks": [_P, _L, _P, _P, _P],
     "hf_q8a_path": [_I],
     "hf_pool_info": [_P],
@@ -186,6 +187,7 @@ def _open(path: Path) -> tuple[ctypes.CDLL | None, str]:
     lib.hf_q8a_path.restype = _I
     lib.hf_bf16_path.restype = _I
     lib.hf_prefill_attention.restype = _I
+    lib.hf_gemv_q8a.restype = lib.hf_gemm_q8a.restype = _I  # 0, or -1: scratch not allocated
     return lib, ""
 
 
@@ -497,35 +499,71 @@ def q8_fits(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: 
             and (bias is None or bias.numel() == n) and library() is not None)
 
 
-W8_ACT_MODES = ("float", "q8")
+W8_ACT_MODES = ("weight-only", "q8")
+W8_ACT_ALIASES = {"float": "weight-only"}  # the earlier name of weight-only (HETFORGE_W8_ACT=float)
+W8_ACT_DEFAULT = "q8"
+W8_ACT_ENV = "HETFORGE_W8_ACT"
 
 
-def w8_act_mode() -> str:
-    """How the one-row w8 kernel takes its activation: ``float`` (default: ``hf_gemv_q8``, fp32 x, equal to
-    ``_weight_int8pack_mm`` to rounding) or ``q8`` (``HETFORGE_W8_ACT=q8``: ``hf_gemv_q8a``, x quantized per block
-    of 32 as llama.cpp's Q8_0 does, int8·int8 sums; faster, slightly larger logit error). Opt-in because it
-    changes w8's numerics (decode no longer equals the prefill's dequantized GEMM to rounding)."""
-    mode = os.environ.get("HETFORGE_W8_ACT", "float") or "float"
+def check_w8_act(mode: str) -> str:
+    """``mode`` as one of :data:`W8_ACT_MODES` (``float`` is accepted for weight-only), else a UsageError."""
+    mode = W8_ACT_ALIASES.get(mode, mode)
     if mode not in W8_ACT_MODES:
         from hetforge.errors import UsageError
 
-        raise UsageError(f"HETFORGE_W8_ACT must be one of {', '.join(W8_ACT_MODES)}, got {mode!r}")
+        raise UsageError(f"the w8 activation mode (--w8-act / {W8_ACT_ENV}) must be one of "
+                         f"{', '.join(W8_ACT_MODES)}, got {mode!r}")
     return mode
 
 
-def q8_kernel() -> str:
-    """The native function a one-row w8 product runs under :func:`w8_act_mode`."""
-    return "hf_gemv_q8a" if w8_act_mode() == "q8" else "hf_gemv_q8"
+def set_w8_act(mode: str | None) -> None:
+    """Set the w8 activation mode for this process and the processes it starts (``hetforge bench peers`` runs
+    each system in its own): the CLI's ``--w8-act``. It travels as ``HETFORGE_W8_ACT``, which the compile cache
+    key, the kernel context and the benchmark harness's command line already record. None: leave as is."""
+    if mode is not None:
+        os.environ[W8_ACT_ENV] = check_w8_act(mode)
+
+
+def w8_act_mode() -> str:
+    """How a w8 (int8 weight-only storage) product takes its activation, decode and prefill alike:
+
+    * ``q8`` (default): x quantized per block of 32 (one fp32 scale per block, round-half-even to [-127, 127],
+      as llama.cpp's Q8_0 does) and int8·int8 products with exact int32 block sums — ``hf_gemv_q8a`` for one
+      row, ``hf_gemm_q8a`` for several (row r of a prefill has the bits a decode step gives for that row);
+    * ``weight-only``: fp32 x — ``hf_gemv_q8`` for one row (equal to ``_weight_int8pack_mm`` to rounding), the
+      weight dequantized per call and one float GEMM for several.
+
+    Set by ``--w8-act`` or ``HETFORGE_W8_ACT``. Without the native kernels every product takes the ATen path
+    (weight-only arithmetic) whatever the mode."""
+    return check_w8_act(os.environ.get(W8_ACT_ENV) or W8_ACT_DEFAULT)
+
+
+def q8_kernel(rows: int = 1) -> str | None:
+    """The native function a w8 product of ``rows`` rows runs under :func:`w8_act_mode` (None: no native kernel,
+    the several-row weight-only product is a float GEMM)."""
+    q8 = w8_act_mode() == "q8"
+    if rows == 1:
+        return "hf_gemv_q8a" if q8 else "hf_gemv_q8"
+    return "hf_gemm_q8a" if q8 else None
+
+
+def check_rc(rc: int, fn: str = "hf_gemm_q8a") -> None:
+    """Raise when a native int8 kernel could not allocate its scratch (it returned -1, output untouched)."""
+    if rc:
+        raise MemoryError(f"{fn}: could not allocate the scratch for the quantized activations")
 
 
 def gemv_q8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
             act: str) -> torch.Tensor:
-    """``act(x·(q·s)ᵀ + b)`` for one fp32 row (equal to ``_weight_int8pack_mm`` to rounding, or with x quantized
-    per block of 32 under ``HETFORGE_W8_ACT=q8``, :func:`w8_act_mode`); check :func:`q8_fits` first."""
+    """``act(x·(q·s)ᵀ + b)`` for one fp32 row (fp32 x, equal to ``_weight_int8pack_mm`` to rounding, or x quantized
+    per block of 32 under ``q8``, :func:`w8_act_mode`); check :func:`q8_fits` first."""
     n, k = qweight.shape
     y = torch.empty((*x.shape[:-1], n), dtype=torch.float32)
-    getattr(library(), q8_kernel())(qweight.data_ptr(), scales.data_ptr(), x.data_ptr(), _ptr(bias), y.data_ptr(), n, k,
-                         ACT_CODES[act], torch.get_num_threads())
+    fn = q8_kernel()
+    rc = getattr(library(), fn)(qweight.data_ptr(), scales.data_ptr(), x.data_ptr(), _ptr(bias), y.data_ptr(), n, k,
+                                ACT_CODES[act], torch.get_num_threads())
+    if fn == "hf_gemv_q8a":
+        check_rc(rc, fn)
     return y
 
 
@@ -624,3 +662,49 @@ def decode_attention_bf16(q, k, v, k_cache, v_cache, cache_mask, new_mask, scale
                                        v_cache.data_ptr(), cache_mask.data_ptr(), _ptr(new_mask), out.data_ptr(),
                                        scratch.data_ptr(), h, hkv, s, d, scale, torch.get_num_threads())
     return out
+
+
+def q8_rows_fit(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
+                act: str) -> bool:
+    """Whether a w8 product of several fp32 rows (``x [.., K]``, contiguous) can run on ``hf_gemm_q8a``: the
+    operands :func:`q8_fits` asks for, any number of rows."""
+    if qweight.dim() != 2 or act not in ACT_CODES or x.dim() < 1 or x.shape[-1] != qweight.shape[1]:
+        return False
+    n = qweight.shape[0]
+    return (qweight.dtype == torch.int8 and qweight.is_contiguous() and qweight.device.type == "cpu"
+            and not is_fake(qweight) and _f32(x, scales, bias) and scales.numel() == n
+            and (bias is None or bias.numel() == n) and library() is not None)
+
+
+def gemm_act_split(act: str) -> tuple[int, str]:
+    """How a several-row ``hf_gemm_q8a`` applies ``act``: (the code passed to C, the activation applied after it
+    in place by ATen). ReLU runs in C; GELU and SiLU run as ATen's vectorized in-place ops on the result, because
+    C's per-element libm calls (erff, tanhf, expf) cost more than the product itself at prefill sizes (measured:
+    gelu_tanh made a [128, 768]×[3072, 768] product 3.6× slower). Results equal the fused op to rounding."""
+    return (ACT_CODES[act], "none") if act in ("none", "relu") else (0, act)
+
+
+def act_inplace(y: torch.Tensor, act: str) -> torch.Tensor:
+    """``y = act(y)`` in place with ATen's kernels (the formulas of ``hetforge.ops.fused.apply_act``)."""
+    if act == "gelu":
+        torch.ops.aten.gelu_(y)
+    elif act == "gelu_tanh":
+        torch.ops.aten.gelu_(y, approximate="tanh")
+    elif act == "silu":
+        torch.ops.aten.silu_(y)
+    elif act == "relu":
+        torch.ops.aten.relu_(y)
+    return y
+
+
+def gemm_q8a(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
+             act: str) -> torch.Tensor:
+    """``act(x·(q·s)ᵀ + b)`` for the rows of ``x`` ``[.., K]``, each quantized per block of 32 (``hf_gemm_q8a``:
+    before the activation row r equals :func:`gemv_q8` of row r under ``q8``); check :func:`q8_rows_fit` first."""
+    n, k = qweight.shape
+    m = x.numel() // k if k else 0
+    y = torch.empty((*x.shape[:-1], n), dtype=torch.float32)
+    code, after = gemm_act_split(act)
+    check_rc(library().hf_gemm_q8a(qweight.data_ptr(), scales.data_ptr(), x.data_ptr(), _ptr(bias), y.data_ptr(),
+                                   m, n, k, code, torch.get_num_threads()))
+    return act_inplace(y, after)

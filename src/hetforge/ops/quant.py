@@ -1,9 +1,11 @@
 """Quantized linear operators: real low-bit matmuls on the CPU, registered like every other op.
 
 The quantization pass (:mod:`hetforge.quant`) replaces float linears with these. For one row each runs an
-integer kernel (PyTorch's, or hetforge's native int8 GEMV); for several rows (prefill) ``w8``/``w4`` dequantize
-the weight once per call and run one float GEMM instead, because ATen's weight-only kernels are 10–65× slower
-than that there (:func:`dequant_rows`); ``w8a8`` stays on FBGEMM's int8 GEMM:
+integer kernel (PyTorch's, or hetforge's native int8 GEMV); for several rows (prefill) ``w8`` runs hetforge's
+native int8·int8 GEMM with the activation quantized per block of 32 (the default ``q8`` activation mode, the
+same arithmetic as its decode GEMV), while ``w4`` (and ``w8`` under ``weight-only``) dequantize the weight once
+per call and run one float GEMM, because ATen's weight-only kernels are 10–65× slower than that there
+(:func:`dequant_rows`); ``w8a8`` stays on FBGEMM's int8 GEMM:
 
 * ``hetforge::linear_w8(x, qweight int8 [N,K], scales [N], bias?, act)`` — weight-only int8, per output
   channel symmetric: ``aten._weight_int8pack_mm`` (fp32 activations × int8 weights).
@@ -187,10 +189,15 @@ def _w8_fake(x, qweight, scales, bias=None, act="none"):
 )
 def linear_w8(x, qweight, scales, bias=None, act="none"):
     """``act(x·(q·s)ᵀ + b)`` with int8 ``q`` [N,K] and per-channel ``s`` [N]: for one fp32 row the native int8
-    GEMV (:mod:`hetforge.kernels.native`: a quarter of the fp32 bytes), for several rows (prefill) the weight
-    dequantized once per call and one float GEMM (:func:`dequant_rows`), else ``aten._weight_int8pack_mm``."""
+    GEMV (:mod:`hetforge.kernels.native`: a quarter of the fp32 bytes); for several rows (prefill) under the
+    ``q8`` activation mode (:func:`native.w8_act_mode`, the default) the native int8·int8 GEMM with x quantized
+    per block of 32, as the decode GEMV does; under ``weight-only`` the weight dequantized once per call and one
+    float GEMM (:func:`dequant_rows`); else (no native kernels) ``aten._weight_int8pack_mm``."""
     if native.q8_fits(x, qweight, scales, bias, act):
         return native.gemv_q8(x, qweight, scales, bias, act)
+    if x.numel() > x.shape[-1] and native.q8_rows_fit(x, qweight, scales, bias, act) \
+            and native.q8_kernel(2) == "hf_gemm_q8a":
+        return native.gemm_q8a(x, qweight, scales, bias, act)
     if dequant_rows(x):
         w = qweight.to(x.dtype).mul_(scales.to(x.dtype)[:, None])
         return _act(torch.nn.functional.linear(x, w, bias), act)

@@ -164,7 +164,16 @@ def key_document(model: torch.nn.Module, options: dict[str, Any], optimize: bool
             "options": options, "passes": bool(optimize), "program": [kind, int(length)],
             "module": type(module).__qualname__ if module is not None else None,
             "inputs": [[list(t.shape), str(t.dtype)] if isinstance(t, torch.Tensor) else repr(t) for t in inputs],
-            "gemm": os.environ.get("HETFORGE_GEMM", "auto"), "cpu": _cpu_key()}
+            "gemm": os.environ.get("HETFORGE_GEMM", "auto"), "cpu": _cpu_key(), "w8_act": _w8_act(options)}
+
+
+def _w8_act(options: dict[str, Any]) -> str | None:
+    """The w8 activation mode (``--w8-act``) of a w8 program (it decides the kernels and the numerics), else None."""
+    if options.get("quantize") != "w8":
+        return None
+    from hetforge.kernels import native
+
+    return native.w8_act_mode()
 
 
 def _cpu_key() -> list:

@@ -8,6 +8,7 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
+from hetforge.cli import options as opt
 from hetforge.cli.common import app, console, emit_json, err_console, handles_errors
 
 bench_app = typer.Typer(help="Benchmarks: hetforge against the systems users would pick instead.",
@@ -64,12 +65,15 @@ def peers(
     name: str = typer.Option("peers", "--name", help="file stem of the page, chart and JSON in --out-dir "
                                                      "(e.g. peers_decode → peers_decode.md)"),
     json_out: bool = typer.Option(False, "--json", help="print JSON (progress goes to stderr)"),
+    w8_act: opt.W8Act = None,
 ) -> None:
     """Run the peer suite: prep time, prefill, one token, decode, peak RSS and fidelity per system (measured)."""
     from hetforge.benchmarks.harness import DEFAULT_MODELS, QUICK_MODELS, SuiteConfig, run_suite
     from hetforge.benchmarks.report import fmt, write_report
     from hetforge.benchmarks.systems import SYSTEMS
+    from hetforge.kernels import native
 
+    native.set_w8_act(w8_act)  # exported: the systems' processes inherit it (and the page's command records it)
     if out_dir is not None:
         from hetforge.files import check_output_dir
 

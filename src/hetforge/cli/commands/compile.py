@@ -54,6 +54,7 @@ def compile_cmd(
     strict: bool = typer.Option(False, "--strict", help="any placement fallback is an error (exit 1)"),
     quantize: opt.Quantize = opt.QUANTIZE,
     group_size: opt.GroupSize = opt.GROUP_SIZE,
+    w8_act: opt.W8Act = None,
     skip: list[str] = typer.Option([], "--skip", help="module path or glob kept in float (repeatable)"),
     attn: opt.Attn = opt.ATTN,
     passes: opt.Passes = True,
@@ -66,6 +67,9 @@ def compile_cmd(
     json_out: opt.Json = False,
 ) -> None:
     """Compile a model: instructions per device, transfers, device switches, memory plan, seconds per stage."""
+    from hetforge.kernels import native
+
+    native.set_w8_act(w8_act)
     from hetforge.files import check_output
 
     if out is not None:
@@ -148,6 +152,7 @@ def run_graph(
     objective: opt.Objective = opt.OBJECTIVE,
     quantize: opt.Quantize = opt.QUANTIZE,
     group_size: opt.GroupSize = opt.GROUP_SIZE,
+    w8_act: opt.W8Act = None,
     attn: opt.Attn = opt.ATTN,
     passes: opt.Passes = True,
     mode: str = typer.Option("arena", "--mode", help="arena: every result in its planned slice; fast: ops without "
@@ -159,6 +164,10 @@ def run_graph(
 ) -> None:
     """Compile a model, run the program once from its arenas, and compare with eager (measured)."""
     import time
+
+    from hetforge.kernels import native
+
+    native.set_w8_act(w8_act)
 
     import torch
 

@@ -28,6 +28,7 @@ def optimize(
                                               "(default 1e-8, or 1e-2 with --quantize)"),
     quantize: opt.Quantize = opt.QUANTIZE,
     group_size: opt.GroupSize = opt.GROUP_SIZE,
+    w8_act: opt.W8Act = None,
     skip: list[str] = typer.Option([], "--skip", help="module path or glob kept in float (repeatable)"),
     quantize_report: bool = typer.Option(False, "--quantize-report", help="list every quantized tensor"),
     show: int = typer.Option(10, "--show", help="near-misses to list (0: none)"),
@@ -35,10 +36,12 @@ def optimize(
 ) -> None:
     """Capture a model, run the optimization passes, report rewrites/near-misses per pass and fidelity vs eager."""
     from hetforge.cli.commands.frontend import capture_model
+    from hetforge.kernels import native
     from hetforge.passes import optimize as run_optimize
     from hetforge.passes import resolve_passes
     from hetforge.verify import check_kl_threshold, verify
 
+    native.set_w8_act(w8_act)
     names = resolve_passes(passes)  # bad names fail before the model is built
     if quantize != "none":
         from hetforge.quant import check_options

@@ -19,6 +19,7 @@ def quantize(
     model: str = typer.Argument(..., help="zoo name (see `hetforge models`) or a local HF folder"),
     scheme: str = typer.Option("w8", "--scheme", help=SCHEME_HELP),
     group_size: opt.GroupSize = opt.GROUP_SIZE,
+    w8_act: opt.W8Act = None,
     skip: list[str] = typer.Option([], "--skip", help="keep layers whose module path matches in float "
                                    "(repeatable; 'lm_head', 'layers.0', globs like '*.mlp.*')"),
     seq: opt.Seq = 16,
@@ -27,9 +28,11 @@ def quantize(
 ) -> None:
     """Quantize every linear of a model and compare the quantized graph with the eager fp32 model."""
     from hetforge.cli.commands.frontend import capture_model
+    from hetforge.kernels import native
     from hetforge.quant import check_options, quantize_graph
     from hetforge.verify import verify
 
+    native.set_w8_act(w8_act)
     check_options(scheme, group_size, skip)  # fail fast, before loading the model
     loaded, inputs, cg = capture_model(model, seq, "sdpa", False)
     t0 = time.perf_counter()

@@ -43,6 +43,7 @@ def report(
     objective: opt.Objective = opt.OBJECTIVE,
     quantize: opt.Quantize = opt.QUANTIZE,
     group_size: opt.GroupSize = opt.GROUP_SIZE,
+    w8_act: opt.W8Act = None,
     seq: opt.Seq = 16,
     run: bool = typer.Option(True, "--run/--no-run", help="run the partitioned program once on this host's "
                              "backends (measured time, fidelity, and the modeled device timeline)"),
@@ -52,10 +53,12 @@ def report(
     roofline, memory, timeline); a stage that fails is named in the page and the exit code is 1."""
     from hetforge.files import check_output
     from hetforge.hardware import load_soc
+    from hetforge.kernels import native
     from hetforge.placement import get_strategy
     from hetforge.placement.costs import check_objective
     from hetforge.report import compile_report_data, write_report
 
+    native.set_w8_act(w8_act)
     check_output(out, "--out", (".html", ".htm"), example="report.html")  # before any work: nothing half-written
     if not 1 <= seq <= 4096:
         raise UsageError(f"--seq {seq} is outside 1..4096")

@@ -73,6 +73,7 @@ def run(
     threads: int = typer.Option(0, "--threads", help="CPU threads for torch (0 = torch's default)"),
     quantize: opt.Quantize = opt.QUANTIZE,
     group_size: opt.GroupSize = opt.GROUP_SIZE,
+    w8_act: opt.W8Act = None,
     ignore_eos: bool = typer.Option(False, "--ignore-eos", help="keep going past the end-of-text token"),
     json_out: opt.Json = False,
     report: Path = typer.Option(None, "--report", help="also write an offline HTML report of this generation "
@@ -126,8 +127,10 @@ def run(
 ) -> None:
     """Generate text from MODEL, streaming tokens as they come, then print measured timings."""
     from hetforge.errors import UsageError
+    from hetforge.kernels import native
     from hetforge.runtime import SamplingParams
 
+    native.set_w8_act(w8_act)
     sel = select_params(candidates, select, match, schema, require_stop, max_entropy, greedy_anchor, verifier)
     if greedy_anchor and candidates == 1:
         raise UsageError("--greedy-anchor needs --candidates K with K >= 2 (it makes candidate 0 greedy)")
