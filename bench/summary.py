@@ -751,23 +751,6 @@ def peers_prefill_step(d: J) -> Row:
     return Row("peers", "prefill / one-token ≤ best fp32 peer", result, status, link("peers.md"))
 
 
-@row("peers_w8q8.json")
-def peers_w8q8(d: J) -> Row:
-    rows = [r for r in d["rows"] if r.s("status") == "ok"]
-    per, ratios = [], []
-    for model in dict.fromkeys(r.s("model") for r in rows):
-        mine = {r.s("system"): r for r in rows if r.s("model") == model}
-        w8, q8 = (mine[k]["decode_ms_per_token"].f("median") for k in ("hetforge-w8", "llamacpp-q8"))
-        ratios.append(w8 / q8)
-        per.append(f"{model} hetforge w8 {num(w8, 1)} vs llama.cpp Q8_0 {num(q8, 1)} ms/token ({times(w8 / q8)})")
-    m = d["machine"]
-    result = (f"`{d.s('command').split(' hetforge ')[0]}` (activations quantized per block of 32, int8·int8 sums, as "
-              f"Q8_0 does); medians of 2 repeats, load average {load_avg(m['loadavg_end'])} at the end: "
-              + "; ".join(per))
-    return Row("peers (decode, w8 q8)", "`--quantize w8` decode ≤ llama.cpp Q8_0 (opt-in `HETFORGE_W8_ACT=q8`)",
-               result, met(all(r <= 1 for r in ratios)), link("peers_w8q8.md"))
-
-
 @row("peers.json")
 def peers_decode_kv(d: J) -> Row:
     t = _targets(d)
