@@ -10,12 +10,13 @@ steps — or at once after two steps in a row took ``spike``× the window's medi
 them) — it *probes*: up to ``probe_steps`` steps run with the other count, the first of them discarded (a switch
 moves threads between cores and re-warms caches, so one step after it is not representative), and the median of
 the rest is compared with the median of the count in use. The other count is kept when it is faster by more than
-``margin``; a probe that loses doubles the interval to the next (up to 8× on the requested count, whose
+``margin``, and a switch is confirmed by another probe a few steps later (a switch made on a noisy probe must
+not stick); a probe that loses doubles the interval to the next (up to 8× on the requested count, whose
 slowdowns the spike rule catches; 4× on one thread, where only a probe sees the core come free) and ends early
 once a counted step is clearly slower. Medians, not a moving average, so that one descheduled step neither
-triggers a switch nor blocks one. The tuner lives on the engine: a request's prefill runs with the count its
-decode steps last found faster. Off with ``HETFORGE_ADAPT_THREADS=0``; torch's thread count is restored when the
-request ends.
+triggers a switch nor blocks one; each request's first decode step is left out, and the spike rule waits for a
+few steps. The tuner lives on the engine: a request's prefill runs with the count its decode steps last found
+faster. Off with ``HETFORGE_ADAPT_THREADS=0``; torch's thread count is restored when the request ends.
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ class ThreadTuner:
         self.since_probe = 0
         self.interval = explore_every
         self.first_probe = min(4, explore_every)  # steps of the requested count before the first probe
+        self.confirm_after = min(4, explore_every)  # steps after a switch before the probe that confirms it
+        self.skip_next = False
         self.probing: int | None = None
         self.probe_times: list[float] = []
         self.slow_run = 0
@@ -73,7 +76,10 @@ class ThreadTuner:
         return n
 
     def before_prefill(self) -> int:
-        """Set the thread count for a prefill: the count decode steps found faster (the requested one at first)."""
+        """Set the thread count for a prefill: the count decode steps found faster (the requested one at first).
+        The request's first decode step is then left out of the statistics (it runs after the prefill evicted
+        the weights from the caches, and after a compilation its first calls allocate)."""
+        self.skip_next = True
         n = self.cur if self.enabled else self.base
         if torch.get_num_threads() != n:
             torch.set_num_threads(n)
@@ -87,6 +93,9 @@ class ThreadTuner:
         self.counts[n] = self.counts.get(n, 0) + 1
         if not self.enabled:
             return
+        if self.skip_next:
+            self.skip_next = False
+            return
         if self.probing is not None and n == self.probing:
             self.probe_times.append(seconds)
             counted = self.probe_times[1:]  # the step right after a switch is not representative
@@ -98,7 +107,8 @@ class ThreadTuner:
             est = statistics.median(counted)
             if ref is None or est < (1 - self.margin) * ref:
                 self.recent[n] = deque(counted, maxlen=self.window)  # the window starts from the probe's steps
-                self.cur, self.switches, self.interval = n, self.switches + 1, self.explore_every
+                # confirm soon: a switch made on a noisy probe must not stick for a whole interval
+                self.cur, self.switches, self.interval = n, self.switches + 1, self.confirm_after
             else:
                 cap = 8 if self.cur == self.max else 4  # a slowdown of the requested count is caught as a spike
                 self.interval = min(2 * self.interval, cap * self.explore_every)
@@ -106,7 +116,8 @@ class ThreadTuner:
         ref = self._median(n)
         self._record(n, seconds)
         self.since_probe += 1
-        self.slow_run = self.slow_run + 1 if ref is not None and seconds > self.spike * ref else 0
+        settled = ref is not None and len(self.recent[n]) > 4  # no spike rule on a window of a few steps
+        self.slow_run = self.slow_run + 1 if settled and seconds > self.spike * ref else 0
         if self.slow_run >= 2:  # a sustained slowdown (another process took a core): probe the other count now,
             # against the slow steps (the window's older steps describe a machine that is gone)
             self.recent[n] = deque(list(self.recent[n])[-self.slow_run:], maxlen=self.window)
