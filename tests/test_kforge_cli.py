@@ -24,7 +24,10 @@ def test_offline_loop_runs_two_problems_and_keeps_every_attempt(tmp_path):
     rep = json.loads(r.stdout)
     m = rep["metrics"]
     assert m["problems"] == 2 and m["compiled"] == 2 and m["correct"] == 2 and m["label"] == "measured"
-    assert 0 <= m["fast_1"] <= m["fast_0"] == 1.0 and m["geomean_speedup_correct"] > 0
+    # fast_0 counts the correct attempts the roofline guardrail did not flag; a cache-resident kernel can time below
+    # the host profile's DRAM bound on a quiet host and be flagged (harness.py), so the count is checked, not 1.0
+    assert m["fast_0"] == (m["correct"] - m["flagged"]) / m["problems"] and m["flagged"] <= 1
+    assert 0 <= m["fast_1"] <= m["fast_0"] and m["geomean_speedup_correct"] > 0
     for p in rep["problems"]:
         assert p["correct"] and p["speedup"] > 0 and len(p["rounds"]) == 2
         assert p["rounds"][1]["phase"] == "optimization"
