@@ -219,3 +219,22 @@ def test_hetforge_bf16_row_runs_the_bf16_model_and_reports_kl_vs_fp32(tmp_path):
     assert res.precision == "bf16"
     # bf16 rounding: not fp32-exact, but close to the fp32 eager reference it is compared with
     assert 1e-10 < res.fidelity["kl_max"] < 1e-2
+
+
+def test_decode_tokens_out_of_range_is_usage_error(tmp_path):
+    from hetforge.errors import UsageError
+
+    with pytest.raises(UsageError, match="--decode-tokens must be in 1..4096, got 0"):
+        run_suite(_cfg(tmp_path, decode_tokens=0))
+
+
+def test_full_runs_time_decode_over_decode_tokens_and_the_page_says_how(tmp_path):
+    cfg = _cfg(tmp_path, quick=False, decode_tokens=40)
+    spec = cfg.worker_spec("hetforge", MODEL, "cold", tmp_path, tmp_path, tmp_path / "ref.pt")
+    assert spec.decode_tokens == 40
+    assert _cfg(tmp_path).worker_spec("hetforge", MODEL, "cold", tmp_path, tmp_path,
+                                      tmp_path / "ref.pt").decode_tokens == 8  # quick mode
+    from hetforge.benchmarks.report import _decode_rule
+
+    text = _decode_rule(dataclasses.asdict(cfg))
+    assert "over 40 new tokens after the [1, 16] prompt" in text and "better of two timed requests" in text

@@ -53,6 +53,7 @@ class SuiteConfig:
     repeats: int = 3
     quick: bool = False
     seq: int = 128
+    decode_tokens: int = 128  # new tokens per timed decode request (quick mode: 8)
     threads: int = 2
     isolate: bool = True
     warm: bool = True  # measure warm (cached) preparation for systems with a cache
@@ -75,13 +76,16 @@ class SuiteConfig:
             raise UsageError(f"--repeats must be ≥ 1, got {self.repeats}")
         if not 1 <= self.seq <= 4096:
             raise UsageError(f"--seq must be in 1..4096, got {self.seq}")
+        if not 1 <= self.decode_tokens <= 4096:
+            raise UsageError(f"--decode-tokens must be in 1..4096, got {self.decode_tokens}")
 
     def worker_spec(self, system: str, model: str, mode: str, workdir: Path, cache_dir: Path, ref: Path
                     ) -> WorkerSpec:
         if self.quick:
             iters = dict(warmup=1, prefill_iters=3, step_iters=5, max_measure_s=2.0, decode_tokens=8)
         else:
-            iters = dict(warmup=2, prefill_iters=10, step_iters=30, max_measure_s=3.0, decode_tokens=16)
+            iters = dict(warmup=2, prefill_iters=10, step_iters=30, max_measure_s=3.0,
+                         decode_tokens=self.decode_tokens)
         return WorkerSpec(system=system, model=model, mode=mode, seq=self.seq, threads=self.threads,
                           workdir=str(workdir), cache_dir=str(cache_dir), ref_path=str(ref), **iters)
 

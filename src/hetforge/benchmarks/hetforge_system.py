@@ -10,7 +10,8 @@ sampling). Its program compilation (the prefill tier + KV-cache decode pair a us
 before the first token) is reported separately (``decode_prep``); the cold-preparation target is judged on the
 slower of the two pairs (harness). It is compiled after the forward programs in the same process, so oneDNN
 choices measured for the same GEMM shapes are reused (``bench/compile_cache.py`` times that pair alone, in a
-fresh process). Its ttft/decode figures exclude compilation (measured on a second request).
+fresh process). Its ttft/decode figures exclude compilation: the better (by decode time) of two requests after the one
+that compiled, as every peer keeps the better of two.
 """
 
 from __future__ import annotations
@@ -64,7 +65,9 @@ def _runtime_decode(ctx: PrepContext, notes: list[str], quantize: str = "none"):
             notes.append(f"runtime executor 'auto' failed ({first_line(e)}); decode measured with executor 'fx'")
             engine = Engine(ctx.loaded, executor="fx", quantize=quantize)
             first = engine.generate(prompt, params)
-        best = engine.generate(prompt, params)  # programs cached: ttft/decode without compilation
+        # programs cached: ttft/decode without compilation; the better of two requests, as every peer keeps
+        best = min((engine.generate(prompt, params) for _ in range(2)),
+                   key=lambda r: r.decode_ms_per_token or float("inf"))
         notes.append(f"decode: hetforge.runtime executor '{best.executor}', prefill tier {best.prefill_tier}, "
                      f"KV cache {best.cache_length} positions")
         return DecodeTiming(best.ttft_s * 1e3, best.decode_ms_per_token or float("nan"), len(best.decode_s),

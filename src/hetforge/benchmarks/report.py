@@ -54,6 +54,18 @@ def _ratio(x: float | None) -> str:
     return "—" if x is None else f"{x:.2f}×"
 
 
+def _decode_rule(cfg: dict) -> str:
+    """How the decode and ttft figures were taken (runs before ``decode_tokens`` was recorded: 16 tokens, and
+    hetforge's figure from its one request after the compiling one)."""
+    if "decode_tokens" not in cfg:
+        return ("decode = per new token with a KV cache (systems that have one), ttft = time to the first "
+                "generated token.")
+    n = 8 if cfg["quick"] else cfg["decode_tokens"]
+    return (f"decode = mean per new token with a KV cache (systems that have one) over {n} new tokens after the "
+            f"[1, {cfg['seq']}] prompt, from the better of two timed requests (each system's first request warms "
+            "it; hetforge's compiles its programs); ttft = time to the first generated token of that request.")
+
+
 def model_table(rows: list[Row], seq: int) -> list[str]:
     lines = [
         "| system | status | cold prep s | prep parts, s (median) | warm (cached) prep s (parts) | "
@@ -152,9 +164,8 @@ def render_markdown(res: SuiteResult, png_name: str | None, notes: str | None = 
         + "; systems interleaved, order rotated per repeat",
         "- figures: median over repeats, (min–max) over repeats; a latency figure of one repeat is the median "
         "of its timed calls after warm-up. Prefill = one forward on [1, seq] without cache; one token = one "
-        "forward on [1, 1] without cache; decode = per new token with a KV cache (systems that have one), "
-        "ttft = time to the first generated token. Fidelity: prefill and one-token logits against HF eager's "
-        "(same seeded weights), worst over repeats.",
+        "forward on [1, 1] without cache; " + _decode_rule(cfg) + " Fidelity: prefill and one-token logits "
+        "against HF eager's (same seeded weights), worst over repeats.",
         "- models have seeded random weights (no downloads here): fine for speed, memory and fidelity.",
     ]
     if res.skipped:

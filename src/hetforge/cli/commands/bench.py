@@ -27,7 +27,7 @@ def _command_line(cfg, out_dir: Path | None, json_out: bool, in_process: bool, n
     """The exact command that reproduces this run, rebuilt from the resolved options."""
     parts = ["hetforge", "bench", "peers", "--models", ",".join(cfg.models), "--systems", ",".join(cfg.systems),
              "--repeats", str(cfg.repeats), "--seq", str(cfg.seq), "--threads", str(cfg.threads)]
-    parts += ["--quick"] if cfg.quick else []
+    parts += ["--quick"] if cfg.quick else ["--decode-tokens", str(cfg.decode_tokens)]
     parts += ["--no-warm"] if no_warm and not cfg.quick else []
     parts += ["--budget-s", f"{cfg.budget_s:g}"] if cfg.budget_s is not None else []
     parts += ["--limit-s", f"{cfg.limit_s:g}"] if cfg.limit_s is not None else []
@@ -53,6 +53,8 @@ def peers(
     quick: bool = typer.Option(False, "--quick", help="1 repeat, few calls per figure, no warm-cache runs, "
                                                       "tiny models unless --models is given"),
     seq: int = typer.Option(128, "--seq", help="prefill sequence length"),
+    decode_tokens: int = typer.Option(128, "--decode-tokens",
+                                      help="new tokens per timed decode request (quick mode: 8)"),
     threads: int = typer.Option(2, "--threads", help="threads every system gets"),
     no_warm: bool = typer.Option(False, "--no-warm", help="skip the warm (cached) preparation runs"),
     budget_s: float | None = typer.Option(None, "--budget-s",
@@ -80,7 +82,8 @@ def peers(
         check_output_dir(out_dir, "--out-dir")  # before minutes of benchmarking
     model_list = _split(models) or (list(QUICK_MODELS) if quick else list(DEFAULT_MODELS))
     cfg = SuiteConfig(models=model_list, systems=_split(systems) or list(SYSTEMS), repeats=1 if quick else repeats,
-                      quick=quick, seq=seq, threads=threads, isolate=not in_process, warm=not (no_warm or quick),
+                      quick=quick, seq=seq, decode_tokens=decode_tokens, threads=threads, isolate=not in_process,
+                      warm=not (no_warm or quick),
                       timeout_s=timeout_s, budget_s=budget_s, limit_s=limit_s, max_repeats={"mixtral-small": 1})
     if not name or not all(c.isalnum() or c in "-_" for c in name):
         from hetforge.errors import UsageError
