@@ -198,6 +198,20 @@ static void hf_run(hf_chunk_fn fn, void *ctx, long n, int threads) {
     pthread_mutex_unlock(&pool.lock);
 }
 
+/* Run fn(ctx, 0..n-1) on torch's OpenMP team (this library's libgomp is the copy torch loaded), chunks handed
+ * out one at a time. For the multi-row kernels of a prefill: there the ATen/oneDNN GEMMs around them run on that
+ * team, whose threads spin a while after each GEMM; a second pool woken in that window competes with them for
+ * the cores (measured: a prefill attention ran about 2x its isolated time between GEMMs on the pool above). The
+ * one-row decode kernels stay on the pool: there no call may wait at a barrier for a descheduled thread. */
+static void hf_run_team(hf_chunk_fn fn, void *ctx, long n, int threads) {
+    if (threads <= 1 || n <= 1) {
+        for (long i = 0; i < n; i++) fn(ctx, i);
+        return;
+    }
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+    for (long i = 0; i < n; i++) fn(ctx, i);
+}
+
 /* Read back the pool: out[0..6] = helpers started, spin_us, jobs run by the pool, their chunks, chunks run
  * by helpers, helper sleeps (futex waits), chunks a thread ran from another thread's run (taken over). */
 void hf_pool_info(long *out) {
@@ -1858,8 +1872,8 @@ int hf_prefill_attention(const float *q, const float *k, const float *v, const v
     a.kt = malloc(sizeof(float) * dims[0] * a.hkv * (a.d * a.sp + a.s * a.dv));
     if (!a.kt) return -1;
     a.vp = a.kt + dims[0] * a.hkv * a.d * a.sp;
-    hf_run(pa_transpose, &a, dims[0] * a.hkv, clamp_threads(threads));
-    hf_run(pa_task, &a, dims[0] * a.h * a.nqb, clamp_threads(threads));
+    hf_run_team(pa_transpose, &a, dims[0] * a.hkv, clamp_threads(threads));
+    hf_run_team(pa_task, &a, dims[0] * a.h * a.nqb, clamp_threads(threads));
     free(a.kt);
     return 0;
 }
