@@ -6,11 +6,10 @@ for a compiled prefill program, whose logits match eager within KL ≤ 1e-8; ref
 import pytest
 import torch
 import torch.nn.functional as F
-from test_ir_common import captured
+from test_ir_common import captured, check_native_prefill_kernel
 
 from hetforge.compile import compile_graph
 from hetforge.kernels import native
-from hetforge.verify import verify
 
 pytestmark = pytest.mark.skipif(native.library() is None,
                                 reason="no C compiler/OpenMP here: the native kernels are not built and SDPA runs "
@@ -113,18 +112,7 @@ def test_hetforge_attention_op_runs_it_and_leaves_autograd_to_sdpa():
 
 @pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny"])
 def test_compiled_prefill_runs_it_and_matches_eager(name):
-    module, inputs, cg = captured(name)
-    res = compile_graph(cg.gm, soc="host", example_inputs=inputs, name=name)
-    att = [i for i in res.program.instrs if i.op == "hetforge.attention.default"]
-    assert att and inputs[0].shape[1] > 1
-    assert {res.executable.kernels[i.id] for i in att} == {"native:hf_prefill_attention"}
-    rep = verify(module, res.executable, inputs, kl_threshold=1e-8)
-    assert rep.passed and rep.top1_agree == 1.0, rep
-    with native.disabled("A/B: SDPA"):
-        ref = compile_graph(cg.gm, soc="host", example_inputs=inputs, name=name).executable
-    assert {ref.kernels[i.id] for i in att} != {"native:hf_prefill_attention"}
-    with torch.no_grad():
-        torch.testing.assert_close(res.executable(*inputs), ref(*inputs), rtol=1e-5, atol=1e-5)
+    check_native_prefill_kernel(name, "hetforge.attention.default", "native:hf_prefill_attention", "SDPA")
 
 
 def test_cost_model_prices_it_as_one_native_roofline_under_its_own_key():

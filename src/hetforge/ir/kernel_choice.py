@@ -232,7 +232,7 @@ def _gemm(lw: Lowering, ins: Instr, o: int, dev: torch.device) -> str | None:
     if wt is not None and wt.is_contiguous():  # one row on the CPU
         if _native_gemv_fits(lw, x, wt, b, weight_t, o, dev):
             return NATIVE_GEMV[weight_t]
-        if _native_bf16_gemv_fits(lw, x, wt, b, weight_t, o, dev):
+        if _native_gemv_fits(lw, x, wt, b, weight_t, o, dev, bf16=True):
             return NATIVE_GEMV_BF16
         c = gemv.chunks_for(wt.shape[0])  # N of an [N, K] weight (split over outputs), K of a [K, N] one
         if c is not None:
@@ -243,38 +243,25 @@ def _gemm(lw: Lowering, ins: Instr, o: int, dev: torch.device) -> str | None:
 
 
 def _native_gemv_fits(lw: Lowering, x: Reg, w: torch.Tensor, b: Any, weight_t: bool, o: int,
-                      dev: torch.device) -> bool:
-    """Whether the native one-row GEMV runs this product (built, fp32, a bias that is a contiguous ``[N]``)."""
+                      dev: torch.device, bf16: bool = False) -> bool:
+    """Whether a native one-row GEMV runs this product: the library built, input, output and weight of one dtype
+    the kernel takes (fp32: ``hf_gemv_nk``/``hf_gemv_kn``; ``bf16``: ``hf_gemv_bf16``), a bias that is a contiguous
+    ``[N]``. bf16 is chosen over oneDNN's bf16 linear without measuring: one row is a bandwidth-bound stream, which
+    the native kernel reads at the host's stream rate (the fp32 GEMV's rule)."""
     vx, vo = lw.p.values[x.id], lw.p.values[o]
     k, n = (w.shape if weight_t else (w.shape[1], w.shape[0]))
-    if dev.type != "cpu" or vo.dtype != vx.dtype or not native.fits(w, None, weight_t, vx.dtype) \
-            or lw.dm[vx.device] != dev or vx.shape[-1] != k or math.prod(vo.shape) != n:
-        return False
-    if b is None:
-        return True
-    vb = lw.p.values[b.id]
-    if vb.kind == WEIGHT:
-        return native.fits(w, lw.weight(b.id, dev), weight_t, vx.dtype)
-    return vb.dtype == vx.dtype and vb.is_contiguous and math.prod(vb.shape) == n and lw.dm[vb.device] == dev
-
-
-def _native_bf16_gemv_fits(lw: Lowering, x: Reg, w: torch.Tensor, b: Any, weight_t: bool, o: int,
-                           dev: torch.device) -> bool:
-    """Whether ``hf_gemv_bf16`` runs this one-row product: input, output, weight (and a bias that is a contiguous
-    ``[N]``) bf16 on this CPU, the library built. Chosen over oneDNN's bf16 linear without measuring: one row
-    is a bandwidth-bound stream, which the native kernel reads at the host's stream rate (the fp32 GEMV's rule)."""
-    vx, vo = lw.p.values[x.id], lw.p.values[o]
-    k, n = (w.shape if weight_t else (w.shape[1], w.shape[0]))
-    if dev.type != "cpu" or vx.dtype != BF16 or vo.dtype != BF16 or w.dim() != 2 or not native.bf16_fits(w) \
-            or lw.dm[vx.device] != dev or vx.shape[-1] != k or math.prod(vo.shape) != n:
+    w_ok = (vx.dtype == BF16 and w.dim() == 2 and native.bf16_fits(w)) if bf16 \
+        else native.fits(w, None, weight_t, vx.dtype)
+    if dev.type != "cpu" or vo.dtype != vx.dtype or not w_ok or lw.dm[vx.device] != dev or vx.shape[-1] != k \
+            or math.prod(vo.shape) != n:
         return False
     if b is None:
         return True
     vb = lw.p.values[b.id]
     if vb.kind == WEIGHT:
         bt = lw.weight(b.id, dev)
-        return native.bf16_fits(bt) and bt.numel() == n
-    return vb.dtype == BF16 and vb.is_contiguous and math.prod(vb.shape) == n and lw.dm[vb.device] == dev
+        return (native.bf16_fits(bt) and bt.numel() == n) if bf16 else native.fits(w, bt, weight_t, vx.dtype)
+    return vb.dtype == vx.dtype and vb.is_contiguous and math.prod(vb.shape) == n and lw.dm[vb.device] == dev
 
 
 def _row_shape(lw: Lowering, ins: Instr, o: int, dev: torch.device) -> tuple[dict, int, int] | None:
