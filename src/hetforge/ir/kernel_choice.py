@@ -428,15 +428,17 @@ def _native_decode_attention(lw: Lowering, ins: Instr, o: int, dev: torch.device
 @native_row_op("hetforge.attention.default")
 def _native_prefill_attention(lw: Lowering, ins: Instr, o: int, dev: torch.device, args: dict, rows: int,
                               d: int) -> str | None:
-    """Attention of many query rows (prefill) on ``hf_prefill_attention``: 4-D fp32 q/k/v on this CPU with any
-    strides (the transposed views of a fused projection are read in place), grouped-query heads, no mask or a
-    bool/fp32 mask that broadcasts to the scores (not with ``is_causal``); heads of at most
+    """Attention of many query rows (prefill) on ``hf_prefill_attention``: 4-D q/k/v of one dtype, fp32 or bf16,
+    on this CPU with any strides (the transposed views of a fused projection are read in place), grouped-query
+    heads, no mask or a mask that broadcasts to the scores — bool, or fp32 with fp32 q/k/v — (not with
+    ``is_causal``); heads of at most
     :data:`native.PREFILL_ATTENTION_DMAX`. The output is the dense ``[b, h, l, dv]`` slice."""
     q, k, v, mask = args["q"], args["k"], args["v"], args["mask"]
     if not all(isinstance(a, Reg) for a in (q, k, v)) or (mask is not None and not isinstance(mask, Reg)):
         return None
     vq, vk, vv, vo = (lw.p.values[a.id] for a in (q, k, v, Reg(o)))
-    if any(x.dtype != torch.float32 or lw.dm[x.device] != dev or len(x.shape) != 4 for x in (vq, vk, vv)):
+    if vq.dtype not in (torch.float32, BF16) or vo.dtype != vq.dtype or any(
+            x.dtype != vq.dtype or lw.dm[x.device] != dev or len(x.shape) != 4 for x in (vq, vk, vv)):
         return None
     b, h, ell, hd = vq.shape
     hkv, s = vk.shape[1], vk.shape[2]
@@ -446,7 +448,8 @@ def _native_prefill_attention(lw: Lowering, ins: Instr, o: int, dev: torch.devic
         return None
     if mask is not None:
         vm = lw.p.values[mask.id]
-        if bool(args["is_causal"]) or vm.dtype not in (torch.bool, torch.float32) or lw.dm[vm.device] != dev \
+        kind_ok = vm.dtype == torch.bool or (vm.dtype == torch.float32 and vq.dtype == torch.float32)
+        if bool(args["is_causal"]) or not kind_ok or lw.dm[vm.device] != dev \
                 or len(vm.shape) > 4 or not all(m in (1, w) for m, w in zip(vm.shape[::-1], (s, ell, h, b),
                                                                             strict=False)):
             return None

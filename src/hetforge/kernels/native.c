@@ -1577,7 +1577,13 @@ typedef struct {
     long qs[3], ks[3], vs[3], ms[4]; /* element strides: batch, head, row (last dim dense); mask: b, h, row, col */
     int mask_kind, causal;           /* mask_kind: 0 none, 1 bool (True = attend), 2 float (added) */
     float scale;
+    int bf16; /* q/k/v/out are bf16 (read into the fp32 scratch, the fp32 result rounded once to bf16) */
 } pa_ctx;
+
+/* Element i of a q/k/v row of the call's dtype, as fp32. */
+static inline float pa_in(const pa_ctx *a, const float *row, long i) {
+    return a->bf16 ? bf2f(((const hf_bf16 *)row)[i]) : row[i];
+}
 
 #if defined(__AVX512F__)
 /* e^x for x <= 0 (0 below -87.3, where fp32 would underflow to a denormal): Cephes' expf polynomial. */
@@ -1697,15 +1703,23 @@ static int pa_mask_block(const pa_ctx *a, const char *base, long i0, long ni, lo
  * every query block. */
 static void pa_transpose(void *p, long t) {
     const pa_ctx *a = p;
-    const float *K = a->k + (t / a->hkv) * a->ks[0] + (t % a->hkv) * a->ks[1];
+    long esz = a->bf16 ? 2 : 4;
+    const char *K = (const char *)a->k + ((t / a->hkv) * a->ks[0] + (t % a->hkv) * a->ks[1]) * esz;
     float *kt = a->kt + t * a->d * a->sp;
     for (long j = 0; j < a->sp; j++) {
         float *tile = kt + (j / PA_KB) * a->d * PA_KB + j % PA_KB;
-        for (long c = 0; c < a->d; c++) tile[c * PA_KB] = j < a->s ? K[j * a->ks[2] + c] : 0.f;
+        const float *kr = (const float *)(K + j * a->ks[2] * esz);
+        for (long c = 0; c < a->d; c++) tile[c * PA_KB] = j < a->s ? pa_in(a, kr, c) : 0.f;
     }
-    const float *V = a->v + (t / a->hkv) * a->vs[0] + (t % a->hkv) * a->vs[1];
+    const char *V = (const char *)a->v + ((t / a->hkv) * a->vs[0] + (t % a->hkv) * a->vs[1]) * esz;
     float *vp = a->vp + t * a->s * a->dv;
-    for (long j = 0; j < a->s; j++) memcpy(vp + j * a->dv, V + j * a->vs[2], sizeof(float) * a->dv);
+    for (long j = 0; j < a->s; j++) {
+        const float *vr = (const float *)(V + j * a->vs[2] * esz);
+        if (a->bf16)
+            for (long c = 0; c < a->dv; c++) vp[j * a->dv + c] = bf2f(((const hf_bf16 *)vr)[c]);
+        else
+            memcpy(vp + j * a->dv, vr, sizeof(float) * a->dv);
+    }
 }
 
 #if defined(__AVX512F__)
@@ -1774,9 +1788,11 @@ static void pa_task(void *p, long t) {
     long bh = t / a->nqb, qblk = a->nqb - 1 - t % a->nqb; /* the largest causal blocks first */
     long bi = bh / a->h, hi = bh % a->h, kh = hi / (a->h / a->hkv), d = a->d, dv = a->dv;
     long i0 = qblk * PA_QB, ni = a->l - i0 < PA_QB ? a->l - i0 : PA_QB;
-    const float *Q = a->q + bi * a->qs[0] + hi * a->qs[1], *V = a->vp + (bi * a->hkv + kh) * a->s * dv;
+    long qsz = a->bf16 ? 2 : 4; /* bytes of a q element */
+    const char *Q = (const char *)a->q + (bi * a->qs[0] + hi * a->qs[1]) * qsz;
+    const float *V = a->vp + (bi * a->hkv + kh) * a->s * dv;
     const float *KT = a->kt + (bi * a->hkv + kh) * d * a->sp;
-    float *O = a->out + ((bi * a->h + hi) * a->l + i0) * dv;
+    long o0 = ((bi * a->h + hi) * a->l + i0) * dv; /* the output's first element of this task */
     int esz = a->mask_kind == 1 ? 1 : 4;
     const char *mbase = a->mask ? (const char *)a->mask + (bi * a->ms[0] + hi * a->ms[1]) * esz : NULL;
     float qb[PA_QB * PA_DMAX] __attribute__((aligned(64)));
@@ -1784,8 +1800,8 @@ static void pa_task(void *p, long t) {
     float acc[PA_QB * PA_DMAX] __attribute__((aligned(64)));
     float m[PA_QB], z[PA_QB];
     for (long ii = 0; ii < ni; ii++) {
-        const float *qr = Q + (i0 + ii) * a->qs[2];
-        for (long c = 0; c < d; c++) qb[ii * d + c] = qr[c] * a->scale;
+        const float *qr = (const float *)(Q + (i0 + ii) * a->qs[2] * qsz);
+        for (long c = 0; c < d; c++) qb[ii * d + c] = pa_in(a, qr, c) * a->scale;
         m[ii] = -INFINITY, z[ii] = 0.f;
     }
     memset(acc, 0, sizeof(float) * ni * dv);
@@ -1850,7 +1866,10 @@ static void pa_task(void *p, long t) {
     }
     for (long ii = 0; ii < ni; ii++) {
         float iz = z[ii] > 0.f ? 1.f / z[ii] : 0.f; /* a row that saw no key: zeros, as SDPA gives */
-        for (long c = 0; c < dv; c++) O[ii * dv + c] = acc[ii * dv + c] * iz;
+        if (a->bf16)
+            for (long c = 0; c < dv; c++) ((hf_bf16 *)a->out)[o0 + ii * dv + c] = f2bf(acc[ii * dv + c] * iz);
+        else
+            for (long c = 0; c < dv; c++) a->out[o0 + ii * dv + c] = acc[ii * dv + c] * iz;
     }
 }
 
@@ -1859,13 +1878,13 @@ static void pa_task(void *p, long t) {
  * at element strides ms (0 where broadcast), bool (mask_kind 1) or float (2); out dense [b, h, l, dv].
  * d, dv <= 256 (PA_DMAX); h a multiple of hkv. Returns 0, -1 when the key/value scratch cannot be allocated,
  * -2 for shapes outside those limits (the output is then not written). */
-int hf_prefill_attention(const float *q, const float *k, const float *v, const void *mask, float *out,
+int hf_prefill_attention(const void *q, const void *k, const void *v, const void *mask, void *out,
                          const long *dims, const long *strides, int mask_kind, int causal, float scale,
-                         int threads) {
+                         int threads, int bf16) {
     pa_ctx a = {q, k, v, mask_kind ? mask : NULL, out, NULL, NULL, dims[1], dims[2], dims[3], dims[4], dims[5], dims[6], 0, 0,
                 {strides[0], strides[1], strides[2]}, {strides[3], strides[4], strides[5]},
                 {strides[6], strides[7], strides[8]}, {strides[9], strides[10], strides[11], strides[12]},
-                mask ? mask_kind : 0, causal, scale};
+                mask ? mask_kind : 0, causal, scale, bf16 != 0};
     a.nqb = (a.l + PA_QB - 1) / PA_QB;
     a.sp = (a.s + PA_KB - 1) / PA_KB * PA_KB;
     if (a.d > PA_DMAX || a.dv > PA_DMAX || a.h % a.hkv || a.l < 1 || a.s < 1) return -2;
