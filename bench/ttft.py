@@ -34,7 +34,8 @@ runs every system once, in the same order (interleaved, so drift and other proce
 
 The ratio table divides hetforge's chunked TTFT by the best (lowest median) peer of the matching precision
 (:data:`MATCHING`: fp32 by ov-f32 and llamacpp-f32, w8 and w8a8 by llamacpp-q8, bf16 by ov-default; w4 has no
-4-bit peer here, so by every peer) and by the best peer of any precision, naming the peer in each cell.
+4-bit peer here, so by every peer; Q8_0 also rounds the activations to 8 bits in its products, hence the
+8-bit peer of both w8 and w8a8) and by the best peer of any precision, naming the peer in each cell.
 All times are wall clock, measured on this host. The peers run in the same process as hetforge (their thread
 pools may wait on each other between calls); the page says so.
 """
