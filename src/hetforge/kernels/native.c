@@ -1567,6 +1567,7 @@ void hf_rotary_pos_bf16(const hf_bf16 *x, const hf_bf16 *cos_, const hf_bf16 *si
 #define PA_QB 32
 #define PA_KB 64
 #define PA_DMAX 256
+#define PA_KEEP ((size_t)16 << 20) /* bytes of key/value scratch a thread keeps between calls */
 
 typedef struct {
     const float *q, *k, *v;
@@ -1888,11 +1889,25 @@ int hf_prefill_attention(const void *q, const void *k, const void *v, const void
     a.nqb = (a.l + PA_QB - 1) / PA_QB;
     a.sp = (a.s + PA_KB - 1) / PA_KB * PA_KB;
     if (a.d > PA_DMAX || a.dv > PA_DMAX || a.h % a.hkv || a.l < 1 || a.s < 1) return -2;
-    a.kt = malloc(sizeof(float) * dims[0] * a.hkv * (a.d * a.sp + a.s * a.dv));
+    /* the key/value scratch: kept per calling thread up to PA_KEEP bytes (a fresh block of that size is an mmap
+     * and its page faults on every call, which a short prefill or one-token forward notices), else per call */
+    size_t need = sizeof(float) * dims[0] * a.hkv * (a.d * a.sp + a.s * a.dv);
+    static _Thread_local float *kept = NULL;
+    static _Thread_local size_t kept_bytes = 0;
+    int keep = need <= PA_KEEP;
+    if (keep && need > kept_bytes) {
+        float *grown = malloc(need);
+        if (!grown) return -1;
+        free(kept);
+        kept = grown, kept_bytes = need;
+    }
+    a.kt = keep ? kept : malloc(need);
     if (!a.kt) return -1;
     a.vp = a.kt + dims[0] * a.hkv * a.d * a.sp;
+    /* a few thousand products (a one-token forward, a short chunk): waking the team costs more than they do */
+    if (dims[0] * a.h * a.l * a.s * (a.d + a.dv) < (1L << 20)) threads = 1;
     hf_run_team(pa_transpose, &a, dims[0] * a.hkv, clamp_threads(threads));
     hf_run_team(pa_task, &a, dims[0] * a.h * a.nqb, clamp_threads(threads));
-    free(a.kt);
+    if (!keep) free(a.kt);
     return 0;
 }
