@@ -922,41 +922,62 @@ int hf_gemv_q8a(const int8_t *q, const float *scales, const float *x, const floa
  * exact int32 block sums, the weight read once per call from memory and reused from cache by every row.
  *
  * Work: chunks of HF_Q8G_WROWS weight rows (×all m rows), claimed through the pool like the GEMVs. Inside a
- * chunk a tile of four x rows is held in L1 while it meets each group of four weight rows (4 × 4 products).
- * The AVX512-VNNI tile uses the unsigned form of vpdpbusd: x_u = x_q + 128 (bytes x_q ^ 0x80, made once per
- * row) and the accumulator starts at -128·Σw per lane (made once per weight vector), so each product is one
- * vpdpbusd with an exact int32 lane sum; the float epilogue of every lane is hf_gemv_q8a's (see above). The
- * AVX2 and portable paths run hf_gemv_q8a's own four-row dot (q8a_dot4) per x row: same bits on every path. */
+ * chunk a tile of Q8G_R x rows × Q8G_C weight rows keeps its R·C accumulators and C weight vectors in registers
+ * while it walks K. The AVX512-VNNI tile uses the unsigned form of vpdpbusd with the weight as the unsigned
+ * side: w_u = w ^ 0x80 = w + 128 (one xor per weight vector), and each product's lane sum starts at
+ * c = -128·Σ x_q of the lane (made once per x row), so (w + 128)·x_q - 128·Σx_q = w·x_q is one vpdpbusd with an
+ * exact int32 lane sum; the float epilogue of every lane is hf_gemv_q8a's (see above). Each x row is packed per
+ * 64 bytes of K as [x_q | c | the two block scales 8× each] (one sequential stream per row). The AVX2 and
+ * portable paths run hf_gemv_q8a's own four-row dot (q8a_dot4) per x row: same bits on every path. */
 
 #ifndef HF_Q8G_WROWS
-#define HF_Q8G_WROWS 16 /* weight rows per chunk: 16 rows of K int8 stay cache-resident for every x row */
+#define HF_Q8G_WROWS 20 /* weight rows per chunk: a multiple of Q8G_C and of 4 */
 #endif
+#ifndef Q8G_R
+#define Q8G_R 4 /* x rows per VNNI tile (the epilogue below is written for 4 × 5) */
+#endif
+#ifndef Q8G_C
+#define Q8G_C 5 /* weight rows per VNNI tile: R·C accumulators + C weights + 5 more in 32 zmm registers */
+#endif
+#define Q8G_STEP 192 /* packed bytes per row per 64 bytes of K: x_q (64), c (16 int32), d (16 fp32) */
 
 typedef struct {
     const float *x;
     int8_t *xq;
-    uint8_t *xu;
+    uint8_t *xp;
     float *xd, *xd8;
-    long k, kp, nb, rows;
+    long k, kp, nb, steps, rows;
 } q8q_ctx;
 
-/* Quantize x's rows [c*rows, (c+1)*rows) per block of 32 (hf_quantize_q8_blocks), and x_u = x_q ^ 0x80. */
+/* Quantize x's rows [c*rows, (c+1)*rows) per block of 32 (hf_quantize_q8_blocks), and pack them for the VNNI
+ * tile (xp, when set: the full block pairs only; a partial or odd last block runs in scalar code). */
 static void q8q_chunk(void *p, long c) {
     const q8q_ctx *a = p;
     for (long r = c * a->rows; r < (c + 1) * a->rows; r++) {
         int8_t *xq = a->xq + r * a->kp;
-        hf_quantize_q8_blocks(a->x + r * a->k, a->k, xq, a->xd + r * a->nb, a->xd8 + r * a->nb * 8);
-        if (a->xu)
-            for (long i = 0; i < a->kp; i++) a->xu[r * a->kp + i] = (uint8_t)xq[i] ^ 0x80u;
+        float *xd8 = a->xd8 + r * a->nb * 8;
+        hf_quantize_q8_blocks(a->x + r * a->k, a->k, xq, a->xd + r * a->nb, xd8);
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+        if (a->xp) {
+            const __m512i z = _mm512_setzero_si512(), c128 = _mm512_set1_epi8((char)0x80);
+            uint8_t *o = a->xp + r * a->steps * Q8G_STEP;
+            for (long s = 0; s < a->steps; s++, o += Q8G_STEP) {
+                __m512i xv = _mm512_loadu_si512((const void *)(xq + s * 64));
+                _mm512_storeu_si512((void *)o, xv);
+                _mm512_storeu_si512((void *)(o + 64), _mm512_sub_epi32(z, _mm512_dpbusd_epi32(z, c128, xv)));
+                _mm512_storeu_ps((void *)(o + 128), _mm512_loadu_ps(xd8 + s * 16));
+            }
+        }
+#endif
     }
 }
 
 typedef struct {
     const int8_t *q, *xq;
-    const uint8_t *xu;
+    const uint8_t *xp;
     const float *scales, *xd, *xd8, *bias;
     float *y;
-    long m, n, k, kp, nb;
+    long m, n, k, kp, nb, steps;
     int act, path;
 } q8g_ctx;
 
@@ -975,48 +996,125 @@ static inline float q8g_reduce(__m512 v) {
     return _mm_cvtss_f32(_mm_add_ss(t2, _mm_shuffle_ps(t2, t2, 1)));
 }
 
-/* out[i][j] = row xr[i] · weight row w[j] (16-accumulator sums of hf_gemv_q8a) for a 4 × 4 tile. */
-static void q8g_tile_vnni(const int8_t *const *w, const uint8_t *const *xu, const int8_t *const *xq,
-                          const float *const *xd, const float *const *xd8, long k, float out[4][4]) {
-    long nb = (k + 31) / 32, full = k / 32, b = 0;
-    __m512 acc[4][4];
-    const __m512i z = _mm512_setzero_si512(), c128 = _mm512_set1_epi8((char)0x80);
-    for (int i = 0; i < 4; i++)
-        for (int j = 0; j < 4; j++) acc[i][j] = _mm512_setzero_ps();
-    for (; b + 2 <= full; b += 2) {
-        __m512i wv[4], corr[4];
-        for (int j = 0; j < 4; j++) {
-            wv[j] = _mm512_loadu_si512((const void *)(w[j] + b * 32));
-            corr[j] = _mm512_sub_epi32(z, _mm512_dpbusd_epi32(z, c128, wv[j])); /* -128·Σw per lane */
-        }
-        for (int i = 0; i < 4; i++) {
-            __m512i xv = _mm512_loadu_si512((const void *)(xu[i] + b * 32));
-            __m512 dv = _mm512_loadu_ps(xd8[i] + b * 8);
-            for (int j = 0; j < 4; j++) {
-                __m512i s = _mm512_dpbusd_epi32(corr[j], xv, wv[j]);
-                acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), dv, acc[i][j]);
-            }
+/* The t4 step of q8g_reduce for four accumulators at once: [t4(a) | t4(b) | t4(c) | t4(d)] (128-bit lanes), t8 =
+ * low 256 + high 256 and t4 = low 128 + high 128 of t8, the same float sums as q8g_reduce. */
+static inline __m512 q8g_reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
+    __m512 p = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+    __m512 q = _mm512_add_ps(_mm512_shuffle_f32x4(c, d, 0x44), _mm512_shuffle_f32x4(c, d, 0xEE));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(p, q, _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(p, q, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+/* The t2 and t1 steps for four reduce4 results: element 4L + e is the sum of lane L of s_e (q8g_reduce's). */
+static inline __m512 q8g_reduce16(__m512 s0, __m512 s1, __m512 s2, __m512 s3) {
+    __m512 t01 = _mm512_add_ps(_mm512_shuffle_ps(s0, s1, _MM_SHUFFLE(1, 0, 1, 0)),
+                               _mm512_shuffle_ps(s0, s1, _MM_SHUFFLE(3, 2, 3, 2)));
+    __m512 t23 = _mm512_add_ps(_mm512_shuffle_ps(s2, s3, _MM_SHUFFLE(1, 0, 1, 0)),
+                               _mm512_shuffle_ps(s2, s3, _MM_SHUFFLE(3, 2, 3, 2)));
+    return _mm512_add_ps(_mm512_shuffle_ps(t01, t23, _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_ps(t01, t23, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+/* v * scale (+ bias), then ReLU or nothing: q8g_out's float ops on 16 lanes (ReLU keeps NaN, as act_of). */
+static inline __m512 q8g_out16(__m512 v, __m512 sc, const __m512 *bias, int relu) {
+    v = _mm512_mul_ps(v, sc);
+    if (bias) v = _mm512_add_ps(v, *bias);
+    if (relu) v = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(v, _mm512_setzero_ps(), _CMP_LE_OQ), v, _mm512_setzero_ps());
+    return v;
+}
+
+/* The 4 × 5 tile: y[rows r0.., weight rows jj..] for x rows xp[0..3] (packed streams; xq/xd: plain blocks for
+ * the blocks past the last full pair) and weight rows w[0..4], accumulated as hf_gemv_q8a does. ``rows``,
+ * ``cols``: how many of the tile's rows and columns are real (the others repeat a row and are not stored). */
+static void q8g_tile_vnni(const q8g_ctx *a, const int8_t *const *w, const uint8_t *const *xp,
+                          const int8_t *const *xq, const float *const *xd, const long *rr, const long *jr, long jj,
+                          int rows, int cols) {
+    long k = a->k, nb = a->nb, steps = a->steps;
+    __m512 acc[Q8G_R][Q8G_C];
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+#pragma GCC unroll 8
+    for (int i = 0; i < Q8G_R; i++)
+#pragma GCC unroll 8
+        for (int j = 0; j < Q8G_C; j++) acc[i][j] = _mm512_setzero_ps();
+    for (long s = 0; s < steps; s++) {
+        __m512i wu[Q8G_C];
+#pragma GCC unroll 8
+        for (int j = 0; j < Q8G_C; j++)
+            wu[j] = _mm512_xor_si512(_mm512_loadu_si512((const void *)(w[j] + s * 64)), flip);
+#pragma GCC unroll 8
+        for (int i = 0; i < Q8G_R; i++) {
+            const uint8_t *p = xp[i] + s * Q8G_STEP;
+            __m512i xv = _mm512_loadu_si512((const void *)p), c = _mm512_loadu_si512((const void *)(p + 64));
+            __m512 dv = _mm512_loadu_ps((const float *)(p + 128));
+#pragma GCC unroll 8
+            for (int j = 0; j < Q8G_C; j++)
+                acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(c, wu[j], xv)), dv, acc[i][j]);
         }
     }
-    for (int i = 0; i < 4; i++)
-        for (int j = 0; j < 4; j++) {
-            if (b == nb) { /* no block left for the scalar code */
-                out[i][j] = q8g_reduce(acc[i][j]);
-                continue;
-            }
+    int relu = a->act == ACT_RELU;
+    if (2 * steps == nb && (relu || a->act == ACT_NONE)) { /* all in registers: 4 × 4 + 4 × 1 sums */
+        __m512 r4 = q8g_reduce16(q8g_reduce4(acc[0][0], acc[1][0], acc[2][0], acc[3][0]),
+                                 q8g_reduce4(acc[0][1], acc[1][1], acc[2][1], acc[3][1]),
+                                 q8g_reduce4(acc[0][2], acc[1][2], acc[2][2], acc[3][2]),
+                                 q8g_reduce4(acc[0][3], acc[1][3], acc[2][3], acc[3][3])); /* 4i + j: (i, j) */
+        __m512 s4 = q8g_reduce4(acc[0][4], acc[1][4], acc[2][4], acc[3][4]);
+        __m512 r1 = q8g_reduce16(s4, s4, s4, s4); /* 4i + e: (i, 4) */
+        __mmask16 cm = (__mmask16)((1u << (cols < 4 ? cols : 4)) - 1);
+        __m512 sc4 = _mm512_broadcast_f32x4(_mm_maskz_loadu_ps(cm, a->scales + jj)), sc1 = _mm512_set1_ps(a->scales[jr[4]]);
+        __m512 b4, b1;
+        if (a->bias) b4 = _mm512_broadcast_f32x4(_mm_maskz_loadu_ps(cm, a->bias + jj)), b1 = _mm512_set1_ps(a->bias[jr[4]]);
+        r4 = q8g_out16(r4, sc4, a->bias ? &b4 : NULL, relu);
+        r1 = q8g_out16(r1, sc1, a->bias ? &b1 : NULL, relu);
+        float o4[16], o1[16];
+        _mm512_storeu_ps(o4, r4), _mm512_storeu_ps(o1, r1);
+        for (int i = 0; i < rows; i++) {
+            float *yr = a->y + rr[i] * a->n + jj;
+            _mm_mask_storeu_ps(yr, cm, _mm_loadu_ps(o4 + 4 * i));
+            if (cols > 4) yr[4] = o1[4 * i];
+        }
+        return;
+    }
+    for (int i = 0; i < rows; i++)
+        for (int j = 0; j < cols; j++) {
             float lanes[16];
             _mm512_storeu_ps(lanes, acc[i][j]);
-            for (long bb = b; bb < nb; bb++) q8a_block_scalar(w[j], xq[i], xd[i][bb], bb, k, lanes);
-            out[i][j] = q8a_reduce(lanes);
+            for (long bb = 2 * steps; bb < nb; bb++) q8a_block_scalar(w[j], xq[i], xd[i][bb], bb, k, lanes);
+            a->y[rr[i] * a->n + jr[j]] = q8g_out(a, rr[i], jr[j], q8a_reduce(lanes));
         }
 }
 #endif
 
-/* Chunk c: weight rows [c*HF_Q8G_WROWS, ...) against every x row, in tiles of 4 x rows × 4 weight rows. A tile
- * edge past the last row repeats that row (its products are computed and dropped): every tile is full. */
+/* Chunk c: weight rows [c*HF_Q8G_WROWS, ...) against every x row, in tiles of x rows × weight rows (R × C on
+ * VNNI, 4 × 4 otherwise). A tile edge past the last row repeats that row (its products are computed and
+ * dropped): every tile is full. */
 static void q8g_chunk(void *p, long c) {
     const q8g_ctx *a = p;
     long j0 = c * HF_Q8G_WROWS, j1 = j0 + HF_Q8G_WROWS < a->n ? j0 + HF_Q8G_WROWS : a->n, k = a->k, kp = a->kp;
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    if (a->path == Q8A_VNNI) {
+        for (long r0 = 0; r0 < a->m; r0 += Q8G_R) {
+            long rr[Q8G_R];
+            const uint8_t *xp[Q8G_R];
+            const int8_t *xq[Q8G_R];
+            const float *xd[Q8G_R];
+            for (int i = 0; i < Q8G_R; i++) {
+                rr[i] = r0 + i < a->m ? r0 + i : a->m - 1;
+                xp[i] = a->xp + rr[i] * a->steps * Q8G_STEP, xq[i] = a->xq + rr[i] * kp, xd[i] = a->xd + rr[i] * a->nb;
+            }
+            for (long jj = j0; jj < j1; jj += Q8G_C) {
+                long jr[Q8G_C];
+                const int8_t *w[Q8G_C];
+                for (int j = 0; j < Q8G_C; j++) {
+                    jr[j] = jj + j < j1 ? jj + j : j1 - 1;
+                    w[j] = a->q + jr[j] * k;
+                }
+                q8g_tile_vnni(a, w, xp, xq, xd, rr, jr, jj, a->m - r0 < Q8G_R ? (int)(a->m - r0) : Q8G_R,
+                              j1 - jj < Q8G_C ? (int)(j1 - jj) : Q8G_C);
+            }
+        }
+        return;
+    }
+#endif
     for (long r0 = 0; r0 < a->m; r0 += 4) {
         long rr[4];
         for (int i = 0; i < 4; i++) rr[i] = r0 + i < a->m ? r0 + i : a->m - 1;
@@ -1028,21 +1126,8 @@ static void q8g_chunk(void *p, long c) {
                 w[j] = a->q + jr[j] * k;
             }
             float out[4][4];
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-            if (a->path == Q8A_VNNI) {
-                const uint8_t *xu[4];
-                const int8_t *xq[4];
-                const float *xd[4], *xd8[4];
-                for (int i = 0; i < 4; i++) {
-                    xu[i] = a->xu + rr[i] * kp, xq[i] = a->xq + rr[i] * kp;
-                    xd[i] = a->xd + rr[i] * a->nb, xd8[i] = a->xd8 + rr[i] * a->nb * 8;
-                }
-                q8g_tile_vnni(w, xu, xq, xd, xd8, k, out);
-            } else
-#endif
-                for (int i = 0; i < 4; i++)
-                    q8a_dot4(w, a->xq + rr[i] * kp, a->xd + rr[i] * a->nb, a->xd8 + rr[i] * a->nb * 8, k, a->path,
-                             out[i]);
+            for (int i = 0; i < 4; i++)
+                q8a_dot4(w, a->xq + rr[i] * kp, a->xd + rr[i] * a->nb, a->xd8 + rr[i] * a->nb * 8, k, a->path, out[i]);
             for (int i = 0; i < 4 && r0 + i < a->m; i++)
                 for (int j = 0; j < 4 && jj + j < j1; j++) a->y[rr[i] * a->n + jr[j]] = q8g_out(a, rr[i], jr[j], out[i][j]);
         }
@@ -1057,20 +1142,21 @@ static void q8g_chunk(void *p, long c) {
 int hf_gemm_q8a(const int8_t *q, const float *scales, const float *x, const float *bias, float *y, long m, long n,
                 long k, int act, int threads) {
     if (m <= 0 || n <= 0) return 0;
-    long nb = (k + 31) / 32, kp = nb * 32;
+    long nb = (k + 31) / 32, kp = nb * 32, steps = k / 64;
     int path = q8a_best(), f = atomic_load(&q8a_forced);
     if (f >= 0 && f < path) path = f;
     size_t qbytes = ((size_t)m * kp + 64) / 64 * 64, dbytes = ((size_t)m * nb * 8 * sizeof(float) + 64) / 64 * 64;
+    size_t pbytes = ((size_t)m * steps * Q8G_STEP + 64) / 64 * 64;
     int8_t *xq = aligned_alloc(64, qbytes);
-    uint8_t *xu = path == Q8A_VNNI ? aligned_alloc(64, qbytes) : NULL;
+    uint8_t *xp = path == Q8A_VNNI ? aligned_alloc(64, pbytes) : NULL;
     float *xd = malloc((size_t)(m * nb + 1) * sizeof(float)), *xd8 = aligned_alloc(64, dbytes);
-    if (!xq || !xd || !xd8 || (path == Q8A_VNNI && !xu)) {
-        free(xq), free(xu), free(xd), free(xd8);
+    if (!xq || !xd || !xd8 || (path == Q8A_VNNI && !xp)) {
+        free(xq), free(xp), free(xd), free(xd8);
         return -1;
     }
     threads = clamp_threads(threads);
     long qrows = m < 8 ? 1 : 8;
-    q8q_ctx qa = {x, xq, xu, xd, xd8, k, kp, nb, qrows};
+    q8q_ctx qa = {x, xq, xp, xd, xd8, k, kp, nb, steps, qrows};
     if (m % qrows) { /* rows in whole chunks: the last chunk's tail rows run here */
         for (long r = m / qrows * qrows; r < m; r++) {
             q8q_ctx one = qa;
@@ -1079,9 +1165,9 @@ int hf_gemm_q8a(const int8_t *q, const float *scales, const float *x, const floa
         }
     }
     hf_run(q8q_chunk, &qa, m / qrows, threads);
-    q8g_ctx a = {q, xq, xu, scales, xd, xd8, bias, y, m, n, k, kp, nb, act, path};
+    q8g_ctx a = {q, xq, xp, scales, xd, xd8, bias, y, m, n, k, kp, nb, steps, act, path};
     hf_run(q8g_chunk, &a, (n + HF_Q8G_WROWS - 1) / HF_Q8G_WROWS, threads);
-    free(xq), free(xu), free(xd), free(xd8);
+    free(xq), free(xp), free(xd), free(xd8);
     return 0;
 }
 
