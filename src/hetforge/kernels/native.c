@@ -874,8 +874,34 @@ static void q8a_chunk(void *p, long c) {
 
 /* Quantize x [k] per block of 32: xq [nb*32] (zero-padded), xd [nb] block scales, xd8 [nb*8] each scale 8x. */
 void hf_quantize_q8_blocks(const float *x, long k, int8_t *xq, float *xd, float *xd8) {
-    long nb = (k + 31) / 32;
-    for (long b = 0; b < nb; b++) {
+    long nb = (k + 31) / 32, b = 0;
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    /* The loop below on 16 lanes, the same float ops: the max of |x| (exact in any order), d and 1/d in scalar,
+     * x·(1/d) rounded in the current mode (nearbyintf), clamped with NaN passing through, then the truncating
+     * conversion the (int8_t) cast compiles to (a NaN gives 0). */
+    const __m512 big = _mm512_set1_ps(3.40282347e38f), hi = _mm512_set1_ps(127.f), lo = _mm512_set1_ps(-127.f);
+    const __m512i absm = _mm512_set1_epi32(0x7fffffff);
+    for (; b < nb; b++) {
+        long left = k - b * 32;
+        __mmask16 m0 = left >= 16 ? 0xffff : (__mmask16)((1u << left) - 1);
+        __mmask16 m1 = left >= 32 ? 0xffff : left <= 16 ? 0 : (__mmask16)((1u << (left - 16)) - 1);
+        __m512 v0 = _mm512_maskz_loadu_ps(m0, x + b * 32), v1 = _mm512_maskz_loadu_ps(m1, x + b * 32 + 16);
+        __m512 a0 = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v0), absm));
+        __m512 a1 = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v1), absm));
+        int bad = (_mm512_cmp_ps_mask(a0, big, _CMP_LE_OQ) & _mm512_cmp_ps_mask(a1, big, _CMP_LE_OQ)) != 0xffff;
+        float amax = _mm512_reduce_max_ps(_mm512_max_ps(a0, a1));
+        float d = bad ? NAN : amax / 127.f, id = bad || d == 0.f ? 0.f : 1.f / d;
+        __m512 idv = _mm512_set1_ps(id);
+        __m512 r0 = _mm512_roundscale_ps(_mm512_mul_ps(v0, idv), _MM_FROUND_CUR_DIRECTION | _MM_FROUND_NO_EXC);
+        __m512 r1 = _mm512_roundscale_ps(_mm512_mul_ps(v1, idv), _MM_FROUND_CUR_DIRECTION | _MM_FROUND_NO_EXC);
+        r0 = _mm512_max_ps(lo, _mm512_min_ps(hi, r0)), r1 = _mm512_max_ps(lo, _mm512_min_ps(hi, r1));
+        _mm_storeu_si128((__m128i *)(xq + b * 32), _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(r0)));
+        _mm_storeu_si128((__m128i *)(xq + b * 32 + 16), _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(r1)));
+        xd[b] = d;
+        _mm256_storeu_ps(xd8 + b * 8, _mm256_set1_ps(d));
+    }
+#endif
+    for (; b < nb; b++) {
         float amax = 0.f;
         int bad = 0; /* a NaN or ±Inf in the block: scale NaN, x_q 0, so every sum with this block is NaN */
         for (long i = b * 32; i < b * 32 + 32 && i < k; i++) {
@@ -931,7 +957,7 @@ int hf_gemv_q8a(const int8_t *q, const float *scales, const float *x, const floa
  * portable paths run hf_gemv_q8a's own four-row dot (q8a_dot4) per x row: same bits on every path. */
 
 #ifndef HF_Q8G_WROWS
-#define HF_Q8G_WROWS 20 /* weight rows per chunk: a multiple of Q8G_C and of 4 */
+#define HF_Q8G_WROWS 80 /* weight rows per chunk (a multiple of Q8G_C and of 4): the x rows stream once per chunk */
 #endif
 #ifndef Q8G_R
 #define Q8G_R 4 /* x rows per VNNI tile (the epilogue below is written for 4 × 5) */
