@@ -953,18 +953,19 @@ int hf_gemv_q8a(const int8_t *q, const float *scales, const float *x, const floa
  * side: w_u = w ^ 0x80 = w + 128 (one xor per weight vector), and each product's lane sum starts at
  * c = -128·Σ x_q of the lane (made once per x row), so (w + 128)·x_q - 128·Σx_q = w·x_q is one vpdpbusd with an
  * exact int32 lane sum; the float epilogue of every lane is hf_gemv_q8a's (see above). Each x row is packed per
- * 64 bytes of K as [x_q | c | the two block scales 8× each] (one sequential stream per row). The AVX2 and
- * portable paths run hf_gemv_q8a's own four-row dot (q8a_dot4) per x row: same bits on every path. */
+ * 64 bytes of K as [x_q | c | the two block scales 8× each] (one sequential stream per row). The tile's 20
+ * reductions, scale, bias and ReLU run on whole vectors (same float ops per output; other activations in
+ * scalar code). The AVX2 and portable paths run hf_gemv_q8a's own four-row dot (q8a_dot4) per x row: same
+ * bits on every path. Why this shape (measured): the earlier 4 × 4 tile with x as the unsigned side spent
+ * 4 vpdpbusd + 4 subtractions per step on the correction, spilled a register, reduced each accumulator alone
+ * and called act_of per output, and the scalar quantizer (a libm fmaxf call per element) was a large share
+ * of a product with few output columns. */
 
 #ifndef HF_Q8G_WROWS
 #define HF_Q8G_WROWS 80 /* weight rows per chunk (a multiple of Q8G_C and of 4): the x rows stream once per chunk */
 #endif
-#ifndef Q8G_R
-#define Q8G_R 4 /* x rows per VNNI tile (the epilogue below is written for 4 × 5) */
-#endif
-#ifndef Q8G_C
-#define Q8G_C 5 /* weight rows per VNNI tile: R·C accumulators + C weights + 5 more in 32 zmm registers */
-#endif
+#define Q8G_R 4 /* x rows per VNNI tile (the epilogue of q8g_tile_vnni is written for 4 × 5) */
+#define Q8G_C 5 /* weight rows per VNNI tile: 20 accumulators + 5 weights + 5 more of the 32 zmm registers */
 #define Q8G_STEP 192 /* packed bytes per row per 64 bytes of K: x_q (64), c (16 int32), d (16 fp32) */
 
 typedef struct {
@@ -1013,17 +1014,9 @@ static inline float q8g_out(const q8g_ctx *a, long r, long j, float dotv) {
 }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-/* q8a_reduce of the 16 lanes of v, in registers: the same pairwise sums in the same order. */
-static inline float q8g_reduce(__m512 v) {
-    __m256 t8 = _mm256_add_ps(_mm512_castps512_ps256(v),
-                              _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
-    __m128 t4 = _mm_add_ps(_mm256_castps256_ps128(t8), _mm256_extractf128_ps(t8, 1));
-    __m128 t2 = _mm_add_ps(t4, _mm_movehl_ps(t4, t4));
-    return _mm_cvtss_f32(_mm_add_ss(t2, _mm_shuffle_ps(t2, t2, 1)));
-}
-
-/* The t4 step of q8g_reduce for four accumulators at once: [t4(a) | t4(b) | t4(c) | t4(d)] (128-bit lanes), t8 =
- * low 256 + high 256 and t4 = low 128 + high 128 of t8, the same float sums as q8g_reduce. */
+/* q8a_reduce (halves 8, 4, 2, 1) of 16 accumulators at once, in two steps with the same float sums, the lower
+ * half always the first operand. This one: the halves 8 and 4 of four accumulators, [t4(a) | t4(b) | t4(c) |
+ * t4(d)] in 128-bit lanes (t8 = low 256 + high 256 bits, t4 = low 128 + high 128 bits of t8). */
 static inline __m512 q8g_reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
     __m512 p = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
     __m512 q = _mm512_add_ps(_mm512_shuffle_f32x4(c, d, 0x44), _mm512_shuffle_f32x4(c, d, 0xEE));
@@ -1031,7 +1024,7 @@ static inline __m512 q8g_reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
                          _mm512_shuffle_f32x4(p, q, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-/* The t2 and t1 steps for four reduce4 results: element 4L + e is the sum of lane L of s_e (q8g_reduce's). */
+/* The halves 2 and 1 of four q8g_reduce4 results: element 4L + e is q8a_reduce of 128-bit lane L of s_e. */
 static inline __m512 q8g_reduce16(__m512 s0, __m512 s1, __m512 s2, __m512 s3) {
     __m512 t01 = _mm512_add_ps(_mm512_shuffle_ps(s0, s1, _MM_SHUFFLE(1, 0, 1, 0)),
                                _mm512_shuffle_ps(s0, s1, _MM_SHUFFLE(3, 2, 3, 2)));
