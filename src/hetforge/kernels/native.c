@@ -1093,12 +1093,15 @@ static void q8g_tile_vnni(const q8g_ctx *a, const int8_t *const *w, const uint8_
         }
         return;
     }
+    float lanes[Q8G_R][Q8G_C][16]; /* constant indices above: the accumulators stay in registers in the loop */
+#pragma GCC unroll 8
+    for (int i = 0; i < Q8G_R; i++)
+#pragma GCC unroll 8
+        for (int j = 0; j < Q8G_C; j++) _mm512_storeu_ps(lanes[i][j], acc[i][j]);
     for (int i = 0; i < rows; i++)
         for (int j = 0; j < cols; j++) {
-            float lanes[16];
-            _mm512_storeu_ps(lanes, acc[i][j]);
-            for (long bb = 2 * steps; bb < nb; bb++) q8a_block_scalar(w[j], xq[i], xd[i][bb], bb, k, lanes);
-            a->y[rr[i] * a->n + jr[j]] = q8g_out(a, rr[i], jr[j], q8a_reduce(lanes));
+            for (long bb = 2 * steps; bb < nb; bb++) q8a_block_scalar(w[j], xq[i], xd[i][bb], bb, k, lanes[i][j]);
+            a->y[rr[i] * a->n + jr[j]] = q8g_out(a, rr[i], jr[j], q8a_reduce(lanes[i][j]));
         }
 }
 #endif
