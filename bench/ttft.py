@@ -1,10 +1,14 @@
 """Time to first token (TTFT) at several prompt lengths: hetforge's tier-padded prefill (before) vs its chunked
 prefill (after), per ``--quantize`` scheme, next to peers that prefill the exact prompt length.
 
-Usage: python bench/ttft.py [--models gpt2 llama-110m] [--lengths 16 84 500] [--quantize none w8 w4 w8a8]
-                            [--rounds 3] [--threads 2] [--peers hf ov-f32 ov-default]
+Usage: python bench/ttft.py [--models gpt2 llama-110m] [--lengths 16 84 500] [--quantize none w8 w4 w8a8 bf16]
+                            [--rounds 3] [--threads 2] [--peers hf ov-f32 ov-default llamacpp-f32 llamacpp-q8]
                             [--json docs/bench/ttft.json] [--md docs/bench/ttft.md]
        python bench/ttft.py --from-json docs/bench/ttft.json --md docs/bench/ttft.md
+
+``--quantize`` takes hetforge's weight schemes (``none`` = fp32, ``w8``, ``w4``, ``w8a8``) and ``bf16``: the
+model in bfloat16 as ``hetforge run --precision bf16`` loads it (refused, and noted, on a CPU without bf16
+instructions). Peers: ``hf``, ``ov-f32``, ``ov-default``, ``llamacpp-f32``, ``llamacpp-q8``.
 
 Per model, in one process: build every system, warm each up at every length (hetforge compiles its programs
 here; the compile seconds per program are recorded), then ``--rounds`` rounds; in each round every length
@@ -15,13 +19,23 @@ runs every system once, in the same order (interleaved, so drift and other proce
   the KV cache is the prompt's tier). ``tier`` = today's path before this bench's change: the prompt padded to
   the next tier, one prefill call (``Engine.chunked_prefill = False``); ``chunked`` = the largest tier
   ``<= n`` plus chunks over the KV cache (``runtime.programs.prefill_pieces``).
-* ``hf`` = Hugging Face eager, one forward of exactly ``n`` tokens with ``logits_to_keep=1`` and the argmax.
+* ``hf`` = Hugging Face eager, one forward of exactly ``n`` tokens with ``logits_to_keep=1`` and the argmax
+  (a reference row: not one of the peers the ratios divide by).
 * ``ov-f32`` / ``ov-default`` = OpenVINO's CPU plugin on the same model converted with a dynamic sequence
   length (``logits_to_keep=1``), compiled with ``INFERENCE_NUM_THREADS`` = ``--threads`` and the f32 hint or
   the plugin's default precision (bf16 where the CPU has it); one stateless inference of exactly ``n`` tokens
   and the argmax. This is OpenVINO's prefill, not its stateful KV-cache pipeline (optimum-intel, which also
-  writes the KV state); llama.cpp is listed when ``llama_cpp`` is importable, else marked not installed.
+  writes the KV state).
+* ``llamacpp-f32`` / ``llamacpp-q8`` = llama.cpp (llama-cpp-python) on the same seeded weights written as GGUF
+  f32 / Q8_0 (``hetforge.benchmarks.gguf_export``) into a temporary folder removed at the end, loaded with
+  ``n_threads`` = ``n_threads_batch`` = ``--threads``, ``n_batch`` = ``n_ubatch`` = 512 and only the last
+  position's logits computed; TTFT = ``reset()`` + ``eval`` of exactly ``n`` tokens + the argmax of the last
+  logits. Marked not installed when ``llama_cpp`` (or ``gguf``) is not importable.
 
+The ratio table divides hetforge's chunked TTFT by the best (lowest median) peer of the matching precision
+(:data:`MATCHING`: fp32 by ov-f32 and llamacpp-f32, w8 and w8a8 by llamacpp-q8, bf16 by ov-default; w4 has no
+4-bit peer here, so by every peer; Q8_0 also rounds the activations to 8 bits in its products, hence the
+8-bit peer of both w8 and w8a8) and by the best peer of any precision, naming the peer in each cell.
 All times are wall clock, measured on this host. The peers run in the same process as hetforge (their thread
 pools may wait on each other between calls); the page says so.
 """
@@ -34,6 +48,7 @@ import os
 import shlex
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -42,10 +57,18 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _pages import page_from_json, write_result  # noqa: E402
 
+from hetforge.errors import UsageError  # noqa: E402
 from hetforge.hardware.isa import host_record  # noqa: E402
-from hetforge.models.zoo import load_model  # noqa: E402
+from hetforge.models.zoo import LoadedModel, load_model  # noqa: E402
 from hetforge.runtime import Engine, SamplingParams  # noqa: E402
 from hetforge.runtime.programs import CALL_TOKENS, CHUNK_MIN, prefill_pieces  # noqa: E402
+
+PEERS = ("hf", "ov-f32", "ov-default", "llamacpp-f32", "llamacpp-q8")
+SCHEMES = ("none", "w8", "w4", "w8a8", "bf16")
+GGUF_TYPE = {"llamacpp-f32": "f32", "llamacpp-q8": "q8_0"}
+# hetforge precision -> the peers of the matching precision (None: no such peer here, every peer counts)
+MATCHING: dict[str, tuple[str, ...] | None] = {"fp32": ("ov-f32", "llamacpp-f32"), "w8": ("llamacpp-q8",),
+                                               "w8a8": ("llamacpp-q8",), "bf16": ("ov-default",), "w4": None}
 
 
 def _prompt(n: int, vocab: int, seed: int = 0) -> list[int]:
@@ -111,6 +134,29 @@ def _ov_system(model: torch.nn.Module, threads: int, f32: bool, max_pos: int):
     return ttft, {"precision": precision, "prepare_s": prep}
 
 
+def _llamacpp_system(loaded: LoadedModel, workdir: Path, qtype: str, threads: int, n_ctx: int):
+    """llama.cpp on ``loaded``'s weights written as GGUF ``qtype``: (ttft fn, info, the Llama to close)."""
+    import llama_cpp
+    import numpy as np
+
+    from hetforge.benchmarks.llamacpp_system import last_logits, open_gguf
+
+    llm, stages, path = open_gguf(loaded, workdir, qtype, threads, n_ctx, logits_all=False)
+    vocab = loaded.vocab_size
+
+    def ttft(prompt: list[int]) -> tuple[float, int]:
+        t = time.perf_counter()
+        llm.reset()
+        llm.eval(prompt)
+        tok = int(np.argmax(last_logits(llm, vocab)))
+        return time.perf_counter() - t, tok
+
+    info = {"precision": "f32" if qtype == "f32" else "q8_0", "prepare_s": round(sum(stages.values()), 3),
+            "gguf_mib": round(path.stat().st_size / 2**20, 1), "n_ctx": n_ctx,
+            "version": getattr(llama_cpp, "__version__", "?")}
+    return ttft, info, llm
+
+
 def _hetforge_system(engine: Engine, chunked: bool, new_tokens: int):
     def ttft(prompt: list[int]) -> tuple[float, int]:
         engine.chunked_prefill = chunked
@@ -121,6 +167,20 @@ def _hetforge_system(engine: Engine, chunked: bool, new_tokens: int):
     return ttft
 
 
+def _missing(*modules: str) -> str | None:
+    return next((m for m in modules if importlib.util.find_spec(m) is None), None)
+
+
+def _engine(loaded: LoadedModel, scheme: str) -> Engine:
+    """The engine of one ``--quantize`` name: a weight scheme, or ``bf16`` = the model loaded in bfloat16 as
+    ``hetforge run --precision bf16`` loads it (a UsageError on a CPU without bf16 instructions)."""
+    if scheme != "bf16":
+        return Engine(loaded, quantize=scheme)
+    from hetforge.precision import resolve_precision
+
+    return Engine(load_model(loaded.name, dtype=resolve_precision("bf16")))
+
+
 def bench_model(name: str, lengths: list[int], schemes: list[str], peers: list[str], rounds: int, threads: int,
                 new_tokens: int) -> dict:
     loaded = load_model(name)
@@ -128,27 +188,52 @@ def bench_model(name: str, lengths: list[int], schemes: list[str], peers: list[s
     prompts = {n: _prompt(n, vocab) for n in lengths}
     systems: dict[str, tuple] = {}  # key -> (ttft fn, info)
     notes: list[str] = []
-    for p in peers:
-        if p == "hf":
-            systems["hf"] = _hf_system(loaded.model)
-        elif p in ("ov-f32", "ov-default"):
-            if importlib.util.find_spec("openvino") is None:
-                notes.append(f"{p}: not installed (no module named 'openvino')")
-                continue
-            systems[p] = _ov_system(loaded.model, threads, p == "ov-f32", max_pos)
-        elif p.startswith("llamacpp"):
-            notes.append(f"{p}: not measured here: no module named 'llama_cpp' in this environment"
-                         if importlib.util.find_spec("llama_cpp") is None else
-                         f"{p}: llama_cpp is importable but this bench does not drive it yet (bench/peers.py does)")
+    llamas: list = []
+    with tempfile.TemporaryDirectory(prefix="hetforge-ttft-") as tmp:  # the GGUF files, removed at the end
+        try:
+            for p in peers:
+                if p == "hf":
+                    systems["hf"] = _hf_system(loaded.model)
+                elif p in ("ov-f32", "ov-default"):
+                    if _missing("openvino"):
+                        notes.append(f"{p}: not installed (no module named 'openvino')")
+                        continue
+                    systems[p] = _ov_system(loaded.model, threads, p == "ov-f32", max_pos)
+                elif p in GGUF_TYPE:
+                    mod = _missing("llama_cpp", "gguf")
+                    if mod:
+                        notes.append(f"{p}: not installed (no module named '{mod}')")
+                        continue
+                    try:
+                        fn, info, llm = _llamacpp_system(loaded, Path(tmp), GGUF_TYPE[p], threads,
+                                                         min(max_pos, max(512, max(lengths))))
+                    except Exception as e:  # a family the GGUF export does not cover: noted, the rest measured
+                        notes.append(f"{p}: not measured: {type(e).__name__}: {str(e).splitlines()[0][:300]}")
+                        continue
+                    llamas.append(llm)
+                    systems[p] = (fn, info)
+            for scheme in schemes:
+                label = "fp32" if scheme == "none" else scheme
+                try:
+                    eng = _engine(loaded, scheme)
+                except UsageError as e:
+                    notes.append(f"hetforge {label}: refused: {e}")
+                    continue
+                for mode in ("tier", "chunked"):
+                    fn = _hetforge_system(eng, mode == "chunked", new_tokens)
+                    systems[f"hetforge {label} {mode}"] = (fn, {"precision": label, "scheme": scheme, "mode": mode})
+            out = _measure(name, systems, prompts, lengths, rounds, notes)
+        finally:
+            for llm in llamas:
+                llm.close()
+    return {"model": name, "vocab": vocab, "max_positions": max_pos, **out}
+
+
+def _measure(name: str, systems: dict[str, tuple], prompts: dict[int, list[int]], lengths: list[int], rounds: int,
+             notes: list[str]) -> dict:
+    """Warm every system up at every length (hetforge compiles here), then ``rounds`` interleaved rounds."""
     compile_s: dict[str, dict[str, float]] = {}
     pieces: dict[str, dict[str, list[str]]] = {}
-    for scheme in schemes:
-        eng = Engine(loaded, quantize=scheme)
-        label = "fp32" if scheme == "none" else scheme
-        for mode in ("tier", "chunked"):
-            fn = _hetforge_system(eng, mode == "chunked", new_tokens)
-            systems[f"hetforge {label} {mode}"] = (fn, {"precision": label, "scheme": scheme, "mode": mode})
-    # warm-up: every system at every length (hetforge compiles here)
     first: dict[str, dict[int, int]] = {}
     for key, (fn, info) in list(systems.items()):
         for n in lengths:
@@ -170,7 +255,7 @@ def bench_model(name: str, lengths: list[int], schemes: list[str], peers: list[s
             for key, (fn, _info) in systems.items():
                 s, _ = fn(prompts[n])
                 times[key][n].append(s * 1e3)
-    out = {"model": name, "vocab": vocab, "max_positions": max_pos, "notes": notes, "systems": {}}
+    out: dict = {"model": name, "notes": notes, "systems": {}}
     for key, (_fn, info) in systems.items():
         info = {k: v for k, v in info.items() if k != "scheme"}
         out["systems"][key] = {
@@ -196,6 +281,28 @@ def _json_named(command: str) -> str:
     return args[args.index("--json") + 1] if "--json" in args[:-1] else "docs/bench/ttft.json"
 
 
+def _best(sy: dict, keys: list[str], n: str) -> tuple[float, str] | None:
+    """(median ms, peer) of the fastest of ``keys`` measured at ``n``, or None when none was."""
+    got = [(sy[k]["median_ms"][n], k) for k in keys if k in sy]
+    return min(got) if got else None
+
+
+def _ratio(d: dict, best: tuple[float, str] | None, n: str) -> str:
+    return f"{d['median_ms'][n] / best[0]:.2f} ({best[1]})" if best else "—"
+
+
+def _matching_peers(label: str, peers: list[str]) -> list[str]:
+    match = MATCHING.get(label)
+    return peers if match is None else [k for k in peers if k in match]
+
+
+def _rule() -> str:
+    """The matching-precision rule, from :data:`MATCHING`, as the page states it."""
+    parts = [f"{k} → {' / '.join(v) if v else 'every peer (no peer of that precision is measured here)'}"
+             for k, v in MATCHING.items()]
+    return "; ".join(parts)
+
+
 def render(res: dict) -> str:
     lines = ["# Time to first token: tier-padded vs chunked prefill, next to exact-length peers", "",
              f"Generated by `bench/ttft.py` from `{_json_named(res['command'])}` (never edited by hand). Measured on "
@@ -208,7 +315,10 @@ def render(res: dict) -> str:
              f"`tier` pads the prompt to the next tier (the path before this change); `chunked` runs the largest "
              f"tier <= n, then chunks over the KV cache (powers of two, the rest rounded up to {res['chunk_min']}, "
              f"chosen when padded tokens + {res['call_tokens']} per extra call is less than the next tier). "
-             "Cells: median (min) ms.", ""]
+             "Cells: median (min) ms. The peers run in the same process as hetforge, one after another.", "",
+             "Ratios: hetforge's chunked median ÷ the lowest peer median, the peer named in each cell. *Same "
+             f"precision* peers: {_rule()}. *Any precision*: the lowest of every peer measured. hf is a reference "
+             "row, not a peer; — = no such peer measured in this run.", ""]
     lengths = [str(n) for n in res["lengths"]]
     for m in res["models"]:
         lines += [f"## {m['model']}", "", "| system | precision | " + " | ".join(f"n = {n}" for n in lengths) + " |",
@@ -216,19 +326,21 @@ def render(res: dict) -> str:
         sy = m["systems"]
         for key, d in sy.items():
             lines.append(f"| {key} | {d['precision']} | " + " | ".join(_fmt(d, n) for n in lengths) + " |")
+        peers = [k for k in sy if k.startswith(("ov", "llamacpp"))]
         lines += ["", "| hetforge scheme | " + " | ".join(f"chunked ÷ tier, n = {n}" for n in lengths)
-                  + " | " + " | ".join(f"chunked ÷ best peer, n = {n}" for n in lengths) + " |",
-                  "|---|" + "---|" * (2 * len(lengths))]
-        peers = {k: d for k, d in sy.items() if not k.startswith("hetforge")}
-        ov_or_cpp = {k: d for k, d in peers.items() if k.startswith(("ov", "llamacpp"))}
+                  + " | " + " | ".join(f"chunked ÷ best same-precision peer, n = {n}" for n in lengths)
+                  + " | " + " | ".join(f"chunked ÷ best peer of any precision, n = {n}" for n in lengths) + " |",
+                  "|---|" + "---|" * (3 * len(lengths))]
         for key, d in sy.items():
             if not key.endswith(" chunked"):
                 continue
-            tier = sy[key.replace(" chunked", " tier")]
-            r1 = [f"{d['median_ms'][n] / tier['median_ms'][n]:.2f}" for n in lengths]
-            r2 = [(f"{d['median_ms'][n] / min(p['median_ms'][n] for p in ov_or_cpp.values()):.2f}"
-                   if ov_or_cpp else "—") for n in lengths]
-            lines.append(f"| {key.removesuffix(' chunked')} | " + " | ".join(r1) + " | " + " | ".join(r2) + " |")
+            label = key.removeprefix("hetforge ").removesuffix(" chunked")
+            tier = sy.get(key.replace(" chunked", " tier"))
+            r1 = [f"{d['median_ms'][n] / tier['median_ms'][n]:.2f}" if tier else "—" for n in lengths]
+            same = _matching_peers(label, peers)
+            r2 = [_ratio(d, _best(sy, same, n), n) for n in lengths]
+            r3 = [_ratio(d, _best(sy, peers, n), n) for n in lengths]
+            lines.append(f"| {key.removesuffix(' chunked')} | " + " | ".join(r1 + r2 + r3) + " |")
         lines += ["", "Prefill programs per length (chunked):", ""]
         for key, d in sy.items():
             if key.endswith(" chunked"):
@@ -238,22 +350,61 @@ def render(res: dict) -> str:
         for key, d in sy.items():
             if d.get("compile_s"):
                 lines.append(f"- {key}: " + ", ".join(f"{p} {s:.1f}" for p, s in d["compile_s"].items()))
-        equal = [n for n in lengths if len({d["first_token"][n] for k, d in sy.items()
-                                            if d["precision"] in ("f32", "fp32") and "default" not in k}) == 1]
-        lines += ["", f"First token equal across the fp32 systems (hf, ov-f32, hetforge fp32 tier and chunked) at "
+        gguf = [f"{k}: GGUF {d['precision']} {d['gguf_mib']:.1f} MiB written from the same seeded weights, "
+                f"llama-cpp-python {d['version']}, n_ctx {d['n_ctx']}, write + load {d['prepare_s']:.1f} s (measured)"
+                for k, d in sy.items() if "gguf_mib" in d]
+        if gguf:
+            lines += ["", "llama.cpp peers:", "", *(f"- {g}" for g in gguf)]
+        fp32 = [k for k, d in sy.items() if d["precision"] in ("f32", "fp32", "float32") and "default" not in k]
+        equal = [n for n in lengths if len({sy[k]["first_token"][n] for k in fp32}) == 1]
+        lines += ["", f"First token equal across the fp32 systems ({', '.join(fp32)}) at "
                   f"n = {', '.join(equal) or 'none'} of {', '.join(lengths)}."]
+        if "hf" in sy:
+            differ = {n: [k for k, d in sy.items() if d["first_token"][n] != sy["hf"]["first_token"][n]]
+                      for n in lengths}
+            lines.append("First token different from hf's: " + "; ".join(
+                f"n = {n}: {', '.join(ks) or 'none'}" for n, ks in differ.items()) + ".")
         for note in m["notes"]:
             lines.append(f"- {note}")
         lines.append("")
     return "\n".join(lines) + "\n"
 
 
+def _usage_error(msg: str) -> None:
+    """Bad input: one readable line on stderr, exit status 2."""
+    print(f"ttft.py: error: {msg}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def _check(a: argparse.Namespace) -> None:
+    """Refuse bad input before any measurement (unknown names, lengths outside every model's positions)."""
+    for opt, got, allowed in (("--peers", a.peers, PEERS), ("--quantize", a.quantize, SCHEMES)):
+        bad = [x for x in got if x not in allowed]
+        if bad:
+            _usage_error(f"unknown {opt} name(s) {', '.join(bad)}; allowed: {', '.join(allowed)}")
+    for opt in ("rounds", "threads", "new_tokens"):
+        if getattr(a, opt) < 1:
+            _usage_error(f"--{opt.replace('_', '-')} must be >= 1, got {getattr(a, opt)}")
+    if min(a.lengths) < 1:
+        _usage_error(f"--lengths must be >= 1 token, got {min(a.lengths)}")
+    for name in a.models:
+        try:
+            max_pos = load_model(name).max_positions
+        except UsageError as e:
+            _usage_error(str(e))
+        longest = max(a.lengths) + a.new_tokens
+        if longest > max_pos:
+            _usage_error(f"--lengths {max(a.lengths)} + --new-tokens {a.new_tokens} exceeds {name}'s {max_pos} "
+                         "positions")
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     ap.add_argument("--models", nargs="+", default=["gpt2", "llama-110m"])
     ap.add_argument("--lengths", nargs="+", type=int, default=[16, 84, 500])
-    ap.add_argument("--quantize", nargs="+", default=["none", "w8", "w4", "w8a8"])
-    ap.add_argument("--peers", nargs="+", default=["hf", "ov-f32", "ov-default", "llamacpp-f32"])
+    ap.add_argument("--quantize", nargs="+", default=list(SCHEMES),
+                    help="hetforge schemes: none (fp32), w8, w4, w8a8, and bf16 (--precision bf16)")
+    ap.add_argument("--peers", nargs="+", default=list(PEERS), help=f"of {', '.join(PEERS)}")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--new-tokens", type=int, default=1)
@@ -262,8 +413,11 @@ def main() -> None:
     ap.add_argument("--from-json", default="")
     a = ap.parse_args()
     if a.from_json:
+        if not Path(a.from_json).is_file():
+            _usage_error(f"--from-json {a.from_json} is not a file")
         page_from_json(a.from_json, a.md, render)
         return
+    _check(a)
     torch.set_num_threads(a.threads)
     load_before = " ".join(Path("/proc/loadavg").read_text().split()[:3])
     t0 = time.time()

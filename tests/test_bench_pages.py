@@ -27,6 +27,7 @@ SCRIPT_OF = {
     "costmodel_ab.md": "costmodel_ab.py", "costmodel_oos.md": "costmodel.py", "generate.md": "generate.py",
     "hetero.md": "hetero.py", "hetero_generate.md": "hetero_generate.py", "kforge.md": "kforge.py",
     "moe.md": "moe.py", "passes.md": "passes.py", "peers.md": "peers.py", "peers_decode.md": "peers.py",
+    "peers_512.md": "peers.py",
     "placement.md": "placement.py", "prefill_gemm.md": "prefill_gemm.py", "props.md": "props.py",
     "quant.md": "quant.py", "read_bandwidth.md": "read_bandwidth.py", "report.md": "report.py",
     "select.md": "selection.py", "thermal.md": "thermal.py", "ttft.md": "ttft.py", "ttft_w4.md": "ttft.py",
@@ -62,6 +63,7 @@ NOT_REGENERATED = {
 NOT_PAGES = {
     "peers.png": "a matplotlib figure: its bytes depend on the matplotlib/freetype build, not only on the JSON",
     "peers_decode.png": "a matplotlib figure (as peers.png)",
+    "peers_512.png": "a matplotlib figure (as peers.png)",
     "thermal.png": "a matplotlib figure (as peers.png)",
 }
 

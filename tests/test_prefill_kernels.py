@@ -4,11 +4,9 @@ the prefill programs that use it matching eager within KL ≤ 1e-8."""
 
 import pytest
 import torch
-from test_ir_common import captured
+from test_ir_common import check_native_prefill_kernel
 
-from hetforge.compile import compile_graph
 from hetforge.kernels import native
-from hetforge.verify import verify
 
 pytestmark = pytest.mark.skipif(native.library() is None,
                                 reason="no C compiler/OpenMP here: the native kernels are not built and the ATen "
@@ -45,14 +43,4 @@ def test_rotary_positions_refuses_what_it_cannot_read():
 
 @pytest.mark.parametrize("name", ["llama-tiny", "qwen2-tiny"])
 def test_prefill_rotary_runs_natively_and_matches_eager(name):
-    module, inputs, cg = captured(name)
-    res = compile_graph(cg.gm, soc="host", example_inputs=inputs, name=name)
-    rot = [i for i in res.program.instrs if i.op == "hetforge.rotary.default"]
-    assert rot and inputs[0].shape[1] > 1
-    assert {res.executable.kernels[i.id] for i in rot} == {"native:hf_rotary_pos"}
-    rep = verify(module, res.executable, inputs, kl_threshold=1e-8)
-    assert rep.passed and rep.top1_agree == 1.0, rep
-    with native.disabled("A/B: the ATen chain"):
-        ref = compile_graph(cg.gm, soc="host", example_inputs=inputs, name=name).executable
-    with torch.no_grad():
-        torch.testing.assert_close(res.executable(*inputs), ref(*inputs), rtol=1e-5, atol=1e-5)
+    check_native_prefill_kernel(name, "hetforge.rotary.default", "native:hf_rotary_pos", "the ATen chain")

@@ -14,27 +14,49 @@ compiler; several minutes on two cores). Without it this peer is reported as not
 from __future__ import annotations
 
 import time
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
 from hetforge.benchmarks.base import DecodeTiming, Prepared, PrepContext
+from hetforge.models.zoo import LoadedModel
 
 
-def prepare_llamacpp(ctx: PrepContext, qtype: str) -> Prepared:
+def open_gguf(loaded: LoadedModel, workdir: Path, qtype: str, threads: int, n_ctx: int, logits_all: bool,
+              ) -> tuple[Any, dict[str, float], Path]:
+    """Write ``loaded``'s weights as GGUF ``qtype`` under ``workdir`` and load them with ``llama_cpp.Llama``
+    (``threads`` for both batch and single-token evaluation; ``logits_all`` keeps every position's logits in
+    ``Llama.scores``, else only the last position's are computed: read them with :func:`last_logits`).
+    Returns (the Llama, seconds of stages ``gguf_write`` and ``load``, the file's path)."""
     import llama_cpp
 
     from hetforge.benchmarks.gguf_export import write_gguf
 
     stages: dict[str, float] = {}
     t0 = time.perf_counter()
-    path = write_gguf(ctx.loaded, ctx.workdir / f"{ctx.loaded.name}-{qtype}.gguf", qtype)
+    path = write_gguf(loaded, workdir / f"{loaded.name}-{qtype}.gguf", qtype)
     stages["gguf_write"] = time.perf_counter() - t0
-    n_ctx = min(ctx.loaded.max_positions, max(512, 2 * ctx.prefill_inputs[0].shape[1] + 256))
     t0 = time.perf_counter()
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_batch=512, n_ubatch=512, n_threads=ctx.threads,
-                          n_threads_batch=ctx.threads, logits_all=True, verbose=False, use_mmap=True)
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_batch=512, n_ubatch=512, n_threads=threads,
+                          n_threads_batch=threads, logits_all=logits_all, verbose=False, use_mmap=True)
     stages["load"] = time.perf_counter() - t0
+    return llm, stages, path
+
+
+def last_logits(llm: Any, vocab: int) -> np.ndarray:
+    """The logits of the last position of the latest ``Llama.eval`` (a view into llama.cpp's buffer)."""
+    import llama_cpp
+
+    return np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(vocab,))
+
+
+def prepare_llamacpp(ctx: PrepContext, qtype: str) -> Prepared:
+    import llama_cpp
+
+    n_ctx = min(ctx.loaded.max_positions, max(512, 2 * ctx.prefill_inputs[0].shape[1] + 256))
+    llm, stages, path = open_gguf(ctx.loaded, ctx.workdir, qtype, ctx.threads, n_ctx, logits_all=True)
     vocab = ctx.loaded.vocab_size
 
     def forward(ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -26,6 +26,7 @@ from torch.utils._pytree import tree_leaves
 
 from hetforge.errors import UsageError
 from hetforge.executor import onednn
+from hetforge.executor.allocator import keep_freed_memory
 from hetforge.ir.kernel_choice import (  # noqa: F401  (default_device_map, returns_alias: re-exported)
     MODES,
     NATIVE_GEMV,
@@ -546,6 +547,7 @@ class Executable:
                  mode: str = "arena", soc=None):
         if mode not in MODES:
             raise UsageError(f"unknown executor mode '{mode}'; allowed: {', '.join(MODES)}")
+        self.malloc = keep_freed_memory()  # fresh outputs reuse freed heap pages (hetforge.executor.allocator)
         self.device_map = dict(device_map or default_device_map(program, soc))
         missing = [d for d in program.devices if d not in self.device_map]
         if missing:

@@ -232,7 +232,7 @@ def _gemm(lw: Lowering, ins: Instr, o: int, dev: torch.device) -> str | None:
     if wt is not None and wt.is_contiguous():  # one row on the CPU
         if _native_gemv_fits(lw, x, wt, b, weight_t, o, dev):
             return NATIVE_GEMV[weight_t]
-        if _native_bf16_gemv_fits(lw, x, wt, b, weight_t, o, dev):
+        if _native_gemv_fits(lw, x, wt, b, weight_t, o, dev, bf16=True):
             return NATIVE_GEMV_BF16
         c = gemv.chunks_for(wt.shape[0])  # N of an [N, K] weight (split over outputs), K of a [K, N] one
         if c is not None:
@@ -243,38 +243,25 @@ def _gemm(lw: Lowering, ins: Instr, o: int, dev: torch.device) -> str | None:
 
 
 def _native_gemv_fits(lw: Lowering, x: Reg, w: torch.Tensor, b: Any, weight_t: bool, o: int,
-                      dev: torch.device) -> bool:
-    """Whether the native one-row GEMV runs this product (built, fp32, a bias that is a contiguous ``[N]``)."""
+                      dev: torch.device, bf16: bool = False) -> bool:
+    """Whether a native one-row GEMV runs this product: the library built, input, output and weight of one dtype
+    the kernel takes (fp32: ``hf_gemv_nk``/``hf_gemv_kn``; ``bf16``: ``hf_gemv_bf16``), a bias that is a contiguous
+    ``[N]``. bf16 is chosen over oneDNN's bf16 linear without measuring: one row is a bandwidth-bound stream, which
+    the native kernel reads at the host's stream rate (the fp32 GEMV's rule)."""
     vx, vo = lw.p.values[x.id], lw.p.values[o]
     k, n = (w.shape if weight_t else (w.shape[1], w.shape[0]))
-    if dev.type != "cpu" or vo.dtype != vx.dtype or not native.fits(w, None, weight_t, vx.dtype) \
-            or lw.dm[vx.device] != dev or vx.shape[-1] != k or math.prod(vo.shape) != n:
-        return False
-    if b is None:
-        return True
-    vb = lw.p.values[b.id]
-    if vb.kind == WEIGHT:
-        return native.fits(w, lw.weight(b.id, dev), weight_t, vx.dtype)
-    return vb.dtype == vx.dtype and vb.is_contiguous and math.prod(vb.shape) == n and lw.dm[vb.device] == dev
-
-
-def _native_bf16_gemv_fits(lw: Lowering, x: Reg, w: torch.Tensor, b: Any, weight_t: bool, o: int,
-                           dev: torch.device) -> bool:
-    """Whether ``hf_gemv_bf16`` runs this one-row product: input, output, weight (and a bias that is a contiguous
-    ``[N]``) bf16 on this CPU, the library built. Chosen over oneDNN's bf16 linear without measuring: one row
-    is a bandwidth-bound stream, which the native kernel reads at the host's stream rate (the fp32 GEMV's rule)."""
-    vx, vo = lw.p.values[x.id], lw.p.values[o]
-    k, n = (w.shape if weight_t else (w.shape[1], w.shape[0]))
-    if dev.type != "cpu" or vx.dtype != BF16 or vo.dtype != BF16 or w.dim() != 2 or not native.bf16_fits(w) \
-            or lw.dm[vx.device] != dev or vx.shape[-1] != k or math.prod(vo.shape) != n:
+    w_ok = (vx.dtype == BF16 and w.dim() == 2 and native.bf16_fits(w)) if bf16 \
+        else native.fits(w, None, weight_t, vx.dtype)
+    if dev.type != "cpu" or vo.dtype != vx.dtype or not w_ok or lw.dm[vx.device] != dev or vx.shape[-1] != k \
+            or math.prod(vo.shape) != n:
         return False
     if b is None:
         return True
     vb = lw.p.values[b.id]
     if vb.kind == WEIGHT:
         bt = lw.weight(b.id, dev)
-        return native.bf16_fits(bt) and bt.numel() == n
-    return vb.dtype == BF16 and vb.is_contiguous and math.prod(vb.shape) == n and lw.dm[vb.device] == dev
+        return (native.bf16_fits(bt) and bt.numel() == n) if bf16 else native.fits(w, bt, weight_t, vx.dtype)
+    return vb.dtype == vx.dtype and vb.is_contiguous and math.prod(vb.shape) == n and lw.dm[vb.device] == dev
 
 
 def _row_shape(lw: Lowering, ins: Instr, o: int, dev: torch.device) -> tuple[dict, int, int] | None:
@@ -441,15 +428,17 @@ def _native_decode_attention(lw: Lowering, ins: Instr, o: int, dev: torch.device
 @native_row_op("hetforge.attention.default")
 def _native_prefill_attention(lw: Lowering, ins: Instr, o: int, dev: torch.device, args: dict, rows: int,
                               d: int) -> str | None:
-    """Attention of many query rows (prefill) on ``hf_prefill_attention``: 4-D fp32 q/k/v on this CPU with any
-    strides (the transposed views of a fused projection are read in place), grouped-query heads, no mask or a
-    bool/fp32 mask that broadcasts to the scores (not with ``is_causal``); heads of at most
+    """Attention of many query rows (prefill) on ``hf_prefill_attention``: 4-D q/k/v of one dtype, fp32 or bf16,
+    on this CPU with any strides (the transposed views of a fused projection are read in place), grouped-query
+    heads, no mask or a mask that broadcasts to the scores — bool, or fp32 with fp32 q/k/v — (not with
+    ``is_causal``); heads of at most
     :data:`native.PREFILL_ATTENTION_DMAX`. The output is the dense ``[b, h, l, dv]`` slice."""
     q, k, v, mask = args["q"], args["k"], args["v"], args["mask"]
     if not all(isinstance(a, Reg) for a in (q, k, v)) or (mask is not None and not isinstance(mask, Reg)):
         return None
     vq, vk, vv, vo = (lw.p.values[a.id] for a in (q, k, v, Reg(o)))
-    if any(x.dtype != torch.float32 or lw.dm[x.device] != dev or len(x.shape) != 4 for x in (vq, vk, vv)):
+    if vq.dtype not in (torch.float32, BF16) or vo.dtype != vq.dtype or any(
+            x.dtype != vq.dtype or lw.dm[x.device] != dev or len(x.shape) != 4 for x in (vq, vk, vv)):
         return None
     b, h, ell, hd = vq.shape
     hkv, s = vk.shape[1], vk.shape[2]
@@ -459,7 +448,8 @@ def _native_prefill_attention(lw: Lowering, ins: Instr, o: int, dev: torch.devic
         return None
     if mask is not None:
         vm = lw.p.values[mask.id]
-        if bool(args["is_causal"]) or vm.dtype not in (torch.bool, torch.float32) or lw.dm[vm.device] != dev \
+        kind_ok = vm.dtype == torch.bool or (vm.dtype == torch.float32 and vq.dtype == torch.float32)
+        if bool(args["is_causal"]) or not kind_ok or lw.dm[vm.device] != dev \
                 or len(vm.shape) > 4 or not all(m in (1, w) for m, w in zip(vm.shape[::-1], (s, ell, h, b),
                                                                             strict=False)):
             return None

@@ -198,6 +198,20 @@ static void hf_run(hf_chunk_fn fn, void *ctx, long n, int threads) {
     pthread_mutex_unlock(&pool.lock);
 }
 
+/* Run fn(ctx, 0..n-1) on torch's OpenMP team (this library's libgomp is the copy torch loaded), chunks handed
+ * out one at a time. For the multi-row kernels of a prefill: there the ATen/oneDNN GEMMs around them run on that
+ * team, whose threads spin a while after each GEMM; a second pool woken in that window competes with them for
+ * the cores (measured: a prefill attention ran about 2x its isolated time between GEMMs on the pool above). The
+ * one-row decode kernels stay on the pool: there no call may wait at a barrier for a descheduled thread. */
+static void hf_run_team(hf_chunk_fn fn, void *ctx, long n, int threads) {
+    if (threads <= 1 || n <= 1) {
+        for (long i = 0; i < n; i++) fn(ctx, i);
+        return;
+    }
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+    for (long i = 0; i < n; i++) fn(ctx, i);
+}
+
 /* Read back the pool: out[0..6] = helpers started, spin_us, jobs run by the pool, their chunks, chunks run
  * by helpers, helper sleeps (futex waits), chunks a thread ran from another thread's run (taken over). */
 void hf_pool_info(long *out) {
@@ -1661,6 +1675,7 @@ void hf_rotary_pos_bf16(const hf_bf16 *x, const hf_bf16 *cos_, const hf_bf16 *si
 #define PA_QB 32
 #define PA_KB 64
 #define PA_DMAX 256
+#define PA_KEEP ((size_t)16 << 20) /* bytes of key/value scratch a thread keeps between calls */
 
 typedef struct {
     const float *q, *k, *v;
@@ -1671,7 +1686,13 @@ typedef struct {
     long qs[3], ks[3], vs[3], ms[4]; /* element strides: batch, head, row (last dim dense); mask: b, h, row, col */
     int mask_kind, causal;           /* mask_kind: 0 none, 1 bool (True = attend), 2 float (added) */
     float scale;
+    int bf16; /* q/k/v/out are bf16 (read into the fp32 scratch, the fp32 result rounded once to bf16) */
 } pa_ctx;
+
+/* Element i of a q/k/v row of the call's dtype, as fp32. */
+static inline float pa_in(const pa_ctx *a, const float *row, long i) {
+    return a->bf16 ? bf2f(((const hf_bf16 *)row)[i]) : row[i];
+}
 
 #if defined(__AVX512F__)
 /* e^x for x <= 0 (0 below -87.3, where fp32 would underflow to a denormal): Cephes' expf polynomial. */
@@ -1791,15 +1812,23 @@ static int pa_mask_block(const pa_ctx *a, const char *base, long i0, long ni, lo
  * every query block. */
 static void pa_transpose(void *p, long t) {
     const pa_ctx *a = p;
-    const float *K = a->k + (t / a->hkv) * a->ks[0] + (t % a->hkv) * a->ks[1];
+    long esz = a->bf16 ? 2 : 4;
+    const char *K = (const char *)a->k + ((t / a->hkv) * a->ks[0] + (t % a->hkv) * a->ks[1]) * esz;
     float *kt = a->kt + t * a->d * a->sp;
     for (long j = 0; j < a->sp; j++) {
         float *tile = kt + (j / PA_KB) * a->d * PA_KB + j % PA_KB;
-        for (long c = 0; c < a->d; c++) tile[c * PA_KB] = j < a->s ? K[j * a->ks[2] + c] : 0.f;
+        const float *kr = (const float *)(K + j * a->ks[2] * esz);
+        for (long c = 0; c < a->d; c++) tile[c * PA_KB] = j < a->s ? pa_in(a, kr, c) : 0.f;
     }
-    const float *V = a->v + (t / a->hkv) * a->vs[0] + (t % a->hkv) * a->vs[1];
+    const char *V = (const char *)a->v + ((t / a->hkv) * a->vs[0] + (t % a->hkv) * a->vs[1]) * esz;
     float *vp = a->vp + t * a->s * a->dv;
-    for (long j = 0; j < a->s; j++) memcpy(vp + j * a->dv, V + j * a->vs[2], sizeof(float) * a->dv);
+    for (long j = 0; j < a->s; j++) {
+        const float *vr = (const float *)(V + j * a->vs[2] * esz);
+        if (a->bf16)
+            for (long c = 0; c < a->dv; c++) vp[j * a->dv + c] = bf2f(((const hf_bf16 *)vr)[c]);
+        else
+            memcpy(vp + j * a->dv, vr, sizeof(float) * a->dv);
+    }
 }
 
 #if defined(__AVX512F__)
@@ -1868,9 +1897,11 @@ static void pa_task(void *p, long t) {
     long bh = t / a->nqb, qblk = a->nqb - 1 - t % a->nqb; /* the largest causal blocks first */
     long bi = bh / a->h, hi = bh % a->h, kh = hi / (a->h / a->hkv), d = a->d, dv = a->dv;
     long i0 = qblk * PA_QB, ni = a->l - i0 < PA_QB ? a->l - i0 : PA_QB;
-    const float *Q = a->q + bi * a->qs[0] + hi * a->qs[1], *V = a->vp + (bi * a->hkv + kh) * a->s * dv;
+    long qsz = a->bf16 ? 2 : 4; /* bytes of a q element */
+    const char *Q = (const char *)a->q + (bi * a->qs[0] + hi * a->qs[1]) * qsz;
+    const float *V = a->vp + (bi * a->hkv + kh) * a->s * dv;
     const float *KT = a->kt + (bi * a->hkv + kh) * d * a->sp;
-    float *O = a->out + ((bi * a->h + hi) * a->l + i0) * dv;
+    long o0 = ((bi * a->h + hi) * a->l + i0) * dv; /* the output's first element of this task */
     int esz = a->mask_kind == 1 ? 1 : 4;
     const char *mbase = a->mask ? (const char *)a->mask + (bi * a->ms[0] + hi * a->ms[1]) * esz : NULL;
     float qb[PA_QB * PA_DMAX] __attribute__((aligned(64)));
@@ -1878,8 +1909,8 @@ static void pa_task(void *p, long t) {
     float acc[PA_QB * PA_DMAX] __attribute__((aligned(64)));
     float m[PA_QB], z[PA_QB];
     for (long ii = 0; ii < ni; ii++) {
-        const float *qr = Q + (i0 + ii) * a->qs[2];
-        for (long c = 0; c < d; c++) qb[ii * d + c] = qr[c] * a->scale;
+        const float *qr = (const float *)(Q + (i0 + ii) * a->qs[2] * qsz);
+        for (long c = 0; c < d; c++) qb[ii * d + c] = pa_in(a, qr, c) * a->scale;
         m[ii] = -INFINITY, z[ii] = 0.f;
     }
     memset(acc, 0, sizeof(float) * ni * dv);
@@ -1944,7 +1975,10 @@ static void pa_task(void *p, long t) {
     }
     for (long ii = 0; ii < ni; ii++) {
         float iz = z[ii] > 0.f ? 1.f / z[ii] : 0.f; /* a row that saw no key: zeros, as SDPA gives */
-        for (long c = 0; c < dv; c++) O[ii * dv + c] = acc[ii * dv + c] * iz;
+        if (a->bf16)
+            for (long c = 0; c < dv; c++) ((hf_bf16 *)a->out)[o0 + ii * dv + c] = f2bf(acc[ii * dv + c] * iz);
+        else
+            for (long c = 0; c < dv; c++) a->out[o0 + ii * dv + c] = acc[ii * dv + c] * iz;
     }
 }
 
@@ -1953,21 +1987,35 @@ static void pa_task(void *p, long t) {
  * at element strides ms (0 where broadcast), bool (mask_kind 1) or float (2); out dense [b, h, l, dv].
  * d, dv <= 256 (PA_DMAX); h a multiple of hkv. Returns 0, -1 when the key/value scratch cannot be allocated,
  * -2 for shapes outside those limits (the output is then not written). */
-int hf_prefill_attention(const float *q, const float *k, const float *v, const void *mask, float *out,
+int hf_prefill_attention(const void *q, const void *k, const void *v, const void *mask, void *out,
                          const long *dims, const long *strides, int mask_kind, int causal, float scale,
-                         int threads) {
+                         int threads, int bf16) {
     pa_ctx a = {q, k, v, mask_kind ? mask : NULL, out, NULL, NULL, dims[1], dims[2], dims[3], dims[4], dims[5], dims[6], 0, 0,
                 {strides[0], strides[1], strides[2]}, {strides[3], strides[4], strides[5]},
                 {strides[6], strides[7], strides[8]}, {strides[9], strides[10], strides[11], strides[12]},
-                mask ? mask_kind : 0, causal, scale};
+                mask ? mask_kind : 0, causal, scale, bf16 != 0};
     a.nqb = (a.l + PA_QB - 1) / PA_QB;
     a.sp = (a.s + PA_KB - 1) / PA_KB * PA_KB;
     if (a.d > PA_DMAX || a.dv > PA_DMAX || a.h % a.hkv || a.l < 1 || a.s < 1) return -2;
-    a.kt = malloc(sizeof(float) * dims[0] * a.hkv * (a.d * a.sp + a.s * a.dv));
+    /* the key/value scratch: kept per calling thread up to PA_KEEP bytes (a fresh block of that size is an mmap
+     * and its page faults on every call, which a short prefill or one-token forward notices), else per call */
+    size_t need = sizeof(float) * dims[0] * a.hkv * (a.d * a.sp + a.s * a.dv);
+    static _Thread_local float *kept = NULL;
+    static _Thread_local size_t kept_bytes = 0;
+    int keep = need <= PA_KEEP;
+    if (keep && need > kept_bytes) {
+        float *grown = malloc(need);
+        if (!grown) return -1;
+        free(kept);
+        kept = grown, kept_bytes = need;
+    }
+    a.kt = keep ? kept : malloc(need);
     if (!a.kt) return -1;
     a.vp = a.kt + dims[0] * a.hkv * a.d * a.sp;
-    hf_run(pa_transpose, &a, dims[0] * a.hkv, clamp_threads(threads));
-    hf_run(pa_task, &a, dims[0] * a.h * a.nqb, clamp_threads(threads));
-    free(a.kt);
+    /* a few thousand products (a one-token forward, a short chunk): waking the team costs more than they do */
+    if (dims[0] * a.h * a.l * a.s * (a.d + a.dv) < (1L << 20)) threads = 1;
+    hf_run_team(pa_transpose, &a, dims[0] * a.hkv, clamp_threads(threads));
+    hf_run_team(pa_task, &a, dims[0] * a.h * a.nqb, clamp_threads(threads));
+    if (!keep) free(a.kt);
     return 0;
 }

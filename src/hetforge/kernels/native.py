@@ -50,7 +50,7 @@ SIGNATURES = {
     "hf_rms_norm": [_P, _P, _P, _L, _L, _F, _I],
     "hf_layer_norm": [_P, _P, _P, _P, _L, _L, _F, _I],
     "hf_decode_attention": [_P, _P, _P, _P, _P, _P, _P, _P, _P, _L, _L, _L, _L, _F, _I],
-    "hf_prefill_attention": [_P, _P, _P, _P, _P, _P, _P, _I, _I, _F, _I],
+    "hf_prefill_attention": [_P, _P, _P, _P, _P, _P, _P, _I, _I, _F, _I, _I],
     "hf_read_stream": [_P, _L, _I],
     "hf_linear_act": [_P, _P, _P, _P, _L, _L, _I, _I, _I, _P, _I],
     "hf_gated_mlp": [_P, _P, _P, _P, _P, _P, _L, _L, _I, _I],
@@ -425,10 +425,11 @@ PREFILL_ATTENTION_DMAX = 256  # native.c's PA_DMAX: the widest head the prefill 
 
 def prefill_attention_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                            is_causal: bool) -> bool:
-    """Whether ``hetforge::attention`` can run on ``hf_prefill_attention``: 4-D fp32 CPU q/k/v (any strides),
-    ``q`` heads a multiple of ``k``'s, heads of at most :data:`PREFILL_ATTENTION_DMAX`, at least one query row and
-    one key, and no mask or a bool/fp32 mask broadcastable to ``[b, h, l, s]`` (not together with
-    ``is_causal``, which SDPA refuses too); real tensors only (not under tracing), library built."""
+    """Whether ``hetforge::attention`` can run on ``hf_prefill_attention``: 4-D CPU q/k/v of one dtype, fp32 or
+    bf16 (any strides), ``q`` heads a multiple of ``k``'s, heads of at most :data:`PREFILL_ATTENTION_DMAX`, at least
+    one query row and one key, and no mask or a mask broadcastable to ``[b, h, l, s]`` — bool, or fp32 with fp32
+    q/k/v — (not together with ``is_causal``, which SDPA refuses too); real tensors only (not under tracing),
+    library built."""
     if torch._C._len_torch_dispatch_stack() or torch.compiler.is_compiling() or library() is None:
         return False
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
@@ -438,11 +439,13 @@ def prefill_attention_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ma
     if not (k.shape[0] == b and tuple(v.shape[:3]) == (b, hkv, s) and k.shape[3] == d and hkv > 0 and h % hkv == 0
             and ell > 0 and s > 0 and 0 < d <= PREFILL_ATTENTION_DMAX and 0 < v.shape[3] <= PREFILL_ATTENTION_DMAX):
         return False
-    if any(t.dtype != torch.float32 or t.device.type != "cpu" or is_fake(t) or t.requires_grad for t in (q, k, v)):
+    if q.dtype not in (torch.float32, torch.bfloat16) or any(
+            t.dtype != q.dtype or t.device.type != "cpu" or is_fake(t) or t.requires_grad for t in (q, k, v)):
         return False
     if mask is None:
         return True
-    if is_causal or mask.dtype not in (torch.bool, torch.float32) or mask.device.type != "cpu" or is_fake(mask) \
+    kind_ok = mask.dtype == torch.bool or (mask.dtype == torch.float32 and q.dtype == torch.float32)
+    if is_causal or not kind_ok or mask.device.type != "cpu" or is_fake(mask) \
             or mask.dim() > 4:
         return False
     return all(m in (1, w) for m, w in zip(mask.shape[::-1], (s, ell, h, b), strict=False))
@@ -454,7 +457,7 @@ def _dense_rows(t: torch.Tensor) -> torch.Tensor:
 
 def prefill_attention_into(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                            y_ptr: int, scale: float, is_causal: bool) -> None:
-    """``softmax(scale·q·kᵀ + mask)·v`` into the dense ``[b, h, l, dv]`` fp32 buffer at ``y_ptr``, on
+    """``softmax(scale·q·kᵀ + mask)·v`` into the dense ``[b, h, l, dv]`` buffer of q's dtype at ``y_ptr``, on
     ``hf_prefill_attention`` (q/k/v read with their strides: a transposed view of a fused projection is not
     copied; a last dim that is not dense is). The executor calls it with a pointer it checked at lowering; the
     operands are checked here (their layouts are known only at run time): what :func:`prefill_attention_fits`
@@ -472,7 +475,8 @@ def prefill_attention_into(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ma
     dims = (ctypes.c_long * 7)(b, h, hkv, ell, s, d, v.shape[3])
     strides = (ctypes.c_long * 13)(*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *ms)
     rc = library().hf_prefill_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), _ptr(mask), y_ptr, dims, strides,
-                                        kind, int(is_causal), scale, torch.get_num_threads())
+                                        kind, int(is_causal), scale, torch.get_num_threads(),
+                                        int(q.dtype == torch.bfloat16))
     if rc:
         raise (MemoryError if rc == -1 else ValueError)(
             "hf_prefill_attention: " + ("cannot allocate its key/value scratch" if rc == -1 else
@@ -482,8 +486,8 @@ def prefill_attention_into(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ma
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
                       is_causal: bool) -> torch.Tensor:
     """``hetforge::attention`` on the native kernel, into a fresh dense ``[b, h, l, dv]`` tensor (equal to SDPA to
-    rounding); check :func:`prefill_attention_fits` first."""
-    out = torch.empty((*q.shape[:3], v.shape[3]), dtype=torch.float32)
+    rounding; bf16 in, the fp32 result rounded once to bf16 out); check :func:`prefill_attention_fits` first."""
+    out = torch.empty((*q.shape[:3], v.shape[3]), dtype=q.dtype)
     prefill_attention_into(q, k, v, mask, out.data_ptr(), scale, is_causal)
     return out
 

@@ -126,7 +126,8 @@ def choose(rows: int, k: int, n: int, dtype: torch.dtype, w: torch.Tensor | None
            weight_t: bool = False) -> bool:
     """Whether the ``[rows, k] × [k, n]`` product runs faster on the packed oneDNN kernel than on ATen's
     ``linear`` on this host (measured once per shape, dtype and thread count; see the module docstring).
-    One fp32 row is the native GEMV's (:mod:`hetforge.kernels.native`); one bf16 row is measured too."""
+    One fp32 row is the native GEMV's (:mod:`hetforge.kernels.native`); one bf16 row is measured here only where the
+    native bf16 GEMV cannot run it (lowering tries that first: :func:`hetforge.ir.kernel_choice._native_gemv_fits`)."""
     if rows < 1 or (rows < 2 and dtype == torch.float32) or dtype not in DTYPES or not available():
         return False
     pol = policy()

@@ -285,7 +285,32 @@ def int8_decomposition(x, qweight, scales, bias=None, act="none"):
     return _act(torch.nn.functional.linear(x, w, bias), act)
 
 
-OPENVINO_DECOMPOSITIONS = {"hetforge.linear_w8.default": int8_decomposition,
+def q8_blocks(x: torch.Tensor) -> torch.Tensor:
+    """``x`` with its last dimension quantized per block of 32 and dequantized, in ATen ops: the activation the
+    native ``q8`` kernels multiply (``hf_quantize_q8_blocks``: scale ``amax/127``, ``round(x/scale)`` half to even,
+    clamped to ±127, a zero block stays zero, a block with NaN/±Inf becomes NaN)."""
+    k = x.shape[-1]
+    pad = -k % 32
+    xb = torch.nn.functional.pad(x, (0, pad)) if pad else x
+    xb = xb.reshape(*x.shape[:-1], -1, 32)
+    d = xb.abs().amax(-1, keepdim=True) / 127.0
+    inv = torch.where(d == 0, torch.zeros_like(d), 1.0 / d)
+    q = torch.round(xb * inv).clamp(-127.0, 127.0)
+    y = (q * d).reshape(*x.shape[:-1], -1)
+    return y[..., :k] if pad else y
+
+
+def w8_decomposition(x, qweight, scales, bias=None, act="none"):
+    """``w8`` as ATen for OpenVINO, with the activation arithmetic of hetforge's own CPU kernels: under the ``q8``
+    activation mode (:func:`native.w8_act_mode`, read when the partition is compiled) x quantized per block of 32
+    (:func:`q8_blocks`) before ``Convert(i8)·scale → linear``, so a placed program computes one w8 arithmetic on
+    every backend (to float rounding); under ``weight-only`` x stays float."""
+    if native.w8_act_mode() == "q8":
+        x = q8_blocks(x)
+    return int8_decomposition(x, qweight, scales, bias, act)
+
+
+OPENVINO_DECOMPOSITIONS = {"hetforge.linear_w8.default": w8_decomposition,
                            "hetforge.linear_w8a8.default": int8_decomposition}
 
 for _info, _wdt, _adt, _kernel in (

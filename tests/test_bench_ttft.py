@@ -1,0 +1,85 @@
+"""bench/ttft.py end to end on a tiny model: a row per system (llama.cpp's included), the ratio columns naming
+the best peer, the GGUF files removed; and bad input refused with one line and exit 2."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "bench" / "ttft.py"
+
+
+def _run(args: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=300,
+                          stdin=subprocess.DEVNULL, env={**os.environ, **(env or {})}, cwd=ROOT)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None or importlib.util.find_spec("gguf") is None,
+                    reason="llama_cpp (llama-cpp-python) or gguf is not installed: the llama.cpp rows cannot run")
+def test_ttft_page_has_a_row_per_system_and_ratios_against_named_peers(tmp_path: Path) -> None:
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    out, md = tmp_path / "t.json", tmp_path / "t.md"
+    r = _run(["--models", "llama-tiny", "--lengths", "8", "20", "--rounds", "1", "--quantize", "none", "w8", "bf16",
+              "--peers", "hf", "llamacpp-f32", "llamacpp-q8", "--json", str(out), "--md", str(md)],
+             env={"TMPDIR": str(tmp)})
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = json.loads(out.read_text())
+    (m,) = res["models"]
+    sy = m["systems"]
+    schemes = ["fp32", "w8"]
+    if "hetforge bf16 chunked" in sy:
+        schemes.append("bf16")
+    else:  # a CPU without bf16 instructions: refused, and the page says so
+        assert any(n.startswith("hetforge bf16: refused") for n in m["notes"]), m["notes"]
+    want = ["hf", "llamacpp-f32", "llamacpp-q8"] + [f"hetforge {s} {mode}" for s in schemes
+                                                    for mode in ("tier", "chunked")]
+    assert list(sy) == want
+    for key in want:
+        assert all(v > 0 for v in sy[key]["median_ms"].values()), key
+    # llama.cpp ran the same seeded weights: its f32 first token is HF's
+    assert sy["llamacpp-f32"]["first_token"] == sy["hf"]["first_token"]
+    assert sy["llamacpp-q8"]["precision"] == "q8_0"
+    page = md.read_text()
+    for key in want:
+        assert f"| {key} | {sy[key]['precision']} |" in page, key
+    header = next(ln for ln in page.splitlines() if ln.startswith("| hetforge scheme |"))
+    for n in ("8", "20"):
+        for col in ("chunked ÷ tier", "chunked ÷ best same-precision peer", "chunked ÷ best peer of any precision"):
+            assert f"{col}, n = {n}" in header
+    lines = page.splitlines()
+    body = lines[lines.index(header) + 2:]
+    body = body[:body.index("")]
+    rows = {cells[0]: cells[1:] for cells in ([c.strip() for c in ln.strip("|").split("|")] for ln in body)}
+    assert set(rows) == {f"hetforge {s}" for s in schemes}
+    # fp32 is matched with the f32 peer, w8 with Q8_0; the any-precision cell names the fastest peer of all
+    assert rows["hetforge fp32"][2].endswith("(llamacpp-f32)")
+    assert rows["hetforge w8"][2].endswith("(llamacpp-q8)")
+    fastest = min(("llamacpp-f32", "llamacpp-q8"), key=lambda k: sy[k]["median_ms"]["8"])
+    assert rows["hetforge fp32"][4].endswith(f"({fastest})")
+    ratio = sy["hetforge fp32 chunked"]["median_ms"]["8"] / sy[fastest]["median_ms"]["8"]
+    assert rows["hetforge fp32"][4].startswith(f"{ratio:.2f} ")
+    if "bf16" in schemes:  # its peer (ov-default) was not asked for
+        assert rows["hetforge bf16"][2] == "—"
+    assert "load average" in page and res["host"]["isa"]
+    assert not list(tmp.glob("hetforge-ttft-*")), "the GGUF folder was left behind"
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--peers", "hf", "llama.cpp"], "unknown --peers name(s) llama.cpp"),
+    (["--lengths", "0", "8"], "--lengths must be >= 1"),
+    (["--lengths", "8", "600"], "exceeds llama-tiny's 512 positions"),
+    (["--quantize", "q8"], "unknown --quantize name(s) q8"),
+])
+def test_ttft_bad_input_is_one_line_and_exit_2(args: list[str], says: str) -> None:
+    r = _run(["--models", "llama-tiny", *args])
+    assert r.returncode == 2
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and says in lines[0], r.stderr
