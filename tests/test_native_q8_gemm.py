@@ -57,6 +57,20 @@ def test_gemm_rows_equal_the_reference_and_the_gemv_on_every_path(m, n, k):
     assert torch.equal(_gemm(q, s, x, b, threads=1), _gemm(q, s, x, b, threads=3))
 
 
+@pytest.mark.parametrize(("m", "n", "k"), [(5, 7, 64), (7, 83, 128), (13, 161, 192), (2, 85, 256), (9, 80, 64)])
+@pytest.mark.parametrize(("act", "bias"), [("none", True), ("relu", True), ("none", False), ("relu", False)])
+def test_gemm_edge_tiles_equal_the_gemv(m, n, k, act, bias):
+    """K in whole 64-byte steps (the VNNI tile's in-register sums and vector epilogue), m and n not multiples of
+    the tile (4 × 5) or of the 80-row chunk: every row has the GEMV's bits, every path the same."""
+    q, s, x, b = _case(m, n, k, m * 31 + n + k)
+    b = b if bias else None
+    best = native.library().hf_q8a_path(-1)
+    y = _gemm(q, s, x, b, act)
+    assert torch.equal(y, torch.stack([_run(q, s, x[r].contiguous(), b, act, 1) for r in range(m)]))
+    for p in range(best):
+        assert torch.equal(_gemm(q, s, x, b, act, path=p), y), p
+
+
 @pytest.mark.parametrize("act", ["relu", "silu", "gelu", "gelu_tanh"])
 def test_gemm_activations_without_bias(act):
     q, s, x, _ = _case(6, 10, 70, 3)

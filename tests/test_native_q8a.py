@@ -62,6 +62,22 @@ def test_block_quantization_equals_torch_round_half_even():
     assert torch.equal(xd, want_d) and torch.equal(xd8, want_d.repeat_interleave(8))
 
 
+@pytest.mark.parametrize("k", [1, 15, 16, 17, 31, 32, 33, 48, 64, 97, 200])
+@pytest.mark.parametrize("mag", [1.0, 1e30, 1e-36])  # 1e-36: subnormal block scales (1/d finite or Inf)
+def test_block_quantization_of_any_length_and_magnitude_equals_torch(k, mag):
+    """The AVX-512 quantizer (16 lanes, masked partial blocks) rounds and clamps as the scalar loop."""
+    g = torch.Generator().manual_seed(k)
+    x = torch.randn(k, generator=g) * mag
+    x[::7] = torch.round(x[::7] / mag * 4) / 4 * mag  # quarter steps: many ties after scaling
+    nb = (k + 31) // 32
+    xq, xd, xd8 = torch.empty(nb * 32, dtype=torch.int8), torch.empty(nb), torch.empty(nb * 8)
+    native.library().hf_quantize_q8_blocks(x.data_ptr(), k, xq.data_ptr(), xd.data_ptr(), xd8.data_ptr())
+    want_q, want_d = _quantize_blocks(x)
+    want_q.view(-1)[k:] = 0  # zero padding (torch's pad·(1/d) is NaN when 1/d overflows to Inf)
+    assert torch.equal(xq.view(nb, 32).to(torch.int64), want_q)
+    assert torch.equal(xd, want_d) and torch.equal(xd8, want_d.repeat_interleave(8))
+
+
 @pytest.mark.parametrize(("n", "k"), [(1, 1), (3, 31), (5, 33), (8, 64), (13, 100), (7, 96), (64, 768), (6, 130)])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_q8a_equals_the_quantized_reference_on_every_path(n, k, threads):

@@ -888,8 +888,34 @@ static void q8a_chunk(void *p, long c) {
 
 /* Quantize x [k] per block of 32: xq [nb*32] (zero-padded), xd [nb] block scales, xd8 [nb*8] each scale 8x. */
 void hf_quantize_q8_blocks(const float *x, long k, int8_t *xq, float *xd, float *xd8) {
-    long nb = (k + 31) / 32;
-    for (long b = 0; b < nb; b++) {
+    long nb = (k + 31) / 32, b = 0;
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    /* The loop below on 16 lanes, the same float ops: the max of |x| (exact in any order), d and 1/d in scalar,
+     * x·(1/d) rounded in the current mode (nearbyintf), clamped with NaN passing through, then the truncating
+     * conversion the (int8_t) cast compiles to (a NaN gives 0). */
+    const __m512 big = _mm512_set1_ps(3.40282347e38f), hi = _mm512_set1_ps(127.f), lo = _mm512_set1_ps(-127.f);
+    const __m512i absm = _mm512_set1_epi32(0x7fffffff);
+    for (; b < nb; b++) {
+        long left = k - b * 32;
+        __mmask16 m0 = left >= 16 ? 0xffff : (__mmask16)((1u << left) - 1);
+        __mmask16 m1 = left >= 32 ? 0xffff : left <= 16 ? 0 : (__mmask16)((1u << (left - 16)) - 1);
+        __m512 v0 = _mm512_maskz_loadu_ps(m0, x + b * 32), v1 = _mm512_maskz_loadu_ps(m1, x + b * 32 + 16);
+        __m512 a0 = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v0), absm));
+        __m512 a1 = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v1), absm));
+        int bad = (_mm512_cmp_ps_mask(a0, big, _CMP_LE_OQ) & _mm512_cmp_ps_mask(a1, big, _CMP_LE_OQ)) != 0xffff;
+        float amax = _mm512_reduce_max_ps(_mm512_max_ps(a0, a1));
+        float d = bad ? NAN : amax / 127.f, id = bad || d == 0.f ? 0.f : 1.f / d;
+        __m512 idv = _mm512_set1_ps(id);
+        __m512 r0 = _mm512_roundscale_ps(_mm512_mul_ps(v0, idv), _MM_FROUND_CUR_DIRECTION | _MM_FROUND_NO_EXC);
+        __m512 r1 = _mm512_roundscale_ps(_mm512_mul_ps(v1, idv), _MM_FROUND_CUR_DIRECTION | _MM_FROUND_NO_EXC);
+        r0 = _mm512_max_ps(lo, _mm512_min_ps(hi, r0)), r1 = _mm512_max_ps(lo, _mm512_min_ps(hi, r1));
+        _mm_storeu_si128((__m128i *)(xq + b * 32), _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(r0)));
+        _mm_storeu_si128((__m128i *)(xq + b * 32 + 16), _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(r1)));
+        xd[b] = d;
+        _mm256_storeu_ps(xd8 + b * 8, _mm256_set1_ps(d));
+    }
+#endif
+    for (; b < nb; b++) {
         float amax = 0.f;
         int bad = 0; /* a NaN or ±Inf in the block: scale NaN, x_q 0, so every sum with this block is NaN */
         for (long i = b * 32; i < b * 32 + 32 && i < k; i++) {
@@ -936,41 +962,63 @@ int hf_gemv_q8a(const int8_t *q, const float *scales, const float *x, const floa
  * exact int32 block sums, the weight read once per call from memory and reused from cache by every row.
  *
  * Work: chunks of HF_Q8G_WROWS weight rows (×all m rows), claimed through the pool like the GEMVs. Inside a
- * chunk a tile of four x rows is held in L1 while it meets each group of four weight rows (4 × 4 products).
- * The AVX512-VNNI tile uses the unsigned form of vpdpbusd: x_u = x_q + 128 (bytes x_q ^ 0x80, made once per
- * row) and the accumulator starts at -128·Σw per lane (made once per weight vector), so each product is one
- * vpdpbusd with an exact int32 lane sum; the float epilogue of every lane is hf_gemv_q8a's (see above). The
- * AVX2 and portable paths run hf_gemv_q8a's own four-row dot (q8a_dot4) per x row: same bits on every path. */
+ * chunk a tile of Q8G_R x rows × Q8G_C weight rows keeps its R·C accumulators and C weight vectors in registers
+ * while it walks K. The AVX512-VNNI tile uses the unsigned form of vpdpbusd with the weight as the unsigned
+ * side: w_u = w ^ 0x80 = w + 128 (one xor per weight vector), and each product's lane sum starts at
+ * c = -128·Σ x_q of the lane (made once per x row), so (w + 128)·x_q - 128·Σx_q = w·x_q is one vpdpbusd with an
+ * exact int32 lane sum; the float epilogue of every lane is hf_gemv_q8a's (see above). Each x row is packed per
+ * 64 bytes of K as [x_q | c | the two block scales 8× each] (one sequential stream per row). The tile's 20
+ * reductions, scale, bias and ReLU run on whole vectors (same float ops per output; other activations in
+ * scalar code). The AVX2 and portable paths run hf_gemv_q8a's own four-row dot (q8a_dot4) per x row: same
+ * bits on every path. Why this shape (measured): the earlier 4 × 4 tile with x as the unsigned side spent
+ * 4 vpdpbusd + 4 subtractions per step on the correction, spilled a register, reduced each accumulator alone
+ * and called act_of per output, and the scalar quantizer (a libm fmaxf call per element) was a large share
+ * of a product with few output columns. */
 
 #ifndef HF_Q8G_WROWS
-#define HF_Q8G_WROWS 16 /* weight rows per chunk: 16 rows of K int8 stay cache-resident for every x row */
+#define HF_Q8G_WROWS 80 /* weight rows per chunk (a multiple of Q8G_C and of 4): the x rows stream once per chunk */
 #endif
+#define Q8G_R 4 /* x rows per VNNI tile (the epilogue of q8g_tile_vnni is written for 4 × 5) */
+#define Q8G_C 5 /* weight rows per VNNI tile: 20 accumulators + 5 weights + 5 more of the 32 zmm registers */
+#define Q8G_STEP 192 /* packed bytes per row per 64 bytes of K: x_q (64), c (16 int32), d (16 fp32) */
 
 typedef struct {
     const float *x;
     int8_t *xq;
-    uint8_t *xu;
+    uint8_t *xp;
     float *xd, *xd8;
-    long k, kp, nb, rows;
+    long k, kp, nb, steps, rows;
 } q8q_ctx;
 
-/* Quantize x's rows [c*rows, (c+1)*rows) per block of 32 (hf_quantize_q8_blocks), and x_u = x_q ^ 0x80. */
+/* Quantize x's rows [c*rows, (c+1)*rows) per block of 32 (hf_quantize_q8_blocks), and pack them for the VNNI
+ * tile (xp, when set: the full block pairs only; a partial or odd last block runs in scalar code). */
 static void q8q_chunk(void *p, long c) {
     const q8q_ctx *a = p;
     for (long r = c * a->rows; r < (c + 1) * a->rows; r++) {
         int8_t *xq = a->xq + r * a->kp;
-        hf_quantize_q8_blocks(a->x + r * a->k, a->k, xq, a->xd + r * a->nb, a->xd8 + r * a->nb * 8);
-        if (a->xu)
-            for (long i = 0; i < a->kp; i++) a->xu[r * a->kp + i] = (uint8_t)xq[i] ^ 0x80u;
+        float *xd8 = a->xd8 + r * a->nb * 8;
+        hf_quantize_q8_blocks(a->x + r * a->k, a->k, xq, a->xd + r * a->nb, xd8);
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+        if (a->xp) {
+            const __m512i z = _mm512_setzero_si512(), c128 = _mm512_set1_epi8((char)0x80);
+            uint8_t *o = a->xp + r * a->steps * Q8G_STEP;
+            for (long s = 0; s < a->steps; s++, o += Q8G_STEP) {
+                __m512i xv = _mm512_loadu_si512((const void *)(xq + s * 64));
+                _mm512_storeu_si512((void *)o, xv);
+                _mm512_storeu_si512((void *)(o + 64), _mm512_sub_epi32(z, _mm512_dpbusd_epi32(z, c128, xv)));
+                _mm512_storeu_ps((void *)(o + 128), _mm512_loadu_ps(xd8 + s * 16));
+            }
+        }
+#endif
     }
 }
 
 typedef struct {
     const int8_t *q, *xq;
-    const uint8_t *xu;
+    const uint8_t *xp;
     const float *scales, *xd, *xd8, *bias;
     float *y;
-    long m, n, k, kp, nb;
+    long m, n, k, kp, nb, steps;
     int act, path;
 } q8g_ctx;
 
@@ -980,57 +1028,129 @@ static inline float q8g_out(const q8g_ctx *a, long r, long j, float dotv) {
 }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-/* q8a_reduce of the 16 lanes of v, in registers: the same pairwise sums in the same order. */
-static inline float q8g_reduce(__m512 v) {
-    __m256 t8 = _mm256_add_ps(_mm512_castps512_ps256(v),
-                              _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
-    __m128 t4 = _mm_add_ps(_mm256_castps256_ps128(t8), _mm256_extractf128_ps(t8, 1));
-    __m128 t2 = _mm_add_ps(t4, _mm_movehl_ps(t4, t4));
-    return _mm_cvtss_f32(_mm_add_ss(t2, _mm_shuffle_ps(t2, t2, 1)));
+/* q8a_reduce (halves 8, 4, 2, 1) of 16 accumulators at once, in two steps with the same float sums, the lower
+ * half always the first operand. This one: the halves 8 and 4 of four accumulators, [t4(a) | t4(b) | t4(c) |
+ * t4(d)] in 128-bit lanes (t8 = low 256 + high 256 bits, t4 = low 128 + high 128 bits of t8). */
+static inline __m512 q8g_reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
+    __m512 p = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+    __m512 q = _mm512_add_ps(_mm512_shuffle_f32x4(c, d, 0x44), _mm512_shuffle_f32x4(c, d, 0xEE));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(p, q, _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(p, q, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-/* out[i][j] = row xr[i] · weight row w[j] (16-accumulator sums of hf_gemv_q8a) for a 4 × 4 tile. */
-static void q8g_tile_vnni(const int8_t *const *w, const uint8_t *const *xu, const int8_t *const *xq,
-                          const float *const *xd, const float *const *xd8, long k, float out[4][4]) {
-    long nb = (k + 31) / 32, full = k / 32, b = 0;
-    __m512 acc[4][4];
-    const __m512i z = _mm512_setzero_si512(), c128 = _mm512_set1_epi8((char)0x80);
-    for (int i = 0; i < 4; i++)
-        for (int j = 0; j < 4; j++) acc[i][j] = _mm512_setzero_ps();
-    for (; b + 2 <= full; b += 2) {
-        __m512i wv[4], corr[4];
-        for (int j = 0; j < 4; j++) {
-            wv[j] = _mm512_loadu_si512((const void *)(w[j] + b * 32));
-            corr[j] = _mm512_sub_epi32(z, _mm512_dpbusd_epi32(z, c128, wv[j])); /* -128·Σw per lane */
-        }
-        for (int i = 0; i < 4; i++) {
-            __m512i xv = _mm512_loadu_si512((const void *)(xu[i] + b * 32));
-            __m512 dv = _mm512_loadu_ps(xd8[i] + b * 8);
-            for (int j = 0; j < 4; j++) {
-                __m512i s = _mm512_dpbusd_epi32(corr[j], xv, wv[j]);
-                acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), dv, acc[i][j]);
-            }
+/* The halves 2 and 1 of four q8g_reduce4 results: element 4L + e is q8a_reduce of 128-bit lane L of s_e. */
+static inline __m512 q8g_reduce16(__m512 s0, __m512 s1, __m512 s2, __m512 s3) {
+    __m512 t01 = _mm512_add_ps(_mm512_shuffle_ps(s0, s1, _MM_SHUFFLE(1, 0, 1, 0)),
+                               _mm512_shuffle_ps(s0, s1, _MM_SHUFFLE(3, 2, 3, 2)));
+    __m512 t23 = _mm512_add_ps(_mm512_shuffle_ps(s2, s3, _MM_SHUFFLE(1, 0, 1, 0)),
+                               _mm512_shuffle_ps(s2, s3, _MM_SHUFFLE(3, 2, 3, 2)));
+    return _mm512_add_ps(_mm512_shuffle_ps(t01, t23, _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_ps(t01, t23, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+/* v * scale (+ bias), then ReLU or nothing: q8g_out's float ops on 16 lanes (ReLU keeps NaN, as act_of). */
+static inline __m512 q8g_out16(__m512 v, __m512 sc, const __m512 *bias, int relu) {
+    v = _mm512_mul_ps(v, sc);
+    if (bias) v = _mm512_add_ps(v, *bias);
+    if (relu) v = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(v, _mm512_setzero_ps(), _CMP_LE_OQ), v, _mm512_setzero_ps());
+    return v;
+}
+
+/* The 4 × 5 tile: y[rows r0.., weight rows jj..] for x rows xp[0..3] (packed streams; xq/xd: plain blocks for
+ * the blocks past the last full pair) and weight rows w[0..4], accumulated as hf_gemv_q8a does. ``rows``,
+ * ``cols``: how many of the tile's rows and columns are real (the others repeat a row and are not stored). */
+static void q8g_tile_vnni(const q8g_ctx *a, const int8_t *const *w, const uint8_t *const *xp,
+                          const int8_t *const *xq, const float *const *xd, const long *rr, const long *jr, long jj,
+                          int rows, int cols) {
+    long k = a->k, nb = a->nb, steps = a->steps;
+    __m512 acc[Q8G_R][Q8G_C];
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+#pragma GCC unroll 8
+    for (int i = 0; i < Q8G_R; i++)
+#pragma GCC unroll 8
+        for (int j = 0; j < Q8G_C; j++) acc[i][j] = _mm512_setzero_ps();
+    for (long s = 0; s < steps; s++) {
+        __m512i wu[Q8G_C];
+#pragma GCC unroll 8
+        for (int j = 0; j < Q8G_C; j++)
+            wu[j] = _mm512_xor_si512(_mm512_loadu_si512((const void *)(w[j] + s * 64)), flip);
+#pragma GCC unroll 8
+        for (int i = 0; i < Q8G_R; i++) {
+            const uint8_t *p = xp[i] + s * Q8G_STEP;
+            __m512i xv = _mm512_loadu_si512((const void *)p), c = _mm512_loadu_si512((const void *)(p + 64));
+            __m512 dv = _mm512_loadu_ps((const float *)(p + 128));
+#pragma GCC unroll 8
+            for (int j = 0; j < Q8G_C; j++)
+                acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(c, wu[j], xv)), dv, acc[i][j]);
         }
     }
-    for (int i = 0; i < 4; i++)
-        for (int j = 0; j < 4; j++) {
-            if (b == nb) { /* no block left for the scalar code */
-                out[i][j] = q8g_reduce(acc[i][j]);
-                continue;
-            }
-            float lanes[16];
-            _mm512_storeu_ps(lanes, acc[i][j]);
-            for (long bb = b; bb < nb; bb++) q8a_block_scalar(w[j], xq[i], xd[i][bb], bb, k, lanes);
-            out[i][j] = q8a_reduce(lanes);
+    int relu = a->act == ACT_RELU;
+    if (2 * steps == nb && (relu || a->act == ACT_NONE)) { /* all in registers: 4 × 4 + 4 × 1 sums */
+        __m512 r4 = q8g_reduce16(q8g_reduce4(acc[0][0], acc[1][0], acc[2][0], acc[3][0]),
+                                 q8g_reduce4(acc[0][1], acc[1][1], acc[2][1], acc[3][1]),
+                                 q8g_reduce4(acc[0][2], acc[1][2], acc[2][2], acc[3][2]),
+                                 q8g_reduce4(acc[0][3], acc[1][3], acc[2][3], acc[3][3])); /* 4i + j: (i, j) */
+        __m512 s4 = q8g_reduce4(acc[0][4], acc[1][4], acc[2][4], acc[3][4]);
+        __m512 r1 = q8g_reduce16(s4, s4, s4, s4); /* 4i + e: (i, 4) */
+        __mmask16 cm = (__mmask16)((1u << (cols < 4 ? cols : 4)) - 1);
+        __m512 sc4 = _mm512_broadcast_f32x4(_mm_maskz_loadu_ps(cm, a->scales + jj)), sc1 = _mm512_set1_ps(a->scales[jr[4]]);
+        __m512 b4, b1;
+        if (a->bias) b4 = _mm512_broadcast_f32x4(_mm_maskz_loadu_ps(cm, a->bias + jj)), b1 = _mm512_set1_ps(a->bias[jr[4]]);
+        r4 = q8g_out16(r4, sc4, a->bias ? &b4 : NULL, relu);
+        r1 = q8g_out16(r1, sc1, a->bias ? &b1 : NULL, relu);
+        float o4[16], o1[16];
+        _mm512_storeu_ps(o4, r4), _mm512_storeu_ps(o1, r1);
+        for (int i = 0; i < rows; i++) {
+            float *yr = a->y + rr[i] * a->n + jj;
+            _mm_mask_storeu_ps(yr, cm, _mm_loadu_ps(o4 + 4 * i));
+            if (cols > 4) yr[4] = o1[4 * i];
+        }
+        return;
+    }
+    float lanes[Q8G_R][Q8G_C][16]; /* constant indices above: the accumulators stay in registers in the loop */
+#pragma GCC unroll 8
+    for (int i = 0; i < Q8G_R; i++)
+#pragma GCC unroll 8
+        for (int j = 0; j < Q8G_C; j++) _mm512_storeu_ps(lanes[i][j], acc[i][j]);
+    for (int i = 0; i < rows; i++)
+        for (int j = 0; j < cols; j++) {
+            for (long bb = 2 * steps; bb < nb; bb++) q8a_block_scalar(w[j], xq[i], xd[i][bb], bb, k, lanes[i][j]);
+            a->y[rr[i] * a->n + jr[j]] = q8g_out(a, rr[i], jr[j], q8a_reduce(lanes[i][j]));
         }
 }
 #endif
 
-/* Chunk c: weight rows [c*HF_Q8G_WROWS, ...) against every x row, in tiles of 4 x rows × 4 weight rows. A tile
- * edge past the last row repeats that row (its products are computed and dropped): every tile is full. */
+/* Chunk c: weight rows [c*HF_Q8G_WROWS, ...) against every x row, in tiles of x rows × weight rows (R × C on
+ * VNNI, 4 × 4 otherwise). A tile edge past the last row repeats that row (its products are computed and
+ * dropped): every tile is full. */
 static void q8g_chunk(void *p, long c) {
     const q8g_ctx *a = p;
     long j0 = c * HF_Q8G_WROWS, j1 = j0 + HF_Q8G_WROWS < a->n ? j0 + HF_Q8G_WROWS : a->n, k = a->k, kp = a->kp;
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    if (a->path == Q8A_VNNI) {
+        for (long r0 = 0; r0 < a->m; r0 += Q8G_R) {
+            long rr[Q8G_R];
+            const uint8_t *xp[Q8G_R];
+            const int8_t *xq[Q8G_R];
+            const float *xd[Q8G_R];
+            for (int i = 0; i < Q8G_R; i++) {
+                rr[i] = r0 + i < a->m ? r0 + i : a->m - 1;
+                xp[i] = a->xp + rr[i] * a->steps * Q8G_STEP, xq[i] = a->xq + rr[i] * kp, xd[i] = a->xd + rr[i] * a->nb;
+            }
+            for (long jj = j0; jj < j1; jj += Q8G_C) {
+                long jr[Q8G_C];
+                const int8_t *w[Q8G_C];
+                for (int j = 0; j < Q8G_C; j++) {
+                    jr[j] = jj + j < j1 ? jj + j : j1 - 1;
+                    w[j] = a->q + jr[j] * k;
+                }
+                q8g_tile_vnni(a, w, xp, xq, xd, rr, jr, jj, a->m - r0 < Q8G_R ? (int)(a->m - r0) : Q8G_R,
+                              j1 - jj < Q8G_C ? (int)(j1 - jj) : Q8G_C);
+            }
+        }
+        return;
+    }
+#endif
     for (long r0 = 0; r0 < a->m; r0 += 4) {
         long rr[4];
         for (int i = 0; i < 4; i++) rr[i] = r0 + i < a->m ? r0 + i : a->m - 1;
@@ -1042,21 +1162,8 @@ static void q8g_chunk(void *p, long c) {
                 w[j] = a->q + jr[j] * k;
             }
             float out[4][4];
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-            if (a->path == Q8A_VNNI) {
-                const uint8_t *xu[4];
-                const int8_t *xq[4];
-                const float *xd[4], *xd8[4];
-                for (int i = 0; i < 4; i++) {
-                    xu[i] = a->xu + rr[i] * kp, xq[i] = a->xq + rr[i] * kp;
-                    xd[i] = a->xd + rr[i] * a->nb, xd8[i] = a->xd8 + rr[i] * a->nb * 8;
-                }
-                q8g_tile_vnni(w, xu, xq, xd, xd8, k, out);
-            } else
-#endif
-                for (int i = 0; i < 4; i++)
-                    q8a_dot4(w, a->xq + rr[i] * kp, a->xd + rr[i] * a->nb, a->xd8 + rr[i] * a->nb * 8, k, a->path,
-                             out[i]);
+            for (int i = 0; i < 4; i++)
+                q8a_dot4(w, a->xq + rr[i] * kp, a->xd + rr[i] * a->nb, a->xd8 + rr[i] * a->nb * 8, k, a->path, out[i]);
             for (int i = 0; i < 4 && r0 + i < a->m; i++)
                 for (int j = 0; j < 4 && jj + j < j1; j++) a->y[rr[i] * a->n + jr[j]] = q8g_out(a, rr[i], jr[j], out[i][j]);
         }
@@ -1071,20 +1178,21 @@ static void q8g_chunk(void *p, long c) {
 int hf_gemm_q8a(const int8_t *q, const float *scales, const float *x, const float *bias, float *y, long m, long n,
                 long k, int act, int threads) {
     if (m <= 0 || n <= 0) return 0;
-    long nb = (k + 31) / 32, kp = nb * 32;
+    long nb = (k + 31) / 32, kp = nb * 32, steps = k / 64;
     int path = q8a_best(), f = atomic_load(&q8a_forced);
     if (f >= 0 && f < path) path = f;
     size_t qbytes = ((size_t)m * kp + 64) / 64 * 64, dbytes = ((size_t)m * nb * 8 * sizeof(float) + 64) / 64 * 64;
+    size_t pbytes = ((size_t)m * steps * Q8G_STEP + 64) / 64 * 64;
     int8_t *xq = aligned_alloc(64, qbytes);
-    uint8_t *xu = path == Q8A_VNNI ? aligned_alloc(64, qbytes) : NULL;
+    uint8_t *xp = path == Q8A_VNNI ? aligned_alloc(64, pbytes) : NULL;
     float *xd = malloc((size_t)(m * nb + 1) * sizeof(float)), *xd8 = aligned_alloc(64, dbytes);
-    if (!xq || !xd || !xd8 || (path == Q8A_VNNI && !xu)) {
-        free(xq), free(xu), free(xd), free(xd8);
+    if (!xq || !xd || !xd8 || (path == Q8A_VNNI && !xp)) {
+        free(xq), free(xp), free(xd), free(xd8);
         return -1;
     }
     threads = clamp_threads(threads);
     long qrows = m < 8 ? 1 : 8;
-    q8q_ctx qa = {x, xq, xu, xd, xd8, k, kp, nb, qrows};
+    q8q_ctx qa = {x, xq, xp, xd, xd8, k, kp, nb, steps, qrows};
     if (m % qrows) { /* rows in whole chunks: the last chunk's tail rows run here */
         for (long r = m / qrows * qrows; r < m; r++) {
             q8q_ctx one = qa;
@@ -1093,9 +1201,9 @@ int hf_gemm_q8a(const int8_t *q, const float *scales, const float *x, const floa
         }
     }
     hf_run(q8q_chunk, &qa, m / qrows, threads);
-    q8g_ctx a = {q, xq, xu, scales, xd, xd8, bias, y, m, n, k, kp, nb, act, path};
+    q8g_ctx a = {q, xq, xp, scales, xd, xd8, bias, y, m, n, k, kp, nb, steps, act, path};
     hf_run(q8g_chunk, &a, (n + HF_Q8G_WROWS - 1) / HF_Q8G_WROWS, threads);
-    free(xq), free(xu), free(xd), free(xd8);
+    free(xq), free(xp), free(xd), free(xd8);
     return 0;
 }
 
