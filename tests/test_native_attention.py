@@ -104,10 +104,16 @@ def test_bf16_is_the_fp32_kernel_on_the_widened_inputs_rounded_once(ell, gqa, ma
     assert (got.float() - ref.float()).abs().max().item() <= 2 ** -6  # a few bf16 ulps of values below ~2
 
 
-def test_bf16_takes_no_float_mask():
-    q, k, v = (t.to(torch.bfloat16) for t in _qkv(1, 2, 2, 8, 8, 16))
-    assert not native.prefill_attention_fits(q, k, v, torch.zeros(8, 8), False)
-    assert not native.prefill_attention_fits(q, k, v, torch.zeros(8, 8, dtype=torch.bfloat16), False)
+def test_bf16_takes_an_additive_mask_in_bf16_only():
+    """An additive mask in q's dtype (how Hugging Face builds it for a bf16 model): widened exactly, the same
+    result as the equivalent bool mask; an fp32 mask with bf16 q/k/v is refused (SDPA refuses it too)."""
+    q, k, v = (t.to(torch.bfloat16) for t in _qkv(1, 2, 2, 40, 40, 16))
+    keep = torch.ones(40, 40, dtype=torch.bool).tril()
+    additive = torch.zeros(40, 40, dtype=torch.bfloat16).masked_fill(~keep, float("-inf"))
+    assert not native.prefill_attention_fits(q, k, v, additive.float(), False)
+    assert native.prefill_attention_fits(q, k, v, additive, False)
+    got = native.prefill_attention(q, k, v, additive, 0.25, False)
+    assert torch.equal(got, native.prefill_attention(q, k, v, keep, 0.25, False))
     assert not native.prefill_attention_fits(q, k.float(), v, None, True)  # one dtype for q/k/v
 
 

@@ -430,7 +430,7 @@ def _native_prefill_attention(lw: Lowering, ins: Instr, o: int, dev: torch.devic
                               d: int) -> str | None:
     """Attention of many query rows (prefill) on ``hf_prefill_attention``: 4-D q/k/v of one dtype, fp32 or bf16,
     on this CPU with any strides (the transposed views of a fused projection are read in place), grouped-query
-    heads, no mask or a mask that broadcasts to the scores — bool, or fp32 with fp32 q/k/v — (not with
+    heads, no mask or a mask that broadcasts to the scores — bool, or additive in q's dtype — (not with
     ``is_causal``); heads of at most
     :data:`native.PREFILL_ATTENTION_DMAX`. The output is the dense ``[b, h, l, dv]`` slice."""
     q, k, v, mask = args["q"], args["k"], args["v"], args["mask"]
@@ -448,7 +448,7 @@ def _native_prefill_attention(lw: Lowering, ins: Instr, o: int, dev: torch.devic
         return None
     if mask is not None:
         vm = lw.p.values[mask.id]
-        kind_ok = vm.dtype == torch.bool or (vm.dtype == torch.float32 and vq.dtype == torch.float32)
+        kind_ok = vm.dtype in (torch.bool, vq.dtype)
         if bool(args["is_causal"]) or not kind_ok or lw.dm[vm.device] != dev \
                 or len(vm.shape) > 4 or not all(m in (1, w) for m, w in zip(vm.shape[::-1], (s, ell, h, b),
                                                                             strict=False)):

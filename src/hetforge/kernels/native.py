@@ -427,8 +427,8 @@ def prefill_attention_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ma
                            is_causal: bool) -> bool:
     """Whether ``hetforge::attention`` can run on ``hf_prefill_attention``: 4-D CPU q/k/v of one dtype, fp32 or
     bf16 (any strides), ``q`` heads a multiple of ``k``'s, heads of at most :data:`PREFILL_ATTENTION_DMAX`, at least
-    one query row and one key, and no mask or a mask broadcastable to ``[b, h, l, s]`` — bool, or fp32 with fp32
-    q/k/v — (not together with ``is_causal``, which SDPA refuses too); real tensors only (not under tracing),
+    one query row and one key, and no mask or a mask broadcastable to ``[b, h, l, s]`` — bool, or additive in q's
+    dtype — (not together with ``is_causal``, which SDPA refuses too); real tensors only (not under tracing),
     library built."""
     if torch._C._len_torch_dispatch_stack() or torch.compiler.is_compiling() or library() is None:
         return False
@@ -444,7 +444,7 @@ def prefill_attention_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ma
         return False
     if mask is None:
         return True
-    kind_ok = mask.dtype == torch.bool or (mask.dtype == torch.float32 and q.dtype == torch.float32)
+    kind_ok = mask.dtype in (torch.bool, q.dtype)  # additive masks in q's dtype (a bf16 one is widened, exactly)
     if is_causal or not kind_ok or mask.device.type != "cpu" or is_fake(mask) \
             or mask.dim() > 4:
         return False
@@ -466,6 +466,8 @@ def prefill_attention_into(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ma
         raise ValueError(f"hf_prefill_attention cannot run q {q.dtype} {tuple(q.shape)}, k {tuple(k.shape)}, "
                          f"v {tuple(v.shape)}, mask {None if mask is None else (mask.dtype, tuple(mask.shape))}")
     q, k, v = _dense_rows(q), _dense_rows(k), _dense_rows(v)
+    if mask is not None and mask.dtype == torch.bfloat16:
+        mask = mask.float()  # every bf16 value is an fp32 value: the kernel adds the same numbers
     b, h, ell, d = q.shape
     hkv, s = k.shape[1], k.shape[2]
     kind, ms = 0, (0, 0, 0, 0)
