@@ -1206,30 +1206,42 @@ def _chunk_over_tier(t: dict[str, dict[str, dict[str, float]]], n: str, schemes:
     return out
 
 
-@cpu_row("ttft.json", "ttft_w4.json")
-def ttft(d: J, w4: J) -> Row:
-    t, t4 = _ttft(d), _ttft(w4)
+TTFT_MATCHING = {"fp32": ("ov-f32", "llamacpp-f32"), "w8": ("llamacpp-q8",), "w8a8": ("llamacpp-q8",),
+                 "bf16": ("ov-default",), "w4": None}  # bench/ttft.py's MATCHING (None: every peer)
+TTFT_PEERS = ("ov-f32", "ov-default", "llamacpp-f32", "llamacpp-q8")
+
+
+@cpu_row("ttft.json")
+def ttft(d: J) -> Row:
+    t = _ttft(d)
     lengths = [str(int(v.f())) for v in d["lengths"]]
-    schemes = ("fp32", "w8", "w8a8")
     rule = d["pieces_rule"]
-    ratios = "; ".join(f"n = {n} {span(_chunk_over_tier(t, n, schemes), lambda x: num(x, 2))} "
-                       f"({' + '.join(p.value for p in rule[n])})" for n in lengths)
-    w4r = "; ".join(f"n = {n} {span(_chunk_over_tier(t4, n, ('w4',)), lambda x: num(x, 2))}"
-                    for n in [str(int(v.f())) for v in w4["lengths"]])
-
-    def vs(peer: str) -> list[float]:
-        return [s["hetforge fp32 chunked"][n] / s[peer][n] for s in t.values() for n in lengths]
-
-    below = [n for n in lengths if all(s["hetforge fp32 chunked"][n] < s["ov-f32"][n] for s in t.values())]
-    result = (f"chunked ÷ tier (medians, {'/'.join(schemes)}): {ratios}. w4 ([bench/ttft_w4.md](bench/ttft_w4.md)): "
-              f"{w4r}. hetforge fp32 chunked is {span(vs('ov-default'), times)} OpenVINO's bf16-default TTFT and "
-              f"{span(vs('ov-f32'), times)} its f32"
-              + (f" (below it only at n = {', '.join(below)})" if below else "")
-              + f"; load average {d.s('load_before')} before")
-    what = (f"`bench/ttft.py`: hetforge TTFT at {', '.join(lengths)} prompt tokens, tier-padded vs chunked prefill, "
-            f"{', '.join(schemes)} (w4: a second run), next to HF eager and OpenVINO exact-length prefill (stateless), "
-            f"{d.f('threads'):.0f} thread, {d.f('rounds'):.0f} interleaved rounds ({d.s('timing')})")
-    return Row("TTFT (prompts between tiers)", what, result, "", link("ttft.md"))
+    pieces = "; ".join(f"n = {n}: {' + '.join(p.value for p in rule[n])}" for n in lengths)
+    parts, met_all = [], []
+    schemes = [k.split()[1] for k in next(iter(t.values())) if k.startswith("hetforge ") and k.endswith(" chunked")]
+    for sch in schemes:
+        peers = TTFT_MATCHING.get(sch) or TTFT_PEERS
+        ratios = []
+        for systems in t.values():
+            mine = systems.get(f"hetforge {sch} chunked", {})
+            for n in lengths:
+                got = [systems[p][n] for p in peers if p in systems and n in systems[p]]
+                if got and n in mine:
+                    ratios.append(mine[n] / min(got))
+        if not ratios:
+            continue
+        ok = all(r <= 1.0 for r in ratios)
+        met_all.append(ok)
+        against = " / ".join(peers) if TTFT_MATCHING.get(sch) else "any peer"
+        parts.append(f"{sch} {span(ratios, lambda x: num(x, 2))} of {against} ({'met' if ok else 'not met'})")
+    result = (f"hetforge chunked prefill ÷ the best exact-length peer of the same precision, over "
+              f"{', '.join(lengths)} prompt tokens and both models: " + "; ".join(parts)
+              + f". Prefill programs: {pieces}. Load average {d.s('load_before')} before")
+    what = (f"`bench/ttft.py`: TTFT (prefill + first token, compilation excluded) at {', '.join(lengths)} prompt "
+            f"tokens; peers: OpenVINO stateless exact-length prefill (f32 hint and bf16 default) and llama.cpp "
+            f"(f32, Q8_0); {d.f('threads'):.0f} threads, {d.f('rounds'):.0f} interleaved rounds ({d.s('timing')})")
+    status = met(all(met_all)) + f" ({count_met(met_all)} schemes)"
+    return Row("TTFT (prompts between tiers)", what, result, status, link("ttft.md"))
 
 
 # ---------------------------------------------------------------- prose
@@ -1305,7 +1317,6 @@ COMMAND_KEYS: list[tuple[str, tuple[str | int, ...]]] = [
     ("compile_cache.json", ("command",)),
     ("contention.json", ("command",)),
     ("ttft.json", ("command",)),
-    ("ttft_w4.json", ("command",)),
     ("prefill_gemm.json", ("command",)),
 ]
 

@@ -30,7 +30,7 @@ SCRIPT_OF = {
     "peers_512.md": "peers.py",
     "placement.md": "placement.py", "prefill_gemm.md": "prefill_gemm.py", "props.md": "props.py",
     "quant.md": "quant.py", "read_bandwidth.md": "read_bandwidth.py", "report.md": "report.py",
-    "select.md": "selection.py", "thermal.md": "thermal.py", "ttft.md": "ttft.py", "ttft_w4.md": "ttft.py",
+    "select.md": "selection.py", "thermal.md": "thermal.py", "ttft.md": "ttft.py",
 }
 # pages whose JSON does not follow the naming rule
 JSON_OF: dict[str, str] = {}
@@ -50,7 +50,7 @@ RENDER = {
     "backend.md": _render("render"), "capture.md": _render("render"), "generate.md": _render("render"),
     "passes.md": _render("render"), "cluster.md": _render("markdown"), "moe.md": _render("markdown"),
     "placement.md": _render("markdown"), "report.md": _render("markdown"), "select.md": _render("render"),
-    "thermal.md": _render("render"), "ttft.md": _render("render"), "ttft_w4.md": _render("render"),
+    "thermal.md": _render("render"), "ttft.md": _render("render"),
     "prefill_gemm.md": _render("render"), "compile_cache.md": _render("render"), "contention.md": _render("render"),
     "costmodel.md": _render_with_path("page"), "costmodel_oos.md": _render_with_path("page"),
     "costmodel_ab.md": _render_with_path("page"), "read_bandwidth.md": _render_with_path("page"),
