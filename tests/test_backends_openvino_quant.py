@@ -40,7 +40,8 @@ def test_openvino_w8_partition_computes_the_cpu_kernels_activation_arithmetic(mo
     from hetforge.quant import quantize_graph
 
     if native.library() is None:
-        pytest.skip("the native kernels are not built (no C compiler): the q8 CPU kernel does not run")
+        pytest.skip("the native kernels are not built (no C compiler/OpenMP here): the q8 CPU kernel this compares "
+                    "OpenVINO with does not exist on this host")
     lm = load_model("llama-tiny")
     inputs = example_inputs(lm, seq=8)
     gm = quantize_graph(capture(lm.logits_module(), inputs).gm, "w8").gm
@@ -66,7 +67,8 @@ def test_q8_blocks_matches_the_native_block_quantizer():
 
     lib = native.library()
     if lib is None:
-        pytest.skip("the native kernels are not built (no C compiler)")
+        pytest.skip("the native kernels are not built (no C compiler/OpenMP here): there is no native block quantizer "
+                    "to compare q8_blocks with")
     k, nb = 70, 3
     x = torch.randn(3, k) * 3
     x[1, 32:64] = 0

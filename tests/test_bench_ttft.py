@@ -22,7 +22,8 @@ def _run(args: list[str], env: dict[str, str] | None = None) -> subprocess.Compl
 
 
 @pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None or importlib.util.find_spec("gguf") is None,
-                    reason="llama_cpp (llama-cpp-python) or gguf is not installed: the llama.cpp rows cannot run")
+                    reason="llama_cpp (llama-cpp-python) or gguf is not installed (no PyPI wheel: "
+                           "pip install -e '.[llamacpp]' builds it): the llama.cpp rows cannot run")
 def test_ttft_page_has_a_row_per_system_and_ratios_against_named_peers(tmp_path: Path) -> None:
     tmp = tmp_path / "tmp"
     tmp.mkdir()

@@ -388,6 +388,7 @@ class _Codegen:
         d = vo.shape[-1]
         rows = math.prod(vo.shape) // d
         lib, p = native.library(), (lambda a: "None" if a is None else self.ptr(a.id, dev))
+        post = ""  # code run after the call (hf_gemm_q8a: an activation ATen applies in place)
         nt = f"{self.const(torch.get_num_threads, 'f')}()"
         x = args.get("x")
         if fn == "hf_rms_norm":
@@ -411,6 +412,8 @@ class _Codegen:
             code, after = native.gemm_act_split(args["act"])  # GELU/SiLU: ATen's in place on the result
             call = (f"hf_gemm_q8a({p(args['qweight'])}, {p(args['scales'])}, {p(x)}, {p(args['bias'])}, {{y}}, "
                     f"{rows}, {d}, {kk}, {code}, {nt})")
+            if after != "none":
+                post = f"; {self.const(native.act_inplace, 'f')}(r{o}, {after!r})"
         elif fn == "hf_linear_act":
             w, wt = args["weight"], bool(args["weight_t"])
             kk = math.prod(self.p.values[x.id].shape)
@@ -469,9 +472,6 @@ class _Codegen:
         if fn in ("hf_gemv_q8a", "hf_gemm_q8a"):  # -1: no scratch for the quantized rows (raises)
             call = f"{self.const(native.check_rc, 'f')}({call}, {fn!r})"
         self.stats.native_ops += 1
-        post = ""
-        if fn == "hf_gemm_q8a" and native.gemm_act_split(args["act"])[1] != "none":
-            post = f"; {self.const(native.act_inplace, 'f')}(r{o}, {args['act']!r})"
         if self.planned(o):
             buf = self.buffer(o)
             return call.format(y=self.g[buf].data_ptr()) + f"; r{o} = {buf}" + post
@@ -547,7 +547,7 @@ class Executable:
                  mode: str = "arena", soc=None):
         if mode not in MODES:
             raise UsageError(f"unknown executor mode '{mode}'; allowed: {', '.join(MODES)}")
-        self.malloc = keep_freed_memory()  # fresh outputs reuse freed heap pages (hetforge.executor.allocator)
+        keep_freed_memory()  # fresh outputs reuse freed heap pages (hetforge.executor.allocator)
         self.device_map = dict(device_map or default_device_map(program, soc))
         missing = [d for d in program.devices if d not in self.device_map]
         if missing:

@@ -1716,6 +1716,22 @@ static inline __m512 pa_exp16(__m512 x) {
 }
 #endif
 
+#if defined(__AVX512F__)
+/* c[r][0..64) += a[r * astride] · row[0..64) for r < 4: the 4 × 64 FMA block of both products below (scores: a is
+ * q rows, row a key column block; values: a is probability rows, row a value row). */
+static inline void pa_fma4x64(__m512 c[4][4], const float *a, long astride, const float *row) {
+    __m512 r0 = _mm512_loadu_ps(row), r1 = _mm512_loadu_ps(row + 16), r2 = _mm512_loadu_ps(row + 32),
+           r3 = _mm512_loadu_ps(row + 48);
+    for (int r = 0; r < 4; r++) {
+        __m512 av = _mm512_set1_ps(a[r * astride]);
+        c[r][0] = _mm512_fmadd_ps(av, r0, c[r][0]);
+        c[r][1] = _mm512_fmadd_ps(av, r1, c[r][1]);
+        c[r][2] = _mm512_fmadd_ps(av, r2, c[r][2]);
+        c[r][3] = _mm512_fmadd_ps(av, r3, c[r][3]);
+    }
+}
+#endif
+
 /* s[ii][0..PA_KB) = qb[ii] · kt[:, 0..PA_KB) for ni rows (kt: the key block transposed, rows kst apart). */
 static void pa_scores(const float *restrict qb, const float *restrict kt, long kst, float *restrict s, long ni,
                       long d) {
@@ -1725,18 +1741,7 @@ static void pa_scores(const float *restrict qb, const float *restrict kt, long k
         __m512 c[4][4];
         for (int r = 0; r < 4; r++)
             for (int x = 0; x < 4; x++) c[r][x] = _mm512_setzero_ps();
-        for (long t = 0; t < d; t++) {
-            const float *kr = kt + t * kst;
-            __m512 k0 = _mm512_loadu_ps(kr), k1 = _mm512_loadu_ps(kr + 16), k2 = _mm512_loadu_ps(kr + 32),
-                   k3 = _mm512_loadu_ps(kr + 48);
-            for (int r = 0; r < 4; r++) {
-                __m512 qv = _mm512_set1_ps(qb[(ii + r) * d + t]);
-                c[r][0] = _mm512_fmadd_ps(qv, k0, c[r][0]);
-                c[r][1] = _mm512_fmadd_ps(qv, k1, c[r][1]);
-                c[r][2] = _mm512_fmadd_ps(qv, k2, c[r][2]);
-                c[r][3] = _mm512_fmadd_ps(qv, k3, c[r][3]);
-            }
-        }
+        for (long t = 0; t < d; t++) pa_fma4x64(c, qb + ii * d + t, d, kt + t * kst);
         for (int r = 0; r < 4; r++)
             for (int x = 0; x < 4; x++) _mm512_storeu_ps(s + (ii + r) * PA_KB + 16 * x, c[r][x]);
     }
@@ -1764,18 +1769,7 @@ static void pa_pv(const float *restrict p, const float *restrict V, long vstride
                 __m512 c[4][4];
                 for (int r = 0; r < 4; r++)
                     for (int x = 0; x < 4; x++) c[r][x] = _mm512_loadu_ps(acc + (ii + r) * dv + c0 + 16 * x);
-                for (long j = 0; j < nj; j++) {
-                    const float *vr = V + j * vstride + c0;
-                    __m512 v0 = _mm512_loadu_ps(vr), v1 = _mm512_loadu_ps(vr + 16), v2 = _mm512_loadu_ps(vr + 32),
-                           v3 = _mm512_loadu_ps(vr + 48);
-                    for (int r = 0; r < 4; r++) {
-                        __m512 pv = _mm512_set1_ps(p[(ii + r) * PA_KB + j]);
-                        c[r][0] = _mm512_fmadd_ps(pv, v0, c[r][0]);
-                        c[r][1] = _mm512_fmadd_ps(pv, v1, c[r][1]);
-                        c[r][2] = _mm512_fmadd_ps(pv, v2, c[r][2]);
-                        c[r][3] = _mm512_fmadd_ps(pv, v3, c[r][3]);
-                    }
-                }
+                for (long j = 0; j < nj; j++) pa_fma4x64(c, p + ii * PA_KB + j, PA_KB, V + j * vstride + c0);
                 for (int r = 0; r < 4; r++)
                     for (int x = 0; x < 4; x++) _mm512_storeu_ps(acc + (ii + r) * dv + c0 + 16 * x, c[r][x]);
             }

@@ -496,13 +496,9 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
 
 def q8_fits(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, act: str) -> bool:
     """Whether ``hetforge::linear_w8`` is one fp32 row the int8 kernel can read: int8 ``[N, K]`` weights, fp32
-    ``[N]`` scales (and bias), all contiguous CPU tensors, a known activation, the library built."""
-    if qweight.dim() != 2 or act not in ACT_CODES or x.numel() != x.shape[-1] or x.shape[-1] != qweight.shape[1]:
-        return False
-    n = qweight.shape[0]
-    return (qweight.dtype == torch.int8 and qweight.is_contiguous() and qweight.device.type == "cpu"
-            and not is_fake(qweight) and _f32(x, scales, bias) and scales.numel() == n
-            and (bias is None or bias.numel() == n) and library() is not None)
+    ``[N]`` scales (and bias), all contiguous CPU tensors, a known activation, the library built (the operands of
+    :func:`q8_rows_fit`, one row)."""
+    return x.dim() >= 1 and x.numel() == x.shape[-1] and q8_rows_fit(x, qweight, scales, bias, act)
 
 
 W8_ACT_MODES = ("weight-only", "q8")
@@ -672,8 +668,9 @@ def decode_attention_bf16(q, k, v, k_cache, v_cache, cache_mask, new_mask, scale
 
 def q8_rows_fit(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
                 act: str) -> bool:
-    """Whether a w8 product of several fp32 rows (``x [.., K]``, contiguous) can run on ``hf_gemm_q8a``: the
-    operands :func:`q8_fits` asks for, any number of rows."""
+    """Whether a w8 product of fp32 rows (``x [.., K]``, contiguous, any number of rows) can run on the native int8
+    kernels: int8 ``[N, K]`` weights, fp32 ``[N]`` scales (and bias), contiguous CPU tensors, a known activation,
+    the library built."""
     if qweight.dim() != 2 or act not in ACT_CODES or x.dim() < 1 or x.shape[-1] != qweight.shape[1]:
         return False
     n = qweight.shape[0]
