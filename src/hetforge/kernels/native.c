@@ -1209,6 +1209,306 @@ int hf_gemm_q8a(const int8_t *q, const float *scales, const float *x, const floa
     return 0;
 }
 
+/* ---------------------------------------------------------------- int4 weights × int8 activation blocks (w4, q8)
+ * Why: a w4 prefill dequantized the whole int4 weight to fp32 with ATen ops on every call and ran a float GEMM
+ * (a pass of several fp32 copies of the weight per call, then a GEMM at fp32 speed). These are the int4
+ * counterparts of hf_gemv_q8a / hf_gemm_q8a (llama.cpp's Q4_0 × Q8_0 idea on hetforge's int4): x quantized per
+ * block of 32 as hf_quantize_q8_blocks does it, the weight nibbles widened to bytes in registers, int8 products
+ * with exact int32 block sums, one float epilogue per (block × 16 outputs).
+ *
+ * Weight: read in place from ATen's _convert_weight_to_int4pack_for_cpu layout of an AVX-512 torch build (no
+ * second copy): rows in blocks of 64, byte blk·32K + 32k + i (i < 32) holds u[blk·64 + i, k] (low nibble) and
+ * u[blk·64 + 32 + i, k] (high), u = q + 8 in 0..15 (the caller checks the build's layout and N % 64 == 0);
+ * scales_zeros [K/G, N, 2] fp32 with zeros 0 (hetforge's int4 is symmetric; the caller checks).
+ *
+ * Arithmetic (every path, the same bits): for output n and x block b (group g = 32b / G):
+ * dot = Σ_{k in b} (u[n, k] − 8)·x_q[k] (exact int32); acc = acc + (d_b · s[g, n]) · (float)dot, three separate
+ * roundings (no fused multiply-add), blocks in order from acc = 0; then (+ bias[n]), act. A block of x holding
+ * NaN or ±Inf has d_b = NaN, so its outputs are NaN.
+ *
+ * AVX512-VNNI + VBMI path: one vpermt2b per 32 rows turns four k columns (128 packed bytes) into a vector whose
+ * dword j holds the four k bytes of row j (low nibbles) and of row j + 32 (high), split by and/shift; vpdpbusd
+ * takes u (0..15) as its unsigned side and x_q's four bytes broadcast as the signed side, the int32
+ * accumulator starting at −8·Σ x_q of the block, so it ends at Σ (u − 8)·x_q. The GEMV (decode) widens in
+ * registers; the GEMM widens each 64-row block once into a per-thread buffer (64·K bytes) and runs 6 x rows ×
+ * 32 outputs tiles over it (12 int32 + 12 float accumulators). Without VNNI+VBMI the portable C path runs (the
+ * Python side routes such hosts to the ATen path instead). */
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VBMI__)
+#define HF_Q4A_VNNI 1
+#include <immintrin.h>
+#else
+#define HF_Q4A_VNNI 0
+#endif
+
+enum { Q4A_PORTABLE = 0, Q4A_VNNI = 1 };
+#define Q4_BLK 64 /* rows per block of ATen's packed layout (AVX-512 builds) */
+#define Q4G_R 6   /* x rows per GEMM tile */
+
+static int q4a_best(void) { return HF_Q4A_VNNI ? Q4A_VNNI : Q4A_PORTABLE; }
+
+static _Atomic int q4a_forced = -1; /* test hook: a lower path than the best compiled one, or -1 */
+
+/* Force path ``path`` (0 portable, 1 AVX512-VNNI+VBMI; clamped to the best compiled), -1 for the best, -2 to
+ * leave it; returns the best path this build has. */
+int hf_q4a_path(int path) {
+    if (path != -2) atomic_store(&q4a_forced, path); /* -2: only ask */
+    return q4a_best();
+}
+
+static int q4a_path(void) {
+    int p = q4a_best(), f = atomic_load(&q4a_forced);
+    return f >= 0 && f < p ? f : p;
+}
+
+typedef struct {
+    const uint8_t *w;
+    const float *sz, *bias;
+    float *y;
+    const int8_t *xq;
+    const float *xd;
+    const int32_t *xc;
+    uint8_t *scratch;
+    const float *x;
+    long m, n, k, group, nb, scratch_bytes, qrows;
+    int act, path;
+} q4_ctx;
+
+/* x_q, d and c = −8·Σ x_q per block of 32 for x's rows [c*qrows, (c+1)*qrows). */
+static void q4q_chunk(void *p, long c) {
+    const q4_ctx *a = p;
+    long nb = a->nb, k = a->k;
+    float xd8[nb * 8 + 16]; /* hf_quantize_q8_blocks' 8x scales (unused here) */
+    for (long r = c * a->qrows; r < (c + 1) * a->qrows && r < a->m; r++) {
+        int8_t *xq = (int8_t *)a->xq + r * k;
+        hf_quantize_q8_blocks(a->x + r * k, k, xq, (float *)a->xd + r * nb, xd8);
+        for (long b = 0; b < nb; b++) {
+            int32_t s = 0;
+            for (int i = 0; i < 32; i++) s += xq[b * 32 + i];
+            ((int32_t *)a->xc)[r * nb + b] = -8 * s;
+        }
+    }
+}
+
+static inline int q4_u(const uint8_t *w, long k, long n, long kk) {
+    uint8_t v = w[(n / Q4_BLK) * (Q4_BLK / 2) * k + kk * (Q4_BLK / 2) + n % (Q4_BLK / 2)];
+    return n % Q4_BLK < Q4_BLK / 2 ? v & 15 : v >> 4;
+}
+
+/* Outputs [n0, n1) of one x row (x_q, d) into yr: the arithmetic above in plain C. */
+static void q4_rows_portable(const q4_ctx *a, const int8_t *xq, const float *xd, long n0, long n1, float *yr) {
+    long k = a->k, bpg = a->group / 32;
+    for (long n = n0; n < n1; n++) {
+        float acc = 0.f;
+        for (long b = 0; b < a->nb; b++) {
+            int32_t dot = 0;
+            for (int i = 0; i < 32; i++) dot += (q4_u(a->w, k, n, b * 32 + i) - 8) * (int32_t)xq[b * 32 + i];
+            float ds = xd[b] * a->sz[((b / bpg) * a->n + n) * 2];
+            acc = acc + ds * (float)dot;
+        }
+        yr[n] = act_of(a->bias ? acc + a->bias[n] : acc, a->act);
+    }
+}
+
+#if HF_Q4A_VNNI
+/* vpermt2b indices: dword j of the result holds bytes k..k+3 of packed column i = j (+16 for the second). */
+static inline __m512i q4_perm(int second) {
+    uint8_t idx[64];
+    for (int j = 0; j < 16; j++)
+        for (int t = 0; t < 4; t++) idx[4 * j + t] = (uint8_t)((t & 1) * 32 + (t >> 1) * 64 + j + 16 * second);
+    return _mm512_loadu_si512((const void *)idx);
+}
+
+/* Four k columns (k = 4s..4s+3) of a 64-row block at p: v[i] = u of rows 16i..16i+15, dword per row. */
+static inline void q4_unpack4(const uint8_t *p, __m512i ia, __m512i ib, __m512i m, __m512i *v) {
+    __m512i l0 = _mm512_loadu_si512((const void *)p), l1 = _mm512_loadu_si512((const void *)(p + 64));
+    __m512i lo = _mm512_permutex2var_epi8(l0, ia, l1), hi = _mm512_permutex2var_epi8(l0, ib, l1);
+    v[0] = _mm512_and_si512(lo, m), v[1] = _mm512_and_si512(hi, m);
+    v[2] = _mm512_and_si512(_mm512_srli_epi16(lo, 4), m), v[3] = _mm512_and_si512(_mm512_srli_epi16(hi, 4), m);
+}
+
+/* s[g, n..n+15] from the interleaved (scale, zero) pairs. */
+static inline __m512 q4_scales16(const float *sz, long nn, long g, long n) {
+    const float *p = sz + (g * nn + n) * 2;
+    const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+    return _mm512_permutex2var_ps(_mm512_loadu_ps(p), even, _mm512_loadu_ps(p + 16));
+}
+
+static inline int32_t q4_x4(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+/* 16 results (+ bias), act, stored at yr (ReLU/none on the vector, other activations per element). */
+static inline void q4_store16(const q4_ctx *a, __m512 v, long n, float *yr) {
+    if (a->bias) v = _mm512_add_ps(v, _mm512_loadu_ps(a->bias + n));
+    if (a->act == ACT_RELU)
+        v = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(v, _mm512_setzero_ps(), _CMP_LE_OQ), v, _mm512_setzero_ps());
+    _mm512_storeu_ps(yr + n, v);
+    if (a->act != ACT_NONE && a->act != ACT_RELU)
+        for (int e = 0; e < 16; e++) yr[n + e] = act_of(yr[n + e], a->act);
+}
+#endif
+
+/* GEMV chunk c: outputs [64c, 64c + 64) of the one row. */
+static void q4v_chunk(void *p, long c) {
+    const q4_ctx *a = p;
+    long n0 = c * Q4_BLK;
+    if (a->path != Q4A_VNNI) {
+        q4_rows_portable(a, a->xq, a->xd, n0, n0 + Q4_BLK, a->y);
+        return;
+    }
+#if HF_Q4A_VNNI
+    long k = a->k, bpg = a->group / 32;
+    const uint8_t *w = a->w + n0 * k / 2;
+    const __m512i ia = q4_perm(0), ib = q4_perm(1), m = _mm512_set1_epi8(15);
+    __m512 acc[4], sv[4];
+    for (int j = 0; j < 4; j++) acc[j] = sv[j] = _mm512_setzero_ps();
+    for (long b = 0; b < a->nb; b++) {
+        if (b % bpg == 0)
+            for (int j = 0; j < 4; j++) sv[j] = q4_scales16(a->sz, a->n, b / bpg, n0 + 16 * j);
+        __m512i ai[4], v[4];
+        for (int j = 0; j < 4; j++) ai[j] = _mm512_set1_epi32(a->xc[b]);
+#pragma GCC unroll 8
+        for (int s = 0; s < 8; s++) {
+            q4_unpack4(w + (b * 8 + s) * 128, ia, ib, m, v);
+            __m512i xb = _mm512_set1_epi32(q4_x4(a->xq + b * 32 + 4 * s));
+#pragma GCC unroll 4
+            for (int j = 0; j < 4; j++) ai[j] = _mm512_dpbusd_epi32(ai[j], v[j], xb);
+        }
+        __m512 d = _mm512_set1_ps(a->xd[b]);
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; j++)
+            acc[j] = _mm512_add_ps(acc[j], _mm512_mul_ps(_mm512_mul_ps(d, sv[j]), _mm512_cvtepi32_ps(ai[j])));
+    }
+    for (int j = 0; j < 4; j++) q4_store16(a, acc[j], n0 + 16 * j, a->y);
+#endif
+}
+
+/* GEMM chunk c: outputs [64c, 64c + 64) of every x row. */
+static void q4g_chunk(void *p, long c) {
+    const q4_ctx *a = p;
+    long n0 = c * Q4_BLK, k = a->k, nn = a->n, nb = a->nb;
+    if (a->path != Q4A_VNNI) {
+        for (long r = 0; r < a->m; r++) q4_rows_portable(a, a->xq + r * k, a->xd + r * nb, n0, n0 + Q4_BLK, a->y + r * nn);
+        return;
+    }
+#if HF_Q4A_VNNI
+    long bpg = a->group / 32, half = k / 4 * 128;
+    uint8_t *buf = a->scratch + (long)omp_get_thread_num() * a->scratch_bytes;
+    float *sc = (float *)(buf + 2 * half); /* [K/G][64] scales */
+    const uint8_t *w = a->w + n0 * k / 2;
+    const __m512i ia = q4_perm(0), ib = q4_perm(1), m = _mm512_set1_epi8(15);
+    for (long s = 0; s < k / 4; s++) { /* rows 0..31 into the first half, 32..63 into the second */
+        __m512i v[4];
+        q4_unpack4(w + s * 128, ia, ib, m, v);
+        _mm512_store_si512((void *)(buf + s * 128), v[0]), _mm512_store_si512((void *)(buf + s * 128 + 64), v[1]);
+        _mm512_store_si512((void *)(buf + half + s * 128), v[2]);
+        _mm512_store_si512((void *)(buf + half + s * 128 + 64), v[3]);
+    }
+    for (long g = 0; g < k / a->group; g++)
+        for (int j = 0; j < 4; j++) _mm512_store_ps(sc + g * 64 + 16 * j, q4_scales16(a->sz, nn, g, n0 + 16 * j));
+    for (int h = 0; h < 2; h++) {
+        const uint8_t *wb = buf + h * half;
+        for (long r0 = 0; r0 < a->m; r0 += Q4G_R) {
+            const int8_t *xq[Q4G_R];
+            const float *xd[Q4G_R];
+            const int32_t *xc[Q4G_R];
+            long rr[Q4G_R];
+            for (int i = 0; i < Q4G_R; i++) {
+                rr[i] = r0 + i < a->m ? r0 + i : a->m - 1;
+                xq[i] = a->xq + rr[i] * k, xd[i] = a->xd + rr[i] * nb, xc[i] = a->xc + rr[i] * nb;
+            }
+            __m512 acc[Q4G_R][2];
+#pragma GCC unroll 8
+            for (int i = 0; i < Q4G_R; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+            for (long b = 0; b < nb; b++) {
+                __m512i ai[Q4G_R][2];
+#pragma GCC unroll 8
+                for (int i = 0; i < Q4G_R; i++) ai[i][0] = ai[i][1] = _mm512_set1_epi32(xc[i][b]);
+                const uint8_t *wp = wb + b * 8 * 128;
+#pragma GCC unroll 8
+                for (int s = 0; s < 8; s++) {
+                    __m512i w0 = _mm512_load_si512((const void *)(wp + s * 128));
+                    __m512i w1 = _mm512_load_si512((const void *)(wp + s * 128 + 64));
+#pragma GCC unroll 8
+                    for (int i = 0; i < Q4G_R; i++) {
+                        __m512i xb = _mm512_set1_epi32(q4_x4(xq[i] + b * 32 + 4 * s));
+                        ai[i][0] = _mm512_dpbusd_epi32(ai[i][0], w0, xb);
+                        ai[i][1] = _mm512_dpbusd_epi32(ai[i][1], w1, xb);
+                    }
+                }
+                const float *sg = sc + (b / bpg) * 64 + 32 * h;
+                __m512 s0 = _mm512_load_ps(sg), s1 = _mm512_load_ps(sg + 16);
+#pragma GCC unroll 8
+                for (int i = 0; i < Q4G_R; i++) {
+                    __m512 d = _mm512_set1_ps(xd[i][b]);
+                    acc[i][0] = _mm512_add_ps(acc[i][0], _mm512_mul_ps(_mm512_mul_ps(d, s0), _mm512_cvtepi32_ps(ai[i][0])));
+                    acc[i][1] = _mm512_add_ps(acc[i][1], _mm512_mul_ps(_mm512_mul_ps(d, s1), _mm512_cvtepi32_ps(ai[i][1])));
+                }
+            }
+            for (int i = 0; i < Q4G_R && r0 + i < a->m; i++) {
+                q4_store16(a, acc[i][0], n0 + 32 * h, a->y + rr[i] * nn);
+                q4_store16(a, acc[i][1], n0 + 32 * h + 16, a->y + rr[i] * nn);
+            }
+        }
+    }
+#endif
+}
+
+static int q4_shape_ok(long n, long k, long group) {
+    return n > 0 && k > 0 && n % Q4_BLK == 0 && group >= 32 && group % 32 == 0 && k % group == 0;
+}
+
+/* y[n] = act(Σ_b (d_b·s[g(b), n])·Σ_{k in b} (u[n, k] − 8)·x_q[k] (+ bias[n])) for one fp32 row x (see above);
+ * w: ATen's packed int4 [N, K/2], sz: scales_zeros [K/G, N, 2] (zeros 0). On the native pool, 64 rows per
+ * chunk. Returns 0, -1 when the scratch cannot be allocated, -2 for a shape outside the kernel (N % 64, G, K). */
+int hf_gemv_q4a(const uint8_t *w, const float *sz, const float *x, const float *bias, float *y, long n, long k,
+                long group, int act, int threads) {
+    if (!q4_shape_ok(n, k, group)) return -2;
+    long nb = k / 32;
+    int8_t *xq = aligned_alloc(64, (size_t)((k + 63) / 64 * 64));
+    float *xd = malloc((size_t)nb * sizeof(float));
+    int32_t *xc = malloc((size_t)nb * sizeof(int32_t));
+    if (!xq || !xd || !xc) {
+        free(xq), free(xd), free(xc);
+        return -1;
+    }
+    q4_ctx a = {w, sz, bias, y, xq, xd, xc, NULL, x, 1, n, k, group, nb, 0, 1, act, q4a_path()};
+    q4q_chunk(&a, 0);
+    hf_run(q4v_chunk, &a, n / Q4_BLK, clamp_threads(threads));
+    free(xq), free(xd), free(xc);
+    return 0;
+}
+
+/* hf_gemv_q4a for the m rows of x [m, k] (row r of y has hf_gemv_q4a's bits for row r, on every path), on
+ * torch's OpenMP team (see hf_run_team); ``act`` as hf_gemm_q8a takes it (ReLU here, others by the caller).
+ * Returns 0, -1 (no scratch; y untouched) or -2 (shape). */
+int hf_gemm_q4a(const uint8_t *w, const float *sz, const float *x, const float *bias, float *y, long m, long n,
+                long k, long group, int act, int threads) {
+    if (m <= 0) return 0;
+    if (!q4_shape_ok(n, k, group)) return -2;
+    threads = clamp_threads(threads);
+    long nb = k / 32, per = 2 * (k / 4 * 128) + (k / group) * 64 * (long)sizeof(float);
+    per = (per + 63) / 64 * 64;
+    int path = q4a_path();
+    int8_t *xq = aligned_alloc(64, (size_t)((m * k + 63) / 64 * 64));
+    float *xd = malloc((size_t)(m * nb) * sizeof(float));
+    int32_t *xc = malloc((size_t)(m * nb) * sizeof(int32_t));
+    uint8_t *scratch = path == Q4A_VNNI ? aligned_alloc(64, (size_t)(per * threads)) : NULL;
+    if (!xq || !xd || !xc || (path == Q4A_VNNI && !scratch)) {
+        free(xq), free(xd), free(xc), free(scratch);
+        return -1;
+    }
+    long qrows = m < 8 ? 1 : 8;
+    q4_ctx a = {w, sz, bias, y, xq, xd, xc, scratch, x, m, n, k, group, nb, per, qrows, act, path};
+    hf_run_team(q4q_chunk, &a, (m + qrows - 1) / qrows, threads);
+    hf_run_team(q4g_chunk, &a, n / Q4_BLK, threads);
+    free(xq), free(xd), free(xc), free(scratch);
+    return 0;
+}
+
 /* ---------------------------------------------------------------- bfloat16 one-row kernels (--precision bf16)
  * Why: a bf16 decode step reads half the weight bytes of an fp32 one, but ATen/oneDNN run its one-row
  * products as small GEMMs (dispatch, a per-call reorder check, one thread per call) and its row ops as chains

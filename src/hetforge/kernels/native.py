@@ -59,6 +59,9 @@ SIGNATURES = {
     "hf_gemm_q8a": [_P, _P, _P, _P, _P, _L, _L, _L, _I, _I],
     "hf_quantize_q8_blocks": [_P, _L, _P, _P, _P],
     "hf_q8a_path": [_I],
+    "hf_gemv_q4a": [_P, _P, _P, _P, _P, _L, _L, _L, _I, _I],
+    "hf_gemm_q4a": [_P, _P, _P, _P, _P, _L, _L, _L, _L, _I, _I],
+    "hf_q4a_path": [_I],
     "hf_pool_info": [_P],
     "hf_pool_config": [_I, _I],
 }
@@ -188,6 +191,7 @@ def _open(path: Path) -> tuple[ctypes.CDLL | None, str]:
     lib.hf_bf16_path.restype = _I
     lib.hf_prefill_attention.restype = _I
     lib.hf_gemv_q8a.restype = lib.hf_gemm_q8a.restype = _I  # 0, or -1: scratch not allocated
+    lib.hf_gemv_q4a.restype = lib.hf_gemm_q4a.restype = lib.hf_q4a_path.restype = _I
     return lib, ""
 
 
@@ -710,4 +714,92 @@ def gemm_q8a(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias:
     code, after = gemm_act_split(act)
     check_rc(library().hf_gemm_q8a(qweight.data_ptr(), scales.data_ptr(), x.data_ptr(), _ptr(bias), y.data_ptr(),
                                    m, n, k, code, torch.get_num_threads()))
+    return act_inplace(y, after)
+
+
+# ---------------------------------------------------------------- int4 weights × int8 activation blocks (w4)
+
+W4_ACT_MODES = W8_ACT_MODES
+W4_ACT_DEFAULT = "q8"
+W4_ACT_ENV = "HETFORGE_W4_ACT"
+Q4A_PATHS = ("portable", "vnni")  # native.c's Q4A_* (hf_q4a_path): lowest to best
+Q4_ROW_BLOCK = 64  # rows per block of ATen's packed int4 layout that hf_gemv_q4a/hf_gemm_q4a read
+
+
+def check_w4_act(mode: str) -> str:
+    """``mode`` as one of :data:`W4_ACT_MODES` (``float`` is accepted for weight-only), else a UsageError."""
+    mode = W8_ACT_ALIASES.get(mode, mode)
+    if mode not in W4_ACT_MODES:
+        from hetforge.errors import UsageError
+
+        raise UsageError(f"the w4 activation mode (--w4-act / {W4_ACT_ENV}) must be one of "
+                         f"{', '.join(W4_ACT_MODES)} (or float, the same as weight-only), got {mode!r}")
+    return mode
+
+
+def set_w4_act(mode: str | None) -> None:
+    """Set the w4 activation mode for this process and the processes it starts (the CLI's ``--w4-act``), as
+    ``HETFORGE_W4_ACT`` (recorded by the compile cache key, the kernel context and the benchmark harness)."""
+    if mode is not None:
+        os.environ[W4_ACT_ENV] = check_w4_act(mode)
+
+
+def w4_act_mode() -> str:
+    """How a w4 (group-wise int4 weight) product takes its activation, decode and prefill alike:
+
+    * ``q8`` (default): x quantized per block of 32 as under w8's ``q8`` and int4·int8 products with exact int32
+      block sums — ``hf_gemv_q4a`` for one row, ``hf_gemm_q4a`` for several (row r of a prefill has the bits a
+      decode step gives for that row), where the host has AVX512-VNNI and VBMI and the weight is in the layout
+      those kernels read (:func:`hetforge.ops.quant.w4_native_fits`);
+    * ``weight-only``: fp32 x — ATen's ``_weight_int4pack_mm_for_cpu`` for one row, the weight dequantized per
+      call and one float GEMM for several.
+
+    Set by ``--w4-act`` or ``HETFORGE_W4_ACT``. Where the native kernels cannot run, products take the
+    weight-only path whatever the mode."""
+    return check_w4_act(os.environ.get(W4_ACT_ENV) or W4_ACT_DEFAULT)
+
+
+def q4a_path(force: str | None | bool = False) -> str:
+    """The best int4·int8 path this build has (``vnni``: AVX512-VNNI + VBMI; ``portable``: plain C, the same bits);
+    ``force`` a name makes the kernels use a lower one, None resets (test hooks); False only asks."""
+    lib = library()
+    assert lib is not None, status().reason
+    best = lib.hf_q4a_path(-2 if force is False else -1 if force is None else Q4A_PATHS.index(force))
+    return Q4A_PATHS[best]
+
+
+def q4_kernel(rows: int = 1) -> str | None:
+    """The native function a w4 product of ``rows`` rows runs under :func:`w4_act_mode` (None: the ATen path):
+    only under ``q8``, with the library built and its VNNI path compiled (the portable C path is there for
+    checking; on hosts without VNNI ATen's kernels are faster)."""
+    if w4_act_mode() != "q8" or rows < 1 or library() is None or q4a_path() != "vnni":
+        return None
+    return "hf_gemv_q4a" if rows == 1 else "hf_gemm_q4a"
+
+
+def check_q4_rc(rc: int, fn: str = "hf_gemm_q4a") -> None:
+    """Raise when a native int4 kernel refused its call (-1: no scratch; -2: a shape outside the kernel)."""
+    if rc == -1:
+        raise MemoryError(f"{fn}: could not allocate the scratch for the quantized activations")
+    if rc:
+        raise ValueError(f"{fn}: shape outside the kernel (N a multiple of {Q4_ROW_BLOCK}, G a multiple of 32 "
+                         "dividing K)")
+
+
+def q4a(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor, group_size: int,
+        bias: torch.Tensor | None, act: str) -> torch.Tensor:
+    """``act(x·Wᵀ + b)`` for the rows of fp32 ``x`` ``[.., K]`` on ``hf_gemv_q4a`` (one row) or ``hf_gemm_q4a``
+    (several; GELU/SiLU then applied by ATen in place, :func:`gemm_act_split`), each row quantized per block of
+    32; check :func:`hetforge.ops.quant.w4_native_fits` first."""
+    n, k = packed.shape[0], packed.shape[1] * 2
+    m = x.numel() // k if k else 0
+    y = torch.empty((*x.shape[:-1], n), dtype=torch.float32)
+    lib, nt = library(), torch.get_num_threads()
+    if m == 1:
+        check_q4_rc(lib.hf_gemv_q4a(packed.data_ptr(), scales_zeros.data_ptr(), x.data_ptr(), _ptr(bias),
+                                    y.data_ptr(), n, k, group_size, ACT_CODES[act], nt), "hf_gemv_q4a")
+        return y
+    code, after = gemm_act_split(act)
+    check_q4_rc(lib.hf_gemm_q4a(packed.data_ptr(), scales_zeros.data_ptr(), x.data_ptr(), _ptr(bias), y.data_ptr(),
+                                m, n, k, group_size, code, nt))
     return act_inplace(y, after)

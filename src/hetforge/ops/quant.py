@@ -32,6 +32,7 @@ import warnings
 import weakref
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from hetforge.kernels import native
 from hetforge.ops.fused import apply_act
@@ -209,6 +210,67 @@ def linear_w8(x, qweight, scales, bias=None, act="none"):
 
 # ---------------------------------------------------------------- int4 weight-only, group-wise
 
+_W4_WEIGHTS: dict[int, tuple[weakref.ref, tuple, bool]] = {}  # id(packed) -> (ref, versions, native kernels fit)
+_W4_LAYOUT_OK: dict[tuple[int, int, int], bool] = {}  # (N, K, G) -> the native kernel agreed with ATen's on a weight
+
+
+def _w4_layout_agrees(packed: torch.Tensor, scales_zeros: torch.Tensor, group_size: int) -> bool:
+    """Whether ``hf_gemv_q4a`` reads this build's packed layout as ATen's int4 kernel does, once per shape: on a
+    row of x that the q8 blocks hold exactly (integers with ±127 in every block: scale 1), both compute the same
+    sums, so they must agree to float rounding; a misread layout gives unrelated numbers."""
+    n, k = packed.shape[0], packed.shape[1] * 2
+    key = (n, k, group_size)
+    if key not in _W4_LAYOUT_OK:
+        g = torch.Generator().manual_seed(0)
+        x = torch.randint(-127, 128, (1, k), generator=g).float()
+        x.view(-1, 32)[:, 0] = 127.0
+        sz = scales_zeros.float()
+        want = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group_size, sz)
+        got = native.q4a(x, packed, sz, group_size, None, "none")
+        tol = 1e-4 * float(want.abs().max()) + 1e-6
+        _W4_LAYOUT_OK[key] = bool(torch.allclose(got, want, rtol=1e-4, atol=tol))
+    return _W4_LAYOUT_OK[key]
+
+
+def w4_weight_fits(packed: torch.Tensor, scales_zeros: torch.Tensor, group_size: int) -> bool:
+    """Whether a w4 weight can run on hetforge's native int4 kernels (``hf_gemv_q4a``/``hf_gemm_q4a``): packed
+    uint8 ``[N, K/2]`` and fp32 ``[K/G, N, 2]`` with zeros 0 (symmetric, as hetforge quantizes), contiguous real
+    CPU tensors, N a multiple of 64, G a multiple of 32, this torch build's layout the 64-row block layout the
+    kernels read (:func:`_int4_layout`, then checked against ATen's kernel once per shape). Cached per weight."""
+    if not isinstance(group_size, int) or group_size < 32 or group_size % 32 or packed.dim() != 2 \
+            or packed.dtype != torch.uint8 or not native._f32(scales_zeros) or not packed.is_contiguous() \
+            or packed.device.type != "cpu" or is_fake(packed):
+        return False
+    n, k = packed.shape[0], packed.shape[1] * 2
+    if n % native.Q4_ROW_BLOCK or k % group_size or tuple(scales_zeros.shape) != (k // group_size, n, 2):
+        return False
+    versions = (packed._version, scales_zeros._version, id(scales_zeros))
+    hit = _W4_WEIGHTS.get(id(packed))
+    if hit is not None and hit[0]() is packed and hit[1] == versions:
+        return hit[2]
+    ok = _int4_layout(n, k) == ("block", native.Q4_ROW_BLOCK) and not bool(scales_zeros[..., 1].any()) \
+        and _w4_layout_agrees(packed, scales_zeros, group_size)
+
+    def forget(ref: weakref.ref, i: int = id(packed)) -> None:
+        if _W4_WEIGHTS.get(i, (None,))[0] is ref:
+            del _W4_WEIGHTS[i]
+
+    _W4_WEIGHTS[id(packed)] = (weakref.ref(packed, forget), versions, ok)
+    return ok
+
+
+def w4_native_fits(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor, group_size: int,
+                   bias: torch.Tensor | None, act: str) -> bool:
+    """Whether ``hetforge::linear_w4`` of fp32 rows ``x`` runs on the native int4·int8 kernels: the ``q8``
+    activation mode on a host with their VNNI path (:func:`native.q4_kernel`), a known activation, contiguous fp32
+    x (and bias), and a weight they read (:func:`w4_weight_fits`)."""
+    if x.dim() < 1 or act not in native.ACT_CODES or packed.dim() != 2 or x.shape[-1] != packed.shape[1] * 2:
+        return False
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    return (native.q4_kernel(rows) is not None and native._f32(x, bias)
+            and (bias is None or bias.numel() == packed.shape[0]) and w4_weight_fits(packed, scales_zeros, group_size))
+
+
 
 def _w4_fake(x, packed, scales_zeros, group_size, bias=None, act="none"):
     return _out_like(x, packed.shape[0])
@@ -222,8 +284,13 @@ def _w4_fake(x, packed, scales_zeros, group_size, bias=None, act="none"):
     fake=_w4_fake,
 )
 def linear_w4(x, packed, scales_zeros, group_size, bias=None, act="none"):
-    """``act(x·Wᵀ + b)`` with ``W`` group-wise int4 (packed): ``aten._weight_int4pack_mm_for_cpu``, or for several
-    rows (prefill) the weight unpacked and dequantized once per call and one float GEMM (:func:`dequant_rows`)."""
+    """``act(x·Wᵀ + b)`` with ``W`` group-wise int4 (packed): under the ``q8`` activation mode
+    (:func:`native.w4_act_mode`, the default) hetforge's native int4·int8 kernels with x quantized per block of 32
+    (one row and several alike, :func:`w4_native_fits`); else ``aten._weight_int4pack_mm_for_cpu`` for one row,
+    and for several rows (prefill) the weight unpacked and dequantized once per call and one float GEMM
+    (:func:`dequant_rows`)."""
+    if w4_native_fits(x, packed, scales_zeros, group_size, bias, act):
+        return native.q4a(x, packed, scales_zeros, group_size, bias, act)
     if dequant_rows(x):
         w = dequantize_w4(packed, scales_zeros, group_size, x.dtype)
         return _act(torch.nn.functional.linear(x, w, bias), act)
