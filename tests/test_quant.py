@@ -24,9 +24,11 @@ ROWS_KERNELS = {"w8": "aten::linear", "w4": "aten::linear", "w8a8": "quantized::
 
 @pytest.fixture
 def w8_weight_only(monkeypatch):
-    """``--w8-act weight-only``: w8 with fp32 activations (the arithmetic these tests check against the
-    dequantized weight); the default ``q8`` mode is tested in test_native_q8_gemm.py and below."""
+    """``--w8-act weight-only`` and ``--w4-act weight-only``: w8/w4 with fp32 activations on ATen's kernels (the
+    arithmetic these tests check against the dequantized weight); the default ``q8`` modes are tested in
+    test_native_q8_gemm.py, test_native_q4a.py and below."""
     monkeypatch.setenv("HETFORGE_W8_ACT", "weight-only")
+    monkeypatch.setenv("HETFORGE_W4_ACT", "weight-only")
 
 
 @pytest.fixture(scope="module")

@@ -320,7 +320,8 @@ def _run_block(cfg: SuiteConfig, model: str, r: int, reps: int, active: list[str
         shutil.rmtree(cache, ignore_errors=True)
 
 
-BEHAVIOUR_ENV = ("HETFORGE_W8_ACT", "HETFORGE_GEMM", "HETFORGE_CAPTURE")  # settings that change what hetforge runs
+# settings that change what hetforge runs
+BEHAVIOUR_ENV = ("HETFORGE_W8_ACT", "HETFORGE_W4_ACT", "HETFORGE_GEMM", "HETFORGE_CAPTURE")
 
 
 def _default_command() -> str:

@@ -12,7 +12,8 @@ Defaults, one per option:
 * ``--objective energy``: the default of ``compile``, ``run-graph`` and ``run`` (the edge device's budget);
   ``explain`` and ``pareto`` (which used ``balanced``) follow it.
 * ``--w8-act``: unset (``$HETFORGE_W8_ACT``, else ``q8``); set, it is exported as ``HETFORGE_W8_ACT`` so the
-  processes a command starts (``bench peers`` systems) and the compile cache key see it.
+  processes a command starts (``bench peers`` systems) and the compile cache key see it. ``--w4-act`` the same
+  for w4 (``$HETFORGE_W4_ACT``).
 * ``--quantize none``, ``--group-size 128``, ``--attn sdpa``, ``--passes/--no-passes`` on, ``--json`` off: these
   never differed. ``--soc`` and ``--seq`` share their help; their defaults stay per command because they mean
   different things there (``--soc`` is required where a profile must be named; ``--seq`` is a prefill length
@@ -55,6 +56,11 @@ W8_ACT_HELP = ("--quantize w8: how the int8 products take their activation, pref
                "per block of 32 as llama.cpp's Q8_0, int8·int8 sums; the default) or weight-only (fp32 activation); "
                "default: $HETFORGE_W8_ACT, else q8")
 W8Act = Annotated[str | None, typer.Option("--w8-act", help=W8_ACT_HELP)]
+W4_ACT_HELP = ("--quantize w4: how the int4 products take their activation, prefill and decode alike: q8 (quantized "
+               "per block of 32 as llama.cpp's Q8_0, int4·int8 sums on hetforge's VNNI kernels; the default) or "
+               "weight-only (fp32 activation, ATen's int4 kernel / dequantize + float GEMM); default: "
+               "$HETFORGE_W4_ACT, else q8")
+W4Act = Annotated[str | None, typer.Option("--w4-act", help=W4_ACT_HELP)]
 GroupSize = Annotated[int, typer.Option("--group-size", help="int4 (w4) quantization group size: 32, 64, 128 or 256")]
 Attn = Annotated[str, typer.Option("--attn", help="attention implementation: eager or sdpa")]
 Passes = Annotated[bool, typer.Option("--passes/--no-passes", help="run the middle-end passes before placement")]

@@ -9,8 +9,9 @@ that: it reads the kernel that lowering recorded on the instruction (``attrs["ke
 * ``native:<fn>`` of a ``hetforge::`` row op: one native kernel writing its slice — one roofline under the
   calibrated ``native`` efficiency and overhead (:func:`hetforge.cost.estimate_parts`); the bf16 kernels
   (``native:<fn>_bf16``, and ``native:hf_gemv_bf16`` of a ``linear_act``) the same way, over bf16 bytes; the
-  several-row int8 GEMM ``native:hf_gemm_q8a`` (w8 prefill) looks up its own key ``native:hf_gemm_q8a`` first (a
-  compute-bound kernel at the int8 rate, not a GEMV's streaming efficiency) and falls back to the w8 op's native keys;
+  several-row int8 GEMMs ``native:hf_gemm_q8a`` (w8 prefill) and ``native:hf_gemm_q4a`` (w4 prefill) look up their
+  own key first (a compute-bound kernel at the int8 rate, not a GEMV's streaming efficiency) and fall back to the
+  op's native keys;
 * ``elided`` (a view that returns its input) and ``static-view`` (made once at build time): free;
 * views and in-place ops: the op's cost (a view costs one dispatch and its fitted overhead);
 * an unplanned result (``fresh``: a graph output), ``onednn``, and every kernel that writes the slice itself
@@ -129,7 +130,7 @@ def _seq(ins: Instr, program: Program, device: DeviceProfile, planned, hot_bytes
     first = _kernel_keys(call, device, kernel, onednn_known(ins, program))
     if mode == "native" or kernel == "onednn":
         parts = estimate_parts(call, device, hot_bytes=hot_bytes, native=mode == "native", fused=kernel == "onednn",
-                               first_keys=(kernel,) if kernel == "native:hf_gemm_q8a" else ())
+                               first_keys=(kernel,) if kernel in ("native:hf_gemm_q8a", "native:hf_gemm_q4a") else ())
         return parts[0][1], parts
     if mode == "free":
         c = OpCost(ins.op, device.name, 0.0, 0.0, 0.0, "memory", 0.0, 0.0, 0.0, "dispatch", True, "view")

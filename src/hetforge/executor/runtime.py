@@ -414,6 +414,15 @@ class _Codegen:
                     f"{rows}, {d}, {kk}, {code}, {nt})")
             if after != "none":
                 post = f"; {self.const(native.act_inplace, 'f')}(r{o}, {after!r})"
+        elif fn in ("hf_gemv_q4a", "hf_gemm_q4a"):  # int4 weights (ATen's packed layout), x per block of 32
+            kk = self.p.values[x.id].shape[-1]
+            n_rows = "" if fn == "hf_gemv_q4a" else f"{rows}, "
+            code, after = (native.ACT_CODES[args["act"]], "none") if fn == "hf_gemv_q4a" \
+                else native.gemm_act_split(args["act"])
+            call = (f"{fn}({p(args['packed'])}, {p(args['scales_zeros'])}, {p(x)}, {p(args['bias'])}, {{y}}, "
+                    f"{n_rows}{d}, {kk}, {int(args['group_size'])}, {code}, {nt})")
+            if after != "none":
+                post = f"; {self.const(native.act_inplace, 'f')}(r{o}, {after!r})"
         elif fn == "hf_linear_act":
             w, wt = args["weight"], bool(args["weight_t"])
             kk = math.prod(self.p.values[x.id].shape)
@@ -471,6 +480,8 @@ class _Codegen:
             call = f"{self.const(getattr(lib, name), 'nk')}({rest}"
         if fn in ("hf_gemv_q8a", "hf_gemm_q8a"):  # -1: no scratch for the quantized rows (raises)
             call = f"{self.const(native.check_rc, 'f')}({call}, {fn!r})"
+        elif fn in ("hf_gemv_q4a", "hf_gemm_q4a"):  # -1: no scratch, -2: shape (raises)
+            call = f"{self.const(native.check_q4_rc, 'f')}({call}, {fn!r})"
         self.stats.native_ops += 1
         if self.planned(o):
             buf = self.buffer(o)

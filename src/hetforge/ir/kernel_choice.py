@@ -369,6 +369,29 @@ def _native_w8(lw: Lowering, ins: Instr, o: int, dev: torch.device, args: dict, 
     return f"native:{fn}" if ok else None
 
 
+@native_row_op("hetforge.linear_w4.default")
+def _native_w4(lw: Lowering, ins: Instr, o: int, dev: torch.device, args: dict, rows: int,
+               d: int) -> str | None:
+    """A group-wise int4 product on hetforge's int4·int8 kernels under the w4 activation mode ``q8``
+    (:func:`native.q4_kernel`): one row on ``hf_gemv_q4a``, several (prefill, chunk) on ``hf_gemm_q4a``, x quantized
+    per block of 32 either way; a weight they cannot read (:func:`hetforge.ops.quant.w4_weight_fits`) or the
+    ``weight-only`` mode keeps the op's own path (ATen's int4 kernel / dequantize + float GEMM)."""
+    from hetforge.ops.quant import w4_weight_fits
+
+    x, pk, sz, g = args["x"], args["packed"], args["scales_zeros"], args["group_size"]
+    if not (isinstance(x, Reg) and lw.is_weight(pk) and lw.is_weight(sz)) or args["act"] not in native.ACT_CODES \
+            or lw.p.values[o].dtype != torch.float32:
+        return None
+    fn = native.q4_kernel(rows)
+    vx, vp = lw.p.values[x.id], lw.p.values[pk.id]
+    kk = vx.shape[-1] if vx.shape else 0
+    ok = (fn is not None and lw.native_operand(x, dev, rows * kk) and tuple(vp.shape) == (d, kk // 2)
+          and lw.dm[vp.device] == dev and lw.dm[lw.p.values[sz.id].device] == dev
+          and _optional(lw, args["bias"], dev, d) and isinstance(g, int)
+          and w4_weight_fits(lw.weight(pk.id, dev), lw.weight(sz.id, dev), g))
+    return f"native:{fn}" if ok else None
+
+
 @native_row_op("hetforge.linear_act.default")
 def _native_linear_act(lw: Lowering, ins: Instr, o: int, dev: torch.device, args: dict, rows: int,
                        d: int) -> str | None:
@@ -569,7 +592,7 @@ def kernel_context(device_map: dict[str, torch.device], mode: str, planned) -> d
     and which values the memory plan gave a slice (a CRC-32 of their ids)."""
     return {"mode": mode, "devices": {d: str(t) for d, t in sorted(device_map.items())},
             "native": native.library() is not None, "onednn": onednn.available(),
-            "threads": torch.get_num_threads(), "w8_act": native.w8_act_mode(),
+            "threads": torch.get_num_threads(), "w8_act": native.w8_act_mode(), "w4_act": native.w4_act_mode(),
             "planned": zlib.crc32(repr(sorted(planned)).encode())}
 
 

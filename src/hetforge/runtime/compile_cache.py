@@ -164,7 +164,8 @@ def key_document(model: torch.nn.Module, options: dict[str, Any], optimize: bool
             "options": options, "passes": bool(optimize), "program": [kind, int(length)],
             "module": type(module).__qualname__ if module is not None else None,
             "inputs": [[list(t.shape), str(t.dtype)] if isinstance(t, torch.Tensor) else repr(t) for t in inputs],
-            "gemm": os.environ.get("HETFORGE_GEMM", "auto"), "cpu": _cpu_key(), "w8_act": _w8_act(options)}
+            "gemm": os.environ.get("HETFORGE_GEMM", "auto"), "cpu": _cpu_key(), "w8_act": _w8_act(options),
+            "w4_act": _w4_act(options)}
 
 
 def _w8_act(options: dict[str, Any]) -> str | None:
@@ -174,6 +175,15 @@ def _w8_act(options: dict[str, Any]) -> str | None:
     from hetforge.kernels import native
 
     return native.w8_act_mode()
+
+
+def _w4_act(options: dict[str, Any]) -> str | None:
+    """The w4 activation mode (``--w4-act``) of a w4 program (it decides the kernels and the numerics), else None."""
+    if options.get("quantize") != "w4":
+        return None
+    from hetforge.kernels import native
+
+    return native.w4_act_mode()
 
 
 def _cpu_key() -> list:

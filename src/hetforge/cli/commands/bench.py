@@ -68,6 +68,7 @@ def peers(
                                                      "(e.g. peers_decode → peers_decode.md)"),
     json_out: bool = typer.Option(False, "--json", help="print JSON (progress goes to stderr)"),
     w8_act: opt.W8Act = None,
+    w4_act: opt.W4Act = None,
 ) -> None:
     """Run the peer suite: prep time, prefill, one token, decode, peak RSS and fidelity per system (measured)."""
     from hetforge.benchmarks.harness import DEFAULT_MODELS, QUICK_MODELS, SuiteConfig, run_suite
@@ -76,6 +77,7 @@ def peers(
     from hetforge.kernels import native
 
     native.set_w8_act(w8_act)  # exported: the systems' processes inherit it (and the page's command records it)
+    native.set_w4_act(w4_act)
     if out_dir is not None:
         from hetforge.files import check_output_dir
 

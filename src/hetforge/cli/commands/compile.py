@@ -55,6 +55,7 @@ def compile_cmd(
     quantize: opt.Quantize = opt.QUANTIZE,
     group_size: opt.GroupSize = opt.GROUP_SIZE,
     w8_act: opt.W8Act = None,
+    w4_act: opt.W4Act = None,
     skip: list[str] = typer.Option([], "--skip", help="module path or glob kept in float (repeatable)"),
     attn: opt.Attn = opt.ATTN,
     passes: opt.Passes = True,
@@ -70,6 +71,7 @@ def compile_cmd(
     from hetforge.kernels import native
 
     native.set_w8_act(w8_act)
+    native.set_w4_act(w4_act)
     from hetforge.files import check_output
 
     if out is not None:
@@ -153,6 +155,7 @@ def run_graph(
     quantize: opt.Quantize = opt.QUANTIZE,
     group_size: opt.GroupSize = opt.GROUP_SIZE,
     w8_act: opt.W8Act = None,
+    w4_act: opt.W4Act = None,
     attn: opt.Attn = opt.ATTN,
     passes: opt.Passes = True,
     mode: str = typer.Option("arena", "--mode", help="arena: every result in its planned slice; fast: ops without "
@@ -168,6 +171,7 @@ def run_graph(
     from hetforge.kernels import native
 
     native.set_w8_act(w8_act)
+    native.set_w4_act(w4_act)
 
     import torch
 

@@ -29,6 +29,7 @@ def optimize(
     quantize: opt.Quantize = opt.QUANTIZE,
     group_size: opt.GroupSize = opt.GROUP_SIZE,
     w8_act: opt.W8Act = None,
+    w4_act: opt.W4Act = None,
     skip: list[str] = typer.Option([], "--skip", help="module path or glob kept in float (repeatable)"),
     quantize_report: bool = typer.Option(False, "--quantize-report", help="list every quantized tensor"),
     show: int = typer.Option(10, "--show", help="near-misses to list (0: none)"),
@@ -42,6 +43,7 @@ def optimize(
     from hetforge.verify import check_kl_threshold, verify
 
     native.set_w8_act(w8_act)
+    native.set_w4_act(w4_act)
     names = resolve_passes(passes)  # bad names fail before the model is built
     if quantize != "none":
         from hetforge.quant import check_options

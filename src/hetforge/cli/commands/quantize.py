@@ -20,6 +20,7 @@ def quantize(
     scheme: str = typer.Option("w8", "--scheme", help=SCHEME_HELP),
     group_size: opt.GroupSize = opt.GROUP_SIZE,
     w8_act: opt.W8Act = None,
+    w4_act: opt.W4Act = None,
     skip: list[str] = typer.Option([], "--skip", help="keep layers whose module path matches in float "
                                    "(repeatable; 'lm_head', 'layers.0', globs like '*.mlp.*')"),
     seq: opt.Seq = 16,
@@ -33,6 +34,7 @@ def quantize(
     from hetforge.verify import verify
 
     native.set_w8_act(w8_act)
+    native.set_w4_act(w4_act)
     check_options(scheme, group_size, skip)  # fail fast, before loading the model
     loaded, inputs, cg = capture_model(model, seq, "sdpa", False)
     t0 = time.perf_counter()

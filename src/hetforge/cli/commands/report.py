@@ -44,6 +44,7 @@ def report(
     quantize: opt.Quantize = opt.QUANTIZE,
     group_size: opt.GroupSize = opt.GROUP_SIZE,
     w8_act: opt.W8Act = None,
+    w4_act: opt.W4Act = None,
     seq: opt.Seq = 16,
     run: bool = typer.Option(True, "--run/--no-run", help="run the partitioned program once on this host's "
                              "backends (measured time, fidelity, and the modeled device timeline)"),
@@ -59,6 +60,7 @@ def report(
     from hetforge.report import compile_report_data, write_report
 
     native.set_w8_act(w8_act)
+    native.set_w4_act(w4_act)
     check_output(out, "--out", (".html", ".htm"), example="report.html")  # before any work: nothing half-written
     if not 1 <= seq <= 4096:
         raise UsageError(f"--seq {seq} is outside 1..4096")

@@ -74,6 +74,7 @@ def run(
     quantize: opt.Quantize = opt.QUANTIZE,
     group_size: opt.GroupSize = opt.GROUP_SIZE,
     w8_act: opt.W8Act = None,
+    w4_act: opt.W4Act = None,
     ignore_eos: bool = typer.Option(False, "--ignore-eos", help="keep going past the end-of-text token"),
     json_out: opt.Json = False,
     report: Path = typer.Option(None, "--report", help="also write an offline HTML report of this generation "
@@ -131,6 +132,7 @@ def run(
     from hetforge.runtime import SamplingParams
 
     native.set_w8_act(w8_act)
+    native.set_w4_act(w4_act)
     sel = select_params(candidates, select, match, schema, require_stop, max_entropy, greedy_anchor, verifier)
     if greedy_anchor and candidates == 1:
         raise UsageError("--greedy-anchor needs --candidates K with K >= 2 (it makes candidate 0 greedy)")
