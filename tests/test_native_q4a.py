@@ -140,7 +140,8 @@ def test_weights_the_kernels_cannot_read_keep_the_aten_path():
 def test_w4_act_mode_selects_the_kernels_and_refuses_unknown_values(monkeypatch):
     q, s, packed, sz, x, b = _case(8, 128, 512, 128, seed=5)
     x3 = x.view(2, 4, 512)
-    assert native.w4_act_mode() == "q8" and native.q4_kernel(1) == "hf_gemv_q4a" and native.q4_kernel(8) == "hf_gemm_q4a"
+    assert native.w4_act_mode() == "q8"
+    assert native.q4_kernel(1) == "hf_gemv_q4a" and native.q4_kernel(8) == "hf_gemm_q4a"
     got = torch.ops.hetforge.linear_w4(x3, packed, sz, 128, b, "none")
     assert got.shape == (2, 4, 128) and torch.equal(got.view(8, 128), _reference(q, s, x, b, 128))
     assert torch.equal(torch.ops.hetforge.linear_w4(x[:1], packed, sz, 128, b), _reference(q, s, x[:1], b, 128))
