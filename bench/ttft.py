@@ -2,13 +2,14 @@
 prefill (after), per ``--quantize`` scheme, next to peers that prefill the exact prompt length.
 
 Usage: python bench/ttft.py [--models gpt2 llama-110m] [--lengths 16 84 500] [--quantize none w8 w4 w8a8 bf16]
-                            [--rounds 3] [--threads 2] [--peers hf ov-f32 ov-default llamacpp-f32 llamacpp-q8]
+                            [--rounds 3] [--threads 2] [--peers hf ov-f32 ov-default llamacpp-f32 llamacpp-q8
+                             llamacpp-q4]
                             [--json docs/bench/ttft.json] [--md docs/bench/ttft.md]
        python bench/ttft.py --from-json docs/bench/ttft.json --md docs/bench/ttft.md
 
 ``--quantize`` takes hetforge's weight schemes (``none`` = fp32, ``w8``, ``w4``, ``w8a8``) and ``bf16``: the
 model in bfloat16 as ``hetforge run --precision bf16`` loads it (refused, and noted, on a CPU without bf16
-instructions). Peers: ``hf``, ``ov-f32``, ``ov-default``, ``llamacpp-f32``, ``llamacpp-q8``.
+instructions). Peers: ``hf``, ``ov-f32``, ``ov-default``, ``llamacpp-f32``, ``llamacpp-q8``, ``llamacpp-q4``.
 
 Per model, in one process: build every system, warm each up at every length (hetforge compiles its programs
 here; the compile seconds per program are recorded), then ``--rounds`` rounds; in each round every length
@@ -26,16 +27,17 @@ runs every system once, in the same order (interleaved, so drift and other proce
   the plugin's default precision (bf16 where the CPU has it); one stateless inference of exactly ``n`` tokens
   and the argmax. This is OpenVINO's prefill, not its stateful KV-cache pipeline (optimum-intel, which also
   writes the KV state).
-* ``llamacpp-f32`` / ``llamacpp-q8`` = llama.cpp (llama-cpp-python) on the same seeded weights written as GGUF
-  f32 / Q8_0 (``hetforge.benchmarks.gguf_export``) into a temporary folder removed at the end, loaded with
-  ``n_threads`` = ``n_threads_batch`` = ``--threads``, ``n_batch`` = ``n_ubatch`` = 512 and only the last
-  position's logits computed; TTFT = ``reset()`` + ``eval`` of exactly ``n`` tokens + the argmax of the last
+* ``llamacpp-f32`` / ``llamacpp-q8`` / ``llamacpp-q4`` = llama.cpp (llama-cpp-python) on the same seeded weights
+  written as GGUF f32 / Q8_0 / Q4_0 (``hetforge.benchmarks.gguf_export``) into a temporary folder removed at the
+  end, loaded with ``n_threads`` = ``n_threads_batch`` = ``--threads``, ``n_batch`` = ``n_ubatch`` = 512 and only
+  the last position's logits computed; TTFT = ``reset()`` + ``eval`` of exactly ``n`` tokens + the argmax of the last
   logits. Marked not installed when ``llama_cpp`` (or ``gguf``) is not importable.
 
 The ratio table divides hetforge's chunked TTFT by the best (lowest median) peer of the matching precision
-(:data:`MATCHING`: fp32 by ov-f32 and llamacpp-f32, w8 and w8a8 by llamacpp-q8, bf16 by ov-default; w4 has no
-4-bit peer here, so by every peer; Q8_0 also rounds the activations to 8 bits in its products, hence the
-8-bit peer of both w8 and w8a8) and by the best peer of any precision, naming the peer in each cell.
+(:data:`MATCHING`: fp32 by ov-f32 and llamacpp-f32, w8 and w8a8 by llamacpp-q8, w4 by llamacpp-q4, bf16 by
+ov-default; Q8_0 also rounds the activations to 8 bits in its products, hence the 8-bit peer of both w8 and w8a8;
+Q4_0 does the same with 4-bit weights, as w4's default ``--w4-act q8`` does) and by the best peer of any
+precision, naming the peer in each cell.
 All times are wall clock, measured on this host. The peers run in the same process as hetforge (their thread
 pools may wait on each other between calls); the page says so.
 """
@@ -63,12 +65,13 @@ from hetforge.models.zoo import LoadedModel, load_model  # noqa: E402
 from hetforge.runtime import Engine, SamplingParams  # noqa: E402
 from hetforge.runtime.programs import CALL_TOKENS, CHUNK_MIN, prefill_pieces  # noqa: E402
 
-PEERS = ("hf", "ov-f32", "ov-default", "llamacpp-f32", "llamacpp-q8")
+PEERS = ("hf", "ov-f32", "ov-default", "llamacpp-f32", "llamacpp-q8", "llamacpp-q4")
 SCHEMES = ("none", "w8", "w4", "w8a8", "bf16")
-GGUF_TYPE = {"llamacpp-f32": "f32", "llamacpp-q8": "q8_0"}
+GGUF_TYPE = {"llamacpp-f32": "f32", "llamacpp-q8": "q8_0", "llamacpp-q4": "q4_0"}
 # hetforge precision -> the peers of the matching precision (None: no such peer here, every peer counts)
 MATCHING: dict[str, tuple[str, ...] | None] = {"fp32": ("ov-f32", "llamacpp-f32"), "w8": ("llamacpp-q8",),
-                                               "w8a8": ("llamacpp-q8",), "bf16": ("ov-default",), "w4": None}
+                                               "w8a8": ("llamacpp-q8",), "bf16": ("ov-default",),
+                                               "w4": ("llamacpp-q4",)}
 
 
 def _prompt(n: int, vocab: int, seed: int = 0) -> list[int]:
@@ -151,7 +154,7 @@ def _llamacpp_system(loaded: LoadedModel, workdir: Path, qtype: str, threads: in
         tok = int(np.argmax(last_logits(llm, vocab)))
         return time.perf_counter() - t, tok
 
-    info = {"precision": "f32" if qtype == "f32" else "q8_0", "prepare_s": round(sum(stages.values()), 3),
+    info = {"precision": qtype, "prepare_s": round(sum(stages.values()), 3),
             "gguf_mib": round(path.stat().st_size / 2**20, 1), "n_ctx": n_ctx,
             "version": getattr(llama_cpp, "__version__", "?")}
     return ttft, info, llm

@@ -28,26 +28,27 @@ def test_ttft_page_has_a_row_per_system_and_ratios_against_named_peers(tmp_path:
     tmp = tmp_path / "tmp"
     tmp.mkdir()
     out, md = tmp_path / "t.json", tmp_path / "t.md"
-    r = _run(["--models", "llama-tiny", "--lengths", "8", "20", "--rounds", "1", "--quantize", "none", "w8", "bf16",
-              "--peers", "hf", "llamacpp-f32", "llamacpp-q8", "--json", str(out), "--md", str(md)],
+    r = _run(["--models", "llama-tiny", "--lengths", "8", "20", "--rounds", "1", "--quantize", "none", "w8", "w4",
+              "bf16", "--peers", "hf", "llamacpp-f32", "llamacpp-q8", "llamacpp-q4", "--json", str(out),
+              "--md", str(md)],
              env={"TMPDIR": str(tmp)})
     assert r.returncode == 0, r.stderr[-2000:]
     res = json.loads(out.read_text())
     (m,) = res["models"]
     sy = m["systems"]
-    schemes = ["fp32", "w8"]
+    schemes = ["fp32", "w8", "w4"]
     if "hetforge bf16 chunked" in sy:
         schemes.append("bf16")
     else:  # a CPU without bf16 instructions: refused, and the page says so
         assert any(n.startswith("hetforge bf16: refused") for n in m["notes"]), m["notes"]
-    want = ["hf", "llamacpp-f32", "llamacpp-q8"] + [f"hetforge {s} {mode}" for s in schemes
-                                                    for mode in ("tier", "chunked")]
+    want = ["hf", "llamacpp-f32", "llamacpp-q8", "llamacpp-q4"] + [f"hetforge {s} {mode}" for s in schemes
+                                                                   for mode in ("tier", "chunked")]
     assert list(sy) == want
     for key in want:
         assert all(v > 0 for v in sy[key]["median_ms"].values()), key
     # llama.cpp ran the same seeded weights: its f32 first token is HF's
     assert sy["llamacpp-f32"]["first_token"] == sy["hf"]["first_token"]
-    assert sy["llamacpp-q8"]["precision"] == "q8_0"
+    assert sy["llamacpp-q8"]["precision"] == "q8_0" and sy["llamacpp-q4"]["precision"] == "q4_0"
     page = md.read_text()
     for key in want:
         assert f"| {key} | {sy[key]['precision']} |" in page, key
@@ -60,10 +61,11 @@ def test_ttft_page_has_a_row_per_system_and_ratios_against_named_peers(tmp_path:
     body = body[:body.index("")]
     rows = {cells[0]: cells[1:] for cells in ([c.strip() for c in ln.strip("|").split("|")] for ln in body)}
     assert set(rows) == {f"hetforge {s}" for s in schemes}
-    # fp32 is matched with the f32 peer, w8 with Q8_0; the any-precision cell names the fastest peer of all
+    # fp32 is matched with the f32 peer, w8 with Q8_0, w4 with Q4_0; the any-precision cell names the fastest peer
     assert rows["hetforge fp32"][2].endswith("(llamacpp-f32)")
     assert rows["hetforge w8"][2].endswith("(llamacpp-q8)")
-    fastest = min(("llamacpp-f32", "llamacpp-q8"), key=lambda k: sy[k]["median_ms"]["8"])
+    assert rows["hetforge w4"][2].endswith("(llamacpp-q4)")
+    fastest = min(("llamacpp-f32", "llamacpp-q8", "llamacpp-q4"), key=lambda k: sy[k]["median_ms"]["8"])
     assert rows["hetforge fp32"][4].endswith(f"({fastest})")
     ratio = sy["hetforge fp32 chunked"]["median_ms"]["8"] / sy[fastest]["median_ms"]["8"]
     assert rows["hetforge fp32"][4].startswith(f"{ratio:.2f} ")

@@ -42,14 +42,16 @@ def test_gguf_llama_q_rows_are_permuted_to_llamacpp_rope_layout(tmp_path):
         np.testing.assert_array_equal(got[2 * i + 1], q[i + d // 2])
 
 
-def test_gguf_q8_0_dequantizes_close_to_the_weights(tmp_path):
+@pytest.mark.parametrize(("qtype", "kind", "steps"), [("q8_0", "Q8_0", 127), ("q4_0", "Q4_0", 8)])
+def test_gguf_quantized_types_dequantize_close_to_the_weights(tmp_path, qtype, kind, steps):
+    """Q8_0: one step is amax/127 of a block of 32; Q4_0: amax/8 (the top value may clamp by one step)."""
     lm = load_model("llama-tiny")
-    r = gguf.GGUFReader(str(write_gguf(lm, tmp_path / "m.gguf", "q8_0")))
+    r = gguf.GGUFReader(str(write_gguf(lm, tmp_path / "m.gguf", qtype)))
     t = next(t for t in r.tensors if t.name == "blk.0.ffn_down.weight")
-    assert t.tensor_type == gguf.GGMLQuantizationType.Q8_0
+    assert t.tensor_type == getattr(gguf.GGMLQuantizationType, kind)
     w = lm.model.state_dict()["model.layers.0.mlp.down_proj.weight"].numpy()
     deq = gguf.quants.dequantize(t.data, t.tensor_type).reshape(w.shape)
-    assert np.abs(deq - w).max() <= np.abs(w).max() / 127 + 1e-6
+    assert 0 < np.abs(deq - w).max() <= np.abs(w).max() / steps + 1e-6
 
 
 def test_gguf_refuses_other_families_and_types(tmp_path):

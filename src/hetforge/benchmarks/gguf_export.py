@@ -7,8 +7,9 @@ GPT-2's ``Conv1D`` weights (``[in, out]``) are transposed. The vocabulary is a p
 model's size in llama.cpp's SPM kind for both families (the peers are fed token ids, never text), with the
 config's BOS/EOS ids.
 
-Types: ``f32`` (every tensor fp32) or ``q8_0`` (2-D weight matrices in llama.cpp's Q8_0 blocks of 32,
-quantized by ``gguf.quants``; norms, biases and embeddings of positions stay fp32).
+Types: ``f32`` (every tensor fp32), ``q8_0`` or ``q4_0`` (2-D weight matrices in llama.cpp's Q8_0 / Q4_0 blocks of
+32, quantized by ``gguf.quants``; norms, biases and embeddings of positions stay fp32). Q4_0 is llama.cpp's 4-bit
+counterpart of hetforge's ``--quantize w4`` (one scale per 32 weights; hetforge's default group is 128).
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ import torch
 
 from hetforge.errors import UsageError
 
-TYPES = ("f32", "q8_0")
+TYPES = ("f32", "q8_0", "q4_0")
+_GGML = {"q8_0": "Q8_0", "q4_0": "Q4_0"}  # qtype -> gguf.GGMLQuantizationType name
+_FILE = {"f32": "ALL_F32", "q8_0": "MOSTLY_Q8_0", "q4_0": "MOSTLY_Q4_0"}  # qtype -> gguf.LlamaFileType name
 
 
 def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -88,7 +91,7 @@ def write_gguf(loaded, path: str | Path, qtype: str = "f32") -> Path:
     path = Path(path)
     w = gguf.GGUFWriter(str(path), fam)
     w.add_name(loaded.name)
-    w.add_file_type(gguf.LlamaFileType.ALL_F32 if qtype == "f32" else gguf.LlamaFileType.MOSTLY_Q8_0)
+    w.add_file_type(getattr(gguf.LlamaFileType, _FILE[qtype]))
     if fam == "llama":
         w.add_context_length(cfg.max_position_embeddings)
         w.add_embedding_length(cfg.hidden_size)
@@ -124,9 +127,10 @@ def write_gguf(loaded, path: str | Path, qtype: str = "f32") -> Path:
     if isinstance(eos, int):
         w.add_eos_token_id(eos)
     for name, arr in tensors:
-        if qtype == "q8_0" and arr.ndim == 2 and arr.shape[-1] % 32 == 0 and name != "position_embd.weight":
-            q = gguf.quants.quantize(arr, gguf.GGMLQuantizationType.Q8_0)
-            w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        if qtype in _GGML and arr.ndim == 2 and arr.shape[-1] % 32 == 0 and name != "position_embd.weight":
+            kind = getattr(gguf.GGMLQuantizationType, _GGML[qtype])
+            q = gguf.quants.quantize(arr, kind)
+            w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=kind)
         else:
             w.add_tensor(name, arr.astype(np.float32))
     w.write_header_to_file()

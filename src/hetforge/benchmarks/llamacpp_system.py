@@ -87,4 +87,4 @@ def prepare_llamacpp(ctx: PrepContext, qtype: str) -> Prepared:
     notes = [f"GGUF {qtype} written from the zoo's seeded weights ({path.stat().st_size / 2**20:.1f} MiB); "
              f"llama-cpp-python {getattr(llama_cpp, '__version__', '?')}, n_ctx {n_ctx}"]
     return Prepared(forward=forward, stages=stages, decode=decode if ctx.loaded.kind == "causal-lm" else None,
-                    notes=notes, precision="f32" if qtype == "f32" else "q8_0")
+                    notes=notes, precision=qtype)
