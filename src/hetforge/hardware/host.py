@@ -52,7 +52,8 @@ def default_host_spec() -> SocSpec:
         peak_flops={"fp32": est(FP32_PER_CORE * n, f"{FP32_PER_CORE / 1e9:.0f} GFLOP/s per core x {n} cores"),
                     "bf16": est(FP32_PER_CORE * n / 2, "half the fp32 rate (bf16 converted on CPUs without AMX)"),
                     "int8": est(FP32_PER_CORE * n * 2, "twice the fp32 rate (VNNI/SDOT)")},
-        # int4: weight-only (hetforge::linear_w4: ATen's int4 kernel for one row, dequantize + float GEMM for more)
+        # int4: hetforge::linear_w4 (int4 x q8 activation blocks on the native VNNI kernels; weight-only: ATen's int4
+        # kernel for one row, dequantize + float GEMM for more)
         dtypes=["fp32", "bf16", "int8", "int4"],
         mem_bandwidth=est(BW_PER_CORE * n, f"{BW_PER_CORE / 1e9:.0f} GB/s per core x {n} cores"),
         mem_capacity=PositiveFigure(value=float(psutil.virtual_memory().total), source="psutil total RAM (measured)"),

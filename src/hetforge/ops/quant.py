@@ -1,11 +1,13 @@
 """Quantized linear operators: real low-bit matmuls on the CPU, registered like every other op.
 
-The quantization pass (:mod:`hetforge.quant`) replaces float linears with these. For one row each runs an
-integer kernel (PyTorch's, or hetforge's native int8 GEMV); for several rows (prefill) ``w8`` runs hetforge's
-native int8·int8 GEMM with the activation quantized per block of 32 (the default ``q8`` activation mode, the
-same arithmetic as its decode GEMV), while ``w4`` (and ``w8`` under ``weight-only``) dequantize the weight once
-per call and run one float GEMM, because ATen's weight-only kernels are 10–65× slower than that there
-(:func:`dequant_rows`); ``w8a8`` stays on FBGEMM's int8 GEMM:
+The quantization pass (:mod:`hetforge.quant`) replaces float linears with these. Under the default ``q8``
+activation modes (``--w8-act``, ``--w4-act``) ``w8`` and ``w4`` run hetforge's native kernels with the activation
+quantized per block of 32, one row (decode) and several (prefill) with the same arithmetic: int8·int8
+(``hf_gemv_q8a``/``hf_gemm_q8a``) and int4·int8 (``hf_gemv_q4a``/``hf_gemm_q4a``, reading ATen's packed int4 in
+place). Under ``weight-only`` (or without the native kernels) one row runs an integer kernel (PyTorch's, or
+hetforge's native int8 GEMV) and several rows dequantize the weight once per call and run one float GEMM, because
+ATen's weight-only kernels are 10–65× slower than that there (:func:`dequant_rows`); ``w8a8`` stays on FBGEMM's
+int8 GEMM:
 
 * ``hetforge::linear_w8(x, qweight int8 [N,K], scales [N], bias?, act)`` — weight-only int8, per output
   channel symmetric: ``aten._weight_int8pack_mm`` (fp32 activations × int8 weights).
