@@ -1,5 +1,5 @@
-"""Time to first token (TTFT) at several prompt lengths: hetforge's tier-padded prefill (before) vs its chunked
-prefill (after), per ``--quantize`` scheme, next to peers that prefill the exact prompt length.
+"""Time to first token (TTFT) at several prompt lengths: hetforge's three prefill modes (tier-padded, chunked,
+fine: the default), per ``--quantize`` scheme, next to peers that prefill the exact prompt length.
 
 Usage: python bench/ttft.py [--models gpt2 llama-110m] [--lengths 16 84 500] [--quantize none w8 w4 w8a8 bf16]
                             [--rounds 3] [--threads 2] [--peers hf ov-f32 ov-default llamacpp-f32 llamacpp-q8
@@ -17,9 +17,10 @@ runs every system once, in the same order (interleaved, so drift and other proce
 
 * hetforge TTFT = the runtime's own timer (``GenerationResult.ttft_s``: every prefill program call, the KV
   writes and the first greedy pick; compilation excluded), for a request of ``--new-tokens`` (default 1, so
-  the KV cache is the prompt's tier). ``tier`` = today's path before this bench's change: the prompt padded to
-  the next tier, one prefill call (``Engine.chunked_prefill = False``); ``chunked`` = the largest tier
-  ``<= n`` plus chunks over the KV cache (``runtime.programs.prefill_pieces``).
+  the KV cache is the prompt's tier). The modes (``Engine.prefill_mode``, ``runtime.programs.prefill_pieces``):
+  ``tier`` = the prompt padded to the next power-of-two tier, one prefill call; ``chunked`` = the largest tier
+  ``<= n`` plus chunks over the KV cache; ``fine`` (the engine's default) = one call of a program about the
+  prompt's length (``runtime.programs.fine_length``: padded by at most 1/8).
 * ``hf`` = Hugging Face eager, one forward of exactly ``n`` tokens with ``logits_to_keep=1`` and the argmax
   (a reference row: not one of the peers the ratios divide by).
 * ``ov-f32`` / ``ov-default`` = OpenVINO's CPU plugin on the same model converted with a dynamic sequence
@@ -33,7 +34,7 @@ runs every system once, in the same order (interleaved, so drift and other proce
   the last position's logits computed; TTFT = ``reset()`` + ``eval`` of exactly ``n`` tokens + the argmax of the last
   logits. Marked not installed when ``llama_cpp`` (or ``gguf``) is not importable.
 
-The ratio table divides hetforge's chunked TTFT by the best (lowest median) peer of the matching precision
+The ratio table divides hetforge's fine (default) TTFT by the best (lowest median) peer of the matching precision
 (:data:`MATCHING`: fp32 by ov-f32 and llamacpp-f32, w8 and w8a8 by llamacpp-q8, w4 by llamacpp-q4, bf16 by
 ov-default; Q8_0 also rounds the activations to 8 bits in its products, hence the 8-bit peer of both w8 and w8a8;
 Q4_0 does the same with 4-bit weights, as w4's default ``--w4-act q8`` does) and by the best peer of any
@@ -63,7 +64,7 @@ from hetforge.errors import UsageError  # noqa: E402
 from hetforge.hardware.isa import host_record  # noqa: E402
 from hetforge.models.zoo import LoadedModel, load_model  # noqa: E402
 from hetforge.runtime import Engine, SamplingParams  # noqa: E402
-from hetforge.runtime.programs import CALL_TOKENS, CHUNK_MIN, prefill_pieces  # noqa: E402
+from hetforge.runtime.programs import CALL_TOKENS, CHUNK_MIN, FINE_PER_OCTAVE, prefill_pieces  # noqa: E402
 
 PEERS = ("hf", "ov-f32", "ov-default", "llamacpp-f32", "llamacpp-q8", "llamacpp-q4")
 SCHEMES = ("none", "w8", "w4", "w8a8", "bf16")
@@ -160,9 +161,13 @@ def _llamacpp_system(loaded: LoadedModel, workdir: Path, qtype: str, threads: in
     return ttft, info, llm
 
 
-def _hetforge_system(engine: Engine, chunked: bool, new_tokens: int):
+MODES = ("tier", "chunked", "fine")  # hetforge's prefill modes measured; the last is the engine's default
+DEFAULT_MODE = "fine"
+
+
+def _hetforge_system(engine: Engine, mode: str, new_tokens: int):
     def ttft(prompt: list[int]) -> tuple[float, int]:
-        engine.chunked_prefill = chunked
+        engine.prefill_mode = mode
         r = engine.generate(prompt, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))
         ttft.last = r  # type: ignore[attr-defined]
         return r.ttft_s, r.tokens[0]
@@ -222,8 +227,8 @@ def bench_model(name: str, lengths: list[int], schemes: list[str], peers: list[s
                 except UsageError as e:
                     notes.append(f"hetforge {label}: refused: {e}")
                     continue
-                for mode in ("tier", "chunked"):
-                    fn = _hetforge_system(eng, mode == "chunked", new_tokens)
+                for mode in MODES:
+                    fn = _hetforge_system(eng, mode, new_tokens)
                     systems[f"hetforge {label} {mode}"] = (fn, {"precision": label, "scheme": scheme, "mode": mode})
             out = _measure(name, systems, prompts, lengths, rounds, notes)
         finally:
@@ -307,7 +312,8 @@ def _rule() -> str:
 
 
 def render(res: dict) -> str:
-    lines = ["# Time to first token: tier-padded vs chunked prefill, next to exact-length peers", "",
+    d_ = DEFAULT_MODE
+    lines = ["# Time to first token: hetforge's prefill modes next to exact-length peers", "",
              f"Generated by `bench/ttft.py` from `{_json_named(res['command'])}` (never edited by hand). Measured on "
              f"{res['host']['cpu']} ({res['host']['cores']} cores; ISA: {', '.join(res['host']['isa'])}), "
              f"{res['threads']} thread(s), {res['rounds']} interleaved rounds, load average "
@@ -315,11 +321,13 @@ def render(res: dict) -> str:
              f"jobs: figures are noisy, compare within a round). Command: `{res['command']}`.", "",
              "TTFT = prefill of the prompt + the first greedy token, compilation excluded, measured; hetforge's "
              "from its runtime timer, the peers' around one exact-length forward (see the script's docstring). "
-             f"`tier` pads the prompt to the next tier (the path before this change); `chunked` runs the largest "
-             f"tier <= n, then chunks over the KV cache (powers of two, the rest rounded up to {res['chunk_min']}, "
-             f"chosen when padded tokens + {res['call_tokens']} per extra call is less than the next tier). "
+             "hetforge's prefill modes: `tier` pads the prompt to the next power-of-two tier; `chunked` runs the "
+             f"largest tier <= n, then chunks over the KV cache (powers of two, the rest rounded up to "
+             f"{res['chunk_min']}, chosen when padded tokens + {res['call_tokens']} per extra call is less than the "
+             f"next tier); `fine` (the default) runs one program of about the prompt's length (padded to a step of "
+             f"1/{res.get('fine_per_octave', FINE_PER_OCTAVE)} of the power of two below it, at least 8). "
              "Cells: median (min) ms. The peers run in the same process as hetforge, one after another.", "",
-             "Ratios: hetforge's chunked median ÷ the lowest peer median, the peer named in each cell. *Same "
+             f"Ratios: hetforge's {d_} median ÷ the lowest peer median, the peer named in each cell. *Same "
              f"precision* peers: {_rule()}. *Any precision*: the lowest of every peer measured. hf is a reference "
              "row, not a peer; — = no such peer measured in this run.", ""]
     lengths = [str(n) for n in res["lengths"]]
@@ -330,23 +338,26 @@ def render(res: dict) -> str:
         for key, d in sy.items():
             lines.append(f"| {key} | {d['precision']} | " + " | ".join(_fmt(d, n) for n in lengths) + " |")
         peers = [k for k in sy if k.startswith(("ov", "llamacpp"))]
-        lines += ["", "| hetforge scheme | " + " | ".join(f"chunked ÷ tier, n = {n}" for n in lengths)
-                  + " | " + " | ".join(f"chunked ÷ best same-precision peer, n = {n}" for n in lengths)
-                  + " | " + " | ".join(f"chunked ÷ best peer of any precision, n = {n}" for n in lengths) + " |",
-                  "|---|" + "---|" * (3 * len(lengths))]
+        others = [md for md in MODES if md != d_]
+        lines += ["", "| hetforge scheme | " + " | ".join(f"{d_} ÷ {o}, n = {n}" for o in others for n in lengths)
+                  + " | " + " | ".join(f"{d_} ÷ best same-precision peer, n = {n}" for n in lengths)
+                  + " | " + " | ".join(f"{d_} ÷ best peer of any precision, n = {n}" for n in lengths) + " |",
+                  "|---|" + "---|" * ((len(others) + 2) * len(lengths))]
         for key, d in sy.items():
-            if not key.endswith(" chunked"):
+            if not key.endswith(f" {d_}"):
                 continue
-            label = key.removeprefix("hetforge ").removesuffix(" chunked")
-            tier = sy.get(key.replace(" chunked", " tier"))
-            r1 = [f"{d['median_ms'][n] / tier['median_ms'][n]:.2f}" if tier else "—" for n in lengths]
+            label = key.removeprefix("hetforge ").removesuffix(f" {d_}")
+            r1 = []
+            for o in others:
+                od = sy.get(key.removesuffix(d_) + o)
+                r1 += [f"{d['median_ms'][n] / od['median_ms'][n]:.2f}" if od else "—" for n in lengths]
             same = _matching_peers(label, peers)
             r2 = [_ratio(d, _best(sy, same, n), n) for n in lengths]
             r3 = [_ratio(d, _best(sy, peers, n), n) for n in lengths]
-            lines.append(f"| {key.removesuffix(' chunked')} | " + " | ".join(r1 + r2 + r3) + " |")
-        lines += ["", "Prefill programs per length (chunked):", ""]
+            lines.append(f"| {key.removesuffix(' ' + d_)} | " + " | ".join(r1 + r2 + r3) + " |")
+        lines += ["", "Prefill programs per length (chunked and fine):", ""]
         for key, d in sy.items():
-            if key.endswith(" chunked"):
+            if key.endswith((" chunked", f" {d_}")) and "pieces" in d:
                 lines.append(f"- {key}: " + "; ".join(f"n = {n}: {' + '.join(p)}" for n, p in d["pieces"].items()))
         lines += ["", "Compile on first use (measured s, capture + passes + lowering + warm-up call; 0 = compile "
                   "cache hit):", ""]
@@ -430,8 +441,10 @@ def main() -> None:
         print(f"{name} done in {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
     res = {"host": host_record(), "threads": a.threads, "rounds": a.rounds, "lengths": a.lengths,
            "new_tokens": a.new_tokens, "chunk_min": CHUNK_MIN, "call_tokens": CALL_TOKENS,
-           "pieces_rule": {str(n): [f"{p.kind}-{p.size}" for p in prefill_pieces(n, (32, 64, 128, 256, 512, 1024))]
-                           for n in a.lengths},
+           "fine_per_octave": FINE_PER_OCTAVE,
+           "pieces_rule": {mode: {str(n): [f"{p.kind}-{p.size}" for p in prefill_pieces(n, (32, 64, 128, 256, 512,
+                                                                                         1024), mode=mode)]
+                                  for n in a.lengths} for mode in MODES},
            "load_before": load_before, "load_after": " ".join(Path("/proc/loadavg").read_text().split()[:3]),
            "command": "python bench/ttft.py " + " ".join(sys.argv[1:]), "timing": "measured",
            "compile_cache": os.environ.get("HETFORGE_COMPILE_CACHE", "default"), "models": models}

@@ -37,12 +37,12 @@ def test_ttft_page_has_a_row_per_system_and_ratios_against_named_peers(tmp_path:
     (m,) = res["models"]
     sy = m["systems"]
     schemes = ["fp32", "w8", "w4"]
-    if "hetforge bf16 chunked" in sy:
+    if "hetforge bf16 fine" in sy:
         schemes.append("bf16")
     else:  # a CPU without bf16 instructions: refused, and the page says so
         assert any(n.startswith("hetforge bf16: refused") for n in m["notes"]), m["notes"]
     want = ["hf", "llamacpp-f32", "llamacpp-q8", "llamacpp-q4"] + [f"hetforge {s} {mode}" for s in schemes
-                                                                   for mode in ("tier", "chunked")]
+                                                                   for mode in ("tier", "chunked", "fine")]
     assert list(sy) == want
     for key in want:
         assert all(v > 0 for v in sy[key]["median_ms"].values()), key
@@ -54,7 +54,8 @@ def test_ttft_page_has_a_row_per_system_and_ratios_against_named_peers(tmp_path:
         assert f"| {key} | {sy[key]['precision']} |" in page, key
     header = next(ln for ln in page.splitlines() if ln.startswith("| hetforge scheme |"))
     for n in ("8", "20"):
-        for col in ("chunked ÷ tier", "chunked ÷ best same-precision peer", "chunked ÷ best peer of any precision"):
+        for col in ("fine ÷ tier", "fine ÷ chunked", "fine ÷ best same-precision peer",
+                    "fine ÷ best peer of any precision"):
             assert f"{col}, n = {n}" in header
     lines = page.splitlines()
     body = lines[lines.index(header) + 2:]
@@ -62,15 +63,17 @@ def test_ttft_page_has_a_row_per_system_and_ratios_against_named_peers(tmp_path:
     rows = {cells[0]: cells[1:] for cells in ([c.strip() for c in ln.strip("|").split("|")] for ln in body)}
     assert set(rows) == {f"hetforge {s}" for s in schemes}
     # fp32 is matched with the f32 peer, w8 with Q8_0, w4 with Q4_0; the any-precision cell names the fastest peer
-    assert rows["hetforge fp32"][2].endswith("(llamacpp-f32)")
-    assert rows["hetforge w8"][2].endswith("(llamacpp-q8)")
-    assert rows["hetforge w4"][2].endswith("(llamacpp-q4)")
+    assert rows["hetforge fp32"][4].endswith("(llamacpp-f32)")
+    assert rows["hetforge w8"][4].endswith("(llamacpp-q8)")
+    assert rows["hetforge w4"][4].endswith("(llamacpp-q4)")
     fastest = min(("llamacpp-f32", "llamacpp-q8", "llamacpp-q4"), key=lambda k: sy[k]["median_ms"]["8"])
-    assert rows["hetforge fp32"][4].endswith(f"({fastest})")
-    ratio = sy["hetforge fp32 chunked"]["median_ms"]["8"] / sy[fastest]["median_ms"]["8"]
-    assert rows["hetforge fp32"][4].startswith(f"{ratio:.2f} ")
+    assert rows["hetforge fp32"][6].endswith(f"({fastest})")
+    ratio = sy["hetforge fp32 fine"]["median_ms"]["8"] / sy[fastest]["median_ms"]["8"]
+    assert rows["hetforge fp32"][6].startswith(f"{ratio:.2f} ")
+    # fine runs one program of about the prompt's length (8 -> prefill-8, 20 -> prefill-24)
+    assert sy["hetforge fp32 fine"]["pieces"] == {"8": ["prefill-8"], "20": ["prefill-24 (20 real)"]}
     if "bf16" in schemes:  # its peer (ov-default) was not asked for
-        assert rows["hetforge bf16"][2] == "—"
+        assert rows["hetforge bf16"][4] == "—"
     assert "load average" in page and res["host"]["isa"]
     assert not list(tmp.glob("hetforge-ttft-*")), "the GGUF folder was left behind"
 

@@ -1,6 +1,7 @@
-"""Chunked prefill (runtime.programs.prefill_pieces + static_kv.ChunkModule): a prompt between tiers is the
-largest tier <= n plus chunks over the KV cache; greedy tokens equal Hugging Face ``generate`` and the
-one-call tier path for many prompt lengths, and the plan of pieces never pads more than the tier would."""
+"""Prefill modes (runtime.programs.prefill_pieces): ``fine`` (one program of about the prompt's length, the
+default), ``chunked`` (the largest tier <= n plus chunks over the KV cache, static_kv.ChunkModule) and ``tier``;
+greedy tokens equal Hugging Face ``generate`` in every mode for many prompt lengths, a fine length pads by at
+most 1/8 and stays within the tier, and the plan of pieces never pads more than the tier would."""
 
 import pytest
 import torch
@@ -8,8 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_runtime import engine, hf_greedy
 
-from hetforge.runtime import SamplingParams
-from hetforge.runtime.programs import CHUNK_MIN, prefill_pieces, tiers_for
+from hetforge.errors import UsageError
+from hetforge.runtime import Engine, SamplingParams
+from hetforge.runtime.programs import CHUNK_MIN, FINE_MIN, FINE_PER_OCTAVE, fine_length, prefill_pieces, tiers_for
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -24,7 +26,7 @@ def _one_thread():
 @settings(max_examples=300, deadline=None)
 def test_pieces_cover_the_prompt_once_and_never_pad_past_the_tier(n):
     tiers = tiers_for(2048)
-    pieces = prefill_pieces(n, tiers)
+    pieces = prefill_pieces(n, tiers, mode="chunked")
     whole = next(t for t in tiers if t >= n)
     assert pieces[0].start == 0
     assert all(p.kind == "chunk" for p in pieces[1:])
@@ -37,32 +39,57 @@ def test_pieces_cover_the_prompt_once_and_never_pad_past_the_tier(n):
         assert pieces[0].size == whole
 
 
-def test_an_84_token_prompt_is_64_plus_a_32_chunk_not_128():
-    pieces = prefill_pieces(84, tiers_for(1024))
+@given(n=st.integers(1, 2048))
+@settings(max_examples=300, deadline=None)
+def test_a_fine_length_holds_the_prompt_pads_at_most_an_eighth_and_stays_within_the_tier(n):
+    tiers = tiers_for(2048)
+    length = fine_length(n, tiers)
+    assert n <= length <= next(t for t in tiers if t >= n)
+    assert length - n < max(FINE_MIN, n / FINE_PER_OCTAVE)
+    assert [(p.kind, p.size, p.real) for p in prefill_pieces(n, tiers, mode="fine")] == [("prefill", length, n)]
+
+
+def test_fine_lengths_are_few_per_octave():
+    tiers = tiers_for(4096)
+    for lo in (8, 64, 256, 1024):
+        got = {fine_length(n, tiers) for n in range(lo + 1, 2 * lo + 1)}
+        assert len(got) <= FINE_PER_OCTAVE, (lo, sorted(got))
+    assert [fine_length(n, tiers_for(1024)) for n in (1, 8, 16, 84, 500)] == [8, 8, 16, 88, 512]
+
+
+def test_an_unknown_prefill_mode_is_a_usage_error_naming_the_modes():
+    loaded = engine("llama-tiny").loaded
+    with pytest.raises(UsageError, match="fine, chunked, tier"):
+        Engine(loaded, prefill="exact")
+
+
+def test_an_84_token_prompt_is_64_plus_a_32_chunk_chunked_128_by_tier_and_88_fine():
+    pieces = prefill_pieces(84, tiers_for(1024), mode="chunked")
     assert [(p.kind, p.start, p.size, p.real) for p in pieces] == [("prefill", 0, 64, 64), ("chunk", 64, 32, 20)]
-    assert [(p.kind, p.size) for p in prefill_pieces(16, tiers_for(1024))] == [("chunk", 16)]
-    assert [(p.kind, p.size) for p in prefill_pieces(84, tiers_for(1024), chunked=False)] == [("prefill", 128)]
+    assert [(p.kind, p.size) for p in prefill_pieces(16, tiers_for(1024), mode="chunked")] == [("chunk", 16)]
+    assert [(p.kind, p.size) for p in prefill_pieces(84, tiers_for(1024), mode="tier")] == [("prefill", 128)]
+    assert [(p.kind, p.size) for p in prefill_pieces(84, tiers_for(1024))] == [("prefill", 88)]
 
 
 @pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny"])
 @pytest.mark.parametrize("n", [1, 5, 16, 33, 47, 84, 150, 290])
-def test_chunked_greedy_equals_hugging_face_and_the_tier_path(name, n):
+def test_every_prefill_mode_gives_hugging_face_greedy_tokens(name, n):
     e = engine(name)
     prompt = [(11 * i + 5) % 250 + 1 for i in range(n)]
-    r = e.generate(prompt, SamplingParams(max_new_tokens=6))
-    assert r.tokens == hf_greedy(e.loaded, prompt, 6)
-    want = [f"{p.kind}-{p.size}" for p in prefill_pieces(n, e.programs.tiers)]
-    assert [s.split(" ")[0] for s in r.prefill_pieces] == want
-    e.chunked_prefill = False
+    want = hf_greedy(e.loaded, prompt, 6)
     try:
-        t = e.generate(prompt, SamplingParams(max_new_tokens=6))
+        for mode in ("chunked", "fine", "tier"):
+            e.prefill_mode = mode
+            r = e.generate(prompt, SamplingParams(max_new_tokens=6))
+            assert r.tokens == want, mode
+            pieces = [f"{p.kind}-{p.size}" for p in prefill_pieces(n, e.programs.tiers, mode=mode)]
+            assert [s.split(" ")[0] for s in r.prefill_pieces] == pieces, mode
     finally:
-        e.chunked_prefill = True
-    assert t.tokens == r.tokens and len(t.prefill_pieces) == 1 and t.prefill_pieces[0].startswith("prefill-")
+        e.prefill_mode = "fine"
 
 
 def test_chunk_programs_are_compiled_once_per_size_and_cache_length():
-    e = engine("llama-tiny")
+    e = Engine(engine("llama-tiny").loaded, prefill="chunked")
     prompt = [(3 * i + 1) % 200 + 1 for i in range(84)]
     e.generate(prompt, SamplingParams(max_new_tokens=4))
     r = e.generate(prompt[:90] + [7, 8, 9, 10], SamplingParams(max_new_tokens=4))  # 88 tokens: same pieces

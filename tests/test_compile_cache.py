@@ -128,6 +128,30 @@ def test_unwritable_cache_folder_compiles_with_one_warning(tmp_path, monkeypatch
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+def test_the_folder_keeps_within_its_size_bound_deleting_the_least_recently_used(cache, loaded, monkeypatch):
+    _prefill(loaded)
+    (first,) = list(cache.glob("*.json"))
+    size = first.stat().st_size + first.with_suffix(".pt").stat().st_size
+    monkeypatch.setenv(compile_cache.MAX_GB_ENV, str(1.5 * size / 2**30))  # room for one entry, not two
+    eng = Engine(loaded, executor="auto")
+    eng.programs.prefill(TIER)  # a hit: refreshes the first entry
+    eng.programs.prefill(16)  # a second entry: the first is now the least recently used, and goes
+    left = list(cache.glob("*.json"))
+    assert len(left) == 1 and left[0] != first and not first.with_suffix(".pt").exists()
+    monkeypatch.setenv(compile_cache.MAX_GB_ENV, str(100 * size / 2**30))
+    _prefill(loaded)  # stored again, nothing evicted under a roomy bound
+    assert len(list(cache.glob("*.json"))) == 2
+
+
+@pytest.mark.parametrize("bad", ["lots", "0", "-1", "inf"])
+def test_a_bad_size_bound_is_a_usage_error_naming_the_variable(cache, loaded, monkeypatch, bad):
+    from hetforge.errors import UsageError
+
+    monkeypatch.setenv(compile_cache.MAX_GB_ENV, bad)
+    with pytest.raises(UsageError, match="HETFORGE_COMPILE_CACHE_MAX_GB"):
+        Engine(loaded, executor="auto").programs.prefill(TIER)
+
+
 def test_cache_off(cache, loaded, monkeypatch):
     monkeypatch.setenv("HETFORGE_COMPILE_CACHE", "0")
     prog, _ = _prefill(loaded)

@@ -72,6 +72,23 @@ def test_auto_policy_measures_both_kernels_once_per_shape(monkeypatch):
     assert not onednn.choose(rows, k, n, torch.int8)
 
 
+def test_the_choice_is_measured_per_activation_and_old_rows_without_one_are_not_seeded(monkeypatch):
+    """The ATen side of a fused-activation candidate is its ``linear`` plus the activation pass: a separate choice
+    (key) per activation; cache rows from before (no ``act``) are not taken."""
+    monkeypatch.delenv("HETFORGE_GEMM", raising=False)
+    rows, k, n = 6, 40, 72  # a shape no other test uses
+    onednn.choose(rows, k, n, torch.float32)
+    onednn.choose(rows, k, n, torch.float32, act="gelu")
+    got = {c["act"]: c for c in onednn.measured_choices() if (c["rows"], c["k"], c["n"]) == (rows, k, n)}
+    assert set(got) == {"none", "gelu"} and all(c["aten_s"] > 0 and c["onednn_s"] > 0 for c in got.values())
+    assert onednn.decided(rows, k, n, torch.float32, "gelu") == got["gelu"]["onednn"]
+    old = {"rows": 7, "k": 40, "n": 72, "dtype": "float32", "threads": torch.get_num_threads(), "aten_s": 1.0,
+           "onednn_s": 2.0, "ratio": 0.5, "onednn": False}
+    onednn.seed_choices([old, {**old, "rows": 9, "act": "silu"}])
+    assert onednn.decided(7, 40, 72, torch.float32) is None  # no activation recorded: measured afresh
+    assert onednn.decided(9, 40, 72, torch.float32, "silu") is False
+
+
 def test_calibration_times_the_onednn_gemm_too():
     from hetforge.hardware import calibrate
 

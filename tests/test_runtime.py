@@ -202,7 +202,7 @@ def test_quantized_generation_runs_int8_linears_in_every_program(executor, schem
     """The ATen int8 kernels (the native one-row int8 GEMV is tested below; the profiler cannot see it). The
     37-token prompt is prefilled as prefill-32 + a 16-token chunk (runtime.programs.prefill_pieces)."""
     loaded = engine("llama-tiny").loaded
-    q = Engine(loaded, executor=executor, quantize=scheme)
+    q = Engine(loaded, executor=executor, quantize=scheme, prefill="chunked")
     r = q.generate(PROMPT, SamplingParams(max_new_tokens=6))
     assert r.executor == f"{executor}+{scheme}" and len(r.tokens) == 6
     progs = {p.kind: p for p in q.programs.programs.values()}

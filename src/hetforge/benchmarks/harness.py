@@ -42,6 +42,8 @@ QUICK_MODELS = ["gpt2-tiny", "llama-tiny"]
 # Systems known (peer-baselines.md) to take minutes on an MoE model for no usable result are still run,
 # but with a short timeout so their row is recorded quickly.
 HEAVY_MODEL_PEER_TIMEOUT_S = {"mixtral-small": 300.0}
+# issue 24: fp32 prefill at or below 0.95x the best f32 peer; the one-token forward and decode at or below it
+TARGET_MARKS = {"prefill_ms": 0.95}
 
 
 @dataclass
@@ -415,8 +417,10 @@ def compare(rows: list[Row]) -> list[dict]:
             if cands and mv is not None:
                 best = min(cands, key=lambda p: getattr(p, metric).median)
                 bv = getattr(best, metric).median
+                mark = TARGET_MARKS.get(metric, 1.0)
                 entry["targets"][f"{metric}_at_or_below_best_f32_peer"] = {
-                    "best_peer": best.system, "peer": bv, "hetforge": mv, "ratio": mv / bv, "met": mv <= bv}
+                    "best_peer": best.system, "peer": bv, "hetforge": mv, "ratio": mv / bv, "mark": mark,
+                    "met": mv <= mark * bv}
         w8 = next((r for r in rows if r.model == model and r.system == "hetforge-w8" and r.runs_ok), None)
         q8 = next((r for r in rows if r.model == model and r.system == "llamacpp-q8" and r.runs_ok), None)
         if w8 is not None and q8 is not None and w8.decode_ms_per_token and q8.decode_ms_per_token:

@@ -114,7 +114,8 @@ def target_lines(cmp: dict) -> list[str]:
         key = f"{metric}_at_or_below_best_f32_peer"
         if key in t:
             x = t[key]
-            out.append(f"- {name} at or below the best f32 peer ({x['best_peer']}, {x['peer']:.1f} ms): hetforge "
+            at = "" if x.get("mark", 1.0) == 1.0 else f"{x['mark']:.2f}× "
+            out.append(f"- {name} at or below {at}the best f32 peer ({x['best_peer']}, {x['peer']:.1f} ms): hetforge "
                        f"{x['hetforge']:.1f} ms ({x['ratio']:.2f}×) — {mark(x['met'])}")
     if "w8_decode_at_or_below_llamacpp_q8" in t:
         x = t["w8_decode_at_or_below_llamacpp_q8"]

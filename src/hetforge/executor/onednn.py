@@ -14,9 +14,9 @@ def chosen(cg, ins) -> bool:
     """Whether the candidate ``ins`` runs on oneDNN: measured (:func:`hetforge.kernels.onednn.choose`, once per
     shape and process) when the executable is built. ``cg``: the executor's code generator."""
     rows, k, n = ins.attrs[ONEDNN_ATTR]
-    x, w, _, wt, _, _ = onednn_operands(ins)
+    x, w, _, wt, act, _ = onednn_operands(ins)
     dev = cg.dm[ins.device]
-    return choose(rows, k, n, cg.p.values[x.id].dtype, cg.g[cg.weight(w.id, dev)], wt)
+    return choose(rows, k, n, cg.p.values[x.id].dtype, cg.g[cg.weight(w.id, dev)], wt, act)
 
 
 def codegen_line(cg, ins, o: int, dev: torch.device) -> str:

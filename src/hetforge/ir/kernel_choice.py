@@ -654,7 +654,8 @@ def with_kernels(p: Program, planned, device_map: dict[str, torch.device], mode:
 def _onednn_choice(ins: Instr, p: Program) -> bool | None:
     """The choice measured in this process for a oneDNN candidate (None when not measured)."""
     rows, k, n = ins.attrs[ONEDNN_ATTR]
-    return onednn.decided(rows, k, n, p.values[ins.outputs[0]].dtype)
+    ops = onednn_operands(ins)
+    return onednn.decided(rows, k, n, p.values[ins.outputs[0]].dtype, ops[4] if ops is not None else "none")
 
 
 def onednn_decided(ins: Instr, p: Program) -> bool:

@@ -122,18 +122,28 @@ def _bench_pair(fa: Callable[[], object], fb: Callable[[], object],
     return statistics.median(ta), statistics.median(tb), statistics.median(ratio)
 
 
+# what ATen runs after its ``linear`` for an activation oneDNN fuses as a post-op (hetforge::linear_act's path)
+ATEN_ACT: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "none": lambda y: y, "relu": F.relu, "gelu": F.gelu, "gelu_tanh": lambda y: F.gelu(y, approximate="tanh"),
+    "silu": F.silu,
+}
+
+
 def choose(rows: int, k: int, n: int, dtype: torch.dtype, w: torch.Tensor | None = None,
-           weight_t: bool = False) -> bool:
-    """Whether the ``[rows, k] × [k, n]`` product runs faster on the packed oneDNN kernel than on ATen's
-    ``linear`` on this host (measured once per shape, dtype and thread count; see the module docstring).
-    One fp32 row is the native GEMV's (:mod:`hetforge.kernels.native`); one bf16 row is measured here only where the
-    native bf16 GEMV cannot run it (lowering tries that first: :func:`hetforge.ir.kernel_choice._native_gemv_fits`)."""
+           weight_t: bool = False, act: str = "none") -> bool:
+    """Whether ``act([rows, k] × [k, n] + b)`` runs faster on the packed oneDNN kernel (the activation fused as a
+    post-op) than on ATen's ``linear`` followed by the activation, on this host (measured once per shape, dtype,
+    activation and thread count; see the module docstring). The activation is part of what is timed: in bf16
+    ATen's plain product is about as fast as oneDNN's, and comparing products alone let a noisy round pick the
+    ATen path whose separate activation pass then cost more than the product. One fp32 row is the native GEMV's
+    (:mod:`hetforge.kernels.native`); one bf16 row is measured here only where the native bf16 GEMV cannot run it
+    (lowering tries that first: :func:`hetforge.ir.kernel_choice._native_gemv_fits`)."""
     if rows < 1 or (rows < 2 and dtype == torch.float32) or dtype not in DTYPES or not available():
         return False
     pol = policy()
     if pol != "auto":
         return pol == "onednn"
-    key = (rows, k, n, dtype, torch.get_num_threads())
+    key = (rows, k, n, dtype, torch.get_num_threads(), act)
     if key not in _choices:
         g = torch.Generator().manual_seed(0)
         x = torch.randn(rows, k, generator=g).to(dtype)
@@ -141,14 +151,14 @@ def choose(rows: int, k: int, n: int, dtype: torch.dtype, w: torch.Tensor | None
         wt = torch.randn(m, k, generator=g).to(dtype) if w is None else (w.t() if weight_t else w)[:m]
         b = torch.zeros(m, dtype=dtype)
         pk = torch.ops.mkldnn._reorder_linear_weight(wt.contiguous(), rows)
-        fn = linear_fn(pk, b)
-        t_aten, t_dnn, ratio = _bench_pair(lambda: F.linear(x, wt, b), lambda: fn(x))
+        fn, post = linear_fn(pk, b, act if act in ACT_ATTR else "none"), ATEN_ACT.get(act, ATEN_ACT["none"])
+        t_aten, t_dnn, ratio = _bench_pair(lambda: post(F.linear(x, wt, b)), lambda: fn(x))
         _choice_times[key] = (t_aten, t_dnn, ratio)
         _choices[key] = ratio > 1.0
     return _choices[key]
 
 
-def decided(rows: int, k: int, n: int, dtype: torch.dtype) -> bool | None:
+def decided(rows: int, k: int, n: int, dtype: torch.dtype, act: str = "none") -> bool | None:
     """What :func:`choose` answers for this product without measuring: None when it has not been measured in
     this process (nor seeded, :func:`seed_choices`) and the policy is ``auto``."""
     if rows < 1 or (rows < 2 and dtype == torch.float32) or dtype not in DTYPES or not available():
@@ -156,14 +166,14 @@ def decided(rows: int, k: int, n: int, dtype: torch.dtype) -> bool | None:
     pol = policy()
     if pol != "auto":
         return pol == "onednn"
-    return _choices.get((rows, k, n, dtype, torch.get_num_threads()))
+    return _choices.get((rows, k, n, dtype, torch.get_num_threads(), act))
 
 
 def measured_choices() -> list[dict]:
-    """The choices :func:`choose` measured in this process: rows, K, N, dtype, threads, median seconds of each
-    kernel, ``ratio`` (median per-round ATen ÷ oneDNN time, what decided) and the choice."""
+    """The choices :func:`choose` measured in this process: rows, K, N, dtype, threads, activation, median seconds
+    of each kernel, ``ratio`` (median per-round ATen ÷ oneDNN time, what decided) and the choice."""
     return [{"rows": k[0], "k": k[1], "n": k[2], "dtype": str(k[3]).removeprefix("torch."), "threads": k[4],
-             "aten_s": t[0], "onednn_s": t[1], "ratio": t[2], "onednn": _choices[k]}
+             "act": k[5], "aten_s": t[0], "onednn_s": t[1], "ratio": t[2], "onednn": _choices[k]}
             for k, t in _choice_times.items()]
 
 
@@ -190,10 +200,12 @@ def gemm_fns(a: torch.Tensor, b: torch.Tensor) -> list[Callable[[], torch.Tensor
 
 def seed_choices(rows: list[dict]) -> None:
     """Take choices measured by an earlier process (:func:`measured_choices` rows, e.g. from a compile-cache
-    entry) for shapes not measured in this one."""
+    entry) for shapes not measured in this one. Rows without an activation (entries written before it was part of
+    the choice) are skipped: their product-only timing is what misled the choice."""
     for r in rows:
         try:
-            key = (int(r["rows"]), int(r["k"]), int(r["n"]), getattr(torch, r["dtype"]), int(r["threads"]))
+            key = (int(r["rows"]), int(r["k"]), int(r["n"]), getattr(torch, r["dtype"]), int(r["threads"]),
+                   str(r["act"]))
             if key not in _choices and isinstance(key[3], torch.dtype):
                 _choices[key] = bool(r["onednn"])
                 t_aten, t_dnn = float(r["aten_s"]), float(r["onednn_s"])

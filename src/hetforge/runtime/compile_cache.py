@@ -24,6 +24,11 @@ use with them), is detected, reported in the program's notes, deleted and rebuil
 
 **Where**: ``$HETFORGE_COMPILE_CACHE_DIR``, else ``programs/`` in hetforge's cache folder (``$HETFORGE_CACHE``,
 else ``$XDG_CACHE_HOME/hetforge``, else ``~/.cache/hetforge``). ``HETFORGE_COMPILE_CACHE=0`` turns it off.
+
+**Size**: at most ``$HETFORGE_COMPILE_CACHE_MAX_GB`` (default :data:`MAX_GB_DEFAULT`) of entries; after each store
+the least recently used entries (a hit refreshes an entry's time) are deleted until the folder fits, never the
+entry just written. Every model, weight change, option and program length is its own entry, so without a bound
+the folder only grows.
 A folder that cannot be written does not stop compilation: one warning on stderr, and programs are compiled
 as without a cache.
 """
@@ -47,6 +52,8 @@ from hetforge.backends.partition import Partition, PartitionedGraph
 from hetforge.kernels import onednn
 
 FORMAT = "hetforge-cache/2"
+MAX_GB_DEFAULT = 4.0
+MAX_GB_ENV = "HETFORGE_COMPILE_CACHE_MAX_GB"
 KEYED = "keyed"  # the checksum field of a parameter in an entry: the key's weight fingerprint covers it
 _warned: set[str] = set()
 _fingerprints: dict[int, tuple[tuple, str]] = {}
@@ -63,6 +70,53 @@ def warn_once(msg: str) -> None:
 
 def enabled() -> bool:
     return os.environ.get("HETFORGE_COMPILE_CACHE", "1").strip().lower() not in ("0", "off", "no", "false")
+
+
+def max_bytes() -> int:
+    """The folder's size bound (``$HETFORGE_COMPILE_CACHE_MAX_GB``, default :data:`MAX_GB_DEFAULT`); a value that is
+    not a positive number is a usage error naming the variable."""
+    raw = os.environ.get(MAX_GB_ENV, "").strip()
+    if not raw:
+        return int(MAX_GB_DEFAULT * 2**30)
+    try:
+        gb = float(raw)
+    except ValueError:
+        gb = float("nan")
+    if not gb > 0 or gb == float("inf"):
+        from hetforge.errors import UsageError
+
+        raise UsageError(f"{MAX_GB_ENV}={raw!r}: the compile cache's size bound must be a positive number of GB")
+    return int(gb * 2**30)
+
+
+def evict(keep: str | None = None) -> list[str]:
+    """Delete the least recently used entries until the folder is within :func:`max_bytes` (``keep``'s entry is
+    never deleted); returns the deleted keys."""
+    limit = max_bytes()
+    d = cache_dir()
+    entries = []
+    try:
+        for j in d.glob("*.json"):
+            key = j.stem
+            try:
+                st = j.stat()
+                size = st.st_size + (d / f"{key}.pt").stat().st_size if (d / f"{key}.pt").exists() else st.st_size
+            except OSError:
+                continue
+            entries.append((st.st_mtime, key, size))
+    except OSError:
+        return []
+    total = sum(e[2] for e in entries)
+    gone: list[str] = []
+    for _, key, size in sorted(entries):
+        if total <= limit:
+            break
+        if key == keep:
+            continue
+        _drop(key)
+        total -= size
+        gone.append(key)
+    return gone
 
 
 def cache_dir() -> Path:
@@ -344,6 +398,7 @@ def store(key: str, doc: dict[str, Any], res: Any, notes: list[str], nodes: int,
         warn_once(f"compile cache folder '{jpath.parent}' is not writable ({e.strerror or e}); compiling without "
                   "the cache (set HETFORGE_COMPILE_CACHE_DIR to a writable folder, or HETFORGE_COMPILE_CACHE=0)")
         return False
+    evict(keep=key)
     return True
 
 
@@ -362,6 +417,10 @@ def load(key: str, doc: dict[str, Any], module: torch.nn.Module,
     except (OSError, UnicodeDecodeError) as e:
         _drop(key)
         raise CacheEntryError(f"unreadable ({e})") from None
+    try:
+        os.utime(jpath)  # used now: the size bound deletes the least recently used entries first
+    except OSError:
+        pass  # a read-only cache still serves hits
     try:
         return _load(text, tpath, doc, module, executor)
     except CacheEntryError:
@@ -527,6 +586,7 @@ def cached_build(programs: Any, kind: str, length: int, module: torch.nn.Module,
 
     if not enabled():
         return None, None, []
+    max_bytes()  # a bad size bound is a usage error before any work, not after a compile
     options = executor_options(programs.executor)
     if options is None:
         return None, None, []

@@ -18,7 +18,7 @@ import torch
 from hetforge.errors import UsageError
 from hetforge.runtime.executors import Executor, make_executor
 from hetforge.runtime.ledger import Ledger
-from hetforge.runtime.programs import Piece, ProgramCache, pick_tier, prefill_pieces
+from hetforge.runtime.programs import Piece, ProgramCache, check_prefill_mode, pick_tier, prefill_pieces
 from hetforge.runtime.sampling import Sampler, SamplingParams
 from hetforge.runtime.threads import ThreadTuner
 from hetforge.tokenizers import StreamDecoder, Tokenizer, for_model
@@ -68,7 +68,7 @@ class Engine:
     def __init__(self, loaded, tokenizer: Tokenizer | None = None, executor: Executor | str = "auto",
                  soc: Any = "host", optimize: bool = True, quantize: str = "none", group_size: int = 128,
                  strategy: str = "rules", objective: str = "energy", backends: dict[str, str] | None = None,
-                 policy: str = "exact"):
+                 policy: str = "exact", prefill: str = "fine"):
         if loaded.kind != "causal-lm":
             raise UsageError(f"model '{loaded.name}' is a {loaded.kind}; generation needs a causal LM")
         self.loaded = loaded
@@ -81,8 +81,9 @@ class Engine:
         self.vocab_size = loaded.vocab_size
         self._ids = torch.zeros((1, 1), dtype=torch.long)
         self._pos = torch.zeros((1, 1), dtype=torch.long)
-        # False: pad every prompt to its tier (one prefill call); an executor may forbid chunks (runtime.moe_exec)
-        self.chunked_prefill = bool(getattr(self.executor, "chunked_prefill", True))
+        # how a prompt is prefilled (runtime.programs.prefill_pieces): one call of a fine-length program by default;
+        # an executor whose programs are made per tier (runtime.moe_exec) prefills at the tier
+        self.prefill_mode = "tier" if getattr(self.executor, "prefill_at_tier", False) else check_prefill_mode(prefill)
 
     @property
     def max_positions(self) -> int:
@@ -144,10 +145,11 @@ class Generation:
         self.result = GenerationResult("", [], len(prompt_ids), tier, length, cache.nbytes, 0.0,
                                        executor=engine.executor.name)
         self.cache = cache
-        chunked = engine.chunked_prefill and self.chunkable and engine.programs.fixed is None
-        # chunked: the largest tier <= n and chunks over the cache (all within it: tier <= length); else the tier
-        self.pieces: list[Piece] = (prefill_pieces(len(prompt_ids), engine.programs.tiers) if chunked
-                                    else [Piece("prefill", 0, tier, len(prompt_ids))])
+        # fine: one program of about the prompt's length; chunked: the largest tier <= n and chunks over the cache;
+        # both stay within the tier (<= the cache length). A generation plan holds tier programs only.
+        free = self.chunkable and engine.programs.fixed is None
+        self.pieces: list[Piece] = (prefill_pieces(len(prompt_ids), engine.programs.tiers, mode=engine.prefill_mode)
+                                    if free else [Piece("prefill", 0, tier, len(prompt_ids))])
         self.result.prefill_pieces = [_piece_name(p) for p in self.pieces]
         self.ledger = Ledger(engine.soc_name)
         self.decoder = StreamDecoder(engine.tokenizer)

@@ -56,7 +56,7 @@ class MoePlacedExecutor(PlacedExecutor):
     dims: tuple[int, int, int] = (0, 0, 4)  # (D, F, dtype bytes) of the experts
     # one prefill call per tier: expert-group capacities are sized per program's tokens, so chunks would change
     # which tokens a group drops (runtime.engine reads this)
-    chunked_prefill: ClassVar[bool] = False
+    prefill_at_tier: ClassVar[bool] = True
     expansions: dict[str, Any] = field(default_factory=dict)  # program label → Expansion
 
     def __post_init__(self) -> None:
@@ -134,7 +134,7 @@ class TieredReference:
     group_size: int = 2
     capacity_factor: float = 1.25
     name: str = "fx+moe-tiers"
-    chunked_prefill: ClassVar[bool] = False  # the tier plan's capacities are per program (as MoePlacedExecutor)
+    prefill_at_tier: ClassVar[bool] = True  # the tier plan's capacities are per program (as MoePlacedExecutor)
 
     def build(self, gm: torch.fx.GraphModule, inputs: tuple, label: str, optimize: bool):
         from hetforge.moe import apply_tiers, choose_tiers

@@ -70,13 +70,45 @@ class Piece:
     real: int
 
 
-def prefill_pieces(n: int, tiers: Sequence[int], chunked: bool = True) -> list[Piece]:
-    """How a prompt of ``n`` tokens is prefilled: one call of the smallest tier that holds it, or (chunked) the
-    largest tier ``<= n`` and the rest in power-of-two chunks (the rest rounded up to :data:`CHUNK_MIN`), when
-    that is less work: padded tokens plus :data:`CALL_TOKENS` per extra call. So a prompt between tiers pays for
-    at most ``CHUNK_MIN - 1`` pad tokens plus the extra calls, not for the next tier in full."""
+PREFILL_MODES = ("fine", "chunked", "tier")
+FINE_PER_OCTAVE = 8  # prefill lengths per power of two (fine mode): a prompt pads by at most ~1/8 of its length
+FINE_MIN = 8  # the finest step (and the shortest fine prefill program)
+
+
+def fine_length(n: int, tiers: Sequence[int]) -> int:
+    """The fine prefill length of an ``n``-token prompt: ``n`` rounded up to a step of 1/:data:`FINE_PER_OCTAVE` of
+    the power of two below it (at least :data:`FINE_MIN`), never past the tier that holds ``n``.
+
+    Why: a prefill program's time grows with its rows, and one call reads every weight once; padding to the next
+    power-of-two tier costs up to 2x the rows, chunking costs a weight pass per extra call. Eight lengths per
+    octave bound the pad to 1/8 (e.g. 84 -> 88, 500 -> 512) while a program is still compiled once per length
+    (and kept in the compile cache), not once per prompt."""
+    octave = 1 << (max(n - 1, 1).bit_length() - 1)  # the power of two below n
+    step = max(FINE_MIN, octave // FINE_PER_OCTAVE)
+    return min(-(-n // step) * step, pick_tier(n, tiers))
+
+
+def check_prefill_mode(mode: str) -> str:
+    """``mode`` if it is one of :data:`PREFILL_MODES`; else a usage error naming them."""
+    from hetforge.errors import UsageError
+
+    if mode not in PREFILL_MODES:
+        raise UsageError(f"prefill mode '{mode}': allowed {', '.join(PREFILL_MODES)}")
+    return mode
+
+
+def prefill_pieces(n: int, tiers: Sequence[int], mode: str = "fine") -> list[Piece]:
+    """How a prompt of ``n`` tokens is prefilled, by ``mode`` (one of :data:`PREFILL_MODES`):
+
+    * ``fine``: one call of a prefill program :func:`fine_length` long (the default of the engine);
+    * ``tier``: one call of the smallest tier that holds it;
+    * ``chunked``: the largest tier ``<= n`` and the rest in power-of-two chunks over the cache (the rest rounded
+      up to :data:`CHUNK_MIN`), when that is less work than the tier: padded tokens plus :data:`CALL_TOKENS` per
+      extra call. Fewer programs than ``fine`` (tiers and power-of-two chunks only), more calls."""
+    if mode == "fine":
+        return [Piece("prefill", 0, fine_length(n, tiers), n)]
     whole = [Piece("prefill", 0, pick_tier(n, tiers), n)]
-    if not chunked:
+    if mode == "tier":
         return whole
     base = max((t for t in tiers if t <= n), default=0)
     rest = -(-(n - base) // CHUNK_MIN) * CHUNK_MIN

@@ -69,12 +69,20 @@ def peers(
     json_out: bool = typer.Option(False, "--json", help="print JSON (progress goes to stderr)"),
     w8_act: opt.W8Act = None,
     w4_act: opt.W4Act = None,
+    from_json: Path | None = typer.Option(None, "--from-json", help="measure nothing: re-render the page, chart and "
+                                          "JSON of an earlier run from its JSON (next to it), the ratios and targets "
+                                          "recomputed by today's rules"),
 ) -> None:
     """Run the peer suite: prep time, prefill, one token, decode, peak RSS and fidelity per system (measured)."""
     from hetforge.benchmarks.harness import DEFAULT_MODELS, QUICK_MODELS, SuiteConfig, run_suite
     from hetforge.benchmarks.report import fmt, write_report
     from hetforge.benchmarks.systems import SYSTEMS
     from hetforge.kernels import native
+
+    if from_json is not None:
+        for k, v in _rerender(from_json).items():
+            console.print(f"{k} written to {v}")
+        return
 
     native.set_w8_act(w8_act)  # exported: the systems' processes inherit it (and the page's command records it)
     native.set_w4_act(w4_act)
@@ -113,3 +121,20 @@ def peers(
         console.print(t)
     for k, v in paths.items():
         console.print(f"{k} written to {v}")
+
+
+def _rerender(path: Path) -> dict[str, Path]:
+    """``--from-json``: the run's rows as saved, comparisons recomputed, page/chart/JSON rewritten beside it."""
+    from hetforge.benchmarks.harness import compare
+    from hetforge.benchmarks.report import load_json, write_report
+    from hetforge.errors import UsageError
+
+    if not path.is_file():
+        raise UsageError(f"--from-json {path}: no such file (give a JSON written by `hetforge bench peers --out-dir`)")
+    try:
+        res = load_json(path)
+    except (ValueError, KeyError, TypeError) as e:
+        raise UsageError(f"--from-json {path}: not a peers JSON ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
+                         ) from None
+    res.comparisons = compare(res.rows)
+    return write_report(res, path.parent, stem=path.stem)

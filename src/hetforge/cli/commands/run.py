@@ -125,14 +125,19 @@ def run(
     precision: str = typer.Option("fp32", "--precision", help="fp32, or bf16 (needs AVX512-BF16/AMX-BF16)"),
     allow_emulated: bool = typer.Option(False, "--allow-emulated", help="run bf16 on a CPU without bf16 "
                                         "instructions (converted in software, slower)"),
+    prefill: str = typer.Option("fine", "--prefill", help="how a prompt is prefilled: fine (one program of about its "
+                                "length, padded by at most 1/8), chunked (tiers + power-of-two chunks over the cache, "
+                                "fewer programs) or tier (padded to the next power-of-two tier)"),
 ) -> None:
     """Generate text from MODEL, streaming tokens as they come, then print measured timings."""
     from hetforge.errors import UsageError
     from hetforge.kernels import native
     from hetforge.runtime import SamplingParams
+    from hetforge.runtime.programs import check_prefill_mode
 
     native.set_w8_act(w8_act)
     native.set_w4_act(w4_act)
+    check_prefill_mode(prefill)
     sel = select_params(candidates, select, match, schema, require_stop, max_entropy, greedy_anchor, verifier)
     if greedy_anchor and candidates == 1:
         raise UsageError("--greedy-anchor needs --candidates K with K >= 2 (it makes candidate 0 greedy)")
@@ -189,7 +194,7 @@ def run(
 
     dtype = resolve_precision(precision, allow_emulated, quantize)
     engine = make_engine(model, soc, executor, quantize, group_size, strategy, objective, backend, policy, plan,
-                         moe=moe, dtype=dtype)
+                         moe=moe, dtype=dtype, prefill=prefill)
     if candidates != 1:
         run_candidates(engine, prompt, params, sel, json_out, strategy)
         return
@@ -274,7 +279,8 @@ def set_threads(threads: int) -> None:
 
 def make_engine(model: str, soc: str, executor: str, quantize: str = "none", group_size: int = 128,
                 strategy: str = "rules", objective: str = "energy", backend: list[str] | None = None,
-                policy: str = "exact", plan: Path | None = None, moe: dict | None = None, dtype=None):
+                policy: str = "exact", plan: Path | None = None, moe: dict | None = None, dtype=None,
+                prefill: str = "fine"):
     """Load ``model`` and build an :class:`~hetforge.runtime.Engine` (validates the SoC, strategy, objective,
     backends and quantization options before any model work)."""
     from hetforge.backends.emulated import POLICIES
@@ -316,7 +322,7 @@ def make_engine(model: str, soc: str, executor: str, quantize: str = "none", gro
     if moe is not None:
         executor = moe_executor(loaded, moe, prof, quantize, group_size, strategy, objective, overrides, policy)
     engine = Engine(loaded, executor=executor, soc=prof, quantize=quantize, group_size=group_size,
-                    strategy=strategy, objective=objective, backends=overrides, policy=policy)
+                    strategy=strategy, objective=objective, backends=overrides, policy=policy, prefill=prefill)
     if plan is not None:
         from hetforge.runtime.genplan import load_genplan
 
