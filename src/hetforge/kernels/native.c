@@ -230,7 +230,7 @@ void hf_pool_config(int spin_us, int hold) {
     atomic_store(&pool.hold, hold);
 }
 
-static float dot(const float *restrict a, const float *restrict b, long k) {
+static inline float dot(const float *restrict a, const float *restrict b, long k) {
     float s = 0.f;
 #pragma omp simd reduction(+ : s)
     for (long i = 0; i < k; i++) s += a[i] * b[i];
@@ -586,23 +586,50 @@ typedef struct {
     long h, hkv, s, d;
 } att_ctx;
 
+/* Cache rows fetched ahead (software prefetch) by the decode attention: a head's rows are read in order, but
+ * the scores read four rows at a time, a pattern the hardware prefetchers follow poorly (measured on a cache
+ * pool larger than the last-level cache: ~20% faster per call with it, one thread). */
+#define HF_ATT_AHEAD 16
+
 static void att_head(void *p, long i) {
     const att_ctx *a = p;
     long s = a->s, d = a->d, j = i / (a->h / a->hkv);
     const float *qi = a->q + i * d, *kc = a->k_cache + j * s * d, *vc = a->v_cache + j * s * d;
     float *pr = a->scratch + i * (s + 1), *o = a->out + i * d, scale = a->scale;
-    float mx = -INFINITY;
-    for (long t = 0; t < s; t++) {
-        float v = scale * dot(qi, kc + t * d, d) + a->mask[t];
+    const float *mask = a->mask;
+    float mx = -INFINITY, o4[4];
+    /* Scores four cache rows at a time (dot4: four independent sums, one horizontal add each). A position the
+     * mask hides (-inf: not written yet) is -inf whatever its key holds, so its key row is not read: a decode
+     * step over a cache longer than the context so far reads only the written part. */
+    long t = 0;
+    for (; t + 4 <= s; t += 4) {
+        if (t + HF_ATT_AHEAD < s && mask[t + HF_ATT_AHEAD] != -INFINITY)
+            for (long b = 0; b < 4 * d; b += 16) __builtin_prefetch(kc + (t + HF_ATT_AHEAD) * d + b);
+        int hidden = (mask[t] == -INFINITY) + (mask[t + 1] == -INFINITY) + (mask[t + 2] == -INFINITY) +
+                     (mask[t + 3] == -INFINITY);
+        if (hidden == 4) {
+            pr[t] = pr[t + 1] = pr[t + 2] = pr[t + 3] = -INFINITY;
+            continue;
+        }
+        const float *k0 = kc + t * d;
+        dot4(k0, k0 + d, k0 + 2 * d, k0 + 3 * d, qi, d, o4);
+        for (int r = 0; r < 4; r++) {
+            float v = mask[t + r] == -INFINITY ? -INFINITY : scale * o4[r] + mask[t + r];
+            pr[t + r] = v;
+            if (v > mx) mx = v;
+        }
+    }
+    for (; t < s; t++) {
+        float v = mask[t] == -INFINITY ? -INFINITY : scale * dot1(kc + t * d, qi, d) + mask[t];
         pr[t] = v;
         if (v > mx) mx = v;
     }
-    float vn = scale * dot(qi, a->k_new + j * d, d) + (a->new_mask ? *a->new_mask : 0.f);
+    float vn = scale * dot1(a->k_new + j * d, qi, d) + (a->new_mask ? *a->new_mask : 0.f);
     pr[s] = vn;
     if (vn > mx) mx = vn;
     float z = 0.f;
     for (long t = 0; t <= s; t++) {
-        float e = expf(pr[t] - mx);
+        float e = pr[t] == -INFINITY ? 0.f : expf(pr[t] - mx); /* expf(-inf) is 0: skipped, same sum */
         pr[t] = e;
         z += e;
     }
@@ -610,6 +637,8 @@ static void att_head(void *p, long i) {
     for (long c = 0; c < d; c++) o[c] = 0.f;
     for (long t = 0; t < s; t++) {
         float w = pr[t] * iz;
+        if (t + HF_ATT_AHEAD < s && pr[t + HF_ATT_AHEAD] != 0.f)
+            for (long b = 0; b < d; b += 16) __builtin_prefetch(vc + (t + HF_ATT_AHEAD) * d + b);
         if (w == 0.f) continue;
         const float *vr = vc + t * d;
 #pragma omp simd
