@@ -241,3 +241,32 @@ def test_decode_attention_equals_sdpa_over_the_written_positions(h, hkv, s, d, w
     finally:
         torch.set_num_threads(old)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(native.library() is None, reason="native kernels not built on this host")
+@settings(max_examples=40, deadline=None)
+@given(rows=st.lists(st.integers(1, 70), min_size=1, max_size=native.MULTI_MAX), k=st.integers(1, 90),
+       bias=st.lists(st.booleans(), min_size=native.MULTI_MAX, max_size=native.MULTI_MAX), threads=st.integers(1, 3))
+def test_gemv_multi_is_bit_equal_to_one_gemv_per_weight(rows, k, bias, threads):
+    """Several products of one row in one pool call: each result bit-equal to its own hf_gemv_nk call (same
+    summation per row), and equal to F.linear to rounding; row counts below and beyond multiples of four."""
+    g = torch.Generator().manual_seed(k * 131 + sum(rows))
+    x = torch.randn(k, generator=g)
+    ws = [torch.randn(n, k, generator=g) for n in rows]
+    bs = [torch.randn(n, generator=g) if b else None for n, b in zip(rows, bias, strict=False)]
+    outs = native.gemv_multi(x, ws, bs, [torch.full((n,), float("nan")) for n in rows], threads=threads)
+    for w, b, o in zip(ws, bs, outs, strict=True):
+        one = native.gemv(x, w, b, torch.empty(w.shape[0]), False, threads=threads)
+        assert torch.equal(o, one)
+        torch.testing.assert_close(o, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(native.library() is None, reason="native kernels not built on this host")
+def test_gemv_multi_refuses_what_it_cannot_run():
+    x, w = torch.randn(8), torch.randn(4, 8)
+    with pytest.raises(ValueError, match="1..4 products"):
+        native.MultiArgs([w.data_ptr()] * 5, [None] * 5, [0] * 5, [4] * 5)
+    with pytest.raises(ValueError, match="do not fit"):
+        native.gemv_multi(x, [w, torch.randn(4, 9)], [None, None], [torch.empty(4), torch.empty(4)])
+    with pytest.raises(ValueError, match="do not fit"):
+        native.gemv_multi(x, [w], [None], [torch.empty(5)])

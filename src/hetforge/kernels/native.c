@@ -409,6 +409,68 @@ void hf_gemv_nk(const float *w, const float *x, const float *bias, float *y, lon
     gemv_nk_act(w, x, bias, y, n, k, ACT_NONE, threads);
 }
 
+/* Several one-row products of one x, one pool call: y_j = W_j x (+ b_j) for j < m (m <= HF_MULTI_MAX), each
+ * W_j [N_j, K] in its own buffer, e.g. a layer's q, k and v projections. Why: each pool call costs a few µs
+ * beyond its stream (waking the helpers, restarting the prefetch streams, waiting for the last chunk); one call
+ * over the stacked rows pays that once (measured on three 768x768 weights: ~13% less time than three calls).
+ * The rows of all W_j are read as one [sum N_j, K] matrix in the four-stream chunks of hf_gemv_nk, and every
+ * row is summed by dot4 exactly as hf_gemv_nk sums it: each y_j is bit-equal to its own hf_gemv_nk call. */
+#define HF_MULTI_MAX 4
+typedef struct {
+    const float *w[HF_MULTI_MAX], *bias[HF_MULTI_MAX], *x;
+    float *y[HF_MULTI_MAX];
+    long off[HF_MULTI_MAX + 1]; /* row r of the stack is row r - off[j] of W_j for off[j] <= r < off[j + 1] */
+    long n, k, rows;
+} multi_ctx;
+
+static inline int multi_member(const multi_ctx *a, long r) {
+    int j = 0;
+    while (r >= a->off[j + 1]) j++;
+    return j;
+}
+
+static inline const float *multi_row(const multi_ctx *a, long r) {
+    int j = multi_member(a, r);
+    return a->w[j] + (r - a->off[j]) * a->k;
+}
+
+static inline void multi_store(const multi_ctx *a, long r, float v) {
+    int j = multi_member(a, r);
+    long i = r - a->off[j];
+    a->y[j][i] = a->bias[j] ? v + a->bias[j][i] : v;
+}
+
+static void multi_chunk(void *p, long c) {
+    const multi_ctx *a = p;
+    long n = a->n, k = a->k, q = n / 4, i0 = c * a->rows, i1 = i0 + a->rows < q ? i0 + a->rows : q;
+    float o[4];
+    if (i0 >= q) { /* the tail */
+        for (long r = 4 * q; r < n; r++) multi_store(a, r, dot1(multi_row(a, r), a->x, k));
+        return;
+    }
+    for (long i = i0; i < i1; i++) {
+        dot4(multi_row(a, i), multi_row(a, i + q), multi_row(a, i + 2 * q), multi_row(a, i + 3 * q), a->x, k, o);
+        for (int j = 0; j < 4; j++) multi_store(a, i + j * q, o[j]);
+    }
+}
+
+/* w, bias, y: arrays of m pointers (a bias may be NULL); n: the m row counts. Returns -1 (nothing done) when m is
+ * not in 1..HF_MULTI_MAX, else 0. */
+int hf_gemv_nk_multi(int m, const float *const *w, const float *const *bias, float *const *y, const long *n,
+                     const float *x, long k, int threads) {
+    if (m < 1 || m > HF_MULTI_MAX) return -1;
+    multi_ctx a = {.x = x, .k = k, .rows = rows_per_chunk(k * (long)sizeof(float))};
+    a.off[0] = 0;
+    for (int j = 0; j < HF_MULTI_MAX; j++) {
+        a.w[j] = j < m ? w[j] : 0, a.bias[j] = j < m ? bias[j] : 0, a.y[j] = j < m ? y[j] : 0;
+        a.off[j + 1] = a.off[j] + (j < m ? n[j] : 0);
+    }
+    a.n = a.off[m];
+    for (int j = m; j < HF_MULTI_MAX; j++) a.off[j + 1] = LONG_MAX; /* multi_member never passes member m - 1 */
+    hf_run(multi_chunk, &a, four_stream_chunks(a.n, a.rows), clamp_threads(threads));
+    return 0;
+}
+
 /* Split-K part c of C: rows [c*r, (c+1)*r) of each quarter of W [K, N] (r = ceil((K/4) / C); four streams,
  * one per quarter, so consecutive parts continue the same streams), plus the K % 4 tail rows in the last part,
  * into row c of part. */
