@@ -211,3 +211,62 @@ def test_a_damaged_cached_library_is_rebuilt_and_used(fresh_state, monkeypatch, 
     native._state.clear()
     again = native.status()  # the next load uses the rebuilt file as it is
     assert again.available and again.rebuilt == ""
+
+
+@pytest.mark.skipif(native.library() is None, reason="native kernels not built on this host")
+@pytest.mark.parametrize("h, hkv, s, d, written", [(12, 12, 256, 64, 131), (8, 2, 37, 16, 37), (4, 4, 9, 48, 1),
+                                                   (6, 3, 64, 32, 20)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_decode_attention_equals_sdpa_over_the_written_positions(h, hkv, s, d, written, threads):
+    """One new row against a cache whose first ``written`` positions are visible (the rest hidden by -inf, as a
+    decode step's cache mask does; plus two hidden positions among the visible ones): equal to SDPA over the
+    visible rows plus the new one. Hidden cache rows hold NaN: the kernel must not read them into the result."""
+    g = torch.Generator().manual_seed(s + written)
+    q = torch.randn(1, h, 1, d, generator=g)
+    k, v = torch.randn(1, hkv, 1, d, generator=g), torch.randn(1, hkv, 1, d, generator=g)
+    kc, vc = torch.randn(1, hkv, s, d, generator=g), torch.randn(1, hkv, s, d, generator=g)
+    mask = torch.zeros(1, s)
+    mask[0, written:] = float("-inf")
+    hidden = [p for p in (written // 2, written - 1) if written > 2]
+    mask[0, hidden] = float("-inf")
+    visible = (mask[0] == 0).nonzero().flatten()
+    want = F.scaled_dot_product_attention(
+        q, torch.cat([kc[:, :, visible], k], 2).repeat_interleave(h // hkv, 1),
+        torch.cat([vc[:, :, visible], v], 2).repeat_interleave(h // hkv, 1), scale=d ** -0.5)
+    kc[:, :, mask[0] != 0], vc[:, :, mask[0] != 0] = float("nan"), float("nan")
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = native.decode_attention(q, k, v, kc, vc, mask, torch.zeros(1, 1), d ** -0.5)
+    finally:
+        torch.set_num_threads(old)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(native.library() is None, reason="native kernels not built on this host")
+@settings(max_examples=40, deadline=None)
+@given(rows=st.lists(st.integers(1, 70), min_size=1, max_size=native.MULTI_MAX), k=st.integers(1, 90),
+       bias=st.lists(st.booleans(), min_size=native.MULTI_MAX, max_size=native.MULTI_MAX), threads=st.integers(1, 3))
+def test_gemv_multi_is_bit_equal_to_one_gemv_per_weight(rows, k, bias, threads):
+    """Several products of one row in one pool call: each result bit-equal to its own hf_gemv_nk call (same
+    summation per row), and equal to F.linear to rounding; row counts below and beyond multiples of four."""
+    g = torch.Generator().manual_seed(k * 131 + sum(rows))
+    x = torch.randn(k, generator=g)
+    ws = [torch.randn(n, k, generator=g) for n in rows]
+    bs = [torch.randn(n, generator=g) if b else None for n, b in zip(rows, bias, strict=False)]
+    outs = native.gemv_multi(x, ws, bs, [torch.full((n,), float("nan")) for n in rows], threads=threads)
+    for w, b, o in zip(ws, bs, outs, strict=True):
+        one = native.gemv(x, w, b, torch.empty(w.shape[0]), False, threads=threads)
+        assert torch.equal(o, one)
+        torch.testing.assert_close(o, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(native.library() is None, reason="native kernels not built on this host")
+def test_gemv_multi_refuses_what_it_cannot_run():
+    x, w = torch.randn(8), torch.randn(4, 8)
+    with pytest.raises(ValueError, match="1..4 products"):
+        native.MultiArgs([w.data_ptr()] * 5, [None] * 5, [0] * 5, [4] * 5)
+    with pytest.raises(ValueError, match="do not fit"):
+        native.gemv_multi(x, [w, torch.randn(4, 9)], [None, None], [torch.empty(4), torch.empty(4)])
+    with pytest.raises(ValueError, match="do not fit"):
+        native.gemv_multi(x, [w], [None], [torch.empty(5)])

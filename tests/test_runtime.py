@@ -292,6 +292,28 @@ def test_decode_program_runs_its_row_ops_and_gemvs_natively(name, with_native):
         torch.set_num_threads(before)
 
 
+def test_decode_program_groups_the_products_of_one_input_into_one_call(with_native, monkeypatch):
+    """llama's q, k and v projections read one normed row: the decode program runs them as one
+    hf_gemv_nk_multi call per layer, with outputs bit-equal to one call per product (HETFORGE_GEMV_MULTI=0)."""
+    from hetforge.compile import compile_graph
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        cg, inputs, layers = _decode_graph("llama-tiny", 32, token=5, pos=20)
+        exe = compile_graph(cg.gm, soc="host", example_inputs=inputs, name="decode").executable
+        assert exe.stats.gemv_groups == layers
+        assert exe.source.count("hf_gemv_nk_multi") == 0 and exe.source.count(".call(") == layers
+        got = [t.clone() for t in exe.run_flat(*inputs)]
+        monkeypatch.setenv("HETFORGE_GEMV_MULTI", "0")
+        off = compile_graph(cg.gm, soc="host", example_inputs=inputs, name="decode").executable
+        assert off.stats.gemv_groups == 0 and off.stats.native_gemv == exe.stats.native_gemv
+        for a, b in zip(got, off.run_flat(*inputs), strict=True):
+            assert torch.equal(a, b)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_w8_decode_runs_its_int8_products_on_the_native_kernel(with_native, monkeypatch):
     """Under ``--w8-act weight-only`` one-row int8 products (``--quantize w8``) run on the native int8 GEMV
     with fp32 activations; outputs match the ATen ``_weight_int8pack_mm`` path to rounding."""

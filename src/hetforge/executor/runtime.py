@@ -16,7 +16,9 @@ an arena (they are fresh tensors each call), so a caller may keep them.
 
 from __future__ import annotations
 
+import ctypes
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -76,6 +78,7 @@ class ExecStats:
     gemm_out: int = 0
     split_gemv: int = 0  # one-row products run as a threaded bmm over output chunks (ops/gemv.py)
     native_gemv: int = 0  # one-row fp32 products on the native C kernel (kernels/native.py)
+    gemv_groups: int = 0  # groups of one-row products of one input run as one hf_gemv_nk_multi call (e.g. q, k, v)
     native_ops: int = 0  # hetforge row ops (norms, rotary, decode attention) as one native call into the slice
     onednn_gemm: int = 0  # multi-row linears on oneDNN's packed kernel (executor/onednn.py; result not in the arena)
     copy_into: int = 0  # copy-like op done as slice.copy_(input)
@@ -109,6 +112,11 @@ class _Codegen:
         # the kernel of every instruction: the one kernel lowering recorded (hetforge.ir.kernel_choice), with
         # oneDNN candidates decided by measurement here; a static view that cannot be bound here becomes "view"
         self.kernels = resolved_kernels(p, lambda ins: onednn.chosen(self, ins))
+        # one-row products that share their input, run as one native call at the first one (see gemv_group)
+        self.groups: dict[int, list] = {}  # first member's instruction id → the group's instructions
+        self.grouped: dict[int, torch.Tensor] = {}  # member id → the scratch row the group's call writes it to
+        if os.environ.get("HETFORGE_GEMV_MULTI", "1") != "0" and mode != "fast":
+            self.groups = self.gemv_groups()
 
     def const(self, obj: Any, hint: str = "c") -> str:
         key = id(obj)
@@ -206,6 +214,10 @@ class _Codegen:
             v = self.p.values[o]
             if k == "onednn":
                 return [onednn.codegen_line(self, ins, o, dev)]
+            if ins.id in self.groups or ins.id in self.grouped:
+                line = self.gemv_group(ins, o, dev)
+                if line is not None:
+                    return [line]
             gemm = k in NATIVE_GEMV or k.startswith("split-gemv:") or k == "gemm-out"
             line = self.gemm(ins, o, dev, k) if gemm else self.native_op(ins, o, dev, k[7:]) \
                 if k.startswith("native:") else None
@@ -359,6 +371,80 @@ class _Codegen:
         else:
             call = f"{self.const(lib.hf_gemv_nk, 'nk')}({wp}, {xp}, {bp}, {yp}, {n}, {k}, {nt}())"
         return pre + call + post
+
+    def gemv_groups(self) -> dict[int, list]:
+        """Native ``[N, K]`` one-row products that read the same input register (a layer's q, k and v
+        projections), in program order, cut into groups of 2..``native.MULTI_MAX``: each group runs as one
+        ``hf_gemv_nk_multi`` call where its first product stands (one pool call instead of several; every result
+        bit-equal). Computing the later ones early is sound: their input is the same register, and their weights
+        and biases are constants. Not grouped: products with a bias that is not a weight, and any group with an
+        in-place instruction between its members."""
+        by_x: dict[int, list] = {}
+        pos = {ins.id: n for n, ins in enumerate(self.p.instrs)}
+        for ins in self.p.instrs:
+            if ins.kind != KERNEL or len(ins.outputs) != 1 or self.kernels.get(ins.id) != "native:hf_gemv_nk" \
+                    or self.dm[ins.device].type != "cpu":
+                continue
+            x, w, b, weight_t = gemm_operands(ins)
+            if weight_t or not isinstance(x, Reg) or (b is not None and self.p.values[b.id].kind != WEIGHT) \
+                    or self.p.values[ins.outputs[0]].dtype != torch.float32:
+                continue
+            by_x.setdefault(x.id, []).append(ins)
+        inplace = [n for n, ins in enumerate(self.p.instrs) if ins.kind == INPLACE]
+        groups: dict[int, list] = {}
+        for members in by_x.values():
+            for i in range(0, len(members), native.MULTI_MAX):
+                g = members[i:i + native.MULTI_MAX]
+                lo, hi = pos[g[0].id], pos[g[-1].id]
+                if len(g) > 1 and not any(lo < n < hi for n in inplace):
+                    groups[g[0].id] = g
+        return groups
+
+    def gemv_group(self, ins, o: int, dev: torch.device) -> str | None:
+        """The line of a grouped one-row product (see :meth:`gemv_groups`): at the first member, the one native
+        call for the whole group (its own result straight into its arena slice when it has one; the others' into
+        scratch rows made once); at a later member, its row copied from scratch into its slice (a fresh tensor
+        when it is a graph output). None: not grouped after all (the input's pointer is only known at run time)."""
+        if ins.id in self.grouped:
+            scr = self.grouped.pop(ins.id)
+            if self.planned(o):
+                buf = self.buffer(o)
+                self.bound.add(o)
+                self.stats.gemm_out += 1
+                mm = self.const(ctypes.memmove, "f")
+                return f"{mm}({self.g[buf].data_ptr()}, {scr.data_ptr()}, {scr.numel() * 4}); r{o} = {buf}"
+            self.stats.fresh_outputs += self.p.values[o].kind == OUTPUT
+            return f"r{o} = {self.const(scr, 'scr')}.clone()"
+        group = self.groups.pop(ins.id)
+        x = gemm_operands(ins)[0]
+        xt = self.static_tensor(x.id, dev)
+        if xt is None:
+            return None
+        ws, bs, ys, rows = [], [], [], []
+        for n, m in enumerate(group):
+            _, w, b, _ = gemm_operands(m)
+            mo = m.outputs[0]
+            wt = self.g[self.weight(w.id, dev)]
+            ws.append(wt.data_ptr())
+            rows.append(wt.shape[0])
+            bs.append(None if b is None else self.g[self.weight(b.id, dev)].data_ptr())
+            if n == 0 and self.planned(mo):  # straight into its slice
+                ys.append(self.g[self.buffer(mo)].data_ptr())
+            else:
+                scr = self.grouped[m.id] = torch.empty(self.p.values[mo].shape, dtype=torch.float32)
+                self.const(scr, "scr")  # kept alive by the generated code's globals: its pointer is baked in
+                ys.append(scr.data_ptr())
+        self.stats.native_gemv += len(group)
+        self.stats.gemv_groups += 1
+        k = xt.numel()
+        args = self.const(native.MultiArgs(ws, bs, ys, rows), "mg")
+        nt = self.const(torch.get_num_threads, "f")
+        call = f"{args}.call({xt.data_ptr()}, {k}, {nt}())"
+        if ins.id in self.grouped:  # the first member's own row went to scratch too: copy it now
+            return call + "; " + self.gemv_group(ins, o, dev)
+        self.bound.add(o)
+        self.stats.gemm_out += 1
+        return f"{call}; r{o} = {self.buffer(o)}"
 
     def gemv_scratch(self, n: int) -> torch.Tensor:
         """The split-K partial rows of a native ``[K, N]`` GEMV (one row per part of K; shared by the

@@ -37,6 +37,7 @@ _P, _L, _I, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
 SIGNATURES = {
     "hf_gemv_nk": [_P, _P, _P, _P, _L, _L, _I],
     "hf_gemv_kn": [_P, _P, _P, _P, _L, _L, _I, _P, _I],
+    "hf_gemv_nk_multi": [_I, _P, _P, _P, _P, _P, _L, _I],
     "hf_gemv_bf16": [_P, _P, _P, _P, _L, _L, _I, _I, _I, _P, _I],
     "hf_gated_mlp_bf16": [_P, _P, _P, _P, _P, _P, _L, _L, _I, _I],
     "hf_rotary_bf16": [_P, _P, _P, _P, _L, _L, _I],
@@ -190,6 +191,7 @@ def _open(path: Path) -> tuple[ctypes.CDLL | None, str]:
     lib.hf_q8a_path.restype = _I
     lib.hf_bf16_path.restype = _I
     lib.hf_prefill_attention.restype = _I
+    lib.hf_gemv_nk_multi.restype = _I
     lib.hf_gemv_q8a.restype = lib.hf_gemm_q8a.restype = _I  # 0, or -1: scratch not allocated
     lib.hf_gemv_q4a.restype = lib.hf_gemm_q4a.restype = lib.hf_q4a_path.restype = _I
     return lib, ""
@@ -324,6 +326,47 @@ def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: torch
         n, k = w.shape
         lib.hf_gemv_nk(w.data_ptr(), x.data_ptr(), _ptr(bias), out.data_ptr(), n, k, threads)
     return out
+
+
+MULTI_MAX = 4  # native.c's HF_MULTI_MAX: the most products one hf_gemv_nk_multi call takes
+
+
+class MultiArgs:
+    """The pointer arrays of one ``hf_gemv_nk_multi`` call (weights, biases, outputs, row counts), made once: the
+    executor bakes one per fused group into its generated code (the pointers of arena slices never move)."""
+
+    def __init__(self, weights: list[int], biases: list[int | None], outs: list[int], rows: list[int]):
+        m = len(weights)
+        if not 1 <= m <= MULTI_MAX or not len(biases) == len(outs) == len(rows) == m:
+            raise ValueError(f"hf_gemv_nk_multi takes 1..{MULTI_MAX} products with one bias, output and row count "
+                             f"each, got {m} weights, {len(biases)} biases, {len(outs)} outputs, {len(rows)} rows")
+        self.m = m
+        self.w = (ctypes.c_void_p * m)(*weights)
+        self.b = (ctypes.c_void_p * m)(*biases)
+        self.y = (ctypes.c_void_p * m)(*outs)
+        self.n = (ctypes.c_long * m)(*rows)
+
+    def call(self, x_ptr: int, k: int, threads: int) -> None:
+        if library().hf_gemv_nk_multi(self.m, self.w, self.b, self.y, self.n, x_ptr, k, threads):
+            raise ValueError(f"hf_gemv_nk_multi refused {self.m} products (it takes 1..{MULTI_MAX})")
+
+
+def gemv_multi(x: torch.Tensor, ws: list[torch.Tensor], biases: list[torch.Tensor | None],
+               outs: list[torch.Tensor], threads: int | None = None) -> list[torch.Tensor]:
+    """``outs[j] = x·ws[j]ᵀ (+ biases[j])`` for one fp32 row and up to :data:`MULTI_MAX` ``[N_j, K]`` weights, in
+    one call of the native pool (each result bit-equal to its own :func:`gemv`). Operands as :func:`fits` checks
+    them; ``x`` and every output contiguous."""
+    k = x.numel()
+    for w, b, o in zip(ws, biases, outs, strict=True):
+        if not fits(w, b) or w.shape[1] != k or o.numel() != w.shape[0] or not o.is_contiguous():
+            raise ValueError(f"one-row products: input {tuple(x.shape)}, weight {tuple(w.shape)} and output "
+                             f"{tuple(o.shape)} do not fit")
+    if not x.is_contiguous():
+        raise ValueError("one-row products: the input row must be contiguous")
+    args = MultiArgs([w.data_ptr() for w in ws], [_ptr(b) for b in biases], [o.data_ptr() for o in outs],
+                     [w.shape[0] for w in ws])
+    args.call(x.data_ptr(), k, max(1, torch.get_num_threads() if threads is None else threads))
+    return outs
 
 
 def fits(w: torch.Tensor, bias: torch.Tensor | None = None, weight_t: bool = False,
