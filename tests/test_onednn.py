@@ -1,6 +1,8 @@
 """oneDNN prepacked linears: numerics against ATen, the executor's use of them (fidelity vs eager, KL ≤ 1e-8),
 the policy switch, the measured choice, and calibration taking the fastest GEMM kernel."""
 
+import statistics
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -115,3 +117,25 @@ def test_choice_statistic_is_the_median_round_ratio_so_one_spoiled_round_does_no
     ta, tb, ratio = onednn._bench_pair(fa, fb, rounds=5)
     assert calls["b"] == 2 + 5  # two warm-up calls, then one per round
     assert ratio == 2.0 and (ta, tb) == (2.0, 1.0)  # the spoiled round (ratio 1/15) is left out by the median
+
+
+@pytest.mark.parametrize("ratios", [[2, 2, 2, 0.1, 0.1], [0.5, 0.5, 0.5, 9, 9], [2, 0.5, 2, 0.5, 2],
+                                    [0.5, 2, 0.5, 2, 2], [2, 2, 0.5, 0.5, 0.5]])
+def test_choice_stops_once_a_majority_of_rounds_agrees_with_the_full_median(monkeypatch, ratios):
+    now = [0.0]
+    calls = {"b": 0}
+    monkeypatch.setattr(onednn.time, "perf_counter", lambda: now[0])
+
+    def fa():
+        now[0] += 1.0
+
+    def fb():  # fa ÷ fb in measured round i is ratios[i] (the two warm-up calls come first)
+        calls["b"] += 1
+        now[0] += 1.0 / ratios[calls["b"] - 3] if calls["b"] > 2 else 1.0
+
+    _, _, early = onednn._bench_pair(fa, fb, rounds=5, decide=1.0)
+    rounds = calls["b"] - 2
+    first = ratios[:rounds]
+    assert max(sum(r > 1 for r in first), sum(r <= 1 for r in first)) >= 3  # stopped only on a decided majority
+    assert rounds == 5 or rounds < 5 and (sum(r > 1 for r in first) == 3 or sum(r <= 1 for r in first) == 3)
+    assert (early > 1.0) == (statistics.median(ratios) > 1.0)  # the answer the five rounds give

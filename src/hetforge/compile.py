@@ -20,6 +20,7 @@ import torch
 
 from hetforge.errors import UsageError
 from hetforge.executor import Executable
+from hetforge.frontend import gc_frozen
 from hetforge.ir.kernel_choice import default_device_map, lower_kernels
 from hetforge.ir.program import Program
 from hetforge.ir.verify import memory_record, verify_program
@@ -109,6 +110,7 @@ def _transfer_seconds(p: Program, soc) -> float:
                for ins in p.transfers())
 
 
+@gc_frozen()
 def compile_graph(
     gm: torch.fx.GraphModule,
     soc: str | Any = "host",

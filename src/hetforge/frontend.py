@@ -12,9 +12,12 @@ The result keeps both the ``ExportedProgram`` (the stable, serializable artifact
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import re
 import time
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,6 +71,27 @@ def op_counts(gm: torch.fx.GraphModule) -> Counter:
     return Counter(op_name(n) for n in gm.graph.nodes if n.op == "call_function")
 
 
+@contextlib.contextmanager
+def gc_frozen() -> Iterator[bool]:
+    """Inside, the objects that existed on entry are out of the cyclic garbage collector's reach (``gc.freeze``;
+    ``gc.unfreeze`` on exit puts them back); yields whether it did that.
+
+    Why: capturing and compiling a program makes a few hundred thousand short-lived objects, enough to trigger a
+    full collection, which walks every object of the process again (the model, torch, transformers: ~400k on the
+    zoo models): 20-30% of a capture + passes on them. Objects made inside are still collected as usual. Nothing
+    is done where the process froze objects itself (its frozen set is left alone), where the collector is
+    disabled, or inside another such block (the decorated functions nest)."""
+    if not gc.isenabled() or gc.get_freeze_count() > 0:
+        yield False
+        return
+    gc.freeze()
+    try:
+        yield True
+    finally:
+        gc.unfreeze()
+
+
+@gc_frozen()
 def capture(
     model: nn.Module,
     example_inputs: tuple[torch.Tensor, ...],
@@ -98,16 +122,18 @@ def capture(
     model = model.eval()
     t0 = time.perf_counter()
     saved = torch.fx.config.do_not_emit_stack_traces
-    try:
-        torch.fx.config.do_not_emit_stack_traces = saved or not stack_traces
-        with torch.no_grad():
-            ep = torch.export.export(model, tuple(example_inputs), dynamic_shapes=dynamic_shapes, strict=strict)
-    except Exception as e:  # torch raises many types here; all mean "this model cannot be captured"
-        raise CaptureError(explain_export_failure(e, model)) from None
-    finally:
-        torch.fx.config.do_not_emit_stack_traces = saved
-    seconds = time.perf_counter() - t0
-    gm = ep.module()
+    with lazy_recompile():
+        try:
+            torch.fx.config.do_not_emit_stack_traces = saved or not stack_traces
+            with torch.no_grad():
+                ep = torch.export.export(model, tuple(example_inputs), dynamic_shapes=dynamic_shapes,
+                                         strict=strict)
+        except Exception as e:  # torch raises many types here; all mean "this model cannot be captured"
+            raise CaptureError(explain_export_failure(e, model)) from None
+        finally:
+            torch.fx.config.do_not_emit_stack_traces = saved
+        seconds = time.perf_counter() - t0
+        gm = ep.module()
     prefix = _wrapper_prefix(model)
     paths = {}
     for n in gm.graph.nodes:
@@ -115,6 +141,99 @@ def capture(
             target = str(n.target)
             paths[target] = target[len(prefix):] if prefix and target.startswith(prefix) else target
     return CapturedGraph(gm, ep, tuple(example_inputs), seconds, strict, name, paths)
+
+
+_LAZY: list[tuple[type, type] | None] = []
+
+
+def _lazy_classes() -> tuple[type, type] | None:
+    """``(GraphModule, a lazily recompiling subclass)`` where this torch has ``_LazyGraphModule`` (a private
+    API), else None (then captures take the public path)."""
+    if _LAZY:
+        return _LAZY[0]
+    got = None
+    try:
+        from torch.fx._lazy_graph_module import _LazyGraphModule
+        from torch.fx.graph import _PyTreeCodeGen
+    except ImportError:
+        _LazyGraphModule = None  # noqa: N806
+    gm_cls = torch.fx.GraphModule
+    if (isinstance(_LazyGraphModule, type) and issubclass(_LazyGraphModule, gm_cls) and "__new__" in vars(gm_cls)
+            and callable(getattr(_LazyGraphModule, "_lazy_forward", None))):
+
+        class _Forward:
+            """``forward`` of a module whose code is not generated yet: read on an instance (a call, or
+            ``inspect.signature(gm.forward)`` as ``ep.module()`` does) it generates the code first and gives the
+            generated method; read on the class it is torch's lazy marker (``_LazyGraphModule._needs_recompile``)."""
+
+            def __get__(self, obj: Any, cls: type) -> Any:
+                if obj is None:
+                    return cls._lazy_forward
+                obj.real_recompile()
+                return type(obj).forward.__get__(obj, cls)
+
+        class LazyGraphModule(_LazyGraphModule):
+            """torch's ``_LazyGraphModule`` with two fixes: ``recompile()`` keeps the pytree input/output specs
+            current (as ``GraphModule.recompile`` does: ``ep.module()``'s input-check hook reads them before the
+            first call), and ``forward`` read on an instance is the generated method with its real signature."""
+
+            forward = _Forward()
+
+            def recompile(self) -> None:  # type: ignore[override]
+                codegen = self._graph._codegen
+                if isinstance(codegen, _PyTreeCodeGen):
+                    self._in_spec = codegen.pytree_info.in_spec
+                    self._out_spec = codegen.pytree_info.out_spec
+                cls = type(self)
+                if "forward" in vars(cls):  # the generated forward (per-instance class): back to the lazy one
+                    delattr(cls, "forward")
+
+        got = (gm_cls, LazyGraphModule)
+    _LAZY.append(got)
+    return got
+
+
+@contextlib.contextmanager
+def lazy_recompile() -> Iterator[bool]:
+    """Every ``GraphModule`` made inside generates its Python code on first call or ``.code``, not on each
+    ``recompile()``; yields whether that is in effect (else plain ``GraphModule`` s, the public path).
+
+    Why: ``torch.export`` rebuilds and recompiles the graph module 10-30 times per capture (its passes, the
+    split and inlining of autocast regions, ``ep.module()``'s unlifting); generating and ``exec``-ing the code
+    of a several-hundred-node graph each time was a third of a capture's time on the zoo models, and none of
+    that code runs: the backend executor lowers the graph, and the FX executor's first call generates it once.
+    How: ``GraphModule.__new__`` (which makes a per-instance subclass) puts torch's own ``_LazyGraphModule``
+    (what Inductor uses for the same reason) in that subclass's bases for the duration; the graphs are the same.
+    """
+    classes = _lazy_classes()
+    if classes is None:
+        yield False
+        return
+    gm_cls, lazy_cls = classes
+    original = vars(gm_cls)["__new__"]
+
+    def lazy_new(cls: type, *args: Any, **kwargs: Any) -> Any:
+        base = next(t for t in cls.__mro__ if t.__qualname__.split(".")[-1] != "GraphModuleImpl")
+        if issubclass(base, lazy_cls):
+            bases: tuple[type, ...] = (base,)
+        elif base is gm_cls:
+            bases = (lazy_cls,)
+        else:  # a GraphModule subclass (export's stateful module): both, the subclass first
+            bases = (base, lazy_cls)
+        impl = type(base)("GraphModuleImpl", bases, {})
+        return nn.Module.__new__(impl)
+
+    gm_cls.__new__ = staticmethod(lazy_new)  # type: ignore[method-assign,assignment]
+    try:
+        yield True
+    finally:
+        gm_cls.__new__ = original  # type: ignore[method-assign]
+
+
+def is_lazy(gm: torch.fx.GraphModule) -> bool:
+    """Whether ``gm`` generates its code lazily (made under :func:`lazy_recompile`)."""
+    classes = _lazy_classes()
+    return classes is not None and isinstance(gm, classes[1])
 
 
 class SpecializeError(CaptureError):

@@ -15,7 +15,8 @@ original weight). Packing copies the weight: a prefill tier adds about one model
 Which kernel runs is a measured choice (:func:`choose`): for every ``(rows, K, N, dtype, threads)`` the
 executor meets, ATen and oneDNN are timed interleaved once per process (:data:`ROUNDS` rounds of one call
 each, after two warm-up calls each), and oneDNN is used where the median over rounds of the per-round ratio
-ATen time ÷ oneDNN time is above 1. A round's ratio compares two calls made back to back, so a round in which
+ATen time ÷ oneDNN time is above 1 (measuring stops once a majority of the rounds agree: the median is decided).
+A round's ratio compares two calls made back to back, so a round in which
 another process took the core spoils that round only, and the median leaves it out; the best of each kernel's
 times, which an earlier version compared, flipped choices on a loaded 2-core host (a 2× slower ATen chosen
 for a third of the shapes). ``HETFORGE_GEMM=aten`` or ``=onednn`` forces one kernel (``auto``, the
@@ -103,13 +104,18 @@ def linear_fn(packed: torch.Tensor, bias: torch.Tensor | None,
 
 
 def _bench_pair(fa: Callable[[], object], fb: Callable[[], object],
-                rounds: int = ROUNDS) -> tuple[float, float, float]:
+                rounds: int = ROUNDS, decide: float | None = None) -> tuple[float, float, float]:
     """``(median time of fa, median time of fb, median of the per-round ratios fa ÷ fb)`` over ``rounds``
-    interleaved calls each (wall clock, after two warm-up calls each)."""
+    interleaved calls each (wall clock, after two warm-up calls each).
+
+    ``decide``: stop as soon as a majority of ``rounds`` ratios lies on one side of it (above, or at/below): the
+    median of all ``rounds`` would then be on that side too whatever the other rounds measure, so the answer to
+    "median ratio > decide" is the one the full run gives, at 3 rounds of 5 where the kernels clearly differ."""
     for _ in range(2):
         fa()
         fb()
     ta, tb, ratio = [], [], []
+    majority = rounds // 2 + 1
     for _ in range(rounds):
         t0 = time.perf_counter()
         fa()
@@ -119,6 +125,10 @@ def _bench_pair(fa: Callable[[], object], fb: Callable[[], object],
         ta.append(t1 - t0)
         tb.append(t2 - t1)
         ratio.append((t1 - t0) / max(t2 - t1, 1e-9))
+        if decide is not None:
+            above = sum(r > decide for r in ratio)
+            if above >= majority or len(ratio) - above >= majority:
+                break
     return statistics.median(ta), statistics.median(tb), statistics.median(ratio)
 
 
@@ -152,7 +162,7 @@ def choose(rows: int, k: int, n: int, dtype: torch.dtype, w: torch.Tensor | None
         b = torch.zeros(m, dtype=dtype)
         pk = torch.ops.mkldnn._reorder_linear_weight(wt.contiguous(), rows)
         fn, post = linear_fn(pk, b, act if act in ACT_ATTR else "none"), ATEN_ACT.get(act, ATEN_ACT["none"])
-        t_aten, t_dnn, ratio = _bench_pair(lambda: post(F.linear(x, wt, b)), lambda: fn(x))
+        t_aten, t_dnn, ratio = _bench_pair(lambda: post(F.linear(x, wt, b)), lambda: fn(x), decide=1.0)
         _choice_times[key] = (t_aten, t_dnn, ratio)
         _choices[key] = ratio > 1.0
     return _choices[key]

@@ -234,10 +234,10 @@ def _fuse_one(gm: GraphModule, tk: Node, layer: int, fm,
         gu, dn, tr = layouts[k]
         how = f"same block structure as {first}, checked there max |Δ| {worst:.2g}"
     else:
-        k, worst = _check(gm, region, x, out, xv, rw, p, layouts, top_k, norm, act)
+        k, worst, on = _check(gm, region, x, out, xv, rw, p, layouts, top_k, norm, act)
         gu, dn, tr = layouts[k]
         checked[sig] = (k, worst, tk.name)
-        how = f"checked max |Δ| {worst:.2g}"
+        how = f"checked max |Δ| {worst:.2g}{on}"
     # every schema argument positionally, as torch.export writes a direct call of the op
     args = (x, lin.args[1], gu, dn, p.get("s_gate"), p.get("s_up"), p.get("s_down"), p.get("s_router"), top_k, norm,
             act, tr, 0, [], [], layer)
@@ -254,28 +254,37 @@ def _fuse_one(gm: GraphModule, tk: Node, layer: int, fm,
     return new, region, path, detail
 
 
+NARROW_F = 16  # expert width of the small instance :func:`_check` tries first
+
+
 def _check(gm: GraphModule, region: list[Node], x: Node, out: Node, xv: torch.Tensor, rw: torch.Tensor, p: dict,
-           layouts: list, top_k: int, norm: bool, act: str) -> tuple[int, float]:
+           layouts: list, top_k: int, norm: bool, act: str) -> tuple[int, float, str]:
     """Run the block and the candidate op (each expert layout in turn) on one random input; the first layout
-    that matches, with its max |Δ|, or :class:`Miss`."""
+    that matches, with its max |Δ| and how it was run, or :class:`Miss`.
+
+    First on a narrow instance (:func:`_check_narrow`), then, where no layout matched there, on the real one.
+    """
     sub = _subgraph(gm, region, x, out)
     xe = _example(xv)
-    with torch.no_grad():
-        ref = sub(xe)
     from hetforge.ops.moe import moe_forward
 
     def real(k):
         return const_tensor(gm, p[k]) if k in p else None
 
+    got = _check_narrow(gm, sub, xe, rw, layouts, real, top_k, norm, act)
+    if got is not None:
+        return got
+    with torch.no_grad():
+        ref = sub(xe)
     worst = float("inf")
     for i, (gu, dn, tr) in enumerate(layouts):
         with torch.no_grad():
-            got = moe_forward(xe, rw, const_tensor(gm, gu), const_tensor(gm, dn), real("s_gate"), real("s_up"),
-                              real("s_down"), real("s_router"), top_k, norm, act, tr)
-        err = float((got - ref).abs().max())
+            got_t = moe_forward(xe, rw, const_tensor(gm, gu), const_tensor(gm, dn), real("s_gate"), real("s_up"),
+                                real("s_down"), real("s_router"), top_k, norm, act, tr)
+        err = float((got_t - ref).abs().max())
         worst = min(worst, err)
         if err <= _tolerance(ref):
-            return i, err
+            return i, err, ""
     raise Miss(f"candidate MoE op differs from the block on a random input (max |Δ| = {worst:.3g}); "
                "variant not recognised")
 
@@ -287,6 +296,47 @@ def _tolerance(ref: torch.Tensor) -> float:
     activation) changes."""
     eps = torch.finfo(ref.dtype).eps if ref.dtype.is_floating_point else 0.0
     return max(1e-4, 2.0 * eps) * (1.0 + float(ref.abs().max()))
+
+
+def _check_narrow(gm: GraphModule, sub: GraphModule, xe: torch.Tensor, rw: torch.Tensor, layouts: list, real,
+                  top_k: int, norm: bool, act: str) -> tuple[int, float, str] | None:
+    """:func:`_check` with the stacked expert weights cut to their first :data:`NARROW_F` columns of the expert
+    width ``F`` (per candidate layout, in the subgraph and the op alike): the first layout whose op matches the
+    block on that instance, or None (then the real instance decides).
+
+    Why: HF's expert path gathers each token's expert weights (``[tokens·k, 2F, D]``, over a GB on mixtral-small
+    at 128 tokens), most of a cold compile of that model; what is checked, the mapping from the block's
+    structure to the op's arguments, depends on neither the weights' values nor ``F`` (a block that bakes ``F``
+    into its graph fails here, and is checked at full size)."""
+    if NARROW_F <= 0:
+        return None
+    from hetforge.ops.moe import moe_forward
+
+    attrs = {str(n.target): const_tensor(gm, n) for n in sub.graph.nodes if n.op == "get_attr"}
+    for i, (gu, dn, tr) in enumerate(layouts):
+        wg, wd = const_tensor(gm, gu), const_tensor(gm, dn)
+        f = wd.shape[1] if tr else wd.shape[2]
+        if f <= NARROW_F:
+            return None
+        # gate_up [E, 2F, D] (transposed: [E, D, 2F]) keeps the first NARROW_F rows of each half; down [E, D, F]
+        # (transposed: [E, F, D]) its first NARROW_F
+        gdim, ddim = (2, 1) if tr else (1, 2)
+        small_g = torch.cat([wg.narrow(gdim, 0, NARROW_F), wg.narrow(gdim, f, NARROW_F)], dim=gdim).contiguous()
+        small_d = wd.narrow(ddim, 0, NARROW_F).contiguous()
+        small = GraphModule({**attrs, str(gu.target): small_g, str(dn.target): small_d}, sub.graph)
+        try:
+            with torch.no_grad():
+                ref = small(xe)
+                got = moe_forward(xe, rw, small_g, small_d, real("s_gate"), real("s_up"), real("s_down"),
+                                  real("s_router"), top_k, norm, act, tr)
+        except (RuntimeError, IndexError, ValueError):  # F baked into the block, or the wrong layout
+            continue
+        if got.shape != ref.shape:
+            continue
+        err = float((got - ref).abs().max())
+        if err <= _tolerance(ref):
+            return i, err, f" on a {NARROW_F}-wide slice of the experts"
+    return None
 
 
 def _ordered(gm: GraphModule, nodes: set[Node]) -> list[Node]:

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from hetforge.frontend import gc_frozen
 from hetforge.runtime.executors import Executor
 from hetforge.runtime.kvcache import KVCache
 from hetforge.runtime.static_kv import ChunkModule, DecodeModule, PrefillModule, model_dims
@@ -228,6 +229,7 @@ class ProgramCache:
         self.programs[key] = prog
         return prog, True
 
+    @gc_frozen()  # hetforge.frontend: no full garbage collection over the whole process while compiling
     def _make(self, kind: str, length: int, module: nn.Module, inputs: tuple, label: str = "") -> Program:
         label = label or f"{kind}-{length}"
         entry = None
