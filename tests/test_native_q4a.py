@@ -157,28 +157,30 @@ def test_w4_act_mode_selects_the_kernels_and_refuses_unknown_values(monkeypatch)
         native.w4_act_mode()
 
 
-def test_cli_refuses_a_bad_w4_act_with_one_line_and_exit_2():
+@pytest.mark.parametrize("scheme", ["w8", "w4"])
+def test_cli_refuses_a_bad_activation_mode_with_one_line_and_exit_2(scheme):
     from hetforge.cli.common import app
     from hetforge.cli.main import _load_commands
 
     _load_commands()
-    r = CliRunner().invoke(app, ["compile", "llama-tiny", "--quantize", "w4", "--w4-act", "int8"])
+    r = CliRunner().invoke(app, ["compile", "llama-tiny", "--quantize", scheme, f"--{scheme}-act", "int3"])
     assert r.exit_code == 2, r.output
-    assert "w4-act" in r.output and len(r.output.strip().splitlines()) == 1
+    assert f"{scheme}-act" in r.output and len(r.output.strip().splitlines()) == 1
 
 
-def test_compile_cache_key_follows_the_w4_act_mode_of_w4_programs(monkeypatch):
+@pytest.mark.parametrize(("scheme", "other"), [("w8", "none"), ("w4", "w8")])
+def test_compile_cache_key_follows_the_activation_mode_of_its_scheme_only(monkeypatch, scheme, other):
     from hetforge.models.zoo import load_model
     from hetforge.runtime.compile_cache import key_document, key_of
 
     m = load_model("llama-tiny").model
 
     def key(quantize: str, mode: str) -> str:
-        monkeypatch.setenv("HETFORGE_W4_ACT", mode)
+        monkeypatch.setenv(f"HETFORGE_{scheme.upper()}_ACT", mode)
         return key_of(key_document(m, {"quantize": quantize}, True, "prefill", 32))
 
-    assert key("w4", "q8") != key("w4", "weight-only")
-    assert key("w8", "q8") == key("w8", "weight-only")  # no int4 products: the mode changes nothing
+    assert key(scheme, "q8") != key(scheme, "weight-only")
+    assert key(other, "q8") == key(other, "weight-only")  # no products of that scheme: the mode changes nothing
 
 
 def _logits_module(name: str):

@@ -13,7 +13,6 @@ import pytest
 import torch
 from test_native import needs_cc
 from test_native_q8a import _reference, _run
-from typer.testing import CliRunner
 
 from hetforge.kernels import native
 
@@ -148,30 +147,6 @@ def test_compiled_w8_prefill_records_and_runs_the_gemm(with_native, monkeypatch)
     from hetforge.verify import compare_logits
 
     assert compare_logits(ref, got.view_as(ref)).kl_mean < 1e-4
-
-
-def test_cli_refuses_a_bad_w8_act_with_one_line_and_exit_2():
-    from hetforge.cli.common import app
-    from hetforge.cli.main import _load_commands
-
-    _load_commands()
-    r = CliRunner().invoke(app, ["compile", "llama-tiny", "--quantize", "w8", "--w8-act", "int4"])
-    assert r.exit_code == 2, r.output
-    assert "w8-act" in r.output and len(r.output.strip().splitlines()) == 1
-
-
-def test_compile_cache_key_follows_the_w8_act_mode_of_w8_programs(monkeypatch):
-    from hetforge.models.zoo import load_model
-    from hetforge.runtime.compile_cache import key_document, key_of
-
-    m = load_model("llama-tiny").model
-
-    def key(quantize: str, mode: str) -> str:
-        monkeypatch.setenv("HETFORGE_W8_ACT", mode)
-        return key_of(key_document(m, {"quantize": quantize}, True, "prefill", 32))
-
-    assert key("w8", "q8") != key("w8", "weight-only")
-    assert key("none", "q8") == key("none", "weight-only")  # no int8 products: the mode changes nothing
 
 
 def test_gemm_op_applies_gelu_and_silu_after_the_product():

@@ -554,15 +554,21 @@ W8_ACT_DEFAULT = "q8"
 W8_ACT_ENV = "HETFORGE_W8_ACT"
 
 
-def check_w8_act(mode: str) -> str:
-    """``mode`` as one of :data:`W8_ACT_MODES` (``float`` is accepted for weight-only), else a UsageError."""
+def _check_act(mode: str, scheme: str, env: str) -> str:
+    """``mode`` as one of :data:`W8_ACT_MODES` (``float`` is accepted for weight-only), else a UsageError naming
+    ``scheme``'s option and environment variable."""
     mode = W8_ACT_ALIASES.get(mode, mode)
     if mode not in W8_ACT_MODES:
         from hetforge.errors import UsageError
 
-        raise UsageError(f"the w8 activation mode (--w8-act / {W8_ACT_ENV}) must be one of "
-                         f"{', '.join(W8_ACT_MODES)}, got {mode!r}")
+        raise UsageError(f"the {scheme} activation mode (--{scheme}-act / {env}) must be one of "
+                         f"{', '.join(W8_ACT_MODES)} (or float, the same as weight-only), got {mode!r}")
     return mode
+
+
+def check_w8_act(mode: str) -> str:
+    """``mode`` as one of :data:`W8_ACT_MODES` (``float`` is accepted for weight-only), else a UsageError."""
+    return _check_act(mode, "w8", W8_ACT_ENV)
 
 
 def set_w8_act(mode: str | None) -> None:
@@ -770,14 +776,8 @@ Q4_ROW_BLOCK = 64  # rows per block of ATen's packed int4 layout that hf_gemv_q4
 
 
 def check_w4_act(mode: str) -> str:
-    """``mode`` as one of :data:`W4_ACT_MODES` (``float`` is accepted for weight-only), else a UsageError."""
-    mode = W8_ACT_ALIASES.get(mode, mode)
-    if mode not in W4_ACT_MODES:
-        from hetforge.errors import UsageError
-
-        raise UsageError(f"the w4 activation mode (--w4-act / {W4_ACT_ENV}) must be one of "
-                         f"{', '.join(W4_ACT_MODES)} (or float, the same as weight-only), got {mode!r}")
-    return mode
+    """``mode`` as one of :data:`W4_ACT_MODES` (the w8 modes), else a UsageError."""
+    return _check_act(mode, "w4", W4_ACT_ENV)
 
 
 def set_w4_act(mode: str | None) -> None:
