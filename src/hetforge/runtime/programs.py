@@ -8,9 +8,9 @@ Capture policy (``capture=`` or ``HETFORGE_CAPTURE``): ``static`` (the default) 
 its own shape; ``dynamic`` exports each module once with a dynamic length (the prompt tier of prefill, the cache
 length of decode: ``torch.export.Dim.DYNAMIC``) and makes every program of that module by specialising that one
 capture to its shape (:func:`hetforge.frontend.specialize`: shape propagation, no second trace). Why static is
-the default: on this host (torch 2.13) a dynamic export costs about 2.5-3x a static one and a specialisation
-about 0.4x, so one dynamic capture only pays from about the fifth shape of one module; a first prefill +
-decode pair needs one shape of each (see docs/arch/runtime.md).
+the default: a dynamic export costs several static ones and a specialisation a fraction of one, so one dynamic
+capture only pays after several shapes of one module, while a first prefill + decode pair needs one shape of
+each (the measured ratios, and when they were measured: docs/arch/runtime.md).
 """
 
 from __future__ import annotations
