@@ -119,7 +119,8 @@ def test_gc_frozen_leaves_a_disabled_collector_alone():
 
 def test_gc_frozen_leaves_the_process_s_own_frozen_objects_frozen():
     if gc.get_freeze_count():
-        pytest.skip("the test process froze objects already")
+        pytest.skip("the test process froze objects itself before this test: it checks that gc_frozen leaves a "
+                    "freeze it did not make alone, which needs a freeze of its own made from an unfrozen start")
     probe = [1, 2]  # a tracked container of this test's, frozen with the rest
     gc.freeze()
     try:
