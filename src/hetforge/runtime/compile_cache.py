@@ -59,6 +59,7 @@ _warned: set[str] = set()
 _fingerprints: dict[int, tuple[tuple, str]] = {}
 _source_digest: list[str] = []
 _cpu: list[list] = []
+_key_threads: list[int] = []  # pin_key_threads: the thread count keys use instead of this process's
 
 
 def warn_once(msg: str) -> None:
@@ -248,7 +249,22 @@ def _cpu_key() -> list:
 
         r = host_record()
         _cpu.append([r["cpu"], r["machine"], r["isa"]])
-    return [*_cpu[0], torch.get_num_threads()]
+    return [*_cpu[0], _key_threads[0] if _key_threads else torch.get_num_threads()]
+
+
+def pin_key_threads(threads: int) -> None:
+    """Key entries for ``threads`` threads whatever this process runs on: a child building a program for its parent
+    (:mod:`hetforge.runtime.ahead`) runs one thread, and measures no kernel choice the parent would reuse."""
+    _key_threads[:] = [threads]
+
+
+def entry_exists(programs: Any, kind: str, length: int, module: torch.nn.Module, inputs: tuple) -> bool:
+    """Whether the cache folder holds an entry under this program's key (not checked: :func:`load` does that)."""
+    options = executor_options(programs.executor)
+    if not enabled() or options is None:
+        return False
+    doc = key_document(programs.model, options, programs.optimize, kind, length, module, inputs)
+    return _paths(key_of(doc))[0].exists()
 
 
 def key_of(doc: dict[str, Any]) -> str:

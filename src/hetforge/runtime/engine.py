@@ -239,8 +239,19 @@ class Generation:
 
     def _start(self) -> None:
         """Before prefill: compile (or fetch) the programs, set the thread count."""
+        try:
+            self._programs()
+        except BaseException:
+            self.engine.programs.cancel_ahead()
+            raise
+        self.tuner = self.engine.thread_tuner()  # adaptive thread count (runtime/threads.py), kept per engine
+        self.tuner.before_prefill()
+
+    def _programs(self) -> None:
         r = self.result
         first = self.pieces[0]
+        if self.max_new > 1:  # a cold decode program is built alongside the prefill where it can (runtime.ahead)
+            self.engine.programs.decode_ahead(r.cache_length)
         self._prefill_prog = self._compile("prefill", first.size) if first.kind == "prefill" else None
         self._chunk_progs = {}
         for p in self.pieces:
@@ -250,8 +261,6 @@ class Generation:
                     r.compile_s[f"chunk-{p.size}x{r.cache_length}"] = prog.total_s
                 self._chunk_progs[p.size] = prog
         self._decode_prog = self._compile("decode", r.cache_length) if self.max_new > 1 else None
-        self.tuner = self.engine.thread_tuner()  # adaptive thread count (runtime/threads.py), kept per engine
-        self.tuner.before_prefill()
 
     def _prefill_all(self) -> Any:
         """Prefill the prompt into the cache, piece by piece (:func:`~hetforge.runtime.programs.prefill_pieces`);

@@ -169,6 +169,8 @@ class ProgramCache:
         self.fixed_source = ""
         self.capture_policy = capture_policy(capture)
         self.dynamic: dict[str, Any] = {}  # module kind → its one dynamic capture (capture policy "dynamic")
+        self.ahead: dict[tuple[str, int], Any] = {}  # programs being built in a forked child (runtime.ahead)
+        self.joined: dict[tuple[str, int], tuple] = {}  # their children's reports once waited for
 
     def cache(self, length: int) -> KVCache:
         """The preallocated KV cache of ``length`` positions (made once, reused by later requests)."""
@@ -185,15 +187,74 @@ class ProgramCache:
         self.programs[key] = self._make("prefill", tier, PrefillModule(self.model), inputs)
         return self.programs[key], True
 
+    def _decode_args(self, length: int) -> tuple[nn.Module, tuple]:
+        cache = self.cache(length)
+        inputs = (torch.zeros((1, 1), dtype=torch.long), torch.zeros((1, 1), dtype=torch.long), *cache.buffers)
+        return DecodeModule(self.model), inputs
+
     def decode(self, length: int) -> tuple[Program, bool]:
-        """The decode program over a KV cache of ``length`` positions."""
+        """The decode program over a KV cache of ``length`` positions (waiting for :meth:`decode_ahead`'s child
+        when one builds it: the wait counts in its compile time)."""
         key = ("decode", length)
         if key in self.programs:
             return self.programs[key], False
-        cache = self.cache(length)
-        inputs = (torch.zeros((1, 1), dtype=torch.long), torch.zeros((1, 1), dtype=torch.long), *cache.buffers)
-        self.programs[key] = self._make("decode", length, DecodeModule(self.model), inputs)
-        return self.programs[key], True
+        module, inputs = self._decode_args(length)
+        self.join_ahead(key)
+        joined = self.joined.pop(key, None)
+        if joined is None:
+            self.programs[key] = self._make("decode", length, module, inputs)
+            return self.programs[key], True
+        _, own, err, waited = joined
+        prog = self._make("decode", length, module, inputs)
+        hit = any(n.startswith("compile cache: hit") for n in prog.notes)
+        if hit:
+            prog.compile_s += waited
+            prog.notes.insert(0, f"built and stored in the compile cache by a forked child process while the prefill "
+                                 f"program was built ({own:.3f} s of its own, measured); waited {waited:.3f} s for "
+                                 "it, counted in compile_s")
+        else:
+            prog.notes.insert(0, f"the forked child building this program {'stored no entry' if not err else err}"
+                                 f" (waited {waited:.3f} s, counted in compile_s); built here instead")
+            prog.compile_s += waited
+        self.programs[key] = prog
+        return prog, True
+
+    def join_ahead(self, key: tuple[str, int] | None = None) -> None:
+        """Wait for the child building ``key`` (every child when None); its report waits in ``joined``."""
+        for k in [key] if key is not None else list(self.ahead):
+            job = self.ahead.pop(k, None)
+            if job is not None:
+                self.joined[k] = job.join()
+
+    def cancel_ahead(self) -> None:
+        """Stop every child still building a program (the request that wanted them failed or was interrupted)."""
+        while self.ahead:
+            self.ahead.popitem()[1].cancel()
+
+    def decode_ahead(self, length: int) -> str:
+        """Start building the decode program of ``length`` in a forked child (:mod:`hetforge.runtime.ahead`);
+        returns why not, or "" when it started (or the program is already built, cached on disk or on its way)."""
+        from hetforge.runtime import ahead, compile_cache
+
+        key = ("decode", length)
+        if key in self.programs or key in self.ahead:
+            return ""
+        why = ahead.refusal(self)
+        if why:
+            return why
+        module, inputs = self._decode_args(length)
+        if compile_cache.entry_exists(self, "decode", length, module, inputs):
+            return ""
+
+        def build() -> bool:
+            prog = self._make("decode", length, module, inputs, warm=False)
+            return any(n.startswith("compile cache: stored") for n in prog.notes)
+
+        job = ahead.start(build)
+        if job is None:
+            return "fork() failed"
+        self.ahead[key] = job
+        return ""
 
     def chunk(self, size: int, length: int) -> tuple[Program, bool]:
         """The chunked-prefill program: ``size`` prompt tokens over a KV cache of ``length`` positions."""
@@ -230,7 +291,8 @@ class ProgramCache:
         return prog, True
 
     @gc_frozen()  # hetforge.frontend: no full garbage collection over the whole process while compiling
-    def _make(self, kind: str, length: int, module: nn.Module, inputs: tuple, label: str = "") -> Program:
+    def _make(self, kind: str, length: int, module: nn.Module, inputs: tuple, label: str = "",
+              warm: bool = True) -> Program:
         label = label or f"{kind}-{length}"
         entry = None
         if self.fixed is not None:
@@ -257,12 +319,16 @@ class ProgramCache:
             b = self._build_fixed(cg.gm, inputs, label, entry)
         if cg.note:
             b.notes.insert(0, cg.note)
+        if warm and self.ahead:  # a forked child shares this process's pages until it exits: every page the
+            self.join_ahead()  # warm-up call writes would be copied first (copy-on-write), so wait for it
         t0 = time.perf_counter()
-        b.run(*inputs)  # one warm-up call: one-time kernel work (e.g. FBGEMM weight prepacking) is paid here
-        warm = time.perf_counter() - t0
-        notes = [*b.notes, f"warm-up call {warm:.3f} s (measured), counted in compile_s"]
+        if warm:  # one warm-up call: one-time kernel work (e.g. FBGEMM weight prepacking) is paid here
+            b.run(*inputs)
+        warm_s = time.perf_counter() - t0
+        notes = [*b.notes, f"warm-up call {warm_s:.3f} s (measured), counted in compile_s" if warm else
+                 "no warm-up call (built for another process)"]
         return Program(kind, length, b.run, self.executor.name, b.nodes, cg.seconds, b.optimize_s,
-                       b.compile_s + warm, notes, b.placed)
+                       b.compile_s + warm_s, notes, b.placed)
 
     def _capture(self, module: nn.Module, inputs: tuple, label: str, kind: str, length: int):
         """The static graph of ``module`` at ``inputs``' shapes: its own export (policy ``static``), or the

@@ -1,0 +1,162 @@
+"""Build a program in a forked child process, into the compile cache, while this process builds another.
+
+A cold request needs two programs before its first token: the prefill program and the decode program. Most of
+their cost is Python on one core (``torch.export`` capture, the passes, lowering), so on a machine with two or more
+cores the decode program is built at the same time in a ``fork()``-ed child: the child captures, optimizes,
+places and lowers it exactly as this process would, stores the result in the on-disk compile cache
+(:mod:`hetforge.runtime.compile_cache`) and exits; when the request asks for the decode program, this process
+waits for the child and takes the entry as an ordinary cache hit (the entry is checked like any other: a missing,
+cut-off or stale one is rebuilt here). The wait is counted in the program's compile time, so ``compile_s`` still
+sums to what the user waited.
+
+Why a child process and not a thread: the work holds the GIL. Why the child is safe to fork: it runs its torch
+ops on one thread (libgomp's thread team does not survive ``fork``; one thread never enters it), hetforge's
+native pool runs inline in a forked child (``native.c``), and the child leaves with ``os._exit`` (no atexit
+handlers, no flush of the parent's buffers). It runs at a lower priority (``nice``), so the parent's
+multi-threaded work — its warm-up call and kernel-choice timings — keeps both cores.
+
+Not done (this process builds the program itself, as before) where: ``fork`` is missing (not Linux), the process
+may use fewer than two cores, the compile cache is off or its folder is not writable, the executor's programs are
+not cached (``fx``, plans), or ``HETFORGE_PARALLEL_COMPILE=0``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+ENV = "HETFORGE_PARALLEL_COMPILE"
+NICE = 10  # the child's priority below the parent's
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def refusal(programs: Any) -> str | None:
+    """Why a program of ``programs`` (a :class:`~hetforge.runtime.programs.ProgramCache`) is not built ahead in a
+    child here, or None when it may be."""
+    from hetforge.runtime import compile_cache
+
+    if os.environ.get(ENV, "1").strip().lower() in ("0", "off", "no", "false"):
+        return f"{ENV}=0"
+    if not hasattr(os, "fork") or not sys.platform.startswith("linux"):
+        return "no fork() on this platform"
+    if _cores() < 2:
+        return "fewer than two cores"
+    if programs.fixed is not None:
+        return "a generation plan's programs are rebuilt from the plan"
+    if not compile_cache.enabled() or compile_cache.executor_options(programs.executor) is None:
+        return "the compile cache does not hold this executor's programs"
+    compile_cache.max_bytes()  # a bad size bound is the parent's usage error, before any child exists
+    d = compile_cache.cache_dir()
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return f"compile cache folder '{d}' cannot be made"
+    if not os.access(d, os.W_OK):
+        return f"compile cache folder '{d}' is not writable"
+    return None
+
+
+@dataclass
+class Ahead:
+    """A child building one program; :meth:`join` waits for it."""
+
+    pid: int
+    fd: int
+    started: float
+
+    def join(self) -> tuple[bool, float, str, float]:
+        """Wait for the child: (stored, the child's own seconds, its error line, seconds waited here)."""
+        t0 = time.perf_counter()
+        chunks = []
+        try:
+            while True:
+                b = os.read(self.fd, 65536)
+                if not b:
+                    break
+                chunks.append(b)
+        finally:
+            os.close(self.fd)
+        _, status = os.waitpid(self.pid, 0)
+        waited = time.perf_counter() - t0
+        try:
+            msg = json.loads(b"".join(chunks).decode() or "{}")
+        except ValueError:
+            msg = {}
+        ok = os.waitstatus_to_exitcode(status) == 0 and bool(msg.get("stored"))
+        if not ok:
+            _remove_temp_files(self.pid)
+        err = str(msg.get("error") or (f"exit status {os.waitstatus_to_exitcode(status)}" if not ok else ""))
+        return ok, float(msg.get("seconds", 0.0)), err, waited
+
+
+    def cancel(self) -> None:
+        """Stop the child (this process gave up on the request) and remove what it may have left half-written."""
+        import signal
+
+        try:
+            os.kill(self.pid, signal.SIGKILL)
+        except OSError:
+            pass
+        os.close(self.fd)
+        os.waitpid(self.pid, 0)
+        _remove_temp_files(self.pid)
+
+
+def _remove_temp_files(pid: int) -> None:
+    """A child that died mid-store leaves its ``.KEY.<pid>.tmp`` files (the store writes, then renames)."""
+    from hetforge.runtime import compile_cache
+
+    try:
+        for p in compile_cache.cache_dir().glob(f".*.{pid}.tmp"):
+            p.unlink(missing_ok=True)
+    except OSError:
+        pass
+
+
+def start(build: Any) -> Ahead | None:
+    """Fork a child that calls ``build()`` (which must store its program in the compile cache and return whether
+    it did) and exits; None where the fork fails."""
+    import torch
+
+    from hetforge.runtime import compile_cache
+
+    threads = torch.get_num_threads()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    r, w = os.pipe()
+    try:
+        pid = os.fork()
+    except OSError:
+        os.close(r)
+        os.close(w)
+        return None
+    if pid == 0:  # the child: never returns
+        code = 1
+        try:
+            os.close(r)
+            os.nice(NICE)
+            torch.set_num_threads(1)  # see the module docstring: libgomp's team is not usable after fork
+            compile_cache.pin_key_threads(threads)  # the entry is for the parent's thread count
+            t0 = time.perf_counter()
+            msg: dict[str, Any] = {"stored": False}
+            try:
+                msg["stored"] = bool(build())
+            except BaseException as e:  # noqa: BLE001 - reported to the parent, which builds it itself
+                msg["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            msg["seconds"] = time.perf_counter() - t0
+            os.write(w, json.dumps(msg).encode())
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(w)
+    return Ahead(pid, r, time.perf_counter())

@@ -1,0 +1,138 @@
+"""The decode program built in a forked child alongside the prefill program (hetforge.runtime.ahead): same
+tokens as building it in-process, the wait counted in compile time, refused where it cannot work, and a child
+that fails or dies leaves the parent to build the program itself with nothing half-written left behind."""
+
+import os
+import time
+
+import pytest
+
+from hetforge.models.zoo import load_model
+from hetforge.runtime import Engine, SamplingParams, ahead, compile_cache
+
+PROMPT = list(range(1, 30))
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    return load_model("gpt2-tiny")
+
+
+@pytest.fixture()
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("HETFORGE_COMPILE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("HETFORGE_COMPILE_CACHE", raising=False)
+    monkeypatch.setenv(ahead.ENV, "1")
+    monkeypatch.setattr(ahead, "_cores", lambda: 2)  # the CI machine has 2; say so on any host
+    return tmp_path / "cache"
+
+
+def _run(loaded):
+    eng = Engine(loaded, executor="auto")
+    t0 = time.perf_counter()
+    r = eng.generate(PROMPT, SamplingParams(max_new_tokens=8, ignore_eos=True))
+    wall = time.perf_counter() - t0
+    return eng, r, wall, "\n".join(eng.programs.programs[("decode", r.cache_length)].notes)
+
+
+def test_the_cold_decode_program_is_built_in_a_child_and_generates_the_in_process_tokens(cache, loaded,
+                                                                                       monkeypatch, tmp_path):
+    eng, r, wall, notes = _run(loaded)
+    assert "stored in the compile cache by a forked child process" in notes, notes
+    assert "compile cache: hit" in notes  # the parent took the child's entry, checked like any other
+    assert sum(r.compile_s.values()) <= wall  # the wait is in compile_s, nothing is counted twice
+    assert not eng.programs.ahead and not eng.programs.joined
+    monkeypatch.setenv(ahead.ENV, "0")
+    monkeypatch.setenv("HETFORGE_COMPILE_CACHE_DIR", str(tmp_path / "other"))
+    _, r2, _, notes2 = _run(loaded)
+    assert "forked child" not in notes2 and "compile cache: stored" in notes2
+    assert r.tokens == r2.tokens
+
+
+def test_a_second_request_forks_nothing(cache, loaded, monkeypatch):
+    eng, r, _, _ = _run(loaded)
+    monkeypatch.setattr(ahead, "start", lambda build: pytest.fail("forked although the program was built"))
+    eng.generate(PROMPT, SamplingParams(max_new_tokens=8, ignore_eos=True))
+    eng2 = Engine(loaded, executor="auto")  # a new engine: the decode entry is on disk, a hit needs no child
+    r2 = eng2.generate(PROMPT, SamplingParams(max_new_tokens=8, ignore_eos=True))
+    assert r2.tokens == r.tokens
+
+
+@pytest.mark.parametrize("case", ["env-off", "cache-off", "one-core", "uncreatable-folder"])
+def test_refused_where_it_cannot_work(cache, loaded, monkeypatch, tmp_path, case):
+    if case == "env-off":
+        monkeypatch.setenv(ahead.ENV, "0")
+    elif case == "cache-off":
+        monkeypatch.setenv("HETFORGE_COMPILE_CACHE", "0")
+    elif case == "one-core":
+        monkeypatch.setattr(ahead, "_cores", lambda: 1)
+    else:
+        blocker = tmp_path / "a-file"
+        blocker.write_text("x")
+        monkeypatch.setenv("HETFORGE_COMPILE_CACHE_DIR", str(blocker / "cache"))
+    eng = Engine(loaded, executor="auto")
+    why = eng.programs.decode_ahead(64)
+    assert why and not eng.programs.ahead
+    expected = {"env-off": ahead.ENV, "cache-off": "compile cache", "one-core": "two cores",
+                "uncreatable-folder": "cannot be made"}[case]
+    assert expected in why
+
+
+def test_a_failing_child_leaves_the_parent_to_build_it(cache, loaded, monkeypatch):
+    parent = os.getpid()
+    real = compile_cache.store
+
+    def store(*a, **k):
+        if os.getpid() != parent:
+            raise RuntimeError("disk full (test)")
+        return real(*a, **k)
+
+    monkeypatch.setattr(compile_cache, "store", store)
+    eng, r, _, notes = _run(loaded)
+    assert "RuntimeError: disk full (test)" in notes and "built here instead" in notes, notes
+    assert "compile cache: stored" in notes  # the parent built and stored it
+    monkeypatch.setattr(compile_cache, "store", real)
+    monkeypatch.setenv(ahead.ENV, "0")
+    _, r2, _, _ = _run(loaded)
+    assert r.tokens == r2.tokens
+
+
+def test_a_child_dying_mid_store_leaves_no_temp_file(cache, loaded, monkeypatch):
+    parent = os.getpid()
+    real = compile_cache.store
+
+    def store(key, *a, **k):
+        if os.getpid() != parent:
+            (compile_cache.cache_dir() / f".{key}.json.{os.getpid()}.tmp").write_text("half")
+            os._exit(3)
+        return real(key, *a, **k)
+
+    monkeypatch.setattr(compile_cache, "store", store)
+    _, _, _, notes = _run(loaded)
+    assert "exit status 3" in notes and "built here instead" in notes, notes
+    assert not list(cache.glob(".*.tmp"))
+
+
+def test_a_failed_request_stops_its_child(cache, loaded, monkeypatch):
+    """The prefill program fails after the child started: the child is stopped and reaped, not left behind."""
+    from hetforge.runtime.programs import ProgramCache
+
+    started = []
+    real_start = ahead.start
+
+    def start(build):
+        job = real_start(build)
+        started.append(job)
+        return job
+
+    def broken(self, tier):
+        raise RuntimeError("prefill broke (test)")
+
+    monkeypatch.setattr(ahead, "start", start)
+    monkeypatch.setattr(ProgramCache, "prefill", broken)
+    eng = Engine(loaded, executor="auto")
+    with pytest.raises(RuntimeError, match="prefill broke"):
+        eng.generate(PROMPT, SamplingParams(max_new_tokens=8, ignore_eos=True))
+    assert len(started) == 1 and not eng.programs.ahead
+    with pytest.raises(ChildProcessError):
+        os.waitpid(started[0].pid, os.WNOHANG)  # already reaped
