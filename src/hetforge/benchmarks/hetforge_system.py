@@ -70,6 +70,10 @@ def _runtime_decode(ctx: PrepContext, notes: list[str], quantize: str = "none"):
                    key=lambda r: r.decode_ms_per_token or float("inf"))
         notes.append(f"decode: hetforge.runtime executor '{best.executor}', prefill tier {best.prefill_tier}, "
                      f"KV cache {best.cache_length} positions")
+        dec = engine.programs.programs.get(("decode", best.cache_length))
+        ahead = [n for n in (dec.notes if dec is not None else []) if "forked child" in n]
+        notes.append(f"decode program: {ahead[0]}" if ahead else
+                     "decode program: built after the prefill program (not in a forked child)")
         return DecodeTiming(best.ttft_s * 1e3, best.decode_ms_per_token or float("nan"), len(best.decode_s),
                             prep_s=sum(first.compile_s.values()))
 
