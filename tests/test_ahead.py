@@ -42,6 +42,11 @@ def test_the_cold_decode_program_is_built_in_a_child_and_generates_the_in_proces
     assert "compile cache: hit" in notes  # the parent took the child's entry, checked like any other
     assert sum(r.compile_s.values()) <= wall  # the wait is in compile_s, nothing is counted twice
     assert not eng.programs.ahead and not eng.programs.joined
+    key = f"decode-{r.cache_length}"
+    assert set(r.built_alongside) == {key} and r.built_alongside[key] > 0
+    from hetforge.cli.commands.run import summary_line
+
+    assert f"{key} {r.compile_s[key]:.2f} s (built alongside the prefill program in a forked child" in summary_line(r)
     monkeypatch.setenv(ahead.ENV, "0")
     monkeypatch.setenv("HETFORGE_COMPILE_CACHE_DIR", str(tmp_path / "other"))
     _, r2, _, notes2 = _run(loaded)

@@ -41,6 +41,7 @@ class GenerationResult:
     executor: str = "fx"
     placed: dict | None = None  # Ledger.summary(): modeled SoC figures and measured runner overheads
     prefill_pieces: list[str] = field(default_factory=list)  # the program calls of the prefill, e.g. prefill-64
+    built_alongside: dict[str, float] = field(default_factory=dict)  # program → its own seconds in a forked child
 
     @property
     def decode_ms_per_token(self) -> float | None:
@@ -59,6 +60,7 @@ class GenerationResult:
             "kv_cache_length": self.cache_length, "kv_cache_bytes": self.kv_cache_bytes,
             "compile_s": self.compile_s, "stop_reason": self.stop_reason, "executor": self.executor,
             "timing": "measured", "placed": self.placed, "prefill_pieces": self.prefill_pieces,
+            "built_alongside_s": self.built_alongside,
         }
 
 
@@ -162,6 +164,8 @@ class Generation:
         prog, fresh = get(length)
         if fresh:
             self.result.compile_s[f"{kind}-{length}"] = prog.total_s
+            if prog.child_s is not None:
+                self.result.built_alongside[f"{kind}-{length}"] = prog.child_s
         return prog
 
     def _emit(self, token: int) -> tuple[str, bool]:

@@ -137,6 +137,7 @@ class Program:
     compile_s: float
     notes: list[str] = field(default_factory=list)
     placed: Any = None  # executors.Placed for placed programs (partitions, bindings, the latest RunReport)
+    child_s: float | None = None  # built by a forked child alongside another program: its own seconds (ahead.py)
 
     @property
     def total_s(self) -> float:
@@ -209,6 +210,7 @@ class ProgramCache:
         hit = any(n.startswith("compile cache: hit") for n in prog.notes)
         if hit:
             prog.compile_s += waited
+            prog.child_s = own
             prog.notes.insert(0, f"built and stored in the compile cache by a forked child process while the prefill "
                                  f"program was built ({own:.3f} s of its own, measured); waited {waited:.3f} s for "
                                  "it, counted in compile_s")
