@@ -45,3 +45,20 @@ def keep_freed_memory() -> str:
     ok = mallopt(M_MMAP_MAX, 0) == 1 and mallopt(M_TRIM_THRESHOLD, TRIM_BYTES) == 1
     _state = "kept" if ok else "unavailable"
     return _state
+
+
+def release_freed_memory() -> bool:
+    """Hand the heap's free pages back to the kernel once (glibc ``malloc_trim(0)``); False where there is no glibc.
+
+    Why: after ``fork()`` every page of the process is copy-on-write until written, also the free ones the heap
+    keeps (:func:`keep_freed_memory`); an allocation reusing them pays a write fault per 4 KiB page (and a copy
+    while the child lives) where a released page costs one zero-fill. :mod:`hetforge.runtime.ahead` calls this
+    before it forks and after the child is gone; the kept-memory policy applies again from the next free on."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):
+        return False
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    trim(0)
+    return True

@@ -13,7 +13,12 @@ Why a child process and not a thread: the work holds the GIL. Why the child is s
 ops on one thread (libgomp's thread team does not survive ``fork``; one thread never enters it), hetforge's
 native pool runs inline in a forked child (``native.c``), and the child leaves with ``os._exit`` (no atexit
 handlers, no flush of the parent's buffers). It runs at a lower priority (``nice``), so the parent's
-multi-threaded work — its warm-up call and kernel-choice timings — keeps both cores.
+multi-threaded work — its warm-up call and kernel-choice timings — keeps both cores. After ``fork`` every page is
+copy-on-write, also the free pages glibc's heap keeps: an allocation reusing one pays a write fault (measured: a
+forked child that exited at once made gpt2's prefill warm-up call about twice as slow), so the heap's free pages
+are handed back to the kernel before the fork and after the child is gone
+(:func:`hetforge.executor.allocator.release_freed_memory`), and the parent waits for the child before its own
+warm-up call (:meth:`ProgramCache._make`).
 
 Not done (this process builds the program itself, as before) where: ``fork`` is missing (not Linux), the process
 may use fewer than two cores, the compile cache is off or its folder is not writable, the executor's programs are
@@ -28,6 +33,8 @@ import sys
 import time
 from dataclasses import dataclass
 from typing import Any
+
+from hetforge.executor.allocator import release_freed_memory
 
 ENV = "HETFORGE_PARALLEL_COMPILE"
 NICE = 10  # the child's priority below the parent's
@@ -87,6 +94,7 @@ class Ahead:
         finally:
             os.close(self.fd)
         _, status = os.waitpid(self.pid, 0)
+        release_freed_memory()  # pages freed while the child lived are still marked copy-on-write
         waited = time.perf_counter() - t0
         try:
             msg = json.loads(b"".join(chunks).decode() or "{}")
@@ -131,6 +139,7 @@ def start(build: Any) -> Ahead | None:
     from hetforge.runtime import compile_cache
 
     threads = torch.get_num_threads()
+    release_freed_memory()  # free heap pages would be shared copy-on-write with the child: give them back first
     sys.stdout.flush()
     sys.stderr.flush()
     r, w = os.pipe()
