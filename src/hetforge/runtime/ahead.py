@@ -14,8 +14,8 @@ ops on one thread (libgomp's thread team does not survive ``fork``; one thread n
 native pool runs inline in a forked child (``native.c``), and the child leaves with ``os._exit`` (no atexit
 handlers, no flush of the parent's buffers). It runs at a lower priority (``nice``), so the parent's
 multi-threaded work — its warm-up call and kernel-choice timings — keeps both cores. After ``fork`` every page is
-copy-on-write, also the free pages glibc's heap keeps: an allocation reusing one pays a write fault (measured: a
-forked child that exited at once made gpt2's prefill warm-up call about twice as slow), so the heap's free pages
+copy-on-write, also the free pages glibc's heap keeps: an allocation reusing one pays a write fault (docs/arch/runtime.md
+has the measurement), so the heap's free pages
 are handed back to the kernel before the fork and after the child is gone
 (:func:`hetforge.executor.allocator.release_freed_memory`), and the parent waits for the child before its own
 warm-up call (:meth:`ProgramCache._make`).
