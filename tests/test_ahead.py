@@ -141,3 +141,60 @@ def test_a_failed_request_stops_its_child(cache, loaded, monkeypatch):
     assert len(started) == 1 and not eng.programs.ahead
     with pytest.raises(ChildProcessError):
         os.waitpid(started[0].pid, os.WNOHANG)  # already reaped
+
+
+def test_the_childs_entry_is_taken_without_lowering_again(cache, loaded, monkeypatch):
+    """The child keys its kernel context for the parent's thread count: a hit on its entry re-lowers nothing."""
+    from hetforge.ir import kernel_choice
+
+    eng = Engine(loaded, executor="auto")
+    assert eng.programs.decode_ahead(64) == ""
+    eng.programs.prefill(32)
+    lowered = []
+    real = kernel_choice.lower_kernels
+    monkeypatch.setattr(kernel_choice, "lower_kernels", lambda *a, **k: lowered.append(1) or real(*a, **k))
+    prog, made = eng.programs.decode(64)
+    assert made and prog.child_s is not None and not lowered
+
+
+def test_a_pinned_process_refuses_to_measure_a_kernel_choice(monkeypatch):
+    import torch
+
+    from hetforge.kernels import onednn
+
+    if not onednn.available():
+        pytest.skip("this torch build has no oneDNN (mkldnn): there is no choice to measure or refuse")
+    monkeypatch.setattr(onednn, "_pinned", [])
+    monkeypatch.setattr(onednn, "_choices", {})
+    monkeypatch.setattr(onednn, "_choice_times", {})
+    onednn.pin_threads(torch.get_num_threads() + 3)
+    assert onednn.threads() == torch.get_num_threads() + 3
+    with pytest.raises(onednn.ChoiceRefused, match="not measured in this process"):
+        onednn.choose(4, 64, 64, torch.float32)
+    onednn._choices[(4, 64, 64, torch.float32, onednn.threads(), "none")] = True  # inherited from the parent
+    assert onednn.choose(4, 64, 64, torch.float32) is True
+
+
+def test_a_child_that_does_not_answer_in_time_is_stopped(cache, loaded, monkeypatch):
+    monkeypatch.setattr(ahead, "TIMEOUT_S", 0.5)
+    job = ahead.start(lambda: time.sleep(30) or True)
+    assert job is not None
+    ok, _, err, waited = job.join()
+    assert not ok and "no answer after" in err and waited < 5
+    with pytest.raises(ChildProcessError):
+        os.waitpid(job.pid, os.WNOHANG)  # stopped and reaped
+
+
+def test_an_interrupted_wait_stops_the_child(cache, loaded, monkeypatch):
+    import select
+
+    job = ahead.start(lambda: time.sleep(30) or True)
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(select, "select", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        job.join()
+    with pytest.raises(ChildProcessError):
+        os.waitpid(job.pid, os.WNOHANG)

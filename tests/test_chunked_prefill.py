@@ -95,3 +95,23 @@ def test_chunk_programs_are_compiled_once_per_size_and_cache_length():
     r = e.generate(prompt[:90] + [7, 8, 9, 10], SamplingParams(max_new_tokens=4))  # 88 tokens: same pieces
     assert r.compile_s == {} and r.prefill_pieces == ["prefill-64", "chunk-32 (24 real)"]
     assert ("chunk-32", r.cache_length) in e.programs.programs
+
+
+def test_an_engine_keeps_the_most_recently_used_prefill_programs_only(tmp_path, monkeypatch):
+    """Fine prefill makes a program per prompt length: an engine holds at most KEEP_PREFILL of them, drops the least
+    recently used, and a dropped length comes back from the compile cache with the same tokens."""
+    from hetforge.runtime.programs import KEEP_PREFILL
+
+    monkeypatch.setenv("HETFORGE_COMPILE_CACHE_DIR", str(tmp_path / "cache"))
+    e = Engine(engine("gpt2-tiny").loaded)
+    first = [(5 * i + 2) % 200 + 1 for i in range(8)]
+    want = e.generate(first, SamplingParams(max_new_tokens=3)).tokens
+    lengths = [8 * (i + 2) for i in range(KEEP_PREFILL)]  # KEEP_PREFILL more lengths: 16, 24, ...
+    for n in lengths:
+        e.generate(first + list(range(1, n - 7)), SamplingParams(max_new_tokens=2))
+        e.generate(first + list(range(1, 9)), SamplingParams(max_new_tokens=2))  # 16 stays recently used
+    held = sorted(n for kind, n in e.programs.programs if kind == "prefill")
+    assert len(held) == KEEP_PREFILL and 8 not in held and 16 in held, held
+    again = e.generate(first, SamplingParams(max_new_tokens=3))
+    assert again.compile_s  # made again (a compile-cache hit on disk), and computes the same
+    assert again.tokens == want

@@ -28,13 +28,25 @@ def test_packed_linear_with_fused_activation_matches_aten(act):
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
 
 
-def test_packed_weight_is_made_once_per_weight_and_row_count():
+@pytest.mark.parametrize("alike", [True, False])
+def test_packed_weight_is_made_once_per_weight_and_packing(monkeypatch, alike):
+    """Row counts >= 2 share one packed copy exactly where this oneDNN packs them byte for byte alike (checked, here
+    forced either way); one row is always its own packing."""
+    monkeypatch.setattr(onednn, "_hint_free", {})
+    real = onednn._raw
+    counter = iter(range(10**6))
+    monkeypatch.setattr(onednn, "_raw", real if alike else (lambda t: real(t) + bytes([next(counter) % 256])))
     w = torch.randn(32, 16)
     a, b, c = onednn.packed_weight(w, False, 8), onednn.packed_weight(w, False, 8), onednn.packed_weight(w, False, 16)
-    assert a is b and a is not c and a.is_mkldnn
+    assert a is b and a.is_mkldnn
+    assert (a is c) == (alike and onednn._hint_free[(w.dtype, (32, 16), False)])
+    assert onednn.packed_weight(w, False, 1) is not a
+    x = torch.randn(16, 16)
+    torch.testing.assert_close(onednn.linear_fn(c, None)(x), x @ w.t(), rtol=1e-5, atol=1e-5)
     wt = torch.randn(16, 32)  # [K, N] (an addmm weight): packed as its transpose
-    x = torch.randn(8, 16)
-    torch.testing.assert_close(onednn.linear_fn(onednn.packed_weight(wt, True, 8), None)(x), x @ wt)
+    torch.testing.assert_close(onednn.linear_fn(onednn.packed_weight(wt, True, 8), None)(x[:8]), x[:8] @ wt)
+
+
 
 
 @pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny", "qwen2-tiny"])

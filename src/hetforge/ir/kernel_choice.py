@@ -592,7 +592,7 @@ def kernel_context(device_map: dict[str, torch.device], mode: str, planned) -> d
     and which values the memory plan gave a slice (a CRC-32 of their ids)."""
     return {"mode": mode, "devices": {d: str(t) for d, t in sorted(device_map.items())},
             "native": native.library() is not None, "onednn": onednn.available(),
-            "threads": torch.get_num_threads(), "w8_act": native.w8_act_mode(), "w4_act": native.w4_act_mode(),
+            "threads": onednn.threads(), "w8_act": native.w8_act_mode(), "w4_act": native.w4_act_mode(),
             "planned": zlib.crc32(repr(sorted(planned)).encode())}
 
 

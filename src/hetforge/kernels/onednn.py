@@ -44,9 +44,30 @@ DTYPES = (torch.float32, torch.bfloat16)
 PROBE_N = 4096  # most output columns :func:`choose` times
 ROUNDS = 5  # interleaved rounds of :func:`choose`
 
+PACK_ROWS = 512  # the row count a weight is packed for when every count >= 2 packs alike (_pack_hint)
+
 _packed: dict[tuple[int, bool, int], torch.Tensor] = {}
+_hint_free: dict[tuple, bool] = {}  # (dtype, shape, weight_t) -> whether packing ignores the row count >= 2
 _choices: dict[tuple, bool] = {}
 _choice_times: dict[tuple, tuple[float, float, float]] = {}
+_pinned: list[int] = []  # pin_threads: the thread count choices are made for, instead of this process's
+
+
+class ChoiceRefused(RuntimeError):
+    """A kernel choice would have to be measured where measuring is refused (:func:`pin_threads`)."""
+
+
+def threads() -> int:
+    """The thread count kernel choices are keyed by: :func:`pin_threads`'s, else torch's."""
+    return _pinned[0] if _pinned else torch.get_num_threads()
+
+
+def pin_threads(n: int) -> None:
+    """Make choices (and everything keyed by :func:`threads`) for ``n`` threads while this process runs another
+    count, and refuse to measure: a process building a program for another one (:mod:`hetforge.runtime.ahead`'s
+    child, on one thread) takes the choices it inherited, and raises :class:`ChoiceRefused` where one is missing
+    (the other process then builds that program itself)."""
+    _pinned[:] = [n]
 
 
 def available() -> bool:
@@ -68,9 +89,38 @@ def _drop(key: tuple[int, bool, int]) -> None:
     _packed.pop(key, None)
 
 
+def _raw(t: torch.Tensor) -> bytes:
+    """The bytes of a packed (mkldnn-layout) tensor."""
+    import ctypes
+
+    return ctypes.string_at(torch.ops.mkldnn.data_ptr(t), torch.ops.mkldnn._nbytes(t))
+
+
+def _pack_hint(w: torch.Tensor, weight_t: bool, rows: int) -> int:
+    """The row count ``w`` is packed for: :data:`PACK_ROWS` for every ``rows`` >= 2 where this oneDNN packs such a
+    weight byte for byte alike for 2 and for :data:`PACK_ROWS`` rows (checked once per dtype, shape and layout),
+    else ``rows``. Why: each prefill length (fine mode: up to 8 per power of two) would otherwise keep its own
+    packed copy of every weight, for as long as the model lives."""
+    if rows < 2:
+        return rows
+    key = (w.dtype, tuple(w.shape), weight_t)
+    same = _hint_free.get(key)
+    if same is None:
+        src = w.t() if weight_t else w
+        try:
+            same = _raw(torch.ops.mkldnn._reorder_linear_weight(src, 2)) == \
+                _raw(torch.ops.mkldnn._reorder_linear_weight(src, PACK_ROWS))
+        except (AttributeError, RuntimeError):  # no way to read the packed bytes here: one pack per row count
+            same = False
+        _hint_free[key] = same
+    return PACK_ROWS if same else rows
+
+
 def packed_weight(w: torch.Tensor, weight_t: bool, rows: int) -> torch.Tensor:
     """``w`` (``[N, K]``, or ``[K, N]`` when ``weight_t``) reordered into oneDNN's layout for ``rows`` rows;
-    made once per weight and row count (freed with the weight)."""
+    made once per weight and packing (one for every row count that packs alike: :func:`_pack_hint`), freed with
+    the weight."""
+    rows = _pack_hint(w, weight_t, rows)
     key = (id(w), weight_t, rows)
     got = _packed.get(key)
     if got is None:
@@ -153,7 +203,10 @@ def choose(rows: int, k: int, n: int, dtype: torch.dtype, w: torch.Tensor | None
     pol = policy()
     if pol != "auto":
         return pol == "onednn"
-    key = (rows, k, n, dtype, torch.get_num_threads(), act)
+    key = (rows, k, n, dtype, threads(), act)
+    if key not in _choices and _pinned:
+        raise ChoiceRefused(f"the oneDNN/ATen choice for [{rows}, {k}] x [{k}, {n}] {dtype} at {threads()} threads is "
+                            "not measured in this process, and measuring here is refused")
     if key not in _choices:
         g = torch.Generator().manual_seed(0)
         x = torch.randn(rows, k, generator=g).to(dtype)
@@ -176,7 +229,7 @@ def decided(rows: int, k: int, n: int, dtype: torch.dtype, act: str = "none") ->
     pol = policy()
     if pol != "auto":
         return pol == "onednn"
-    return _choices.get((rows, k, n, dtype, torch.get_num_threads(), act))
+    return _choices.get((rows, k, n, dtype, threads(), act))
 
 
 def measured_choices() -> list[dict]:

@@ -4,21 +4,23 @@ A cold request needs two programs before its first token: the prefill program an
 their cost is Python on one core (``torch.export`` capture, the passes, lowering), so on a machine with two or more
 cores the decode program is built at the same time in a ``fork()``-ed child: the child captures, optimizes,
 places and lowers it exactly as this process would, stores the result in the on-disk compile cache
-(:mod:`hetforge.runtime.compile_cache`) and exits; when the request asks for the decode program, this process
-waits for the child and takes the entry as an ordinary cache hit (the entry is checked like any other: a missing,
-cut-off or stale one is rebuilt here). The wait is counted in the program's compile time, so ``compile_s`` still
-sums to what the user waited.
+(:mod:`hetforge.runtime.compile_cache`) and exits. This process waits for the child before the prefill program's
+warm-up call (see below), then takes the decode program's entry as an ordinary cache hit (checked like any other:
+a missing, cut-off or stale one is rebuilt here). The wait is counted in the decode program's compile time, so
+``compile_s`` still sums to what the user waited. The child keys its entry, its kernel context and its kernel
+choices for the parent's thread count (:func:`hetforge.kernels.onednn.pin_threads`) and measures no choice: one it
+did not inherit from the parent makes it fail, and the parent builds that program itself.
 
 Why a child process and not a thread: the work holds the GIL. Why the child is safe to fork: it runs its torch
 ops on one thread (libgomp's thread team does not survive ``fork``; one thread never enters it), hetforge's
 native pool runs inline in a forked child (``native.c``), and the child leaves with ``os._exit`` (no atexit
 handlers, no flush of the parent's buffers). It runs at a lower priority (``nice``), so the parent's
-multi-threaded work — its warm-up call and kernel-choice timings — keeps both cores. After ``fork`` every page is
-copy-on-write, also the free pages glibc's heap keeps: an allocation reusing one pays a write fault (docs/arch/runtime.md
-has the measurement), so the heap's free pages
-are handed back to the kernel before the fork and after the child is gone
-(:func:`hetforge.executor.allocator.release_freed_memory`), and the parent waits for the child before its own
-warm-up call (:meth:`ProgramCache._make`).
+multi-threaded work (kernel-choice timings while it builds the prefill program) keeps both cores. After ``fork``
+every page is
+copy-on-write, also the free pages glibc's heap keeps: an allocation reusing one pays a write fault
+(docs/arch/runtime.md has the measurement), so the heap's free pages are handed back to the kernel before the fork
+and after the child is gone (:func:`hetforge.executor.allocator.release_freed_memory`), and the parent waits for the
+child before its own warm-up call (``ProgramCache._make``), which writes the most pages.
 
 Not done (this process builds the program itself, as before) where: ``fork`` is missing (not Linux), the process
 may use fewer than two cores, the compile cache is off or its folder is not writable, the executor's programs are
@@ -38,6 +40,7 @@ from hetforge.executor.allocator import release_freed_memory
 
 ENV = "HETFORGE_PARALLEL_COMPILE"
 NICE = 10  # the child's priority below the parent's
+TIMEOUT_S = 600.0  # a child not done by then is stopped and the program built here (a bound, not an estimate)
 
 
 def _cores() -> int:
@@ -75,48 +78,71 @@ def refusal(programs: Any) -> str | None:
 
 @dataclass
 class Ahead:
-    """A child building one program; :meth:`join` waits for it."""
+    """A child building one program; :meth:`join` waits for it (at most :data:`TIMEOUT_S`), :meth:`cancel` stops
+    it."""
 
     pid: int
     fd: int
     started: float
+    done: bool = False
 
     def join(self) -> tuple[bool, float, str, float]:
-        """Wait for the child: (stored, the child's own seconds, its error line, seconds waited here)."""
+        """Wait for the child: (stored, the child's own seconds, its error line, seconds waited here). A child
+        still running after :data:`TIMEOUT_S` from its start is stopped and reported; an interruption while
+        waiting (Ctrl-C) stops it too, then propagates."""
+        import select
+
         t0 = time.perf_counter()
-        chunks = []
+        chunks: list[bytes] = []
         try:
             while True:
+                left = TIMEOUT_S - (time.perf_counter() - self.started)
+                if left <= 0 or not select.select([self.fd], [], [], left)[0]:
+                    self.cancel()
+                    return False, time.perf_counter() - self.started, \
+                        f"no answer after {TIMEOUT_S:.0f} s: stopped", time.perf_counter() - t0
                 b = os.read(self.fd, 65536)
                 if not b:
                     break
                 chunks.append(b)
-        finally:
             os.close(self.fd)
-        _, status = os.waitpid(self.pid, 0)
+            _, status = os.waitpid(self.pid, 0)
+            self.done = True
+        except BaseException:
+            self.cancel()
+            raise
         release_freed_memory()  # pages freed while the child lived are still marked copy-on-write
         waited = time.perf_counter() - t0
         try:
             msg = json.loads(b"".join(chunks).decode() or "{}")
         except ValueError:
             msg = {}
-        ok = os.waitstatus_to_exitcode(status) == 0 and bool(msg.get("stored"))
+        code = os.waitstatus_to_exitcode(status)
+        ok = code == 0 and bool(msg.get("stored"))
         if not ok:
             _remove_temp_files(self.pid)
-        err = str(msg.get("error") or (f"exit status {os.waitstatus_to_exitcode(status)}" if not ok else ""))
+        err = str(msg.get("error") or (f"exit status {code}" if not ok else ""))
         return ok, float(msg.get("seconds", 0.0)), err, waited
-
 
     def cancel(self) -> None:
         """Stop the child (this process gave up on the request) and remove what it may have left half-written."""
         import signal
 
+        if self.done:
+            return
+        self.done = True
         try:
             os.kill(self.pid, signal.SIGKILL)
         except OSError:
             pass
-        os.close(self.fd)
-        os.waitpid(self.pid, 0)
+        try:
+            os.close(self.fd)
+        except OSError:
+            pass
+        try:
+            os.waitpid(self.pid, 0)
+        except ChildProcessError:
+            pass
         _remove_temp_files(self.pid)
 
 
@@ -136,7 +162,7 @@ def start(build: Any) -> Ahead | None:
     it did) and exits; None where the fork fails."""
     import torch
 
-    from hetforge.runtime import compile_cache
+    from hetforge.kernels import onednn
 
     threads = torch.get_num_threads()
     release_freed_memory()  # free heap pages would be shared copy-on-write with the child: give them back first
@@ -155,7 +181,7 @@ def start(build: Any) -> Ahead | None:
             os.close(r)
             os.nice(NICE)
             torch.set_num_threads(1)  # see the module docstring: libgomp's team is not usable after fork
-            compile_cache.pin_key_threads(threads)  # the entry is for the parent's thread count
+            onednn.pin_threads(threads)  # choices, kernel context and cache key for the parent's thread count
             t0 = time.perf_counter()
             msg: dict[str, Any] = {"stored": False}
             try:

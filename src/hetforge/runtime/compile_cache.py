@@ -59,7 +59,6 @@ _warned: set[str] = set()
 _fingerprints: dict[int, tuple[tuple, str]] = {}
 _source_digest: list[str] = []
 _cpu: list[list] = []
-_key_threads: list[int] = []  # pin_key_threads: the thread count keys use instead of this process's
 
 
 def warn_once(msg: str) -> None:
@@ -249,13 +248,7 @@ def _cpu_key() -> list:
 
         r = host_record()
         _cpu.append([r["cpu"], r["machine"], r["isa"]])
-    return [*_cpu[0], _key_threads[0] if _key_threads else torch.get_num_threads()]
-
-
-def pin_key_threads(threads: int) -> None:
-    """Key entries for ``threads`` threads whatever this process runs on: a child building a program for its parent
-    (:mod:`hetforge.runtime.ahead`) runs one thread, and measures no kernel choice the parent would reuse."""
-    _key_threads[:] = [threads]
+    return [*_cpu[0], onednn.threads()]  # the pinned count in a child building for its parent (runtime.ahead)
 
 
 def entry_exists(programs: Any, kind: str, length: int, module: torch.nn.Module, inputs: tuple) -> bool:

@@ -63,7 +63,8 @@ def pick_tier(n: int, tiers: Sequence[int]) -> int:
 @dataclass(frozen=True)
 class Piece:
     """One program call of a prompt's prefill: ``size`` tokens (``real`` of them prompt tokens) from ``start``;
-    ``kind`` is ``prefill`` (the tier program, first piece only) or ``chunk`` (attends to the cache too)."""
+    ``kind`` is ``prefill`` (a prefill program of ``size`` tokens — a fine length or a tier — first piece only) or
+    ``chunk`` (attends to the cache too)."""
 
     kind: str
     start: int
@@ -72,8 +73,10 @@ class Piece:
 
 
 PREFILL_MODES = ("fine", "chunked", "tier")
-FINE_PER_OCTAVE = 8  # prefill lengths per power of two (fine mode): a prompt pads by at most ~1/8 of its length
+FINE_PER_OCTAVE = 8  # prefill lengths per power of two (fine mode): a prompt pads by at most 1/8 of its length
+# from 64 tokens on, and by at most FINE_MIN - 1 tokens below
 FINE_MIN = 8  # the finest step (and the shortest fine prefill program)
+KEEP_PREFILL = 8  # prefill programs a ProgramCache keeps in memory (least recently used dropped first)
 
 
 def fine_length(n: int, tiers: Sequence[int]) -> int:
@@ -180,13 +183,24 @@ class ProgramCache:
         return self.caches[length]
 
     def prefill(self, tier: int) -> tuple[Program, bool]:
-        """The prefill program for ``tier``; the flag says whether it was compiled by this call."""
+        """The prefill program of ``tier`` tokens (a tier or a fine length); the flag says whether it was compiled by
+        this call."""
         key = ("prefill", tier)
         if key in self.programs:
+            self.programs[key] = self.programs.pop(key)  # most recently used last (keep_prefill's order)
             return self.programs[key], False
         inputs = (torch.zeros((1, tier), dtype=torch.long), torch.tensor([tier - 1]))
         self.programs[key] = self._make("prefill", tier, PrefillModule(self.model), inputs)
+        self._keep_prefill()
         return self.programs[key], True
+
+    def _keep_prefill(self) -> None:
+        """Keep at most :data:`KEEP_PREFILL` prefill programs in memory, dropping the least recently used (not the
+        newest): each holds its arena and executor, and fine prefill makes up to 8 lengths per power of two. A
+        dropped program comes back from the compile cache on disk when asked for again."""
+        held = [k for k in self.programs if k[0] == "prefill"]
+        for k in held[:max(0, len(held) - KEEP_PREFILL)]:
+            del self.programs[k]
 
     def _decode_args(self, length: int) -> tuple[nn.Module, tuple]:
         cache = self.cache(length)
@@ -224,9 +238,10 @@ class ProgramCache:
     def join_ahead(self, key: tuple[str, int] | None = None) -> None:
         """Wait for the child building ``key`` (every child when None); its report waits in ``joined``."""
         for k in [key] if key is not None else list(self.ahead):
-            job = self.ahead.pop(k, None)
+            job = self.ahead.get(k)
             if job is not None:
-                self.joined[k] = job.join()
+                self.joined[k] = job.join()  # an interrupted join stops the child itself
+                del self.ahead[k]
 
     def cancel_ahead(self) -> None:
         """Stop every child still building a program (the request that wanted them failed or was interrupted)."""
