@@ -189,11 +189,16 @@ def test_from_json_rerenders_the_page_with_targets_by_todays_rules(suite, tmp_pa
     assert "kept" in paths["markdown"].read_text()
 
 
-@pytest.mark.parametrize("args, says", [(["--from-json", "nope.json"], "no such file"),
-                                        (["--from-json", "pyproject.toml"], "not a peers JSON")])
-def test_from_json_bad_input_is_one_line_and_exit_2(args, says):
-    res = CliRunner().invoke(app, ["bench", "peers", *args])
+@pytest.mark.parametrize("text, says", [(None, "no such file"), ("[tool]\nname = 1\n", "not a peers JSON"),
+                                        ("[]", "not a peers JSON"), ('{"rows": [[1]]}', "not a peers JSON"),
+                                        ('{"rows": [{"stages": []}]}', "not a peers JSON")])
+def test_from_json_bad_input_is_one_line_and_exit_2(tmp_path, text, says):
+    path = tmp_path / "peers.json"
+    if text is not None:
+        path.write_text(text)
+    res = CliRunner().invoke(app, ["bench", "peers", "--from-json", str(path)])
     assert res.exit_code == 2 and says in res.output, res.output
+    assert len(res.output.strip().splitlines()) == 1, res.output
 
 
 def test_cli_bad_model_is_usage_error():

@@ -133,8 +133,8 @@ def _rerender(path: Path) -> dict[str, Path]:
         raise UsageError(f"--from-json {path}: no such file (give a JSON written by `hetforge bench peers --out-dir`)")
     try:
         res = load_json(path)
-    except (ValueError, KeyError, TypeError) as e:
-        raise UsageError(f"--from-json {path}: not a peers JSON ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
-                         ) from None
-    res.comparisons = compare(res.rows)
+        res.comparisons = compare(res.rows)
+    except (ValueError, KeyError, TypeError, AttributeError) as e:  # JSON of another shape (rows not objects, ...)
+        first = str(e).splitlines()[0][:200] if str(e) else ""
+        raise UsageError(f"--from-json {path}: not a peers JSON ({type(e).__name__}: {first})") from None
     return write_report(res, path.parent, stem=path.stem)
