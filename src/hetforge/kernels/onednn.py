@@ -11,7 +11,7 @@ AVX-512 EPYC).
 The layout oneDNN picks depends on the number of rows, so a weight is packed once per row count (and kept
 for every program of that row count, as long as the weight lives: prefill programs of different lengths share
 nothing — tiers, and the default ``fine`` prefill lengths, up to eight per power of two — and decode uses the
-native GEMV on the original weight). Packing copies the weight: each prefill length used adds about one model of
+native GEMV on the original weight). Packing copies the weight: each prefill length used adds up to one model of
 memory.
 
 Which kernel runs is a measured choice (:func:`choose`): for every ``(rows, K, N, dtype, threads)`` the
