@@ -7,8 +7,8 @@ dequantized per call + one float GEMM for several) vs ``--w4-act q8`` (hetforge'
   ``--rounds`` interleaved rounds of 5 calls;
 * models: per model two ``Engine(quantize="w4")`` (one per mode; the mode is set around each call), TTFT
   (``GenerationResult.ttft_s``: the prefill in the engine's default mode, fine, and the first pick) at each
-  ``--lengths`` and decode ms/token
-  over ``--new-tokens`` after the first length, in interleaved rounds; median and best.
+  ``--lengths`` and decode ms/token over ``--new-tokens`` after the first length, in interleaved rounds; median
+  and best.
 
     .venv/bin/python bench/w4_ab.py [--models gpt2 llama-110m] [--lengths 16 84 128 512] [--rounds 5]
                                     [--threads 2] [--new-tokens 32] [--no-kernels] [--no-models] [--json PATH]
