@@ -201,6 +201,21 @@ def test_from_json_bad_input_is_one_line_and_exit_2(tmp_path, text, says):
     assert len(res.output.strip().splitlines()) == 1, res.output
 
 
+def test_the_page_command_names_the_settings_that_change_what_hetforge_runs(monkeypatch):
+    from hetforge.benchmarks.harness import BEHAVIOUR_ENV, with_env
+
+    for k in BEHAVIOUR_ENV:
+        monkeypatch.delenv(k, raising=False)
+    assert with_env("hetforge bench peers") == "hetforge bench peers"
+    monkeypatch.setenv("HETFORGE_PARALLEL_COMPILE", "0")  # cold preparation without the forked decode build
+    monkeypatch.setenv("HETFORGE_GEMV_MULTI", "0")  # decode without the grouped one-row products
+    monkeypatch.setenv("HETFORGE_W4_ACT", "weight-only")
+    got = with_env("hetforge bench peers")
+    assert got.endswith(" hetforge bench peers")
+    for setting in ("HETFORGE_PARALLEL_COMPILE=0", "HETFORGE_GEMV_MULTI=0", "HETFORGE_W4_ACT=weight-only"):
+        assert setting in got.split(), got
+
+
 def test_cli_bad_model_is_usage_error():
     res = CliRunner().invoke(app, ["bench", "peers", "-m", "no-such-model", "--quick", "--in-process"])
     assert res.exit_code == 2
