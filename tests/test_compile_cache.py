@@ -131,7 +131,8 @@ def test_unwritable_cache_folder_compiles_with_one_warning(tmp_path, monkeypatch
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
-def test_the_folder_keeps_within_its_size_bound_deleting_the_least_recently_used(cache, loaded, monkeypatch):
+def test_the_folder_keeps_within_its_size_bound_and_keeps_the_entry_just_written(cache, loaded, monkeypatch):
+    """End to end on real entries (the least-recently-used order itself: test_evict_deletes_least_recently_used_...)."""
     _prefill(loaded)
     (first,) = list(cache.glob("*.json"))
     size = first.stat().st_size + first.with_suffix(".pt").stat().st_size
