@@ -14,9 +14,10 @@ import sys
 from pathlib import Path
 
 from hetforge.benchmarks.harness import DEFAULT_MODELS, QUICK_MODELS, SuiteConfig, run_suite
-from hetforge.benchmarks.report import load_json, write_report
+from hetforge.benchmarks.report import rerender, write_report
 from hetforge.benchmarks.systems import SYSTEMS
-from hetforge.cli.common import _clean
+from hetforge.errors import UsageError
+from hetforge.files import json_safe
 
 
 def main() -> None:
@@ -33,10 +34,15 @@ def main() -> None:
     ap.add_argument("--timeout-s", type=float, default=600.0)
     ap.add_argument("--out-dir", type=Path, default=Path("docs/bench"))
     ap.add_argument("--json", action="store_true")
-    ap.add_argument("--render", type=Path, default=None, help="re-render the page and chart from a saved peers.json")
+    ap.add_argument("--render", type=Path, default=None, help="re-render a saved run's page, chart and JSON beside "
+                    "it (same stem), comparisons recomputed: as `hetforge bench peers --from-json`")
     a = ap.parse_args()
     if a.render is not None:
-        paths = write_report(load_json(a.render), a.out_dir)
+        try:
+            paths = rerender(a.render, "--render")
+        except UsageError as e:
+            print(f"error: {e}", file=sys.stderr)
+            sys.exit(2)
         print(f"rendered {paths['markdown']} and {paths['chart']} from {a.render}")
         return
     models = a.models or (QUICK_MODELS if a.quick else DEFAULT_MODELS)
@@ -47,7 +53,7 @@ def main() -> None:
     res = run_suite(cfg, progress=lambda m: print(m, file=sys.stderr, flush=True), command=command)
     paths = write_report(res, a.out_dir)
     if a.json:
-        print(json.dumps(_clean(res.to_dict()), indent=2, default=str))
+        print(json.dumps(json_safe(res.to_dict()), indent=2, default=str))
     else:
         print(Path(paths["markdown"]).read_text())
 

@@ -20,7 +20,7 @@ runs every system once, in the same order (interleaved, so drift and other proce
   the KV cache is the prompt's tier). The modes (``Engine.prefill_mode``, ``runtime.programs.prefill_pieces``):
   ``tier`` = the prompt padded to the next power-of-two tier, one prefill call; ``chunked`` = the largest tier
   ``<= n`` plus chunks over the KV cache; ``fine`` (the engine's default) = one call of a program about the
-  prompt's length (``runtime.programs.fine_length``: padded by at most 1/8).
+  prompt's length (``runtime.programs.fine_length``: padded to a multiple of 8, by at most 1/8 from 64 tokens).
 * ``hf`` = Hugging Face eager, one forward of exactly ``n`` tokens with ``logits_to_keep=1`` and the argmax
   (a reference row: not one of the peers the ratios divide by).
 * ``ov-f32`` / ``ov-default`` = OpenVINO's CPU plugin on the same model converted with a dynamic sequence

@@ -6,8 +6,9 @@ dequantized per call + one float GEMM for several) vs ``--w4-act q8`` (hetforge'
   ``hf_gemv_q8a`` (w8's q8 kernels), the weight-only w4 path and fp32 ``F.linear`` on the same shape, best of
   ``--rounds`` interleaved rounds of 5 calls;
 * models: per model two ``Engine(quantize="w4")`` (one per mode; the mode is set around each call), TTFT
-  (``GenerationResult.ttft_s``: the chunked prefill and the first pick) at each ``--lengths`` and decode ms/token
-  over ``--new-tokens`` after the first length, in interleaved rounds; median and best.
+  (``GenerationResult.ttft_s``: the prefill in the engine's default mode, fine, and the first pick) at each
+  ``--lengths`` and decode ms/token over ``--new-tokens`` after the first length, in interleaved rounds; median
+  and best.
 
     .venv/bin/python bench/w4_ab.py [--models gpt2 llama-110m] [--lengths 16 84 128 512] [--rounds 5]
                                     [--threads 2] [--new-tokens 32] [--no-kernels] [--no-models] [--json PATH]

@@ -2,6 +2,9 @@
 is another key, corrupt and stale entries are detected, deleted and rebuilt, an unwritable folder warns once."""
 
 import json
+import os
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -128,7 +131,8 @@ def test_unwritable_cache_folder_compiles_with_one_warning(tmp_path, monkeypatch
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
-def test_the_folder_keeps_within_its_size_bound_deleting_the_least_recently_used(cache, loaded, monkeypatch):
+def test_the_folder_keeps_within_its_size_bound_and_keeps_the_entry_just_written(cache, loaded, monkeypatch):
+    """End to end on real entries (the least-recently-used order itself: test_evict_deletes_least_recently_used_...)."""
     _prefill(loaded)
     (first,) = list(cache.glob("*.json"))
     size = first.stat().st_size + first.with_suffix(".pt").stat().st_size
@@ -141,6 +145,61 @@ def test_the_folder_keeps_within_its_size_bound_deleting_the_least_recently_used
     monkeypatch.setenv(compile_cache.MAX_GB_ENV, str(100 * size / 2**30))
     _prefill(loaded)  # stored again, nothing evicted under a roomy bound
     assert len(list(cache.glob("*.json"))) == 2
+
+
+def _entry(folder, key: str, mtime: float, size: int = 500) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"{key}.json").write_bytes(b"j" * size)
+    (folder / f"{key}.pt").write_bytes(b"t" * size)
+    os.utime(folder / f"{key}.json", (mtime, mtime))
+
+
+def test_evict_deletes_least_recently_used_entries_first_and_never_the_kept_one(cache, monkeypatch):
+    for i, key in enumerate("abcd"):
+        _entry(cache, key, 1000.0 * (i + 1))  # a is the least recently used, d the most
+    monkeypatch.setenv(compile_cache.MAX_GB_ENV, str(3.5 * 1000 / 2**30))  # room for three entries
+    assert compile_cache.evict() == ["a"]
+    monkeypatch.setenv(compile_cache.MAX_GB_ENV, str(1.5 * 1000 / 2**30))  # room for one
+    assert compile_cache.evict(keep="b") == ["c", "d"]  # b is the oldest left, but kept
+    assert sorted(p.name for p in cache.iterdir()) == ["b.json", "b.pt"]
+
+
+def test_evict_removes_stale_leftovers_of_stores_that_died(cache, monkeypatch):
+    _entry(cache, "live", 1000.0)
+    old = time.time() - 2 * compile_cache.STALE_S
+    for name in (".x.pt.123.tmp", ".x.json.123.tmp", "orphan.pt", "fresh.pt", ".y.pt.9.tmp"):
+        (cache / name).write_bytes(b"z")
+        if name not in ("fresh.pt", ".y.pt.9.tmp"):  # these two could be a store in progress: kept
+            os.utime(cache / name, (old, old))
+    assert compile_cache.evict() == []
+    assert sorted(p.name for p in cache.iterdir()) == [".y.pt.9.tmp", "fresh.pt", "live.json", "live.pt"]
+
+
+@pytest.mark.parametrize("fails", ["tensors", "json"])
+def test_a_store_that_fails_midway_leaves_nothing_behind_and_compiles(cache, loaded, monkeypatch, capsys, fails):
+    """A full disk: torch.save raises RuntimeError (not OSError) after a partial write, or the JSON write fails
+    after the tensor file was renamed into place. One warning, the program compiled, no file left."""
+    real_save, real_write = torch.save, Path.write_text
+
+    def save(obj, f, *a, **k):
+        if fails == "tensors":
+            Path(f).write_bytes(b"partial")
+            raise RuntimeError("[enforce fail at inline_container.cc] . PytorchStreamWriter failed writing file")
+        return real_save(obj, f, *a, **k)
+
+    def write_text(self, *a, **k):
+        if fails == "json" and self.name.endswith(".tmp"):
+            real_write(self, "partial")
+            raise OSError(28, "No space left on device")
+        return real_write(self, *a, **k)
+
+    monkeypatch.setattr(torch, "save", save)
+    monkeypatch.setattr(Path, "write_text", write_text)
+    compile_cache._warned.clear()
+    prog, _ = _prefill(loaded)
+    assert capsys.readouterr().err.count("warning: compile cache folder") == 1
+    assert "compile cache: stored" not in _notes(prog)
+    assert list(cache.iterdir()) == []
 
 
 @pytest.mark.parametrize("bad", ["lots", "0", "-1", "inf"])

@@ -274,3 +274,7 @@ def test_gemv_multi_refuses_what_it_cannot_run():
         native.gemv_multi(x, [w, torch.randn(4, 9)], [None, None], [torch.empty(4), torch.empty(4)])
     with pytest.raises(ValueError, match="do not fit"):
         native.gemv_multi(x, [w], [None], [torch.empty(5)])
+    with pytest.raises(ValueError, match="do not fit"):  # the kernel writes 4-byte floats
+        native.gemv_multi(x, [w], [None], [torch.empty(4, dtype=torch.bfloat16)])
+    with pytest.raises(ValueError, match="contiguous float32"):  # a float64 row would be read as 2k floats
+        native.gemv_multi(x.double(), [w], [None], [torch.empty(4)])

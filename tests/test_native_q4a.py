@@ -191,7 +191,7 @@ def _logits_module(name: str):
     return m, PrefillModule(m), (ids, torch.tensor([20])), ids
 
 
-def test_compiled_w4_prefill_and_decode_record_and_run_the_kernels(monkeypatch):
+def test_compiled_w4_prefill_records_and_runs_the_gemm_kernel(monkeypatch):
     """A compiled w4 prefill lowers every int4 product the kernels can read to ``native:hf_gemm_q4a`` (recorded
     on the instruction, priced by the cost model; the others keep the op) and its logits equal the eager op's;
     under weight-only none does. Fidelity against the float model is reported for both modes."""
@@ -231,6 +231,29 @@ def test_compiled_w4_prefill_and_decode_record_and_run_the_kernels(monkeypatch):
         kl[mode] = compare_logits(ref, got.view_as(ref)).kl_mean
     print(f"w4 vs float llama-tiny, KL mean (measured): q8 {kl['q8']:.2e}, weight-only {kl['weight-only']:.2e}")
     assert kl["q8"] < 3e-3 and kl["weight-only"] < 3e-3  # test_quant.py's w4 bound
+
+
+def test_compiled_w4_decode_step_records_and_runs_the_gemv_kernel():
+    """A compiled w4 decode step (one row over the KV cache) lowers every int4 product the kernels can read to
+    ``native:hf_gemv_q4a`` (called from the generated code) and its outputs equal the eager graph's."""
+    from test_runtime import _decode_graph
+
+    from hetforge.compile import compile_graph
+
+    cg, inputs, layers = _decode_graph("llama-tiny", 32, token=5, pos=20)
+    res = compile_graph(cg.gm, soc="host", example_inputs=inputs, quantize="w4", group_size=32)
+    exe = res.executable
+    w4 = [i for i in exe.program.instrs if i.op == "hetforge.linear_w4.default"]
+    native_ones = [i for i in w4 if exe.kernels[i.id] == "native:hf_gemv_q4a"]
+    assert len(native_ones) >= 5 * layers  # q, o, gate, up, down per layer; k, v (N = 32) are not read
+    assert all(i.attrs["kernel"] == "native:hf_gemv_q4a" for i in native_ones) and "hf_gemv_q4a" in exe.source
+    got = [t.clone() for t in exe.run_flat(*inputs)]
+    with torch.no_grad():
+        want = res.gm(*inputs)
+    want = list(want) if isinstance(want, (tuple, list)) else [want]
+    assert len(got) == len(want)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b.view_as(a), rtol=1e-5, atol=1e-5)
 
 
 def test_w4_gpt2_tiny_fidelity_q8_vs_weight_only_reported(monkeypatch):

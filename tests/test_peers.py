@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -189,11 +193,57 @@ def test_from_json_rerenders_the_page_with_targets_by_todays_rules(suite, tmp_pa
     assert "kept" in paths["markdown"].read_text()
 
 
-@pytest.mark.parametrize("args, says", [(["--from-json", "nope.json"], "no such file"),
-                                        (["--from-json", "pyproject.toml"], "not a peers JSON")])
-def test_from_json_bad_input_is_one_line_and_exit_2(args, says):
-    res = CliRunner().invoke(app, ["bench", "peers", *args])
+@pytest.mark.parametrize("text, says", [(None, "no such file"), ("[tool]\nname = 1\n", "not a peers JSON"),
+                                        ("[]", "not a peers JSON"), ('{"rows": [[1]]}', "not a peers JSON"),
+                                        ('{"rows": [{"stages": []}]}', "not a peers JSON")])
+def test_from_json_bad_input_is_one_line_and_exit_2(tmp_path, text, says):
+    path = tmp_path / "peers.json"
+    if text is not None:
+        path.write_text(text)
+    res = CliRunner().invoke(app, ["bench", "peers", "--from-json", str(path)])
     assert res.exit_code == 2 and says in res.output, res.output
+    assert len(res.output.strip().splitlines()) == 1, res.output
+
+
+def test_bench_script_render_rewrites_a_run_beside_its_json_under_its_stem(tmp_path):
+    """``python bench/peers.py --render X.json`` re-renders X.md/X.png/X.json beside it with today's comparisons
+    (it wrote ``peers.md`` into the default --out-dir whatever the JSON's name, comparisons as saved); a missing
+    file is one line and exit 2."""
+    root = Path(__file__).resolve().parents[1]
+    js = tmp_path / "peers_512.json"
+    shutil.copy(root / "docs" / "bench" / "peers_512.json", js)
+    doc = json.loads(js.read_text())
+    for c in doc["comparisons"]:
+        c["targets"] = {}
+    js.write_text(json.dumps(doc))
+
+    def render(path):
+        return subprocess.run([sys.executable, str(root / "bench" / "peers.py"), "--render", str(path)],
+                              capture_output=True, text=True, timeout=300, cwd=tmp_path, stdin=subprocess.DEVNULL)
+
+    r = render(js)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert (tmp_path / "peers_512.md").is_file() and (tmp_path / "peers_512.png").is_file()
+    assert not (tmp_path / "docs").exists()  # nothing under the default --out-dir
+    again = json.loads(js.read_text())
+    assert again["rows"] == doc["rows"] and all(c["targets"] for c in again["comparisons"])
+    bad = render(tmp_path / "nope.json")
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "no such file" in bad.stderr
+
+
+def test_the_page_command_names_the_settings_that_change_what_hetforge_runs(monkeypatch):
+    from hetforge.benchmarks.harness import BEHAVIOUR_ENV, with_env
+
+    for k in BEHAVIOUR_ENV:
+        monkeypatch.delenv(k, raising=False)
+    assert with_env("hetforge bench peers") == "hetforge bench peers"
+    monkeypatch.setenv("HETFORGE_PARALLEL_COMPILE", "0")  # cold preparation without the forked decode build
+    monkeypatch.setenv("HETFORGE_GEMV_MULTI", "0")  # decode without the grouped one-row products
+    monkeypatch.setenv("HETFORGE_W4_ACT", "weight-only")
+    got = with_env("hetforge bench peers")
+    assert got.endswith(" hetforge bench peers")
+    for setting in ("HETFORGE_PARALLEL_COMPILE=0", "HETFORGE_GEMV_MULTI=0", "HETFORGE_W4_ACT=weight-only"):
+        assert setting in got.split(), got
 
 
 def test_cli_bad_model_is_usage_error():

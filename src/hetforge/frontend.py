@@ -77,8 +77,9 @@ def gc_frozen() -> Iterator[bool]:
     ``gc.unfreeze`` on exit puts them back); yields whether it did that.
 
     Why: capturing and compiling a program makes a few hundred thousand short-lived objects, enough to trigger a
-    full collection, which walks every object of the process again (the model, torch, transformers: ~400k on the
-    zoo models): 20-30% of a capture + passes on them. Objects made inside are still collected as usual. Nothing
+    full collection, which walks every object of the process again (the model, torch, transformers): a large share
+    of a capture + passes (measured: docs/arch/runtime.md, cold compile). Objects made inside are still collected
+    as usual. Nothing
     is done where the process froze objects itself (its frozen set is left alone), where the collector is
     disabled, or inside another such block (the decorated functions nest)."""
     if not gc.isenabled() or gc.get_freeze_count() > 0:
@@ -107,7 +108,8 @@ def capture(
     symbol (e.g. the sequence length of ids and mask). Everything else is specialized (static).
     ``dynamic_shapes`` is passed to ``torch.export`` as is (instead of ``dynamic_dims``).
     ``stack_traces=False`` records no user stack trace per node (``torch.fx.config.do_not_emit_stack_traces``):
-    20-30% of a capture's time on our models; nothing downstream reads them (the runtime captures without).
+    a large share of an export (measured: docs/arch/runtime.md); nothing downstream reads them (the runtime
+    captures without).
     """
     if dynamic_dims:
         symbols: dict[str, Dim] = {}
@@ -200,8 +202,9 @@ def lazy_recompile() -> Iterator[bool]:
 
     Why: ``torch.export`` rebuilds and recompiles the graph module 10-30 times per capture (its passes, the
     split and inlining of autocast regions, ``ep.module()``'s unlifting); generating and ``exec``-ing the code
-    of a several-hundred-node graph each time was a third of a capture's time on the zoo models, and none of
-    that code runs: the backend executor lowers the graph, and the FX executor's first call generates it once.
+    of a several-hundred-node graph each time was a large share of a capture (measured: docs/arch/runtime.md,
+    cold compile), and none of that code runs: the backend executor lowers the graph, and the FX executor's first
+    call generates it once.
     How: ``GraphModule.__new__`` (which makes a per-instance subclass) puts torch's own ``_LazyGraphModule``
     (what Inductor uses for the same reason) in that subclass's bases for the duration; the graphs are the same.
     """

@@ -322,8 +322,9 @@ def _run_block(cfg: SuiteConfig, model: str, r: int, reps: int, active: list[str
         shutil.rmtree(cache, ignore_errors=True)
 
 
-# settings that change what hetforge runs
-BEHAVIOUR_ENV = ("HETFORGE_W8_ACT", "HETFORGE_W4_ACT", "HETFORGE_GEMM", "HETFORGE_CAPTURE")
+# settings that change what hetforge runs (or, HETFORGE_PARALLEL_COMPILE, how its cold preparation is timed)
+BEHAVIOUR_ENV = ("HETFORGE_W8_ACT", "HETFORGE_W4_ACT", "HETFORGE_GEMM", "HETFORGE_CAPTURE", "HETFORGE_GEMV_MULTI",
+                 "HETFORGE_PARALLEL_COMPILE")
 
 
 def _default_command() -> str:

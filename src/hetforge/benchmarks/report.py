@@ -267,6 +267,26 @@ def load_json(path: Path) -> SuiteResult:
     return SuiteResult(**d)
 
 
+def rerender(path: Path, option: str = "--from-json") -> dict[str, Path]:
+    """Re-render an earlier run without measuring: its rows as saved in the JSON at ``path``, the comparisons
+    (ratios, targets) recomputed by today's rules (:func:`~hetforge.benchmarks.harness.compare`), the page, chart
+    and JSON rewritten beside it under the same stem (``peers_512.json`` → ``peers_512.md``). A missing file or
+    a JSON of another shape is a UsageError naming ``option``."""
+    from hetforge.benchmarks.harness import compare
+    from hetforge.errors import UsageError
+
+    path = Path(path)
+    if not path.is_file():
+        raise UsageError(f"{option} {path}: no such file (give a JSON written by `hetforge bench peers --out-dir`)")
+    try:
+        res = load_json(path)
+        res.comparisons = compare(res.rows)
+    except (ValueError, KeyError, TypeError, AttributeError) as e:  # JSON of another shape (rows not objects, ...)
+        first = str(e).splitlines()[0][:200] if str(e) else ""
+        raise UsageError(f"{option} {path}: not a peers JSON ({type(e).__name__}: {first})") from None
+    return write_report(res, path.parent, stem=path.stem)
+
+
 def write_report(res: SuiteResult, out_dir: Path, stem: str = "peers") -> dict[str, Path]:
     """Write ``<stem>.md``, ``<stem>.png`` and ``<stem>.json`` into ``out_dir``; returns their paths."""
     from hetforge.benchmarks.harness import save_json

@@ -355,14 +355,15 @@ def gemv_multi(x: torch.Tensor, ws: list[torch.Tensor], biases: list[torch.Tenso
                outs: list[torch.Tensor], threads: int | None = None) -> list[torch.Tensor]:
     """``outs[j] = x·ws[j]ᵀ (+ biases[j])`` for one fp32 row and up to :data:`MULTI_MAX` ``[N_j, K]`` weights, in
     one call of the native pool (each result bit-equal to its own :func:`gemv`). Operands as :func:`fits` checks
-    them; ``x`` and every output contiguous."""
+    them; ``x`` and every output contiguous fp32 (the kernel reads and writes 4-byte floats)."""
     k = x.numel()
     for w, b, o in zip(ws, biases, outs, strict=True):
-        if not fits(w, b) or w.shape[1] != k or o.numel() != w.shape[0] or not o.is_contiguous():
+        if not fits(w, b) or w.shape[1] != k or o.numel() != w.shape[0] or not o.is_contiguous() \
+                or o.dtype != torch.float32:
             raise ValueError(f"one-row products: input {tuple(x.shape)}, weight {tuple(w.shape)} and output "
-                             f"{tuple(o.shape)} do not fit")
-    if not x.is_contiguous():
-        raise ValueError("one-row products: the input row must be contiguous")
+                             f"{tuple(o.shape)} {o.dtype} do not fit")
+    if not x.is_contiguous() or x.dtype != torch.float32:
+        raise ValueError(f"one-row products: the input row must be contiguous float32, got {x.dtype}")
     args = MultiArgs([w.data_ptr() for w in ws], [_ptr(b) for b in biases], [o.data_ptr() for o in outs],
                      [w.shape[0] for w in ws])
     args.call(x.data_ptr(), k, max(1, torch.get_num_threads() if threads is None else threads))

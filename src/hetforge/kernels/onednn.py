@@ -9,8 +9,10 @@ product at 186–192 GFLOP/s through ATen and 417–431 GFLOP/s through the pack
 AVX-512 EPYC).
 
 The layout oneDNN picks depends on the number of rows, so a weight is packed once per row count (and kept
-for every program of that row count: prefill tiers share nothing, decode uses the native GEMV on the
-original weight). Packing copies the weight: a prefill tier adds about one model of memory.
+for every program of that row count, as long as the weight lives: prefill programs of different lengths share
+nothing — tiers, and the default ``fine`` prefill lengths, up to eight per power of two — and decode uses the
+native GEMV on the original weight). Packing copies the weight: each prefill length used adds up to one model of
+memory.
 
 Which kernel runs is a measured choice (:func:`choose`): for every ``(rows, K, N, dtype, threads)`` the
 executor meets, ATen and oneDNN are timed interleaved once per process (:data:`ROUNDS` rounds of one call

@@ -27,8 +27,9 @@ else ``$XDG_CACHE_HOME/hetforge``, else ``~/.cache/hetforge``). ``HETFORGE_COMPI
 
 **Size**: at most ``$HETFORGE_COMPILE_CACHE_MAX_GB`` (default :data:`MAX_GB_DEFAULT`) of entries; after each store
 the least recently used entries (a hit refreshes an entry's time) are deleted until the folder fits, never the
-entry just written. Every model, weight change, option and program length is its own entry, so without a bound
-the folder only grows.
+entry just written, and so are stale leftovers of stores that died (temp files, a tensor file without its entry);
+a store that fails removes its own. Every model, weight change, option and program length is its own entry, so
+without a bound the folder only grows.
 A folder that cannot be written does not stop compilation: one warning on stderr, and programs are compiled
 as without a cache.
 """
@@ -89,11 +90,32 @@ def max_bytes() -> int:
     return int(gb * 2**30)
 
 
+STALE_S = 3600.0  # a temp file, or a tensor file without its entry, this old was left by a store that died
+
+
+def _remove_leftovers(d: Path) -> None:
+    """Delete what stores that died (killed, out of memory) left: ``.KEY.*.PID.tmp`` files and ``KEY.pt`` files
+    without their ``KEY.json`` (the size bound counts entries by their JSON, so these would never go). Only files
+    older than :data:`STALE_S`: a store in progress writes its two files within seconds."""
+    old = time.time() - STALE_S
+    try:
+        for p in [*d.glob(".*.tmp"), *(t for t in d.glob("*.pt") if not t.with_suffix(".json").exists())]:
+            try:
+                if p.stat().st_mtime < old:
+                    p.unlink()
+            except OSError:
+                continue
+    except OSError:
+        return
+
+
 def evict(keep: str | None = None) -> list[str]:
     """Delete the least recently used entries until the folder is within :func:`max_bytes` (``keep``'s entry is
-    never deleted); returns the deleted keys."""
+    never deleted), and stale leftovers of stores that died (:func:`_remove_leftovers`); returns the deleted
+    keys."""
     limit = max_bytes()
     d = cache_dir()
+    _remove_leftovers(d)
     entries = []
     try:
         for j in d.glob("*.json"):
@@ -395,16 +417,22 @@ def store(key: str, doc: dict[str, Any], res: Any, notes: list[str], nodes: int,
                       sort_keys=True)
     header = {"format": FORMAT, "key": doc, "sha256": hashlib.sha256(body.encode()).hexdigest()}
     jpath, tpath = _paths(key)
+    tmp_t = tpath.with_name(f".{tpath.name}.{os.getpid()}.tmp")
+    tmp_j = jpath.with_name(f".{jpath.name}.{os.getpid()}.tmp")
     try:
         jpath.parent.mkdir(parents=True, exist_ok=True)
-        tmp_t = tpath.with_name(f".{tpath.name}.{os.getpid()}.tmp")
         torch.save(extra, tmp_t)
         os.replace(tmp_t, tpath)
-        tmp_j = jpath.with_name(f".{jpath.name}.{os.getpid()}.tmp")
         tmp_j.write_text(json.dumps(header, sort_keys=True) + "\n" + body)
         os.replace(tmp_j, jpath)
-    except OSError as e:
-        warn_once(f"compile cache folder '{jpath.parent}' is not writable ({e.strerror or e}); compiling without "
+    except (OSError, RuntimeError) as e:  # RuntimeError: torch.save's writer on a full disk
+        for left in (tmp_t, tmp_j) if jpath.exists() else (tmp_t, tmp_j, tpath):  # nothing half-written stays
+            try:
+                left.unlink(missing_ok=True)
+            except OSError:
+                pass
+        why = getattr(e, "strerror", None) or (str(e).splitlines() or [type(e).__name__])[0]
+        warn_once(f"compile cache folder '{jpath.parent}' is not writable ({why}); compiling without "
                   "the cache (set HETFORGE_COMPILE_CACHE_DIR to a writable folder, or HETFORGE_COMPILE_CACHE=0)")
         return False
     evict(keep=key)

@@ -80,7 +80,9 @@ def peers(
     from hetforge.kernels import native
 
     if from_json is not None:
-        for k, v in _rerender(from_json).items():
+        from hetforge.benchmarks.report import rerender
+
+        for k, v in rerender(from_json).items():
             console.print(f"{k} written to {v}")
         return
 
@@ -121,20 +123,3 @@ def peers(
         console.print(t)
     for k, v in paths.items():
         console.print(f"{k} written to {v}")
-
-
-def _rerender(path: Path) -> dict[str, Path]:
-    """``--from-json``: the run's rows as saved, comparisons recomputed, page/chart/JSON rewritten beside it."""
-    from hetforge.benchmarks.harness import compare
-    from hetforge.benchmarks.report import load_json, write_report
-    from hetforge.errors import UsageError
-
-    if not path.is_file():
-        raise UsageError(f"--from-json {path}: no such file (give a JSON written by `hetforge bench peers --out-dir`)")
-    try:
-        res = load_json(path)
-    except (ValueError, KeyError, TypeError) as e:
-        raise UsageError(f"--from-json {path}: not a peers JSON ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
-                         ) from None
-    res.comparisons = compare(res.rows)
-    return write_report(res, path.parent, stem=path.stem)

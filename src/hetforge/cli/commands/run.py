@@ -129,8 +129,9 @@ def run(
     allow_emulated: bool = typer.Option(False, "--allow-emulated", help="run bf16 on a CPU without bf16 "
                                         "instructions (converted in software, slower)"),
     prefill: str = typer.Option("fine", "--prefill", help="how a prompt is prefilled: fine (one program of about its "
-                                "length, padded by at most 1/8), chunked (tiers + power-of-two chunks over the cache, "
-                                "fewer programs) or tier (padded to the next power-of-two tier)"),
+                                "length: padded to a multiple of 8, by at most 1/8 from 64 tokens), chunked (tiers + "
+                                "power-of-two chunks over the cache, fewer programs) or tier (padded to the next "
+                                "power-of-two tier)"),
 ) -> None:
     """Generate text from MODEL, streaming tokens as they come, then print measured timings."""
     from hetforge.errors import UsageError
