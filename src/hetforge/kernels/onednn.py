@@ -8,11 +8,11 @@ CPU wheel) runs the same product on a weight reordered once into its blocked lay
 product at 186–192 GFLOP/s through ATen and 417–431 GFLOP/s through the packed oneDNN kernel (2 threads,
 AVX-512 EPYC).
 
-The layout oneDNN picks depends on the number of rows, so a weight is packed once per row count (and kept
-for every program of that row count, as long as the weight lives: prefill programs of different lengths share
-nothing — tiers, and the default ``fine`` prefill lengths, up to eight per power of two — and decode uses the
-native GEMV on the original weight). Packing copies the weight: each prefill length used adds up to one model of
-memory.
+oneDNN is asked for a layout per number of rows, and packing copies the weight, so one copy per prefill length
+(tiers, and the default ``fine`` lengths: up to eight per power of two) would add one model of memory per length
+for as long as the weight lives. Where this oneDNN packs a weight byte for byte alike for every row count from 2
+(checked once per dtype, shape and layout: :func:`_pack_hint`), one packed copy serves them all; elsewhere a
+weight is packed once per row count. Decode uses the native GEMV on the original weight.
 
 Which kernel runs is a measured choice (:func:`choose`): for every ``(rows, K, N, dtype, threads)`` the
 executor meets, ATen and oneDNN are timed interleaved once per process (:data:`ROUNDS` rounds of one call
