@@ -198,3 +198,25 @@ def test_an_interrupted_wait_stops_the_child(cache, loaded, monkeypatch):
         job.join()
     with pytest.raises(ChildProcessError):
         os.waitpid(job.pid, os.WNOHANG)
+
+
+def test_a_report_run_compiles_its_programs_here_even_with_a_warm_cache(cache, tmp_path):
+    """``hetforge run --report`` shows each program's compilation (graph, placement, roofline): its engine takes
+    nothing from the compile cache and forks nothing, so a warm cache (or a child's entry) cannot leave it a
+    program without its graph."""
+    import json as _json
+
+    from typer.testing import CliRunner
+
+    from hetforge.cli.common import app
+    from hetforge.cli.main import _load_commands
+
+    _load_commands()
+    args = ["run", "llama-tiny", "-p", "hello there", "-n", "4", "--soc", "intel-core-ultra-155h", "--ignore-eos"]
+    first = CliRunner().invoke(app, [*args, "--json"])
+    assert first.exit_code == 0, first.output
+    assert list(cache.glob("*.json"))  # the cache is warm now
+    out = tmp_path / "gen.html"
+    r = CliRunner().invoke(app, [*args, "--report", str(out), "--json"])
+    assert r.exit_code == 0, r.output
+    assert out.exists() and _json.loads(r.stdout)["tokens"] == _json.loads(first.stdout)["tokens"]

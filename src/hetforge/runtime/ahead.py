@@ -63,7 +63,8 @@ def refusal(programs: Any) -> str | None:
         return "fewer than two cores"
     if programs.fixed is not None:
         return "a generation plan's programs are rebuilt from the plan"
-    if not compile_cache.enabled() or compile_cache.executor_options(programs.executor) is None:
+    if not compile_cache.enabled() or not programs.disk_cache or \
+            compile_cache.executor_options(programs.executor) is None:
         return "the compile cache does not hold this executor's programs"
     compile_cache.max_bytes()  # a bad size bound is the parent's usage error, before any child exists
     d = compile_cache.cache_dir()

@@ -621,7 +621,7 @@ def cached_build(programs: Any, kind: str, length: int, module: torch.nn.Module,
     ``((build, seconds) or None, store_fn or None, notes)``; the caller (:mod:`hetforge.runtime.programs`)
     wraps a hit in its ``Program``."""
 
-    if not enabled():
+    if not enabled() or not getattr(programs, "disk_cache", True):
         return None, None, []
     max_bytes()  # a bad size bound is a usage error before any work, not after a compile
     options = executor_options(programs.executor)

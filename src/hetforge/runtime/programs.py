@@ -174,6 +174,7 @@ class ProgramCache:
         self.capture_policy = capture_policy(capture)
         self.dynamic: dict[str, Any] = {}  # module kind → its one dynamic capture (capture policy "dynamic")
         self.ahead: dict[tuple[str, int], Any] = {}  # programs being built in a forked child (runtime.ahead)
+        self.disk_cache = True  # use the compile cache on disk (off: every program compiled here, e.g. for a report)
         self.joined: dict[tuple[str, int], tuple] = {}  # their children's reports once waited for
 
     def cache(self, length: int) -> KVCache:

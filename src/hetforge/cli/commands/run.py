@@ -199,6 +199,8 @@ def run(
     dtype = resolve_precision(precision, allow_emulated, quantize)
     engine = make_engine(model, soc, executor, quantize, group_size, strategy, objective, backend, policy, plan,
                          moe=moe, dtype=dtype, prefill=prefill)
+    if report is not None:  # the report shows each program's compilation (graph, placement): compile them here
+        engine.programs.disk_cache = False
     if candidates != 1:
         run_candidates(engine, prompt, params, sel, json_out, strategy)
         return
