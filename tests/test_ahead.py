@@ -163,7 +163,10 @@ def test_a_pinned_process_refuses_to_measure_a_kernel_choice(monkeypatch):
     from hetforge.kernels import onednn
 
     if not onednn.available():
-        pytest.skip("this torch build has no oneDNN (mkldnn): there is no choice to measure or refuse")
+        # every x86/ARM torch CPU wheel ships oneDNN; a build without it runs ATen for every product and never
+        # measures a choice, so a pinned child has nothing to refuse there
+        pytest.skip("this torch build has no oneDNN (mkldnn): every product runs on ATen and no kernel choice is "
+                    "ever measured, so there is nothing for a pinned process to refuse")
     monkeypatch.setattr(onednn, "_pinned", [])
     monkeypatch.setattr(onednn, "_choices", {})
     monkeypatch.setattr(onednn, "_choice_times", {})

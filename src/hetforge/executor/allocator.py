@@ -26,6 +26,14 @@ TRIM_BYTES = 1 << 30  # heap top kept after frees, at most (glibc takes an int)
 _state: str | None = None
 
 
+def _libc() -> ctypes.CDLL | None:
+    """The C library (None where it cannot be loaded)."""
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return None
+
+
 def keep_freed_memory() -> str:
     """Set the policy once; returns what this process runs with: ``kept`` (set here), ``default`` (turned off by
     ``HETFORGE_MALLOC=default``) or ``unavailable`` (no glibc ``mallopt``)."""
@@ -35,10 +43,8 @@ def keep_freed_memory() -> str:
     if os.environ.get("HETFORGE_MALLOC", "").strip().lower() == "default":
         _state = "default"
         return _state
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
+    mallopt = getattr(_libc(), "mallopt", None)
+    if mallopt is None:
         _state = "unavailable"
         return _state
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
@@ -54,10 +60,8 @@ def release_freed_memory() -> bool:
     keeps (:func:`keep_freed_memory`); an allocation reusing them pays a write fault per 4 KiB page (and a copy
     while the child lives) where a released page costs one zero-fill. :mod:`hetforge.runtime.ahead` calls this
     before it forks and after the child is gone; the kept-memory policy applies again from the next free on."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        trim = libc.malloc_trim
-    except (OSError, AttributeError):
+    trim = getattr(_libc(), "malloc_trim", None)
+    if trim is None:
         return False
     trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
     trim(0)

@@ -98,35 +98,39 @@ def _raw(t: torch.Tensor) -> bytes:
     return ctypes.string_at(torch.ops.mkldnn.data_ptr(t), torch.ops.mkldnn._nbytes(t))
 
 
-def _pack_hint(w: torch.Tensor, weight_t: bool, rows: int) -> int:
+def _reorder(w: torch.Tensor, weight_t: bool, rows: int) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(w.t() if weight_t else w, rows)  # reads any strides
+
+
+def _pack_hint(w: torch.Tensor, weight_t: bool, rows: int) -> tuple[int, torch.Tensor | None]:
     """The row count ``w`` is packed for: :data:`PACK_ROWS` for every ``rows`` >= 2 where this oneDNN packs such a
-    weight byte for byte alike for 2 and for :data:`PACK_ROWS`` rows (checked once per dtype, shape and layout),
-    else ``rows``. Why: each prefill length (fine mode: up to 8 per power of two) would otherwise keep its own
-    packed copy of every weight, for as long as the model lives."""
+    weight byte for byte alike for 2 and for :data:`PACK_ROWS` rows (checked once per dtype, shape and layout),
+    else ``rows``; with the :data:`PACK_ROWS` packing of ``w`` when the check just made it (so it is not made
+    again). Why: each prefill length (fine mode: up to 8 per power of two) would otherwise keep its own packed copy
+    of every weight, for as long as the model lives."""
     if rows < 2:
-        return rows
+        return rows, None
     key = (w.dtype, tuple(w.shape), weight_t)
-    same = _hint_free.get(key)
-    if same is None:
-        src = w.t() if weight_t else w
-        try:
-            same = _raw(torch.ops.mkldnn._reorder_linear_weight(src, 2)) == \
-                _raw(torch.ops.mkldnn._reorder_linear_weight(src, PACK_ROWS))
-        except (AttributeError, RuntimeError):  # no way to read the packed bytes here: one pack per row count
-            same = False
-        _hint_free[key] = same
-    return PACK_ROWS if same else rows
+    if key in _hint_free:
+        return (PACK_ROWS if _hint_free[key] else rows), None
+    wide = _reorder(w, weight_t, PACK_ROWS)
+    try:
+        same = _raw(_reorder(w, weight_t, 2)) == _raw(wide)
+    except (AttributeError, RuntimeError):  # no way to read the packed bytes here: one pack per row count
+        same = False
+    _hint_free[key] = same
+    return (PACK_ROWS, wide) if same else (rows, None)
 
 
 def packed_weight(w: torch.Tensor, weight_t: bool, rows: int) -> torch.Tensor:
     """``w`` (``[N, K]``, or ``[K, N]`` when ``weight_t``) reordered into oneDNN's layout for ``rows`` rows;
     made once per weight and packing (one for every row count that packs alike: :func:`_pack_hint`), freed with
     the weight."""
-    rows = _pack_hint(w, weight_t, rows)
+    rows, made = _pack_hint(w, weight_t, rows)
     key = (id(w), weight_t, rows)
     got = _packed.get(key)
     if got is None:
-        got = torch.ops.mkldnn._reorder_linear_weight(w.t() if weight_t else w, rows)  # reads any strides
+        got = made if made is not None else _reorder(w, weight_t, rows)
         _packed[key] = got
         weakref.finalize(w, _drop, key)
     return got

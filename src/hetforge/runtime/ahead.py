@@ -37,17 +37,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from hetforge.executor.allocator import release_freed_memory
+from hetforge.hardware.host import cpu_count as _cores
 
 ENV = "HETFORGE_PARALLEL_COMPILE"
 NICE = 10  # the child's priority below the parent's
 TIMEOUT_S = 600.0  # a child not done by then is stopped and the program built here (a bound, not an estimate)
 
 
-def _cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
 
 
 def refusal(programs: Any) -> str | None:
@@ -63,8 +59,7 @@ def refusal(programs: Any) -> str | None:
         return "fewer than two cores"
     if programs.fixed is not None:
         return "a generation plan's programs are rebuilt from the plan"
-    if not compile_cache.enabled() or not programs.disk_cache or \
-            compile_cache.executor_options(programs.executor) is None:
+    if not compile_cache.holds(programs):
         return "the compile cache does not hold this executor's programs"
     compile_cache.max_bytes()  # a bad size bound is the parent's usage error, before any child exists
     d = compile_cache.cache_dir()

@@ -273,13 +273,21 @@ def _cpu_key() -> list:
     return [*_cpu[0], onednn.threads()]  # the pinned count in a child building for its parent (runtime.ahead)
 
 
+def holds(programs: Any) -> bool:
+    """Whether the cache serves ``programs`` (a ``ProgramCache``): the cache is on, that engine uses it, and its
+    executor's programs can be stored."""
+    return enabled() and getattr(programs, "disk_cache", True) and executor_options(programs.executor) is not None
+
+
+def _keyed(programs: Any, kind: str, length: int, module: torch.nn.Module, inputs: tuple) -> tuple[dict, str]:
+    doc = key_document(programs.model, executor_options(programs.executor), programs.optimize, kind, length, module,
+                       inputs)
+    return doc, key_of(doc)
+
+
 def entry_exists(programs: Any, kind: str, length: int, module: torch.nn.Module, inputs: tuple) -> bool:
     """Whether the cache folder holds an entry under this program's key (not checked: :func:`load` does that)."""
-    options = executor_options(programs.executor)
-    if not enabled() or options is None:
-        return False
-    doc = key_document(programs.model, options, programs.optimize, kind, length, module, inputs)
-    return _paths(key_of(doc))[0].exists()
+    return holds(programs) and _paths(_keyed(programs, kind, length, module, inputs)[1])[0].exists()
 
 
 def key_of(doc: dict[str, Any]) -> str:
@@ -621,15 +629,11 @@ def cached_build(programs: Any, kind: str, length: int, module: torch.nn.Module,
     ``((build, seconds) or None, store_fn or None, notes)``; the caller (:mod:`hetforge.runtime.programs`)
     wraps a hit in its ``Program``."""
 
-    if not enabled() or not getattr(programs, "disk_cache", True):
+    if not holds(programs):
         return None, None, []
     max_bytes()  # a bad size bound is a usage error before any work, not after a compile
-    options = executor_options(programs.executor)
-    if options is None:
-        return None, None, []
     t0 = time.perf_counter()
-    doc = key_document(programs.model, options, programs.optimize, kind, length, module, inputs)
-    key = key_of(doc)
+    doc, key = _keyed(programs, kind, length, module, inputs)
     notes: list[str] = []
     try:
         got = load(key, doc, module, programs.executor)

@@ -222,17 +222,15 @@ class ProgramCache:
             return self.programs[key], True
         _, own, err, waited = joined
         prog = self._make("decode", length, module, inputs)
-        hit = any(n.startswith("compile cache: hit") for n in prog.notes)
-        if hit:
-            prog.compile_s += waited
+        prog.compile_s += waited  # what the user waited for the child counts as this program's compilation
+        if any(n.startswith("compile cache: hit") for n in prog.notes):
             prog.child_s = own
             prog.notes.insert(0, f"built and stored in the compile cache by a forked child process while the prefill "
                                  f"program was built ({own:.3f} s of its own, measured); waited {waited:.3f} s for "
                                  "it, counted in compile_s")
         else:
-            prog.notes.insert(0, f"the forked child building this program {'stored no entry' if not err else err}"
+            prog.notes.insert(0, f"the forked child building this program {err or 'stored no entry'}"
                                  f" (waited {waited:.3f} s, counted in compile_s); built here instead")
-            prog.compile_s += waited
         self.programs[key] = prog
         return prog, True
 
