@@ -223,3 +223,34 @@ def test_a_report_run_compiles_its_programs_here_even_with_a_warm_cache(cache, t
     r = CliRunner().invoke(app, [*args, "--report", str(out), "--json"])
     assert r.exit_code == 0, r.output
     assert out.exists() and _json.loads(r.stdout)["tokens"] == _json.loads(first.stdout)["tokens"]
+
+
+def test_starting_the_child_counts_in_the_decode_programs_seconds(cache, loaded, monkeypatch):
+    real = ahead.start
+
+    def slow_start(build):
+        time.sleep(0.3)  # as if freeing the heap and forking a large process took this long
+        return real(build)
+
+    monkeypatch.setattr(ahead, "start", slow_start)
+    _, r, wall, notes = _run(loaded)
+    key = f"decode-{r.cache_length}"
+    assert "forked child" in notes
+    assert r.compile_s[key] >= 0.3  # the user waited for it before the first token
+    assert sum(r.compile_s.values()) <= wall
+
+
+def test_a_programs_seconds_include_the_compile_cache_store(cache, loaded, monkeypatch):
+    monkeypatch.setenv(ahead.ENV, "0")
+    real = compile_cache.store
+
+    def slow_store(*args, **kwargs):
+        time.sleep(0.3)  # a slow disk
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(compile_cache, "store", slow_store)
+    eng, r, wall, _ = _run(loaded)
+    prefill = [p for k, p in eng.programs.programs.items() if k[0] == "prefill"][0]
+    assert r.compile_s[f"prefill-{prefill.length}"] >= 0.3
+    assert any(n.startswith("other compile-path work") for n in prefill.notes)
+    assert sum(r.compile_s.values()) <= wall

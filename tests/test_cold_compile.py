@@ -153,3 +153,22 @@ def test_moe_narrow_check_picks_the_layout_the_full_check_picks(name, monkeypatc
     assert narrow[0] == full[0] and torch.equal(narrow[1], full[1])
     assert any("slice of the experts" in d for d in narrow[2]), narrow[2]  # the narrow check was what decided
     assert not any("slice of the experts" in d for d in full[2])
+
+
+def test_a_capture_without_guards_generates_no_code_and_lowers_to_the_same_program(monkeypatch):
+    loaded = load_model("gpt2-tiny")
+    inputs = example_inputs(loaded, seq=8)
+    module = loaded.logits_module().eval()
+    calls = _count_real_recompiles(monkeypatch)
+    bare = fe.capture(module, inputs, stack_traces=False, guards=False)
+    assert calls[0] == 0  # the guard's signature read is what generated the module's code
+    guarded = fe.capture(module, inputs, stack_traces=False)
+    modules = {str(n.target) for n in guarded.gm.graph.nodes if n.op == "call_module"}
+    assert "_guards_fn" in modules  # what guards=False leaves out
+    assert not [n for n in bare.gm.graph.nodes if n.op == "call_module"]
+    a = compile_graph(bare.gm, soc="host", example_inputs=inputs, name="bare")
+    b = compile_graph(guarded.gm, soc="host", example_inputs=inputs, name="guarded")
+    assert [(i.op, i.device) for i in a.program.instrs] == [(i.op, i.device) for i in b.program.instrs]
+    with torch.no_grad():
+        x, y = a.executable(*inputs), b.executable(*inputs)
+    assert torch.equal(x[0] if isinstance(x, (tuple, list)) else x, y[0] if isinstance(y, (tuple, list)) else y)

@@ -101,6 +101,7 @@ def capture(
     name: str = "model",
     stack_traces: bool = True,
     dynamic_shapes: Any = None,
+    guards: bool = True,
 ) -> CapturedGraph:
     """Export ``model`` on ``example_inputs`` and return the captured graph.
 
@@ -110,6 +111,9 @@ def capture(
     ``stack_traces=False`` records no user stack trace per node (``torch.fx.config.do_not_emit_stack_traces``):
     a large share of an export (measured: docs/arch/runtime.md); nothing downstream reads them (the runtime
     captures without).
+    ``guards=False`` leaves out export's input-shape check (the ``_guards_fn`` submodule ``ep.module()`` adds and
+    generates code for): for a graph that is only lowered (lowering drops that call, and the executor checks its
+    inputs' shapes itself), not one that is called with user inputs.
     """
     if dynamic_dims:
         symbols: dict[str, Dim] = {}
@@ -135,7 +139,7 @@ def capture(
         finally:
             torch.fx.config.do_not_emit_stack_traces = saved
         seconds = time.perf_counter() - t0
-        gm = ep.module()
+        gm = ep.module() if guards else _module_without_guards(ep)
     prefix = _wrapper_prefix(model)
     paths = {}
     for n in gm.graph.nodes:
@@ -143,6 +147,14 @@ def capture(
             target = str(n.target)
             paths[target] = target[len(prefix):] if prefix and target.startswith(prefix) else target
     return CapturedGraph(gm, ep, tuple(example_inputs), seconds, strict, name, paths)
+
+
+def _module_without_guards(ep: torch.export.ExportedProgram) -> torch.fx.GraphModule:
+    """``ep.module()`` without its input-shape guard, where this torch can leave it out."""
+    try:
+        return ep.module(check_guards=False)
+    except TypeError:  # a torch whose module() has no such option
+        return ep.module()
 
 
 _LAZY: list[tuple[type, type] | None] = []

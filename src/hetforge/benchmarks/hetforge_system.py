@@ -33,7 +33,7 @@ def _compiled_forward(ctx: PrepContext, stages: dict[str, float], notes: list[st
 
     fns = []
     for tag, inputs in (("prefill", ctx.prefill_inputs), ("one-token", ctx.step_inputs)):
-        cg = capture(ctx.module, inputs, name=f"{ctx.loaded.name}-{tag}", stack_traces=False)
+        cg = capture(ctx.module, inputs, name=f"{ctx.loaded.name}-{tag}", stack_traces=False, guards=False)
         res = compile_graph(cg.gm, soc="host", example_inputs=inputs, name=f"{ctx.loaded.name}-{tag}",
                             quantize=quantize)
         secs = {"capture": cg.seconds, **res.seconds}
