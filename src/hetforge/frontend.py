@@ -138,7 +138,6 @@ def capture(
             raise CaptureError(explain_export_failure(e, model)) from None
         finally:
             torch.fx.config.do_not_emit_stack_traces = saved
-        seconds = time.perf_counter() - t0
         gm = ep.module() if guards else _module_without_guards(ep)
     prefix = _wrapper_prefix(model)
     paths = {}
@@ -146,6 +145,7 @@ def capture(
         if n.op == "get_attr":
             target = str(n.target)
             paths[target] = target[len(prefix):] if prefix and target.startswith(prefix) else target
+    seconds = time.perf_counter() - t0  # the export and the graph module made from it (unlifting the weights)
     return CapturedGraph(gm, ep, tuple(example_inputs), seconds, strict, name, paths)
 
 

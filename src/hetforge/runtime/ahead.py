@@ -46,17 +46,26 @@ TIMEOUT_S = 600.0  # a child not done by then is stopped and the program built h
 
 
 
-def refusal(programs: Any) -> str | None:
-    """Why a program of ``programs`` (a :class:`~hetforge.runtime.programs.ProgramCache`) is not built ahead in a
-    child here, or None when it may be."""
-    from hetforge.runtime import compile_cache
-
+def process_refusal() -> str | None:
+    """Why no program is built in a forked child in this process (``HETFORGE_PARALLEL_COMPILE=0``, no ``fork``,
+    fewer than two cores), or None."""
     if os.environ.get(ENV, "1").strip().lower() in ("0", "off", "no", "false"):
         return f"{ENV}=0"
     if not hasattr(os, "fork") or not sys.platform.startswith("linux"):
         return "no fork() on this platform"
     if _cores() < 2:
         return "fewer than two cores"
+    return None
+
+
+def refusal(programs: Any) -> str | None:
+    """Why a program of ``programs`` (a :class:`~hetforge.runtime.programs.ProgramCache`) is not built ahead in a
+    child here, or None when it may be."""
+    from hetforge.runtime import compile_cache
+
+    why = process_refusal()
+    if why:
+        return why
     if programs.fixed is not None:
         return "a generation plan's programs are rebuilt from the plan"
     if not compile_cache.holds(programs):

@@ -388,13 +388,12 @@ def _built_section(placed: Any) -> dict[str, Any] | None:
             "summary": [len(top.instrs), top.count_by_device(), placed.compiled.memory.to_dict()]}
 
 
-def store(key: str, doc: dict[str, Any], res: Any, notes: list[str], nodes: int, costs: list | None = None,
-          placed: Any = None) -> bool:
-    """Write one entry for compile result ``res`` (and its built partitions ``placed``, when given) atomically;
-    False (and one warning) when the folder cannot be written."""
+def program_payload(p: Any) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """Scheduled program ``p`` as an entry holds it: its dict (:func:`~hetforge.ir.serialize.program_to_dict`;
+    the model's parameters by path, neither inlined nor checksummed again) and the tensors the passes made (by
+    value id). :func:`bind_program` makes the program again from them and a module's weights."""
     from hetforge.ir.serialize import program_to_dict
 
-    p = res.program
     saved = {vid: (w.inline, w.checksum) for vid, w in p.weights.items()}
     for w in p.weights.values():
         if w.param and not w.checksum:  # the key's weight fingerprint already covers every parameter: a CRC of
@@ -409,6 +408,22 @@ def store(key: str, doc: dict[str, Any], res: Any, notes: list[str], nodes: int,
         w.pop("inline", None)
         if not w["param"]:
             extra[str(w["value"])] = p.tensors[w["value"]].detach().contiguous().cpu()
+    return pd, extra
+
+
+def bind_program(pd: dict[str, Any], extra: dict[str, torch.Tensor], module: torch.nn.Module) -> tuple[Any, Any]:
+    """The scheduled program and its memory plan from :func:`program_payload`'s parts, bound to ``module``'s own
+    weights (no copy) and checked (shape, verifier, memory plan) as a cache hit is; raises
+    :class:`CacheEntryError` when they do not fit ``module``."""
+    weights = pd["weights"]
+    return _program(json.dumps(pd, sort_keys=True), weights, _bound_weights(weights, extra, module))
+
+
+def store(key: str, doc: dict[str, Any], res: Any, notes: list[str], nodes: int, costs: list | None = None,
+          placed: Any = None) -> bool:
+    """Write one entry for compile result ``res`` (and its built partitions ``placed``, when given) atomically;
+    False (and one warning) when the folder cannot be written."""
+    pd, extra = program_payload(res.program)
     placement = res.placement
     quant = res.extra.get("quantize") if isinstance(res.extra, dict) else None
     meta = {"assignment": dict(placement.assignment), "strategy": placement.strategy,

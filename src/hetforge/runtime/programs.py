@@ -351,13 +351,13 @@ class ProgramCache:
             b.run(*inputs)
         t2 = time.perf_counter()
         warm_s = t2 - t1
-        # the rest of the wall time: the compile cache's lookup and store, making the graph module from the export,
-        # freeing and joining; counted too, so a program's seconds are what its caller waited for it
+        # the rest of the wall time (the compile cache's lookup and store, what the stages leave between them);
+        # counted too, so a program's seconds are what its caller waited for it
         rest = max(0.0, (t2 - t_in) - (t1 - t0) - (cg.seconds + b.optimize_s + b.compile_s + warm_s))
         notes = [*b.notes, f"warm-up call {warm_s:.3f} s (measured), counted in compile_s" if warm else
                  "no warm-up call (built for another process)",
-                 f"other compile-path work {rest:.3f} s (measured: compile-cache lookup and store, graph module "
-                 "from the export), counted in compile_s"]
+                 f"other compile-path work {rest:.3f} s (measured: compile-cache lookup and store, between the "
+                 "stages), counted in compile_s"]
         return Program(kind, length, b.run, self.executor.name, b.nodes, cg.seconds, b.optimize_s,
                        b.compile_s + warm_s + rest, notes, b.placed)
 
