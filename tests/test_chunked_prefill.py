@@ -61,6 +61,8 @@ def test_an_unknown_prefill_mode_is_a_usage_error_naming_the_modes():
     loaded = engine("llama-tiny").loaded
     with pytest.raises(UsageError, match="fine, chunked, tier"):
         Engine(loaded, prefill="exact")
+    with pytest.raises(UsageError, match="prefill mode 'exact': allowed fine, chunked, tier"):
+        prefill_pieces(84, tiers_for(1024), mode="exact")  # a direct caller too (it used to act as chunked)
 
 
 def test_an_84_token_prompt_is_64_plus_a_32_chunk_chunked_128_by_tier_and_88_fine():

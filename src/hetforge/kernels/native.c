@@ -2,9 +2,9 @@
  * between them (norms, rotary, the decode attention).
  *
  * Why: a decode step reads every weight once, so it is bound by memory bandwidth. ATen runs a one-row
- * linear as a single-threaded MKL GEMV (~17 GB/s on the 2-core build host); a bmm over a chunked view
- * of the weight uses both cores but still reaches only 25-29 GB/s. These loops stream each weight once in
- * contiguous chunks (33 GB/s there, the same as a plain read of memory). Plain C: the compiler vectorizes
+ * linear as a single-threaded MKL GEMV, and a bmm over a chunked view of the weight uses both cores but still
+ * reads below the memory's speed. These loops stream each weight once in contiguous chunks, as fast as a plain
+ * read of memory (figures: docs/arch/runtime.md, native kernels). Plain C: the compiler vectorizes
  * the loops (-O3 -march=native); the one-row products' inner loops also have AVX-512 / AVX2 versions by
  * hand that round exactly as the plain C does (same bits on every path). The one-row kernels of a decode
  * step run on this file's own small thread
@@ -205,6 +205,12 @@ static void hf_run(hf_chunk_fn fn, void *ctx, long n, int threads) {
  * one-row decode kernels stay on the pool: there no call may wait at a barrier for a descheduled thread. */
 static void hf_run_team(hf_chunk_fn fn, void *ctx, long n, int threads) {
     if (threads <= 1 || n <= 1) {
+        if (omp_in_parallel()) { /* inside a caller's parallel region: a team of one, so a chunk function that
+                                  * indexes per-thread scratch by omp_get_thread_num() (hf_gemm_q4a) reads 0 */
+#pragma omp parallel num_threads(1)
+            for (long i = 0; i < n; i++) fn(ctx, i);
+            return;
+        }
         for (long i = 0; i < n; i++) fn(ctx, i);
         return;
     }
@@ -375,8 +381,8 @@ typedef struct {
 } gemv_ctx;
 
 /* Chunk c of y = act(W x + b), W [N, K]: rows [c*rows, (c+1)*rows) of each quarter of W, read as four
- * streams (one per quarter): one stream per core leaves memory bandwidth unused on the build host (29 GB/s
- * vs 35 GB/s for four, measured on one 768 MiB weight). The last chunk holds the n % 4 tail rows. */
+ * streams (one per quarter): one stream per core leaves memory bandwidth unused (measured: docs/arch/runtime.md).
+ * The last chunk holds the n % 4 tail rows. */
 static void nk_chunk(void *p, long c) {
     const gemv_ctx *a = p;
     long n = a->n, k = a->k, q = n / 4, i0 = c * a->rows, i1 = i0 + a->rows < q ? i0 + a->rows : q;
@@ -412,9 +418,8 @@ void hf_gemv_nk(const float *w, const float *x, const float *bias, float *y, lon
 /* Several one-row products of one x, one pool call: y_j = W_j x (+ b_j) for j < m (m <= HF_MULTI_MAX), each
  * W_j [N_j, K] in its own buffer, e.g. a layer's q, k and v projections. Why: each pool call costs a few µs
  * beyond its stream (handing chunks to the helpers, restarting the prefetch streams, waiting for the last chunk);
- * one call over the stacked rows pays that once (measured, 2 threads, on a host shared with other work: one
- * hf_gemv_nk over a [2304, 768] weight 98 µs median against 113 µs for three over [768, 768]; this kernel reads
- * the same chunks from three buffers).
+ * one call over the stacked rows pays that once (measured: docs/arch/runtime.md, hf_gemv_nk_multi; this kernel
+ * reads the same chunks from three buffers).
  * The rows of all W_j are read as one [sum N_j, K] matrix in the four-stream chunks of hf_gemv_nk, and every
  * row is summed by dot4 exactly as hf_gemv_nk sums it: each y_j is bit-equal to its own hf_gemv_nk call. */
 #define HF_MULTI_MAX 4
@@ -1294,7 +1299,7 @@ int hf_gemm_q8a(const int8_t *q, const float *scales, const float *x, const floa
         }
     }
     /* on torch's OpenMP team, as the prefill attention and norms between these GEMMs (see hf_run_team): on the
-     * pool, a w8 prefill [1,128] took 53-69 ms against 39-41 ms here (interleaved A/B, gpt2, 2 threads) */
+     * pool a w8 prefill was clearly slower (measured: docs/arch/runtime.md, native kernels) */
     hf_run_team(q8q_chunk, &qa, m / qrows, threads);
     q8g_ctx a = {q, xq, xp, scales, xd, xd8, bias, y, m, n, k, kp, nb, steps, act, path};
     hf_run_team(q8g_chunk, &a, (n + HF_Q8G_WROWS - 1) / HF_Q8G_WROWS, threads);
@@ -2047,8 +2052,9 @@ void hf_rotary_pos_bf16(const hf_bf16 *x, const hf_bf16 *cos_, const hf_bf16 *si
 /* ---- prefill attention ---- */
 /* softmax(scale·q·kᵀ + mask)·v over many query rows (a prefill's attention), flash-attention style.
  *
- * Why: ATen's SDPA on the strided q/k/v views of a fused qkv output reached ~75 GFLOP/s on the visible (causal)
- * half of the work; a blocked ATen-matmul version was slower still (one dispatch per block). Here each task is
+ * Why: ATen's SDPA on the strided q/k/v views of a fused qkv output ran far below the GEMMs around it on the
+ * visible (causal) half of the work (docs/arch/runtime.md has the figures); a blocked ATen-matmul version was
+ * slower still (one dispatch per block). Here each task is
  * one (batch, head, block of PA_QB query rows): the key blocks of PA_KB keys are visited in order with an online
  * softmax in fp32 (running max, running sum, the output rows rescaled when the max grows), so the score matrix
  * is never written out. Key blocks that the mask hides entirely are skipped: past the diagonal for is_causal

@@ -108,7 +108,10 @@ def prefill_pieces(n: int, tiers: Sequence[int], mode: str = "fine") -> list[Pie
     * ``tier``: one call of the smallest tier that holds it;
     * ``chunked``: the largest tier ``<= n`` and the rest in power-of-two chunks over the cache (the rest rounded
       up to :data:`CHUNK_MIN`), when that is less work than the tier: padded tokens plus :data:`CALL_TOKENS` per
-      extra call. Fewer programs than ``fine`` (tiers and power-of-two chunks only), more calls."""
+      extra call. Fewer programs than ``fine`` (tiers and power-of-two chunks only), more calls.
+
+    Any other mode is a usage error (it used to be taken as ``chunked``)."""
+    check_prefill_mode(mode)
     if mode == "fine":
         return [Piece("prefill", 0, fine_length(n, tiers), n)]
     whole = [Piece("prefill", 0, pick_tier(n, tiers), n)]
