@@ -58,6 +58,11 @@ def process_refusal() -> str | None:
     return None
 
 
+def spare_cores() -> int:
+    """How many children may build beside this process at once: the cores it may use, less its own."""
+    return max(0, _cores() - 1)
+
+
 def refusal(programs: Any) -> str | None:
     """Why a program of ``programs`` (a :class:`~hetforge.runtime.programs.ProgramCache`) is not built ahead in a
     child here, or None when it may be."""

@@ -140,7 +140,8 @@ class Program:
     nodes: int
     capture_s: float
     optimize_s: float
-    compile_s: float
+    compile_s: float  # the rest of the wall time of making it (total_s is what its caller waited; a child's wait
+    # and start are in the decode program's, see ProgramCache.decode)
     notes: list[str] = field(default_factory=list)
     placed: Any = None  # executors.Placed for placed programs (partitions, bindings, the latest RunReport)
     child_s: float | None = None  # built by a forked child alongside another program: its own seconds (ahead.py)

@@ -71,7 +71,7 @@ def compile_shapes(module: torch.nn.Module, shapes: Sequence[tuple[torch.Tensor,
     t_all = time.perf_counter()
     shapes = [tuple(s) for s in shapes]
     labels = [f"{name}-{i}" for i in range(len(shapes))]
-    spare = max(0, ahead._cores() - 1)
+    spare = ahead.spare_cores()
     why = ahead.process_refusal() if len(shapes) > 1 else "one shape"
     jobs: dict[int, tuple[Any, str]] = {}
     folder = tempfile.mkdtemp(prefix="hetforge-shapes-") if not why else ""
