@@ -163,8 +163,8 @@ def test_a_pinned_process_refuses_to_measure_a_kernel_choice(monkeypatch):
     from hetforge.kernels import onednn
 
     if not onednn.available():
-        # every x86/ARM torch CPU wheel ships oneDNN; a build without it runs ATen for every product and never
-        # measures a choice, so a pinned child has nothing to refuse there
+        # acceptable to skip: without oneDNN hetforge runs ATen for every product and never measures a kernel choice,
+        # so the refusal checked here cannot happen on such a build; the torch wheel CI installs has oneDNN
         pytest.skip("this torch build has no oneDNN (mkldnn): every product runs on ATen and no kernel choice is "
                     "ever measured, so there is nothing for a pinned process to refuse")
     monkeypatch.setattr(onednn, "_pinned", [])

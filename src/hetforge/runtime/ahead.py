@@ -44,8 +44,6 @@ NICE = 10  # the child's priority below the parent's
 TIMEOUT_S = 600.0  # a child not done by then is stopped and the program built here (a bound, not an estimate)
 
 
-
-
 def process_refusal() -> str | None:
     """Why no program is built in a forked child in this process (``HETFORGE_PARALLEL_COMPILE=0``, no ``fork``,
     fewer than two cores), or None."""
@@ -95,6 +93,7 @@ class Ahead:
     fd: int
     started: float
     done: bool = False
+    start_s: float = 0.0  # what starting it took in the parent (checks, freeing, fork): the caller sets it
 
     def join(self) -> tuple[bool, float, str, float]:
         """Wait for the child: (stored, the child's own seconds, its error line, seconds waited here). A child

@@ -416,7 +416,7 @@ def bind_program(pd: dict[str, Any], extra: dict[str, torch.Tensor], module: tor
     weights (no copy) and checked (shape, verifier, memory plan) as a cache hit is; raises
     :class:`CacheEntryError` when they do not fit ``module``."""
     weights = pd["weights"]
-    return _program(json.dumps(pd, sort_keys=True), weights, _bound_weights(weights, extra, module))
+    return _program_of(pd, weights, _bound_weights(weights, extra, module))
 
 
 def store(key: str, doc: dict[str, Any], res: Any, notes: list[str], nodes: int, costs: list | None = None,
@@ -553,11 +553,16 @@ def _bound_weights(weights: list[dict[str, Any]], extra: dict[str, torch.Tensor]
 
 def _program(text: str, weights: list[dict[str, Any]], tensors: dict[int, torch.Tensor]) -> tuple[Any, Any]:
     """The whole scheduled program of an entry (its JSON text), checked (shape, verifier, memory plan) and bound."""
+    return _program_of(json.loads(text), weights, tensors)
+
+
+def _program_of(pd: dict[str, Any], weights: list[dict[str, Any]], tensors: dict[int, torch.Tensor]) \
+        -> tuple[Any, Any]:
+    """:func:`_program` on the parsed program dict."""
     from hetforge.ir.serialize import _build_program, validate_program_dict
     from hetforge.ir.verify import verify_program
     from hetforge.memplan import plan_memory
 
-    pd = json.loads(text)
     validate_program_dict(pd, "the cached program")
     if pd["weights"] != weights:
         raise CacheEntryError("corrupt (the program's weights differ from the entry's)")
@@ -641,8 +646,8 @@ def _built(built: dict[str, Any], weights: list[dict], tensors: dict[int, torch.
 
 def cached_build(programs: Any, kind: str, length: int, module: torch.nn.Module, inputs: tuple) -> Any:
     """The runtime's built program from the cache, or a callback that stores the freshly built one: returns
-    ``((build, seconds) or None, store_fn or None, notes)``; the caller (:mod:`hetforge.runtime.programs`)
-    wraps a hit in its ``Program``."""
+    ``(build or None, store_fn or None, notes)``; the caller (:mod:`hetforge.runtime.programs`) wraps a hit in its
+    ``Program`` and times it."""
 
     if not holds(programs):
         return None, None, []
@@ -665,7 +670,7 @@ def cached_build(programs: Any, kind: str, length: int, module: torch.nn.Module,
             ps = meta["passes"]
             fused = ", ".join(f"{k} x{v}" for k, v in ps["fused"].items() if v) or "none"
             b.notes.insert(1, f"passes (cached): {ps['nodes_before']} -> {ps['nodes_after']} nodes; fused ops: {fused}")
-        return (b, secs), None, []
+        return b, None, []
 
     def store_fn(b: Any) -> None:
         if b.placed is not None and store(key, doc, b.placed.compiled, [], b.nodes, b.placed.exe.costs, b.placed):

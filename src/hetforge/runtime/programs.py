@@ -180,7 +180,6 @@ class ProgramCache:
         self.ahead: dict[tuple[str, int], Any] = {}  # programs being built in a forked child (runtime.ahead)
         self.disk_cache = True  # use the compile cache on disk (off: every program compiled here, e.g. for a report)
         self.joined: dict[tuple[str, int], tuple] = {}  # their children's reports once waited for
-        self.ahead_s: dict[tuple[str, int], float] = {}  # seconds spent starting each child (in its program's time)
 
     def cache(self, length: int) -> KVCache:
         """The preallocated KV cache of ``length`` positions (made once, reused by later requests)."""
@@ -225,8 +224,7 @@ class ProgramCache:
         if joined is None:
             self.programs[key] = self._make("decode", length, module, inputs)
             return self.programs[key], True
-        _, own, err, waited = joined
-        waited += self.ahead_s.pop(key, 0.0)  # starting the child and waiting for it
+        _, own, err, waited = joined  # waited: starting the child and waiting for it
         prog = self._make("decode", length, module, inputs)
         prog.compile_s += waited  # what the user waited for the child counts as this program's compilation
         if any(n.startswith("compile cache: hit") for n in prog.notes):
@@ -246,14 +244,14 @@ class ProgramCache:
         for k in [key] if key is not None else list(self.ahead):
             job = self.ahead.get(k)
             if job is not None:
-                self.joined[k] = job.join()  # an interrupted join stops the child itself
+                ok, own, err, waited = job.join()  # an interrupted join stops the child itself
+                self.joined[k] = (ok, own, err, waited + job.start_s)
                 del self.ahead[k]
 
     def cancel_ahead(self) -> None:
         """Stop every child still building a program (the request that wanted them failed or was interrupted)."""
         while self.ahead:
             self.ahead.popitem()[1].cancel()
-        self.ahead_s.clear()
 
     def decode_ahead(self, length: int) -> str:
         """Start building the decode program of ``length`` in a forked child (:mod:`hetforge.runtime.ahead`);
@@ -278,8 +276,8 @@ class ProgramCache:
         job = ahead.start(build)
         if job is None:
             return "fork() failed"
+        job.start_s = time.perf_counter() - t0  # the checks, freeing and fork: counted in the decode program's time
         self.ahead[key] = job
-        self.ahead_s[key] = time.perf_counter() - t0  # starting the child (freeing, fork): the decode program's time
         return ""
 
     def chunk(self, size: int, length: int) -> tuple[Program, bool]:
@@ -334,7 +332,7 @@ class ProgramCache:
 
             hit, store, cache_notes = cached_build(self, kind, length, module, inputs)
             if hit is not None:
-                b, _ = hit
+                b = hit
                 return Program(kind, length, b.run, self.executor.name, b.nodes, 0.0, 0.0,
                                time.perf_counter() - t_in, b.notes, b.placed)
         cg = self._capture(module, inputs, label, kind, length)
