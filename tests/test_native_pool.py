@@ -131,3 +131,22 @@ def test_an_engine_decode_runs_on_the_pool_and_its_tokens_do_not_depend_on_the_t
     finally:
         torch.set_num_threads(old)
     assert tokens[1] == tokens[2]
+
+
+def test_in_team_mode_every_pooled_kernel_runs_on_the_openmp_team_with_the_same_bits():
+    """``pool_team(True)`` (what a prefill program sets: its GEMMs run on torch's OpenMP team) sends every pooled
+    kernel to that team: the pool runs no job, and every result is bit-equal to the pool's."""
+    on_pool = _kernels(2)
+    before = native.pool_info()
+    native.pool_team(True)
+    try:
+        assert native.pool_info().team
+        on_team = _kernels(2)
+    finally:
+        native.pool_team(False)
+    after = native.pool_info()
+    assert not after.team and after.jobs == before.jobs
+    for name, t in on_pool.items():
+        assert torch.equal(t, on_team[name]), name
+    _kernels(2)
+    assert native.pool_info().jobs > after.jobs  # back on the pool

@@ -292,6 +292,37 @@ def test_decode_program_runs_its_row_ops_and_gemvs_natively(name, with_native):
         torch.set_num_threads(before)
 
 
+def test_a_prefill_program_runs_its_one_row_kernels_on_the_openmp_team_and_a_decode_program_on_the_pool(
+        with_native):
+    """A prefill program's multi-row products run on torch's OpenMP team; its LM head (one row, native GEMV) runs
+    there too (``on_team``: no second thread pool competing with the team's spinning threads), so the native
+    pool runs no job during it. A decode step (one-row products only) puts its kernels back on the pool."""
+    from hetforge.compile import compile_graph
+    from hetforge.frontend import capture
+    from hetforge.kernels import native
+    from hetforge.runtime.programs import PrefillModule
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        m = load_model("gpt2-tiny").model.eval()
+        pin = (torch.randint(0, 100, (1, 16)), torch.tensor([15]))
+        pre = compile_graph(capture(PrefillModule(m), pin).gm, soc="host", example_inputs=pin,
+                            name="prefill").executable
+        assert "native:hf_gemv_nk" in pre.kernels.values()  # the LM head of the last row
+        cg, dinputs, _ = _decode_graph("gpt2-tiny", 32, token=5, pos=20)
+        dec = compile_graph(cg.gm, soc="host", example_inputs=dinputs, name="decode").executable
+        native.pool_team(False)
+        jobs = native.pool_info().jobs
+        pre.run_flat(*pin)
+        assert native.pool_info().team and native.pool_info().jobs == jobs
+        dec.run_flat(*dinputs)
+        assert not native.pool_info().team and native.pool_info().jobs > jobs
+    finally:
+        native.pool_team(False)
+        torch.set_num_threads(before)
+
+
 def test_decode_program_groups_the_products_of_one_input_into_one_call(with_native, monkeypatch):
     """llama's q, k and v projections read one normed row: the decode program runs them as one
     hf_gemv_nk_multi call per layer, with outputs bit-equal to one call per product (HETFORGE_GEMV_MULTI=0)."""

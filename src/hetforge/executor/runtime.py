@@ -32,6 +32,8 @@ from hetforge.executor.allocator import keep_freed_memory
 from hetforge.ir.kernel_choice import (  # noqa: F401  (default_device_map, returns_alias: re-exported)
     MODES,
     NATIVE_GEMV,
+    ONEDNN_OPS,
+    QUANT_LINEAR_OPS,
     bind_args,
     default_device_map,
     gemm_operands,
@@ -607,6 +609,21 @@ class _Codegen:
             line += f"{self.const(self.g[buf].view(1, -1), 'o1')}{bias}; "
         return line + f"r{o} = {buf}"
 
+    def on_team(self) -> bool:
+        """Whether this program's products of two rows or more run here (oneDNN, ATen and the native multi-row
+        kernels all run on torch's OpenMP team). Then its one-row native kernels (an LM head's GEMV after a
+        prefill) run on that team too (``hf_pool_team``): the team's threads spin a while after each of its
+        regions, and the native pool's helpers woken in that window compete with them for the cores (measured:
+        docs/arch/runtime.md, native kernels). A program of one-row products only (a decode step) keeps the
+        pool, whose claims let a descheduled thread stall nobody."""
+        for ins in self.p.instrs:
+            if ins.op in ONEDNN_OPS + QUANT_LINEAR_OPS and len(ins.outputs) == 1 \
+                    and self.dm[ins.device].type == "cpu":
+                shape = self.p.values[ins.outputs[0]].shape
+                if shape and math.prod(shape) // max(shape[-1], 1) >= 2:
+                    return True
+        return False
+
     def build(self, profile: bool) -> str:
         p = self.p
         last_use: dict[int, int] = {}
@@ -634,6 +651,8 @@ class _Codegen:
         for o in p.outputs:
             ret.append(self.expr(o, self.dm[p.devices[0]]) if isinstance(o, Reg) else repr(o))
         body.append(f"return ({''.join(r + ', ' for r in ret)})")
+        if any(str(kn).startswith("native:") for kn in self.kernels.values()):
+            body.insert(0, f"{self.const(native.library().hf_pool_team, 'f')}({int(self.on_team())})")
         return f"def run({params}):\n" + "\n".join("    " + ln for ln in body) + "\n"
 
 

@@ -60,6 +60,7 @@ KERNEL_ATTR, ONEDNN_ATTR, CONTEXT_ATTR = "kernel", "onednn", "kernel_context"
 MODES = ("arena", "fast")
 GEMM_OPS = ("aten.linear.default", "aten.addmm.default", "aten.mm.default")
 ONEDNN_OPS = GEMM_OPS + ("hetforge.linear_act.default", "hetforge.gated_mlp.default")
+QUANT_LINEAR_OPS = ("hetforge.linear_w8.default", "hetforge.linear_w4.default")
 NATIVE_GEMV = ("native:hf_gemv_nk", "native:hf_gemv_kn")  # one-row products (costed as the op itself)
 # one bf16 row of a linear/addmm/mm (costed as the op itself, as NATIVE_GEMV) or of a linear_act
 NATIVE_GEMV_BF16 = "native:hf_gemv_bf16"
@@ -350,7 +351,7 @@ def _native_rotary_positions(lw: Lowering, ins: Instr, o: int, dev: torch.device
     return f"native:hf_rotary_pos{_bf16_suffix(vx.dtype)}"
 
 
-@native_row_op("hetforge.linear_w8.default")
+@native_row_op(QUANT_LINEAR_OPS[0])
 def _native_w8(lw: Lowering, ins: Instr, o: int, dev: torch.device, args: dict, rows: int,
                d: int) -> str | None:
     """An int8-weight product on a native kernel, by the w8 activation mode (:func:`native.w8_act_mode`): one row
@@ -369,7 +370,7 @@ def _native_w8(lw: Lowering, ins: Instr, o: int, dev: torch.device, args: dict, 
     return f"native:{fn}" if ok else None
 
 
-@native_row_op("hetforge.linear_w4.default")
+@native_row_op(QUANT_LINEAR_OPS[1])
 def _native_w4(lw: Lowering, ins: Instr, o: int, dev: torch.device, args: dict, rows: int,
                d: int) -> str | None:
     """A group-wise int4 product on hetforge's int4·int8 kernels under the w4 activation mode ``q8``

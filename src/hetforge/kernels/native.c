@@ -67,6 +67,7 @@ static struct {
     _Atomic int sleepers; /* helpers asleep (or about to sleep) on seq */
     _Atomic int spin_us;  /* how long an idle helper / a waiting caller spins before sleeping / yielding */
     _Atomic int hold;     /* test hook: helpers claim nothing (as if all were descheduled) */
+    _Atomic int team;     /* 1: jobs run on torch's OpenMP team instead (hf_pool_team) */
     _Atomic unsigned live; /* the job whose chunks may be claimed (0 while the next one is being set up) */
     _Atomic int regions;   /* runs of consecutive chunks, one per thread of the job (see run_chunks) */
     _Atomic unsigned long long next[HF_MAX_HELPERS + 1]; /* per run: (job << 32) | chunks of it claimed */
@@ -162,8 +163,15 @@ static int ensure_helpers(int want) {
     return have;
 }
 
-/* Run fn(ctx, 0..n-1) on the caller and up to ``threads - 1`` helpers; returns when all chunks are done. */
+static void hf_run_team(hf_chunk_fn fn, void *ctx, long n, int threads);
+
+/* Run fn(ctx, 0..n-1) on the caller and up to ``threads - 1`` helpers; returns when all chunks are done. In team
+ * mode (hf_pool_team) on torch's OpenMP team instead: same chunks, so the same bits. */
 static void hf_run(hf_chunk_fn fn, void *ctx, long n, int threads) {
+    if (atomic_load_explicit(&pool.team, memory_order_relaxed)) {
+        hf_run_team(fn, ctx, n, threads);
+        return;
+    }
     if (threads <= 1 || n <= 1 || pthread_mutex_trylock(&pool.lock) != 0) {
         for (long i = 0; i < n; i++) fn(ctx, i);
         return;
@@ -218,8 +226,9 @@ static void hf_run_team(hf_chunk_fn fn, void *ctx, long n, int threads) {
     for (long i = 0; i < n; i++) fn(ctx, i);
 }
 
-/* Read back the pool: out[0..6] = helpers started, spin_us, jobs run by the pool, their chunks, chunks run
- * by helpers, helper sleeps (futex waits), chunks a thread ran from another thread's run (taken over). */
+/* Read back the pool: out[0..7] = helpers started, spin_us, jobs run by the pool, their chunks, chunks run
+ * by helpers, helper sleeps (futex waits), chunks a thread ran from another thread's run (taken over), and
+ * whether jobs run on the OpenMP team (hf_pool_team). */
 void hf_pool_info(long *out) {
     out[0] = pool.owner == getpid() ? pool.helpers : 0;
     out[1] = atomic_load(&pool.spin_us);
@@ -228,7 +237,11 @@ void hf_pool_info(long *out) {
     out[4] = atomic_load(&pool.chunks_by_helpers);
     out[5] = atomic_load(&pool.helper_sleeps);
     out[6] = atomic_load(&pool.chunks_taken_over);
+    out[7] = atomic_load(&pool.team);
 }
+
+/* team = 1: the pool's jobs run on torch's OpenMP team (hf_run_team) until team = 0. */
+void hf_pool_team(int team) { atomic_store_explicit(&pool.team, team != 0, memory_order_relaxed); }
 
 /* Set the spin time (µs, >= 0) and the test hook ``hold`` (1: helpers claim nothing, as if descheduled). */
 void hf_pool_config(int spin_us, int hold) {

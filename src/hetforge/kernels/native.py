@@ -65,6 +65,7 @@ SIGNATURES = {
     "hf_q4a_path": [_I],
     "hf_pool_info": [_P],
     "hf_pool_config": [_I, _I],
+    "hf_pool_team": [_I],
 }
 ACT_CODES = {"none": 0, "relu": 1, "gelu": 2, "gelu_tanh": 3, "silu": 4}  # native.c's ACT_* (linear_act, gated_mlp)
 
@@ -264,18 +265,26 @@ class PoolInfo:
     chunks_by_helpers: int  # chunks that helper threads ran (the caller ran the rest)
     helper_sleeps: int  # times an idle helper went to sleep on its futex
     chunks_taken_over: int  # chunks a thread ran from another thread's run (its own run was done)
+    team: bool  # pooled kernels run on torch's OpenMP team instead (set by pool_team)
 
 
 def pool_info() -> PoolInfo:
     """Read back the pool's state and counters; check :func:`library` first."""
-    out = (ctypes.c_long * 7)()
+    out = (ctypes.c_long * 8)()
     library().hf_pool_info(out)
-    return PoolInfo(*out)
+    return PoolInfo(*out[:7], bool(out[7]))
 
 
 def pool_config(spin_us: int = 50, hold: bool = False) -> None:
     """Set the pool's spin time (µs) and its test hook ``hold`` (helpers claim no work, as if descheduled)."""
     library().hf_pool_config(spin_us, int(hold))
+
+
+def pool_team(on: bool) -> None:
+    """Run the pooled (one-row) kernels on torch's OpenMP team (``on``) or on the pool; results are the same bits
+    either way (chunks are fixed by the problem). A program sets it at the start of every run (the executor:
+    ``on_team``)."""
+    library().hf_pool_team(int(on))
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
