@@ -202,6 +202,29 @@ def test_generation_plan_made_from_a_profile_file_runs_without_the_file(cli, tmp
     assert json.loads(res.stdout)["soc"] == "my-board" != src.name
 
 
+def test_compile_generate_builds_its_first_decode_program_in_a_forked_child_with_the_same_plan(tmp_path,
+                                                                                                  monkeypatch):
+    """``compile --generate`` builds its first decode program in a forked child while the prefill tiers are built
+    here (as a cold request does); the plan it writes equals the one built in turn (HETFORGE_PARALLEL_COMPILE=0)."""
+    from hetforge.cli.commands.run import make_engine
+    from hetforge.runtime import ahead
+    from hetforge.runtime.genplan import save_genplan
+
+    why = ahead.process_refusal()
+    if why:
+        pytest.skip(f"this process builds no program in a forked child ({why}), so there is no child to check")
+    docs, notes = {}, {}
+    for parallel in ("0", "1"):
+        monkeypatch.setenv("HETFORGE_PARALLEL_COMPILE", parallel)
+        monkeypatch.setenv("HETFORGE_COMPILE_CACHE_DIR", str(tmp_path / f"cache-{parallel}"))  # both cold
+        engine = make_engine("llama-tiny", "jetson-agx-orin", "backend", strategy="rules")
+        docs[parallel] = save_genplan(engine, [32], [32], tmp_path / f"p{parallel}.hfp")
+        notes[parallel] = engine.programs.programs[("decode", 32)].notes
+        assert not engine.programs.ahead  # no child left behind
+    assert any("forked child" in n for n in notes["1"]) and not any("forked child" in n for n in notes["0"])
+    assert docs["1"]["programs"] == docs["0"]["programs"]
+
+
 @pytest.mark.parametrize(("args", "needle"), [
     (["run", "gpt2-tiny", "-p", "x", "--plan", "{plan}"], "compiled for model 'llama-tiny', not 'gpt2-tiny'"),
     (["run", "llama-tiny", "-p", "x" * 40, "-n", "2", "--plan", "{plan}"], "holds prefill tiers [32]"),

@@ -82,14 +82,19 @@ def save_genplan(engine, prefill_tiers: list[int], cache_lengths: list[int], pat
             raise UsageError(f"--cache: {s} is not a cache length of this model; allowed: "
                              f"{', '.join(map(str, engine.programs.tiers))}")
     programs: dict[str, Any] = {}
-    for kind, lengths in (("prefill", prefill_tiers), ("decode", cache_lengths)):
-        for n in lengths:
-            prog, _ = (engine.programs.prefill if kind == "prefill" else engine.programs.decode)(n)
-            res = prog.placed.compiled
-            programs[f"{kind}-{n}"] = {"assignment": dict(res.placement.assignment),
-                                       "instructions": _instr_list(res.program),
-                                       "partitions": len(prog.placed.partitions.partitions),
-                                       "devices": res.program.count_by_device()}
+    if prefill_tiers and cache_lengths:  # the first decode program in a forked child while the prefill tiers are
+        engine.programs.decode_ahead(cache_lengths[0])  # built here, as a cold request does (runtime.ahead)
+    try:
+        for kind, lengths in (("prefill", prefill_tiers), ("decode", cache_lengths)):
+            for n in lengths:
+                prog, _ = (engine.programs.prefill if kind == "prefill" else engine.programs.decode)(n)
+                res = prog.placed.compiled
+                programs[f"{kind}-{n}"] = {"assignment": dict(res.placement.assignment),
+                                           "instructions": _instr_list(res.program),
+                                           "partitions": len(prog.placed.partitions.partitions),
+                                           "devices": res.program.count_by_device()}
+    finally:
+        engine.programs.cancel_ahead()  # a failed build leaves no child behind
     soc = ex.soc_profile
     doc = {"format": FORMAT, "model": engine.loaded.name, "weights": weights_fingerprint(engine.loaded.model),
            "soc": soc.name, "soc_hash": soc_hash(soc), "soc_text": _soc_text(soc), "strategy": ex.strategy,
