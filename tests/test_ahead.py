@@ -63,7 +63,7 @@ def test_a_second_request_forks_nothing(cache, loaded, monkeypatch):
     assert r2.tokens == r.tokens
 
 
-@pytest.mark.parametrize("case", ["env-off", "cache-off", "one-core", "uncreatable-folder"])
+@pytest.mark.parametrize("case", ["env-off", "cache-off", "one-core", "uncreatable-folder", "quantized"])
 def test_refused_where_it_cannot_work(cache, loaded, monkeypatch, tmp_path, case):
     if case == "env-off":
         monkeypatch.setenv(ahead.ENV, "0")
@@ -75,11 +75,11 @@ def test_refused_where_it_cannot_work(cache, loaded, monkeypatch, tmp_path, case
         blocker = tmp_path / "a-file"
         blocker.write_text("x")
         monkeypatch.setenv("HETFORGE_COMPILE_CACHE_DIR", str(blocker / "cache"))
-    eng = Engine(loaded, executor="auto")
+    eng = Engine(loaded, executor="auto", quantize="w8" if case == "quantized" else "none")
     why = eng.programs.decode_ahead(64)
     assert why and not eng.programs.ahead
     expected = {"env-off": ahead.ENV, "cache-off": "compile cache", "one-core": "two cores",
-                "uncreatable-folder": "cannot be made"}[case]
+                "uncreatable-folder": "cannot be made", "quantized": "--quantize w8"}[case]
     assert expected in why
 
 

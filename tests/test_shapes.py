@@ -94,3 +94,13 @@ def test_one_core_builds_every_shape_here(parallel, monkeypatch):
     module, inputs = _shapes("gpt2-tiny")
     got = shapes.compile_shapes(module, inputs, name="m", soc="host")
     assert got.refused == "fewer than two cores" and all(p.child_s is None for p in got.programs)
+
+
+def test_quantized_shapes_are_built_here_in_turn(parallel, monkeypatch):
+    """A quantizing build quantizes each weight once per process (its later shapes reuse it); a child would
+    quantize them all again, so quantized shapes are built here, one after the other."""
+    monkeypatch.setattr(ahead, "start", lambda build: pytest.fail("forked for a quantized build"))
+    module, inputs = _shapes("gpt2-tiny")
+    got = shapes.compile_shapes(module, inputs, name="m", soc="host", quantize="w8")
+    assert "--quantize w8" in got.refused and all(p.child_s is None for p in got.programs)
+    assert len(_outputs(got)) == 2

@@ -24,7 +24,7 @@ child before its own warm-up call (``ProgramCache._make``), which writes the mos
 
 Not done (this process builds the program itself, as before) where: ``fork`` is missing (not Linux), the process
 may use fewer than two cores, the compile cache is off or its folder is not writable, the executor's programs are
-not cached (``fx``, plans), or ``HETFORGE_PARALLEL_COMPILE=0``.
+not cached (``fx``, plans), the executor quantizes (:func:`quantize_refusal`), or ``HETFORGE_PARALLEL_COMPILE=0``.
 """
 
 from __future__ import annotations
@@ -56,6 +56,16 @@ def process_refusal() -> str | None:
     return None
 
 
+def quantize_refusal(quantize: str | None) -> str | None:
+    """Why programs quantized with ``quantize`` are not built in a forked child, or None. This process quantizes
+    each weight once (``quant.rewrite.shared_quantized``) and its later programs reuse it; a child would quantize
+    every weight again on its one core (measured on docs/bench/peers_decode.md before this rule: a w8 child took
+    4.5–6.6 s of its own and the parent waited 1.6–4.6 s for it), so building the programs in turn is faster."""
+    if quantize in (None, "none"):
+        return None
+    return f"--quantize {quantize}: this process quantizes each weight once for all its programs"
+
+
 def spare_cores() -> int:
     """How many children may build beside this process at once: the cores it may use, less its own."""
     return max(0, _cores() - 1)
@@ -71,6 +81,9 @@ def refusal(programs: Any) -> str | None:
         return why
     if programs.fixed is not None:
         return "a generation plan's programs are rebuilt from the plan"
+    why = quantize_refusal(getattr(programs.executor, "quantize", None))
+    if why:
+        return why
     if not compile_cache.holds(programs):
         return "the compile cache does not hold this executor's programs"
     compile_cache.max_bytes()  # a bad size bound is the parent's usage error, before any child exists

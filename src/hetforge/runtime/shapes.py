@@ -10,7 +10,8 @@ made beside it) to a private temporary folder and exits; this process binds it t
 checks it as a compile-cache hit is checked (:func:`~hetforge.runtime.compile_cache.bind_program`) and builds its
 executor. A child that fails (e.g. a kernel choice it would have to measure: children never measure) leaves
 that shape to this process, which builds it afterwards. Refused (every shape built here, one after the other)
-where :func:`hetforge.runtime.ahead.process_refusal` says so. At most one child per spare core runs; further
+where :func:`hetforge.runtime.ahead.process_refusal` or, for quantized programs,
+:func:`~hetforge.runtime.ahead.quantize_refusal` says so. At most one child per spare core runs; further
 shapes are built here after the first.
 """
 
@@ -72,7 +73,8 @@ def compile_shapes(module: torch.nn.Module, shapes: Sequence[tuple[torch.Tensor,
     shapes = [tuple(s) for s in shapes]
     labels = [f"{name}-{i}" for i in range(len(shapes))]
     spare = ahead.spare_cores()
-    why = ahead.process_refusal() if len(shapes) > 1 else "one shape"
+    why = (ahead.process_refusal() or ahead.quantize_refusal(options.get("quantize"))) if len(shapes) > 1 \
+        else "one shape"
     jobs: dict[int, tuple[Any, str]] = {}
     folder = tempfile.mkdtemp(prefix="hetforge-shapes-") if not why else ""
     out: list[ShapeProgram | None] = [None] * len(shapes)
