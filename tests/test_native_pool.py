@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -108,6 +109,35 @@ def test_a_forked_child_computes_with_its_own_helpers():
         ok = torch.equal(native.gemv(x, w, None, torch.empty(3072), False, threads=2), ref)
         os._exit(0 if ok and native.pool_info().helpers >= 1 else 1)
     _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="os.fork is POSIX-only; the pool's fork handling is too")
+def test_a_forked_child_runs_on_its_own_pool_even_if_the_parent_was_in_team_mode():
+    """libgomp's team does not survive fork(): a child forked while the parent's pooled kernels ran on the team
+    (``pool_team(True)``) starts with the switch off and computes on its own helpers instead of hanging."""
+    x, w = torch.randn(768), torch.randn(3072, 768)
+    ref = native.gemv(x, w, None, torch.empty(3072), False, threads=2)
+    native.pool_team(True)
+    try:
+        pid = os.fork()
+        if pid == 0:
+            ok = not native.pool_info().team and torch.equal(native.gemv(x, w, None, torch.empty(3072), False,
+                                                                        threads=2), ref)
+            os._exit(0 if ok else 1)
+    finally:
+        if pid != 0:
+            native.pool_team(False)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:  # a hang fails the test instead of stopping the suite
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child hung")
     assert os.waitstatus_to_exitcode(status) == 0
 
 

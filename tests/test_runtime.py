@@ -296,7 +296,8 @@ def test_a_prefill_program_runs_its_one_row_kernels_on_the_openmp_team_and_a_dec
         with_native):
     """A prefill program's multi-row products run on torch's OpenMP team; its LM head (one row, native GEMV) runs
     there too (``on_team``: no second thread pool competing with the team's spinning threads), so the native
-    pool runs no job during it. A decode step (one-row products only) puts its kernels back on the pool."""
+    pool runs no job during it, and the switch is off again after its run, also after one that raised. A decode
+    step (one-row products only) switches it off at its start and runs on the pool."""
     from hetforge.compile import compile_graph
     from hetforge.frontend import capture
     from hetforge.kernels import native
@@ -312,10 +313,13 @@ def test_a_prefill_program_runs_its_one_row_kernels_on_the_openmp_team_and_a_dec
         assert "native:hf_gemv_nk" in pre.kernels.values()  # the LM head of the last row
         cg, dinputs, _ = _decode_graph("gpt2-tiny", 32, token=5, pos=20)
         dec = compile_graph(cg.gm, soc="host", example_inputs=dinputs, name="decode").executable
-        native.pool_team(False)
         jobs = native.pool_info().jobs
-        pre.run_flat(*pin)
-        assert native.pool_info().team and native.pool_info().jobs == jobs
+        pre.run_flat(*pin)  # its LM head GEMV ran at 2 threads, on the team: no pool job
+        assert native.pool_info().jobs == jobs and not native.pool_info().team  # switched back off after the run
+        with pytest.raises(RuntimeError):  # a run that raises half-way switches it off too
+            pre.run_flat(torch.zeros((1, 3), dtype=torch.long), pin[1])
+        assert not native.pool_info().team
+        native.pool_team(True)  # left on by someone else: the decode step switches it off for its run
         dec.run_flat(*dinputs)
         assert not native.pool_info().team and native.pool_info().jobs > jobs
     finally:

@@ -653,7 +653,11 @@ class _Codegen:
         body.append(f"return ({''.join(r + ', ' for r in ret)})")
         team = getattr(native.library(), "hf_pool_team", None)  # absent from an older native.c (a bench baseline)
         if team is not None and any(str(kn).startswith("native:") for kn in self.kernels.values()):
-            body.insert(0, f"{self.const(team, 'f')}({int(self.on_team())})")
+            name = self.const(team, "f")
+            if self.on_team():  # on for this run only, also when it raises: later direct calls use the pool
+                body = [f"{name}(1)", "try:", *("    " + ln for ln in body), "finally:", f"    {name}(0)"]
+            else:
+                body.insert(0, f"{name}(0)")
         return f"def run({params}):\n" + "\n".join("    " + ln for ln in body) + "\n"
 
 

@@ -243,6 +243,13 @@ void hf_pool_info(long *out) {
 /* team = 1: the pool's jobs run on torch's OpenMP team (hf_run_team) until team = 0. */
 void hf_pool_team(int team) { atomic_store_explicit(&pool.team, team != 0, memory_order_relaxed); }
 
+/* A forked child never runs the pool's jobs on the OpenMP team: libgomp's team does not survive fork() (a
+ * two-thread region in the child hangs), while the pool starts the child's own helpers. */
+static void pool_team_off_in_child(void) { atomic_store(&pool.team, 0); }
+__attribute__((constructor)) static void pool_register_fork_handler(void) {
+    pthread_atfork(NULL, NULL, pool_team_off_in_child);
+}
+
 /* Set the spin time (µs, >= 0) and the test hook ``hold`` (1: helpers claim nothing, as if descheduled). */
 void hf_pool_config(int spin_us, int hold) {
     atomic_store(&pool.spin_us, spin_us < 0 ? 0 : spin_us);

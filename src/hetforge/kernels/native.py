@@ -282,8 +282,8 @@ def pool_config(spin_us: int = 50, hold: bool = False) -> None:
 
 def pool_team(on: bool) -> None:
     """Run the pooled (one-row) kernels on torch's OpenMP team (``on``) or on the pool; results are the same bits
-    either way (chunks are fixed by the problem). A program sets it at the start of every run (the executor:
-    ``on_team``)."""
+    either way (chunks are fixed by the problem). The executor switches it on for the run of a program with
+    multi-row products (``_Codegen.on_team``); a forked child starts with it off."""
     library().hf_pool_team(int(on))
 
 
