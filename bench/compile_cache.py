@@ -45,16 +45,17 @@ dec, _ = eng.programs.decode(int(sys.argv[3]))
 pair, cpu = time.perf_counter() - t0, time.thread_time() - c0
 hit = any("compile cache: hit" in n for n in pre.notes) or (
     dec.child_s is None and any("compile cache: hit" in n for n in dec.notes))
+def note_s(p, prefix):  # the seconds of the program's note "<prefix><seconds> s ...", else 0
+    got = [n for n in p.notes if n.startswith(prefix)]
+    return float(got[0][len(prefix):].split(" s")[0]) if got else 0.0
 def parts(p):
     if p.child_s is not None:
         return {"built in a forked child (its own s)": round(p.child_s, 3),
                 "waited for it + cache hit": round(p.compile_s, 3)}
     d = {"capture": p.capture_s, "passes": p.optimize_s}
-    w = [n for n in p.notes if n.startswith("warm-up call")]
-    warm = float(w[0].split("warm-up call ")[1].split(" s")[0]) if w else 0.0
+    warm = note_s(p, "warm-up call ")
     d["warm-up call"] = warm
-    o = [n for n in p.notes if n.startswith("other compile-path work")]
-    other = float(o[0].split("work ")[1].split(" s")[0]) if o else 0.0
+    other = note_s(p, "other compile-path work ")
     if other:
         d["cache lookup+store, between stages"] = other
     d["place+lower+schedule+plan+build" if not hit else "cache hit (load+bind+build)"] = p.compile_s - warm - other

@@ -47,6 +47,8 @@ from hetforge.kernels import native
 from hetforge.memplan import MemoryPlan
 from hetforge.ops import gemv, lookup
 
+_PRODUCT_OPS = frozenset(ONEDNN_OPS + QUANT_LINEAR_OPS)  # linear-type products (on_team counts their rows)
+
 
 @dataclass
 class InstrTime:
@@ -617,7 +619,7 @@ class _Codegen:
         docs/arch/runtime.md, native kernels). A program of one-row products only (a decode step) keeps the
         pool, whose claims let a descheduled thread stall nobody."""
         for ins in self.p.instrs:
-            if ins.op in ONEDNN_OPS + QUANT_LINEAR_OPS and len(ins.outputs) == 1 \
+            if ins.op in _PRODUCT_OPS and len(ins.outputs) == 1 \
                     and self.dm[ins.device].type == "cpu":
                 shape = self.p.values[ins.outputs[0]].shape
                 if shape and math.prod(shape) // max(shape[-1], 1) >= 2:
