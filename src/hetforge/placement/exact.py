@@ -88,7 +88,11 @@ def exact_front(table: LayerTable) -> ExactResult:
     plans = count_plans(L, D)
     pools = table.pools()
     P = len(table.capacity)
-    total_w = float(table.weight_bytes.sum())
+    # usage is summed layer by layer in layer order, as LayerTable.pool_use does, so a plan that fills a pool
+    # exactly is judged feasible here exactly when evaluate() judges it so (a cumsum difference can be an ulp off)
+    total_w = 0.0
+    for w in table.weight_bytes:
+        total_w += float(w)
     # run sums S[s, e, d] over layers [s, e) (cumulated from each start, so an inf layer stays inf)
     def run_sums(x: np.ndarray) -> np.ndarray:
         out = np.zeros((L + 1, L + 1) + x.shape[1:])
@@ -98,7 +102,6 @@ def exact_front(table: LayerTable) -> ExactResult:
 
     rt, re_, rw = run_sums(table.time), run_sums(table.energy), run_sums(table.dasi * table.time)
     rd = run_sums(table.dasi)
-    wb = np.concatenate([[0.0], np.cumsum(table.weight_bytes)])
     # CPQ: penalty fixed per device unless pool usage can vary (several pools) and some pool can pass θ
     pen_fixed = np.ones(D)
     var_dev: list[int] = []
@@ -202,7 +205,10 @@ def exact_front(table: LayerTable) -> ExactResult:
                 ok = np.ones((n, m), dtype=bool)
                 if use_pools:
                     j = 3 + nv + use_pools.index(pools[d])
-                    new[:, :, j] += (wb[es] - wb[s])[None, :]
+                    acc = vals[:, j].copy()
+                    for ei in range(m):  # layer by layer, in the order pool_use adds them (see total_w)
+                        acc += table.weight_bytes[s + ei]
+                        new[:, ei, j] = acc
                     ok &= new[:, :, j] <= table.capacity[pools[d]]
                 dead_end = (used | (1 << d)) == (1 << D) - 1  # no device left for the layers after e
                 enc = np.empty((n, m, 4), dtype=np.int64)
