@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shlex
 import statistics
 import subprocess
@@ -37,6 +38,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs" / "bench"
 CONFIGS = {"1 thread": (1, "0"), "2 threads, fixed": (2, "0"), "2 threads, adaptive": (2, "1")}
+def defines(source: str, name: str) -> bool:
+    """Whether the C file ``source`` defines (or declares) function ``name`` (a baseline has fewer)."""
+    return re.search(rf"\b{name}\s*\(", Path(source).read_text()) is not None
+
+
 BUSY = "import os, sys\nif sys.argv[1] != '-': os.sched_setaffinity(0, {int(sys.argv[1])})\nwhile True: pass\n"
 
 
@@ -52,9 +58,9 @@ def worker(model: str, source: str | None, tokens: int) -> None:
 
     from hetforge.kernels import native
 
-    if source:  # the baseline kernels: an older native.c (it has no pool, so no pool read-back)
+    if source:  # the baseline kernels: an older native.c (its own functions only: no pool, so no pool read-back)
         native.SOURCE = Path(source)
-        native.SIGNATURES = {k: v for k, v in native.SIGNATURES.items() if not k.startswith("hf_pool")}
+        native.SIGNATURES = {k: v for k, v in native.SIGNATURES.items() if defines(source, k)}
     if native.library() is None:
         raise SystemExit(f"native kernels unavailable: {native.status().reason}")
     from hetforge.models.zoo import load_model
@@ -107,7 +113,7 @@ def kernel_check(source: str, reps: int) -> None:
 
     libs = {"pool": native.library()}
     native.SOURCE = Path(source)
-    native.SIGNATURES = {k: v for k, v in native.SIGNATURES.items() if not k.startswith("hf_pool")}
+    native.SIGNATURES = {k: v for k, v in native.SIGNATURES.items() if defines(source, k)}
     native._state.clear()
     libs["omp"] = native.library()
     if libs["pool"] is None or libs["omp"] is None:

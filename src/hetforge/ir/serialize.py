@@ -206,7 +206,9 @@ def _dec(x: Any) -> Any:
     raise MalformedProgramError(f"unknown encoded argument {x!r}")
 
 
-def program_to_dict(p: Program) -> dict[str, Any]:
+def program_to_dict(p: Program, inline: bool = True) -> dict[str, Any]:
+    """``p`` as a JSON-able dict. ``inline=False`` leaves the tensors the passes made out of the dict (no
+    ``inline`` bytes): for a caller that stores them itself, as the compile cache does."""
     values = [
         {"id": v.id, "shape": list(v.shape), "stride": list(v.stride), "dtype": dtype_short(v.dtype), "kind": v.kind,
          "device": v.device, "producer": v.producer, "alias_of": v.alias_of, "offset": v.storage_offset,
@@ -223,11 +225,11 @@ def program_to_dict(p: Program) -> dict[str, Any]:
         t = p.tensors.get(vid)
         if not w.checksum and t is not None:
             w.checksum = checksum(t)
-        if w.inline is None and not w.param and t is not None and t.nbytes <= INLINE_MAX_BYTES:
+        if inline and w.inline is None and not w.param and t is not None and t.nbytes <= INLINE_MAX_BYTES:
             w.inline = t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
         d = {"value": vid, "path": w.path, "shape": list(w.shape), "dtype": dtype_short(w.dtype),
              "checksum": w.checksum, "param": w.param}
-        if w.inline is not None:
+        if inline and w.inline is not None:
             d["inline"] = base64.b64encode(w.inline).decode()
         weights.append(d)
     d = {"format": FORMAT, "name": p.name, "soc": p.soc, "devices": p.devices, "values": values,

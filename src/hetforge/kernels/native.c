@@ -2438,3 +2438,100 @@ int hf_prefill_attention(const void *q, const void *k, const void *v, const void
     if (!keep) free(a.kt);
     return 0;
 }
+
+/* ---------------------------------------------------------------- per-channel int8 weight quantization
+ * Why: quantizing a model's weights for w8 / w8a8 through ATen (quant.schemes.quantize_int8 and the error its
+ * report gives) is about a dozen whole-weight passes (abs, max, divide, round, clamp, cast, then dequantize,
+ * subtract and two norms), each writing a weight-sized temporary: most of a quantized model's first compile.
+ * Here a chunk of QI8_CH output channels is read twice (its channels' max |w|, then the int8 values and the
+ * error), with quantize_int8's float ops: s = max|w| / 127 raised to (float)1e-12, q = w / s rounded half to
+ * even (nearbyintf in the default mode, as torch.round) and clamped to ±127, so q and s have its bits. Layout:
+ * w is [n, k] row-major (kn = 0), or [k, n] row-major (kn = 1: a Conv1D weight, channel j is column j); q is
+ * [n, k] either way. Each chunk adds Σ(w - q·s)² and Σw² (the dequantized value in float, the sums in double)
+ * into its own slot of err / nrm, so the sums do not depend on which thread ran a chunk.
+ * Returns 1, with q and s incomplete, when w holds a NaN or ±Inf (the caller falls back to ATen), else 0. */
+#define QI8_CH 16
+typedef struct {
+    const float *w;
+    long n, k;
+    int kn;
+    int8_t *q;
+    float *s;
+    double *err, *nrm;
+    _Atomic int bad;
+} qi8_ctx;
+
+static inline int8_t qi8_round(float v, float s) {
+    float r = nearbyintf(v / s);
+    return (int8_t)(r > 127.f ? 127.f : r < -127.f ? -127.f : r);
+}
+
+static void qi8_chunk(void *p, long c) {
+    qi8_ctx *a = p;
+    long n0 = c * QI8_CH, n1 = n0 + QI8_CH < a->n ? n0 + QI8_CH : a->n, w = n1 - n0, k = a->k;
+    float amax[QI8_CH] = {0}, s[QI8_CH];
+    int finite = 1;
+    if (!a->kn) {
+        for (long j = 0; j < w; j++) {
+            const float *r = a->w + (n0 + j) * k;
+            float m = 0.f;
+            for (long i = 0; i < k; i++) {
+                float v = fabsf(r[i]);
+                finite &= v <= 3.40282347e38f;
+                m = v > m ? v : m;
+            }
+            amax[j] = m;
+        }
+    } else {
+        for (long i = 0; i < k; i++) {
+            const float *r = a->w + i * a->n + n0;
+            for (long j = 0; j < w; j++) {
+                float v = fabsf(r[j]);
+                finite &= v <= 3.40282347e38f;
+                amax[j] = v > amax[j] ? v : amax[j];
+            }
+        }
+    }
+    if (!finite) {
+        atomic_store(&a->bad, 1);
+        return;
+    }
+    const float tiny = (float)1e-12;
+    for (long j = 0; j < w; j++) {
+        float d = amax[j] / 127.f;
+        s[j] = d < tiny ? tiny : d;
+        a->s[n0 + j] = s[j];
+    }
+    double err = 0., nrm = 0.;
+    if (!a->kn) {
+        for (long j = 0; j < w; j++) {
+            const float *r = a->w + (n0 + j) * k;
+            int8_t *q = a->q + (n0 + j) * k;
+            for (long i = 0; i < k; i++) {
+                int8_t qi = qi8_round(r[i], s[j]);
+                float e = r[i] - (float)qi * s[j];
+                q[i] = qi;
+                err += (double)e * e, nrm += (double)r[i] * r[i];
+            }
+        }
+    } else {
+        for (long i = 0; i < k; i++) {
+            const float *r = a->w + i * a->n + n0;
+            for (long j = 0; j < w; j++) {
+                int8_t qi = qi8_round(r[j], s[j]);
+                float e = r[j] - (float)qi * s[j];
+                a->q[(n0 + j) * k + i] = qi;
+                err += (double)e * e, nrm += (double)r[j] * r[j];
+            }
+        }
+    }
+    a->err[c] = err, a->nrm[c] = nrm;
+}
+
+long hf_quantize_i8_chunks(long n) { return (n + QI8_CH - 1) / QI8_CH; }
+
+int hf_quantize_i8(const float *w, long n, long k, int kn, int8_t *q, float *s, double *err, double *nrm, int threads) {
+    qi8_ctx a = {w, n, k, kn, q, s, err, nrm, 0};
+    hf_run(qi8_chunk, &a, hf_quantize_i8_chunks(n), clamp_threads(threads));
+    return atomic_load(&a.bad) ? 1 : 0;
+}

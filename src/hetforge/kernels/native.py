@@ -66,6 +66,13 @@ SIGNATURES = {
     "hf_pool_info": [_P],
     "hf_pool_config": [_I, _I],
     "hf_pool_team": [_I],
+    "hf_quantize_i8_chunks": [_L],
+    "hf_quantize_i8": [_P, _L, _L, _I, _P, _P, _P, _P, _I],
+}
+RESTYPES = {  # the functions that return a value (every other one returns void)
+    "hf_read_stream": _F, "hf_q8a_path": _I, "hf_bf16_path": _I, "hf_prefill_attention": _I, "hf_gemv_nk_multi": _I,
+    "hf_gemv_q8a": _I, "hf_gemm_q8a": _I,  # 0, or -1: scratch not allocated
+    "hf_gemv_q4a": _I, "hf_gemm_q4a": _I, "hf_q4a_path": _I, "hf_quantize_i8_chunks": _L, "hf_quantize_i8": _I,
 }
 ACT_CODES = {"none": 0, "relu": 1, "gelu": 2, "gelu_tanh": 3, "silu": 4}  # native.c's ACT_* (linear_act, gated_mlp)
 
@@ -187,14 +194,7 @@ def _open(path: Path) -> tuple[ctypes.CDLL | None, str]:
         return None, f"it lacks hetforge's symbol(s) {', '.join(missing[:3])}"
     for name, argtypes in SIGNATURES.items():
         fn = getattr(lib, name)
-        fn.argtypes, fn.restype = argtypes, None
-    lib.hf_read_stream.restype = _F
-    lib.hf_q8a_path.restype = _I
-    lib.hf_bf16_path.restype = _I
-    lib.hf_prefill_attention.restype = _I
-    lib.hf_gemv_nk_multi.restype = _I
-    lib.hf_gemv_q8a.restype = lib.hf_gemm_q8a.restype = _I  # 0, or -1: scratch not allocated
-    lib.hf_gemv_q4a.restype = lib.hf_gemm_q4a.restype = lib.hf_q4a_path.restype = _I
+        fn.argtypes, fn.restype = argtypes, RESTYPES.get(name)
     return lib, ""
 
 
@@ -610,6 +610,31 @@ def q8_kernel(rows: int = 1) -> str | None:
     if rows == 1:
         return "hf_gemv_q8a" if q8 else "hf_gemv_q8"
     return "hf_gemm_q8a" if q8 else None
+
+
+def quantize_i8(w_nk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float] | None:
+    """Per-channel symmetric int8 of a float32 ``[N, K]`` weight (contiguous, or the transpose of a contiguous
+    ``[K, N]`` one): ``(q int8 [N, K], scales fp32 [N], ‖w − q·s‖ / ‖w‖)`` with the bits of
+    :func:`hetforge.quant.schemes.quantize_int8` in two passes over the weight (``hf_quantize_i8``); None when
+    the native kernels are not built, the layout or dtype is another, or the weight holds a NaN or ±Inf."""
+    lib = library()
+    if lib is None or w_nk.dtype != torch.float32 or w_nk.dim() != 2 or w_nk.device.type != "cpu":
+        return None
+    n, k = w_nk.shape
+    if w_nk.is_contiguous():
+        kn = 0
+    elif w_nk.t().is_contiguous():
+        kn = 1
+    else:
+        return None
+    chunks = lib.hf_quantize_i8_chunks(n)
+    q, s = torch.empty((n, k), dtype=torch.int8), torch.empty(n)
+    err, nrm = torch.zeros(chunks, dtype=torch.float64), torch.zeros(chunks, dtype=torch.float64)
+    if lib.hf_quantize_i8(w_nk.data_ptr(), n, k, kn, q.data_ptr(), s.data_ptr(), err.data_ptr(), nrm.data_ptr(),
+                          torch.get_num_threads()):
+        return None
+    denom = float(nrm.sum()) ** 0.5
+    return q, s, (float(err.sum()) ** 0.5 / denom if denom > 0 else 0.0)
 
 
 def check_rc(rc: int, fn: str = "hf_gemm_q8a") -> None:

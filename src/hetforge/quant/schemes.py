@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hetforge.kernels import native
 from hetforge.ops.quant import INT4_GROUP_SIZES, INT4_N_MULTIPLE
 
 SCHEMES = ("w8", "w4", "w8a8", "none")
@@ -95,6 +96,9 @@ def quantize_weight(w: torch.Tensor, scheme: str, group_size: int = 128) -> Quan
     if w.dim() != 2 or not w.is_floating_point():
         raise ValueError(f"expected a 2-D float weight, got {tuple(w.shape)} {w.dtype}")
     if scheme in ("w8", "w8a8"):
+        fast = native.quantize_i8(w.detach())  # the same q and s in two passes (None: take ATen's path)
+        if fast is not None:
+            return QuantizedWeight(scheme, {"qweight": fast[0], "scales": fast[1]}, fast[2])
         q, s = quantize_int8(w)
         return QuantizedWeight(scheme, {"qweight": q, "scales": s}, _rel_error(w, dequantize_int8(q, s)))
     if scheme == "w4":

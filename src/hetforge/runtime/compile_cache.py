@@ -394,18 +394,17 @@ def program_payload(p: Any) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     value id). :func:`bind_program` makes the program again from them and a module's weights."""
     from hetforge.ir.serialize import program_to_dict
 
-    saved = {vid: (w.inline, w.checksum) for vid, w in p.weights.items()}
+    saved = {vid: w.checksum for vid, w in p.weights.items()}
     for w in p.weights.values():
         if w.param and not w.checksum:  # the key's weight fingerprint already covers every parameter: a CRC of
             w.checksum = KEYED  # each one again here cost ~10% of a cold compile (gpt2) and was never read
     try:
-        pd = program_to_dict(p)
+        pd = program_to_dict(p, inline=False)  # the entry stores those tensors in KEY.pt, not as base64 text
     finally:
         for vid, w in p.weights.items():
-            w.inline, w.checksum = saved[vid]
+            w.checksum = saved[vid]
     extra: dict[str, torch.Tensor] = {}
     for w in pd["weights"]:
-        w.pop("inline", None)
         if not w["param"]:
             extra[str(w["value"])] = p.tensors[w["value"]].detach().contiguous().cpu()
     return pd, extra
