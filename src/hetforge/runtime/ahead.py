@@ -60,7 +60,10 @@ def quantize_refusal(quantize: str | None) -> str | None:
     """Why programs quantized with ``quantize`` are not built in a forked child, or None. This process quantizes
     each weight once (``quant.rewrite.shared_quantized``) and its later programs reuse it; a child would quantize
     every weight again on its one core (measured on docs/bench/peers_decode.md before this rule: a w8 child took
-    4.5–6.6 s of its own and the parent waited 1.6–4.6 s for it), so building the programs in turn is faster."""
+    4.5–6.6 s of its own and the parent waited 1.6–4.6 s for it), so building the programs in turn is faster.
+    Since w8 / w8a8 weights are quantized natively (``native.quantize_i8``) a w8 child would be faster than the
+    programs in turn (docs/arch/runtime.md), but the parent would then hold the child's quantized copy of every
+    weight next to its own (a program from a child binds the tensors its entry stores), so the rule stays."""
     if quantize in (None, "none"):
         return None
     return f"--quantize {quantize}: this process quantizes each weight once for all its programs"
