@@ -2,12 +2,16 @@
 tokens as building it in-process, the wait counted in compile time, refused where it cannot work, and a child
 that fails or dies leaves the parent to build the program itself with nothing half-written left behind."""
 
+import contextlib
 import os
 import time
 
 import pytest
+import torch
 
+from hetforge.kernels import native
 from hetforge.models.zoo import load_model
+from hetforge.quant.rewrite import shared_tensors
 from hetforge.runtime import Engine, SamplingParams, ahead, compile_cache
 
 PROMPT = list(range(1, 30))
@@ -63,7 +67,46 @@ def test_a_second_request_forks_nothing(cache, loaded, monkeypatch):
     assert r2.tokens == r.tokens
 
 
-@pytest.mark.parametrize("case", ["env-off", "cache-off", "one-core", "uncreatable-folder", "quantized"])
+def _int8_storages(program) -> set[int]:
+    return {t.untyped_storage().data_ptr() for t in program.placed.compiled.program.tensors.values()
+            if t.dtype == torch.int8}
+
+
+def test_a_w8_decode_program_from_a_child_binds_the_parents_own_int8_weights(cache, loaded, monkeypatch, tmp_path):
+    monkeypatch.setattr(compile_cache, "TWIN_MIN_BYTES", 0)  # gpt2-tiny's weights are below the size bound
+    monkeypatch.setattr(compile_cache, "_BOUND", {})  # no twins left by earlier tests' entries
+    eng = Engine(loaded, executor="auto", quantize="w8")
+    r = eng.generate(PROMPT, SamplingParams(max_new_tokens=8, ignore_eos=True))
+    dec = eng.programs.programs[("decode", r.cache_length)]
+    pre = next(p for (kind, _), p in eng.programs.programs.items() if kind == "prefill")
+    assert dec.child_s is not None and pre.child_s is None  # the decode program came from the child's entry
+    own = {t.untyped_storage().data_ptr() for t in shared_tensors() if t.dtype == torch.int8}  # quantized here
+    assert _int8_storages(dec) and _int8_storages(dec) | _int8_storages(pre) <= own  # one int8 copy of each weight
+    monkeypatch.setenv(ahead.ENV, "0")
+    monkeypatch.setenv("HETFORGE_COMPILE_CACHE_DIR", str(tmp_path / "other"))
+    eng2 = Engine(loaded, executor="auto", quantize="w8")
+    assert eng2.generate(PROMPT, SamplingParams(max_new_tokens=8, ignore_eos=True)).tokens == r.tokens
+
+
+def test_w8_programs_from_two_cache_entries_share_one_int8_copy(cache, loaded, monkeypatch):
+    from hetforge.quant import rewrite
+
+    monkeypatch.setattr(compile_cache, "TWIN_MIN_BYTES", 0)  # gpt2-tiny's weights are below the size bound
+    monkeypatch.setattr(compile_cache, "_BOUND", {})  # no twins left by earlier tests' entries
+    monkeypatch.setenv(ahead.ENV, "0")
+    r = Engine(loaded, executor="auto", quantize="w8").generate(PROMPT, SamplingParams(max_new_tokens=8,
+                                                                                       ignore_eos=True))
+    monkeypatch.setattr(rewrite, "_SHARED", {})  # as in a fresh process: nothing quantized here yet
+    eng = Engine(load_model("gpt2-tiny"), executor="auto", quantize="w8")
+    r2 = eng.generate(PROMPT, SamplingParams(max_new_tokens=8, ignore_eos=True))
+    dec = eng.programs.programs[("decode", r2.cache_length)]
+    pre = next(p for (kind, _), p in eng.programs.programs.items() if kind == "prefill")
+    assert all("compile cache: hit" in p.notes[0] for p in (pre, dec))  # both bound from their entries
+    assert _int8_storages(dec) and _int8_storages(dec) <= _int8_storages(pre)
+    assert r2.tokens == r.tokens
+
+
+@pytest.mark.parametrize("case", ["env-off", "cache-off", "one-core", "uncreatable-folder", "w4", "w8-on-aten"])
 def test_refused_where_it_cannot_work(cache, loaded, monkeypatch, tmp_path, case):
     if case == "env-off":
         monkeypatch.setenv(ahead.ENV, "0")
@@ -71,15 +114,17 @@ def test_refused_where_it_cannot_work(cache, loaded, monkeypatch, tmp_path, case
         monkeypatch.setenv("HETFORGE_COMPILE_CACHE", "0")
     elif case == "one-core":
         monkeypatch.setattr(ahead, "_cores", lambda: 1)
-    else:
+    elif case == "uncreatable-folder":
         blocker = tmp_path / "a-file"
         blocker.write_text("x")
         monkeypatch.setenv("HETFORGE_COMPILE_CACHE_DIR", str(blocker / "cache"))
-    eng = Engine(loaded, executor="auto", quantize="w8" if case == "quantized" else "none")
-    why = eng.programs.decode_ahead(64)
+    eng = Engine(loaded, executor="auto", quantize={"w4": "w4", "w8-on-aten": "w8"}.get(case, "none"))
+    with native.disabled() if case == "w8-on-aten" else contextlib.nullcontext():
+        why = eng.programs.decode_ahead(64)
     assert why and not eng.programs.ahead
     expected = {"env-off": ahead.ENV, "cache-off": "compile cache", "one-core": "two cores",
-                "uncreatable-folder": "cannot be made", "quantized": "--quantize w8"}[case]
+                "uncreatable-folder": "cannot be made", "w4": "--quantize w4: ATen quantizes",
+                "w8-on-aten": "--quantize w8: its weights are quantized on ATen's path"}[case]
     assert expected in why
 
 

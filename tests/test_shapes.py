@@ -96,11 +96,35 @@ def test_one_core_builds_every_shape_here(parallel, monkeypatch):
     assert got.refused == "fewer than two cores" and all(p.child_s is None for p in got.programs)
 
 
-def test_quantized_shapes_are_built_here_in_turn(parallel, monkeypatch):
-    """A quantizing build quantizes each weight once per process (its later shapes reuse it); a child would
-    quantize them all again, so quantized shapes are built here, one after the other."""
-    monkeypatch.setattr(ahead, "start", lambda build: pytest.fail("forked for a quantized build"))
+def test_w4_shapes_are_built_here_in_turn(parallel, monkeypatch):
+    """ATen quantizes and packs w4 weights, which a child would do all over again on its one core, while this
+    process does it once for all its shapes: w4 shapes are built here, one after the other."""
+    monkeypatch.setattr(ahead, "start", lambda build: pytest.fail("forked for a w4 build"))
+    module, inputs = _shapes("gpt2-tiny")
+    got = shapes.compile_shapes(module, inputs, name="m", soc="host", quantize="w4")
+    assert "--quantize w4" in got.refused and all(p.child_s is None for p in got.programs)
+    assert len(_outputs(got)) == 2
+
+
+def test_w8_shapes_are_built_in_a_child_on_the_same_int8_weights(parallel, monkeypatch):
+    """w8 weights are quantized natively (cheap in a child too); the child's program binds this process's own
+    int8 tensors, so the shapes hold one copy, and compute what the shapes built in turn compute."""
+    from hetforge.kernels import native
+    from hetforge.quant.rewrite import shared_tensors
+    from hetforge.runtime import compile_cache
+
+    if native.library() is None:  # without the native quantizer w8 shapes are built in turn (the test above's path)
+        pytest.skip(f"native kernels unavailable: {native.status().reason}")
+    monkeypatch.setattr(compile_cache, "TWIN_MIN_BYTES", 0)  # gpt2-tiny's weights are below the size bound
+    monkeypatch.setattr(compile_cache, "_BOUND", {})  # no twins left by earlier tests' entries
     module, inputs = _shapes("gpt2-tiny")
     got = shapes.compile_shapes(module, inputs, name="m", soc="host", quantize="w8")
-    assert "--quantize w8" in got.refused and all(p.child_s is None for p in got.programs)
-    assert len(_outputs(got)) == 2
+    assert got.refused == "" and got.programs[1].child_s is not None
+    ptrs = [{t.untyped_storage().data_ptr() for t in p.program.tensors.values() if t.dtype == torch.int8}
+            for p in got.programs]
+    own = {t.untyped_storage().data_ptr() for t in shared_tensors() if t.dtype == torch.int8}  # quantized here
+    assert ptrs[1] and ptrs[0] | ptrs[1] <= own  # the child's program holds no int8 weight of its own
+    monkeypatch.setenv(ahead.ENV, "0")
+    alone = shapes.compile_shapes(module, inputs, name="m", soc="host", quantize="w8")
+    for a, b in zip(_outputs(got), _outputs(alone), strict=True):
+        assert torch.equal(a, b)

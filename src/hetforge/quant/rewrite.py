@@ -100,6 +100,11 @@ def shared_quantized(src: torch.Tensor, w_nk: torch.Tensor, scheme: str, group_s
     return qw
 
 
+def shared_tensors() -> list[torch.Tensor]:
+    """Every tensor of the weights :func:`shared_quantized` holds for this process now (their sources alive)."""
+    return [t for ref, _, qw in list(_SHARED.values()) if ref() is not None for t in qw.tensors.values()]
+
+
 def module_path(target: str) -> str:
     """The layer's module path from a weight's get_attr target (wrapper prefix and ``.weight`` removed)."""
     path = target[len(_WRAPPER_PREFIX):] if target.startswith(_WRAPPER_PREFIX) else target

@@ -57,16 +57,22 @@ def process_refusal() -> str | None:
 
 
 def quantize_refusal(quantize: str | None) -> str | None:
-    """Why programs quantized with ``quantize`` are not built in a forked child, or None. This process quantizes
-    each weight once (``quant.rewrite.shared_quantized``) and its later programs reuse it; a child would quantize
-    every weight again on its one core (measured on docs/bench/peers_decode.md before this rule: a w8 child took
-    4.5–6.6 s of its own and the parent waited 1.6–4.6 s for it), so building the programs in turn is faster.
-    Since w8 / w8a8 weights are quantized natively (``native.quantize_i8``) a w8 child would be faster than the
-    programs in turn (docs/arch/runtime.md), but the parent would then hold the child's quantized copy of every
-    weight next to its own (a program from a child binds the tensors its entry stores), so the rule stays."""
+    """Why programs quantized with ``quantize`` are not built in a forked child, or None. A child quantizes every
+    weight again on its one core (this process quantizes each weight once for all its programs,
+    ``quant.rewrite.shared_quantized``). For w8 / w8a8 the native kernel makes that cheap (``native.quantize_i8``,
+    two passes over each weight), and the program the child returns binds this process's own quantized
+    tensors where they are equal (``compile_cache._twin``), so a child pays (docs/arch/runtime.md: a cold w8
+    request on gpt2 3.02–3.63 s in turn against 2.29–2.56 s with a child). Refused where quantizing takes ATen's
+    many passes: w4 (group-wise, then packed by ATen: 2.91–2.92 s in turn against 3.88–4.48 s with a child), or
+    w8 / w8a8 on a host without the native kernels."""
     if quantize in (None, "none"):
         return None
-    return f"--quantize {quantize}: this process quantizes each weight once for all its programs"
+    from hetforge.kernels import native
+
+    if quantize in ("w8", "w8a8") and native.library() is not None:
+        return None
+    why = "ATen quantizes and packs its weights" if quantize == "w4" else "its weights are quantized on ATen's path"
+    return f"--quantize {quantize}: {why}, so this process quantizes each weight once for all its programs"
 
 
 def spare_cores() -> int:

@@ -41,6 +41,7 @@ import json
 import os
 import sys
 import time
+import weakref
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -539,15 +540,57 @@ def _bound_weights(weights: list[dict[str, Any]], extra: dict[str, torch.Tensor]
     from hetforge.ir.program import dtype_from_short
     from hetforge.ir.serialize import _lookup_tensor, checksum
 
-    out = {}
+    out: dict[int, torch.Tensor] = {}
+    made: list[int] = []  # value ids of the tensors the passes made that no twin replaced
     for w in weights:
         t = _lookup_tensor(module, w["path"]) if w["param"] else extra.get(str(w["value"]))
         if t is None or list(t.shape) != w["shape"] or t.dtype != dtype_from_short(w["dtype"]):
             raise CacheEntryError(f"stale (weight '{w['path']}' missing or of another shape)")
         if not w["param"] and checksum(t) != w["checksum"]:  # tensors the passes made (small): garbled in KEY.pt
             raise CacheEntryError(f"corrupt (tensor '{w['path']}' does not match its checksum)")
-        out[int(w["value"])] = t.detach()
+        twin = None if w["param"] else _twin(t)
+        out[int(w["value"])] = twin if twin is not None else t.detach()
+        if not w["param"] and twin is None:
+            made.append(int(w["value"]))
+    if len(made) < sum(not w["param"] for w in weights):
+        # some were replaced by their twins: KEY.pt is one file mapping, which any tensor left from it would keep
+        # mapped whole (its pages resident), so the ones kept are copied out of it
+        for vid in made:
+            out[vid] = out[vid].clone()
+    for vid in made:
+        _remember(out[vid])
     return out
+
+
+TWIN_MIN_BYTES = 1 << 16  # smaller tensors the passes made are not worth a comparison
+_BOUND: dict[tuple, list[weakref.ref]] = {}  # (dtype, shape, strides) → tensors bound from entries, weakly held
+
+
+def _twin(t: torch.Tensor) -> torch.Tensor | None:
+    """An equal tensor this process already holds, or None: one an earlier entry bound (:func:`_remember`) or a
+    weight this process quantized (``quant.rewrite.shared_tensors``). Why: each entry stores its own copy of the
+    tensors the passes made (a w8 program's int8 weights), so a decode program from a forked child, or a
+    prefill and a decode program from two entries, would otherwise each hold every weight again. Programs only
+    read these constants, so sharing one is safe; equal bytes are checked, not assumed (``torch.equal`` returns
+    at the first differing byte, so a wrong candidate costs little)."""
+    if t.nbytes < TWIN_MIN_BYTES:
+        return None
+    from hetforge.quant.rewrite import shared_tensors
+
+    key = (t.dtype, tuple(t.shape), t.stride())
+    held = [r() for r in _BOUND.get(key, [])]
+    for c in [c for c in held if c is not None] + [q for q in shared_tensors()
+                                                   if (q.dtype, tuple(q.shape), q.stride()) == key]:
+        if torch.equal(c, t):
+            return c
+    return None
+
+
+def _remember(t: torch.Tensor) -> None:
+    """Offer ``t`` (bound from an entry) as a twin to later entries, weakly held."""
+    if t.nbytes >= TWIN_MIN_BYTES:
+        key = (t.dtype, tuple(t.shape), t.stride())
+        _BOUND[key] = [r for r in _BOUND.get(key, []) if r() is not None] + [weakref.ref(t)]
 
 
 def _program(text: str, weights: list[dict[str, Any]], tensors: dict[int, torch.Tensor]) -> tuple[Any, Any]:
