@@ -77,3 +77,21 @@ def parts():
             args.append(a)
             vals.update(zip(p.outputs, p.gm(*a), strict=True))
     return pg, args, soc, cg
+
+
+@pytest.fixture
+def twins(monkeypatch):
+    """compile_cache's twinning of tensors bound from cache entries, from a clean slate and for tiny weights too
+    (gpt2-tiny's are below TWIN_MIN_BYTES); no twins left by an earlier test's entries of equal content."""
+    from hetforge.runtime import compile_cache
+
+    monkeypatch.setattr(compile_cache, "TWIN_MIN_BYTES", 0)
+    monkeypatch.setattr(compile_cache, "_BOUND", {})
+
+
+def int8_storages(tensors) -> set[int]:
+    """The storages of the int8 tensors among ``tensors`` (one per copy of a quantized weight)."""
+    import torch
+
+    return {t.untyped_storage().data_ptr() for t in tensors if t.dtype == torch.int8}
+

@@ -7,7 +7,7 @@ import os
 import time
 
 import pytest
-import torch
+from conftest import int8_storages
 
 from hetforge.kernels import native
 from hetforge.models.zoo import load_model
@@ -68,19 +68,17 @@ def test_a_second_request_forks_nothing(cache, loaded, monkeypatch):
 
 
 def _int8_storages(program) -> set[int]:
-    return {t.untyped_storage().data_ptr() for t in program.placed.compiled.program.tensors.values()
-            if t.dtype == torch.int8}
+    return int8_storages(program.placed.compiled.program.tensors.values())
 
 
-def test_a_w8_decode_program_from_a_child_binds_the_parents_own_int8_weights(cache, loaded, monkeypatch, tmp_path):
-    monkeypatch.setattr(compile_cache, "TWIN_MIN_BYTES", 0)  # gpt2-tiny's weights are below the size bound
-    monkeypatch.setattr(compile_cache, "_BOUND", {})  # no twins left by earlier tests' entries
+def test_a_w8_decode_program_from_a_child_binds_the_parents_own_int8_weights(cache, loaded, twins, monkeypatch,
+                                                                             tmp_path):
     eng = Engine(loaded, executor="auto", quantize="w8")
     r = eng.generate(PROMPT, SamplingParams(max_new_tokens=8, ignore_eos=True))
     dec = eng.programs.programs[("decode", r.cache_length)]
     pre = next(p for (kind, _), p in eng.programs.programs.items() if kind == "prefill")
     assert dec.child_s is not None and pre.child_s is None  # the decode program came from the child's entry
-    own = {t.untyped_storage().data_ptr() for t in shared_tensors() if t.dtype == torch.int8}  # quantized here
+    own = int8_storages(shared_tensors())  # the weights this process quantized
     assert _int8_storages(dec) and _int8_storages(dec) | _int8_storages(pre) <= own  # one int8 copy of each weight
     monkeypatch.setenv(ahead.ENV, "0")
     monkeypatch.setenv("HETFORGE_COMPILE_CACHE_DIR", str(tmp_path / "other"))
@@ -88,11 +86,9 @@ def test_a_w8_decode_program_from_a_child_binds_the_parents_own_int8_weights(cac
     assert eng2.generate(PROMPT, SamplingParams(max_new_tokens=8, ignore_eos=True)).tokens == r.tokens
 
 
-def test_w8_programs_from_two_cache_entries_share_one_int8_copy(cache, loaded, monkeypatch):
+def test_w8_programs_from_two_cache_entries_share_one_int8_copy(cache, loaded, twins, monkeypatch):
     from hetforge.quant import rewrite
 
-    monkeypatch.setattr(compile_cache, "TWIN_MIN_BYTES", 0)  # gpt2-tiny's weights are below the size bound
-    monkeypatch.setattr(compile_cache, "_BOUND", {})  # no twins left by earlier tests' entries
     monkeypatch.setenv(ahead.ENV, "0")
     r = Engine(loaded, executor="auto", quantize="w8").generate(PROMPT, SamplingParams(max_new_tokens=8,
                                                                                        ignore_eos=True))

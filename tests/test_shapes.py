@@ -8,6 +8,7 @@ import tempfile
 
 import pytest
 import torch
+from conftest import int8_storages
 
 from hetforge.models.zoo import example_inputs, load_model
 from hetforge.runtime import ahead, shapes
@@ -106,23 +107,19 @@ def test_w4_shapes_are_built_here_in_turn(parallel, monkeypatch):
     assert len(_outputs(got)) == 2
 
 
-def test_w8_shapes_are_built_in_a_child_on_the_same_int8_weights(parallel, monkeypatch):
+def test_w8_shapes_are_built_in_a_child_on_the_same_int8_weights(parallel, twins, monkeypatch):
     """w8 weights are quantized natively (cheap in a child too); the child's program binds this process's own
     int8 tensors, so the shapes hold one copy, and compute what the shapes built in turn compute."""
     from hetforge.kernels import native
     from hetforge.quant.rewrite import shared_tensors
-    from hetforge.runtime import compile_cache
 
     if native.library() is None:  # without the native quantizer w8 shapes are built in turn (the test above's path)
         pytest.skip(f"native kernels unavailable: {native.status().reason}")
-    monkeypatch.setattr(compile_cache, "TWIN_MIN_BYTES", 0)  # gpt2-tiny's weights are below the size bound
-    monkeypatch.setattr(compile_cache, "_BOUND", {})  # no twins left by earlier tests' entries
     module, inputs = _shapes("gpt2-tiny")
     got = shapes.compile_shapes(module, inputs, name="m", soc="host", quantize="w8")
     assert got.refused == "" and got.programs[1].child_s is not None
-    ptrs = [{t.untyped_storage().data_ptr() for t in p.program.tensors.values() if t.dtype == torch.int8}
-            for p in got.programs]
-    own = {t.untyped_storage().data_ptr() for t in shared_tensors() if t.dtype == torch.int8}  # quantized here
+    ptrs = [int8_storages(p.program.tensors.values()) for p in got.programs]
+    own = int8_storages(shared_tensors())  # the weights this process quantized
     assert ptrs[1] and ptrs[0] | ptrs[1] <= own  # the child's program holds no int8 weight of its own
     monkeypatch.setenv(ahead.ENV, "0")
     alone = shapes.compile_shapes(module, inputs, name="m", soc="host", quantize="w8")
