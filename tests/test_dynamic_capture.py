@@ -73,8 +73,8 @@ def test_specialised_graph_is_static_and_equals_its_own_export():
 
 def test_unknown_capture_policy_is_a_usage_error(monkeypatch):
     monkeypatch.setenv("HETFORGE_CAPTURE", "sometimes")
-    with pytest.raises(UsageError, match="allowed static, dynamic"):
+    with pytest.raises(UsageError, match="allowed stamped, static, dynamic"):
         capture_policy()
     assert capture_policy("dynamic") == "dynamic"
     monkeypatch.delenv("HETFORGE_CAPTURE")
-    assert capture_policy() == "static"
+    assert capture_policy() == "stamped"

@@ -139,14 +139,19 @@ def capture(
         finally:
             torch.fx.config.do_not_emit_stack_traces = saved
         gm = ep.module() if guards else _module_without_guards(ep)
+    seconds = time.perf_counter() - t0  # the export and the graph module made from it (unlifting the weights)
+    return CapturedGraph(gm, ep, tuple(example_inputs), seconds, strict, name, param_paths(gm, model))
+
+
+def param_paths(gm: torch.fx.GraphModule, model: nn.Module) -> dict[str, str]:
+    """Each ``get_attr`` target of ``gm`` (captured from ``model``) -> the weight's path in the user's model."""
     prefix = _wrapper_prefix(model)
     paths = {}
     for n in gm.graph.nodes:
         if n.op == "get_attr":
             target = str(n.target)
             paths[target] = target[len(prefix):] if prefix and target.startswith(prefix) else target
-    seconds = time.perf_counter() - t0  # the export and the graph module made from it (unlifting the weights)
-    return CapturedGraph(gm, ep, tuple(example_inputs), seconds, strict, name, paths)
+    return paths
 
 
 def _module_without_guards(ep: torch.export.ExportedProgram) -> torch.fx.GraphModule:

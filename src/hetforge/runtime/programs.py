@@ -4,13 +4,15 @@ A program is made on first use: capture the static-shape module with ``torch.exp
 optimization passes, then hand the graph to an :class:`Executor`.
 Each step is timed (measured) and kept on the :class:`Program`.
 
-Capture policy (``capture=`` or ``HETFORGE_CAPTURE``): ``static`` (the default) exports each program's module at
-its own shape; ``dynamic`` exports each module once with a dynamic length (the prompt tier of prefill, the cache
-length of decode: ``torch.export.Dim.DYNAMIC``) and makes every program of that module by specialising that one
-capture to its shape (:func:`hetforge.frontend.specialize`: shape propagation, no second trace). Why static is
-the default: a dynamic export costs several static ones and a specialisation a fraction of one, so one dynamic
-capture only pays after several shapes of one module, while a first prefill + decode pair needs one shape of
-each (the measured ratios, and when they were measured: docs/arch/runtime.md).
+Capture policy (``capture=`` or ``HETFORGE_CAPTURE``): ``stamped`` (the default) exports the module with two of
+the model's decoder layers and stamps layer 1 out to the others (:mod:`hetforge.runtime.stamp`: the same graph as
+a whole export, at a fraction of the tracing), and exports the whole module where the layers are not uniform;
+``static`` exports each program's module whole at its own shape; ``dynamic`` exports each module once with a
+dynamic length (the prompt tier of prefill, the cache length of decode: ``torch.export.Dim.DYNAMIC``) and makes
+every program of that module by specialising that one capture to its shape (:func:`hetforge.frontend.specialize`:
+shape propagation, no second trace). A dynamic export costs several static ones and a specialisation a fraction
+of one, so one dynamic capture only pays after several shapes of one module, while a first prefill + decode pair
+needs one shape of each (the measured ratios, and when they were measured: docs/arch/runtime.md).
 """
 
 from __future__ import annotations
@@ -34,16 +36,16 @@ CALL_TOKENS = 8  # what one more program call is taken to cost, in prompt tokens
 # pass over the weights and the per-call overhead; bench/ttft.py measures the resulting choice against the tier)
 
 
-CAPTURE_POLICIES = ("static", "dynamic")
+CAPTURE_POLICIES = ("stamped", "static", "dynamic")
 
 
 def capture_policy(given: str | None = None) -> str:
-    """``given``, else ``HETFORGE_CAPTURE``, else ``static``; an unknown name is a usage error."""
+    """``given``, else ``HETFORGE_CAPTURE``, else ``stamped``; an unknown name is a usage error."""
     import os
 
     from hetforge.errors import UsageError
 
-    p = (given or os.environ.get("HETFORGE_CAPTURE") or "static").strip().lower()
+    p = (given or os.environ.get("HETFORGE_CAPTURE") or "stamped").strip().lower()
     if p not in CAPTURE_POLICIES:
         raise UsageError(f"capture policy '{p}' (HETFORGE_CAPTURE): allowed {', '.join(CAPTURE_POLICIES)}")
     return p
@@ -368,6 +370,17 @@ class ProgramCache:
         module's one dynamic export specialised to them (policy ``dynamic``); capture seconds are measured."""
         from hetforge.frontend import capture, specialize
 
+        if self.capture_policy == "stamped":
+            from hetforge.runtime.stamp import StampRefused, capture_stamped
+
+            t0 = time.perf_counter()
+            try:
+                return capture_stamped(module, inputs, label)
+            except StampRefused as e:
+                cg = capture(module, inputs, name=label, stack_traces=False, guards=False)
+                cg.seconds = time.perf_counter() - t0
+                cg.note = f"capture: the whole module exported (layers not stamped: {e})"
+                return cg
         if self.capture_policy == "static":
             return capture(module, inputs, name=label, stack_traces=False, guards=False)
         dyn_key = f"{type(module).__qualname__}:{inputs[0].shape[0]}"  # one per module and batch size

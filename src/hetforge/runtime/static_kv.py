@@ -121,6 +121,8 @@ def model_dims(model: nn.Module) -> tuple[int, int, int]:
 
 
 class _Base(nn.Module):
+    LAYER_INPUTS = 2  # inputs per layer, the last among the inputs: its K and V cache (runtime.stamp reads this)
+
     def __init__(self, model: nn.Module):
         super().__init__()
         self.model = model
@@ -141,6 +143,8 @@ class _Base(nn.Module):
 
 class PrefillModule(_Base):
     """``(input_ids[1, T], last[1]) -> (logits[1, V], k/v rows [1, Hkv, T, D] per layer)``."""
+
+    LAYER_INPUTS = 0
 
     def forward(self, input_ids: torch.Tensor, last: torch.Tensor) -> tuple[torch.Tensor, ...]:
         t = input_ids.shape[1]

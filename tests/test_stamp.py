@@ -1,0 +1,131 @@
+"""Capture by stamping (hetforge.runtime.stamp): two layers exported, the rest copied from layer 1. The graph must be
+the whole export's, node for node, and compute the same outputs bit for bit; non-uniform layers must be refused."""
+
+import pytest
+import torch
+
+from hetforge.frontend import capture
+from hetforge.models.zoo import ZOO, LoadedModel, _build
+from hetforge.placement.layers import layer_index
+from hetforge.runtime import Engine, SamplingParams
+from hetforge.runtime.batched import BatchedDecodeModule
+from hetforge.runtime.stamp import StampRefused, capture_stamped, find_stack
+from hetforge.runtime.static_kv import ChunkModule, DecodeModule, PrefillModule, model_dims
+
+
+def _deep(name: str, layers: int = 4, **config) -> LoadedModel:
+    """Zoo model ``name`` with ``layers`` layers (the tiny ones have 2: nothing to stamp), seeded weights."""
+    spec = ZOO[name]
+    cfg = spec.make_config()
+    for k, v in config.items():
+        setattr(cfg, k, v)
+    setattr(cfg, "n_layer" if "n_layer" in vars(cfg) else "num_hidden_layers", layers)
+    if getattr(cfg, "layer_types", None):
+        cfg.layer_types = cfg.layer_types[:1] * layers
+    torch.manual_seed(0)
+    model = _build(spec, cfg, "sdpa").eval()
+    return LoadedModel(spec.name, spec.family, spec.kind, model, model.config, "sdpa", "seeded random (seed 0)")
+
+
+def _cases(model, g):
+    layers, kv, hd = model_dims(model)
+    vocab = model.config.vocab_size
+
+    def cache(b=1):
+        return [torch.randn(b, kv, 48, hd, generator=g) for _ in range(2 * layers)]
+
+    return [
+        (PrefillModule, (torch.randint(0, vocab, (1, 16), generator=g), torch.tensor([11]))),
+        (DecodeModule, (torch.randint(0, vocab, (1, 1), generator=g), torch.tensor([[30]]), *cache())),
+        (ChunkModule, (torch.randint(0, vocab, (1, 4), generator=g), torch.arange(20, 24).unsqueeze(0),
+                       torch.tensor([3]), *cache())),
+        (BatchedDecodeModule, (torch.randint(0, vocab, (2, 1), generator=g), torch.tensor([[30], [12]]), *cache(2))),
+    ]
+
+
+def _summary(gm):
+    calls = [(str(n.target), layer_index(n)) for n in gm.graph.nodes if n.op == "call_function"]
+    attrs = sorted(str(n.target) for n in gm.graph.nodes if n.op == "get_attr")
+    inputs = [n.meta["val"].shape for n in gm.graph.nodes if n.op == "placeholder"]
+    return calls, attrs, inputs
+
+
+@pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny", "qwen2-tiny", "mixtral-tiny"])
+def test_stamped_graph_is_the_whole_export_node_for_node_with_the_same_outputs(name):
+    loaded = _deep(name)
+    g = torch.Generator().manual_seed(0)
+    layers = model_dims(loaded.model)[0]
+    assert layers >= 3, "a stamped capture needs layers to copy"
+    for cls, inputs in _cases(loaded.model, g):
+        stamped = capture_stamped(cls(loaded.model), inputs, "t")
+        whole = capture(cls(loaded.model), inputs, stack_traces=False, guards=False)
+        assert _summary(stamped.gm) == _summary(whole.gm), cls.__name__
+        assert stamped.param_paths == whole.param_paths
+        assert f"2 of {layers} layers exported" in stamped.note
+        with torch.no_grad():
+            got, want = stamped.gm(*inputs), whole.gm(*inputs)
+        assert len(got) == len(want) == 1 + 2 * layers
+        for x, y in zip(got, want, strict=True):
+            torch.testing.assert_close(x, y, rtol=0, atol=0)
+    # the model is whole again afterwards
+    assert len(find_stack(loaded.model).blocks) == layers == model_dims(loaded.model)[0]
+
+
+def test_a_layer_with_its_own_attribute_is_refused_and_the_runtime_exports_the_whole_model(monkeypatch):
+    monkeypatch.setenv("HETFORGE_COMPILE_CACHE", "0")
+    loaded = _deep("llama-tiny")
+    attn = loaded.model.model.layers[2].self_attn
+    attn.scaling = attn.scaling * 0.5  # layer 2 scales its scores differently: not a copy of layer 1
+    with pytest.raises(StampRefused, match="layer 2 differs from layer 0"):
+        find_stack(loaded.model)
+    eng = Engine(loaded, executor="auto")
+    prog, _ = eng.programs.prefill(32)
+    assert prog.notes[0].startswith("capture: the whole module exported (layers not stamped: layer 2 differs")
+    ids = torch.randint(0, loaded.vocab_size, (1, 32), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = loaded.model(ids).logits[0, -1]
+    torch.testing.assert_close(prog.run(ids, torch.tensor([31]))[0][0], want, rtol=1e-4, atol=1e-4)
+
+
+def test_a_layer_scaled_by_its_index_is_refused_by_the_module_check():
+    loaded = _deep("gpt2-tiny", scale_attn_by_inverse_layer_idx=True)  # layer i's scores divided by i + 1
+    with pytest.raises(StampRefused, match="layer 1 differs from layer 0"):
+        find_stack(loaded.model)
+
+
+def test_a_layer_computing_other_constants_is_refused_by_the_graph_check():
+    # alike modules whose forward uses the layer's index: only the check of layer 1's graph against layer 0's sees it
+    loaded = _deep("gpt2-tiny")
+    for i, block in enumerate(loaded.model.transformer.h):
+        block.mlp.forward = lambda x, f=block.mlp.forward, s=float(i + 1): f(x) * s
+    with pytest.raises(StampRefused, match="layer 1's operation .* differs from layer 0's"):
+        capture_stamped(PrefillModule(loaded.model), (torch.zeros((1, 8), dtype=torch.long), torch.tensor([7])), "t")
+    assert len(loaded.model.transformer.h) == model_dims(loaded.model)[0]  # restored after the refusal
+
+
+def test_per_layer_config_lists_and_short_stacks_are_refused():
+    loaded = _deep("llama-tiny")
+    layers = model_dims(loaded.model)[0]
+    loaded.model.config.layer_types = ["full_attention"] * (layers - 1) + ["sliding_attention"]
+    with pytest.raises(StampRefused, match="'layer_types' differs between layers"):
+        find_stack(loaded.model)
+    loaded.model.config.layer_types = ["full_attention"] * layers
+    find_stack(loaded.model)  # uniform again: accepted
+    loaded.model.model.layers = torch.nn.ModuleList(list(loaded.model.model.layers)[:2])
+    loaded.model.config.num_hidden_layers = 2
+    with pytest.raises(StampRefused, match="2 layers: nothing to stamp out"):
+        find_stack(loaded.model)
+
+
+def test_engine_generates_the_same_tokens_with_stamped_and_whole_captures(monkeypatch):
+    monkeypatch.setenv("HETFORGE_COMPILE_CACHE", "0")
+    loaded = _deep("llama-tiny", layers=3)
+    got = {}
+    for policy in ("stamped", "static"):
+        monkeypatch.setenv("HETFORGE_CAPTURE", policy)
+        eng = Engine(loaded, executor="auto")
+        r = eng.generate(list(range(3, 23)), SamplingParams(max_new_tokens=8, ignore_eos=True))
+        got[policy] = r.tokens
+        notes = eng.programs.prefill(32)[0].notes
+        assert any("layers exported" in n for n in notes) == (policy == "stamped"), notes
+    assert got["stamped"] == got["static"]
