@@ -58,6 +58,28 @@ def test_the_cold_decode_program_is_built_in_a_child_and_generates_the_in_proces
     assert r.tokens == r2.tokens
 
 
+def test_the_prefill_weights_are_packed_while_the_child_still_runs(cache, loaded, monkeypatch):
+    """Packing writes only new pages, so the parent packs its prefill program's oneDNN weights before it waits for
+    the child (the warm-up call, which writes the arena, still waits)."""
+    from hetforge.kernels.onednn import LazyPacked
+    from hetforge.runtime import programs
+
+    monkeypatch.setenv("HETFORGE_GEMM", "onednn")
+    seen = []
+    real = programs._prepack
+
+    def spy(placed):
+        assert any(job is not None for job in engines[0].programs.ahead.values())  # the child is not joined yet
+        real(placed)
+        lazy = [v for c in placed.exe.compiled for v in c.executable._globals.values() if isinstance(v, LazyPacked)]
+        seen.append((len(lazy), all(v.packed is not None for v in lazy)))
+
+    monkeypatch.setattr(programs, "_prepack", spy)
+    engines = [Engine(loaded, executor="auto")]
+    r = engines[0].generate(PROMPT, SamplingParams(max_new_tokens=4, ignore_eos=True))
+    assert r.built_alongside and len(seen) == 1 and seen[0][0] > 0 and seen[0][1], seen
+
+
 def test_a_second_request_forks_nothing(cache, loaded, monkeypatch):
     eng, r, _, _ = _run(loaded)
     monkeypatch.setattr(ahead, "start", lambda build: pytest.fail("forked although the program was built"))

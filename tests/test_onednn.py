@@ -65,6 +65,23 @@ def test_executor_runs_multi_row_linears_on_onednn_within_kl_1e8(name, monkeypat
     torch.testing.assert_close(exe(*inputs), first)
 
 
+def test_prepack_packs_every_onednn_weight_once_and_the_run_after_it_gives_the_same_bits(monkeypatch):
+    """``Executable.prepack`` (what a cold request does while the decode program's child still runs) packs each
+    oneDNN weight of the program, a second call packs nothing, and the program then computes what a program packing
+    in its first call computes."""
+    from hetforge.kernels.onednn import LazyPacked
+
+    monkeypatch.setenv("HETFORGE_GEMM", "onednn")
+    module, inputs, cg = captured("gpt2-tiny")
+    lazy_first = compile_graph(cg.gm, soc="host", example_inputs=inputs, name="a").executable
+    packed_first = compile_graph(cg.gm, soc="host", example_inputs=inputs, name="b").executable
+    weights = [v for v in packed_first._globals.values() if isinstance(v, LazyPacked)]
+    assert weights and all(v.packed is None for v in weights)
+    assert packed_first.prepack() == len(weights) and all(v.packed is not None for v in weights)
+    assert packed_first.prepack() == 0
+    torch.testing.assert_close(packed_first(*inputs), lazy_first(*inputs), rtol=0, atol=0)
+
+
 def test_policy_aten_keeps_every_product_on_aten(monkeypatch):
     monkeypatch.setenv("HETFORGE_GEMM", "aten")
     module, inputs, cg = captured("llama-tiny")

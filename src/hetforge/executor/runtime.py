@@ -699,6 +699,16 @@ class Executable:
         exec(code, g, ns)
         return ns["run"]
 
+    def prepack(self) -> int:
+        """Pack every oneDNN weight of the program now instead of in its first call (:class:`LazyPacked`); returns
+        how many were packed. It writes only the new packed copies, no arena or weight page."""
+        from hetforge.kernels.onednn import LazyPacked
+
+        lazy = [v for v in self._globals.values() if isinstance(v, LazyPacked) and v.packed is None]
+        for v in lazy:
+            v.get()
+        return len(lazy)
+
     def planned_buffer(self, vid: int) -> torch.Tensor | None:
         """The arena slice the generated code binds to register ``vid`` at build time (None if it has none)."""
         return self._globals.get(f"_b{vid}")

@@ -54,8 +54,13 @@ class ShapesResult:
 def _compile(module: torch.nn.Module, inputs: tuple, name: str, build: bool, options: dict[str, Any]) -> Any:
     from hetforge.compile import compile_graph
     from hetforge.frontend import capture
+    from hetforge.runtime.programs import capture_policy
+    from hetforge.runtime.stamp import capture_layers
 
-    cg = capture(module, inputs, name=name, stack_traces=False, guards=False)  # lowered only: no guard needed
+    if capture_policy() == "stamped" and hasattr(module, "model"):  # a wrapper of a HF model (LogitsModule)
+        cg = capture_layers(module, inputs, name)
+    else:
+        cg = capture(module, inputs, name=name, stack_traces=False, guards=False)  # lowered only: no guard needed
     res = compile_graph(cg.gm, example_inputs=inputs, name=name, build=build, **options)
     res.seconds = {"capture": cg.seconds, **res.seconds}
     return res

@@ -1,17 +1,18 @@
 """Capture a runtime module by exporting two decoder layers and stamping out the rest.
 
-``torch.export`` traces every operation of every layer through fake tensors, so a capture's time grows with
-the layer count, while a decoder's layers are one graph repeated with other weights (and, in decode, other cache
-inputs). So the model's layer list is cut to its first two layers, that is exported, and layer 1's nodes are
-copied for layers 2..L-1: each copy reads its own layer's weights and cache inputs, takes the previous copy's
-values where layer 1 took layer 0's, and the nodes after the stack read the last copy. The graph is what the
-full export gives, node for node (``tests/test_stamp.py`` compares the two and their outputs on the zoo).
+``torch.export`` traces every operation of every layer through fake tensors, so a capture's time grows with the
+layer count, while a decoder's layers are one graph repeated with other weights (and, in decode, other cache
+inputs). So the model's layer list is cut to its first two layers, that is exported, and layer 1's nodes are copied
+for layers 2..L-1: each copy reads its own layer's weights and cache inputs, takes the previous copy's values where
+layer 1 took layer 0's, and the nodes after the stack read the last copy. The graph is what the full export gives,
+node for node (``tests/test_stamp.py`` compares the two and their outputs on the zoo).
 
-Two layers, not one, because layer 1 is checked against layer 0 before anything is copied: the same operations
-with the same constants, weights of the same names and shapes, layer 0's inputs in the places where layer 1
-reads layer 0's outputs. Where layers differ (per-layer attention types or windows in the config or on the
-modules, other module types, other shapes) or the stack is not one clean region of the graph, the capture is
-refused with the reason, and the caller exports the whole model.
+``LogitsModule`` (the forward programs of ``runtime.shapes``) is captured the same way. Two layers, not one,
+because layer 1 is checked against layer 0 before anything is copied: the same operations with the same constants,
+weights of the same names and shapes, layer 0's inputs in the places where layer 1 reads layer 0's outputs. Where
+layers differ (per-layer attention types or windows in the config or on the modules, other module types, other
+shapes) or the stack is not one clean region of the graph, the capture is refused with the reason, and the caller
+exports the whole model.
 """
 
 from __future__ import annotations
@@ -52,7 +53,10 @@ class Stack:
 
 def find_stack(model: nn.Module) -> Stack:
     """The one ``ModuleList`` of ``L`` same-typed layers, checked to be uniform (else :class:`StampRefused`)."""
-    layers = model_dims(model)[0]
+    try:
+        layers = model_dims(model)[0]
+    except (AttributeError, TypeError):
+        raise StampRefused("no layer count in the model's config") from None
     if layers < 3:
         raise StampRefused(f"{layers} layers: nothing to stamp out")
     found = [(name, mod) for name, mod in model.named_modules()
@@ -102,23 +106,34 @@ def _cut(stack: Stack, model: nn.Module, keep: int) -> Iterator[None]:
 
 
 def capture_stamped(module: nn.Module, inputs: tuple, name: str) -> CapturedGraph:
-    """Capture runtime wrapper ``module`` (``static_kv`` / ``batched``: it holds the HF model as ``model``; its
-    class's ``LAYER_INPUTS`` inputs per layer come last) on ``inputs`` by exporting two layers and stamping out the
-    rest; :class:`StampRefused` when the layers are not uniform."""
+    """Capture ``module`` (a wrapper holding the HF model as ``model``: the runtime's ``static_kv`` / ``batched``
+    modules, whose class's ``LAYER_INPUTS`` inputs per layer come last, or ``LogitsModule``) on ``inputs`` by
+    exporting two layers and stamping out the rest; :class:`StampRefused` when the layers are not uniform."""
     t0 = time.perf_counter()
     model = module.model
     stack = find_stack(model)
     layers = len(stack.blocks)
-    per = type(module).LAYER_INPUTS
+    per = getattr(type(module), "LAYER_INPUTS", 0)
     fixed = len(inputs) - per * layers
     with _cut(stack, model, 2):
-        small = type(module)(model)
-        cg = capture(small, tuple(inputs[:fixed + 2 * per]), name=name, stack_traces=False, guards=False)
+        cg = capture(module, tuple(inputs[:fixed + 2 * per]), name=name, stack_traces=False, guards=False)
     _stamp(cg.gm, stack, fixed, per)
     seconds = time.perf_counter() - t0
     return CapturedGraph(cg.gm, cg.exported, tuple(inputs), seconds, cg.strict, name, param_paths(cg.gm, module),
                          note=f"capture: 2 of {layers} layers exported, layers 2..{layers - 1} stamped from layer 1 "
                               "(the exported program holds the 2 layers)")
+
+
+def capture_layers(module: nn.Module, inputs: tuple, name: str) -> CapturedGraph:
+    """:func:`capture_stamped`, or the whole module's export (its note says why) where the layers are refused."""
+    t0 = time.perf_counter()
+    try:
+        return capture_stamped(module, inputs, name)
+    except StampRefused as e:
+        cg = capture(module, inputs, name=name, stack_traces=False, guards=False)
+        cg.seconds = time.perf_counter() - t0
+        cg.note = f"capture: the whole module exported (layers not stamped: {e})"
+        return cg
 
 
 def _stamp(gm: torch.fx.GraphModule, stack: Stack, fixed: int, per: int) -> None:
@@ -203,12 +218,14 @@ def _stamp(gm: torch.fx.GraphModule, stack: Stack, fixed: int, per: int) -> None
     for n in after:  # the nodes after the layers read the last copy
         n.args = map_aggregate(n.args, lambda x: _last(x, layer, counterpart, prev))
         n.kwargs = map_aggregate(n.kwargs, lambda x: _last(x, layer, counterpart, prev))
-    if o1:
+    out_spec = g._codegen.pytree_info.out_spec if isinstance(g._codegen, _PyTreeCodeGen) else None
+    if o1:  # the per-layer outputs grow: a flat tuple of them all
         results = (*results[:o1[-1] + 1], *added, *results[o1[-1] + 1:])
-    out.args = (tuple(results),)
+        out_spec = tree_flatten(tuple(results))[1]
+        out.args = (tuple(results),)
     names = [p.name for p in g.nodes if p.op == "placeholder"]
     in_spec = tree_flatten((tuple(names), {}))[1]
-    g._codegen = _PyTreeCodeGen(_PyTreeInfo(names, in_spec, tree_flatten(tuple(results))[1]))
+    g._codegen = _PyTreeCodeGen(_PyTreeInfo(names, in_spec, out_spec))
     g.lint()
     gm.recompile()
 

@@ -126,7 +126,11 @@ class _Base(nn.Module):
     def __init__(self, model: nn.Module):
         super().__init__()
         self.model = model
-        self.layers = model_dims(model)[0]
+
+    @property
+    def layers(self) -> int:
+        """The model's layer count, read from its config at each call (``runtime.stamp`` cuts the model to two)."""
+        return model_dims(self.model)[0]
 
     def _hidden(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         base = self.model.base_model
