@@ -36,11 +36,17 @@ def _outputs(res):
 
 @pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny"])
 def test_shapes_built_in_a_child_equal_the_ones_built_in_turn(name, parallel, monkeypatch):
+    from hetforge.kernels.onednn import LazyPacked
+
+    monkeypatch.setenv("HETFORGE_GEMM", "onednn")
     module, inputs = _shapes(name)
     got = shapes.compile_shapes(module, inputs, name=name, soc="host")
     assert got.refused == "" and got.programs[0].child_s is None
     assert got.programs[1].child_s is not None and "built in a forked child" in got.programs[1].notes[0]
     assert "built alongside (wait + bind)" in got.own_stages
+    # the shape built here had its oneDNN weights packed while the child ran, before any call
+    lazy = [v for v in got.programs[0].executable._globals.values() if isinstance(v, LazyPacked)]
+    assert "pack weights" in got.own_stages and lazy and all(v.packed is not None for v in lazy)
     monkeypatch.setenv(ahead.ENV, "0")
     alone = shapes.compile_shapes(module, inputs, name=name, soc="host")
     assert alone.refused == f"{ahead.ENV}=0" and all(p.child_s is None for p in alone.programs)
