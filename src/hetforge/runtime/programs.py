@@ -378,8 +378,9 @@ class ProgramCache:
                        b.compile_s + warm_s + rest, notes, b.placed)
 
     def _capture(self, module: nn.Module, inputs: tuple, label: str, kind: str, length: int):
-        """The static graph of ``module`` at ``inputs``' shapes: its own export (policy ``static``), or the
-        module's one dynamic export specialised to them (policy ``dynamic``); capture seconds are measured."""
+        """The static graph of ``module`` at ``inputs``' shapes: two layers exported and stamped out (policy
+        ``stamped``, whole where the layers are not uniform), its own export (policy ``static``), or the module's one
+        dynamic export specialised to them (policy ``dynamic``); capture seconds are measured."""
         from hetforge.frontend import capture, specialize
 
         if self.capture_policy == "stamped":

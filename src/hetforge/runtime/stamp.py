@@ -136,12 +136,72 @@ def capture_layers(module: nn.Module, inputs: tuple, name: str) -> CapturedGraph
         return cg
 
 
+@dataclass
+class _Two:
+    """A 2-layer graph read for stamping: each node's layer (None outside the stack), layer 1's operations, inputs
+    and weights, each layer-1 node's layer-0 counterpart, the operations after the stack, the graph's outputs and
+    the positions of layer 1's among them."""
+
+    layer: dict
+    ops1: list
+    inputs1: list
+    weights1: list
+    counterpart: dict
+    after: list
+    results: tuple
+    out1: list
+
+
 def _stamp(gm: torch.fx.GraphModule, stack: Stack, fixed: int, per: int) -> None:
-    """Copy layer 1 of a 2-layer graph out to ``len(stack.blocks)`` layers, in place (checks first)."""
-    g = gm.graph
+    """Copy layer 1 of a 2-layer graph out to ``len(stack.blocks)`` layers, in place (checked first)."""
+    two = _checked(gm, stack, fixed, per)
+    g, layer, counterpart = gm.graph, two.layer, two.counterpart
+    inv = {v: k for k, v in counterpart.items()}  # layer-0 node -> layer-1 node
+    prev = dict(inv)  # layer-0 node -> its counterpart in the layer copied last (what the next copy reads)
+    placeholders = [n for n in g.nodes if n.op == "placeholder"]
+    last_ph = placeholders[-1] if placeholders else None
+    last_attr, last_op = (two.weights1[-1] if two.weights1 else None), two.ops1[-1]
+    added: list[torch.fx.Node] = []
+    for k in range(2, len(stack.blocks)):
+        env: dict[torch.fx.Node, torch.fx.Node] = {}
+        for p in two.inputs1:  # this layer's own inputs (decode: its K/V cache), after the last input
+            with g.inserting_after(last_ph):
+                env[p] = last_ph = g.placeholder(_renumber(p.name, (k - 1) * per))
+            last_ph.meta = dict(p.meta)
+        for a in two.weights1:  # this layer's own weights, after the last layer's
+            target = _other_layer(stack, str(a.target), k)
+            _set_attr(gm, target, _fetch(stack.blocks[k], target[len(stack.path) + 1:].split(".", 1)[1]))
+            with g.inserting_after(last_attr):
+                env[a] = last_attr = g.get_attr(target)
+            last_attr.meta = dict(a.meta)
+        for n in two.ops1:  # layer 1's operations reading this layer's inputs and weights and the last copy's values
+            with g.inserting_after(last_op):
+                last_op = g.node_copy(n, lambda x, env=env, prev=prev: env.get(x) or prev.get(x, x))
+            last_op.meta["nn_module_stack"] = _restack(n.meta.get("nn_module_stack") or {}, stack.path, k)
+            env[n] = last_op
+        prev = {x0: env[x1] for x0, x1 in inv.items() if x1 in env}
+        added += [env[two.results[i]] for i in two.out1]
+    for n in two.after:  # the nodes after the layers read the last copy
+        n.args = map_aggregate(n.args, lambda x: _last(x, layer, counterpart, prev))
+        n.kwargs = map_aggregate(n.kwargs, lambda x: _last(x, layer, counterpart, prev))
+    out_spec = g._codegen.pytree_info.out_spec if isinstance(g._codegen, _PyTreeCodeGen) else None
+    if two.out1:  # the per-layer outputs grow: a flat tuple of them all
+        end = two.out1[-1] + 1
+        results = (*two.results[:end], *added, *two.results[end:])
+        out_spec = tree_flatten(results)[1]
+        g.output_node().args = (results,)
+    names = [p.name for p in g.nodes if p.op == "placeholder"]
+    g._codegen = _PyTreeCodeGen(_PyTreeInfo(names, tree_flatten((tuple(names), {}))[1], out_spec))
+    g.lint()
+    gm.recompile()
+
+
+def _layers(g: torch.fx.Graph, stack: Stack, fixed: int, per: int) -> dict:
+    """Each node's layer: a placeholder's from its position (``per`` inputs per layer after ``fixed``), a weight's
+    from its path, an operation's from its module stack; None outside the layers."""
     pattern = re.compile(rf"^{re.escape(stack.path)}\.(\d+)(?:\.|$)")
 
-    def layer_of_path(path: str) -> int | None:
+    def of_path(path: str) -> int | None:
         m = pattern.match(path)
         return int(m.group(1)) if m else None
 
@@ -152,12 +212,20 @@ def _stamp(gm: torch.fx.GraphModule, stack: Stack, fixed: int, per: int) -> None
             i = placeholders.index(n)
             layer[n] = (i - fixed) // per if i >= fixed else None
         elif n.op == "get_attr":
-            layer[n] = layer_of_path(str(n.target))
+            layer[n] = of_path(str(n.target))
         elif n.op == "call_function":
-            paths = [layer_of_path(str(p)) for p, _ in (n.meta.get("nn_module_stack") or {}).values()]
+            paths = [of_path(str(p)) for p, _ in (n.meta.get("nn_module_stack") or {}).values()]
             layer[n] = next((x for x in paths if x is not None), None)
         else:
             layer[n] = None
+    return layer
+
+
+def _checked(gm: torch.fx.GraphModule, stack: Stack, fixed: int, per: int) -> _Two:
+    """The 2-layer graph read for stamping, once layer 1 is checked to be layer 0 one layer on (else
+    :class:`StampRefused`)."""
+    g = gm.graph
+    layer = _layers(g, stack, fixed, per)
     calls = [n for n in g.nodes if n.op == "call_function"]
     b0 = [n for n in calls if layer[n] == 0]
     b1 = [n for n in calls if layer[n] == 1]
@@ -166,6 +234,7 @@ def _stamp(gm: torch.fx.GraphModule, stack: Stack, fixed: int, per: int) -> None
     first, last = calls.index(b0[0]), calls.index(b1[-1])
     if calls[first:last + 1] != b0 + b1:
         raise StampRefused("the two layers are not one region of the graph (other operations between them)")
+    placeholders = [n for n in g.nodes if n.op == "placeholder"]
     ph1 = [p for p in placeholders if layer[p] == 1]
     attrs = {str(n.target): n for n in g.nodes if n.op == "get_attr"}
     at1 = [n for n in g.nodes if n.op == "get_attr" and layer[n] == 1]
@@ -182,8 +251,7 @@ def _stamp(gm: torch.fx.GraphModule, stack: Stack, fixed: int, per: int) -> None
     after = calls[last + 1:]
     if any(layer[x] == 0 for n in after for x in n.all_input_nodes):
         raise StampRefused("an operation after the layers reads layer 0")
-    out = g.output_node()
-    results = out.args[0]
+    results = g.output_node().args[0]
     if not isinstance(results, tuple | list) or any(isinstance(r, tuple | list | dict) for r in results):
         raise StampRefused("the module's outputs are not one flat tuple")
     o0 = [i for i, r in enumerate(results) if isinstance(r, torch.fx.Node) and layer[r] == 0]
@@ -191,43 +259,7 @@ def _stamp(gm: torch.fx.GraphModule, stack: Stack, fixed: int, per: int) -> None
     if len(o0) != len(o1) or (o0 and o1 != list(range(o0[-1] + 1, o0[-1] + 1 + len(o1)))) or \
             any(counterpart.get(results[j]) is not results[i] for i, j in zip(o0, o1, strict=True)):
         raise StampRefused("layer 1's outputs do not mirror layer 0's")
-
-    inv = {v: k for k, v in counterpart.items()}  # layer-0 node -> layer-1 node
-    prev = dict(inv)  # layer-0 node -> its counterpart in the layer copied last (what the next copy reads)
-    last_ph, last_attr, last_op = placeholders[-1] if placeholders else None, at1[-1] if at1 else None, b1[-1]
-    added: list[torch.fx.Node] = []
-    for k in range(2, len(stack.blocks)):
-        env: dict[torch.fx.Node, torch.fx.Node] = {}
-        for p in ph1:  # this layer's own inputs (decode: its K/V cache), after the last input
-            with g.inserting_after(last_ph):
-                env[p] = last_ph = g.placeholder(_renumber(p.name, (k - 1) * per))
-            last_ph.meta = dict(p.meta)
-        for a in at1:  # this layer's own weights, after the last layer's
-            target = _other_layer(stack, str(a.target), k)
-            _set_attr(gm, target, _fetch(stack.blocks[k], target[len(stack.path) + 1:].split(".", 1)[1]))
-            with g.inserting_after(last_attr):
-                env[a] = last_attr = g.get_attr(target)
-            last_attr.meta = dict(a.meta)
-        for n in b1:  # layer 1's operations reading this layer's inputs and weights and the last copy's values
-            with g.inserting_after(last_op):
-                last_op = g.node_copy(n, lambda x, env=env, prev=prev: env.get(x) or prev.get(x, x))
-            last_op.meta["nn_module_stack"] = _restack(n.meta.get("nn_module_stack") or {}, stack.path, k)
-            env[n] = last_op
-        prev = {x0: env[x1] for x0, x1 in inv.items() if x1 in env}
-        added += [env[results[i]] for i in o1]
-    for n in after:  # the nodes after the layers read the last copy
-        n.args = map_aggregate(n.args, lambda x: _last(x, layer, counterpart, prev))
-        n.kwargs = map_aggregate(n.kwargs, lambda x: _last(x, layer, counterpart, prev))
-    out_spec = g._codegen.pytree_info.out_spec if isinstance(g._codegen, _PyTreeCodeGen) else None
-    if o1:  # the per-layer outputs grow: a flat tuple of them all
-        results = (*results[:o1[-1] + 1], *added, *results[o1[-1] + 1:])
-        out_spec = tree_flatten(tuple(results))[1]
-        out.args = (tuple(results),)
-    names = [p.name for p in g.nodes if p.op == "placeholder"]
-    in_spec = tree_flatten((tuple(names), {}))[1]
-    g._codegen = _PyTreeCodeGen(_PyTreeInfo(names, in_spec, out_spec))
-    g.lint()
-    gm.recompile()
+    return _Two(layer, b1, ph1, at1, counterpart, after, tuple(results), o1)
 
 
 def _last(x, layer: dict, counterpart: dict, prev: dict):
