@@ -47,6 +47,9 @@ def test_shapes_built_in_a_child_equal_the_ones_built_in_turn(name, parallel, mo
     # the shape built here had its oneDNN weights packed while the child ran, before any call
     lazy = [v for v in got.programs[0].executable._globals.values() if isinstance(v, LazyPacked)]
     assert "pack weights" in got.own_stages and lazy and all(v.packed is not None for v in lazy)
+    # how each shape was captured reaches its notes, from this process and from the child (2 layers: whole export)
+    for p in got.programs:
+        assert any(n.startswith("capture: the whole module exported (layers not stamped: 2 layers") for n in p.notes)
     monkeypatch.setenv(ahead.ENV, "0")
     alone = shapes.compile_shapes(module, inputs, name=name, soc="host")
     assert alone.refused == f"{ahead.ENV}=0" and all(p.child_s is None for p in alone.programs)

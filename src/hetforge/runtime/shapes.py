@@ -51,7 +51,9 @@ class ShapesResult:
     refused: str = ""  # why nothing was built in a child ("" when children were used)
 
 
-def _compile(module: torch.nn.Module, inputs: tuple, name: str, build: bool, options: dict[str, Any]) -> Any:
+def _compile(module: torch.nn.Module, inputs: tuple, name: str, build: bool, options: dict[str, Any]) \
+        -> tuple[Any, str]:
+    """The shape's ``compile_graph`` result and how it was captured (a stamped capture's note, else "")."""
     from hetforge.compile import compile_graph
     from hetforge.frontend import capture
     from hetforge.runtime.programs import capture_policy
@@ -63,7 +65,7 @@ def _compile(module: torch.nn.Module, inputs: tuple, name: str, build: bool, opt
         cg = capture(module, inputs, name=name, stack_traces=False, guards=False)  # lowered only: no guard needed
     res = compile_graph(cg.gm, example_inputs=inputs, name=name, build=build, **options)
     res.seconds = {"capture": cg.seconds, **res.seconds}
-    return res
+    return res, cg.note
 
 
 def _stages(secs: dict[str, float]) -> dict[str, float]:
@@ -93,10 +95,10 @@ def compile_shapes(module: torch.nn.Module, shapes: Sequence[tuple[torch.Tensor,
             def build(i: int = i, path: str = path) -> bool:
                 from hetforge.runtime.compile_cache import program_payload
 
-                res = _compile(module, shapes[i], labels[i], False, options)
+                res, note = _compile(module, shapes[i], labels[i], False, options)
                 pd, extra = program_payload(res.program)
                 torch.save({"program": pd, "extra": extra, "seconds": _stages(res.seconds),
-                            "passes_note": res.passes_note}, path + ".tmp")
+                            "passes_note": res.passes_note, "capture_note": note}, path + ".tmp")
                 os.replace(path + ".tmp", path)
                 return True
 
@@ -108,11 +110,12 @@ def compile_shapes(module: torch.nn.Module, shapes: Sequence[tuple[torch.Tensor,
         for i in range(len(shapes)):  # the first, and any shape no child builds
             if i in jobs:
                 continue
-            res = _compile(module, shapes[i], labels[i], True, options)
+            res, note = _compile(module, shapes[i], labels[i], True, options)
             stages = _stages(res.seconds)
             for k, v in stages.items():
                 own[k] = own.get(k, 0.0) + v
-            out[i] = ShapeProgram(shapes[i], res.executable, res.program, stages, res.passes_note)
+            out[i] = ShapeProgram(shapes[i], res.executable, res.program, stages, res.passes_note,
+                                  notes=[note] if note else [])
         if jobs:  # packing the oneDNN weights writes only new pages: done while the children still run
             t0 = time.perf_counter()
             for p in out:
@@ -155,11 +158,13 @@ def _collect(module: torch.nn.Module, inputs: tuple, label: str, job: Any, path:
             own["built alongside (wait + bind)"] = own.get("built alongside (wait + bind)", 0.0) + waited + took
             return ShapeProgram(inputs, exe, program, got["seconds"], got["passes_note"], child_s,
                                 [f"built in a forked child ({child_s:.3f} s of its own, measured); waited "
-                                 f"{waited:.3f} s, bound and built here in {took:.3f} s"])
-    res = _compile(module, inputs, label, True, options)
+                                 f"{waited:.3f} s, bound and built here in {took:.3f} s",
+                                 *([got["capture_note"]] if got.get("capture_note") else [])])
+    res, note = _compile(module, inputs, label, True, options)
     stages = _stages(res.seconds)
     for k, v in stages.items():
         own[k] = own.get(k, 0.0) + v
     own["built alongside (wait + bind)"] = own.get("built alongside (wait + bind)", 0.0) + waited
     return ShapeProgram(inputs, res.executable, res.program, stages, res.passes_note, None,
-                        [f"the forked child building this shape failed ({err or 'no program'}); built here"])
+                        [f"the forked child building this shape failed ({err or 'no program'}); built here",
+                         *([note] if note else [])])
