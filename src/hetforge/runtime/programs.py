@@ -355,12 +355,12 @@ class ProgramCache:
         if cg.note:
             b.notes.insert(0, cg.note)
         t0 = time.perf_counter()
+        t_pack = 0.0
         if warm and self.ahead:  # a forked child shares this process's pages until it exits: every page the
             # warm-up call writes would be copied first (copy-on-write), so wait for it; packing the weights writes
             # only new pages, so it is done while the child still runs
             _prepack(b.placed)
-        t_pack = time.perf_counter() - t0
-        if warm and self.ahead:
+            t_pack = time.perf_counter() - t0
             self.join_ahead()
         t1 = time.perf_counter()  # the wait counts in the child's program (ProgramCache.decode), not in this one
         if warm:  # one warm-up call: one-time kernel work (e.g. FBGEMM weight prepacking) is paid here

@@ -59,7 +59,7 @@ def _compile(module: torch.nn.Module, inputs: tuple, name: str, build: bool, opt
     from hetforge.runtime.programs import capture_policy
     from hetforge.runtime.stamp import capture_layers
 
-    if capture_policy() == "stamped" and hasattr(module, "model"):  # a wrapper of a HF model (LogitsModule)
+    if capture_policy() == "stamped":
         cg = capture_layers(module, inputs, name)
     else:
         cg = capture(module, inputs, name=name, stack_traces=False, guards=False)  # lowered only: no guard needed

@@ -110,7 +110,9 @@ def capture_stamped(module: nn.Module, inputs: tuple, name: str) -> CapturedGrap
     modules, whose class's ``LAYER_INPUTS`` inputs per layer come last, or ``LogitsModule``) on ``inputs`` by
     exporting two layers and stamping out the rest; :class:`StampRefused` when the layers are not uniform."""
     t0 = time.perf_counter()
-    model = module.model
+    model = getattr(module, "model", None)
+    if not isinstance(model, nn.Module):
+        raise StampRefused("the module holds no Hugging Face model as 'model'")
     stack = find_stack(model)
     layers = len(stack.blocks)
     per = getattr(type(module), "LAYER_INPUTS", 0)
@@ -162,15 +164,16 @@ def _stamp(gm: torch.fx.GraphModule, stack: Stack, fixed: int, per: int) -> None
     last_ph = placeholders[-1] if placeholders else None
     last_attr, last_op = (two.weights1[-1] if two.weights1 else None), two.ops1[-1]
     added: list[torch.fx.Node] = []
+    rests = [(a, _in_layer(stack, str(a.target))) for a in two.weights1]  # each weight's path inside its layer
     for k in range(2, len(stack.blocks)):
         env: dict[torch.fx.Node, torch.fx.Node] = {}
         for p in two.inputs1:  # this layer's own inputs (decode: its K/V cache), after the last input
             with g.inserting_after(last_ph):
                 env[p] = last_ph = g.placeholder(_renumber(p.name, (k - 1) * per))
             last_ph.meta = dict(p.meta)
-        for a in two.weights1:  # this layer's own weights, after the last layer's
-            target = _other_layer(stack, str(a.target), k)
-            _set_attr(gm, target, _fetch(stack.blocks[k], target[len(stack.path) + 1:].split(".", 1)[1]))
+        for a, rest in rests:  # this layer's own weights, after the last layer's
+            target = f"{stack.path}.{k}.{rest}"
+            _set_attr(gm, target, _fetch(stack.blocks[k], rest))
             with g.inserting_after(last_attr):
                 env[a] = last_attr = g.get_attr(target)
             last_attr.meta = dict(a.meta)
@@ -205,13 +208,13 @@ def _layers(g: torch.fx.Graph, stack: Stack, fixed: int, per: int) -> dict:
         m = pattern.match(path)
         return int(m.group(1)) if m else None
 
-    placeholders = [n for n in g.nodes if n.op == "placeholder"]
     layer: dict[torch.fx.Node, int | None] = {}
+    for i, n in enumerate(n for n in g.nodes if n.op == "placeholder"):
+        layer[n] = (i - fixed) // per if i >= fixed else None
     for n in g.nodes:
         if n.op == "placeholder":
-            i = placeholders.index(n)
-            layer[n] = (i - fixed) // per if i >= fixed else None
-        elif n.op == "get_attr":
+            continue
+        if n.op == "get_attr":
             layer[n] = of_path(str(n.target))
         elif n.op == "call_function":
             paths = [of_path(str(p)) for p, _ in (n.meta.get("nn_module_stack") or {}).values()]
@@ -241,7 +244,7 @@ def _checked(gm: torch.fx.GraphModule, stack: Stack, fixed: int, per: int) -> _T
     counterpart = dict(zip(b1, b0, strict=True))  # layer-1 node -> layer-0 node
     counterpart.update(zip(ph1, [p for p in placeholders if layer[p] == 0], strict=True))
     for n in at1:
-        twin = attrs.get(_other_layer(stack, str(n.target), 0))
+        twin = attrs.get(f"{stack.path}.0.{_in_layer(stack, str(n.target))}")
         if twin is None:
             raise StampRefused(f"layer 1 reads '{n.target}', layer 0 has no such weight")
         counterpart[n] = twin
@@ -267,10 +270,9 @@ def _last(x, layer: dict, counterpart: dict, prev: dict):
     return prev[counterpart[x]] if isinstance(x, torch.fx.Node) and layer.get(x) == 1 else x
 
 
-def _other_layer(stack: Stack, target: str, k: int) -> str:
-    """``target`` (a weight of one layer, ``<stack>.<i>.<rest>``) in layer ``k``."""
-    rest = target[len(stack.path) + 1:].split(".", 1)[1]
-    return f"{stack.path}.{k}.{rest}"
+def _in_layer(stack: Stack, target: str) -> str:
+    """The path of ``target`` (a weight of one layer, ``<stack>.<i>.<rest>``) inside its layer: ``rest``."""
+    return target[len(stack.path) + 1:].split(".", 1)[1]
 
 
 def _renumber(name: str, shift: int) -> str:
