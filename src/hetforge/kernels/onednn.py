@@ -11,8 +11,9 @@ AVX-512 EPYC).
 oneDNN is asked for a layout per number of rows, and packing copies the weight, so one copy per prefill length
 (tiers, and the default ``fine`` lengths: up to eight per power of two) would add one model of memory per length
 for as long as the weight lives. Where this oneDNN packs a weight byte for byte alike for every row count from 2
-(checked once per dtype, shape and layout: :func:`_pack_hint`), one packed copy serves them all; elsewhere a
-weight is packed once per row count. Decode uses the native GEMV on the original weight.
+(checked once per dtype, shape and layout, when a second row count asks for a weight: :func:`_alike`), one packed
+copy serves them all; elsewhere a weight is packed once per row count. A program with one prefill length never
+pays the check. Decode uses the native GEMV on the original weight.
 
 Which kernel runs is a measured choice (:func:`choose`): for every ``(rows, K, N, dtype, threads)`` the
 executor meets, ATen and oneDNN are timed interleaved once per process (:data:`ROUNDS` rounds of one call
@@ -46,9 +47,9 @@ DTYPES = (torch.float32, torch.bfloat16)
 PROBE_N = 4096  # most output columns :func:`choose` times
 ROUNDS = 5  # interleaved rounds of :func:`choose`
 
-PACK_ROWS = 512  # the row count a weight is packed for when every count >= 2 packs alike (_pack_hint)
+PACK_ROWS = 512  # the widest row count _alike compares a 2-row packing with
 
-_packed: dict[tuple[int, bool, int], torch.Tensor] = {}
+_packed: dict[tuple[int, bool], dict[int, torch.Tensor]] = {}  # (id(w), weight_t) -> rows -> packed copy
 _hint_free: dict[tuple, bool] = {}  # (dtype, shape, weight_t) -> whether packing ignores the row count >= 2
 _choices: dict[tuple, bool] = {}
 _choice_times: dict[tuple, tuple[float, float, float]] = {}
@@ -87,52 +88,57 @@ def policy() -> str:
     return p if p in POLICIES else "auto"
 
 
-def _drop(key: tuple[int, bool, int]) -> None:
+def _drop(key: tuple[int, bool]) -> None:
     _packed.pop(key, None)
 
 
-def _raw(t: torch.Tensor) -> bytes:
-    """The bytes of a packed (mkldnn-layout) tensor."""
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of a packed (mkldnn-layout) tensor as a uint8 view (no copy); valid while ``t`` lives."""
     import ctypes
 
-    return ctypes.string_at(torch.ops.mkldnn.data_ptr(t), torch.ops.mkldnn._nbytes(t))
+    n = torch.ops.mkldnn._nbytes(t)
+    return torch.frombuffer((ctypes.c_uint8 * n).from_address(torch.ops.mkldnn.data_ptr(t)), dtype=torch.uint8)
+
+
+def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(_bytes(a), _bytes(b))
 
 
 def _reorder(w: torch.Tensor, weight_t: bool, rows: int) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(w.t() if weight_t else w, rows)  # reads any strides
 
 
-def _pack_hint(w: torch.Tensor, weight_t: bool, rows: int) -> tuple[int, torch.Tensor | None]:
-    """The row count ``w`` is packed for: :data:`PACK_ROWS` for every ``rows`` >= 2 where this oneDNN packs such a
-    weight byte for byte alike for 2 and for :data:`PACK_ROWS` rows (checked once per dtype, shape and layout),
-    else ``rows``; with the :data:`PACK_ROWS` packing of ``w`` when the check just made it (so it is not made
-    again). Why: each prefill length (fine mode: up to 8 per power of two) would otherwise keep its own packed copy
-    of every weight, for as long as the model lives."""
-    if rows < 2:
-        return rows, None
+def _alike(w: torch.Tensor, weight_t: bool, mine: dict[int, torch.Tensor]) -> bool:
+    """Whether this oneDNN packs a weight of ``w``'s dtype, shape and layout byte for byte alike for 2 and for
+    :data:`PACK_ROWS` rows (then, taken as alike for every count between, one packed copy serves every count
+    >= 2); checked once per dtype, shape and layout, reusing the packings of ``w`` already made (``mine``)."""
     key = (w.dtype, tuple(w.shape), weight_t)
-    if key in _hint_free:
-        return (PACK_ROWS if _hint_free[key] else rows), None
-    wide = _reorder(w, weight_t, PACK_ROWS)
-    try:
-        same = _raw(_reorder(w, weight_t, 2)) == _raw(wide)
-    except (AttributeError, RuntimeError):  # no way to read the packed bytes here: one pack per row count
-        same = False
-    _hint_free[key] = same
-    return (PACK_ROWS, wide) if same else (rows, None)
+    if key not in _hint_free:
+        try:
+            lo, hi = (mine.get(r) if r in mine else _reorder(w, weight_t, r) for r in (2, PACK_ROWS))
+            _hint_free[key] = _same_bytes(lo, hi)
+        except (AttributeError, RuntimeError):  # no way to read the packed bytes here: one pack per row count
+            _hint_free[key] = False
+    return _hint_free[key]
 
 
 def packed_weight(w: torch.Tensor, weight_t: bool, rows: int) -> torch.Tensor:
-    """``w`` (``[N, K]``, or ``[K, N]`` when ``weight_t``) reordered into oneDNN's layout for ``rows`` rows;
-    made once per weight and packing (one for every row count that packs alike: :func:`_pack_hint`), freed with
-    the weight."""
-    rows, made = _pack_hint(w, weight_t, rows)
-    key = (id(w), weight_t, rows)
-    got = _packed.get(key)
-    if got is None:
-        got = made if made is not None else _reorder(w, weight_t, rows)
-        _packed[key] = got
+    """``w`` (``[N, K]``, or ``[K, N]`` when ``weight_t``) reordered into oneDNN's layout for ``rows`` rows; made
+    once per weight and packing, freed with the weight. The first row count >= 2 a weight is packed for is packed
+    as asked, without a check: a program with one prefill length packs each weight once. A second count >= 2
+    takes the first one's copy where every count packs alike (:func:`_alike`), else its own. Why: each prefill
+    length (fine mode: up to 8 per power of two) would otherwise keep its own packed copy of every weight, for as
+    long as the model lives."""
+    key = (id(w), weight_t)
+    mine = _packed.get(key)
+    if mine is None:
+        mine = _packed[key] = {}
         weakref.finalize(w, _drop, key)
+    got = mine.get(rows)
+    if got is None:
+        made = next((p for r, p in mine.items() if r >= 2), None) if rows >= 2 else None
+        got = made if made is not None and _alike(w, weight_t, mine) else _reorder(w, weight_t, rows)
+        mine[rows] = got
     return got
 
 
