@@ -65,6 +65,19 @@ def test_the_first_row_count_is_packed_once_and_the_alike_check_waits_for_a_seco
     torch.testing.assert_close(onednn.linear_fn(second, None)(x), x @ w.t(), rtol=1e-5, atol=1e-5)
 
 
+def test_a_packing_burst_copies_transposed_weights_through_one_buffer_and_packs_the_same_bytes():
+    g = torch.Generator().manual_seed(3)
+    big, small = torch.randn(64, 96, generator=g), torch.randn(32, 48, generator=g)  # [K, N]: packed as transposes
+    alone = [onednn._reorder(w, True, 16) for w in (big, small)]
+    with onednn.packing():
+        burst = [onednn._reorder(w, True, 16) for w in (big, small)]
+        assert onednn._scratch[0].numel() == 64 * 96  # grown once for the larger, reused for the smaller
+    assert onednn._scratch == []  # freed after the burst
+    assert all(onednn._same_bytes(a, b) for a, b in zip(alone, burst, strict=True))
+    x = torch.randn(16, 64, generator=g)
+    torch.testing.assert_close(onednn.linear_fn(burst[0], None)(x), x @ big, rtol=1e-5, atol=1e-5)
+
+
 def test_same_bytes_reads_the_packed_bytes_without_a_copy():
     w = torch.randn(40, 24)
     p, q = onednn._reorder(w, False, 8), onednn._reorder(w, False, 8)

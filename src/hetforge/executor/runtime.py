@@ -702,11 +702,12 @@ class Executable:
     def prepack(self) -> int:
         """Pack every oneDNN weight of the program now instead of in its first call (:class:`LazyPacked`); returns
         how many were packed. It writes only the new packed copies, no arena or weight page."""
-        from hetforge.kernels.onednn import LazyPacked
+        from hetforge.kernels.onednn import LazyPacked, packing
 
         lazy = [v for v in self._globals.values() if isinstance(v, LazyPacked) and v.packed is None]
-        for v in lazy:
-            v.get()
+        with packing():
+            for v in lazy:
+                v.get()
         return len(lazy)
 
     def planned_buffer(self, vid: int) -> torch.Tensor | None:

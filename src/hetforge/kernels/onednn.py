@@ -28,11 +28,12 @@ default, measures).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -53,6 +54,7 @@ _packed: dict[tuple[int, bool], dict[int, torch.Tensor]] = {}  # (id(w), weight_
 _hint_free: dict[tuple, bool] = {}  # (dtype, shape, weight_t) -> whether packing ignores the row count >= 2
 _choices: dict[tuple, bool] = {}
 _choice_times: dict[tuple, tuple[float, float, float]] = {}
+_scratch: list[torch.Tensor] = []  # packing(): the buffer a burst copies transposed weights through
 _pinned: list[int] = []  # pin_threads: the thread count choices are made for, instead of this process's
 
 
@@ -105,7 +107,25 @@ def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _reorder(w: torch.Tensor, weight_t: bool, rows: int) -> torch.Tensor:
-    return torch.ops.mkldnn._reorder_linear_weight(w.t() if weight_t else w, rows)  # reads any strides
+    src = w.t() if weight_t else w
+    if _scratch and not src.is_contiguous():
+        buf = _scratch[0]
+        if buf.numel() < src.numel() or buf.dtype != src.dtype:
+            buf = _scratch[0] = torch.empty(src.numel(), dtype=src.dtype)
+        src = buf[:src.numel()].view(src.shape).copy_(src)
+    return torch.ops.mkldnn._reorder_linear_weight(src, rows)  # copies a strided view to contiguous rows first
+
+
+@contextlib.contextmanager
+def packing() -> Iterator[None]:
+    """A burst of packing (:meth:`hetforge.executor.Executable.prepack`): a ``[K, N]`` weight packed as its
+    transpose is copied to contiguous rows through one buffer reused for the whole burst and freed after it,
+    instead of a fresh allocation per weight inside the reorder (whose new pages fault in on first write)."""
+    _scratch[:] = [torch.empty(0)]
+    try:
+        yield
+    finally:
+        _scratch.clear()
 
 
 def _alike(w: torch.Tensor, weight_t: bool, mine: dict[int, torch.Tensor]) -> bool:
