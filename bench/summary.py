@@ -724,7 +724,7 @@ def peers_cold(d: J) -> Row:
     t = _targets(d)
     result = (", ".join(f"{m} {times(x['cold_prep_5x'].f('speedup'))} (fastest peer "
                         f"{x['cold_prep_5x'].s('fastest_peer')})" for m, x in t)
-              + f"; {_peer_load(d)} (`torch.export` capture is most of hetforge's preparation)")
+              + f"; {_peer_load(d)}")
     ok = all(x["cold_prep_5x"].b("met") for _, x in t)
     return Row("peers", "cold prep ≥ 5× faster than fastest of ORT / OpenVINO / torch.compile", result, met(ok),
                link("peers.md"))
@@ -1262,11 +1262,13 @@ def why_we_lose(peers: J, kf: J) -> str:
   peers run, [bench/peers.md](bench/peers.md)) is GEMM efficiency at {seq} rows (oneDNN's kernels, which OpenVINO
   runs too), the native attention running slower between GEMMs than alone, and the residual adds outside the GEMM
   epilogue. Issue 24's 0.95× and GEMM-bound targets need GEMMs faster than oneDNN's on these shapes.
-- **Cold preparation:** most of hetforge's preparation is `torch.export`, once per program shape, plus the
-  first calls (oneDNN packing and the measured kernel choice), which the first token pays for either way
-  ([bench/compile_cache.md](bench/compile_cache.md)). One dynamic capture per module exists
-  (`HETFORGE_CAPTURE=dynamic`) but a dynamic export costs several static ones here, so it pays only after a
-  module has seen several shapes, and a first prefill + decode pair uses two different modules.
+- **Cold preparation:** hetforge exports two layers and stamps out the rest (`runtime/stamp.py`), builds the
+  second program of a pair in a forked child, and packs the oneDNN weights while the child runs. What is left
+  on the critical path is the first `torch.export` in the process (which also imports torch's export
+  machinery, about 0.2 s here), the measured ATen/oneDNN choice per GEMM shape, the packing itself and one first
+  call of each program ([bench/compile_cache.md](bench/compile_cache.md)). One dynamic capture per module
+  exists (`HETFORGE_CAPTURE=dynamic`) but a dynamic export costs several static ones here, so it pays only
+  after a module has seen several shapes, and a first prefill + decode pair uses two different modules.
 - **KForge offline kernels vs ATen (fp32 CPU):** the offline generator's GEMM is a plain register-blocked
   dot-product loop (no packing, no microkernel) against oneDNN/MKL, so GEMM + tail problems land at
   {span(gemm, times)} even though the tail is fused; `fmaxf`/`fminf` clamps and max-reductions do not vectorise
