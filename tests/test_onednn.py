@@ -78,12 +78,13 @@ def test_a_packing_burst_copies_transposed_weights_through_one_buffer_and_packs_
     torch.testing.assert_close(onednn.linear_fn(burst[0], None)(x), x @ big, rtol=1e-5, atol=1e-5)
 
 
-def test_same_bytes_reads_the_packed_bytes_without_a_copy():
+def test_same_bytes_reads_the_packed_bytes_in_place():
     w = torch.randn(40, 24)
     p, q = onednn._reorder(w, False, 8), onednn._reorder(w, False, 8)
     assert onednn._same_bytes(p, q)
     assert not onednn._same_bytes(p, onednn._reorder(w + 1, False, 8))
-    assert onednn._bytes(p).numel() == torch.ops.mkldnn._nbytes(p)
+    view = onednn._bytes(p)
+    assert view.numel() == torch.ops.mkldnn._nbytes(p) and view.data_ptr() == torch.ops.mkldnn.data_ptr(p)
 
 
 @pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny", "qwen2-tiny"])
