@@ -94,3 +94,40 @@ def test_top_k_one_and_tiny_top_p_are_greedy():
 def test_bad_parameters_are_usage_errors(kw, msg):
     with pytest.raises(UsageError, match=msg):
         SamplingParams(**kw)
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+       special=st.sampled_from(["none", "ties", "nan", "all -inf", "+inf"]))
+def test_numpy_argmax_equals_torch_argmax(seed, dtype, special):
+    """The greedy pick's numpy argmax (no ATen OpenMP region) gives torch.argmax's index: the first maximum, a NaN
+    counting as the largest, bf16 widened exactly; a 50,257-entry row, above ATen's grain."""
+    from hetforge.runtime.sampling import argmax
+
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(50257, generator=g) * 4).to(dtype)
+    at = torch.randint(0, 50257, (3,), generator=g)
+    if special == "ties":
+        x[at] = x.max()
+    elif special == "nan":
+        x[at] = float("nan")
+    elif special == "all -inf":
+        x[:] = float("-inf")
+    elif special == "+inf":
+        x[at] = float("inf")
+    assert argmax(x) == int(torch.argmax(x))
+
+
+def test_greedy_pick_reads_a_large_row_without_an_aten_reduction(monkeypatch):
+    """Greedy with no processor picks through numpy (torch.argmax never called) and gives the same token; with a
+    repetition penalty on a seen token it still runs the processors."""
+    x = torch.randn(50257, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    want = int(torch.argmax(x.float()))
+    calls = []
+    real = torch.argmax
+    monkeypatch.setattr(torch, "argmax", lambda *a, **k: calls.append(1) or real(*a, **k))
+    assert Sampler(SamplingParams(), 50257).pick(x) == want and calls == []
+    s = Sampler(SamplingParams(repetition_penalty=1.5), 50257)
+    s.observe([want])
+    s.pick(x)
+    assert calls == [1]

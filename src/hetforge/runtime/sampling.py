@@ -4,12 +4,18 @@ The logits go through Hugging Face's own logits processors, in Hugging Face's or
 (divide positive / multiply negative logits of seen tokens), then temperature, top-k, top-p (keep the smallest
 set whose probability reaches ``top_p``, always at least one token); then one draw from a ``torch.Generator``
 owned by the request.
+
+A greedy pick that no processor changes reads the row through numpy, on the calling thread. Why: ATen splits a copy
+or a reduction of more than 32,768 elements (``at::internal::GRAIN_SIZE``, a vocabulary such as GPT-2's 50,257)
+across its OpenMP team, whose workers then keep spinning after the region and take a core from the native decode
+kernels' own pool in the next step (measured: docs/arch/runtime.md).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+import numpy as np
 import torch
 from transformers.generation.logits_process import (
     LogitsProcessorList,
@@ -20,6 +26,18 @@ from transformers.generation.logits_process import (
 )
 
 from hetforge.errors import HetforgeError, UsageError
+
+
+def argmax(x: torch.Tensor) -> int:
+    """``torch.argmax`` of a 1-D CPU row (the first maximum; a NaN counts as the largest), computed by numpy on the
+    calling thread (see the module docstring); bf16 is widened exactly (its bits are an fp32's upper half)."""
+    x = x.detach()
+    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64) \
+            or not x.is_contiguous():
+        return int(torch.argmax(x))
+    if x.dtype == torch.bfloat16:
+        return int(np.argmax((x.view(torch.int16).numpy().view(np.uint16).astype(np.uint32) << 16).view(np.float32)))
+    return int(np.argmax(x.numpy()))
 
 
 @dataclass(frozen=True)
@@ -94,6 +112,9 @@ class Sampler:
 
     def pick(self, logits: torch.Tensor) -> int:
         """The next token id."""
+        p = self.params
+        if p.greedy and (p.repetition_penalty == 1.0 or not bool(self._seen.any())):
+            return argmax(logits.reshape(-1)[: self.vocab_size])  # no processor would change the logits
         x = self.process(logits)
         if self.params.greedy:
             return int(torch.argmax(x))
