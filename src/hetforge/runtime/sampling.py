@@ -92,12 +92,16 @@ class Sampler:
             idx = torch.as_tensor(ids if isinstance(ids, list) else [ids], dtype=torch.long)
             self._seen[idx[(idx >= 0) & (idx < self.vocab_size)]] = True
 
+    def _penalizes(self) -> bool:
+        """Whether the repetition penalty changes any logit now (a penalty, and a token seen)."""
+        return self.params.repetition_penalty != 1.0 and bool(self._seen.any())
+
     def process(self, logits: torch.Tensor) -> torch.Tensor:
         """The processed 1-D float logits (penalty, temperature, top-k, top-p); -inf marks removed tokens."""
         p = self.params
         x = logits.reshape(-1)[: self.vocab_size].float()
         steps = []
-        if p.repetition_penalty != 1.0 and bool(self._seen.any()):
+        if self._penalizes():
             steps.append(RepetitionPenaltyLogitsProcessor(p.repetition_penalty))
         if not p.greedy:
             steps.append(TemperatureLogitsWarper(p.temperature))
@@ -113,7 +117,7 @@ class Sampler:
     def pick(self, logits: torch.Tensor) -> int:
         """The next token id."""
         p = self.params
-        if p.greedy and (p.repetition_penalty == 1.0 or not bool(self._seen.any())):
+        if p.greedy and not self._penalizes():
             return argmax(logits.reshape(-1)[: self.vocab_size])  # no processor would change the logits
         x = self.process(logits)
         if self.params.greedy:
