@@ -8,7 +8,7 @@ $(STAMP): pyproject.toml
 	@command -v $(PY) >/dev/null 2>&1 || { echo "need $(PY) on PATH"; exit 1; }
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q --no-cache-dir -e '.[dev,peers,cluster]'  # no second copy of every wheel in pip's cache: stop 36's CI ran out of disk here
+	$(BIN)/pip install -q --no-cache-dir -e '.[dev,peers,cluster]'  # no second copy of every wheel in pip's cache: less disk on the CI machine
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -121,8 +121,8 @@ def packing() -> Iterator[None]:
     """A burst of packing (:meth:`hetforge.executor.Executable.prepack`): a ``[K, N]`` weight packed as its
     transpose is first copied to contiguous rows through one buffer, reused for the whole burst and freed after
     it. Why: the reorder read the transposed view slower than contiguous rows, and a fresh ``contiguous()`` copy
-    per weight gained nothing in a fresh process, where the reused buffer did (measured on gpt2's Conv1D
-    weights; docs/arch/runtime.md)."""
+    per weight gained nothing in a fresh process (both measured in an earlier session), where the reused buffer
+    did (measured on gpt2's Conv1D weights; docs/arch/runtime.md)."""
     _scratch[:] = [torch.empty(0)]
     try:
         yield

@@ -5,10 +5,11 @@ The logits go through Hugging Face's own logits processors, in Hugging Face's or
 set whose probability reaches ``top_p``, always at least one token); then one draw from a ``torch.Generator``
 owned by the request.
 
-A greedy pick that no processor changes reads the row through numpy, on the calling thread. Why: ATen splits a copy
-or a reduction of more than 32,768 elements (``at::internal::GRAIN_SIZE``, a vocabulary such as GPT-2's 50,257)
-across its OpenMP team, whose workers then keep spinning after the region and take a core from the native decode
-kernels' own pool in the next step (measured: docs/arch/runtime.md).
+A greedy pick that no processor changes reads the row through numpy, on the calling thread. Why: ATen splits an
+element-wise loop or a reduction over more than ``at::internal::GRAIN_SIZE`` (32,768) elements across its OpenMP
+team (``ATen/native/cpu/Loops.h``, ``Reduce.h``), and a vocabulary such as GPT-2's 50,257 is larger; the team's
+workers then took a core from the native decode kernels' own pool in the next step (``OMP_WAIT_POLICY=PASSIVE``,
+which puts them to sleep at once, gave the same speed-up; measured: docs/arch/runtime.md).
 """
 
 from __future__ import annotations
@@ -120,7 +121,7 @@ class Sampler:
         if p.greedy and not self._penalizes():
             return argmax(logits.reshape(-1)[: self.vocab_size])  # no processor would change the logits
         x = self.process(logits)
-        if self.params.greedy:
+        if p.greedy:
             return int(torch.argmax(x))
         probs = torch.softmax(x, dim=-1)
         if not bool(torch.isfinite(probs).all()):

@@ -119,7 +119,7 @@ def compile_shapes(module: torch.nn.Module, shapes: Sequence[tuple[torch.Tensor,
         if jobs:  # packing the oneDNN weights writes only new pages: done while the children still run
             t0 = time.perf_counter()
             for p in out:
-                if p is not None and hasattr(p.executable, "prepack"):
+                if p is not None and p.executable is not None:
                     p.executable.prepack()
             own["pack weights"] = time.perf_counter() - t0
         for i, (job, path) in jobs.items():
