@@ -290,8 +290,8 @@ class _Lowerer:
                     v.alias_of = origin[a]
                 elif self.p.values[a].kind != WEIGHT:
                     v.alias_of = None  # aliases nothing this instruction reads: treat it as fresh storage
-        if len(outs) == 1 and self.p.values[outs[0]].alias_of is None:
-            self.recover_view(n, args, kwargs, outs[0])
+        if any(self.p.values[o].alias_of is None for o in outs):
+            self.recover_view(n, args, kwargs, outs)
         kind = KERNEL
         schema = getattr(n.target, "_schema", None)
         if schema is not None and any(r.alias_info is not None and r.alias_info.is_write for r in schema.returns):
@@ -301,18 +301,20 @@ class _Lowerer:
         self.p.instrs.append(Instr(iid, name, args, kwargs, outs, device, kind, {"node": n.name}, n.target))
         self.env[n] = tuple(Reg(o) for o in outs) if multi else Reg(outs[0])
 
-    def recover_view(self, n: torch.fx.Node, args: tuple, kwargs: dict, out: int) -> None:
-        """Make ``out`` an alias of its input when ``n`` is a view op whose fake output storage lowering did not
-        recognise: after a fusion pass the fused op's output carries a fresh fake tensor, while the views after
-        it keep the storage of the tensor it replaced, so they looked like fresh results (copies). The view is
-        replayed on a meta tensor with the input's layout; only an exact match of shape, strides and offset
-        makes it an alias."""
+    def recover_view(self, n: torch.fx.Node, args: tuple, kwargs: dict, outs: tuple[int, ...]) -> None:
+        """Make the outputs of a view op aliases of its input where their fake storage was not recognised: after
+        a fusion pass the fused op's output carries a fresh fake tensor while the views after it keep the
+        storage of the tensor it replaced, and a layer copied by ``runtime.stamp`` keeps the fake tensors of the
+        layer it copies, so such views looked like fresh results (copies). The view is replayed on a meta tensor
+        with the input's layout; an output becomes an alias where the replay has its shape and offset and the
+        same stride on every dimension longer than one (a length-1 dimension's stride addresses nothing), and
+        it takes the replay's strides (what the op returns when the executor runs it)."""
         info = lookup(n.target) if isinstance(n.target, torch._ops.OpOverload) else None
         if info is None or not info.is_view or not args or not isinstance(args[0], Reg):
             return
         src = self.p.values[args[0].id]
         root = self.p.values[self.p.root(args[0].id)]
-        if src.device != self.p.values[out].device or root.kind == WEIGHT:
+        if root.kind == WEIGHT or any(self.p.values[o].device != src.device for o in outs):
             return
         try:
             base = torch.empty(max(1, root.numel + root.storage_offset), dtype=src.dtype, device="meta")
@@ -320,10 +322,14 @@ class _Lowerer:
             got = n.target(x, *args[1:], **kwargs)
         except Exception:  # an argument that is not a plain value (a register), or a view the layout refuses
             return
-        o = self.p.values[out]
-        if isinstance(got, torch.Tensor) and (tuple(got.shape), tuple(got.stride()), int(got.storage_offset())) == \
-                (o.shape, o.stride, o.storage_offset):
-            o.alias_of = root.id
+        got = list(got) if isinstance(got, (list, tuple)) else [got]
+        if len(got) != len(outs):
+            return
+        for o, t in zip(outs, got, strict=True):
+            v = self.p.values[o]
+            if v.alias_of is None and isinstance(t, torch.Tensor) and v.laid_out_as(t) and \
+                    int(t.storage_offset()) == v.storage_offset:
+                v.alias_of, v.stride = root.id, tuple(t.stride())
 
     def output(self, n: torch.fx.Node) -> None:
         flat = n.args[0] if isinstance(n.args[0], (list, tuple)) else [n.args[0]]

@@ -314,8 +314,7 @@ class _Codegen:
         sources = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
         for o, t in zip(ins.outputs, outs, strict=True):
             v = self.p.values[o]
-            if not isinstance(t, torch.Tensor) or (tuple(t.shape), tuple(t.stride()), t.dtype) != \
-                    (tuple(v.shape), tuple(v.stride), v.dtype) or t.untyped_storage().data_ptr() not in sources:
+            if not isinstance(t, torch.Tensor) or not v.laid_out_as(t) or t.untyped_storage().data_ptr() not in sources:
                 return None  # not the layout lowering expects, or not a view (a copy would be a stale snapshot)
         for o, t in zip(ins.outputs, outs, strict=True):
             self.static[o] = t

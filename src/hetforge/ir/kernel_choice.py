@@ -561,8 +561,9 @@ def _general(lw: Lowering, ins: Instr, o: int | None) -> str:
 
 def _views_as_planned(p: Program, ins: Instr) -> bool:
     """Whether ``ins``, run on tensors of its inputs' layouts (on the meta device), returns views of them with
-    exactly the planned layouts of its outputs — what the executor checks before binding a view at build time
-    (a copy would be a stale snapshot; another layout is not what later instructions were lowered for)."""
+    the planned layouts of its outputs (:meth:`Value.laid_out_as`) — what the executor checks before binding a
+    view at build time (a copy would be a stale snapshot; another layout is not what later instructions were
+    lowered for)."""
     if not isinstance(ins.target, torch._ops.OpOverload):
         return False
 
@@ -582,8 +583,7 @@ def _views_as_planned(p: Program, ins: Instr) -> bool:
         return False
     for o, t in zip(ins.outputs, outs, strict=True):
         v = p.values[o]
-        if not isinstance(t, torch.Tensor) or (tuple(t.shape), tuple(t.stride()), t.dtype) != \
-                (tuple(v.shape), tuple(v.stride), v.dtype) or t.untyped_storage()._cdata not in sources:
+        if not isinstance(t, torch.Tensor) or not v.laid_out_as(t) or t.untyped_storage()._cdata not in sources:
             return False
     return True
 

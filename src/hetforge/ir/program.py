@@ -95,6 +95,13 @@ class Value:
             expect *= s
         return all(s == 1 or a == b for s, a, b in zip(self.shape, self.stride, reversed(st), strict=True))
 
+    def laid_out_as(self, t: torch.Tensor) -> bool:
+        """Whether tensor ``t`` has this value's shape and dtype and the same stride on every dimension longer
+        than one (a length-1 dimension's stride addresses nothing: views and the fake tensors of a capture may
+        disagree on it). The storage offset is not compared."""
+        return tuple(t.shape) == self.shape and t.dtype == self.dtype and \
+            all(s == 1 or a == b for s, a, b in zip(self.shape, t.stride(), self.stride, strict=True))
+
     def type_str(self) -> str:
         s = f"{dtype_short(self.dtype)}[{','.join(map(str, self.shape))}]"
         if not self.is_contiguous:
