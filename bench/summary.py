@@ -1258,15 +1258,17 @@ def why_we_lose(peers: J, kf: J) -> str:
 
 - **Prefill vs OpenVINO / ONNX Runtime:** the multi-row products run oneDNN's prepacked kernels (chosen by
   measurement at build time, fused with bias and activation), so most of prefill is GEMM time
-  ([bench/prefill_gemm.md](bench/prefill_gemm.md)). What is left against OpenVINO f32 ({span(ov, times)} on the
-  peers run, [bench/peers.md](bench/peers.md)) is GEMM efficiency at {seq} rows (oneDNN's kernels, which OpenVINO
-  runs too), the native attention running slower between GEMMs than alone, and the residual adds outside the GEMM
-  epilogue. Issue 24's 0.95× and GEMM-bound targets need GEMMs faster than oneDNN's on these shapes.
+  ([bench/prefill_gemm.md](bench/prefill_gemm.md)). Against OpenVINO f32 it is {span(ov, times)} on the latest
+  peers run ([bench/peers.md](bench/peers.md), whose header names the host). Where it was profiled (the AMD EPYC
+  host, issue 24's sessions 16–17), what was left was GEMM efficiency at {seq} rows (oneDNN's kernels, which
+  OpenVINO runs too), the native attention running slower between GEMMs than alone, and the residual adds outside
+  the GEMM epilogue; the Intel host of the latest run was not profiled. Issue 24's 0.95× and GEMM-bound targets
+  need GEMMs faster than oneDNN's on these shapes.
 - **Cold preparation:** hetforge exports two layers and stamps out the rest (`runtime/stamp.py`), builds the
   second program of a pair in a forked child, and packs the oneDNN weights while the child runs. What is left
   on the critical path is the first `torch.export` in the process (which also imports torch's export
-  machinery, about 0.2 s here), the measured ATen/oneDNN choice per GEMM shape, the packing itself and one first
-  call of each program ([bench/compile_cache.md](bench/compile_cache.md)). One dynamic capture per module
+  machinery, about 0.2 s on the AMD host), the measured ATen/oneDNN choice per GEMM shape, the packing itself
+  and one first call of each program ([bench/compile_cache.md](bench/compile_cache.md)). One dynamic capture per module
   exists (`HETFORGE_CAPTURE=dynamic`) but a dynamic export costs several static ones here, so it pays only
   after a module has seen several shapes, and a first prefill + decode pair uses two different modules.
 - **KForge offline kernels vs ATen (fp32 CPU):** the offline generator's GEMM is a plain register-blocked
@@ -1353,9 +1355,11 @@ def render() -> str:
            "hand: `tests/test_benchmarks_summary.py` fails when this page and the JSON disagree). Every figure below "
            "comes from a JSON file through a small extractor in that script; each area's page has the exact command, "
            "the full tables, and what is **measured** (timed here) versus **modeled** (cost model).", "",
-           f"The build machine: {head.s('cpu')}, {head.f('logical_cpus'):.0f} logical CPUs, "
+           f"The latest peers run's machine: {head.s('cpu')}, {head.f('logical_cpus'):.0f} logical CPUs, "
            f"{num(head.f('memory_gib'), 1)} GiB, no GPU/NPU/power meter; torch {vers.s('torch')}, transformers "
-           f"{vers.s('transformers')}. Models have seeded random weights except the trained ones named in a row. "
+           f"{vers.s('transformers')}. Pages measured on other hosts say so in their headers (the host changed "
+           "between sessions: an AMD EPYC with AVX512-BF16, then an Intel Xeon with AMX). Models have seeded random "
+           "weights except the trained ones named in a row. "
            "Many runs shared the cores with other build jobs; each row gives the load average its JSON recorded. "
            "Ratios from interleaved runs are the figures to read; absolute times under load are inflated.", "",
            "## Headline results", "",

@@ -32,7 +32,9 @@ runs every system once, in the same order (interleaved, so drift and other proce
   written as GGUF f32 / Q8_0 / Q4_0 (``hetforge.benchmarks.gguf_export``) into a temporary folder removed at the
   end, loaded with ``n_threads`` = ``n_threads_batch`` = ``--threads``, ``n_batch`` = ``n_ubatch`` = 512 and only
   the last position's logits computed; TTFT = ``reset()`` + ``eval`` of exactly ``n`` tokens + the argmax of the last
-  logits. Marked not installed when ``llama_cpp`` (or ``gguf``) is not importable.
+  logits. Marked not installed when ``llama_cpp`` (or ``gguf``) is not importable. Each GGUF is first evaluated
+  at every length in a child process (:func:`_probe`); a build that dies there is noted and left out of the run
+  instead of ending it.
 
 The ratio table divides hetforge's fine (default) TTFT by the best (lowest median) peer of the matching precision
 (:data:`MATCHING`: fp32 by ov-f32 and llamacpp-f32, w8 and w8a8 by llamacpp-q8, w4 by llamacpp-q4, bf16 by
@@ -49,7 +51,9 @@ import argparse
 import importlib.util
 import os
 import shlex
+import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -138,14 +142,47 @@ def _ov_system(model: torch.nn.Module, threads: int, f32: bool, max_pos: int):
     return ttft, {"precision": precision, "prepare_s": prep}
 
 
-def _llamacpp_system(loaded: LoadedModel, workdir: Path, qtype: str, threads: int, n_ctx: int):
-    """llama.cpp on ``loaded``'s weights written as GGUF ``qtype``: (ttft fn, info, the Llama to close)."""
+# evaluates a GGUF at each prompt length in a child process (see _probe)
+_PROBE = ("import sys\nfrom hetforge.benchmarks.llamacpp_system import load_gguf\n"
+          "llm = load_gguf(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), logits_all=False)\n"
+          "for n in sys.argv[4:]:\n    llm.reset()\n    llm.eval(list(range(1, int(n) + 1)))\n")
+
+
+class PeerCrashed(RuntimeError):
+    """A peer failed in its probe process (the message says how); it is noted and left out of the run."""
+
+
+def _probe(path: Path, threads: int, n_ctx: int, lengths: list[int]) -> None:
+    """Evaluate the GGUF ``path`` at every prompt length in a child process first: this bench runs the peers in
+    its own process, so a crash inside llama.cpp would end the whole run. Seen on an Intel host with AMX:
+    llama-cpp-python 0.3.36 built for the host died with SIGSEGV in ``ggml_backend_amx_mul_mat`` (gdb) on the
+    first evaluation of a quantized model."""
+    r = subprocess.run([sys.executable, "-c", _PROBE, str(path), str(threads), str(n_ctx), *map(str, lengths)],
+                       capture_output=True, text=True, timeout=900)
+    if r.returncode < 0:
+        raise PeerCrashed(f"llama.cpp died with {signal.Signals(-r.returncode).name} evaluating the prompts in a "
+                          "probe process")
+    if r.returncode != 0:
+        last = (r.stderr.strip().splitlines() or ["no message"])[-1]
+        raise PeerCrashed(f"llama.cpp failed in a probe process: {last[:300]}")
+
+
+def _llamacpp_system(loaded: LoadedModel, workdir: Path, qtype: str, threads: int, n_ctx: int, lengths: list[int]):
+    """llama.cpp on ``loaded``'s weights written as GGUF ``qtype``, probed at ``lengths`` in a child process
+    first (:func:`_probe`): (ttft fn, info, the Llama to close)."""
     import llama_cpp
     import numpy as np
 
-    from hetforge.benchmarks.llamacpp_system import last_logits, open_gguf
+    from hetforge.benchmarks.gguf_export import write_gguf
+    from hetforge.benchmarks.llamacpp_system import last_logits, load_gguf
 
-    llm, stages, path = open_gguf(loaded, workdir, qtype, threads, n_ctx, logits_all=False)
+    t0 = time.perf_counter()
+    path = write_gguf(loaded, workdir / f"{loaded.name}-{qtype}.gguf", qtype)
+    stages = {"gguf_write": time.perf_counter() - t0}
+    _probe(path, threads, n_ctx, lengths)
+    t0 = time.perf_counter()
+    llm = load_gguf(path, threads, n_ctx, logits_all=False)
+    stages["load"] = time.perf_counter() - t0
     vocab = loaded.vocab_size
 
     def ttft(prompt: list[int]) -> tuple[float, int]:
@@ -214,7 +251,10 @@ def bench_model(name: str, lengths: list[int], schemes: list[str], peers: list[s
                         continue
                     try:
                         fn, info, llm = _llamacpp_system(loaded, Path(tmp), GGUF_TYPE[p], threads,
-                                                         min(max_pos, max(512, max(lengths))))
+                                                         min(max_pos, max(512, max(lengths))), lengths)
+                    except PeerCrashed as e:
+                        notes.append(f"{p}: not measured: {e}")
+                        continue
                     except Exception as e:  # a family the GGUF export does not cover: noted, the rest measured
                         notes.append(f"{p}: not measured: {type(e).__name__}: {str(e).splitlines()[0][:300]}")
                         continue

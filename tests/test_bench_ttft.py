@@ -89,3 +89,22 @@ def test_ttft_bad_input_is_one_line_and_exit_2(args: list[str], says: str) -> No
     assert r.returncode == 2
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and says in lines[0], r.stderr
+
+
+def _ttft_module():
+    spec = importlib.util.spec_from_file_location("ttft_bench", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_a_peer_that_dies_in_its_probe_process_is_reported_not_fatal(tmp_path: Path, monkeypatch) -> None:
+    """The probe runs in a real child process; one killed by SIGSEGV (as llama.cpp's AMX matmul was on an AMX
+    host) and one that exits with an error are both reported as PeerCrashed with how they ended."""
+    ttft = _ttft_module()
+    monkeypatch.setattr(ttft, "_PROBE", "import os, signal\nos.kill(os.getpid(), signal.SIGSEGV)\n")
+    with pytest.raises(ttft.PeerCrashed, match="died with SIGSEGV"):
+        ttft._probe(tmp_path / "x.gguf", 1, 64, [8])
+    monkeypatch.setattr(ttft, "_PROBE", "raise SystemExit('no such model file')\n")
+    with pytest.raises(ttft.PeerCrashed, match="failed in a probe process: no such model file"):
+        ttft._probe(tmp_path / "x.gguf", 1, 64, [8])

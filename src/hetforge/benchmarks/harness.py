@@ -36,6 +36,7 @@ from hetforge.benchmarks.systems import (
 from hetforge.benchmarks.worker import RunResult, WorkerSpec, first_line, run_worker
 from hetforge.errors import UsageError
 from hetforge.files import json_safe, write_text
+from hetforge.hardware.isa import isa_flags
 
 DEFAULT_MODELS = ["gpt2", "llama-110m", "mixtral-small"]
 QUICK_MODELS = ["gpt2-tiny", "llama-tiny"]
@@ -159,7 +160,7 @@ class SuiteResult:
 
 
 def machine_info(threads: int) -> dict:
-    """Where the suite ran: CPU model, cores, memory, library versions, load average."""
+    """Where the suite ran: CPU model and ISA flags, cores, memory, library versions, load average."""
     import psutil
     import torch
     import transformers
@@ -180,7 +181,8 @@ def machine_info(threads: int) -> dict:
         except Exception:  # not installed, or no __version__
             versions[mod] = "not installed"
     return {
-        "cpu": cpu, "logical_cpus": os.cpu_count(), "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
+        "cpu": cpu, "isa": isa_flags(), "logical_cpus": os.cpu_count(),
+        "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
         "os": f"{platform.system()} {platform.release()}", "threads": threads, "versions": versions,
         "loadavg_start": [round(x, 2) for x in os.getloadavg()],
     }

@@ -30,8 +30,6 @@ def open_gguf(loaded: LoadedModel, workdir: Path, qtype: str, threads: int, n_ct
     (``threads`` for both batch and single-token evaluation; ``logits_all`` keeps every position's logits in
     ``Llama.scores``, else only the last position's are computed: read them with :func:`last_logits`).
     Returns (the Llama, seconds of stages ``gguf_write`` and ``load``, the file's path)."""
-    import llama_cpp
-
     from hetforge.benchmarks.gguf_export import write_gguf
 
     stages: dict[str, float] = {}
@@ -39,10 +37,17 @@ def open_gguf(loaded: LoadedModel, workdir: Path, qtype: str, threads: int, n_ct
     path = write_gguf(loaded, workdir / f"{loaded.name}-{qtype}.gguf", qtype)
     stages["gguf_write"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_batch=512, n_ubatch=512, n_threads=threads,
-                          n_threads_batch=threads, logits_all=logits_all, verbose=False, use_mmap=True)
+    llm = load_gguf(path, threads, n_ctx, logits_all)
     stages["load"] = time.perf_counter() - t0
     return llm, stages, path
+
+
+def load_gguf(path: Path | str, threads: int, n_ctx: int, logits_all: bool) -> Any:
+    """``llama_cpp.Llama`` on the GGUF file ``path`` with the benchmarks' settings (see :func:`open_gguf`)."""
+    import llama_cpp
+
+    return llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_batch=512, n_ubatch=512, n_threads=threads,
+                           n_threads_batch=threads, logits_all=logits_all, verbose=False, use_mmap=True)
 
 
 def last_logits(llm: Any, vocab: int) -> np.ndarray:

@@ -152,6 +152,7 @@ def render_markdown(res: SuiteResult, png_name: str | None, notes: str | None = 
         f"- command: `{res.command}`",
         f"- machine: {m['cpu']}, {m['logical_cpus']} logical CPUs, {m['memory_gib']} GiB, {m['os']}; "
         f"{cfg['threads']} threads for every system",
+        f"- ISA: {', '.join(m['isa']) if 'isa' in m else 'not recorded by this run'}",
         f"- versions: python {v['python']}, torch {v['torch']}, transformers {v['transformers']}, "
         f"onnxruntime {v['onnxruntime']}, openvino {v['openvino']}, onnx {v['onnx']}, onnxscript {v['onnxscript']}",
         f"- started {res.started}; the suite took {res.seconds / 60:.1f} min; load average "
