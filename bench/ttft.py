@@ -155,8 +155,8 @@ class PeerCrashed(RuntimeError):
 def _probe(path: Path, threads: int, n_ctx: int, lengths: list[int]) -> None:
     """Evaluate the GGUF ``path`` at every prompt length in a child process first: this bench runs the peers in
     its own process, so a crash inside llama.cpp would end the whole run. Seen on an Intel host with AMX:
-    llama-cpp-python 0.3.36 built for the host died with SIGSEGV in ``ggml_backend_amx_mul_mat`` (gdb) on the
-    first evaluation of a quantized model."""
+    llama-cpp-python 0.3.36 built for the host died with SIGSEGV in ``ggml_backend_amx_mul_mat`` on the first
+    evaluation of a quantized model."""
     r = subprocess.run([sys.executable, "-c", _PROBE, str(path), str(threads), str(n_ctx), *map(str, lengths)],
                        capture_output=True, text=True, timeout=900)
     if r.returncode < 0:
@@ -173,16 +173,10 @@ def _llamacpp_system(loaded: LoadedModel, workdir: Path, qtype: str, threads: in
     import llama_cpp
     import numpy as np
 
-    from hetforge.benchmarks.gguf_export import write_gguf
-    from hetforge.benchmarks.llamacpp_system import last_logits, load_gguf
+    from hetforge.benchmarks.llamacpp_system import last_logits, open_gguf
 
-    t0 = time.perf_counter()
-    path = write_gguf(loaded, workdir / f"{loaded.name}-{qtype}.gguf", qtype)
-    stages = {"gguf_write": time.perf_counter() - t0}
-    _probe(path, threads, n_ctx, lengths)
-    t0 = time.perf_counter()
-    llm = load_gguf(path, threads, n_ctx, logits_all=False)
-    stages["load"] = time.perf_counter() - t0
+    llm, stages, path = open_gguf(loaded, workdir, qtype, threads, n_ctx, logits_all=False,
+                                  check=lambda p: _probe(p, threads, n_ctx, lengths))
     vocab = loaded.vocab_size
 
     def ttft(prompt: list[int]) -> tuple[float, int]:

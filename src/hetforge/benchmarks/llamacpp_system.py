@@ -14,6 +14,7 @@ compiler; several minutes on two cores). Without it this peer is reported as not
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,10 +26,11 @@ from hetforge.models.zoo import LoadedModel
 
 
 def open_gguf(loaded: LoadedModel, workdir: Path, qtype: str, threads: int, n_ctx: int, logits_all: bool,
-              ) -> tuple[Any, dict[str, float], Path]:
+              check: Callable[[Path], None] | None = None) -> tuple[Any, dict[str, float], Path]:
     """Write ``loaded``'s weights as GGUF ``qtype`` under ``workdir`` and load them with ``llama_cpp.Llama``
     (``threads`` for both batch and single-token evaluation; ``logits_all`` keeps every position's logits in
     ``Llama.scores``, else only the last position's are computed: read them with :func:`last_logits`).
+    ``check`` is called with the file's path before this process loads it (e.g. a probe in a child process).
     Returns (the Llama, seconds of stages ``gguf_write`` and ``load``, the file's path)."""
     from hetforge.benchmarks.gguf_export import write_gguf
 
@@ -36,6 +38,8 @@ def open_gguf(loaded: LoadedModel, workdir: Path, qtype: str, threads: int, n_ct
     t0 = time.perf_counter()
     path = write_gguf(loaded, workdir / f"{loaded.name}-{qtype}.gguf", qtype)
     stages["gguf_write"] = time.perf_counter() - t0
+    if check is not None:
+        check(path)
     t0 = time.perf_counter()
     llm = load_gguf(path, threads, n_ctx, logits_all)
     stages["load"] = time.perf_counter() - t0
