@@ -173,7 +173,7 @@ def _llamacpp_system(loaded: LoadedModel, workdir: Path, qtype: str, threads: in
     import llama_cpp
     import numpy as np
 
-    from hetforge.benchmarks.llamacpp_system import last_logits, open_gguf
+    from hetforge.benchmarks.llamacpp_system import build_info, last_logits, open_gguf
 
     llm, stages, path = open_gguf(loaded, workdir, qtype, threads, n_ctx, logits_all=False,
                                   check=lambda p: _probe(p, threads, n_ctx, lengths))
@@ -188,7 +188,7 @@ def _llamacpp_system(loaded: LoadedModel, workdir: Path, qtype: str, threads: in
 
     info = {"precision": qtype, "prepare_s": round(sum(stages.values()), 3),
             "gguf_mib": round(path.stat().st_size / 2**20, 1), "n_ctx": n_ctx,
-            "version": getattr(llama_cpp, "__version__", "?")}
+            "version": getattr(llama_cpp, "__version__", "?"), "build": build_info()}
     return ttft, info, llm
 
 
@@ -399,7 +399,8 @@ def render(res: dict) -> str:
             if d.get("compile_s"):
                 lines.append(f"- {key}: " + ", ".join(f"{p} {s:.1f}" for p, s in d["compile_s"].items()))
         gguf = [f"{k}: GGUF {d['precision']} {d['gguf_mib']:.1f} MiB written from the same seeded weights, "
-                f"llama-cpp-python {d['version']}, n_ctx {d['n_ctx']}, write + load {d['prepare_s']:.1f} s (measured)"
+                f"{d.get('build') or 'llama-cpp-python ' + d['version']}, n_ctx {d['n_ctx']}, write + load "
+                f"{d['prepare_s']:.1f} s (measured)"
                 for k, d in sy.items() if "gguf_mib" in d]
         if gguf:
             lines += ["", "llama.cpp peers:", "", *(f"- {g}" for g in gguf)]

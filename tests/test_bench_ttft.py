@@ -50,6 +50,9 @@ def test_ttft_page_has_a_row_per_system_and_ratios_against_named_peers(tmp_path:
     assert sy["llamacpp-f32"]["first_token"] == sy["hf"]["first_token"]
     assert sy["llamacpp-q8"]["precision"] == "q8_0" and sy["llamacpp-q4"]["precision"] == "q4_0"
     page = md.read_text()
+    # the page names the llama.cpp build's CPU features (a build without AMX on an AMX host is slower)
+    assert sy["llamacpp-q8"]["build"].startswith("llama-cpp-python ") and "(built with " in sy["llamacpp-q8"]["build"]
+    assert sy["llamacpp-q8"]["build"] in page
     for key in want:
         assert f"| {key} | {sy[key]['precision']} |" in page, key
     header = next(ln for ln in page.splitlines() if ln.startswith("| hetforge scheme |"))
@@ -108,3 +111,15 @@ def test_a_peer_that_dies_in_its_probe_process_is_reported_not_fatal(tmp_path: P
     monkeypatch.setattr(ttft, "_PROBE", "raise SystemExit('no such model file')\n")
     with pytest.raises(ttft.PeerCrashed, match="failed in a probe process: no such model file"):
         ttft._probe(tmp_path / "x.gguf", 1, 64, [8])
+
+
+def test_build_info_lists_the_features_llama_cpp_reports_as_built(monkeypatch) -> None:
+    """The parser of ``llama_print_system_info``: the features set to 1, in its order, none set to 0."""
+    import types
+
+    from hetforge.benchmarks.llamacpp_system import build_info
+
+    fake = types.SimpleNamespace(__version__="9.9.9", llama_print_system_info=lambda: (
+        b"CPU : SSE3 = 1 | AVX2 = 1 | AVX512 = 1 | AMX_INT8 = 0 | AVX512_VNNI = 1 | REPACK = 1 | "))
+    monkeypatch.setitem(sys.modules, "llama_cpp", fake)
+    assert build_info() == "llama-cpp-python 9.9.9 (built with SSE3, AVX2, AVX512, AVX512_VNNI, REPACK)"

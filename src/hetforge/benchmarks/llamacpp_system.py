@@ -54,6 +54,18 @@ def load_gguf(path: Path | str, threads: int, n_ctx: int, logits_all: bool) -> A
                            n_threads_batch=threads, logits_all=logits_all, verbose=False, use_mmap=True)
 
 
+def build_info() -> str:
+    """The llama-cpp-python version and the CPU features its llama.cpp was built with (``llama_print_system_info``:
+    a build without AMX on an AMX host, say, runs slower quantized products than one with it)."""
+    import llama_cpp
+
+    info = llama_cpp.llama_print_system_info().decode(errors="replace")
+    feats = [k.split(":")[-1].strip() for k, _, v in (part.partition("=") for part in info.split("|"))
+             if v.strip() == "1"]
+    built = ", ".join(feats) or "no listed features"
+    return f"llama-cpp-python {getattr(llama_cpp, '__version__', '?')} (built with {built})"
+
+
 def last_logits(llm: Any, vocab: int) -> np.ndarray:
     """The logits of the last position of the latest ``Llama.eval`` (a view into llama.cpp's buffer)."""
     import llama_cpp
@@ -62,8 +74,6 @@ def last_logits(llm: Any, vocab: int) -> np.ndarray:
 
 
 def prepare_llamacpp(ctx: PrepContext, qtype: str) -> Prepared:
-    import llama_cpp
-
     n_ctx = min(ctx.loaded.max_positions, max(512, 2 * ctx.prefill_inputs[0].shape[1] + 256))
     llm, stages, path = open_gguf(ctx.loaded, ctx.workdir, qtype, ctx.threads, n_ctx, logits_all=True)
     vocab = ctx.loaded.vocab_size
@@ -94,6 +104,6 @@ def prepare_llamacpp(ctx: PrepContext, qtype: str) -> Prepared:
         return best
 
     notes = [f"GGUF {qtype} written from the zoo's seeded weights ({path.stat().st_size / 2**20:.1f} MiB); "
-             f"llama-cpp-python {getattr(llama_cpp, '__version__', '?')}, n_ctx {n_ctx}"]
+             f"{build_info()}, n_ctx {n_ctx}"]
     return Prepared(forward=forward, stages=stages, decode=decode if ctx.loaded.kind == "causal-lm" else None,
                     notes=notes, precision=qtype)
