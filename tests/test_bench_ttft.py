@@ -50,7 +50,7 @@ def test_ttft_page_has_a_row_per_system_and_ratios_against_named_peers(tmp_path:
     assert sy["llamacpp-f32"]["first_token"] == sy["hf"]["first_token"]
     assert sy["llamacpp-q8"]["precision"] == "q8_0" and sy["llamacpp-q4"]["precision"] == "q4_0"
     page = md.read_text()
-    # the page names the llama.cpp build's CPU features (a build without AMX on an AMX host is slower)
+    # the page names the llama.cpp build's CPU features (which kernels the peer could use)
     assert sy["llamacpp-q8"]["build"].startswith("llama-cpp-python ") and "(built with " in sy["llamacpp-q8"]["build"]
     assert sy["llamacpp-q8"]["build"] in page
     for key in want:

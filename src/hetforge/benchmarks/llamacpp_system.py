@@ -55,8 +55,8 @@ def load_gguf(path: Path | str, threads: int, n_ctx: int, logits_all: bool) -> A
 
 
 def build_info() -> str:
-    """The llama-cpp-python version and the CPU features its llama.cpp was built with (``llama_print_system_info``:
-    a build without AMX on an AMX host, say, runs slower quantized products than one with it)."""
+    """The llama-cpp-python version and the CPU features its llama.cpp was built with (``llama_print_system_info``):
+    which kernels the peer could use, e.g. whether ggml's AMX backend is in the build."""
     import llama_cpp
 
     info = llama_cpp.llama_print_system_info().decode(errors="replace")
