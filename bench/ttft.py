@@ -155,8 +155,8 @@ class PeerCrashed(RuntimeError):
 def _probe(path: Path, threads: int, n_ctx: int, lengths: list[int]) -> None:
     """Evaluate the GGUF ``path`` at every prompt length in a child process first: this bench runs the peers in
     its own process, so a crash inside llama.cpp would end the whole run. Seen on an Intel host with AMX:
-    llama-cpp-python 0.3.36 built for the host died with SIGSEGV in ``ggml_backend_amx_mul_mat`` on the first
-    evaluation of a quantized model."""
+    llama-cpp-python 0.3.36 built for the host died with SIGSEGV in ``ggml_backend_amx_mul_mat`` (called from
+    ``llama_decode``) during this bench's first llama.cpp evaluations."""
     r = subprocess.run([sys.executable, "-c", _PROBE, str(path), str(threads), str(n_ctx), *map(str, lengths)],
                        capture_output=True, text=True, timeout=900)
     if r.returncode < 0:
