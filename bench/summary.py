@@ -1260,10 +1260,10 @@ def why_we_lose(peers: J, kf: J) -> str:
   measurement at build time, fused with bias and activation), so most of prefill is GEMM time
   ([bench/prefill_gemm.md](bench/prefill_gemm.md)). Against OpenVINO f32 it is {span(ov, times)} on the latest
   peers run ([bench/peers.md](bench/peers.md), whose header names the host). Where it was profiled (the AMD EPYC
-  host, issue 24's sessions 16–17), what was left was GEMM efficiency at {seq} rows (oneDNN's kernels, which
-  OpenVINO runs too), the native attention running slower between GEMMs than alone, and the residual adds outside
-  the GEMM epilogue; the Intel host of the latest run was not profiled. Issue 24's 0.95× and GEMM-bound targets
-  need GEMMs faster than oneDNN's on these shapes.
+  host, issue 24 session 17, torch profiler), about 95% of gpt2's prefill at {seq} rows was oneDNN's GEMMs, the
+  kernels OpenVINO runs too; earlier sessions also named the native attention running slower between GEMMs than
+  alone and the residual adds outside the GEMM epilogue. The Intel host of the latest run was not profiled.
+  Issue 24's 0.95× and GEMM-bound targets need GEMMs faster than oneDNN's on these shapes.
 - **Cold preparation:** hetforge exports two layers and stamps out the rest (`runtime/stamp.py`), builds the
   second program of a pair in a forked child, and packs the oneDNN weights while the child runs. What is left
   on the critical path is the first `torch.export` in the process (which also imports torch's export
