@@ -278,3 +278,33 @@ def test_gemv_multi_refuses_what_it_cannot_run():
         native.gemv_multi(x, [w], [None], [torch.empty(4, dtype=torch.bfloat16)])
     with pytest.raises(ValueError, match="contiguous float32"):  # a float64 row would be read as 2k floats
         native.gemv_multi(x.double(), [w], [None], [torch.empty(4)])
+
+
+@NEEDS_NATIVE
+@settings(max_examples=25, deadline=None)
+@given(k=st.integers(1, 80), n=st.integers(1, 80), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       threads=st.integers(1, 3))
+def test_native_transpose_writes_exactly_the_transposed_weight(k, n, dtype, threads):
+    w = torch.randn(k, n).to(dtype)
+    out = torch.full((n, k), float("nan"), dtype=dtype)
+    with_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        assert native.transpose_into(w, out)
+    finally:
+        torch.set_num_threads(with_threads)
+    assert torch.equal(out, w.t())
+
+
+@NEEDS_NATIVE
+def test_native_transpose_refuses_what_it_cannot_read_and_writes_nothing():
+    w = torch.randn(8, 4)
+    for src, dst in [(w.t(), torch.zeros(8, 4)),  # a strided source
+                     (w, torch.zeros(8, 4)),  # the wrong output shape
+                     (w.double(), torch.zeros(4, 8, dtype=torch.float64)),  # a dtype it has no kernel for
+                     (w, torch.zeros(4, 8, dtype=torch.bfloat16))]:  # mixed dtypes
+        before = dst.clone()
+        assert not native.transpose_into(src, dst)
+        assert torch.equal(dst, before)
+    with native.disabled():
+        assert not native.transpose_into(w, torch.zeros(4, 8))

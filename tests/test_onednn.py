@@ -1,6 +1,7 @@
 """oneDNN prepacked linears: numerics against ATen, the executor's use of them (fidelity vs eager, KL ≤ 1e-8),
 the policy switch, the measured choice, and calibration taking the fastest GEMM kernel."""
 
+import contextlib
 import statistics
 
 import pytest
@@ -9,7 +10,7 @@ import torch.nn.functional as F
 from test_ir_common import captured
 
 from hetforge.compile import compile_graph
-from hetforge.kernels import onednn
+from hetforge.kernels import native, onednn
 from hetforge.ops.fused import apply_act
 from hetforge.verify import verify
 
@@ -76,6 +77,19 @@ def test_a_packing_burst_copies_transposed_weights_through_one_buffer_and_packs_
     assert all(onednn._same_bytes(a, b) for a, b in zip(alone, burst, strict=True))
     x = torch.randn(16, 64, generator=g)
     torch.testing.assert_close(onednn.linear_fn(burst[0], None)(x), x @ big, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_transposed_weights_pack_to_the_same_bytes_through_the_native_transpose_and_aten(dtype):
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(72, 40, generator=g).to(dtype)  # [K, N], not a multiple of the native kernel's 32-tiles
+    ways = []
+    for use_native in (True, False):
+        with contextlib.nullcontext() if use_native else native.disabled():
+            ways.append(onednn._reorder(w, True, 16))  # no burst: a fresh buffer (native) or oneDNN's strided read
+            with onednn.packing():
+                ways.append(onednn._reorder(w, True, 16))  # through the burst's buffer
+    assert all(onednn._same_bytes(ways[0], p) for p in ways[1:])
 
 
 def test_same_bytes_reads_the_packed_bytes_in_place():

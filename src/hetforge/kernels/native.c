@@ -2535,3 +2535,38 @@ int hf_quantize_i8(const float *w, long n, long k, int kn, int8_t *q, float *s, 
     hf_run(qi8_chunk, &a, hf_quantize_i8_chunks(n), clamp_threads(threads));
     return atomic_load(&a.bad) ? 1 : 0;
 }
+
+/* ---------------------------------------------------------------- weight transpose
+ * dst[n, k] = src[k, n] for elements of 4 or 2 bytes, in 32 x 32 tiles (each tile's reads and writes stay in
+ * L1), one chunk per band of 32 destination rows. Why: packing a [K, N]-stored weight (GPT-2's Conv1D) for
+ * oneDNN first needs its [N, K] rows, and ATen's copy of a transposed view walks one of the two sides with a
+ * stride of a whole row per element. */
+#define TR_T 32
+typedef struct { const char *src; char *dst; long k, n; int size; } tr_ctx;
+
+static void tr_chunk(void *vctx, long c) {
+    const tr_ctx *a = vctx;
+    long j0 = c * TR_T, j1 = j0 + TR_T < a->n ? j0 + TR_T : a->n;
+    for (long i0 = 0; i0 < a->k; i0 += TR_T) {
+        long i1 = i0 + TR_T < a->k ? i0 + TR_T : a->k;
+        if (a->size == 4) {
+            const float *s = (const float *)a->src;
+            float *d = (float *)a->dst;
+            for (long j = j0; j < j1; j++)
+                for (long i = i0; i < i1; i++) d[j * a->k + i] = s[i * a->n + j];
+        } else {
+            const uint16_t *s = (const uint16_t *)a->src;
+            uint16_t *d = (uint16_t *)a->dst;
+            for (long j = j0; j < j1; j++)
+                for (long i = i0; i < i1; i++) d[j * a->k + i] = s[i * a->n + j];
+        }
+    }
+}
+
+/* 0, or -1 for an element size other than 2 or 4. */
+int hf_transpose(const void *src, void *dst, long k, long n, int size, int threads) {
+    if (size != 4 && size != 2) return -1;
+    tr_ctx a = {src, dst, k, n, size};
+    hf_run(tr_chunk, &a, (n + TR_T - 1) / TR_T, clamp_threads(threads));
+    return 0;
+}

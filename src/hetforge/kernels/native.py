@@ -68,11 +68,13 @@ SIGNATURES = {
     "hf_pool_team": [_I],
     "hf_quantize_i8_chunks": [_L],
     "hf_quantize_i8": [_P, _L, _L, _I, _P, _P, _P, _P, _I],
+    "hf_transpose": [_P, _P, _L, _L, _I, _I],
 }
 RESTYPES = {  # the functions that return a value (every other one returns void)
     "hf_read_stream": _F, "hf_q8a_path": _I, "hf_bf16_path": _I, "hf_prefill_attention": _I, "hf_gemv_nk_multi": _I,
     "hf_gemv_q8a": _I, "hf_gemm_q8a": _I,  # 0, or -1: scratch not allocated
     "hf_gemv_q4a": _I, "hf_gemm_q4a": _I, "hf_q4a_path": _I, "hf_quantize_i8_chunks": _L, "hf_quantize_i8": _I,
+    "hf_transpose": _I,
 }
 ACT_CODES = {"none": 0, "relu": 1, "gelu": 2, "gelu_tanh": 3, "silu": 4}  # native.c's ACT_* (linear_act, gated_mlp)
 
@@ -449,6 +451,19 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor 
     library().hf_layer_norm(x.data_ptr(), _ptr(weight), _ptr(bias), y.data_ptr(), x.numel() // d, d, eps,
                             torch.get_num_threads())
     return y
+
+
+def transpose_into(src: torch.Tensor, dst: torch.Tensor) -> bool:
+    """``dst[n, k] = src[k, n]`` on the native tiled kernel, for a dense 2-D fp32 or bf16 ``src`` on the CPU and a
+    dense ``dst`` of the transposed shape; False (nothing written) where the library is not loaded or the tensors
+    do not fit, and the caller copies with ATen."""
+    lib = library()
+    if lib is None or src.dim() != 2 or src.dtype not in (torch.float32, torch.bfloat16) \
+            or src.device.type != "cpu" or not src.is_contiguous() or not dst.is_contiguous() \
+            or dst.dtype != src.dtype or tuple(dst.shape) != (src.shape[1], src.shape[0]) or is_fake(src):
+        return False
+    k, n = src.shape
+    return lib.hf_transpose(src.data_ptr(), dst.data_ptr(), k, n, src.element_size(), torch.get_num_threads()) == 0
 
 
 def decode_attention_fits(q, k, v, k_cache, v_cache, cache_mask, new_mask) -> bool:

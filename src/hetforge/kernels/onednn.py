@@ -38,6 +38,8 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.nn.functional as F
 
+from hetforge.kernels import native
+
 POLICIES = ("auto", "aten", "onednn")
 # hetforge activation name → (oneDNN post-op attr, scalars, algorithm)
 ACT_ATTR: dict[str, tuple[str, list, str]] = {
@@ -108,11 +110,15 @@ def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def _reorder(w: torch.Tensor, weight_t: bool, rows: int) -> torch.Tensor:
     src = w.t() if weight_t else w
-    if _scratch and not src.is_contiguous():
-        buf = _scratch[0]
-        if buf.numel() < src.numel() or buf.dtype != src.dtype:
-            buf = _scratch[0] = torch.empty(src.numel(), dtype=src.dtype)
-        src = buf[:src.numel()].view(src.shape).copy_(src)
+    if not src.is_contiguous() and (_scratch or weight_t and native.library() is not None):
+        if _scratch:
+            buf = _scratch[0]
+            if buf.numel() < src.numel() or buf.dtype != src.dtype:
+                buf = _scratch[0] = torch.empty(src.numel(), dtype=src.dtype)
+            dst = buf[:src.numel()].view(src.shape)
+        else:
+            dst = torch.empty(src.shape, dtype=src.dtype)
+        src = dst if weight_t and native.transpose_into(w, dst) else dst.copy_(src)
     return torch.ops.mkldnn._reorder_linear_weight(src, rows)  # reads any strides
 
 
@@ -122,7 +128,9 @@ def packing() -> Iterator[None]:
     transpose is first copied to contiguous rows through one buffer, reused for the whole burst and freed after
     it. Why: the reorder read the transposed view slower than contiguous rows, and a fresh ``contiguous()`` copy
     per weight gained nothing in a fresh process (both measured in an earlier session), where the reused buffer
-    did (measured on gpt2's Conv1D weights; docs/arch/runtime.md)."""
+    did (measured on gpt2's Conv1D weights; docs/arch/runtime.md). The copy is the native tiled transpose where the C
+    library is loaded (:func:`hetforge.kernels.native.transpose_into`); outside a burst a ``[K, N]`` weight is
+    transposed into a fresh buffer by it, and read as a strided view by the reorder only without the library."""
     _scratch[:] = [torch.empty(0)]
     try:
         yield
