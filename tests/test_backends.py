@@ -30,13 +30,20 @@ def _run(backend, part, args):
 
 
 def test_torch_cpu_engines_match_the_partition_graph(parts):
+    """The fx engine runs the partition's own ops (bit-equal); the executor may run a product on a native kernel
+    that sums in another order (8 rows: ``hf_gemm_few``), so it matches to fp32 rounding."""
     pg, args, *_ = parts
     part = pg.partitions[1]
     with torch.no_grad():
         ref = part.gm(*args[1])
     for engine in ("executor", "fx"):
         outs = _run(TorchCpuBackend(engine), part, args[1])
-        assert all(torch.equal(a, b) for a, b in zip(outs, ref, strict=True))
+        assert len(outs) == len(ref)
+        for a, b in zip(outs, ref, strict=True):
+            if engine == "fx":
+                assert torch.equal(a, b)
+            else:
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     with pytest.raises(UsageError, match="engine"):
         TorchCpuBackend("jit")
 

@@ -181,9 +181,14 @@ def test_cache_context_cold_code_and_first_op_after_a_long_one():
 
 @pytest.fixture(scope="module")
 def tiny_program():
+    """llama-tiny at 4 rows with every multi-row product on ATen (``HETFORGE_GEMM=aten``): its fused hetforge ops
+    then run functionally and are copied into their slices, the cost mode the test below needs one of (by default
+    4 rows run on the few-row native kernels)."""
     from hetforge.compile import compile_model
 
-    return compile_model("llama-tiny", seq=4, soc="host")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HETFORGE_GEMM", "aten")
+        return compile_model("llama-tiny", seq=4, soc="host")
 
 
 def _with(soc: SocProfile, **kw) -> SocProfile:

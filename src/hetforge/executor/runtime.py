@@ -525,6 +525,25 @@ class _Codegen:
             h = "{y}" if wd is None else str(self.g[self.const(torch.empty(f, dtype=vo.dtype), "scr")].data_ptr())
             call = (f"{fn}({p(x)}, {p(wg)}, {p(wu)}, {p(wd)}, {h}, {{y}}, {f}, {dm}, "
                     f"{native.ACT_CODES[args['act']]}, {nt})")
+        elif fn in ("hf_gemm_few", "hf_gemm_few_kn"):  # a few fp32 rows: linear / addmm / mm, or linear_act
+            gops = gemm_operands(ins)
+            x, w, b, act = (*gops[:3], "none") if gops is not None else \
+                (args["x"], args["weight"], args["bias"], args["act"])
+            kk = self.p.values[x.id].shape[-1]
+            call = f"{fn}({p(w)}, {p(x)}, {p(b)}, {{y}}, {rows}, {d}, {kk}, {native.ACT_CODES[act]}, {nt}"
+            if fn == "hf_gemm_few":
+                call += ")"
+            else:  # split-K parts: a scratch shared by the program's products of this size (they run one at a time)
+                part = self.g.setdefault(f"_few_part{rows * d}",
+                                         torch.empty((native.FEW_KN_SLOTS, rows * d), dtype=torch.float32))
+                call += f", {part.data_ptr()}, {native.FEW_KN_SLOTS})"
+        elif fn == "hf_gated_mlp_few":
+            wg, wu, wd = args["w_gate"], args["w_up"], args["w_down"]
+            f = self.p.values[wg.id].shape[0]
+            dm = self.p.values[x.id].shape[-1]
+            scr = self.g[self.const(torch.empty(2 * rows * f, dtype=torch.float32), "scr")]
+            call = (f"hf_gated_mlp_few({p(x)}, {p(wg)}, {p(wu)}, {p(wd)}, {scr.data_ptr()}, "
+                    f"{scr[rows * f:].data_ptr()}, {{y}}, {rows}, {f}, {dm}, {native.ACT_CODES[args['act']]}, {nt})")
         elif fn == "hf_gemv_bf16":  # one bf16 row: linear / addmm / mm, or linear_act with its activation
             gops = gemm_operands(ins)
             if gops is not None:
@@ -571,6 +590,8 @@ class _Codegen:
             call = f"{self.const(native.check_rc, 'f')}({call}, {fn!r})"
         elif fn in ("hf_gemv_q4a", "hf_gemm_q4a"):  # -1: no scratch, -2: shape (raises)
             call = f"{self.const(native.check_q4_rc, 'f')}({call}, {fn!r})"
+        elif fn in ("hf_gemm_few", "hf_gemm_few_kn", "hf_gated_mlp_few"):  # -2: more rows than it takes (raises)
+            call = f"{self.const(native.check_few_rc, 'f')}({call}, {fn!r})"
         self.stats.native_ops += 1
         if self.planned(o):
             buf = self.buffer(o)

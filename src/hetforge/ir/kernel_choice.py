@@ -19,6 +19,9 @@ The kernels, per instruction kind:
   its strides instead of copying it, and a prefill ``attention`` is ``native:hf_prefill_attention``, likewise; a
   bf16 instruction gets the ``_bf16`` twin of its fp32 kernel, and a one-row bf16 ``linear``/``addmm``/``mm``/
   ``linear_act`` ``native:hf_gemv_bf16``, not measured against oneDNN),
+  ``native:hf_gemm_few`` / ``native:hf_gemm_few_kn`` / ``native:hf_gated_mlp_few`` (fp32 ``linear``/``addmm``/
+  ``mm``/``linear_act`` / ``gated_mlp`` of 2..16 rows, 2..8 for a ``[K, N]`` weight, the weight read as the GEMVs
+  read it; :data:`NATIVE_FEW`),
   ``split-gemv:<c>`` (a one-row product as one threaded ``bmm`` over ``c`` chunks, :mod:`hetforge.ops.gemv`),
   ``gemm-out`` (``linear`` as ``addmm.out``/``mm.out`` on 2-D views of input and slice, the weight
   transposed once at load — the same GEMM eager's ``linear`` runs);
@@ -62,6 +65,11 @@ GEMM_OPS = ("aten.linear.default", "aten.addmm.default", "aten.mm.default")
 ONEDNN_OPS = GEMM_OPS + ("hetforge.linear_act.default", "hetforge.gated_mlp.default")
 QUANT_LINEAR_OPS = ("hetforge.linear_w8.default", "hetforge.linear_w4.default")
 NATIVE_GEMV = ("native:hf_gemv_nk", "native:hf_gemv_kn")  # one-row products (costed as the op itself)
+# fp32 products of 2..native.FEW_MAX rows (linear, linear_act; gated_mlp: NATIVE_FEW_MLP),
+# not measured against oneDNN: at a few rows a product streams its weight like a GEMV, and oneDNN's packed GEMM read
+# it at ~0.6-0.95x the native kernel's rate with the weights coming from memory (docs/arch/runtime.md)
+NATIVE_FEW, NATIVE_FEW_MLP = "native:hf_gemm_few", "native:hf_gated_mlp_few"
+NATIVE_FEW_KN = "native:hf_gemm_few_kn"  # the same for a [K, N] weight (GPT-2's Conv1D), split over K
 # one bf16 row of a linear/addmm/mm (costed as the op itself, as NATIVE_GEMV) or of a linear_act
 NATIVE_GEMV_BF16 = "native:hf_gemv_bf16"
 BF16 = torch.bfloat16
@@ -229,8 +237,9 @@ def _gemm(lw: Lowering, ins: Instr, o: int, dev: torch.device) -> str | None:
     if not (vx.is_contiguous and vo.is_contiguous and len(vx.shape) >= 2 and (b is None or isinstance(b, Reg))):
         return None
     k = vx.shape[-1]
-    wt = lw.weight(w.id, dev) if dev.type == "cpu" and math.prod(vx.shape) == k else None
-    if wt is not None and wt.is_contiguous():  # one row on the CPU
+    rows = math.prod(vx.shape) // k if k else 0
+    wt = lw.weight(w.id, dev) if dev.type == "cpu" and 1 <= rows <= native.FEW_MAX else None
+    if wt is not None and wt.is_contiguous() and rows == 1:  # one row on the CPU
         if _native_gemv_fits(lw, x, wt, b, weight_t, o, dev):
             return NATIVE_GEMV[weight_t]
         if _native_gemv_fits(lw, x, wt, b, weight_t, o, dev, bf16=True):
@@ -238,23 +247,35 @@ def _gemm(lw: Lowering, ins: Instr, o: int, dev: torch.device) -> str | None:
         c = gemv.chunks_for(wt.shape[0])  # N of an [N, K] weight (split over outputs), K of a [K, N] one
         if c is not None:
             return f"split-gemv:{c}"
+    if wt is not None and wt.is_contiguous() and _few(rows, vo.dtype, weight_t) \
+            and _native_gemv_fits(lw, x, wt, b, weight_t, o, dev, rows=rows):
+        return NATIVE_FEW_KN if weight_t else NATIVE_FEW
     if weight_t or o not in lw.planned:  # the out= variant / functional op is the same GEMM
         return None
     return "gemm-out"
 
 
+def _few(rows: int, dtype: torch.dtype, weight_t: bool = False) -> bool:
+    """Whether a product of ``rows`` rows may run on a few-row native kernel (:data:`NATIVE_FEW`): fp32, 2..16 rows
+    (2..8 for a ``[K, N]`` weight, :data:`native.FEW_KN_MAX`), and no GEMM policy forced (``HETFORGE_GEMM=aten``/
+    ``onednn`` keep every multi-row product on that kernel)."""
+    most = native.FEW_KN_MAX if weight_t else native.FEW_MAX
+    return 1 < rows <= most and dtype == torch.float32 and onednn.policy() == "auto"
+
+
 def _native_gemv_fits(lw: Lowering, x: Reg, w: torch.Tensor, b: Any, weight_t: bool, o: int,
-                      dev: torch.device, bf16: bool = False) -> bool:
-    """Whether a native one-row GEMV runs this product: the library built, input, output and weight of one dtype
-    the kernel takes (fp32: ``hf_gemv_nk``/``hf_gemv_kn``; ``bf16``: ``hf_gemv_bf16``), a bias that is a contiguous
-    ``[N]``. bf16 is chosen over oneDNN's bf16 linear without measuring: one row is a bandwidth-bound stream, which
-    the native kernel reads at the host's stream rate (the fp32 GEMV's rule)."""
+                      dev: torch.device, bf16: bool = False, rows: int = 1) -> bool:
+    """Whether a native one-row GEMV (or, ``rows`` > 1, ``hf_gemm_few``) runs this product: the library built,
+    input, output and weight of one dtype the kernel takes (fp32: ``hf_gemv_nk``/``hf_gemv_kn``/``hf_gemm_few``;
+    ``bf16``: ``hf_gemv_bf16``), a bias that is a contiguous ``[N]``. bf16 is chosen over oneDNN's bf16 linear
+    without measuring: one row is a bandwidth-bound stream, which the native kernel reads at the host's stream rate
+    (the fp32 GEMV's rule; :data:`NATIVE_FEW` says why a few rows follow it)."""
     vx, vo = lw.p.values[x.id], lw.p.values[o]
     k, n = (w.shape if weight_t else (w.shape[1], w.shape[0]))
     w_ok = (vx.dtype == BF16 and w.dim() == 2 and native.bf16_fits(w)) if bf16 \
         else native.fits(w, None, weight_t, vx.dtype)
     if dev.type != "cpu" or vo.dtype != vx.dtype or not w_ok or lw.dm[vx.device] != dev or vx.shape[-1] != k \
-            or math.prod(vo.shape) != n:
+            or math.prod(vo.shape) != rows * n:
         return False
     if b is None:
         return True
@@ -396,23 +417,31 @@ def _native_w4(lw: Lowering, ins: Instr, o: int, dev: torch.device, args: dict, 
 @native_row_op("hetforge.linear_act.default")
 def _native_linear_act(lw: Lowering, ins: Instr, o: int, dev: torch.device, args: dict, rows: int,
                        d: int) -> str | None:
-    """One row of ``act(x·W + b)`` on the native fused kernel (``hf_gemv_bf16`` with its activation for bf16)."""
+    """One row of ``act(x·W + b)`` on the native fused kernel (``hf_gemv_bf16`` with its activation for bf16); a few
+    fp32 rows on ``hf_gemm_few`` / ``hf_gemm_few_kn`` (:data:`NATIVE_FEW`)."""
     x, w, wt, dt = args["x"], args["weight"], bool(args["weight_t"]), lw.p.values[o].dtype
     if not (lw.native_operand(x, dev, None, dt) and lw.is_weight(w)):
         return None
     ws = lw.p.values[w.id].shape
     kk = math.prod(lw.p.values[x.id].shape)
-    if rows != 1 or args["act"] in ("none", None) or args["act"] not in native.ACT_CODES or len(ws) != 2 \
+    if _few(rows, dt, wt) and kk == rows * ws[0 if wt else -1]:
+        kk //= rows  # a few rows (NATIVE_FEW, NATIVE_FEW_KN)
+    elif rows != 1:
+        return None
+    if args["act"] in ("none", None) or args["act"] not in native.ACT_CODES or len(ws) != 2 \
             or ws != ((kk, d) if wt else (d, kk)) \
             or not (lw.native_operand(w, dev, None, dt) and _optional(lw, args["bias"], dev, d, dt)):
         return None
+    if rows > 1:
+        return NATIVE_FEW_KN if wt else NATIVE_FEW
     return NATIVE_GEMV_BF16 if dt == BF16 else "native:hf_linear_act"
 
 
 @native_row_op("hetforge.gated_mlp.default")
 def _native_gated_mlp(lw: Lowering, ins: Instr, o: int, dev: torch.device, args: dict, rows: int,
                       d: int) -> str | None:
-    """One row of a gated MLP (gate, up, and down when present) on the native fused kernel."""
+    """One row of a gated MLP (gate, up, and down when present) on the native fused kernel; a few fp32 rows on
+    ``hf_gated_mlp_few`` (:data:`NATIVE_FEW_MLP`)."""
     x, wg, wu, wd, dt = args["x"], args["w_gate"], args["w_up"], args["w_down"], lw.p.values[o].dtype
     if not lw.native_operand(x, dev, None, dt) or any(args[b] is not None for b in ("b_gate", "b_up", "b_down")):
         return None
@@ -420,12 +449,16 @@ def _native_gated_mlp(lw: Lowering, ins: Instr, o: int, dev: torch.device, args:
     ws = [wg, wu] if wd is None else [wg, wu, wd]
     if not all(lw.is_weight(a) and lw.native_operand(a, dev, None, dt) for a in ws):
         return None
+    if _few(rows, dt) and dm % rows == 0:
+        dm //= rows  # a few rows (NATIVE_FEW_MLP)
+    elif rows != 1:
+        return None
     f = lw.p.values[wg.id].shape[0]
     want = [(f, dm), (f, dm)] + ([] if wd is None else [(dm, f)])
-    if rows != 1 or args["act"] in ("none", None) or args["act"] not in native.ACT_CODES or \
+    if args["act"] in ("none", None) or args["act"] not in native.ACT_CODES or \
             d != (f if wd is None else dm) or [tuple(lw.p.values[a.id].shape) for a in ws] != want:
         return None
-    return f"native:hf_gated_mlp{_bf16_suffix(dt)}"
+    return NATIVE_FEW_MLP if rows > 1 else f"native:hf_gated_mlp{_bf16_suffix(dt)}"
 
 
 @native_row_op("hetforge.kv_attention.default")
@@ -589,11 +622,12 @@ def _views_as_planned(p: Program, ins: Instr) -> bool:
 
 
 def kernel_context(device_map: dict[str, torch.device], mode: str, planned) -> dict[str, Any]:
-    """What the choice depends on besides the program: torch devices, executor mode, native library, threads,
-    and which values the memory plan gave a slice (a CRC-32 of their ids)."""
+    """What the choice depends on besides the program: torch devices, executor mode, native library, threads, the
+    GEMM policy, and which values the memory plan gave a slice (a CRC-32 of their ids)."""
     return {"mode": mode, "devices": {d: str(t) for d, t in sorted(device_map.items())},
             "native": native.library() is not None, "onednn": onednn.available(),
-            "threads": onednn.threads(), "w8_act": native.w8_act_mode(), "w4_act": native.w4_act_mode(),
+            "threads": onednn.threads(), "gemm": onednn.policy(), "w8_act": native.w8_act_mode(),
+            "w4_act": native.w4_act_mode(),
             "planned": zlib.crc32(repr(sorted(planned)).encode())}
 
 

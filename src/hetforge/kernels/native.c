@@ -2570,3 +2570,203 @@ int hf_transpose(const void *src, void *dst, long k, long n, int size, int threa
     hf_run(tr_chunk, &a, (n + TR_T - 1) / TR_T, clamp_threads(threads));
     return 0;
 }
+
+/* ---------------------------------------------------------------- few-row products
+ * Y[m, n] = act(X[m, :] · W[n, :] + b[n]) for a handful of rows of X (a short prefill or chunk: m <= HF_FEW_MAX),
+ * W [N, K] row-major. Why: at a few rows a product still streams the whole weight from memory, and oneDNN's packed
+ * GEMM read it at about half the rate the one-row GEMV above reaches (docs/arch/runtime.md). This reads W as the
+ * GEMV does (four streams, the same chunks), and each group of four weight rows, once loaded, is multiplied with
+ * every row of X in blocks of four (16 accumulators, FMA), the X rows coming from cache. */
+#define HF_FEW_MAX 32
+typedef struct {
+    const float *w, *x, *bias;
+    float *y;
+    long m, n, k, rows;
+    int act;
+} few_ctx;
+
+static void few_block(const float *restrict w0, const float *restrict w1, const float *restrict w2,
+                      const float *restrict w3, const float *restrict x, long mb, long k, float out[4][4]) {
+    long i = 0;
+#if defined(__AVX512F__)
+    __m512 s[4][4];
+    for (int r = 0; r < 4; r++)
+        for (int j = 0; j < 4; j++) s[r][j] = _mm512_setzero_ps();
+    const float *xr[4];
+    for (int r = 0; r < 4; r++) xr[r] = x + (r < mb ? r : 0) * k;
+    for (; i + HF_LANES <= k; i += HF_LANES) {
+        __m512 a0 = _mm512_loadu_ps(w0 + i), a1 = _mm512_loadu_ps(w1 + i), a2 = _mm512_loadu_ps(w2 + i),
+               a3 = _mm512_loadu_ps(w3 + i);
+        for (int r = 0; r < 4; r++) {
+            __m512 xv = _mm512_loadu_ps(xr[r] + i);
+            s[r][0] = _mm512_fmadd_ps(a0, xv, s[r][0]);
+            s[r][1] = _mm512_fmadd_ps(a1, xv, s[r][1]);
+            s[r][2] = _mm512_fmadd_ps(a2, xv, s[r][2]);
+            s[r][3] = _mm512_fmadd_ps(a3, xv, s[r][3]);
+        }
+    }
+    if (i < k) {
+        __mmask16 msk = (__mmask16)((1u << (k - i)) - 1);
+        __m512 a0 = _mm512_maskz_loadu_ps(msk, w0 + i), a1 = _mm512_maskz_loadu_ps(msk, w1 + i),
+               a2 = _mm512_maskz_loadu_ps(msk, w2 + i), a3 = _mm512_maskz_loadu_ps(msk, w3 + i);
+        for (int r = 0; r < 4; r++) {
+            __m512 xv = _mm512_maskz_loadu_ps(msk, xr[r] + i);
+            s[r][0] = _mm512_fmadd_ps(a0, xv, s[r][0]);
+            s[r][1] = _mm512_fmadd_ps(a1, xv, s[r][1]);
+            s[r][2] = _mm512_fmadd_ps(a2, xv, s[r][2]);
+            s[r][3] = _mm512_fmadd_ps(a3, xv, s[r][3]);
+        }
+    }
+    for (int r = 0; r < 4; r++)
+        for (int j = 0; j < 4; j++) out[r][j] = hsum16(s[r][j]);
+#else
+    (void)i;
+    for (int r = 0; r < 4 && r < mb; r++) dot4(w0, w1, w2, w3, x + r * k, k, out[r]);
+#endif
+}
+
+static void few_chunk(void *p, long c) {
+    const few_ctx *a = p;
+    long n = a->n, k = a->k, q = n / 4, i0 = c * a->rows, i1 = i0 + a->rows < q ? i0 + a->rows : q;
+    const float *w = a->w;
+    if (i0 >= q) { /* the tail rows */
+        for (long r = 4 * q; r < n; r++)
+            for (long mm = 0; mm < a->m; mm++) {
+                float v = dot1(w + r * k, a->x + mm * k, k);
+                a->y[mm * n + r] = act_of(a->bias ? v + a->bias[r] : v, a->act);
+            }
+        return;
+    }
+    float o[4][4];
+    for (long i = i0; i < i1; i++) {
+        const float *w0 = w + i * k, *w1 = w + (i + q) * k, *w2 = w + (i + 2 * q) * k, *w3 = w + (i + 3 * q) * k;
+        for (long m0 = 0; m0 < a->m; m0 += 4) {
+            long mb = a->m - m0 < 4 ? a->m - m0 : 4;
+            few_block(w0, w1, w2, w3, a->x + m0 * k, mb, k, o);
+            for (long r = 0; r < mb; r++)
+                for (int j = 0; j < 4; j++) {
+                    long col = i + j * q;
+                    a->y[(m0 + r) * n + col] = act_of(a->bias ? o[r][j] + a->bias[col] : o[r][j], a->act);
+                }
+        }
+    }
+}
+
+/* 0, or -2 for a row count outside 1..HF_FEW_MAX (nothing written). */
+int hf_gemm_few(const float *w, const float *x, const float *bias, float *y, long m, long n, long k, int act,
+                int threads) {
+    if (m < 1 || m > HF_FEW_MAX) return -2;
+    few_ctx a = {w, x, bias, y, m, n, k, rows_per_chunk(k * (long)sizeof(float)), act};
+    hf_run(few_chunk, &a, four_stream_chunks(n, a.rows), clamp_threads(threads));
+    return 0;
+}
+
+
+/* A gated MLP of m <= HF_FEW_MAX rows: h = act(X Wg^T) * (X Wu^T), then Y = h Wd^T (Y = h without Wd); g and h are
+ * [m, f] scratch. Wg, Wu [F, D], Wd [D, F], row-major, each read as hf_gemm_few reads a weight. */
+int hf_gated_mlp_few(const float *x, const float *wg, const float *wu, const float *wd, float *g, float *h,
+                     float *y, long m, long f, long d, int act, int threads) {
+    if (m < 1 || m > HF_FEW_MAX) return -2;
+    hf_gemm_few(wg, x, 0, g, m, f, d, ACT_NONE, threads);
+    hf_gemm_few(wu, x, 0, wd ? h : y, m, f, d, ACT_NONE, threads);
+    float *hv = wd ? h : y;
+    for (long i = 0; i < m * f; i++) hv[i] = act_of(g[i], act) * hv[i];
+    if (wd) hf_gemm_few(wd, h, 0, y, m, d, f, ACT_NONE, threads);
+    return 0;
+}
+
+/* The same product for W stored [K, N] (GPT-2's Conv1D): Y[m, n] = act(sum_k X[m, k] W[k, n] + b[n]), split over K
+ * as hf_gemv_kn is: part c streams rows [c*r, (c+1)*r) of each quarter of W (four streams) into its own [m, N]
+ * block of ``part``, then the parts are summed in part order (so the result depends on neither the thread count
+ * nor timing). Within a part, each group of four weight rows is multiplied with every row of X in blocks of four
+ * (16 broadcast x values held in registers, four rows of running sums loaded and stored per 16 columns); the
+ * group's rows come from memory for the first block and from cache for the others. */
+typedef struct {
+    const float *w, *x, *bias;
+    float *y, *part;
+    long m, n, k;
+    int act, chunks;
+} few_kn_ctx;
+
+static void few_kn_partial(void *p, long c) {
+    const few_kn_ctx *a = p;
+    long n = a->n, k = a->k, m = a->m, q = k / 4, r = (q + a->chunks - 1) / a->chunks;
+    long i0 = c * r < q ? c * r : q, i1 = i0 + r < q ? i0 + r : q;
+    float *restrict acc = a->part + (size_t)c * m * n;
+    memset(acc, 0, (size_t)m * n * sizeof(float));
+    for (long i = i0; i < i1; i++) {
+        const float *restrict w0 = a->w + i * n, *restrict w1 = w0 + q * n;
+        const float *restrict w2 = w1 + q * n, *restrict w3 = w2 + q * n;
+        for (long m0 = 0; m0 < m; m0 += 4) {
+            long mb = m - m0 < 4 ? m - m0 : 4;
+            long j = 0;
+#if defined(__AVX512F__)
+            if (mb == 4) {
+                __m512 xv[4][4];
+                for (int rr = 0; rr < 4; rr++) {
+                    const float *xr = a->x + (m0 + rr) * k;
+                    xv[rr][0] = _mm512_set1_ps(xr[i]), xv[rr][1] = _mm512_set1_ps(xr[i + q]);
+                    xv[rr][2] = _mm512_set1_ps(xr[i + 2 * q]), xv[rr][3] = _mm512_set1_ps(xr[i + 3 * q]);
+                }
+                for (; j + HF_LANES <= n; j += HF_LANES) {
+                    __m512 b0 = _mm512_loadu_ps(w0 + j), b1 = _mm512_loadu_ps(w1 + j), b2 = _mm512_loadu_ps(w2 + j),
+                           b3 = _mm512_loadu_ps(w3 + j);
+                    for (int rr = 0; rr < 4; rr++) {
+                        float *ar = acc + (m0 + rr) * n + j;
+                        __m512 s = _mm512_loadu_ps(ar);
+                        s = _mm512_fmadd_ps(xv[rr][0], b0, s);
+                        s = _mm512_fmadd_ps(xv[rr][1], b1, s);
+                        s = _mm512_fmadd_ps(xv[rr][2], b2, s);
+                        s = _mm512_fmadd_ps(xv[rr][3], b3, s);
+                        _mm512_storeu_ps(ar, s);
+                    }
+                }
+            }
+#endif
+            for (long rr = 0; rr < mb; rr++) {
+                const float *xr = a->x + (m0 + rr) * k;
+                const float x0 = xr[i], x1 = xr[i + q], x2 = xr[i + 2 * q], x3 = xr[i + 3 * q];
+                float *restrict ar = acc + (m0 + rr) * n;
+                for (long jj = j; jj < n; jj++) ar[jj] += x0 * w0[jj] + x1 * w1[jj] + x2 * w2[jj] + x3 * w3[jj];
+            }
+        }
+    }
+    if (c == a->chunks - 1)
+        for (long i = 4 * q; i < k; i++)
+            for (long mm = 0; mm < m; mm++) {
+                const float xi = a->x[mm * k + i];
+                const float *restrict wr = a->w + i * n;
+                float *restrict ar = acc + mm * n;
+                for (long j = 0; j < n; j++) ar[j] += xi * wr[j];
+            }
+}
+
+/* Row c of Y: the sum of the parts' row c, in part order, then bias and activation. */
+static void few_kn_reduce(void *p, long c) {
+    const few_kn_ctx *a = p;
+    long n = a->n;
+    float *restrict y = a->y + c * n;
+    const float *p0 = a->part + c * n;
+    for (long j = 0; j < n; j++) y[j] = p0[j];
+    for (int cc = 1; cc < a->chunks; cc++) {
+        const float *restrict pc = a->part + ((size_t)cc * a->m + c) * n;
+#pragma omp simd
+        for (long j = 0; j < n; j++) y[j] += pc[j];
+    }
+    for (long j = 0; j < n; j++) y[j] = act_of(a->bias ? y[j] + a->bias[j] : y[j], a->act);
+}
+
+/* ``part``: a scratch of ``slots`` x m x N floats the caller owns (the number of parts, at most: at least 8 rows of
+ * each quarter of K per part). 0, or -2 for a row count outside 1..HF_FEW_MAX (nothing written). */
+int hf_gemm_few_kn(const float *w, const float *x, const float *bias, float *y, long m, long n, long k, int act,
+                   int threads, float *part, int slots) {
+    if (m < 1 || m > HF_FEW_MAX) return -2;
+    long most = (k / 4 + 7) / 8;
+    int chunks = slots < 1 ? 1 : slots;
+    if (chunks > most) chunks = most < 1 ? 1 : (int)most;
+    few_kn_ctx a = {w, x, bias, y, part, m, n, k, act, chunks};
+    threads = clamp_threads(threads);
+    hf_run(few_kn_partial, &a, chunks, threads);
+    hf_run(few_kn_reduce, &a, m, threads);
+    return 0;
+}

@@ -69,13 +69,20 @@ SIGNATURES = {
     "hf_quantize_i8_chunks": [_L],
     "hf_quantize_i8": [_P, _L, _L, _I, _P, _P, _P, _P, _I],
     "hf_transpose": [_P, _P, _L, _L, _I, _I],
+    "hf_gemm_few": [_P, _P, _P, _P, _L, _L, _L, _I, _I],
+    "hf_gemm_few_kn": [_P, _P, _P, _P, _L, _L, _L, _I, _I, _P, _I],
+    "hf_gated_mlp_few": [_P, _P, _P, _P, _P, _P, _P, _L, _L, _L, _I, _I],
 }
 RESTYPES = {  # the functions that return a value (every other one returns void)
     "hf_read_stream": _F, "hf_q8a_path": _I, "hf_bf16_path": _I, "hf_prefill_attention": _I, "hf_gemv_nk_multi": _I,
     "hf_gemv_q8a": _I, "hf_gemm_q8a": _I,  # 0, or -1: scratch not allocated
     "hf_gemv_q4a": _I, "hf_gemm_q4a": _I, "hf_q4a_path": _I, "hf_quantize_i8_chunks": _L, "hf_quantize_i8": _I,
-    "hf_transpose": _I,
+    "hf_transpose": _I, "hf_gemm_few": _I, "hf_gemm_few_kn": _I, "hf_gated_mlp_few": _I,
 }
+FEW_KN_SLOTS = 4  # split-K parts of hf_gemm_few_kn (fixed, so a result does not depend on the thread count)
+# most rows a product runs on hf_gemm_few / hf_gated_mlp_few, and on hf_gemm_few_kn (the C takes up to 32): past
+# them oneDNN's packed GEMM was as fast or faster (docs/arch/runtime.md)
+FEW_MAX, FEW_KN_MAX = 16, 8
 ACT_CODES = {"none": 0, "relu": 1, "gelu": 2, "gelu_tanh": 3, "silu": 4}  # native.c's ACT_* (linear_act, gated_mlp)
 
 
@@ -868,6 +875,12 @@ def q4_kernel(rows: int = 1) -> str | None:
     if w4_act_mode() != "q8" or rows < 1 or library() is None or q4a_path() != "vnni":
         return None
     return "hf_gemv_q4a" if rows == 1 else "hf_gemm_q4a"
+
+
+def check_few_rc(rc: int, fn: str = "hf_gemm_few") -> None:
+    """Raise when a few-row product refused its call (-2: a row count outside 1..32; output untouched)."""
+    if rc:
+        raise ValueError(f"{fn}: row count outside 1..32")
 
 
 def check_q4_rc(rc: int, fn: str = "hf_gemm_q4a") -> None:
