@@ -20,8 +20,7 @@ The kernels, per instruction kind:
   bf16 instruction gets the ``_bf16`` twin of its fp32 kernel, and a one-row bf16 ``linear``/``addmm``/``mm``/
   ``linear_act`` ``native:hf_gemv_bf16``, not measured against oneDNN),
   ``native:hf_gemm_few`` / ``native:hf_gemm_few_kn`` / ``native:hf_gated_mlp_few`` (fp32 ``linear``/``addmm``/
-  ``mm``/``linear_act`` / ``gated_mlp`` of 2..16 rows, 2..8 for a ``[K, N]`` weight, the weight read as the GEMVs
-  read it; :data:`NATIVE_FEW`),
+  ``mm``/``linear_act`` / ``gated_mlp`` of 2..8 rows, the weight read as the GEMVs read it; :data:`NATIVE_FEW`),
   ``split-gemv:<c>`` (a one-row product as one threaded ``bmm`` over ``c`` chunks, :mod:`hetforge.ops.gemv`),
   ``gemm-out`` (``linear`` as ``addmm.out``/``mm.out`` on 2-D views of input and slice, the weight
   transposed once at load — the same GEMM eager's ``linear`` runs);
@@ -247,7 +246,7 @@ def _gemm(lw: Lowering, ins: Instr, o: int, dev: torch.device) -> str | None:
         c = gemv.chunks_for(wt.shape[0])  # N of an [N, K] weight (split over outputs), K of a [K, N] one
         if c is not None:
             return f"split-gemv:{c}"
-    if wt is not None and wt.is_contiguous() and _few(rows, vo.dtype, weight_t) \
+    if wt is not None and wt.is_contiguous() and _few(rows, vo.dtype) \
             and _native_gemv_fits(lw, x, wt, b, weight_t, o, dev, rows=rows):
         return NATIVE_FEW_KN if weight_t else NATIVE_FEW
     if weight_t or o not in lw.planned:  # the out= variant / functional op is the same GEMM
@@ -255,12 +254,11 @@ def _gemm(lw: Lowering, ins: Instr, o: int, dev: torch.device) -> str | None:
     return "gemm-out"
 
 
-def _few(rows: int, dtype: torch.dtype, weight_t: bool = False) -> bool:
-    """Whether a product of ``rows`` rows may run on a few-row native kernel (:data:`NATIVE_FEW`): fp32, 2..16 rows
-    (2..8 for a ``[K, N]`` weight, :data:`native.FEW_KN_MAX`), and no GEMM policy forced (``HETFORGE_GEMM=aten``/
-    ``onednn`` keep every multi-row product on that kernel)."""
-    most = native.FEW_KN_MAX if weight_t else native.FEW_MAX
-    return 1 < rows <= most and dtype == torch.float32 and onednn.policy() == "auto"
+def _few(rows: int, dtype: torch.dtype) -> bool:
+    """Whether a product of ``rows`` rows may run on a few-row native kernel (:data:`NATIVE_FEW`): fp32, 2..8 rows
+    (:data:`native.FEW_MAX`), and no GEMM policy forced (``HETFORGE_GEMM=aten``/``onednn`` keep every multi-row
+    product on that kernel)."""
+    return 1 < rows <= native.FEW_MAX and dtype == torch.float32 and onednn.policy() == "auto"
 
 
 def _native_gemv_fits(lw: Lowering, x: Reg, w: torch.Tensor, b: Any, weight_t: bool, o: int,
@@ -424,7 +422,7 @@ def _native_linear_act(lw: Lowering, ins: Instr, o: int, dev: torch.device, args
         return None
     ws = lw.p.values[w.id].shape
     kk = math.prod(lw.p.values[x.id].shape)
-    if _few(rows, dt, wt) and kk == rows * ws[0 if wt else -1]:
+    if _few(rows, dt) and kk == rows * ws[0 if wt else -1]:
         kk //= rows  # a few rows (NATIVE_FEW, NATIVE_FEW_KN)
     elif rows != 1:
         return None

@@ -80,9 +80,9 @@ RESTYPES = {  # the functions that return a value (every other one returns void)
     "hf_transpose": _I, "hf_gemm_few": _I, "hf_gemm_few_kn": _I, "hf_gated_mlp_few": _I,
 }
 FEW_KN_SLOTS = 4  # split-K parts of hf_gemm_few_kn (fixed, so a result does not depend on the thread count)
-# most rows a product runs on hf_gemm_few / hf_gated_mlp_few, and on hf_gemm_few_kn (the C takes up to 32): past
-# them oneDNN's packed GEMM was as fast or faster (docs/arch/runtime.md)
-FEW_MAX, FEW_KN_MAX = 16, 8
+# most rows a product runs on hf_gemm_few / hf_gemm_few_kn / hf_gated_mlp_few (the C takes up to 32): at 12 and
+# 16 rows oneDNN's packed GEMM was as fast or faster inside a prefill program (docs/arch/runtime.md)
+FEW_MAX = 8
 ACT_CODES = {"none": 0, "relu": 1, "gelu": 2, "gelu_tanh": 3, "silu": 4}  # native.c's ACT_* (linear_act, gated_mlp)
 
 
