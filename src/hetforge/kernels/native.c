@@ -549,14 +549,18 @@ static void kn_reduce(void *p, long c) {
     for (long j = j0; j < j1; j++) y[j] = act_of(a->bias ? y[j] + a->bias[j] : y[j], a->act);
 }
 
+/* Parts of a split-K product over K: ``slots`` at most, and at least 8 rows of each quarter of K per part. */
+static int kn_parts(long k, int slots) {
+    long most = (k / 4 + 7) / 8;
+    int chunks = slots < 1 ? 1 : slots;
+    return chunks > most ? (most < 1 ? 1 : (int)most) : chunks;
+}
+
 static void gemv_kn_act(const float *w, const float *x, const float *bias, float *y, long n, long k, int act,
                         int threads, float *part, int slots) {
-    long most = (k / 4 + 7) / 8; /* at least 8 rows of each quarter of K per part */
-    int chunks = slots < 1 ? 1 : slots;
-    if (chunks > most) chunks = most < 1 ? 1 : (int)most;
-    gemv_ctx a = {w, x, bias, y, part, n, k, 0, act, chunks};
+    gemv_ctx a = {w, x, bias, y, part, n, k, 0, act, kn_parts(k, slots)};
     threads = clamp_threads(threads);
-    hf_run(kn_partial, &a, chunks, threads);
+    hf_run(kn_partial, &a, a.chunks, threads);
     hf_run(kn_reduce, &a, (n + HF_COLS - 1) / HF_COLS, threads);
 }
 
@@ -1859,9 +1863,7 @@ void hf_gemv_bf16(const hf_bf16 *w, const hf_bf16 *x, const hf_bf16 *bias, hf_bf
                   int weight_t, int act, int threads, float *part, int slots) {
     threads = clamp_threads(threads);
     if (weight_t) {
-        long most = (k / 4 + 7) / 8;
-        int chunks = slots < 1 ? 1 : slots;
-        if (chunks > most) chunks = most < 1 ? 1 : (int)most;
+        int chunks = kn_parts(k, slots);
         bgemv_ctx a = {w, x, bias, y, part, n, k, 0, act, chunks, 0};
         hf_run(bf16_kn_partial, &a, chunks, threads);
         hf_run(bf16_kn_reduce, &a, (n + HF_COLS - 1) / HF_COLS, threads);
@@ -2756,17 +2758,14 @@ static void few_kn_reduce(void *p, long c) {
     for (long j = 0; j < n; j++) y[j] = act_of(a->bias ? y[j] + a->bias[j] : y[j], a->act);
 }
 
-/* ``part``: a scratch of ``slots`` x m x N floats the caller owns (the number of parts, at most: at least 8 rows of
- * each quarter of K per part). 0, or -2 for a row count outside 1..HF_FEW_MAX (nothing written). */
+/* ``part``: a scratch of ``slots`` x m x N floats the caller owns (the number of parts, at most: kn_parts).
+ * 0, or -2 for a row count outside 1..HF_FEW_MAX (nothing written). */
 int hf_gemm_few_kn(const float *w, const float *x, const float *bias, float *y, long m, long n, long k, int act,
                    int threads, float *part, int slots) {
     if (m < 1 || m > HF_FEW_MAX) return -2;
-    long most = (k / 4 + 7) / 8;
-    int chunks = slots < 1 ? 1 : slots;
-    if (chunks > most) chunks = most < 1 ? 1 : (int)most;
-    few_kn_ctx a = {w, x, bias, y, part, m, n, k, act, chunks};
+    few_kn_ctx a = {w, x, bias, y, part, m, n, k, act, kn_parts(k, slots)};
     threads = clamp_threads(threads);
-    hf_run(few_kn_partial, &a, chunks, threads);
+    hf_run(few_kn_partial, &a, a.chunks, threads);
     hf_run(few_kn_reduce, &a, m, threads);
     return 0;
 }
