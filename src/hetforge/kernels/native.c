@@ -2582,9 +2582,9 @@ int hf_transpose(const void *src, void *dst, long k, long n, int size, int threa
 #define HF_FEW_MAX 32
 typedef struct {
     const float *w, *x, *bias;
-    float *y;
+    float *y, *part; /* part: hf_gemm_few_kn's split-K blocks */
     long m, n, k, rows;
-    int act;
+    int act, chunks;
 } few_ctx;
 
 static void few_block(const float *restrict w0, const float *restrict w1, const float *restrict w2,
@@ -2658,7 +2658,7 @@ static void few_chunk(void *p, long c) {
 int hf_gemm_few(const float *w, const float *x, const float *bias, float *y, long m, long n, long k, int act,
                 int threads) {
     if (m < 1 || m > HF_FEW_MAX) return -2;
-    few_ctx a = {w, x, bias, y, m, n, k, rows_per_chunk(k * (long)sizeof(float)), act};
+    few_ctx a = {w, x, bias, y, 0, m, n, k, rows_per_chunk(k * (long)sizeof(float)), act, 0};
     hf_run(few_chunk, &a, four_stream_chunks(n, a.rows), clamp_threads(threads));
     return 0;
 }
@@ -2683,15 +2683,8 @@ int hf_gated_mlp_few(const float *x, const float *wg, const float *wu, const flo
  * nor timing). Within a part, each group of four weight rows is multiplied with every row of X in blocks of four
  * (16 broadcast x values held in registers, four rows of running sums loaded and stored per 16 columns); the
  * group's rows come from memory for the first block and from cache for the others. */
-typedef struct {
-    const float *w, *x, *bias;
-    float *y, *part;
-    long m, n, k;
-    int act, chunks;
-} few_kn_ctx;
-
 static void few_kn_partial(void *p, long c) {
-    const few_kn_ctx *a = p;
+    const few_ctx *a = p;
     long n = a->n, k = a->k, m = a->m, q = k / 4, r = (q + a->chunks - 1) / a->chunks;
     long i0 = c * r < q ? c * r : q, i1 = i0 + r < q ? i0 + r : q;
     float *restrict acc = a->part + (size_t)c * m * n;
@@ -2745,7 +2738,7 @@ static void few_kn_partial(void *p, long c) {
 
 /* Row c of Y: the sum of the parts' row c, in part order, then bias and activation. */
 static void few_kn_reduce(void *p, long c) {
-    const few_kn_ctx *a = p;
+    const few_ctx *a = p;
     long n = a->n;
     float *restrict y = a->y + c * n;
     const float *p0 = a->part + c * n;
@@ -2763,7 +2756,7 @@ static void few_kn_reduce(void *p, long c) {
 int hf_gemm_few_kn(const float *w, const float *x, const float *bias, float *y, long m, long n, long k, int act,
                    int threads, float *part, int slots) {
     if (m < 1 || m > HF_FEW_MAX) return -2;
-    few_kn_ctx a = {w, x, bias, y, part, m, n, k, act, kn_parts(k, slots)};
+    few_ctx a = {w, x, bias, y, part, m, n, k, 0, act, kn_parts(k, slots)};
     threads = clamp_threads(threads);
     hf_run(few_kn_partial, &a, a.chunks, threads);
     hf_run(few_kn_reduce, &a, m, threads);
