@@ -77,6 +77,17 @@ class EagerAttention(nn.Module):
         return torch.softmax(q @ k.transpose(-1, -2) * 0.5 + mask, dim=-1) @ v
 
 
+class CausalBufferAttention(nn.Module):
+    """Eager attention over a causal mask built once as a buffer (``-inf`` above the diagonal)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("mask", torch.full((6, 6), float("-inf")).triu(1))
+
+    def forward(self, q, k, v):
+        return torch.softmax(q @ k.transpose(-1, -2) * 0.5 + self.mask, dim=-1) @ v
+
+
 class GqaAttention(nn.Module):
     """Hugging Face's eager attention with ``repeat_kv``: 4 query heads over 2 key/value heads."""
 
@@ -168,6 +179,17 @@ CASES = {
         return (%5,)""", """
         %0 = hetforge::attention(%x0, %x1, %x2, %x3, 0.5)
         return (%0,)""", lambda m: lambda q, k, v, mask: hf.attention(q, k, v, mask, 0.5, False)),
+    "attention (constant causal mask)": (CausalBufferAttention, lambda: (_x(*ATTN), _x(*ATTN, seed=1),
+                                                                       _x(*ATTN, seed=2)), fuse_attention, """
+        %0 = aten::transpose.int(%x1, -1, -2)
+        %1 = aten::matmul(%x0, %0)
+        %2 = aten::mul.Tensor(%1, 0.5)
+        %3 = aten::add.Tensor(%2, @mask)
+        %4 = aten::softmax.int(%3, -1)
+        %5 = aten::matmul(%4, %x2)
+        return (%5,)""", """
+        %0 = hetforge::attention(%x0, %x1, %x2, None, 0.5, True)
+        return (%0,)""", lambda m: lambda q, k, v: hf.attention(q, k, v, None, 0.5, True)),
     "attention (repeat_kv)": (GqaAttention, lambda: (_x(*ATTN), _x(*KV, seed=1), _x(*KV, seed=2)), fuse_attention, """
         %0 = aten::unsqueeze(%x1, 2)
         %1 = aten::expand(%0, [1, 2, 2, 6, 8])

@@ -179,3 +179,20 @@ def test_compiled_bf16_prefill_runs_it_and_stays_within_bf16_rounding_of_eager()
     assert att and {res.executable.kernels[i.id] for i in att} == {"native:hf_prefill_attention"}
     rep = verify(module, res.executable, inputs, kl_threshold=1e-3)
     assert rep.passed and rep.top1_agree >= 0.9, rep
+
+
+def test_instruction_call_keeps_one_layout_and_checks_any_other_again():
+    """``PrefillAttention`` (what a program calls) gives SDPA's result for a strided layout, then a contiguous one,
+    then one whose last dim is not dense (copied, so never kept), then the first again; a layout it cannot run
+    raises rather than reusing the kept dims."""
+    call = native.PrefillAttention(0.125, True)
+    q, k, v = _qkv(1, 4, 2, 24, 24, 16)
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.125, enable_gqa=True)
+    wide = torch.randn(1, 4, 24, 32)[..., ::2]  # last dim stride 2
+    wide.copy_(q)
+    for qq, kk, vv in ((q, k, v), (q.contiguous(), k.contiguous(), v.contiguous()), (wide, k, v), (q, k, v)):
+        out = torch.full(ref.shape, float("nan"))
+        call(qq, kk, vv, None, out.data_ptr())
+        assert (out - ref).abs().max().item() <= TOL
+    with pytest.raises(ValueError, match="cannot run"):
+        call(q.double(), k, v, None, 0)

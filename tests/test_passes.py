@@ -198,6 +198,46 @@ def test_attention_near_misses_are_left_alone(kw, reason):
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
 
 
+class _BufferMaskAttn(nn.Module):
+    def __init__(self, mask: torch.Tensor):
+        super().__init__()
+        self.register_buffer("mask", mask)
+
+    def forward(self, q, k, v):
+        if self.mask.dtype == torch.bool:  # a boolean mask reaches the fused op through SDPA
+            return nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=self.mask, scale=0.5)
+        return torch.softmax(q @ k.transpose(-1, -2) * 0.5 + self.mask, dim=-1) @ v
+
+
+def _causal_masks() -> dict[str, tuple[torch.Tensor, bool]]:
+    """name → (a constant mask for 6 × 6 scores, whether it is exactly causal)."""
+    hidden = torch.ones(6, 6, dtype=torch.bool).triu(1)
+    ninf = torch.zeros(6, 6).masked_fill(hidden, float("-inf"))
+    lowest = torch.zeros(6, 6).masked_fill(hidden, torch.finfo(torch.float32).min)
+    big = torch.zeros(6, 6).masked_fill(hidden, -1e9)  # a large finite value is not exactly "hidden"
+    one_off = ninf.clone()
+    one_off[3, 1] = float("-inf")  # hides a key below the diagonal
+    window = ninf.masked_fill(torch.ones(6, 6, dtype=torch.bool).tril(-3), float("-inf"))  # sliding window
+    bias = ninf.clone()
+    bias[2, 0] = 0.25  # a visible position with a bias
+    return {"-inf": (ninf, True), "finfo.min": (lowest, True), "bool tril": (~hidden, True),
+            "4-D broadcast": (ninf[None, None], True), "-1e9": (big, False), "one more hidden": (one_off, False),
+            "sliding window": (window, False), "biased": (bias, False), "bool window": (~window.isinf(), False)}
+
+
+@pytest.mark.parametrize("name", list(_causal_masks()))
+def test_only_an_exactly_causal_constant_mask_becomes_is_causal(name):
+    mask, causal = _causal_masks()[name]
+    q, k, v = (torch.randn(1, 4, 6, 8, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    res, want, got = _run(_BufferMaskAttn(mask), (q, k, v))
+    assert res.fused["attention"] == 1
+    node = next(n for n in res.gm.graph.nodes if n.target == torch.ops.hetforge.attention.default)
+    assert (node.args[3] is None and node.args[5] is True) == causal, node.args
+    rw = next(p for p in res.passes if p.name == "attention").rewrites[0]
+    assert ("a constant causal mask" in rw.detail) == causal
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+
+
 def test_bfloat16_attention_with_float32_softmax_fuses():
     torch.manual_seed(0)
     x, m = _inputs()

@@ -573,8 +573,8 @@ class _Codegen:
                     f"{float(args['scale'])!r}, {nt})")
         elif fn == "hf_prefill_attention":  # q/k/v read with their strides (known at run time), in Python then C
             q, k, v, mask = (self.expr(args[n], dev) for n in ("q", "k", "v", "mask"))  # a register or a weight
-            call = (f"{self.const(native.prefill_attention_into, 'f')}({q}, {k}, {v}, {mask}, {{y}}, "
-                    f"{float(args['scale'])!r}, {bool(args['is_causal'])})")
+            fn_obj = native.PrefillAttention(float(args["scale"]), bool(args["is_causal"]))
+            call = f"{self.const(fn_obj, 'pa')}({q}, {k}, {v}, {mask}, {{y}})"
         else:  # hf_decode_attention: kv_attention, one new row
             q, k, v, kc, vc = (args[n] for n in ("q", "k", "v", "k_cache", "v_cache"))
             sq, sk, sc = (self.p.values[a.id].shape for a in (q, k, kc))

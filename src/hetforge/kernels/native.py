@@ -534,13 +534,10 @@ def _dense_rows(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(3) == 1 else t.contiguous()
 
 
-def prefill_attention_into(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                           y_ptr: int, scale: float, is_causal: bool) -> None:
-    """``softmax(scale·q·kᵀ + mask)·v`` into the dense ``[b, h, l, dv]`` buffer of q's dtype at ``y_ptr``, on
-    ``hf_prefill_attention`` (q/k/v read with their strides: a transposed view of a fused projection is not
-    copied; a last dim that is not dense is). The executor calls it with a pointer it checked at lowering; the
-    operands are checked here (their layouts are known only at run time): what :func:`prefill_attention_fits`
-    refuses raises ValueError."""
+def _prefill_attention_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                            is_causal: bool) -> tuple:
+    """The operands (rows made dense, a bf16 mask widened) and the dims / strides / mask kind that
+    ``hf_prefill_attention`` takes; ValueError for what :func:`prefill_attention_fits` refuses."""
     if not prefill_attention_fits(q, k, v, mask, is_causal):
         raise ValueError(f"hf_prefill_attention cannot run q {q.dtype} {tuple(q.shape)}, k {tuple(k.shape)}, "
                          f"v {tuple(v.shape)}, mask {None if mask is None else (mask.dtype, tuple(mask.shape))}")
@@ -555,13 +552,56 @@ def prefill_attention_into(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ma
         ms = mask.expand(b, h, ell, s).stride()
     dims = (ctypes.c_long * 7)(b, h, hkv, ell, s, d, v.shape[3])
     strides = (ctypes.c_long * 13)(*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *ms)
+    return q, k, v, mask, dims, strides, kind
+
+
+def _prefill_attention_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                            y_ptr: int, dims, strides, kind: int, scale: float, is_causal: bool) -> None:
     rc = library().hf_prefill_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), _ptr(mask), y_ptr, dims, strides,
                                         kind, int(is_causal), scale, torch.get_num_threads(),
                                         int(q.dtype == torch.bfloat16))
     if rc:
         raise (MemoryError if rc == -1 else ValueError)(
             "hf_prefill_attention: " + ("cannot allocate its key/value scratch" if rc == -1 else
-                                        f"shape outside its limits (head dims {d}/{v.shape[3]}, heads {h}/{hkv})"))
+                                        f"shape outside its limits (head dims {dims[5]}/{dims[6]}, heads "
+                                        f"{dims[1]}/{dims[2]})"))
+
+
+def prefill_attention_into(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                           y_ptr: int, scale: float, is_causal: bool) -> None:
+    """``softmax(scale·q·kᵀ + mask)·v`` into the dense ``[b, h, l, dv]`` buffer of q's dtype at ``y_ptr``, on
+    ``hf_prefill_attention`` (q/k/v read with their strides: a transposed view of a fused projection is not
+    copied; a last dim that is not dense is). The operands are checked here (their layouts are known only at run
+    time): what :func:`prefill_attention_fits` refuses raises ValueError."""
+    q, k, v, mask, dims, strides, kind = _prefill_attention_args(q, k, v, mask, is_causal)
+    _prefill_attention_call(q, k, v, mask, y_ptr, dims, strides, kind, scale, is_causal)
+
+
+class PrefillAttention:
+    """One attention instruction of a program on ``hf_prefill_attention``: called as
+    :func:`prefill_attention_into` without scale and causality. A program hands it operands of the same layout
+    on every call, so the checks and the kernel's dims / strides are made once per layout and kept; a call
+    whose shapes, strides or dtypes differ from the kept ones is checked again (operands that need a copy are
+    never kept). Why: the checks are Python work between two GEMMs that evict its data from cache, each call."""
+
+    def __init__(self, scale: float, is_causal: bool):
+        self.scale, self.is_causal = scale, is_causal
+        self._key: tuple | None = None
+        self._args: tuple = ()
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                 y_ptr: int) -> None:
+        key = (q.shape, q.stride(), q.dtype, k.shape, k.stride(), k.dtype, v.shape, v.stride(), v.dtype,
+               None if mask is None else (mask.shape, mask.stride(), mask.dtype))
+        if key != self._key:
+            q2, k2, v2, m2, dims, strides, kind = _prefill_attention_args(q, k, v, mask, self.is_causal)
+            if q2 is not q or k2 is not k or v2 is not v or m2 is not mask:  # copies: checked on every call
+                self._key = None
+                _prefill_attention_call(q2, k2, v2, m2, y_ptr, dims, strides, kind, self.scale, self.is_causal)
+                return
+            self._key, self._args = key, (dims, strides, kind)
+        dims, strides, kind = self._args
+        _prefill_attention_call(q, k, v, mask, y_ptr, dims, strides, kind, self.scale, self.is_causal)
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,

@@ -15,11 +15,17 @@ Grouped-query attention: when k (or v) is ``reshape(expand(unsqueeze(k0, 2), [B,
 (softmax dim, scale, transpose dims, mask dtype/shape, extra users of an intermediate) leaves the chain alone
 and records a near-miss with the reason. ``aten.scaled_dot_product_attention`` nodes (dropout 0) are
 normalized to the same op, keeping scale, causality and mask.
+
+A constant mask that hides exactly the keys after each query (0 on and below the diagonal, ``-inf`` or the
+dtype's lowest value above it, or the boolean ``tril``; square scores) becomes ``is_causal`` with no mask: the
+same result (a hidden score's weight is exactly 0 either way, and every row sees its diagonal), and a kernel
+that knows the structure skips the hidden half instead of reading a mask for it.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch.fx import GraphModule, Node
@@ -32,6 +38,7 @@ from hetforge.passes.common import (
     Rewrite,
     aten,
     const_scalar,
+    const_tensor,
     describe,
     erase_unused,
     fake_mode_of,
@@ -237,6 +244,26 @@ def _match_sdpa(n: Node) -> tuple:
     return (q, k0, v0, a["attn_mask"], float(scale), bool(a["is_causal"]))
 
 
+def constant_causal(gm: GraphModule, q: Node, k: Node, mask: Any) -> bool:
+    """Whether ``mask`` is a constant causal mask for square scores: broadcastable to ``[..., l, l]`` (l = q's
+    and k's rows), every broadcast slice the same: visible (0, or True) on and below the diagonal and hidden
+    (``-inf`` or the dtype's lowest finite value, or False) above it."""
+    m, tq, tk = const_tensor(gm, mask), tval(q), tval(k)
+    if m is None or tq is None or tk is None or m.dim() < 2:
+        return False
+    ell = tq.shape[-2]
+    if tk.shape[-2] != ell or tuple(m.shape[-2:]) != (ell, ell):
+        return False
+    hidden = torch.ones(ell, ell, dtype=torch.bool).triu(1)
+    if m.dtype == torch.bool:
+        return bool((m == ~hidden).all())
+    if not m.is_floating_point():
+        return False
+    lowest = torch.finfo(m.dtype).min
+    above = m[..., hidden]
+    return bool((m[..., ~hidden] == 0).all()) and bool(((above == -math.inf) | (above == lowest)).all())
+
+
 @graph_pass("attention")
 def fuse_attention(gm: GraphModule, log: PassLog) -> None:
     """Fuse attention chains and SDPA nodes into ``hetforge::attention``; returns a new GraphModule."""
@@ -265,7 +292,15 @@ def fuse_attention(gm: GraphModule, log: PassLog) -> None:
             continue
         out.replace_all_uses_with(new)
         q, k, v, mask, scale, causal = args
+        from_mask = not causal and mask is not None and constant_causal(gm, q, k, mask)
+        if from_mask:
+            new.args = (q, k, v, None, scale, True)
+            if not mask.users:
+                gm.graph.erase_node(mask)
+            mask, causal = None, True
         detail = f"scale={scale:g} causal={causal} mask={'yes' if mask is not None else 'no'}"
+        if from_mask:
+            detail += " (a constant causal mask)"
         if k is not None and tval(k) is not None and tval(q) is not None and tval(k).shape[-3] != tval(q).shape[-3]:
             detail += f" gqa={tval(q).shape[-3]}/{tval(k).shape[-3]}"
         log.rewrites.append(Rewrite("attention", [m.name for m in matched], new.name, detail))
