@@ -117,6 +117,23 @@ def test_executor_runs_multi_row_linears_on_onednn_within_kl_1e8(name, monkeypat
     torch.testing.assert_close(exe(*inputs), first)
 
 
+@pytest.mark.parametrize("name, fused", [("gpt2-tiny", 4), ("llama-tiny", 4)])
+def test_residual_adds_ride_on_the_product_before_them_with_the_same_bits(name, fused, monkeypatch):
+    """Each layer's two residual adds (after the attention output product and after the MLP's last product: GPT-2's
+    Conv1D addmm, Llama's gated MLP down product) become the oneDNN product's ``add`` post-op: the add's own
+    instruction runs nothing, and the fp32 logits are bit for bit those of the program that adds separately
+    (HETFORGE_RESIDUAL_FUSION=0), which fuses none."""
+    monkeypatch.setenv("HETFORGE_GEMM", "onednn")
+    module, inputs, cg = captured(name)
+    exe = compile_graph(cg.gm, soc="host", example_inputs=inputs, name=name).executable
+    assert exe.stats.onednn_residual == fused and exe.source.count("'add')") == fused
+    monkeypatch.setenv("HETFORGE_RESIDUAL_FUSION", "0")
+    apart = compile_graph(cg.gm, soc="host", example_inputs=inputs, name=name + "-apart").executable
+    assert apart.stats.onednn_residual == 0 and "'add')" not in apart.source
+    torch.testing.assert_close(exe(*inputs), apart(*inputs), rtol=0, atol=0)
+    assert verify(module, exe, inputs, kl_threshold=1e-8).passed
+
+
 def test_prepack_packs_every_onednn_weight_once_and_the_run_after_it_gives_the_same_bits(monkeypatch):
     """``Executable.prepack`` (what a cold request does while the decode program's child still runs) packs each
     oneDNN weight of the program, a second call packs nothing, and the program then computes what a program packing

@@ -4,9 +4,13 @@ generated line."""
 
 from __future__ import annotations
 
+import math
+import os
+
 import torch
 
 from hetforge.ir.kernel_choice import ONEDNN_ATTR, onednn_operands
+from hetforge.ir.program import INPLACE, VIEW, Reg
 from hetforge.kernels.onednn import ACT_ATTR, LazyPacked, choose
 
 
@@ -17,6 +21,67 @@ def chosen(cg, ins) -> bool:
     x, w, _, wt, act, _ = onednn_operands(ins)
     dev = cg.dm[ins.device]
     return choose(rows, k, n, cg.p.values[x.id].dtype, cg.g[cg.weight(w.id, dev)], wt, act)
+
+
+RESIDUAL_ENV = "HETFORGE_RESIDUAL_FUSION"  # "0": every residual add runs as its own instruction
+
+
+def residual_adds(cg) -> tuple[dict[int, Reg], dict[int, int]]:
+    """Residual adds that oneDNN's product before them takes as its ``add`` post-op (``_linear_pointwise.binary``):
+    ``y = x·Wᵀ + b`` whose only user is ``add(y, r)`` (directly or through one view to the add's shape) becomes
+    one call writing ``x·Wᵀ + b + r``, and the add binds its register to that result. fp32: the same bits as the
+    add after the product (oneDNN rounds the product, then adds); the add's pass over the rows and its call
+    between two products are gone. Only where it is the same computation: a plain product (no activation, or
+    the down product of a gated MLP), one output with no other reader, ``r`` contiguous, of the add's shape and
+    dtype, on the same device, and ready before the product (made earlier, no in-place write in between).
+
+    Returns (product instruction id → ``r``, add instruction id → the register the add takes)."""
+    p = cg.p
+    if os.environ.get(RESIDUAL_ENV, "1") == "0":
+        return {}, {}
+    users: dict[int, list[int]] = {}
+    made: dict[int, int] = {}
+    for i, ins in enumerate(p.instrs):
+        for r in ins.input_regs():
+            users.setdefault(r, []).append(i)
+        for o in ins.outputs:
+            made[o] = i
+    outs = set(p.output_regs())
+    inplace = [i for i, ins in enumerate(p.instrs) if ins.kind == INPLACE]
+
+    def only_user(r: int) -> int | None:
+        u = users.get(r, [])
+        return u[0] if len(u) == 1 and r not in outs else None
+
+    product, fused = {}, {}
+    for gi, g in enumerate(p.instrs):
+        if cg.kernels.get(g.id) != "onednn" or len(g.outputs) != 1:
+            continue
+        ops = onednn_operands(g)
+        if ops is None or (ops[5] is None and ops[4] != "none") or (ops[5] is not None and ops[5][2] is None):
+            continue  # an activation oneDNN's binary call has no room for, or a gated MLP without down product
+        y = src = g.outputs[0]
+        ai = only_user(y)
+        if ai is not None and p.instrs[ai].kind == VIEW and len(p.instrs[ai].outputs) == 1:
+            src = p.instrs[ai].outputs[0]
+            ai = only_user(src)
+        if ai is None:
+            continue
+        add = p.instrs[ai]
+        regs = [a for a in add.args[:2] if isinstance(a, Reg)]
+        if add.op != "aten.add.Tensor" or len(add.args) != 2 or add.kwargs or len(regs) != 2 \
+                or len(add.outputs) != 1 or regs[0].id == regs[1].id or src not in (regs[0].id, regs[1].id):
+            continue
+        other = regs[1] if regs[0].id == src else regs[0]
+        vy, vr, va = p.values[y], p.values[other.id], p.values[add.outputs[0]]
+        dev = cg.dm[g.device]
+        if not (vr.shape == va.shape and vr.dtype == vy.dtype == va.dtype and vr.is_contiguous
+                and math.prod(vy.shape) == math.prod(va.shape)
+                and cg.dm[vr.device] == dev == cg.dm[add.device]
+                and made.get(other.id, -1) < gi and not any(gi < i < ai for i in inplace)):
+            continue
+        product[g.id], fused[add.id] = other, src
+    return product, fused
 
 
 def codegen_line(cg, ins, o: int, dev: torch.device) -> str:
@@ -35,13 +100,18 @@ def codegen_line(cg, ins, o: int, dev: torch.device) -> str:
 
     xs, bs, wten = f"r{x.id}", bias(b), weight(w)
     call = cg.const(torch.ops.mkldnn._linear_pointwise.default, "dnn")
+    binary = cg.const(torch.ops.mkldnn._linear_pointwise.binary, "dnn")
     attr, sc, algo = ACT_ATTR[act]
+    res = cg.residual.get(ins.id)  # the residual add this product takes (residual_adds)
+    if res is not None:
+        res = cg.view_of(res.id, tuple(cg.p.values[o].shape))
+        cg.stats.onednn_residual += 1
     if gate is None:
         pk = cg.const(LazyPacked(wten, wt, rows), "pk") + ".get()"
-        line = f"r{o} = {call}({xs}, {pk}, {bs}, {attr!r}, {sc!r}, {algo!r})"
+        line = (f"r{o} = {call}({xs}, {pk}, {bs}, {attr!r}, {sc!r}, {algo!r})" if res is None else
+                f"r{o} = {binary}({xs}, {res}, {pk}, {bs}, 'add')")
     else:  # gated MLP: act(x·Wgᵀ+bg) as one call, times (x·Wuᵀ+bu) fused into the up GEMM, then down
         wg, bg, wd, bd = gate
-        binary = cg.const(torch.ops.mkldnn._linear_pointwise.binary, "dnn")
         pg = cg.const(LazyPacked(weight(wg), False, rows), "pk") + ".get()"
         pu = cg.const(LazyPacked(wten, False, rows), "pk") + ".get()"
         h = f"{binary}({xs}, {call}({xs}, {pg}, {bias(bg)}, {attr!r}, {sc!r}, {algo!r}), {pu}, {bs}, 'mul')"
@@ -49,6 +119,7 @@ def codegen_line(cg, ins, o: int, dev: torch.device) -> str:
             line = f"r{o} = {h}"
         else:
             pd = cg.const(LazyPacked(weight(wd), False, rows), "pk") + ".get()"
-            line = f"r{o} = {call}({h}, {pd}, {bias(bd)}, 'none', [], '')"
+            line = (f"r{o} = {call}({h}, {pd}, {bias(bd)}, 'none', [], '')" if res is None else
+                    f"r{o} = {binary}({h}, {res}, {pd}, {bias(bd)}, 'add')")
     cg.stats.onednn_gemm += 1
     return line

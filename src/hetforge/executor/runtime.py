@@ -85,6 +85,7 @@ class ExecStats:
     gemv_groups: int = 0  # groups of one-row products of one input run as one hf_gemv_nk_multi call (e.g. q, k, v)
     native_ops: int = 0  # hetforge row ops (norms, rotary, decode attention) as one native call into the slice
     onednn_gemm: int = 0  # multi-row linears on oneDNN's packed kernel (executor/onednn.py; result not in the arena)
+    onednn_residual: int = 0  # residual adds taken by the oneDNN product before them (onednn.residual_adds)
     copy_into: int = 0  # copy-like op done as slice.copy_(input)
     functional_copy: int = 0  # functional op + copy into the slice
     unplanned: int = 0  # functional result kept outside the arena (mode fast)
@@ -116,6 +117,10 @@ class _Codegen:
         # the kernel of every instruction: the one kernel lowering recorded (hetforge.ir.kernel_choice), with
         # oneDNN candidates decided by measurement here; a static view that cannot be bound here becomes "view"
         self.kernels = resolved_kernels(p, lambda ins: onednn.chosen(self, ins))
+        # residual adds a oneDNN product takes as its post-op: product id → the add's other operand; add id →
+        # the register the add binds to (its own instruction runs no kernel)
+        self.residual, self.fused_adds = onednn.residual_adds(self)
+        self.dense: set[int] = set()  # registers that hold a fresh dense tensor each call (oneDNN results)
         # one-row products that share their input, run as one native call at the first one (see gemv_group)
         self.groups: dict[int, list] = {}  # first member's instruction id → the group's instructions
         self.grouped: dict[int, torch.Tensor] = {}  # member id → the scratch row the group's call writes it to
@@ -216,7 +221,13 @@ class _Codegen:
         if len(ins.outputs) == 1:
             o = ins.outputs[0]
             v = self.p.values[o]
+            if ins.id in self.fused_adds:  # computed by the product before it (onednn.residual_adds)
+                if v.is_contiguous:  # the product's dense result, or a view of it to the add's shape
+                    self.dense.add(o)
+                return [f"{outs[0]} = r{self.fused_adds[ins.id]}"]
             if k == "onednn":
+                if v.is_contiguous:
+                    self.dense.add(o)
                 return [onednn.codegen_line(self, ins, o, dev)]
             if ins.id in self.groups or ins.id in self.grouped:
                 line = self.gemv_group(ins, o, dev)
@@ -456,12 +467,15 @@ class _Codegen:
 
     def ptr(self, vid: int, dev: torch.device) -> str:
         """The data pointer of ``r<vid>`` for a native kernel: a literal when the tensor is known at build
-        time (arena slices never move; weights; views of those), else read per call through
+        time (arena slices never move; weights; views of those), the register's own pointer for a fresh dense
+        oneDNN result (``self.dense``), else read per call through
         :func:`hetforge.kernels.native.contiguous_ptr` (a strided tensor is read through a contiguous copy
         kept in this program's ``_keep``; a non-fp32 or non-CPU one is refused)."""
         t = self.static_tensor(vid, dev)
         if t is not None:
             return str(t.data_ptr())
+        if vid in self.dense:
+            return f"r{vid}.data_ptr()"
         self.sites += 1
         self.g.setdefault("_keep", {})
         dt = self.p.values[vid].dtype  # bf16 for the _bf16 kernels (lowering checked every operand's dtype)
