@@ -134,6 +134,27 @@ def test_residual_adds_ride_on_the_product_before_them_with_the_same_bits(name, 
     assert verify(module, exe, inputs, kl_threshold=1e-8).passed
 
 
+@pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny", "qwen2-tiny"])
+def test_views_of_a_onednn_result_are_made_in_one_step_with_the_same_bits(name, monkeypatch):
+    """The chains of views over oneDNN's results (a fused projection's split into heads, GPT-2's 3-D/2-D round
+    trips) are composed: no view call survives on them, only one ``as_strided`` per register a non-view
+    instruction reads; the logits are bit for bit those of the program that makes every view
+    (HETFORGE_COMPOSE_VIEWS=0), and survive the next call."""
+    monkeypatch.setenv("HETFORGE_GEMM", "onednn")
+    module, inputs, cg = captured(name)
+    exe = compile_graph(cg.gm, soc="host", example_inputs=inputs, name=name).executable
+    assert exe.stats.composed_views > 0 and "as_strided" in exe.source
+    monkeypatch.setenv("HETFORGE_COMPOSE_VIEWS", "0")
+    each = compile_graph(cg.gm, soc="host", example_inputs=inputs, name=name + "-each").executable
+    assert each.stats.composed_views == 0 and "as_strided" not in each.source
+    assert exe.source.count("\n") < each.source.count("\n")
+    first = exe(*inputs).clone()
+    torch.testing.assert_close(first, each(*inputs), rtol=0, atol=0)
+    exe(*inputs)
+    torch.testing.assert_close(exe(*inputs), first, rtol=0, atol=0)
+    assert verify(module, exe, inputs, kl_threshold=1e-8).passed
+
+
 def test_prepack_packs_every_onednn_weight_once_and_the_run_after_it_gives_the_same_bits(monkeypatch):
     """``Executable.prepack`` (what a cold request does while the decode program's child still runs) packs each
     oneDNN weight of the program, a second call packs nothing, and the program then computes what a program packing

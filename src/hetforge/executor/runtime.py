@@ -86,6 +86,7 @@ class ExecStats:
     native_ops: int = 0  # hetforge row ops (norms, rotary, decode attention) as one native call into the slice
     onednn_gemm: int = 0  # multi-row linears on oneDNN's packed kernel (executor/onednn.py; result not in the arena)
     onednn_residual: int = 0  # residual adds taken by the oneDNN product before them (onednn.residual_adds)
+    composed_views: int = 0  # views of oneDNN results made in one as_strided step (or not at all) per call
     copy_into: int = 0  # copy-like op done as slice.copy_(input)
     functional_copy: int = 0  # functional op + copy into the slice
     unplanned: int = 0  # functional result kept outside the arena (mode fast)
@@ -96,6 +97,9 @@ class ExecStats:
     inplace: int = 0
     transfers: int = 0
     by_op_fallback: dict[str, int] = field(default_factory=dict)
+
+
+COMPOSE_ENV = "HETFORGE_COMPOSE_VIEWS"  # "0": every view of a oneDNN result is its own call (composed_views)
 
 
 class _Codegen:
@@ -121,11 +125,83 @@ class _Codegen:
         # the register the add binds to (its own instruction runs no kernel)
         self.residual, self.fused_adds = onednn.residual_adds(self)
         self.dense: set[int] = set()  # registers that hold a fresh dense tensor each call (oneDNN results)
+        # views of oneDNN results made in one step from the result: register → (root register, a meta tensor
+        # with the view's size, strides and offset in the root's storage); view instructions all of whose
+        # outputs are there emit only the outputs a non-view instruction reads (see composed_views)
+        self.composed, self.composed_ids = self.composed_views() \
+            if mode != "fast" and os.environ.get(COMPOSE_ENV, "1") != "0" else ({}, set())
         # one-row products that share their input, run as one native call at the first one (see gemv_group)
         self.groups: dict[int, list] = {}  # first member's instruction id → the group's instructions
         self.grouped: dict[int, torch.Tensor] = {}  # member id → the scratch row the group's call writes it to
         if os.environ.get("HETFORGE_GEMV_MULTI", "1") != "0" and mode != "fast":
             self.groups = self.gemv_groups()
+
+    def composed_views(self) -> tuple[dict[int, tuple[int, torch.Tensor]], set[int]]:
+        """Chains of views over a oneDNN result (a fresh dense tensor each call, offset 0): each view's outputs as
+        a meta tensor laid out in the result's storage, computed once here by running the view ops on a meta
+        stand-in of the result. A view instruction whose outputs all come out as views of it (not copies) with
+        the layout the program records is composed: it emits, per call, one ``as_strided`` of the result for each
+        output that a non-view instruction or the program's outputs read, and nothing for the others. Why: a
+        fused projection's q/k/v are a view, a split, then a view and a transpose each (eight calls), and each
+        such call between two products costs more than its work because the product evicted the interpreter's
+        data from cache; composed, they are three."""
+        p = self.p
+        comp: dict[int, tuple[int, torch.Tensor]] = {}
+        ids: set[int] = set()
+        for ins in p.instrs:
+            k = self.kernels.get(ins.id)
+            if ins.kind == KERNEL and len(ins.outputs) == 1 and (k == "onednn" or ins.id in self.fused_adds):
+                o, v = ins.outputs[0], p.values[ins.outputs[0]]
+                if ins.id in self.fused_adds:
+                    if self.fused_adds[ins.id] in comp:
+                        comp[o] = comp[self.fused_adds[ins.id]]
+                elif v.is_contiguous and self.dm[ins.device].type == "cpu":
+                    comp[o] = (o, torch.empty(v.shape, dtype=v.dtype, device="meta"))
+                continue
+            if ins.kind != VIEW or k not in ("view", "static-view") \
+                    or not isinstance(ins.target, torch._ops.OpOverload):
+                continue
+            regs = ins.input_regs()
+            roots = {comp[r][0] for r in regs if r in comp}
+            if not regs or len(roots) != 1 or any(r not in comp for r in regs):
+                continue
+            root = roots.pop()
+            base = comp[root][1]
+
+            def sub(a: Any) -> Any:
+                if isinstance(a, Reg):
+                    return comp[a.id][1]
+                if isinstance(a, (list, tuple)):
+                    return type(a)(sub(x) for x in a)
+                return a
+
+            try:
+                got = ins.target(*sub(ins.args), **{n: sub(x) for n, x in ins.kwargs.items()})
+            except (RuntimeError, TypeError, ValueError, NotImplementedError):
+                continue
+            outs = list(got) if isinstance(got, (list, tuple)) else [got]
+            if len(outs) != len(ins.outputs) or not all(
+                    isinstance(t, torch.Tensor) and (t is base or t._base is base) and p.values[o].laid_out_as(t)
+                    for o, t in zip(ins.outputs, outs, strict=True)):
+                continue  # a copy (a reshape that cannot view), or not the layout the program records
+            for o, t in zip(ins.outputs, outs, strict=True):
+                comp[o] = (root, t)
+            ids.add(ins.id)
+        return comp, ids
+
+    def composed_reads(self) -> dict[int, list[int]]:
+        """Per composed view instruction, the registers its emitted lines read: its root, when it emits any."""
+        need = self.needed_views()
+        return {i: [self.composed[o][0] for o in ins.outputs if o in need][:1]
+                for i, ins in ((ins.id, ins) for ins in self.p.instrs) if i in self.composed_ids}
+
+    def needed_views(self) -> set[int]:
+        """Outputs of composed views that the program's outputs or a non-composed instruction read."""
+        need = {r for r in self.p.output_regs() if r in self.composed}
+        for ins in self.p.instrs:
+            if ins.id not in self.composed_ids:
+                need.update(r for r in ins.input_regs() if r in self.composed)
+        return need
 
     def const(self, obj: Any, hint: str = "c") -> str:
         key = id(obj)
@@ -203,6 +279,18 @@ class _Codegen:
         lhs = outs[0] if len(outs) == 1 else ", ".join(outs)
         if ins.kind == VIEW:
             self.stats.views += 1
+            if ins.id in self.composed_ids:  # one as_strided of the oneDNN result per output read (composed_views)
+                self.stats.composed_views += 1
+                lines = []
+                for o in ins.outputs:
+                    if o not in self.need_views:
+                        continue
+                    root, t = self.composed[o]
+                    b = self.composed[root][1]
+                    same = (t.shape, t.stride(), t.storage_offset()) == (b.shape, b.stride(), b.storage_offset())
+                    lines.append(f"r{o} = r{root}" if same else
+                                 f"r{o} = r{root}.as_strided({tuple(t.shape)}, {t.stride()}, {t.storage_offset()})")
+                return lines
             if k == "elided":
                 self.stats.elided_views += 1
                 return [f"{outs[0]} = r{ins.args[0].id}"]
@@ -662,9 +750,11 @@ class _Codegen:
 
     def build(self, profile: bool) -> str:
         p = self.p
+        self.need_views = self.needed_views()
+        reads = self.composed_reads()  # a composed view reads its root, not its inputs (some never made)
         last_use: dict[int, int] = {}
         for k, ins in enumerate(p.instrs):
-            for r in ins.input_regs():
+            for r in reads.get(ins.id, ins.input_regs()):
                 last_use[r] = k
         keep = set(p.output_regs())
         params = ", ".join(f"r{v}" for v in p.inputs)
@@ -678,9 +768,11 @@ class _Codegen:
                 if sync:
                     body.append("_sync()")
                 body.append(f"_T[{k}] += _pc() - _t; _t = _pc()")
-            dead = [f"r{r}" for r in ins.input_regs() if last_use.get(r) == k and r not in keep
+            dead = [f"r{r}" for r in reads.get(ins.id, ins.input_regs()) if last_use.get(r) == k and r not in keep
                     and p.values[r].kind != WEIGHT]
             dead += [f"r{o}" for o in ins.outputs if o not in last_use and o not in keep]
+            dead = [d for d in dead if int(d[1:]) not in self.composed or int(d[1:]) in self.need_views
+                    or self.composed[int(d[1:])][0] == int(d[1:])]  # a composed view never made: nothing to drop
             if dead:
                 body.append(f"{' = '.join(dead)} = None")
         ret = []
