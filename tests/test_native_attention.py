@@ -196,3 +196,47 @@ def test_instruction_call_keeps_one_layout_and_checks_any_other_again():
         assert (out - ref).abs().max().item() <= TOL
     with pytest.raises(ValueError, match="cannot run"):
         call(q.double(), k, v, None, 0)
+
+
+def test_output_strides_write_heads_last_rows_that_a_transpose_makes_dense():
+    """With output strides of a ``[b, l, h, dv]`` buffer, the kernel writes SDPA's result there: the buffer is
+    ``SDPA(q, k, v).transpose(1, 2)``, dense (what a program then reshapes without a copy)."""
+    q, k, v = _qkv(2, 4, 2, 20, 20, 16)
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.125, enable_gqa=True)
+    slab = torch.full((2, 20, 4, 16), float("nan"))
+    call = native.PrefillAttention(0.125, True, tuple(slab.transpose(1, 2).stride()[:3]))
+    call(q, k, v, None, slab.data_ptr())
+    assert (slab - ref.transpose(1, 2)).abs().max().item() <= TOL
+
+
+def test_runtime_prefill_writes_attention_heads_last_and_binds_the_merge_with_the_same_bits(monkeypatch):
+    """In the runtime's prefill program (gpt2-tiny, 24 tokens) each attention result that is only transposed and
+    reshaped is written in ``[b, l, h, dv]`` order: the transpose and the reshape that merges the heads are bound
+    when the executable is built (no per-call view, no copy), and the logits and K/V rows are bit for bit those of
+    the same program with a dense ``[b, h, l, dv]`` result. llama-tiny's attention runs its grouped-query heads
+    folded into rows ([b, kv heads, group × l, dv]), which no row stride turns into ``[b, l, h, dv]``: it keeps
+    the dense result."""
+    from hetforge.executor import runtime
+    from hetforge.models.zoo import load_model
+    from hetforge.runtime import Engine
+
+    monkeypatch.setenv("HETFORGE_COMPILE_CACHE", "0")
+
+    def prefill(name: str) -> tuple[str, list[torch.Tensor]]:
+        prog, _ = Engine(load_model(name)).programs.prefill(24)
+        src = "".join(c.executable.source for c in prog.placed.exe.compiled if c.executable is not None)
+        ids = torch.randint(0, 100, (1, 24), generator=torch.Generator().manual_seed(0))
+        return src, [t.clone() for t in prog.run(ids, torch.tensor([23]))]
+
+    src, out = prefill("gpt2-tiny")
+    with monkeypatch.context() as m:
+        m.setattr(runtime._Codegen, "heads_last", lambda self, ins, o: None)
+        dense_src, dense_out = prefill("gpt2-tiny")
+    layers = dense_src.count("_pa")
+    assert layers >= 2 and src.count("_hl") == layers and "_hl" not in dense_src
+    # the merge reshape and the view after it: per call (a copy, then a view) with a dense result, bound here
+    assert src.count("= _sv") - dense_src.count("= _sv") >= 2 * layers
+    for a, b in zip(out, dense_out, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    folded, _ = prefill("llama-tiny")
+    assert folded.count("_pa") >= 2 and "_hl" not in folded

@@ -99,6 +99,7 @@ class ExecStats:
     by_op_fallback: dict[str, int] = field(default_factory=dict)
 
 
+_MERGING_VIEWS = ("aten.reshape.default", "aten.view.default", "aten._unsafe_view.default")
 COMPOSE_ENV = "HETFORGE_COMPOSE_VIEWS"  # "0": every view of a oneDNN result is its own call (composed_views)
 
 
@@ -125,6 +126,7 @@ class _Codegen:
         # the register the add binds to (its own instruction runs no kernel)
         self.residual, self.fused_adds = onednn.residual_adds(self)
         self.dense: set[int] = set()  # registers that hold a fresh dense tensor each call (oneDNN results)
+        self.heads_last_views: dict[int, torch.Tensor] = {}  # transpose instruction id → its static result
         # views of oneDNN results made in one step from the result: register → (root register, a meta tensor
         # with the view's size, strides and offset in the root's storage); view instructions all of whose
         # outputs are there emit only the outputs a non-view instruction reads (see composed_views)
@@ -135,6 +137,37 @@ class _Codegen:
         self.grouped: dict[int, torch.Tensor] = {}  # member id → the scratch row the group's call writes it to
         if os.environ.get("HETFORGE_GEMV_MULTI", "1") != "0" and mode != "fast":
             self.groups = self.gemv_groups()
+
+    def heads_last(self, ins, o: int) -> torch.Tensor | None:
+        """The prefill attention's result as a ``[b, h, l, dv]`` view of its arena slice laid out ``[b, l, h, dv]``,
+        when the program only ever reads it through ``transpose(1, 2)`` and then reshapes of that: the attention
+        writes rows in that order (``hf_prefill_attention``'s output strides), the transpose is the dense slice
+        (bound here, at build time) and the reshape that merges the heads a view of it, where with a dense
+        ``[b, h, l, dv]`` result it copied the whole output each call. None otherwise. The slice lives until the
+        reshapes' last reads: the plan keeps a view's storage live for its aliases."""
+        if self.mode == "fast" or not self.planned(o) or o in self.p.output_regs():
+            return None  # (a reshape to its own shape may sit between the result and the transpose)
+        vo, outs = self.p.values[o], set(self.p.output_regs())
+        cur, users = o, [i for i in self.p.instrs if o in i.input_regs()]
+        while len(users) == 1 and users[0].kind == VIEW and users[0].op in _MERGING_VIEWS and \
+                len(users[0].outputs) == 1 and self.p.values[users[0].outputs[0]].shape == vo.shape:
+            cur = users[0].outputs[0]  # a reshape to the same shape (Llama's, before its transpose): the same tensor
+            if cur in outs:
+                return None
+            users = [i for i in self.p.instrs if cur in i.input_regs()]
+        if len(vo.shape) != 4 or len(users) != 1:
+            return None
+        t = users[0]
+        dims = sorted(int(d) % 4 for d in t.args[1:3]) if t.op == "aten.transpose.int" and len(t.args) == 3 else None
+        if t.kind != VIEW or dims != [1, 2] or len(t.outputs) != 1 or t.outputs[0] in outs:
+            return None
+        readers = [i for i in self.p.instrs if t.outputs[0] in i.input_regs()]
+        if not readers or any(r.kind != VIEW or r.op not in _MERGING_VIEWS for r in readers):
+            return None
+        b, h, ell, dv = vo.shape
+        slab = self.g[self.buffer(o)].view(b, ell, h, dv)
+        self.heads_last_views[t.id] = slab
+        return slab.transpose(1, 2)
 
     def composed_views(self) -> tuple[dict[int, tuple[int, torch.Tensor]], set[int]]:
         """Chains of views over a oneDNN result (a fresh dense tensor each call, offset 0): each view's outputs as
@@ -279,6 +312,11 @@ class _Codegen:
         lhs = outs[0] if len(outs) == 1 else ", ".join(outs)
         if ins.kind == VIEW:
             self.stats.views += 1
+            if ins.id in self.heads_last_views:  # the transpose of a heads-last attention result: dense, static
+                t = self.heads_last_views[ins.id]
+                self.static[ins.outputs[0]] = t
+                self.stats.static_views += 1
+                return [f"{outs[0]} = {self.const(t, 'sv')}"]
             if ins.id in self.composed_ids:  # one as_strided of the oneDNN result per output read (composed_views)
                 self.stats.composed_views += 1
                 lines = []
@@ -294,7 +332,10 @@ class _Codegen:
             if k == "elided":
                 self.stats.elided_views += 1
                 return [f"{outs[0]} = r{ins.args[0].id}"]
-            if k == "static-view":
+            # a view lowering left per call can still be bound here when its inputs turned out static (the
+            # reshape after a heads-last attention result: a view of the slice, where lowering expected a copy)
+            if k == "static-view" or (k == "view" and ins.id not in self.composed_ids and all(
+                    self.static_tensor(r, dev) is not None for r in ins.input_regs())):
                 bound = self.static_view(ins)
                 if bound is not None:
                     self.stats.static_views += 1
@@ -331,7 +372,8 @@ class _Codegen:
             buf = self.buffer(o)
             if line is not None:
                 self.stats.gemm_out += gemm
-                self.bound.add(o)
+                if o not in self.static:  # a heads-last attention result is a permuted view (heads_last)
+                    self.bound.add(o)
                 return [line]
             if k == "copy-into":
                 self.stats.copy_into += 1
@@ -675,8 +717,14 @@ class _Codegen:
                     f"{float(args['scale'])!r}, {nt})")
         elif fn == "hf_prefill_attention":  # q/k/v read with their strides (known at run time), in Python then C
             q, k, v, mask = (self.expr(args[n], dev) for n in ("q", "k", "v", "mask"))  # a register or a weight
-            fn_obj = native.PrefillAttention(float(args["scale"]), bool(args["is_causal"]))
+            hl = self.heads_last(ins, o)
+            fn_obj = native.PrefillAttention(float(args["scale"]), bool(args["is_causal"]),
+                                             None if hl is None else tuple(hl.stride()[:3]))
             call = f"{self.const(fn_obj, 'pa')}({q}, {k}, {v}, {mask}, {{y}})"
+            if hl is not None:  # the result is the slice in [b, l, h, dv] order (see heads_last)
+                self.stats.native_ops += 1
+                self.static[o] = hl
+                return call.format(y=hl.data_ptr()) + f"; r{o} = {self.const(hl, 'hl')}"
         else:  # hf_decode_attention: kv_attention, one new row
             q, k, v, kc, vc = (args[n] for n in ("q", "k", "v", "k_cache", "v_cache"))
             sq, sk, sc = (self.p.values[a.id].shape for a in (q, k, kc))

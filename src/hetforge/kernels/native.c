@@ -2107,6 +2107,7 @@ typedef struct {
     float *vp;       /* vp: every kv head's values, dense [b * hkv][s][dv] */
     long h, hkv, l, s, d, dv, nqb, sp;
     long qs[3], ks[3], vs[3], ms[4]; /* element strides: batch, head, row (last dim dense); mask: b, h, row, col */
+    long os[3];                      /* the output's element strides: batch, head, row (its last dim dense) */
     int mask_kind, causal;           /* mask_kind: 0 none, 1 bool (True = attend), 2 float (added) */
     float scale;
     int bf16; /* q/k/v/out are bf16 (read into the fp32 scratch, the fp32 result rounded once to bf16) */
@@ -2322,7 +2323,7 @@ static void pa_task(void *p, long t) {
     const char *Q = (const char *)a->q + (bi * a->qs[0] + hi * a->qs[1]) * qsz;
     const float *V = a->vp + (bi * a->hkv + kh) * a->s * dv;
     const float *KT = a->kt + (bi * a->hkv + kh) * d * a->sp;
-    long o0 = ((bi * a->h + hi) * a->l + i0) * dv; /* the output's first element of this task */
+    long o0 = bi * a->os[0] + hi * a->os[1] + i0 * a->os[2]; /* the output's first element of this task */
     int esz = a->mask_kind == 1 ? 1 : 4;
     const char *mbase = a->mask ? (const char *)a->mask + (bi * a->ms[0] + hi * a->ms[1]) * esz : NULL;
     float qb[PA_QB * PA_DMAX] __attribute__((aligned(64)));
@@ -2397,15 +2398,17 @@ static void pa_task(void *p, long t) {
     for (long ii = 0; ii < ni; ii++) {
         float iz = z[ii] > 0.f ? 1.f / z[ii] : 0.f; /* a row that saw no key: zeros, as SDPA gives */
         if (a->bf16)
-            for (long c = 0; c < dv; c++) ((hf_bf16 *)a->out)[o0 + ii * dv + c] = f2bf(acc[ii * dv + c] * iz);
+            for (long c = 0; c < dv; c++) ((hf_bf16 *)a->out)[o0 + ii * a->os[2] + c] = f2bf(acc[ii * dv + c] * iz);
         else
-            for (long c = 0; c < dv; c++) a->out[o0 + ii * dv + c] = acc[ii * dv + c] * iz;
+            for (long c = 0; c < dv; c++) a->out[o0 + ii * a->os[2] + c] = acc[ii * dv + c] * iz;
     }
 }
 
 /* Attention of l query rows over s keys for b x h heads (see the banner above). q [b, h, l, d], k [b, hkv, s, d],
  * v [b, hkv, s, dv] at element strides qs/ks/vs (batch, head, row; the last dim dense); mask NULL or [b, h, l, s]
- * at element strides ms (0 where broadcast), bool (mask_kind 1) or float (2); out dense [b, h, l, dv].
+ * at element strides ms (0 where broadcast), bool (mask_kind 1) or float (2); out [b, h, l, dv] at element strides
+ * os (batch, head, row; the last dim dense): dense, or e.g. [b, l, h, dv] memory that a transpose makes dense.
+ * strides: qs, ks, vs, ms, os (16 longs).
  * d, dv <= 256 (PA_DMAX); h a multiple of hkv. Returns 0, -1 when the key/value scratch cannot be allocated,
  * -2 for shapes outside those limits (the output is then not written). */
 int hf_prefill_attention(const void *q, const void *k, const void *v, const void *mask, void *out,
@@ -2414,6 +2417,7 @@ int hf_prefill_attention(const void *q, const void *k, const void *v, const void
     pa_ctx a = {q, k, v, mask_kind ? mask : NULL, out, NULL, NULL, dims[1], dims[2], dims[3], dims[4], dims[5], dims[6], 0, 0,
                 {strides[0], strides[1], strides[2]}, {strides[3], strides[4], strides[5]},
                 {strides[6], strides[7], strides[8]}, {strides[9], strides[10], strides[11], strides[12]},
+                {strides[13], strides[14], strides[15]},
                 mask ? mask_kind : 0, causal, scale, bf16 != 0};
     a.nqb = (a.l + PA_QB - 1) / PA_QB;
     a.sp = (a.s + PA_KB - 1) / PA_KB * PA_KB;

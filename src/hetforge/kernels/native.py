@@ -535,9 +535,10 @@ def _dense_rows(t: torch.Tensor) -> torch.Tensor:
 
 
 def _prefill_attention_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                            is_causal: bool) -> tuple:
+                            is_causal: bool, out_strides: tuple[int, int, int] | None = None) -> tuple:
     """The operands (rows made dense, a bf16 mask widened) and the dims / strides / mask kind that
-    ``hf_prefill_attention`` takes; ValueError for what :func:`prefill_attention_fits` refuses."""
+    ``hf_prefill_attention`` takes (``out_strides``: the output's batch, head and row strides in elements; None =
+    a dense ``[b, h, l, dv]``); ValueError for what :func:`prefill_attention_fits` refuses."""
     if not prefill_attention_fits(q, k, v, mask, is_causal):
         raise ValueError(f"hf_prefill_attention cannot run q {q.dtype} {tuple(q.shape)}, k {tuple(k.shape)}, "
                          f"v {tuple(v.shape)}, mask {None if mask is None else (mask.dtype, tuple(mask.shape))}")
@@ -550,8 +551,10 @@ def _prefill_attention_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m
     if mask is not None:
         kind = 1 if mask.dtype == torch.bool else 2
         ms = mask.expand(b, h, ell, s).stride()
-    dims = (ctypes.c_long * 7)(b, h, hkv, ell, s, d, v.shape[3])
-    strides = (ctypes.c_long * 13)(*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *ms)
+    dv = v.shape[3]
+    dims = (ctypes.c_long * 7)(b, h, hkv, ell, s, d, dv)
+    os_ = out_strides if out_strides is not None else (h * ell * dv, ell * dv, dv)
+    strides = (ctypes.c_long * 16)(*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *ms, *os_)
     return q, k, v, mask, dims, strides, kind
 
 
@@ -579,13 +582,14 @@ def prefill_attention_into(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ma
 
 class PrefillAttention:
     """One attention instruction of a program on ``hf_prefill_attention``: called as
-    :func:`prefill_attention_into` without scale and causality. A program hands it operands of the same layout
+    :func:`prefill_attention_into` without scale and causality, writing the output at ``out_strides`` (batch,
+    head, row element strides; None = dense ``[b, h, l, dv]``). A program hands it operands of the same layout
     on every call, so the checks and the kernel's dims / strides are made once per layout and kept; a call
     whose shapes, strides or dtypes differ from the kept ones is checked again (operands that need a copy are
     never kept). Why: the checks are Python work between two GEMMs that evict its data from cache, each call."""
 
-    def __init__(self, scale: float, is_causal: bool):
-        self.scale, self.is_causal = scale, is_causal
+    def __init__(self, scale: float, is_causal: bool, out_strides: tuple[int, int, int] | None = None):
+        self.scale, self.is_causal, self.out_strides = scale, is_causal, out_strides
         self._key: tuple | None = None
         self._args: tuple = ()
 
@@ -594,7 +598,8 @@ class PrefillAttention:
         key = (q.shape, q.stride(), q.dtype, k.shape, k.stride(), k.dtype, v.shape, v.stride(), v.dtype,
                None if mask is None else (mask.shape, mask.stride(), mask.dtype))
         if key != self._key:
-            q2, k2, v2, m2, dims, strides, kind = _prefill_attention_args(q, k, v, mask, self.is_causal)
+            q2, k2, v2, m2, dims, strides, kind = _prefill_attention_args(q, k, v, mask, self.is_causal,
+                                                                          self.out_strides)
             if q2 is not q or k2 is not k or v2 is not v or m2 is not mask:  # copies: checked on every call
                 self._key = None
                 _prefill_attention_call(q2, k2, v2, m2, y_ptr, dims, strides, kind, self.scale, self.is_causal)
