@@ -230,7 +230,7 @@ def test_runtime_prefill_writes_attention_heads_last_and_binds_the_merge_with_th
 
     src, out = prefill("gpt2-tiny")
     with monkeypatch.context() as m:
-        m.setattr(runtime._Codegen, "heads_last", lambda self, ins, o: None)
+        m.setattr(runtime._Codegen, "heads_last", lambda self, o: None)
         dense_src, dense_out = prefill("gpt2-tiny")
     layers = dense_src.count("_pa")
     assert layers >= 2 and src.count("_hl") == layers and "_hl" not in dense_src

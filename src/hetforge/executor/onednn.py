@@ -9,7 +9,7 @@ import os
 
 import torch
 
-from hetforge.ir.kernel_choice import ONEDNN_ATTR, onednn_operands
+from hetforge.ir.kernel_choice import ONEDNN_ATTR, onednn_operands, plain_add
 from hetforge.ir.program import INPLACE, VIEW, Reg
 from hetforge.kernels.onednn import ACT_ATTR, LazyPacked, choose
 
@@ -68,9 +68,8 @@ def residual_adds(cg) -> tuple[dict[int, Reg], dict[int, int]]:
         if ai is None:
             continue
         add = p.instrs[ai]
-        regs = [a for a in add.args[:2] if isinstance(a, Reg)]
-        if add.op != "aten.add.Tensor" or len(add.args) != 2 or add.kwargs or len(regs) != 2 \
-                or len(add.outputs) != 1 or regs[0].id == regs[1].id or src not in (regs[0].id, regs[1].id):
+        regs = plain_add(add)
+        if regs is None or src not in (regs[0].id, regs[1].id):
             continue
         other = regs[1] if regs[0].id == src else regs[0]
         vy, vr, va = p.values[y], p.values[other.id], p.values[add.outputs[0]]

@@ -37,7 +37,9 @@ from hetforge.ir.kernel_choice import (  # noqa: F401  (default_device_map, retu
     bind_args,
     default_device_map,
     gemm_operands,
+    heads_transpose,
     out_variant,
+    reshape_view,
     resolved_kernels,
     returns_alias,
     with_kernels,
@@ -99,7 +101,6 @@ class ExecStats:
     by_op_fallback: dict[str, int] = field(default_factory=dict)
 
 
-_MERGING_VIEWS = ("aten.reshape.default", "aten.view.default", "aten._unsafe_view.default")
 COMPOSE_ENV = "HETFORGE_COMPOSE_VIEWS"  # "0": every view of a oneDNN result is its own call (composed_views)
 
 
@@ -138,31 +139,35 @@ class _Codegen:
         if os.environ.get("HETFORGE_GEMV_MULTI", "1") != "0" and mode != "fast":
             self.groups = self.gemv_groups()
 
-    def heads_last(self, ins, o: int) -> torch.Tensor | None:
+    def heads_last(self, o: int) -> torch.Tensor | None:
         """The prefill attention's result as a ``[b, h, l, dv]`` view of its arena slice laid out ``[b, l, h, dv]``,
         when the program only ever reads it through ``transpose(1, 2)`` and then reshapes of that: the attention
         writes rows in that order (``hf_prefill_attention``'s output strides), the transpose is the dense slice
         (bound here, at build time) and the reshape that merges the heads a view of it, where with a dense
         ``[b, h, l, dv]`` result it copied the whole output each call. None otherwise. The slice lives until the
         reshapes' last reads: the plan keeps a view's storage live for its aliases."""
-        if self.mode == "fast" or not self.planned(o) or o in self.p.output_regs():
-            return None  # (a reshape to its own shape may sit between the result and the transpose)
-        vo, outs = self.p.values[o], set(self.p.output_regs())
-        cur, users = o, [i for i in self.p.instrs if o in i.input_regs()]
-        while len(users) == 1 and users[0].kind == VIEW and users[0].op in _MERGING_VIEWS and \
-                len(users[0].outputs) == 1 and self.p.values[users[0].outputs[0]].shape == vo.shape:
-            cur = users[0].outputs[0]  # a reshape to the same shape (Llama's, before its transpose): the same tensor
-            if cur in outs:
+        p, outs = self.p, set(self.p.output_regs())
+        vo = p.values[o]
+        if self.mode == "fast" or not self.planned(o) or o in outs or len(vo.shape) != 4:
+            return None
+
+        def readers(r: int) -> list:
+            return [i for i in p.instrs if r in i.input_regs()]
+
+        users = readers(o)
+        # a reshape to its own shape (Llama's, before its transpose) is the same tensor
+        while len(users) == 1 and reshape_view(users[0]) and \
+                len(users[0].outputs) == 1 and p.values[users[0].outputs[0]].shape == vo.shape:
+            if users[0].outputs[0] in outs:
                 return None
-            users = [i for i in self.p.instrs if cur in i.input_regs()]
-        if len(vo.shape) != 4 or len(users) != 1:
+            users = readers(users[0].outputs[0])
+        if len(users) != 1:
             return None
         t = users[0]
-        dims = sorted(int(d) % 4 for d in t.args[1:3]) if t.op == "aten.transpose.int" and len(t.args) == 3 else None
-        if t.kind != VIEW or dims != [1, 2] or len(t.outputs) != 1 or t.outputs[0] in outs:
+        if not heads_transpose(t) or len(t.outputs) != 1 or t.outputs[0] in outs:
             return None
-        readers = [i for i in self.p.instrs if t.outputs[0] in i.input_regs()]
-        if not readers or any(r.kind != VIEW or r.op not in _MERGING_VIEWS for r in readers):
+        merges = readers(t.outputs[0])  # each must live in the result's storage: the plan then keeps it live
+        if not merges or any(not reshape_view(r) or any(p.root(x) != p.root(o) for x in r.outputs) for r in merges):
             return None
         b, h, ell, dv = vo.shape
         slab = self.g[self.buffer(o)].view(b, ell, h, dv)
@@ -225,8 +230,8 @@ class _Codegen:
     def composed_reads(self) -> dict[int, list[int]]:
         """Per composed view instruction, the registers its emitted lines read: its root, when it emits any."""
         need = self.needed_views()
-        return {i: [self.composed[o][0] for o in ins.outputs if o in need][:1]
-                for i, ins in ((ins.id, ins) for ins in self.p.instrs) if i in self.composed_ids}
+        return {ins.id: [self.composed[o][0] for o in ins.outputs if o in need][:1]
+                for ins in self.p.instrs if ins.id in self.composed_ids}
 
     def needed_views(self) -> set[int]:
         """Outputs of composed views that the program's outputs or a non-composed instruction read."""
@@ -717,7 +722,7 @@ class _Codegen:
                     f"{float(args['scale'])!r}, {nt})")
         elif fn == "hf_prefill_attention":  # q/k/v read with their strides (known at run time), in Python then C
             q, k, v, mask = (self.expr(args[n], dev) for n in ("q", "k", "v", "mask"))  # a register or a weight
-            hl = self.heads_last(ins, o)
+            hl = self.heads_last(o)
             fn_obj = native.PrefillAttention(float(args["scale"]), bool(args["is_causal"]),
                                              None if hl is None else tuple(hl.stride()[:3]))
             call = f"{self.const(fn_obj, 'pa')}({q}, {k}, {v}, {mask}, {{y}})"

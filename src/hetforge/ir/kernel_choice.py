@@ -79,6 +79,7 @@ IDENTITY_VIEW_OPS = {
     "aten.alias.default", "aten.to.dtype", "aten.to.dtype_layout", "aten.to.device", "aten.to.other",
     "aten.expand.default", "aten.view.default", "aten.reshape.default", "aten._unsafe_view.default",
 }
+RESHAPE_VIEWS = ("aten.reshape.default", "aten.view.default", "aten._unsafe_view.default")
 COPY_LIKE = {
     "aten.to.dtype", "aten.to.dtype_layout", "aten.to.device", "aten.to.other", "aten._to_copy.default",
     "aten.clone.default", "aten.contiguous.default", "aten.alias.default",
@@ -698,6 +699,25 @@ def onednn_decided(ins: Instr, p: Program) -> bool:
 
 # Ops whose kernel the cost model prices by kind: multi-row products that ATen runs when oneDNN does not
 # (``aten:matmul`` keys), and views whose copy reads the source with strides (``aten.copy_.default:strided``).
+def reshape_view(ins: Instr) -> bool:
+    """Whether ``ins`` is a view that only reshapes (view, reshape, _unsafe_view)."""
+    return ins.kind == VIEW and ins.op in RESHAPE_VIEWS
+
+
+def heads_transpose(ins: Instr) -> bool:
+    """Whether ``ins`` is the view ``transpose(x, 1, 2)`` of a 4-D value (how Hugging Face starts merging heads)."""
+    return ins.kind == VIEW and ins.op == "aten.transpose.int" and len(ins.args) == 3 \
+        and sorted(int(d) % 4 for d in ins.args[1:3]) == [1, 2]
+
+
+def plain_add(ins: Instr) -> tuple[Reg, Reg] | None:
+    """The two register operands of ``add(a, b)`` with alpha 1, else None (the residual add a product may take)."""
+    if ins.op != "aten.add.Tensor" or len(ins.args) != 2 or ins.kwargs or len(ins.outputs) != 1:
+        return None
+    a, b = ins.args
+    return (a, b) if isinstance(a, Reg) and isinstance(b, Reg) and a.id != b.id else None
+
+
 ATEN_PRODUCTS = ("aten.linear.default", "aten.addmm.default", "aten.mm.default")
 PERMUTING_VIEWS = ("aten.transpose.int", "aten.permute.default", "aten.t.default", "aten.swapaxes.default")
 
