@@ -155,6 +155,28 @@ def test_views_of_a_onednn_result_are_made_in_one_step_with_the_same_bits(name, 
     assert verify(module, exe, inputs, kl_threshold=1e-8).passed
 
 
+def test_a_product_read_through_a_transpose_keeps_its_add_apart(monkeypatch):
+    """``x·Wᵀ`` transposed, then added: the add is not taken by the product (its rows would meet the wrong
+    elements of ``r``), and the program computes what the module does."""
+    from hetforge.frontend import capture
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(8, 8)
+
+        def forward(self, x, r):
+            return self.fc(x).t() + r
+
+    monkeypatch.setenv("HETFORGE_GEMM", "onednn")
+    g = torch.Generator().manual_seed(0)
+    module, inputs = M().eval(), (torch.randn(8, 8, generator=g), torch.randn(8, 8, generator=g))
+    exe = compile_graph(capture(module, inputs).gm, soc="host", example_inputs=inputs, name="t").executable
+    assert exe.stats.onednn_gemm == 1 and exe.stats.onednn_residual == 0
+    with torch.no_grad():
+        torch.testing.assert_close(exe(*inputs), module(*inputs), rtol=1e-5, atol=1e-5)
+
+
 def test_prepack_packs_every_onednn_weight_once_and_the_run_after_it_gives_the_same_bits(monkeypatch):
     """``Executable.prepack`` (what a cold request does while the decode program's child still runs) packs each
     oneDNN weight of the program, a second call packs nothing, and the program then computes what a program packing

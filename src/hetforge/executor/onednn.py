@@ -9,8 +9,8 @@ import os
 
 import torch
 
-from hetforge.ir.kernel_choice import ONEDNN_ATTR, onednn_operands, plain_add
-from hetforge.ir.program import INPLACE, VIEW, Reg
+from hetforge.ir.kernel_choice import ONEDNN_ATTR, onednn_operands, plain_add, reshape_view
+from hetforge.ir.program import INPLACE, Reg
 from hetforge.kernels.onednn import ACT_ATTR, LazyPacked, choose
 
 
@@ -28,7 +28,7 @@ RESIDUAL_ENV = "HETFORGE_RESIDUAL_FUSION"  # "0": every residual add runs as its
 
 def residual_adds(cg) -> tuple[dict[int, Reg], dict[int, int]]:
     """Residual adds that oneDNN's product before them takes as its ``add`` post-op (``_linear_pointwise.binary``):
-    ``y = x·Wᵀ + b`` whose only user is ``add(y, r)`` (directly or through one view to the add's shape) becomes
+    ``y = x·Wᵀ + b`` whose only user is ``add(y, r)`` (directly or through one reshape to the add's shape) becomes
     one call writing ``x·Wᵀ + b + r``, and the add binds its register to that result. fp32: the same bits as the
     add after the product (oneDNN rounds the product, then adds); the add's pass over the rows and its call
     between two products are gone. Only where it is the same computation: a plain product (no activation, or
@@ -62,8 +62,8 @@ def residual_adds(cg) -> tuple[dict[int, Reg], dict[int, int]]:
             continue  # an activation oneDNN's binary call has no room for, or a gated MLP without down product
         y = src = g.outputs[0]
         ai = only_user(y)
-        if ai is not None and p.instrs[ai].kind == VIEW and len(p.instrs[ai].outputs) == 1:
-            src = p.instrs[ai].outputs[0]
+        if ai is not None and reshape_view(p.instrs[ai]) and len(p.instrs[ai].outputs) == 1:
+            src = p.instrs[ai].outputs[0]  # a reshape keeps the element order (a transpose would not)
             ai = only_user(src)
         if ai is None:
             continue
@@ -74,7 +74,7 @@ def residual_adds(cg) -> tuple[dict[int, Reg], dict[int, int]]:
         other = regs[1] if regs[0].id == src else regs[0]
         vy, vr, va = p.values[y], p.values[other.id], p.values[add.outputs[0]]
         dev = cg.dm[g.device]
-        if not (vr.shape == va.shape and vr.dtype == vy.dtype == va.dtype and vr.is_contiguous
+        if not (vr.shape == va.shape == p.values[src].shape and vr.dtype == vy.dtype == va.dtype and vr.is_contiguous
                 and math.prod(vy.shape) == math.prod(va.shape)
                 and cg.dm[vr.device] == dev == cg.dm[add.device]
                 and made.get(other.id, -1) < gi and not any(gi < i < ai for i in inplace)):
