@@ -241,6 +241,10 @@ class _Codegen:
                 need.update(r for r in ins.input_regs() if r in self.composed)
         return need
 
+    def never_made(self, r: int) -> bool:
+        """Whether ``r<r>`` is a composed view no line makes (nothing reads it: see composed_views)."""
+        return r in self.composed and r not in self.need_views and self.composed[r][0] != r
+
     def const(self, obj: Any, hint: str = "c") -> str:
         key = id(obj)
         if key not in self.const_ids:
@@ -821,13 +825,12 @@ class _Codegen:
                 if sync:
                     body.append("_sync()")
                 body.append(f"_T[{k}] += _pc() - _t; _t = _pc()")
-            dead = [f"r{r}" for r in reads.get(ins.id, ins.input_regs()) if last_use.get(r) == k and r not in keep
+            dead = [r for r in reads.get(ins.id, ins.input_regs()) if last_use.get(r) == k and r not in keep
                     and p.values[r].kind != WEIGHT]
-            dead += [f"r{o}" for o in ins.outputs if o not in last_use and o not in keep]
-            dead = [d for d in dead if int(d[1:]) not in self.composed or int(d[1:]) in self.need_views
-                    or self.composed[int(d[1:])][0] == int(d[1:])]  # a composed view never made: nothing to drop
+            dead += [o for o in ins.outputs if o not in last_use and o not in keep]
+            dead = [r for r in dead if not self.never_made(r)]
             if dead:
-                body.append(f"{' = '.join(dead)} = None")
+                body.append(f"{' = '.join(f'r{r}' for r in dead)} = None")
         ret = []
         for o in p.outputs:
             ret.append(self.expr(o, self.dm[p.devices[0]]) if isinstance(o, Reg) else repr(o))
