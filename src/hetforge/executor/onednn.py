@@ -39,19 +39,14 @@ def residual_adds(cg) -> tuple[dict[int, Reg], dict[int, int]]:
     p = cg.p
     if os.environ.get(RESIDUAL_ENV, "1") == "0":
         return {}, {}
-    users: dict[int, list[int]] = {}
-    made: dict[int, int] = {}
-    for i, ins in enumerate(p.instrs):
-        for r in ins.input_regs():
-            users.setdefault(r, []).append(i)
-        for o in ins.outputs:
-            made[o] = i
+    pos = {ins.id: i for i, ins in enumerate(p.instrs)}  # program order
+    made = {o: pos[ins.id] for ins in p.instrs for o in ins.outputs}
     outs = set(p.output_regs())
     inplace = [i for i, ins in enumerate(p.instrs) if ins.kind == INPLACE]
 
     def only_user(r: int) -> int | None:
-        u = users.get(r, [])
-        return u[0] if len(u) == 1 and r not in outs else None
+        u = cg.readers.get(r, [])
+        return pos[u[0]] if len(u) == 1 and r not in outs else None
 
     product, fused = {}, {}
     for gi, g in enumerate(p.instrs):

@@ -125,6 +125,8 @@ class _Codegen:
         self.kernels = resolved_kernels(p, lambda ins: onednn.chosen(self, ins))
         # residual adds a oneDNN product takes as its post-op: product id → the add's other operand; add id →
         # the register the add binds to (its own instruction runs no kernel)
+        self.readers = p.consumers()  # value id → ids of the instructions reading it
+        self.by_id = p.instr_by_id()
         self.residual, self.fused_adds = onednn.residual_adds(self)
         self.dense: set[int] = set()  # registers that hold a fresh dense tensor each call (oneDNN results)
         self.heads_last_views: dict[int, torch.Tensor] = {}  # transpose instruction id → its static result
@@ -152,7 +154,7 @@ class _Codegen:
             return None
 
         def readers(r: int) -> list:
-            return [i for i in p.instrs if r in i.input_regs()]
+            return [self.by_id[i] for i in self.readers.get(r, [])]
 
         users = readers(o)
         # a reshape to its own shape (Llama's, before its transpose) is the same tensor
@@ -228,9 +230,9 @@ class _Codegen:
         return comp, ids
 
     def composed_reads(self) -> dict[int, list[int]]:
-        """Per composed view instruction, the registers its emitted lines read: its root, when it emits any."""
-        need = self.needed_views()
-        return {ins.id: [self.composed[o][0] for o in ins.outputs if o in need][:1]
+        """Per composed view instruction, the registers its emitted lines read: its root, when it emits any
+        (after :meth:`needed_views` has set ``need_views``)."""
+        return {ins.id: [self.composed[o][0] for o in ins.outputs if o in self.need_views][:1]
                 for ins in self.p.instrs if ins.id in self.composed_ids}
 
     def needed_views(self) -> set[int]:
