@@ -297,6 +297,17 @@ def test_native_transpose_writes_exactly_the_transposed_weight(k, n, dtype, thre
 
 
 @NEEDS_NATIVE
+@pytest.mark.parametrize("k,n", [(768, 2304), (64, 136), (100, 200), (33, 264), (32, 8)])
+def test_native_transpose_of_whole_register_blocks_and_their_edges_is_exact(k, n):
+    """Shapes where the 8 x 8 register blocks (AVX2) move whole tiles, with partial tiles and bands beside them."""
+    for dtype in (torch.float32, torch.bfloat16):
+        w = torch.randn(k, n).to(dtype)
+        out = torch.full((n, k), float("nan"), dtype=dtype)
+        assert native.transpose_into(w, out)
+        assert torch.equal(out, w.t())
+
+
+@NEEDS_NATIVE
 def test_native_transpose_refuses_what_it_cannot_read_and_writes_nothing():
     w = torch.randn(8, 4)
     for src, dst in [(w.t(), torch.zeros(8, 4)),  # a strided source

@@ -77,6 +77,73 @@ def test_stamped_graph_is_the_whole_export_node_for_node_with_the_same_outputs(n
     assert len(find_stack(loaded.model).blocks) == layers == model_dims(loaded.model)[0]
 
 
+@pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny", "qwen2-tiny", "mixtral-tiny"])
+def test_passes_on_two_layers_then_stamped_give_the_graph_of_the_passes_on_all_layers(name):
+    """compile_graph(expand=...): the passes run on the two exported layers and the rest is stamped after them.
+    The graph, its pass report's node and fused-op counts and its outputs (bit for bit) must be those of the
+    passes run on the whole stamped capture. Mixtral's MoE op reads weights the MoE pass stacks per layer (new
+    constants): refused, and the passes then run on the whole graph."""
+    from hetforge.compile import _passes_then_stamp
+    from hetforge.passes import optimize
+    from hetforge.runtime.stamp import capture_layers
+
+    loaded = _deep(name)
+    g = torch.Generator().manual_seed(0)
+    for cls, inputs in _cases(loaded.model, g):
+        cg = capture_layers(cls(loaded.model), inputs, "t", defer=True)
+        d = cg.deferred
+        assert len(d.two_inputs) < len(inputs) or cls is LogitsModule or cls is PrefillModule
+        gm, opt, _ = _passes_then_stamp(cg.gm, inputs, True, d)
+        ref = optimize(capture_stamped(cls(loaded.model), inputs, "t").gm, example_inputs=inputs)
+        assert d.stamped == (name != "mixtral-tiny"), (cls.__name__, d.refused)
+        if not d.stamped:
+            assert "moe" in d.refused and "before the passes (stamping the optimized layers refused" in d.note()
+        else:
+            assert "stamped from layer 1 after the passes" in d.note()
+        assert _summary(gm) == _summary(ref.gm), cls.__name__
+        assert (opt.nodes_before, opt.nodes_after, opt.fused) == (ref.nodes_before, ref.nodes_after, ref.fused)
+        with torch.no_grad():
+            got, want = gm(*inputs), ref.gm(*inputs)
+        got, want = ([got], [want]) if isinstance(got, torch.Tensor) else (got, want)
+        for x, y in zip(got, want, strict=True):
+            torch.testing.assert_close(x, y, rtol=0, atol=0)
+
+
+def test_a_constant_the_passes_made_is_never_taken_as_equal_by_value():
+    """Layers 0 and 1 made equal, layers 2 and 3 not. A pass that reads each layer's norm weight through a new
+    constant (as folding a per-layer expression would) leaves two equal constants: equal by value is how the
+    capture's own constants are matched, but a made one may come from its layer's weights, so the optimized
+    graph is refused (and would have been accepted without that rule)."""
+    from hetforge.passes import copy_gm, optimize
+    from hetforge.runtime.stamp import _stamp, capture_layers
+
+    loaded = _deep("llama-tiny")
+    blocks = find_stack(loaded.model).blocks
+    blocks[1].load_state_dict(blocks[0].state_dict())
+    cg = capture_layers(PrefillModule(loaded.model), (torch.zeros((1, 8), dtype=torch.long), torch.tensor([7])), "t",
+                        defer=True)
+    d = cg.deferred
+    optimized = optimize(cg.gm, example_inputs=d.two_inputs).gm
+
+    def folded() -> torch.fx.GraphModule:
+        gm = copy_gm(optimized)
+        for i, n in enumerate([n for n in gm.graph.nodes if n.op == "get_attr"
+                               and str(n.target).endswith("post_attention_layernorm.weight")]):
+            gm.register_buffer(f"_folded_{i}", gm.get_parameter(str(n.target)).detach().clone(), persistent=False)
+            with gm.graph.inserting_before(n):
+                c = gm.graph.get_attr(f"_folded_{i}")
+            c.meta = dict(n.meta)
+            n.replace_all_uses_with(c)
+            gm.graph.erase_node(n)
+        gm.recompile()
+        return gm
+
+    assert not d.after_passes(folded())
+    assert "differs from layer 0's" in d.refused
+    assert d.after_passes(copy_gm(optimized))  # the same graph without the made constants is stamped
+    _stamp(folded(), d.stack, d.fixed, d.per)  # the capture's rule alone (equal by value) would have stamped it
+
+
 def test_a_layer_with_its_own_attribute_is_refused_and_the_runtime_exports_the_whole_model(monkeypatch):
     monkeypatch.setenv("HETFORGE_COMPILE_CACHE", "0")
     loaded = _deep("llama-tiny")
@@ -133,7 +200,8 @@ def test_engine_generates_the_same_tokens_with_stamped_and_whole_captures(monkey
         r = eng.generate(list(range(3, 23)), SamplingParams(max_new_tokens=8, ignore_eos=True))
         got[policy] = r.tokens
         notes = eng.programs.prefill(32)[0].notes
-        assert any("layers exported" in n for n in notes) == (policy == "stamped"), notes
+        assert any("layers exported and optimized" in n and "after the passes" in n for n in notes) == \
+            (policy == "stamped"), notes
     assert got["stamped"] == got["static"]
 
 

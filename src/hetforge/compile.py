@@ -102,6 +102,24 @@ def _run_passes(gm: torch.fx.GraphModule, example_inputs, passes) -> tuple[torch
     return res.gm, res, ""
 
 
+def _passes_then_stamp(gm: torch.fx.GraphModule, example_inputs, passes, expand: Any) \
+        -> tuple[torch.fx.GraphModule, Any, str]:
+    """The passes on ``expand``'s two-layer graph ``gm``, then its layers stamped out (see :func:`compile_graph`);
+    the passes' report then counts the whole graph's nodes before and after, as the whole graph's passes would."""
+    import dataclasses
+
+    from hetforge.passes import fused_counts
+
+    if passes is False:
+        return expand.whole(), None, "disabled"
+    gm2, opt, note = _run_passes(gm, expand.two_inputs, passes)
+    if not expand.after_passes(gm2):
+        return _run_passes(expand.whole(), example_inputs, passes)
+    opt = dataclasses.replace(opt, gm=gm2, fused=fused_counts(gm2), nodes_before=expand.whole_nodes(),
+                              nodes_after=len(gm2.graph.nodes))
+    return gm2, opt, note
+
+
 def _transfer_seconds(p: Program, soc) -> float:
     """Modeled time of all transfers (cost model)."""
     from hetforge.cost import transfer_cost
@@ -129,10 +147,14 @@ def compile_graph(
     quantize: str = "none",
     group_size: int = 128,
     quant_skip: Sequence[str] = (),
+    expand: Any = None,
 ) -> CompileResult:
     """Compile a captured GraphModule for ``soc`` (a name, a path or a SocProfile).
 
     ``passes``: True (all), False (none), or pass names. ``placement`` overrides ``strategy``.
+    ``expand``: ``gm`` is a cut-down capture whose repeated layers are stamped out after the passes (a
+    :class:`hetforge.runtime.stamp.Deferred`: the passes then run on two layers, not all); where the optimized
+    layers cannot be stamped it gives the whole graph and the passes run on that.
     ``quantize`` (``w8``/``w4``/``w8a8``/``none``) runs the weight-quantization pass after the middle-end passes,
     so placement and the cost model see the int8/int4 linears. ``build=False`` stops before allocating
     arenas (reports only).
@@ -144,8 +166,13 @@ def compile_graph(
     t_all = time.perf_counter()
     soc_p = load_soc(soc) if isinstance(soc, str) else soc
     t0 = time.perf_counter()
-    gm2, opt, note = _run_passes(gm, example_inputs, passes)
-    secs["passes"] = time.perf_counter() - t0
+    if expand is None:
+        gm2, opt, note = _run_passes(gm, example_inputs, passes)
+    else:
+        gm2, opt, note = _passes_then_stamp(gm, example_inputs, passes, expand)
+    secs["passes"] = time.perf_counter() - t0 - (expand.seconds if expand is not None else 0.0)
+    if expand is not None:
+        secs["stamp"] = expand.seconds
     quant = None
     if quantize != "none":
         from hetforge.quant import check_options, quantize_graph

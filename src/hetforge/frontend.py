@@ -42,6 +42,7 @@ class CapturedGraph:
     name: str = "model"
     param_paths: dict[str, str] = field(default_factory=dict)  # get_attr target -> module path
     note: str = ""  # how it was made, when not by its own export (e.g. specialised from a dynamic capture)
+    deferred: Any = None  # layers still to stamp out of a two-layer graph (hetforge.runtime.stamp.Deferred)
 
     def op_counts(self) -> Counter:
         return op_counts(self.gm)
@@ -81,15 +82,51 @@ def gc_frozen() -> Iterator[bool]:
     of a capture + passes (measured: docs/arch/runtime.md, cold compile). Objects made inside are still collected
     as usual. Nothing
     is done where the process froze objects itself (its frozen set is left alone), where the collector is
-    disabled, or inside another such block (the decorated functions nest)."""
-    if not gc.isenabled() or gc.get_freeze_count() > 0:
+    disabled, or inside another such block (the decorated functions nest). A nested block is told apart by a
+    counter, not by ``gc.get_freeze_count()``: that walks the whole frozen set (every object of the process) on
+    each call."""
+    global _FROZEN_DEPTH
+    if _FROZEN_DEPTH > 0 or not gc.isenabled() or gc.get_freeze_count() > 0:
         yield False
         return
     gc.freeze()
+    _FROZEN_DEPTH += 1
     try:
         yield True
     finally:
+        _FROZEN_DEPTH -= 1
         gc.unfreeze()
+
+
+_FROZEN_DEPTH = 0  # gc_frozen blocks open in this process (a forked child inherits the count with the frozen set)
+
+# what the first ``torch.export`` in a process imports (networkx alone is ~300 modules); see preload_capture
+_CAPTURE_MODULES = (
+    "torch.export._trace", "torch._functorch.aot_autograd", "torch._functorch.partitioners",
+    "torch._export.non_strict_utils", "torch._export.passes.replace_set_grad_with_hop_pass",
+    "torch._export.passes.replace_autocast_with_hop_pass", "torch._export.passes._node_metadata_hook",
+    "torch.fx.experimental.validator", "torch._subclasses.schema_check_mode",
+    "torch._inductor.fx_passes.dedupe_symint_uses",
+)
+
+
+def preload_capture() -> float:
+    """Import what the first :func:`capture` in this process would import on its way, and return the seconds
+    that took (0 when done before).
+
+    Why: a process about to ``fork`` children that capture (``hetforge.runtime.ahead``) imports it once here
+    instead of once in itself and once more in every child."""
+    import importlib
+    import sys
+
+    t0 = time.perf_counter()
+    for name in _CAPTURE_MODULES:
+        if name not in sys.modules:
+            try:
+                importlib.import_module(name)
+            except ImportError:  # another torch may have moved one: the capture then imports what it needs
+                pass
+    return time.perf_counter() - t0
 
 
 @gc_frozen()

@@ -193,9 +193,11 @@ def start(build: Any) -> Ahead | None:
     it did) and exits; None where the fork fails."""
     import torch
 
+    from hetforge.frontend import preload_capture
     from hetforge.kernels import onednn
 
     threads = torch.get_num_threads()
+    preload_capture()  # imported once here, not once here and once more in the child
     release_freed_memory()  # free heap pages would be shared copy-on-write with the child: give them back first
     sys.stdout.flush()
     sys.stderr.flush()

@@ -165,17 +165,20 @@ class PlacedExecutor:
             opts["device"] = self.device
         return opts
 
-    def place(self, gm: torch.fx.GraphModule, inputs: tuple, label: str, optimize: bool, placement: Any = None):
+    def place(self, gm: torch.fx.GraphModule, inputs: tuple, label: str, optimize: bool, placement: Any = None,
+              expand: Any = None):
         """Passes → quantization → placement (the strategy, or ``placement`` as given) → lower → schedule →
-        memory plan (no arenas: each partition's backend builds its own)."""
+        memory plan (no arenas: each partition's backend builds its own). ``expand``: ``gm`` is a two-layer
+        capture whose other layers are stamped out after the passes (``compile_graph``)."""
         from hetforge.compile import compile_graph
 
         return compile_graph(gm, soc=self.soc_profile, strategy=self.base_strategy, strategy_options=self.options(),
                              example_inputs=inputs, passes=optimize, name=label, quantize=self.quantize,
-                             group_size=self.group_size, build=False, placement=placement)
+                             group_size=self.group_size, build=False, placement=placement, expand=expand)
 
-    def build(self, gm: torch.fx.GraphModule, inputs: tuple, label: str, optimize: bool) -> Built:
-        return self.build_program(self.place(gm, inputs, label, optimize))
+    def build(self, gm: torch.fx.GraphModule, inputs: tuple, label: str, optimize: bool, expand: Any = None) \
+            -> Built:
+        return self.build_program(self.place(gm, inputs, label, optimize, expand=expand))
 
     def build_program(self, res, built: tuple[Any, Any, Any] | None = None) -> Built:
         """Partition a compiled (scheduled) program and compile each partition on its device's backend;

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from hetforge.frontend import gc_frozen
-from hetforge.runtime.executors import Executor
+from hetforge.runtime.executors import Executor, PlacedExecutor
 from hetforge.runtime.kvcache import KVCache
 from hetforge.runtime.static_kv import ChunkModule, DecodeModule, PrefillModule, model_dims
 
@@ -161,11 +161,15 @@ class Program:
         return d
 
 
-def _prepack(placed: Any) -> None:
-    """Pack the oneDNN weights of every host partition of a placed program (:meth:`Executable.prepack`)."""
-    for comp in getattr(getattr(placed, "exe", None), "compiled", ()):
-        if getattr(comp, "executable", None) is not None:
-            comp.executable.prepack()
+def _prepack(placed: Any) -> bool:
+    """Pack the oneDNN weights of every host partition of a placed program (:meth:`Executable.prepack`); returns
+    whether every partition is such a generated executable (then no one-time work is left for the first call:
+    its packing is done, and nothing else in it runs only once)."""
+    comps = list(getattr(getattr(placed, "exe", None), "compiled", ()))
+    done = [c for c in comps if getattr(c, "executable", None) is not None]
+    for comp in done:
+        comp.executable.prepack()
+    return bool(comps) and len(done) == len(comps)
 
 
 class ProgramCache:
@@ -344,49 +348,61 @@ class ProgramCache:
                 b = hit
                 return Program(kind, length, b.run, self.executor.name, b.nodes, 0.0, 0.0,
                                time.perf_counter() - t_in, b.notes, b.placed)
-        cg = self._capture(module, inputs, label, kind, length)
+        # the passes on two layers, the rest stamped after them, where the executor compiles through compile_graph
+        defer = entry is None and isinstance(self.executor, PlacedExecutor)
+        cg = self._capture(module, inputs, label, kind, length, defer)
         if entry is None:
-            b = self.executor.build(cg.gm, inputs, label, self.optimize)
+            b = (self.executor.build(cg.gm, inputs, label, self.optimize, expand=cg.deferred) if defer else
+                 self.executor.build(cg.gm, inputs, label, self.optimize))
             b.notes[:0] = cache_notes
             if store is not None:
                 store(b)
         else:
             b = self._build_fixed(cg.gm, inputs, label, entry)
+        if cg.deferred is not None:
+            cg.note = cg.deferred.note()
         if cg.note:
             b.notes.insert(0, cg.note)
         t0 = time.perf_counter()
         t_pack = 0.0
-        if warm and self.ahead:  # a forked child shares this process's pages until it exits: every page the
-            # warm-up call writes would be copied first (copy-on-write), so wait for it; packing the weights writes
-            # only new pages, so it is done while the child still runs
-            _prepack(b.placed)
+        call = warm
+        if warm:  # packing the weights writes only new pages, so it is done while a forked child still runs
+            packed = _prepack(b.placed)
             t_pack = time.perf_counter() - t0
-            self.join_ahead()
+            # a warm-up call pays what else runs once (e.g. FBGEMM's prepacking of a quantized product); a program
+            # of generated executables only, not quantized, has none left: its first call runs at the speed of the
+            # later ones (docs/arch/runtime.md), and a call here would be one more prefill for the user to wait for
+            call = not (packed and getattr(self.executor, "quantize", "none") in (None, "none"))
+            if call and self.ahead:  # a forked child shares this process's pages until it exits: every page the
+                self.join_ahead()  # warm-up call writes would be copied first (copy-on-write), so wait for it
         t1 = time.perf_counter()  # the wait counts in the child's program (ProgramCache.decode), not in this one
-        if warm:  # one warm-up call: one-time kernel work (e.g. FBGEMM weight prepacking) is paid here
+        if call:
             b.run(*inputs)
         t2 = time.perf_counter()
         warm_s = t_pack + t2 - t1
         # the rest of the wall time (the compile cache's lookup and store, what the stages leave between them);
         # counted too, so a program's seconds are what its caller waited for it
         rest = max(0.0, (t2 - t_in) - (t1 - t0 - t_pack) - (cg.seconds + b.optimize_s + b.compile_s + warm_s))
-        notes = [*b.notes, f"warm-up call {warm_s:.3f} s (measured), counted in compile_s" if warm else
-                 "no warm-up call (built for another process)",
+        head = (f"warm-up call {warm_s:.3f} s (measured, with the packing), counted in compile_s" if call else
+                f"weights packed in {warm_s:.3f} s (measured), counted in compile_s; no warm-up call (nothing else "
+                "runs once)" if warm else "no warm-up call (built for another process)")
+        notes = [*b.notes, head,
                  f"other compile-path work {rest:.3f} s (measured: compile-cache lookup and store, between the "
                  "stages), counted in compile_s"]
         return Program(kind, length, b.run, self.executor.name, b.nodes, cg.seconds, b.optimize_s,
                        b.compile_s + warm_s + rest, notes, b.placed)
 
-    def _capture(self, module: nn.Module, inputs: tuple, label: str, kind: str, length: int):
+    def _capture(self, module: nn.Module, inputs: tuple, label: str, kind: str, length: int, defer: bool = False):
         """The static graph of ``module`` at ``inputs``' shapes: two layers exported and stamped out (policy
-        ``stamped``, whole where the layers are not uniform), its own export (policy ``static``), or the module's one
-        dynamic export specialised to them (policy ``dynamic``); capture seconds are measured."""
+        ``stamped``, whole where the layers are not uniform; with ``defer``, stamped after the passes:
+        :class:`hetforge.runtime.stamp.Deferred`), its own export (policy ``static``), or the module's one dynamic
+        export specialised to them (policy ``dynamic``); capture seconds are measured."""
         from hetforge.frontend import capture, specialize
 
         if self.capture_policy == "stamped":
             from hetforge.runtime.stamp import capture_layers
 
-            return capture_layers(module, inputs, label)
+            return capture_layers(module, inputs, label, defer=defer)
         if self.capture_policy == "static":
             return capture(module, inputs, name=label, stack_traces=False, guards=False)
         dyn_key = f"{type(module).__qualname__}:{inputs[0].shape[0]}"  # one per module and batch size

@@ -59,13 +59,13 @@ def _compile(module: torch.nn.Module, inputs: tuple, name: str, build: bool, opt
     from hetforge.runtime.programs import capture_policy
     from hetforge.runtime.stamp import capture_layers
 
-    if capture_policy() == "stamped":
-        cg = capture_layers(module, inputs, name)
+    if capture_policy() == "stamped":  # the passes on two layers, the others stamped out after them
+        cg = capture_layers(module, inputs, name, defer=True)
     else:
         cg = capture(module, inputs, name=name, stack_traces=False, guards=False)  # lowered only: no guard needed
-    res = compile_graph(cg.gm, example_inputs=inputs, name=name, build=build, **options)
+    res = compile_graph(cg.gm, example_inputs=inputs, name=name, build=build, expand=cg.deferred, **options)
     res.seconds = {"capture": cg.seconds, **res.seconds}
-    return res, cg.note
+    return res, cg.deferred.note() if cg.deferred is not None else cg.note
 
 
 def _stages(secs: dict[str, float]) -> dict[str, float]:
@@ -116,15 +116,20 @@ def compile_shapes(module: torch.nn.Module, shapes: Sequence[tuple[torch.Tensor,
                 own[k] = own.get(k, 0.0) + v
             out[i] = ShapeProgram(shapes[i], res.executable, res.program, stages, res.passes_note,
                                   notes=[note] if note else [])
-        if jobs:  # packing the oneDNN weights writes only new pages: done while the children still run
-            t0 = time.perf_counter()
-            for p in out:
-                if p is not None and p.executable is not None:
-                    p.executable.prepack()
-            own["pack weights"] = time.perf_counter() - t0
+        # the oneDNN weights packed now, not in each program's first call (packing writes only new pages: done
+        # while the children still run)
+        t0 = time.perf_counter()
+        for p in out:
+            if p is not None and p.executable is not None:
+                p.executable.prepack()
+        own["pack weights"] = time.perf_counter() - t0
         for i, (job, path) in jobs.items():
             out[i] = _collect(module, shapes[i], labels[i], job, path, options, own)
             jobs[i] = (None, path)
+            if out[i].executable is not None:
+                t0 = time.perf_counter()
+                out[i].executable.prepack()
+                own["pack weights"] += time.perf_counter() - t0
     finally:
         for job, _ in jobs.values():
             if job is not None:

@@ -105,11 +105,8 @@ def _cut(stack: Stack, model: nn.Module, keep: int) -> Iterator[None]:
         setattr(model.config, stack.count_field, count)
 
 
-def capture_stamped(module: nn.Module, inputs: tuple, name: str) -> CapturedGraph:
-    """Capture ``module`` (a wrapper holding the HF model as ``model``: the runtime's ``static_kv`` / ``batched``
-    modules, whose class's ``LAYER_INPUTS`` inputs per layer come last, or ``LogitsModule``) on ``inputs`` by
-    exporting two layers and stamping out the rest; :class:`StampRefused` when the layers are not uniform."""
-    t0 = time.perf_counter()
+def _two_layers(module: nn.Module, inputs: tuple, name: str) -> tuple[CapturedGraph, Stack, int, int, _Two]:
+    """``module``'s first two layers exported, checked for stamping (:class:`StampRefused` when they cannot be)."""
     model = getattr(module, "model", None)
     if not isinstance(model, nn.Module):
         raise StampRefused("the module holds no Hugging Face model as 'model'")
@@ -119,18 +116,107 @@ def capture_stamped(module: nn.Module, inputs: tuple, name: str) -> CapturedGrap
     fixed = len(inputs) - per * layers
     with _cut(stack, model, 2):
         cg = capture(module, tuple(inputs[:fixed + 2 * per]), name=name, stack_traces=False, guards=False)
-    _stamp(cg.gm, stack, fixed, per)
+    return cg, stack, fixed, per, _checked(cg.gm, stack, fixed, per)
+
+
+def capture_stamped(module: nn.Module, inputs: tuple, name: str) -> CapturedGraph:
+    """Capture ``module`` (a wrapper holding the HF model as ``model``: the runtime's ``static_kv`` / ``batched``
+    modules, whose class's ``LAYER_INPUTS`` inputs per layer come last, or ``LogitsModule``) on ``inputs`` by
+    exporting two layers and stamping out the rest; :class:`StampRefused` when the layers are not uniform."""
+    t0 = time.perf_counter()
+    cg, stack, fixed, per, two = _two_layers(module, inputs, name)
+    layers = len(stack.blocks)
+    _stamp(cg.gm, stack, fixed, per, two=two)
     seconds = time.perf_counter() - t0
     return CapturedGraph(cg.gm, cg.exported, tuple(inputs), seconds, cg.strict, name, param_paths(cg.gm, module),
                          note=f"capture: 2 of {layers} layers exported, layers 2..{layers - 1} stamped from layer 1 "
                               "(the exported program holds the 2 layers)")
 
 
-def capture_layers(module: nn.Module, inputs: tuple, name: str) -> CapturedGraph:
-    """:func:`capture_stamped`, or the whole module's export (its note says why) where the layers are refused."""
+@dataclass
+class Deferred:
+    """A two-layer capture whose other layers are stamped out after the middle-end passes, so the passes run on two
+    layers, not all (``hetforge.compile.compile_graph``'s ``expand``).
+
+    :meth:`after_passes` stamps the optimized graph where layer 1 is still layer 0 one layer on (the check of the
+    capture, run again), reading no constant the passes made unless layer 0 reads the same node: a folded
+    constant may come from one layer's weights, so it is never taken as equal by value. An operation of layer 0
+    that reads nothing of any layer (what common-subexpression elimination kept of a computation every layer
+    repeats, e.g. the rotary tables' unsqueeze) counts as before the layers: every copy reads it, as after the
+    whole graph's passes. Where it is refused, :meth:`whole` gives the capture stamped before any pass, and the
+    caller runs the passes on that. ``tests/test_stamp.py`` checks the result is the whole graph's passes'
+    graph, node for node, with the same outputs bit for bit."""
+
+    cg: CapturedGraph  # the two-layer capture (never modified before whole())
+    stack: Stack
+    fixed: int
+    per: int
+    inputs: tuple  # the whole module's inputs
+    per_layer: int  # nodes each stamped layer adds before the passes (its inputs, weights and operations)
+    refused: str = ""
+    stamped: bool = False
+    seconds: float = 0.0  # stamping, measured
+
+    @property
+    def two_inputs(self) -> tuple:
+        """The inputs of the two-layer graph."""
+        return tuple(self.inputs[:self.fixed + 2 * self.per])
+
+    @property
+    def layers(self) -> int:
+        return len(self.stack.blocks)
+
+    def whole_nodes(self) -> int:
+        """The node count of the whole capture (what stamping before the passes gives)."""
+        return len(self.cg.gm.graph.nodes) + (self.layers - 2) * self.per_layer
+
+    def after_passes(self, gm: torch.fx.GraphModule) -> bool:
+        """Stamp layers 2.. out of ``gm`` (the optimized two-layer graph) in place; False (why: ``refused``) where
+        its layers are refused."""
+        t0 = time.perf_counter()
+        known = {str(n.target) for n in self.cg.gm.graph.nodes if n.op == "get_attr"}
+        made = frozenset(str(n.target) for n in gm.graph.nodes if n.op == "get_attr") - known
+        try:
+            _stamp(gm, self.stack, self.fixed, self.per, made=made)
+            self.stamped = True
+        except StampRefused as e:
+            self.refused = str(e)
+        self.seconds += time.perf_counter() - t0
+        return self.stamped
+
+    def whole(self) -> torch.fx.GraphModule:
+        """The capture with its layers stamped out before any pass (in place: call it once)."""
+        t0 = time.perf_counter()
+        _stamp(self.cg.gm, self.stack, self.fixed, self.per)
+        self.seconds += time.perf_counter() - t0
+        return self.cg.gm
+
+    def note(self) -> str:
+        n = self.layers
+        if self.stamped:
+            return (f"capture: 2 of {n} layers exported and optimized, layers 2..{n - 1} stamped from layer 1 after "
+                    "the passes (the exported program holds the 2 layers)")
+        why = f" (stamping the optimized layers refused: {self.refused})" if self.refused else ""
+        return (f"capture: 2 of {n} layers exported, layers 2..{n - 1} stamped from layer 1 before the passes{why} "
+                "(the exported program holds the 2 layers)")
+
+
+def capture_layers(module: nn.Module, inputs: tuple, name: str, defer: bool = False) -> CapturedGraph:
+    """:func:`capture_stamped`, or the whole module's export (its note says why) where the layers are refused.
+
+    ``defer``: the layers are not stamped yet: the result holds the two-layer graph and, as ``deferred``, the
+    :class:`Deferred` that stamps them (for a caller that hands it to ``compile_graph(expand=...)``); None there
+    where the whole module was exported."""
     t0 = time.perf_counter()
     try:
-        return capture_stamped(module, inputs, name)
+        if not defer:
+            return capture_stamped(module, inputs, name)
+        cg, stack, fixed, per, two = _two_layers(module, inputs, name)
+        d = Deferred(cg, stack, fixed, per, tuple(inputs), len(two.inputs1) + len(two.weights1) + len(two.ops1))
+        cg.seconds = time.perf_counter() - t0
+        cg.note = d.note()
+        cg.deferred = d
+        return cg
     except StampRefused as e:
         cg = capture(module, inputs, name=name, stack_traces=False, guards=False)
         cg.seconds = time.perf_counter() - t0
@@ -154,9 +240,12 @@ class _Two:
     out1: list
 
 
-def _stamp(gm: torch.fx.GraphModule, stack: Stack, fixed: int, per: int) -> None:
-    """Copy layer 1 of a 2-layer graph out to ``len(stack.blocks)`` layers, in place (checked first)."""
-    two = _checked(gm, stack, fixed, per)
+def _stamp(gm: torch.fx.GraphModule, stack: Stack, fixed: int, per: int, two: _Two | None = None,
+           made: frozenset[str] | None = None) -> None:
+    """Copy layer 1 of a 2-layer graph out to ``len(stack.blocks)`` layers, in place (checked first, unless
+    ``two`` is the check's result for ``gm`` as it is). ``made``: given for an optimized graph, the constants
+    the passes made (see :func:`_checked` and :class:`Deferred`)."""
+    two = two if two is not None else _checked(gm, stack, fixed, per, made)
     g, layer, counterpart = gm.graph, two.layer, two.counterpart
     inv = {v: k for k, v in counterpart.items()}  # layer-0 node -> layer-1 node
     prev = dict(inv)  # layer-0 node -> its counterpart in the layer copied last (what the next copy reads)
@@ -224,18 +313,28 @@ def _layers(g: torch.fx.Graph, stack: Stack, fixed: int, per: int) -> dict:
     return layer
 
 
-def _checked(gm: torch.fx.GraphModule, stack: Stack, fixed: int, per: int) -> _Two:
+def _checked(gm: torch.fx.GraphModule, stack: Stack, fixed: int, per: int,
+             made: frozenset[str] | None = None) -> _Two:
     """The 2-layer graph read for stamping, once layer 1 is checked to be layer 0 one layer on (else
-    :class:`StampRefused`)."""
+    :class:`StampRefused`). ``made`` (given for an optimized graph, :class:`Deferred`): the constants the passes
+    made, never compared by value."""
     g = gm.graph
     layer = _layers(g, stack, fixed, per)
     calls = [n for n in g.nodes if n.op == "call_function"]
+    hoisted = set()
+    if made is not None:  # optimized: the passes' common-subexpression elimination keeps one copy of what every
+        # layer computes alike from the inputs alone (e.g. the rotary tables' unsqueeze), in layer 0; it belongs
+        # before the layers (the later layers read it, as after the whole graph's passes)
+        for n in calls:
+            if layer[n] == 0 and all(layer.get(a) is None for a in n.all_input_nodes):
+                layer[n] = None
+                hoisted.add(n)
     b0 = [n for n in calls if layer[n] == 0]
     b1 = [n for n in calls if layer[n] == 1]
     if not b0 or len(b0) != len(b1):
         raise StampRefused(f"layer 0 has {len(b0)} operations, layer 1 {len(b1)}")
     first, last = calls.index(b0[0]), calls.index(b1[-1])
-    if calls[first:last + 1] != b0 + b1:
+    if [n for n in calls[first:last + 1] if n not in hoisted] != b0 + b1:
         raise StampRefused("the two layers are not one region of the graph (other operations between them)")
     placeholders = [n for n in g.nodes if n.op == "placeholder"]
     ph1 = [p for p in placeholders if layer[p] == 1]
@@ -249,7 +348,7 @@ def _checked(gm: torch.fx.GraphModule, stack: Stack, fixed: int, per: int) -> _T
             raise StampRefused(f"layer 1 reads '{n.target}', layer 0 has no such weight")
         counterpart[n] = twin
     for a, b in zip(b1, b0, strict=True):
-        if a.target != b.target or not _same_args(a, b, layer, counterpart, gm):
+        if a.target != b.target or not _same_args(a, b, layer, counterpart, gm, made):
             raise StampRefused(f"layer 1's operation {a.name} ({a.target}) differs from layer 0's {b.name}")
     after = calls[last + 1:]
     if any(layer[x] == 0 for n in after for x in n.all_input_nodes):
@@ -325,7 +424,8 @@ def _leaves(x, out: list) -> list:
     return out
 
 
-def _same_args(a: torch.fx.Node, b: torch.fx.Node, layer: dict, counterpart: dict, gm: nn.Module) -> bool:
+def _same_args(a: torch.fx.Node, b: torch.fx.Node, layer: dict, counterpart: dict, gm: nn.Module,
+               made: frozenset[str] | None = None) -> bool:
     """Whether layer-1 node ``a`` computes what layer-0 node ``b`` does, one layer on: its layer-1 inputs are
     ``b``'s layer-0 counterparts, where it reads layer 0 ``b`` reads what comes before the layers, everything else
     (constants, masks, rotary tables) is the same."""
@@ -345,6 +445,7 @@ def _same_args(a: torch.fx.Node, b: torch.fx.Node, layer: dict, counterpart: dic
             if layer.get(y) is not None:
                 return False
         elif x is not y and not (x.op == y.op == "get_attr" and layer.get(y) is None
+                                 and not ({str(x.target), str(y.target)} & (made or frozenset()))
                                  and _equal(_fetch(gm, str(x.target)), _fetch(gm, str(y.target)))):
             return False
     return True
