@@ -54,7 +54,10 @@ def parts(p):
                 "waited for it + cache hit": round(p.compile_s, 3)}
     d = {"capture": p.capture_s, "passes": p.optimize_s}
     warm = note_s(p, "warm-up call ")
-    d["warm-up call"] = warm
+    if warm:
+        d["warm-up call"] = warm
+    else:  # an unquantized program: its weights packed, no warm-up call (runtime.programs)
+        warm = d["pack weights (no warm-up call)"] = note_s(p, "weights packed in ")
     other = note_s(p, "other compile-path work ")
     if other:
         d["cache lookup+store, between stages"] = other
@@ -124,9 +127,10 @@ def render(doc: dict) -> str:
            "and generates the executor's code). Main-thread CPU time is `time.thread_time` over the pair: the "
            "work itself, without the time the process waited for a core. hetforge's bytecode is compiled before "
            "the children run, as an installed package has it. Model loading (building the model and its seeded "
-           "weights) is outside both figures. A warm hit makes no warm-up call, so its first TTFT includes one-time "
-           "kernel work (oneDNN weight packing, first-call kernel setup); the cold figure includes it in its warm-up "
-           "call."]
+           "weights) is outside both figures. A warm hit packs no weights, so its first TTFT includes that one-time "
+           "kernel work (oneDNN weight packing); the cold figure includes it (`pack weights`; a quantized program's "
+           "warm-up call, which also pays FBGEMM's prepacking). The passes run on two layers and the rest is "
+           "stamped after them, inside `place+lower+schedule+plan+build` (`runtime/stamp.py` `Deferred`)."]
     return "\n".join(md) + "\n"
 
 

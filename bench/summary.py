@@ -1264,11 +1264,12 @@ def why_we_lose(peers: J, kf: J) -> str:
   kernels OpenVINO runs too; earlier sessions also named the native attention running slower between GEMMs than
   alone and the residual adds outside the GEMM epilogue. The Intel host of the latest run was not profiled.
   Issue 24's 0.95× and GEMM-bound targets need GEMMs faster than oneDNN's on these shapes.
-- **Cold preparation:** hetforge exports two layers and stamps out the rest (`runtime/stamp.py`), builds the
-  second program of a pair in a forked child, and packs the oneDNN weights while the child runs. What is left
-  on the critical path is the first `torch.export` in the process (which also imports torch's export
-  machinery, about 0.2 s on the AMD host), the measured ATen/oneDNN choice per GEMM shape, the packing itself
-  and one first call of each program ([bench/compile_cache.md](bench/compile_cache.md)). One dynamic capture per module
+- **Cold preparation:** hetforge exports two layers, runs the passes on them and stamps out the rest
+  (`runtime/stamp.py`), builds the second program of a pair in a forked child, and packs the oneDNN weights
+  while the child runs; an unquantized program has no warm-up call. What is left on the critical path is the
+  import of torch's export machinery (~0.3–0.4 s on the Intel host, once per process), the two-layer
+  `torch.export` (~0.5 s for gpt2 there), the measured ATen/oneDNN choice per GEMM shape and the packing itself
+  ([bench/compile_cache.md](bench/compile_cache.md); docs/arch/runtime.md has the parts). One dynamic capture per module
   exists (`HETFORGE_CAPTURE=dynamic`) but a dynamic export costs several static ones here, so it pays only
   after a module has seen several shapes, and a first prefill + decode pair uses two different modules.
 - **KForge offline kernels vs ATen (fp32 CPU):** the offline generator's GEMM is a plain register-blocked

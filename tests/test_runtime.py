@@ -387,3 +387,40 @@ def test_w8_decode_with_quantized_activations_is_the_default_and_close(with_nati
     assert compare_logits(want[0], got[0]).kl_mean < 1e-5  # test_quant's w8 bound (random tiny weights)
     for a, b in zip(got[1:], want[1:], strict=True):
         torch.testing.assert_close(a, b, rtol=0.05, atol=0.05)
+
+
+@pytest.mark.parametrize("quantize", ["none", "w8a8"])
+def test_only_a_program_with_one_time_work_left_after_packing_gets_a_warm_up_call(quantize, monkeypatch):
+    """An unquantized program of generated executables is packed (every oneDNN weight) and returned without a
+    call: nothing else in it runs once, and a call would be one more prefill before the user's. A quantized one
+    keeps its warm-up call (FBGEMM packs a w8a8 product's weights on first use)."""
+    from hetforge.kernels.onednn import LazyPacked
+
+    monkeypatch.setenv("HETFORGE_COMPILE_CACHE", "0")
+    monkeypatch.setenv("HETFORGE_GEMM", "onednn")
+    loaded = engine("llama-tiny").loaded
+    eng = Engine(loaded, executor="auto", quantize=quantize)
+    ran = []
+    real_build = type(eng.programs.executor).build_program
+
+    def spy_build(self, *a, **k):
+        b = real_build(self, *a, **k)
+        run = b.run
+
+        def counted(*args):
+            ran.append(1)
+            return run(*args)
+
+        b.run = counted
+        return b
+
+    monkeypatch.setattr(type(eng.programs.executor), "build_program", spy_build)
+    prog, _ = eng.programs.prefill(16)
+    head = [n for n in prog.notes if "warm-up call" in n]
+    if quantize == "none":
+        assert ran == [] and head and head[0].startswith("weights packed in "), prog.notes
+        lazy = [v for c in prog.placed.exe.compiled for v in c.executable._globals.values()
+                if isinstance(v, LazyPacked)]
+        assert lazy and all(v.packed is not None for v in lazy)  # packed before any call
+    else:
+        assert ran == [1] and head[0].startswith("warm-up call "), prog.notes
