@@ -116,6 +116,7 @@ class Ahead:
     started: float
     done: bool = False
     start_s: float = 0.0  # what starting it took in the parent (checks, freeing, fork): the caller sets it
+    imports_s: float = 0.0  # of that, the capture machinery's imports made before the fork (preload_capture)
 
     def join(self) -> tuple[bool, float, str, float]:
         """Wait for the child: (stored, the child's own seconds, its error line, seconds waited here). A child
@@ -197,7 +198,7 @@ def start(build: Any) -> Ahead | None:
     from hetforge.kernels import onednn
 
     threads = torch.get_num_threads()
-    preload_capture()  # imported once here, not once here and once more in the child
+    imports_s = preload_capture()  # imported once here, not once here and once more in the child
     release_freed_memory()  # free heap pages would be shared copy-on-write with the child: give them back first
     sys.stdout.flush()
     sys.stderr.flush()
@@ -227,4 +228,4 @@ def start(build: Any) -> Ahead | None:
         finally:
             os._exit(code)
     os.close(w)
-    return Ahead(pid, r, time.perf_counter())
+    return Ahead(pid, r, time.perf_counter(), imports_s=imports_s)
