@@ -71,14 +71,19 @@ class MoePlacedExecutor(PlacedExecutor):
                              "takes no pins (use rules, greedy, pgsam or single)")
         self.name = f"{self.name}+moe-groups"
 
-    def place(self, gm: torch.fx.GraphModule, inputs: tuple, label: str, optimize: bool, placement: Any = None):
-        """Passes → MoE expansion + residency pins → the strategy (with the pins) → lower → schedule → plan."""
+    def place(self, gm: torch.fx.GraphModule, inputs: tuple, label: str, optimize: bool, placement: Any = None,
+              expand: Any = None):
+        """Passes → MoE expansion + residency pins → the strategy (with the pins) → lower → schedule → plan.
+        ``expand`` (a two-layer capture, ``runtime.stamp.Deferred``) is stamped out first: the MoE expansion reads
+        the whole optimized graph."""
         from hetforge.compile import compile_graph
         from hetforge.moe.expand import expand_for_soc, moe_nodes
         from hetforge.passes import optimize as run_passes
 
         if placement is not None:
             raise UsageError("a generation plan (--plan) cannot be combined with --moe-calibration")
+        if expand is not None:
+            gm = expand.whole()
         t0 = time.perf_counter()
         opt = None
         if optimize:
