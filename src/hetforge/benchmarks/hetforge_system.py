@@ -5,7 +5,7 @@ shape ([1, seq] and [1, 1]): capture → passes → placement → lower → sche
 the one-token shape is built in a forked child at the same time where it can (``hetforge.runtime.shapes``).
 hetforge compiles static shapes, so both programs count in its cold preparation (as torch.compile's two
 compilations count in its own), as the wall time this process waited for both, including their one-time kernel
-work (oneDNN weight packing; a quantized program's first call), as a peer's session creation or compile includes
+work (oneDNN weight packing, and one first call of each program), as a peer's session creation or compile includes
 its own.
 
 Decode: ``hetforge.runtime.Engine`` (static prefill/decode programs, preallocated KV cache, greedy CPU
@@ -32,7 +32,7 @@ def _compiled_forward(ctx: PrepContext, stages: dict[str, float], notes: list[st
     """Compile one static program per shape with ``hetforge.compile`` (the one-token shape in a forked child while
     this process builds the prefill shape, where it can: :func:`hetforge.runtime.shapes.compile_shapes`); return
     (prefill fn, step fn). ``stages`` get this process's stage seconds, its wait for the child and the one-time
-    kernel work (oneDNN weight packing; a quantized program's first calls), so they sum to the wall time until both
+    kernel work (oneDNN weight packing, one first call of each program), so they sum to the wall time until both
     run at speed."""
     from hetforge.runtime.shapes import compile_shapes
 
@@ -42,22 +42,19 @@ def _compiled_forward(ctx: PrepContext, stages: dict[str, float], notes: list[st
         stages[k] = stages.get(k, 0.0) + float(v)
     stages["other"] = stages.get("other", 0.0) + max(0.0, got.wall_s - sum(got.own_stages.values()))
     prefill, step = got.programs
-    # one-time kernel work is part of being ready to run at speed, as the peers' session/compile is. compile_shapes
-    # packed the oneDNN weights ("pack weights"); a quantized program has more (FBGEMM's prepacking of a w8a8
-    # product runs in its first call), so its first call of each program is counted. An unquantized program's
-    # first call is not: nothing in it runs once; it is timed and noted, to show it runs at the speed of the later
-    # ones (the prefill figure)
+    # one first call of each program, counted: what it does once (first touch of its memory; a quantized
+    # product's FBGEMM prepacking) is part of being ready to run at speed, as the peers' session/compile is.
+    # compile_shapes packed the oneDNN weights before ("pack weights"). Counted even where it looks like nothing is
+    # left: in session 21's peers run gpt2's fp32 prefill first call took 652 ms after packing against 244 ms hot
     t0 = time.perf_counter()
     with torch.no_grad():
         prefill.executable(*ctx.prefill_inputs)
         t1 = time.perf_counter()
         step.executable(*ctx.step_inputs)
     t2 = time.perf_counter()
-    if quantize != "none":
-        stages["first calls"] = t2 - t0
-    else:
-        notes.append(f"first calls after preparation (not counted in it): prefill {(t1 - t0) * 1e3:.1f} ms, "
-                     f"one token {(t2 - t1) * 1e3:.1f} ms (measured)")
+    stages["first calls"] = t2 - t0
+    notes.append(f"first calls (counted): prefill {(t1 - t0) * 1e3:.1f} ms, one token {(t2 - t1) * 1e3:.1f} ms "
+                 "(measured)")
     for tag, p in (("prefill", prefill), ("one-token", step)):
         if p.passes_note:
             notes.append(f"passes: {p.passes_note}")
