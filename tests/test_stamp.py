@@ -5,7 +5,7 @@ the same outputs bit for bit; non-uniform layers must be refused."""
 import pytest
 import torch
 
-from hetforge.frontend import capture
+from hetforge.frontend import capture, param_paths
 from hetforge.models.zoo import ZOO, LoadedModel, LogitsModule, _build
 from hetforge.placement.layers import layer_index
 from hetforge.runtime import Engine, SamplingParams
@@ -101,6 +101,9 @@ def test_passes_on_two_layers_then_stamped_give_the_graph_of_the_passes_on_all_l
         else:
             assert "stamped from layer 1 after the passes" in d.note()
         assert _summary(gm) == _summary(ref.gm), cls.__name__
+        # the weights' paths follow the stamped graph: every layer's, not two
+        assert cg.param_paths == (param_paths(ref.gm, cls(loaded.model)) if d.stamped else
+                                  capture_stamped(cls(loaded.model), inputs, "t").param_paths)
         assert (opt.nodes_before, opt.nodes_after, opt.fused) == (ref.nodes_before, ref.nodes_after, ref.fused)
         with torch.no_grad():
             got, want = gm(*inputs), ref.gm(*inputs)

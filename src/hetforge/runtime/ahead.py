@@ -5,7 +5,8 @@ their cost is Python on one core (``torch.export`` capture, the passes, lowering
 cores the decode program is built at the same time in a ``fork()``-ed child: the child captures, optimizes,
 places and lowers it exactly as this process would, stores the result in the on-disk compile cache
 (:mod:`hetforge.runtime.compile_cache`) and exits. This process waits for the child before the prefill program's
-warm-up call (see below), then takes the decode program's entry as an ordinary cache hit (checked like any other:
+first call (a quantized program's warm-up call, else the request's own prefill, which comes after the decode
+program is taken; see below), then takes the decode program's entry as an ordinary cache hit (checked like any other:
 a missing, cut-off or stale one is rebuilt here). The wait is counted in the decode program's compile time, so
 ``compile_s`` still sums to what the user waited. The child keys its entry, its kernel context and its kernel
 choices for the parent's thread count (:func:`hetforge.kernels.onednn.pin_threads`) and measures no choice: one it
@@ -20,7 +21,7 @@ every page is
 copy-on-write, also the free pages glibc's heap keeps: an allocation reusing one pays a write fault
 (docs/arch/runtime.md has the measurement), so the heap's free pages are handed back to the kernel before the fork
 and after the child is gone (:func:`hetforge.executor.allocator.release_freed_memory`), and the parent waits for the
-child before its own warm-up call (``ProgramCache._make``), which writes the most pages.
+child before the prefill program's first call (``ProgramCache._make``, ``Engine``), which writes the most pages.
 
 Not done (this process builds the program itself, as before) where: ``fork`` is missing (not Linux), the process
 may use fewer than two cores, the compile cache is off or its folder is not writable, the executor's programs are

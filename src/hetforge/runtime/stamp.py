@@ -148,6 +148,7 @@ class Deferred:
     graph, node for node, with the same outputs bit for bit."""
 
     cg: CapturedGraph  # the two-layer capture (never modified before whole())
+    module: nn.Module  # what was captured (the weights' paths are read from it once the layers are stamped)
     stack: Stack
     fixed: int
     per: int
@@ -179,6 +180,7 @@ class Deferred:
         try:
             _stamp(gm, self.stack, self.fixed, self.per, made=made)
             self.stamped = True
+            self.cg.param_paths = param_paths(gm, self.module)
         except StampRefused as e:
             self.refused = str(e)
         self.seconds += time.perf_counter() - t0
@@ -188,6 +190,7 @@ class Deferred:
         """The capture with its layers stamped out before any pass (in place: call it once)."""
         t0 = time.perf_counter()
         _stamp(self.cg.gm, self.stack, self.fixed, self.per)
+        self.cg.param_paths = param_paths(self.cg.gm, self.module)
         self.seconds += time.perf_counter() - t0
         return self.cg.gm
 
@@ -212,7 +215,8 @@ def capture_layers(module: nn.Module, inputs: tuple, name: str, defer: bool = Fa
         if not defer:
             return capture_stamped(module, inputs, name)
         cg, stack, fixed, per, two = _two_layers(module, inputs, name)
-        d = Deferred(cg, stack, fixed, per, tuple(inputs), len(two.inputs1) + len(two.weights1) + len(two.ops1))
+        d = Deferred(cg, module, stack, fixed, per, tuple(inputs),
+                     len(two.inputs1) + len(two.weights1) + len(two.ops1))
         cg.seconds = time.perf_counter() - t0
         cg.note = d.note()
         cg.deferred = d
