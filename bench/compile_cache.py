@@ -92,6 +92,21 @@ def _command(argv: list[str]) -> list[str]:
     return out
 
 
+def _packing_note(doc: dict) -> str:
+    """What the cold figure holds of the one-time kernel work, by the parts the run recorded: a run of the code
+    before session 21 made a warm-up call per program; later code packs the weights and makes none (unquantized)."""
+    parts = [r.get("cold_parts", [{}])[0].get("prefill", {}) for r in doc["rows"]]
+    if any("pack weights (no warm-up call)" in p for p in parts):
+        return ("A warm hit packs no weights, so its first TTFT includes that one-time kernel work (oneDNN weight "
+                "packing); the cold figure includes the packing (`pack weights`; a quantized program's warm-up call, "
+                "which also pays FBGEMM's prepacking), and an unquantized program makes no warm-up call, so the "
+                "first request's TTFT after cold includes its first touch of memory. The passes run on two layers "
+                "and the rest is stamped after them, inside `place+lower+schedule+plan+build` "
+                "(`runtime/stamp.py` `Deferred`).")
+    return ("A warm hit makes no warm-up call, so its first TTFT includes one-time kernel work (oneDNN weight "
+            "packing, first-call kernel setup); the cold figure includes it in its warm-up call.")
+
+
 def render(doc: dict) -> str:
     """The page, from the JSON alone."""
     h = doc["host"]
@@ -127,10 +142,7 @@ def render(doc: dict) -> str:
            "and generates the executor's code). Main-thread CPU time is `time.thread_time` over the pair: the "
            "work itself, without the time the process waited for a core. hetforge's bytecode is compiled before "
            "the children run, as an installed package has it. Model loading (building the model and its seeded "
-           "weights) is outside both figures. A warm hit packs no weights, so its first TTFT includes that one-time "
-           "kernel work (oneDNN weight packing); the cold figure includes it (`pack weights`; a quantized program's "
-           "warm-up call, which also pays FBGEMM's prepacking). The passes run on two layers and the rest is "
-           "stamped after them, inside `place+lower+schedule+plan+build` (`runtime/stamp.py` `Deferred`)."]
+           "weights) is outside both figures. " + _packing_note(doc)]
     return "\n".join(md) + "\n"
 
 
