@@ -7,16 +7,18 @@ import json
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from hetforge.benchmarks import harness, systems
 from hetforge.benchmarks.harness import Row, Stat, SuiteConfig, compare, run_suite
 from hetforge.benchmarks.report import NOTES_BEGIN, NOTES_END, load_json, render_markdown, target_lines, write_report
 from hetforge.benchmarks.systems import SYSTEMS, Prepared, System
-from hetforge.benchmarks.worker import WorkerSpec, first_line, run_worker
+from hetforge.benchmarks.worker import FIRST_CALLS, WorkerSpec, first_calls, first_line, run_worker
 from hetforge.cli.common import app
 from hetforge.cli.main import _load_commands
 
@@ -260,7 +262,7 @@ def test_optional_peers_match_eager(key, tmp_path):
     res = run_worker(spec)
     assert res.status == "ok", res.error
     assert res.fidelity["kl_max"] <= 1e-8 and res.fidelity["top1_agree"] == 1.0
-    assert res.prep_s > 0 and len(res.stages) == 2 and len(res.prefill_ms) >= 3
+    assert res.prep_s > 0 and len(res.stages) == 3 and FIRST_CALLS in res.stages and len(res.prefill_ms) >= 3
 
 
 def test_systems_registry_is_complete():
@@ -313,3 +315,24 @@ def test_full_runs_time_decode_over_decode_tokens_and_the_page_says_how(tmp_path
 
     text = _decode_rule(dataclasses.asdict(cfg))
     assert "over 40 new tokens after the [1, 16] prompt" in text and "better of two timed requests" in text
+
+
+def test_first_calls_count_only_what_the_first_call_takes_above_the_next_two():
+    """A forward that does 0.3 s of one-time work on its first call (and 0.02 s every call) gets about 0.3 s
+    counted; one without one-time work about nothing; the first call's output is what is returned."""
+    def make(once_s: float):
+        calls = []
+
+        def fwd(ids, mask):
+            time.sleep(0.02 + (once_s if not calls else 0.0))
+            calls.append(1)
+            return torch.full((1, ids.shape[1], 3), float(len(calls)))
+        return fwd
+
+    ids = torch.zeros(1, 4, dtype=torch.long)
+    lazy = first_calls(Prepared(forward=make(0.3)), (ids, ids), (ids[:, :1], ids[:, :1]))
+    assert 0.28 <= lazy.excess_s <= 0.3 + 0.15  # the prefill's 0.3 s; the one-token forward has its own state
+    assert lazy.outputs[0][0, 0, 0].item() == 1.0 and lazy.outputs[0].shape[1] == 4
+    steady = first_calls(Prepared(forward=make(0.0)), (ids, ids), (ids[:, :1], ids[:, :1]))
+    assert steady.excess_s < 0.1
+    assert "counted in prep" in steady.note

@@ -33,7 +33,7 @@ from hetforge.benchmarks.systems import (
     SYSTEMS,
     missing_requirement,
 )
-from hetforge.benchmarks.worker import RunResult, WorkerSpec, first_line, run_worker
+from hetforge.benchmarks.worker import FIRST_CALLS, RunResult, WorkerSpec, first_line, run_worker
 from hetforge.errors import UsageError
 from hetforge.files import json_safe, write_text
 from hetforge.hardware.isa import isa_flags
@@ -66,6 +66,9 @@ class SuiteConfig:
     warm_repeats: int = 1  # warm (cached) preparation is measured in this many repeats
     max_repeats: dict[str, int] = field(default_factory=dict)  # per-model cap (e.g. mixtral-small: 1)
     workdir: str | None = None
+    # how first calls are counted (recorded so a page says which rule its figures follow): "above-hot" = every
+    # system's first call of each shape, minus the best of its next two, where positive (benchmarks.worker)
+    first_calls: str = "above-hot"
 
     def validate(self) -> None:
         unknown = [s for s in self.systems if s not in SYSTEMS]
@@ -384,6 +387,11 @@ def _med(st: Stat | None) -> float | None:
     return st.median if st is not None else None
 
 
+def _prepares(row: Row) -> bool:
+    """Whether a system has a preparation stage besides its first calls."""
+    return any(k != FIRST_CALLS and v is not None and v.median > 0 for k, v in row.stages.items())
+
+
 def compare(rows: list[Row]) -> list[dict]:
     """Per model: hetforge ÷ each peer (median ÷ median) and the issue's targets, met or not."""
     out: list[dict] = []
@@ -398,6 +406,8 @@ def compare(rows: list[Row]) -> list[dict]:
             ratio = {}
             for metric in ("prep_s", "prefill_ms", "step_ms", "decode_ms_per_token", "rss_peak_mb"):
                 a, b = _med(getattr(mine, metric)), _med(getattr(p, metric))
+                if metric == "prep_s" and not _prepares(p):
+                    b = None  # e.g. eager: its first calls alone are no preparation to compare with
                 ratio[metric] = a / b if a is not None and b not in (None, 0) else None
             entry["ratios"][p.system] = ratio
         prep_peers = [p for p in peers if p.system in PEER_KEYS_FOR_PREP_TARGET and p.prep_s]

@@ -170,6 +170,11 @@ def render_markdown(res: SuiteResult, png_name: str | None, notes: str | None = 
         "against HF eager's (same seeded weights), worst over repeats.",
         "- models have seeded random weights (no downloads here): fine for speed, memory and fidelity.",
     ]
+    if cfg.get("first_calls") == "above-hot":
+        lines.append("- cold and warm prep include, for every system alike, what its first call of each shape "
+                     "(prefill, one token) took above the best of its next two calls, where positive (stage "
+                     "'first calls above hot', measured); hetforge's runtime pair counts its compiling request's "
+                     "prefill and first decode step above the next request's the same way")
     if res.skipped:
         lines += [f"- skipped: {s}" for s in res.skipped]
     if png_name:
