@@ -233,3 +233,27 @@ def test_a_stamped_decode_graph_lowers_to_the_same_views_and_kernels_as_the_whol
     if name == "gpt2-tiny":
         assert kinds["stamped"][("aten.split.Tensor", "view", "static-view")] + \
             kinds["stamped"][("aten.split.Tensor", "view", "view")] == model_dims(loaded.model)[0]
+
+
+@pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny"])
+def test_compile_model_on_the_stamped_capture_gives_the_whole_exports_program_and_outputs(name):
+    """``compile_model(capture_with=capture_layers)`` (what ``hetforge compile`` uses): the same instructions on the
+    same devices as from the whole module's export, the same logits bit for bit, and the capture's note says the
+    layers were stamped after the passes."""
+    import functools
+
+    from hetforge.compile import compile_model
+    from hetforge.runtime.stamp import capture_layers
+
+    loaded = _deep(name)
+    module = loaded.logits_module().eval()
+    g = torch.Generator().manual_seed(1)
+    inputs = (torch.randint(0, loaded.config.vocab_size, (1, 10), generator=g), torch.ones((1, 10), dtype=torch.long))
+    whole = compile_model(module, example_inputs=inputs, name=name)
+    stamped = compile_model(module, example_inputs=inputs, name=name,
+                            capture_with=functools.partial(capture_layers, defer=True))
+    assert "stamped from layer 1 after the passes" in stamped.extra["capture_note"]
+    assert stamped.seconds["stamp"] > 0 and "load" in stamped.seconds
+    assert [(i.op, i.device) for i in stamped.program.instrs] == [(i.op, i.device) for i in whole.program.instrs]
+    with torch.no_grad():
+        assert torch.equal(stamped.executable(*inputs), whole.executable(*inputs))

@@ -12,7 +12,7 @@ a :class:`CompileResult` holding every stage's result, its report and its wall t
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -225,9 +225,15 @@ def compile_model(
     strategy: str = "support",
     example_inputs: Sequence[torch.Tensor] | None = None,
     attn: str = "sdpa",
+    capture_with: Callable[[torch.nn.Module, tuple, str], Any] | None = None,
     **kwargs: Any,
 ) -> CompileResult:
-    """Capture and compile a zoo model by name (or an nn.Module with ``example_inputs``)."""
+    """Capture and compile a zoo model by name (or an nn.Module with ``example_inputs``).
+
+    ``capture_with(module, inputs, name)``: the capture to use instead of exporting the whole module (the CLI
+    passes ``hetforge.runtime.stamp.capture_layers``: two layers exported, the rest stamped out after the passes);
+    a capture holding ``deferred`` layers is compiled with them (``compile_graph``'s ``expand``). Seconds: ``load``
+    (building a zoo model) apart from ``capture``; ``total`` is capture and compilation."""
     from hetforge.frontend import capture
 
     t0 = time.perf_counter()
@@ -244,11 +250,15 @@ def compile_model(
         if example_inputs is None:
             raise UsageError("compiling an nn.Module needs example_inputs")
         module, inputs, name = model, tuple(example_inputs), kwargs.pop("name", type(model).__name__)
-    cg = capture(module, inputs, name=name)
-    cap = time.perf_counter() - t0
-    res = compile_graph(cg.gm, soc=soc, strategy=strategy, example_inputs=inputs, name=name, **kwargs)
+    t1 = time.perf_counter()
+    cg = capture_with(module, inputs, name) if capture_with is not None else capture(module, inputs, name=name)
+    cap = time.perf_counter() - t1
+    res = compile_graph(cg.gm, soc=soc, strategy=strategy, example_inputs=inputs, name=name,
+                        expand=getattr(cg, "deferred", None), **kwargs)
     res.captured = cg
-    res.seconds = {"capture": cap, **res.seconds, "total": res.seconds["total"] + cap}
+    res.seconds = {"load": t1 - t0, "capture": cap, **res.seconds, "total": res.seconds["total"] + cap}
     res.extra["module"] = module
     res.extra["loaded"] = loaded
+    if getattr(cg, "note", ""):
+        res.extra["capture_note"] = cg.deferred.note() if getattr(cg, "deferred", None) is not None else cg.note
     return res

@@ -40,7 +40,20 @@ def _compile(model: str, seq: int, soc: str, strategy: str, attn: str, passes: b
     options = {} if strategy == "support" else {"objective": objective, "strict": strict}
     return compile_model(model, seq=seq, soc=soc_p, strategy=strategy, attn=attn, passes=passes, mode=mode,
                          build=build, strategy_options=options, quantize=quantize, group_size=group_size,
-                         quant_skip=skip)
+                         quant_skip=skip, capture_with=_capture_with())
+
+
+def _capture_with():
+    """The capture a zoo model or HF folder is compiled from: two layers exported and the rest stamped out after
+    the passes (``HETFORGE_CAPTURE=stamped``, the default, as the runtime's programs), where the layers allow it
+    (else the whole module, and the capture's note says why); None (the whole module) for
+    ``HETFORGE_CAPTURE=whole``."""
+    import functools
+
+    from hetforge.runtime.programs import capture_policy
+    from hetforge.runtime.stamp import capture_layers
+
+    return functools.partial(capture_layers, defer=True) if capture_policy() == "stamped" else None
 
 
 @app.command("compile")
@@ -98,9 +111,10 @@ def compile_cmd(
     if q is not None:
         rep["quantize"] = {"scheme": quantize, "group_size": group_size, **_quant_totals(q)}
     s = rep["seconds"]
-    rep["seconds"] = {"capture": s.get("capture", 0.0), "passes": s.get("passes", 0.0), "place": s.get("place", 0.0),
-                      "lower": s["lower"], "schedule": s["schedule"], "memory": s["memory"], "kernels": s["kernels"],
-                      "total": s["total"]}
+    rep["seconds"] = {"load": s.get("load", 0.0), "capture": s.get("capture", 0.0), "passes": s.get("passes", 0.0),
+                      "stamp": s.get("stamp", 0.0), "place": s.get("place", 0.0), "lower": s["lower"],
+                      "schedule": s["schedule"], "memory": s["memory"], "kernels": s["kernels"], "total": s["total"]}
+    rep["capture"] = res.extra.get("capture_note") or "capture: the whole module exported"
     if out is not None:
         rep["out"] = str(out)
     if json_out:
@@ -133,6 +147,7 @@ def _print(rep: dict) -> None:
                   + (f", {ms * 1e3:.3f} ms modeled)" if ms is not None else ")"))
     sw = rep["switches"]
     console.print(f"  switches  : {sw['naive']} in graph order → {sw['scheduled']} scheduled")
+    console.print(f"  capture   : {rep['capture'].removeprefix('capture: ')}")
     console.print(f"  memory    : naive {_mb(mem['naive_bytes'])} → planned {_mb(mem['planned_bytes'])} "
                   f"(lower bound {_mb(mem['lower_bound_bytes'])}; exact figures from the plan)")
     console.print("  seconds   : " + ", ".join(f"{k} {v:.3f}" for k, v in rep["seconds"].items()) + " (measured)")
