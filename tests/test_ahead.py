@@ -124,8 +124,17 @@ def test_w8_programs_from_two_cache_entries_share_one_int8_copy(cache, loaded, t
     assert r2.tokens == r.tokens
 
 
-@pytest.mark.parametrize("case", ["env-off", "cache-off", "one-core", "uncreatable-folder", "w4", "w8-on-aten"])
+@pytest.mark.parametrize("case", ["env-off", "cache-off", "one-core", "uncreatable-folder", "w4", "w8-on-aten",
+                                  "openvino-started"])
 def test_refused_where_it_cannot_work(cache, loaded, monkeypatch, tmp_path, case):
+    if case == "openvino-started":  # a real Core made here (a fresh cache of it, restored after the test)
+        pytest.importorskip("openvino", reason="OpenVINO not installed (pip install -e .[peers])")
+        from functools import lru_cache
+
+        from hetforge.backends import openvino as hov
+
+        monkeypatch.setattr(hov, "_core", lru_cache(maxsize=1)(hov._core.__wrapped__))
+        hov._core()
     if case == "env-off":
         monkeypatch.setenv(ahead.ENV, "0")
     elif case == "cache-off":
@@ -142,7 +151,8 @@ def test_refused_where_it_cannot_work(cache, loaded, monkeypatch, tmp_path, case
     assert why and not eng.programs.ahead
     expected = {"env-off": ahead.ENV, "cache-off": "compile cache", "one-core": "two cores",
                 "uncreatable-folder": "cannot be made", "w4": "--quantize w4: ATen quantizes",
-                "w8-on-aten": "--quantize w8: its weights are quantized on ATen's path"}[case]
+                "w8-on-aten": "--quantize w8: its weights are quantized on ATen's path",
+                "openvino-started": "OpenVINO's runtime was started in this process"}[case]
     assert expected in why
 
 

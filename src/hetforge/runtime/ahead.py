@@ -54,7 +54,18 @@ def process_refusal() -> str | None:
         return "no fork() on this platform"
     if _cores() < 2:
         return "fewer than two cores"
+    if _openvino_started():
+        return "OpenVINO's runtime was started in this process and its worker threads do not survive fork()"
     return None
+
+
+def _openvino_started() -> bool:
+    """Whether this process made its OpenVINO ``Core`` (``hetforge.backends.openvino``): a child compiling an
+    OpenVINO partition on the inherited ``Core`` waits forever for its task executor's threads, which fork() does
+    not copy (seen: a placed program's child blocked in ``compile_model`` until :data:`TIMEOUT_S`)."""
+    mod = sys.modules.get("hetforge.backends.openvino")
+    core = getattr(mod, "_core", None)
+    return core is not None and core.cache_info().currsize > 0
 
 
 def quantize_refusal(quantize: str | None) -> str | None:
