@@ -331,7 +331,7 @@ def test_first_calls_count_only_what_the_first_call_takes_above_the_next_two():
 
     ids = torch.zeros(1, 4, dtype=torch.long)
     lazy = first_calls(Prepared(forward=make(0.3)), (ids, ids), (ids[:, :1], ids[:, :1]))
-    assert 0.28 <= lazy.excess_s <= 0.3 + 0.15  # the prefill's 0.3 s; the one-token forward has its own state
+    assert 0.28 <= lazy.excess_s <= 0.3 + 0.15  # the prefill's 0.3 s; the one-token calls come after it: none
     assert lazy.outputs[0][0, 0, 0].item() == 1.0 and lazy.outputs[0].shape[1] == 4
     steady = first_calls(Prepared(forward=make(0.0)), (ids, ids), (ids[:, :1], ids[:, :1]))
     assert steady.excess_s < 0.1

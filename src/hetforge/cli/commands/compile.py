@@ -47,7 +47,7 @@ def _capture_with():
     """The capture a zoo model or HF folder is compiled from: two layers exported and the rest stamped out after
     the passes (``HETFORGE_CAPTURE=stamped``, the default, as the runtime's programs), where the layers allow it
     (else the whole module, and the capture's note says why); None (the whole module) for
-    ``HETFORGE_CAPTURE=whole``."""
+    ``HETFORGE_CAPTURE=static`` (or ``dynamic``: the CLI compiles one static shape either way)."""
     import functools
 
     from hetforge.runtime.programs import capture_policy
