@@ -54,7 +54,14 @@ def process_refusal() -> str | None:
         return "no fork() on this platform"
     if _cores() < 2:
         return "fewer than two cores"
-    if _openvino_started():
+    return None
+
+
+def _openvino_refusal(executor: Any) -> str | None:
+    """Why a child may not build ``executor``'s programs here: they bind a device to OpenVINO and this process has
+    made its ``Core`` (see :func:`_openvino_started`); None otherwise."""
+    bindings = getattr(executor, "bindings", None) or {}
+    if _openvino_started() and any("openvino" in str(getattr(b, "spec", "")) for b in bindings.values()):
         return "OpenVINO's runtime was started in this process and its worker threads do not survive fork()"
     return None
 
@@ -102,7 +109,7 @@ def refusal(programs: Any) -> str | None:
         return why
     if programs.fixed is not None:
         return "a generation plan's programs are rebuilt from the plan"
-    why = quantize_refusal(getattr(programs.executor, "quantize", None))
+    why = quantize_refusal(getattr(programs.executor, "quantize", None)) or _openvino_refusal(programs.executor)
     if why:
         return why
     if not compile_cache.holds(programs):
