@@ -220,7 +220,11 @@ def test_compile_generate_builds_its_first_decode_program_in_a_forked_child_with
     for parallel in ("0", "1"):
         monkeypatch.setenv("HETFORGE_PARALLEL_COMPILE", parallel)
         monkeypatch.setenv("HETFORGE_COMPILE_CACHE_DIR", str(tmp_path / f"cache-{parallel}"))  # both cold
-        engine = make_engine("llama-tiny", "jetson-agx-orin", "backend", strategy="rules")
+        # the NPU on the torch stand-in, not OpenVINO's: a process that has made its OpenVINO Core (earlier tests)
+        # builds an OpenVINO-bound executor's programs in turn (ahead._openvino_refusal), and this test is about
+        # the child
+        engine = make_engine("llama-tiny", "jetson-agx-orin", "backend", strategy="rules",
+                             backend=["npu=emulated:torch-cpu"])
         docs[parallel] = save_genplan(engine, [32], [32], tmp_path / f"p{parallel}.hfp")
         child_s[parallel] = engine.programs.programs[("decode", 32)].child_s  # set when a child's entry was used
         assert not engine.programs.ahead  # no child left behind
