@@ -253,12 +253,12 @@ def compile_model(
     t1 = time.perf_counter()
     cg = capture_with(module, inputs, name) if capture_with is not None else capture(module, inputs, name=name)
     cap = time.perf_counter() - t1
-    res = compile_graph(cg.gm, soc=soc, strategy=strategy, example_inputs=inputs, name=name,
-                        expand=getattr(cg, "deferred", None), **kwargs)
+    res = compile_graph(cg.gm, soc=soc, strategy=strategy, example_inputs=inputs, name=name, expand=cg.deferred,
+                        **kwargs)
     res.captured = cg
     res.seconds = {"load": t1 - t0, "capture": cap, **res.seconds, "total": res.seconds["total"] + cap}
     res.extra["module"] = module
     res.extra["loaded"] = loaded
-    if getattr(cg, "note", ""):
-        res.extra["capture_note"] = cg.deferred.note() if getattr(cg, "deferred", None) is not None else cg.note
+    if cg.note:
+        res.extra["capture_note"] = cg.deferred.note() if cg.deferred is not None else cg.note
     return res

@@ -44,6 +44,11 @@ def _core():
     return ov.Core()
 
 
+def core_started() -> bool:
+    """Whether this process has made its OpenVINO ``Core`` (and with it, once used, its task executor's threads)."""
+    return _core.cache_info().currsize > 0
+
+
 def openvino_version() -> str | None:
     try:
         import openvino as ov

@@ -70,9 +70,8 @@ def _openvino_started() -> bool:
     """Whether this process made its OpenVINO ``Core`` (``hetforge.backends.openvino``): a child compiling an
     OpenVINO partition on the inherited ``Core`` waits forever for its task executor's threads, which fork() does
     not copy (seen: a placed program's child blocked in ``compile_model`` until :data:`TIMEOUT_S`)."""
-    mod = sys.modules.get("hetforge.backends.openvino")
-    core = getattr(mod, "_core", None)
-    return core is not None and core.cache_info().currsize > 0
+    mod = sys.modules.get("hetforge.backends.openvino")  # not imported here: nothing made a Core then
+    return mod is not None and mod.core_started()
 
 
 def quantize_refusal(quantize: str | None) -> str | None:
