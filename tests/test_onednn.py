@@ -39,7 +39,7 @@ def test_packed_weight_is_made_once_per_weight_and_packing(monkeypatch, alike):
     w = torch.randn(32, 16)
     a, b, c = onednn.packed_weight(w, False, 8), onednn.packed_weight(w, False, 8), onednn.packed_weight(w, False, 16)
     assert a is b and a.is_mkldnn
-    assert (a is c) == (alike and onednn._hint_free[(w.dtype, (32, 16), False)])
+    assert (a is c) == (alike and onednn._hint_free[(w.dtype, (32, 16), False, "onednn")])
     assert onednn.packed_weight(w, False, 1) is not a
     x = torch.randn(16, 16)
     torch.testing.assert_close(onednn.linear_fn(c, None)(x), x @ w.t(), rtol=1e-5, atol=1e-5)
@@ -53,13 +53,13 @@ def test_the_first_row_count_is_packed_once_and_the_alike_check_waits_for_a_seco
     monkeypatch.setattr(onednn, "_hint_free", {})
     calls = []
     real = onednn._reorder
-    monkeypatch.setattr(onednn, "_reorder", lambda w, t, r: calls.append(r) or real(w, t, r))
+    monkeypatch.setattr(onednn, "_reorder", lambda w, t, r, k="onednn": calls.append(r) or real(w, t, r, k))
     w = torch.randn(48, 32)
     first = onednn.packed_weight(w, False, 128)
     assert calls == [128] and onednn._hint_free == {}
     second = onednn.packed_weight(w, False, 64)
     alike = onednn._same_bytes(real(w, False, 2), real(w, False, onednn.PACK_ROWS))
-    assert onednn._hint_free == {(w.dtype, (48, 32), False): alike}
+    assert onednn._hint_free == {(w.dtype, (48, 32), False, "onednn"): alike}
     assert calls[:3] == [128, 2, onednn.PACK_ROWS] and (second is first) == alike
     assert len(calls) == (3 if alike else 4)
     x = torch.randn(64, 32)
@@ -208,7 +208,10 @@ def test_auto_policy_measures_both_kernels_once_per_shape(monkeypatch):
     first = onednn.choose(rows, k, n, torch.float32)
     got = [c for c in onednn.measured_choices() if (c["rows"], c["k"], c["n"]) == (rows, k, n)]
     assert len(got) == 1 and got[0]["aten_s"] > 0 and got[0]["onednn_s"] > 0
-    assert got[0]["onednn"] == first == (got[0]["ratio"] > 1.0)  # the median per-round ratio decided
+    assert got[0]["onednn"] == (got[0]["ratio"] > 1.0)  # the median per-round ratio decided
+    assert first == (got[0]["kernel"] != "aten")  # a packed kernel (oneDNN, or MKL's on its side) runs it
+    assert got[0]["aten_side"] == ("mkl-packed" if onednn.mkl_available() else "aten")
+    assert got[0]["kernel"] in (("onednn", "mkl") if onednn.mkl_available() else ("onednn", "aten"))
     assert onednn.choose(rows, k, n, torch.float32) == first
     assert len([c for c in onednn.measured_choices() if (c["rows"], c["k"], c["n"]) == (rows, k, n)]) == 1
     assert not onednn.choose(1, k, n, torch.float32)  # one row: the native GEMV's job
@@ -224,7 +227,7 @@ def test_the_choice_is_measured_per_activation_and_old_rows_without_one_are_not_
     onednn.choose(rows, k, n, torch.float32, act="gelu")
     got = {c["act"]: c for c in onednn.measured_choices() if (c["rows"], c["k"], c["n"]) == (rows, k, n)}
     assert set(got) == {"none", "gelu"} and all(c["aten_s"] > 0 and c["onednn_s"] > 0 for c in got.values())
-    assert onednn.decided(rows, k, n, torch.float32, "gelu") == got["gelu"]["onednn"]
+    assert onednn.decided(rows, k, n, torch.float32, "gelu") == (got["gelu"]["kernel"] != "aten")
     old = {"rows": 7, "k": 40, "n": 72, "dtype": "float32", "threads": torch.get_num_threads(), "aten_s": 1.0,
            "onednn_s": 2.0, "ratio": 0.5, "onednn": False}
     onednn.seed_choices([old, {**old, "rows": 9, "act": "silu"}])
@@ -232,15 +235,67 @@ def test_the_choice_is_measured_per_activation_and_old_rows_without_one_are_not_
     assert onednn.decided(9, 40, 72, torch.float32, "silu") is False
 
 
-def test_calibration_times_the_onednn_gemm_too():
+def test_calibration_times_every_packed_gemm_too():
+    """The fp32 compute bound is the fastest of ATen's ``mm``, oneDNN's packed product and (where this torch has
+    it) MKL's packed sgemm: each is timed, and each computes the product."""
     from hetforge.hardware import calibrate
 
     fns = calibrate._gemm_fns("fp32", 64)
-    assert len(fns) == 2
+    assert len(fns) == 2 + onednn.mkl_available()
+    for fn in fns[1:]:
+        torch.testing.assert_close(fn(), fns[0](), rtol=1e-4, atol=1e-4)
     a = torch.randn(64, 64, generator=torch.Generator().manual_seed(0))
     b = torch.randn(64, 64, generator=torch.Generator().manual_seed(0))
-    torch.testing.assert_close(fns[1](), fns[0](), rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(onednn.gemm_fn(a, b)(), a @ b, rtol=1e-4, atol=1e-4)
+    if onednn.mkl_available():
+        torch.testing.assert_close(onednn.mkl_gemm_fn(a, b)(), a @ b, rtol=1e-4, atol=1e-4)
+
+
+needs_mkl = pytest.mark.skipif(not onednn.mkl_available(),
+                               reason="this torch has no MKL packed sgemm op (non-x86 wheel): oneDNN or ATen runs")
+
+
+@needs_mkl
+@pytest.mark.parametrize("weight_t", [False, True])
+def test_mkl_packed_products_match_aten_and_one_packing_serves_every_row_count_where_alike(weight_t):
+    """One MKL packing serves every row count exactly where :func:`onednn._alike` finds the products on a 2-row and
+    a PACK_ROWS-row packing bit for bit equal; each product matches ATen's ``linear`` on the ``[N, K]`` weight,
+    and a ``[K, N]`` weight (Conv1D) is packed as its transpose."""
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(96, 80, generator=g) if not weight_t else torch.randn(80, 96, generator=g)
+    nk = w.t() if weight_t else w  # [N=96, K=80]
+    b = torch.randn(96, generator=g)
+    packs = [onednn.packed_weight(w, weight_t, rows, "mkl") for rows in (16, 128, 5)]
+    alike = onednn._hint_free[(w.dtype, tuple(w.shape), weight_t, "mkl")]
+    assert alike == (packs[0] is packs[1] is packs[2])
+    for rows in (2, 5, 16, 128):
+        x = torch.randn(rows, 80, generator=g)
+        got = onednn.mkl_linear(x, onednn.packed_weight(w, weight_t, rows, "mkl"), nk, b, rows)
+        torch.testing.assert_close(got, F.linear(x, nk.contiguous(), b), rtol=1e-5, atol=1e-5)
+        own = torch.ops.mkl._mkl_reorder_linear_weight(nk.contiguous(), rows)  # packed for exactly these rows
+        assert torch.equal(got, onednn.mkl_linear(x, own, nk, b, rows)) or not alike, rows
+
+
+@needs_mkl
+@pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny", "qwen2-tiny"])
+def test_executor_runs_multi_row_linears_on_mkl_packed_sgemm_within_kl_1e8(name, monkeypatch):
+    """``HETFORGE_GEMM=mkl``: every multi-row product on MKL's packed weight (activation, gated MLP product and
+    residual add in place after it), the residual adds the same bits as the program that adds apart, KL ≤ 1e-8
+    against the eager module, and results that survive the next call."""
+    monkeypatch.setenv("HETFORGE_GEMM", "mkl")
+    module, inputs, cg = captured(name)
+    exe = compile_graph(cg.gm, soc="host", example_inputs=inputs, name=name).executable
+    assert exe.stats.mkl_gemm > 0 and exe.stats.onednn_gemm == 0 and "_mkl_linear" in exe.source + str(
+        [v for k, v in exe._globals.items() if k.startswith("_mkl")])
+    rep = verify(module, exe, inputs, kl_threshold=1e-8)
+    assert rep.passed and rep.top1_agree == 1.0, rep
+    first = exe(*inputs).clone()
+    exe(*inputs)
+    torch.testing.assert_close(exe(*inputs), first, rtol=0, atol=0)
+    monkeypatch.setenv("HETFORGE_RESIDUAL_FUSION", "0")
+    apart = compile_graph(cg.gm, soc="host", example_inputs=inputs, name=name + "-apart").executable
+    assert apart.stats.onednn_residual == 0 < exe.stats.onednn_residual
+    torch.testing.assert_close(apart(*inputs), first, rtol=0, atol=0)
 
 
 def test_choice_statistic_is_the_median_round_ratio_so_one_spoiled_round_does_not_decide(monkeypatch):

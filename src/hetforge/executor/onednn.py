@@ -11,7 +11,7 @@ import torch
 
 from hetforge.ir.kernel_choice import ONEDNN_ATTR, onednn_operands, plain_add, reshape_view
 from hetforge.ir.program import INPLACE, Reg
-from hetforge.kernels.onednn import ACT_ATTR, LazyPacked, choose
+from hetforge.kernels.onednn import ACT_ATTR, MKL_ACT, LazyPacked, choose, kernel_of
 
 
 def chosen(cg, ins) -> bool:
@@ -93,13 +93,16 @@ def codegen_line(cg, ins, o: int, dev: torch.device) -> str:
         return "None" if a is None else cg.const(weight(a), "bias")
 
     xs, bs, wten = f"r{x.id}", bias(b), weight(w)
-    call = cg.const(torch.ops.mkldnn._linear_pointwise.default, "dnn")
-    binary = cg.const(torch.ops.mkldnn._linear_pointwise.binary, "dnn")
-    attr, sc, algo = ACT_ATTR[act]
     res = cg.residual.get(ins.id)  # the residual add this product takes (residual_adds)
     if res is not None:
         res = cg.view_of(res.id, tuple(cg.p.values[o].shape))
         cg.stats.onednn_residual += 1
+    _, k, n = ins.attrs[ONEDNN_ATTR]
+    if kernel_of(rows, k, n, cg.p.values[x.id].dtype, act) == "mkl":
+        return _mkl_line(cg, o, rows, xs, wten, wt, bs, act, gate, res, weight, bias)
+    call = cg.const(torch.ops.mkldnn._linear_pointwise.default, "dnn")
+    binary = cg.const(torch.ops.mkldnn._linear_pointwise.binary, "dnn")
+    attr, sc, algo = ACT_ATTR[act]
     if gate is None:
         pk = cg.const(LazyPacked(wten, wt, rows), "pk") + ".get()"
         line = (f"r{o} = {call}({xs}, {pk}, {bs}, {attr!r}, {sc!r}, {algo!r})" if res is None else
@@ -117,3 +120,30 @@ def codegen_line(cg, ins, o: int, dev: torch.device) -> str:
                     f"r{o} = {binary}({h}, {res}, {pd}, {bias(bd)}, 'add')")
     cg.stats.onednn_gemm += 1
     return line
+
+
+def _mkl_line(cg, o: int, rows: int, xs: str, wten: torch.Tensor, wt: bool, bs: str, act: str, gate, res,
+              weight, bias) -> str:
+    """:func:`codegen_line` where MKL's packed sgemm was chosen (:func:`hetforge.kernels.onednn.pick`): each product
+    on MKL's packed weight, the activation in place on its fresh result, a gated MLP's gate times up in place, a
+    residual added in place: the graph's ops in its order, none fused into the product."""
+    call = cg.const(torch.ops.mkl._mkl_linear.default, "mkl")
+    act_fn = cg.const(MKL_ACT[act], "act") if act != "none" else ""
+
+    def product(x: str, w: torch.Tensor, w_t: bool, b: str) -> str:
+        pk = cg.const(LazyPacked(w, w_t, rows, "mkl"), "pk") + ".get()"
+        ori = cg.const(w.t() if w_t else w, "ori")  # [N, K]: MKL's op reads its sizes
+        return f"{call}({x}, {pk}, {ori}, {b}, {rows})"
+
+    if gate is None:
+        y = product(xs, wten, wt, bs)
+        y = f"{act_fn}({y})" if act_fn else y
+    else:  # gated MLP: act(x·Wgᵀ+bg) * (x·Wuᵀ+bu), then the down product
+        wg, bg, wd, bd = gate
+        y = f"{act_fn or ''}({product(xs, weight(wg), False, bias(bg))}).mul_({product(xs, wten, False, bs)})"
+        if wd is not None:
+            y = product(y, weight(wd), False, bias(bd))
+    if res is not None:
+        y = f"{y}.add_({res})"
+    cg.stats.mkl_gemm += 1
+    return f"r{o} = {y}"

@@ -256,17 +256,25 @@ def _linear_kernel() -> Callable[..., torch.Tensor]:
 
 
 def _packed_product(m: int, n: int, k: int, bias: bool) -> Callable[[], object] | None:
-    """A multi-row product on oneDNN's packed kernel, as the executor runs it (:mod:`hetforge.executor.onednn`)
-    where :func:`hetforge.kernels.onednn.choose` measures it faster than ATen for this ``(m, K, N)`` on this
-    host; None where the executor keeps ATen's. Cold: each call takes the next of several packed copies
-    totalling ≥ 8× the last-level cache. (Calibrating ATen's ``linear`` while the executor runs oneDNN's made
-    every prefill product ~1.4× slower in the model than measured.)"""
-    if m < 2 or not onednn.choose(m, k, n, torch.float32):
+    """A multi-row product on the packed kernel the executor runs it on (:mod:`hetforge.executor.onednn`): oneDNN's
+    or MKL's, whichever :func:`hetforge.kernels.onednn.pick` measures fastest for this ``(m, K, N)`` on this host;
+    None where the executor keeps ATen's. Cold: each call takes the next of several packed copies totalling ≥ 8×
+    the last-level cache. (Calibrating ATen's ``linear`` while the executor runs oneDNN's made every prefill
+    product ~1.4× slower in the model than measured.)"""
+    kind = onednn.pick(m, k, n, torch.float32) if m >= 2 else "aten"
+    if kind == "aten":
         return None
     x, b = _rn(m, k), (_rn(n) if bias else None)
-    packs = [torch.ops.mkldnn._reorder_linear_weight(_rn(n, k) + i, m) for i in range(_pool_count(n * k * 4))]
-    _pools.append((len(packs), n * k * 4))
-    fns = [onednn.linear_fn(pk, b) for pk in packs]
+    ws = [_rn(n, k) + i for i in range(_pool_count(n * k * 4))]
+    _pools.append((len(ws), n * k * 4))
+    if kind == "mkl":
+        def mkl(w: torch.Tensor) -> Callable[[torch.Tensor], object]:
+            pk = torch.ops.mkl._mkl_reorder_linear_weight(w, m)
+            return lambda x: onednn.mkl_linear(x, pk, w, b, m)
+
+        fns = [mkl(w) for w in ws]
+    else:
+        fns = [onednn.linear_fn(torch.ops.mkldnn._reorder_linear_weight(w, m), b) for w in ws]
     state = [0]
 
     def run() -> object:

@@ -40,7 +40,8 @@ import torch.nn.functional as F
 
 from hetforge.kernels import native
 
-POLICIES = ("auto", "aten", "onednn")
+POLICIES = ("auto", "aten", "onednn", "mkl")
+KERNELS = ("aten", "onednn", "mkl")  # what a choice names (:func:`pick`)
 # hetforge activation name → (oneDNN post-op attr, scalars, algorithm)
 ACT_ATTR: dict[str, tuple[str, list, str]] = {
     "none": ("none", [], ""), "relu": ("relu", [], ""), "gelu": ("gelu", [], "none"),
@@ -52,10 +53,10 @@ ROUNDS = 5  # interleaved rounds of :func:`choose`
 
 PACK_ROWS = 512  # the widest row count _alike compares a 2-row packing with
 
-_packed: dict[tuple[int, bool], dict[int, torch.Tensor]] = {}  # (id(w), weight_t) -> rows -> packed copy
+_packed: dict[tuple, dict[int, torch.Tensor]] = {}  # (id(w), weight_t[, kind]) -> rows -> packed copy
 _hint_free: dict[tuple, bool] = {}  # (dtype, shape, weight_t) -> whether packing ignores the row count >= 2
-_choices: dict[tuple, bool] = {}
-_choice_times: dict[tuple, tuple[float, float, float]] = {}
+_choices: dict[tuple, str] = {}  # choice key -> the kernel that runs it (KERNELS)
+_choice_times: dict[tuple, tuple[float, float, float, str]] = {}
 _scratch: list[torch.Tensor] = []  # packing(): the buffer a burst copies transposed weights through
 _pinned: list[int] = []  # pin_threads: the thread count choices are made for, instead of this process's
 
@@ -86,13 +87,22 @@ def available() -> bool:
         return False
 
 
+def mkl_available() -> bool:
+    """Whether this torch has MKL's packed sgemm as an op (``torch.ops.mkl._mkl_linear``: x86 CPU wheels)."""
+    try:
+        return bool(torch.backends.mkl.is_available()) and hasattr(torch.ops.mkl, "_mkl_linear") \
+            and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight")
+    except (AttributeError, RuntimeError):
+        return False
+
+
 def policy() -> str:
     """The kernel policy from ``HETFORGE_GEMM`` (``auto`` when unset or unknown)."""
     p = os.environ.get("HETFORGE_GEMM", "auto").strip().lower()
     return p if p in POLICIES else "auto"
 
 
-def _drop(key: tuple[int, bool]) -> None:
+def _drop(key: tuple) -> None:
     _packed.pop(key, None)
 
 
@@ -108,9 +118,9 @@ def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(_bytes(a), _bytes(b))
 
 
-def _reorder(w: torch.Tensor, weight_t: bool, rows: int) -> torch.Tensor:
+def _reorder(w: torch.Tensor, weight_t: bool, rows: int, kind: str = "onednn") -> torch.Tensor:
     src = w.t() if weight_t else w
-    if not src.is_contiguous() and (_scratch or weight_t and native.library() is not None):
+    if not src.is_contiguous() and (_scratch or weight_t and native.library() is not None or kind == "mkl"):
         if _scratch:
             buf = _scratch[0]
             if buf.numel() < src.numel() or buf.dtype != src.dtype:
@@ -119,6 +129,8 @@ def _reorder(w: torch.Tensor, weight_t: bool, rows: int) -> torch.Tensor:
         else:
             dst = torch.empty(src.shape, dtype=src.dtype)
         src = dst if weight_t and native.transpose_into(w, dst) else dst.copy_(src)
+    if kind == "mkl":  # MKL's packed B of ``cblas_sgemm_pack`` (an opaque tensor of the weight's size)
+        return torch.ops.mkl._mkl_reorder_linear_weight(src, rows)
     return torch.ops.mkldnn._reorder_linear_weight(src, rows)  # reads any strides
 
 
@@ -138,28 +150,44 @@ def packing() -> Iterator[None]:
         _scratch.clear()
 
 
-def _alike(w: torch.Tensor, weight_t: bool, mine: dict[int, torch.Tensor]) -> bool:
-    """Whether this oneDNN packs a weight of ``w``'s dtype, shape and layout byte for byte alike for 2 and for
-    :data:`PACK_ROWS` rows (then, taken as alike for every count between, one packed copy serves every count
-    >= 2); checked once per dtype, shape and layout, reusing the packings of ``w`` already made (``mine``)."""
-    key = (w.dtype, tuple(w.shape), weight_t)
+def _alike(w: torch.Tensor, weight_t: bool, mine: dict[int, torch.Tensor], kind: str = "onednn") -> bool:
+    """Whether a weight of ``w``'s dtype, shape and layout packed for 2 and for :data:`PACK_ROWS` rows is the same
+    (then, taken as alike for every count between, one packed copy serves every count >= 2); checked once per
+    kernel, dtype, shape and layout, reusing the packings of ``w`` already made (``mine``). oneDNN: the packed
+    bytes are equal. MKL (whose packed tensor holds padding no one writes): the product of :data:`PACK_ROWS` rows
+    on either packing gives the same bits."""
+    key = (w.dtype, tuple(w.shape), weight_t, kind)
     if key not in _hint_free:
         try:
-            lo, hi = (mine.get(r) if r in mine else _reorder(w, weight_t, r) for r in (2, PACK_ROWS))
-            _hint_free[key] = _same_bytes(lo, hi)
-        except (AttributeError, RuntimeError):  # no way to read the packed bytes here: one pack per row count
+            lo, hi = (mine.get(r) if r in mine else _reorder(w, weight_t, r, kind) for r in (2, PACK_ROWS))
+            if kind == "mkl":
+                k = int(w.shape[0] if weight_t else w.shape[1])
+                x = torch.randn(PACK_ROWS, k, generator=torch.Generator().manual_seed(0)).to(w.dtype)
+                ori = w.t() if weight_t else w
+                lo_y, hi_y = (mkl_linear(x, p, ori, None, PACK_ROWS) for p in (lo, hi))
+                _hint_free[key] = torch.equal(lo_y, hi_y)
+            else:
+                _hint_free[key] = _same_bytes(lo, hi)
+        except (AttributeError, RuntimeError):  # no way to compare the packings here: one pack per row count
             _hint_free[key] = False
     return _hint_free[key]
 
 
-def packed_weight(w: torch.Tensor, weight_t: bool, rows: int) -> torch.Tensor:
+def mkl_linear(x: torch.Tensor, packed: torch.Tensor, ori: torch.Tensor, bias: torch.Tensor | None,
+         rows: int) -> torch.Tensor:
+    """``x·Wᵀ + b`` on MKL's packed sgemm (``ori``: the ``[N, K]`` weight, whose sizes it reads); ``rows`` must be
+    ``x``'s row count, else the op falls back to ATen's ``linear`` on ``ori``."""
+    return torch.ops.mkl._mkl_linear(x, packed, ori, bias, rows)
+
+
+def packed_weight(w: torch.Tensor, weight_t: bool, rows: int, kind: str = "onednn") -> torch.Tensor:
     """``w`` (``[N, K]``, or ``[K, N]`` when ``weight_t``) reordered into oneDNN's layout for ``rows`` rows; made
     once per weight and packing, freed with the weight. The first row count >= 2 a weight is packed for is packed
     as asked, without a check: a program with one prefill length packs each weight once. A second count >= 2
     takes the first one's copy where every count packs alike (:func:`_alike`), else its own. Why: each prefill
     length (fine mode: up to 8 per power of two) would otherwise keep its own packed copy of every weight, for as
-    long as the model lives."""
-    key = (id(w), weight_t)
+    long as the model lives. ``kind``: ``onednn`` (oneDNN's blocked layout) or ``mkl`` (MKL's packed sgemm)."""
+    key = (id(w), weight_t) if kind == "onednn" else (id(w), weight_t, kind)
     mine = _packed.get(key)
     if mine is None:
         mine = _packed[key] = {}
@@ -167,7 +195,7 @@ def packed_weight(w: torch.Tensor, weight_t: bool, rows: int) -> torch.Tensor:
     got = mine.get(rows)
     if got is None:
         made = next((p for r, p in mine.items() if r >= 2), None) if rows >= 2 else None
-        got = made if made is not None and _alike(w, weight_t, mine) else _reorder(w, weight_t, rows)
+        got = made if made is not None and _alike(w, weight_t, mine, kind) else _reorder(w, weight_t, rows, kind)
         mine[rows] = got
     return got
 
@@ -176,14 +204,14 @@ class LazyPacked:
     """A weight packed on first use (the first call of the program), not when the program is built: a
     program from the compile cache is runnable without paying the reorder; its first call pays it once."""
 
-    __slots__ = ("packed", "rows", "w", "weight_t")
+    __slots__ = ("kind", "packed", "rows", "w", "weight_t")
 
-    def __init__(self, w: torch.Tensor, weight_t: bool, rows: int):
-        self.w, self.weight_t, self.rows, self.packed = w, weight_t, rows, None
+    def __init__(self, w: torch.Tensor, weight_t: bool, rows: int, kind: str = "onednn"):
+        self.w, self.weight_t, self.rows, self.kind, self.packed = w, weight_t, rows, kind, None
 
     def get(self) -> torch.Tensor:
         if self.packed is None:
-            self.packed = packed_weight(self.w, self.weight_t, self.rows)
+            self.packed = packed_weight(self.w, self.weight_t, self.rows, self.kind)
         return self.packed
 
 
@@ -231,36 +259,59 @@ ATEN_ACT: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 }
 
 
-def choose(rows: int, k: int, n: int, dtype: torch.dtype, w: torch.Tensor | None = None,
-           weight_t: bool = False, act: str = "none") -> bool:
-    """Whether ``act([rows, k] × [k, n] + b)`` runs faster on the packed oneDNN kernel (the activation fused as a
-    post-op) than on ATen's ``linear`` followed by the activation, on this host (measured once per shape, dtype,
-    activation and thread count; see the module docstring). The activation is part of what is timed: in bf16
+# the activation run in place on MKL's fresh product (the kernel ATen's out-of-place op runs)
+MKL_ACT: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "none": lambda y: y, "relu": torch.relu_, "gelu": lambda y: torch.ops.aten.gelu_(y),
+    "gelu_tanh": lambda y: torch.ops.aten.gelu_(y, approximate="tanh"), "silu": lambda y: torch.ops.aten.silu_(y),
+}
+
+
+def pick(rows: int, k: int, n: int, dtype: torch.dtype, w: torch.Tensor | None = None,
+         weight_t: bool = False, act: str = "none") -> str:
+    """Which kernel runs ``act([rows, k] × [k, n] + b)`` on this host (:data:`KERNELS`): ``onednn`` (the packed
+    oneDNN kernel, the activation fused as a post-op), ``mkl`` (MKL's packed sgemm, then the activation) or
+    ``aten`` (ATen's ``linear``, then the activation). Measured once per shape, dtype, activation and thread count
+    (see the module docstring): oneDNN against the other side, which is MKL's packed sgemm for fp32 where this
+    torch has it (:func:`mkl_available`; the sgemm ATen's ``linear`` runs too, there packing the weight in every
+    call), else ATen. The activation is part of what is timed: in bf16
     ATen's plain product is about as fast as oneDNN's, and comparing products alone let a noisy round pick the
     ATen path whose separate activation pass then cost more than the product. One fp32 row is the native GEMV's
     (:mod:`hetforge.kernels.native`); one bf16 row is measured here only where the native bf16 GEMV cannot run it
     (lowering tries that first: :func:`hetforge.ir.kernel_choice._native_gemv_fits`)."""
     if rows < 1 or (rows < 2 and dtype == torch.float32) or dtype not in DTYPES or not available():
-        return False
+        return "aten"
+    other = "mkl" if dtype == torch.float32 and mkl_available() else "aten"
     pol = policy()
     if pol != "auto":
-        return pol == "onednn"
+        return "onednn" if pol == "onednn" else other if pol == "mkl" else "aten"
     key = (rows, k, n, dtype, threads(), act)
     if key not in _choices and _pinned:
-        raise ChoiceRefused(f"the oneDNN/ATen choice for [{rows}, {k}] x [{k}, {n}] {dtype} at {threads()} threads is "
+        raise ChoiceRefused(f"the kernel choice for [{rows}, {k}] x [{k}, {n}] {dtype} at {threads()} threads is "
                             "not measured in this process, and measuring here is refused")
     if key not in _choices:
         g = torch.Generator().manual_seed(0)
         x = torch.randn(rows, k, generator=g).to(dtype)
         m = min(n, PROBE_N)  # a wide product (an LM head) is timed on its first PROBE_N outputs: same kernel
         wt = torch.randn(m, k, generator=g).to(dtype) if w is None else (w.t() if weight_t else w)[:m]
+        wt = wt.contiguous()
         b = torch.zeros(m, dtype=dtype)
-        pk = torch.ops.mkldnn._reorder_linear_weight(wt.contiguous(), rows)
+        pk = torch.ops.mkldnn._reorder_linear_weight(wt, rows)
         fn, post = linear_fn(pk, b, act if act in ACT_ATTR else "none"), ATEN_ACT.get(act, ATEN_ACT["none"])
-        t_aten, t_dnn, ratio = _bench_pair(lambda: post(F.linear(x, wt, b)), lambda: fn(x), decide=1.0)
-        _choice_times[key] = (t_aten, t_dnn, ratio)
-        _choices[key] = ratio > 1.0
+        if other == "mkl":
+            mk = torch.ops.mkl._mkl_reorder_linear_weight(wt, rows)
+            side = lambda: post(mkl_linear(x, mk, wt, b, rows))  # noqa: E731
+        else:
+            side = lambda: post(F.linear(x, wt, b))  # noqa: E731
+        t_side, t_dnn, ratio = _bench_pair(side, lambda: fn(x), decide=1.0)
+        _choice_times[key] = (t_side, t_dnn, ratio, "mkl-packed" if other == "mkl" else "aten")
+        _choices[key] = "onednn" if ratio > 1.0 else other
     return _choices[key]
+
+
+def choose(rows: int, k: int, n: int, dtype: torch.dtype, w: torch.Tensor | None = None,
+           weight_t: bool = False, act: str = "none") -> bool:
+    """Whether a packed kernel (oneDNN or MKL: :func:`pick`) runs this product, not ATen's ``linear``."""
+    return pick(rows, k, n, dtype, w, weight_t, act) != "aten"
 
 
 def decided(rows: int, k: int, n: int, dtype: torch.dtype, act: str = "none") -> bool | None:
@@ -270,15 +321,27 @@ def decided(rows: int, k: int, n: int, dtype: torch.dtype, act: str = "none") ->
         return False
     pol = policy()
     if pol != "auto":
-        return pol == "onednn"
-    return _choices.get((rows, k, n, dtype, threads(), act))
+        return pol == "onednn" or pol == "mkl" and dtype == torch.float32 and mkl_available()
+    got = _choices.get((rows, k, n, dtype, threads(), act))
+    return None if got is None else got != "aten"
+
+
+def kernel_of(rows: int, k: int, n: int, dtype: torch.dtype, act: str = "none") -> str:
+    """The kernel :func:`pick` chose for this product (it must have been picked, or seeded, in this process)."""
+    pol = policy()
+    if pol != "auto":
+        return pick(rows, k, n, dtype, act=act)
+    return _choices[(rows, k, n, dtype, threads(), act)]
 
 
 def measured_choices() -> list[dict]:
-    """The choices :func:`choose` measured in this process: rows, K, N, dtype, threads, activation, median seconds
-    of each kernel, ``ratio`` (median per-round ATen ÷ oneDNN time, what decided) and the choice."""
+    """The choices :func:`pick` measured in this process: rows, K, N, dtype, threads, activation, median seconds
+    of each side (``aten_s``: the side oneDNN is timed against, ``aten_side`` names it: MKL's packed sgemm or
+    ATen's ``linear``), ``ratio`` (median per-round that side ÷ oneDNN time, what decided), ``kernel`` (what
+    runs) and ``onednn`` (whether oneDNN does)."""
     return [{"rows": k[0], "k": k[1], "n": k[2], "dtype": str(k[3]).removeprefix("torch."), "threads": k[4],
-             "act": k[5], "aten_s": t[0], "onednn_s": t[1], "ratio": t[2], "onednn": _choices[k]}
+             "act": k[5], "aten_s": t[0], "onednn_s": t[1], "ratio": t[2], "kernel": _choices[k],
+             "aten_side": t[3], "onednn": _choices[k] == "onednn"}
             for k, t in _choice_times.items()]
 
 
@@ -290,17 +353,28 @@ def gemm_fn(a: torch.Tensor, b: torch.Tensor) -> Callable[[], torch.Tensor]:
     return lambda: fn(a)
 
 
+def mkl_gemm_fn(a: torch.Tensor, b: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """``a @ b`` through MKL's packed sgemm (fp32), packed once outside the timed call, as :func:`gemm_fn`."""
+    ori = b.t().contiguous()
+    pk = torch.ops.mkl._mkl_reorder_linear_weight(ori, a.shape[0])
+    return lambda: mkl_linear(a, pk, ori, None, a.shape[0])
+
 
 def gemm_fns(a: torch.Tensor, b: torch.Tensor) -> list[Callable[[], torch.Tensor]]:
-    """:func:`gemm_fn` as a list: empty when oneDNN is absent or refuses the dtype on this CPU."""
-    if not available():
-        return []
-    try:
-        fn = gemm_fn(a, b)
-        fn()
-    except RuntimeError:
-        return []
-    return [fn]
+    """The packed kernels the executor may run ``a @ b`` on (:func:`gemm_fn`, and :func:`mkl_gemm_fn` for fp32
+    where this torch has it), each where it runs on this CPU and dtype: what calibration times besides ATen."""
+    makers = [gemm_fn] if available() else []
+    if a.dtype == torch.float32 and mkl_available():
+        makers.append(mkl_gemm_fn)
+    out = []
+    for make in makers:
+        try:
+            fn = make(a, b)
+            fn()
+        except RuntimeError:
+            continue
+        out.append(fn)
+    return out
 
 
 def seed_choices(rows: list[dict]) -> None:
@@ -311,9 +385,13 @@ def seed_choices(rows: list[dict]) -> None:
         try:
             key = (int(r["rows"]), int(r["k"]), int(r["n"]), getattr(torch, r["dtype"]), int(r["threads"]),
                    str(r["act"]))
+            kernel = str(r.get("kernel") or ("onednn" if r["onednn"] else "aten"))
+            if kernel == "mkl" and not mkl_available() or kernel not in KERNELS:
+                continue  # measured where MKL's packed sgemm ran: not a choice this torch can take
             if key not in _choices and isinstance(key[3], torch.dtype):
-                _choices[key] = bool(r["onednn"])
+                _choices[key] = kernel
                 t_aten, t_dnn = float(r["aten_s"]), float(r["onednn_s"])
-                _choice_times[key] = (t_aten, t_dnn, float(r.get("ratio", t_aten / max(t_dnn, 1e-12))))
+                _choice_times[key] = (t_aten, t_dnn, float(r.get("ratio", t_aten / max(t_dnn, 1e-12))),
+                                      str(r.get("aten_side", "aten")))
         except (KeyError, TypeError, ValueError, AttributeError):
             continue
