@@ -1,13 +1,14 @@
-"""Prefill with ATen's GEMMs vs oneDNN's prepacked GEMMs (hetforge.executor.onednn), interleaved, + fidelity.
+"""Prefill with ATen's GEMMs vs the packed GEMMs (oneDNN's, MKL's: hetforge.executor.onednn), interleaved, + fidelity.
 
-For each model and prompt length: one static capture, compiled twice by ``hetforge.compile.compile_graph``
-(``HETFORGE_GEMM=aten`` and ``=auto``, the measured choice), plus eager; then rounds of one call each,
+For each model and prompt length: one static capture, compiled by ``hetforge.compile.compile_graph`` once per
+``HETFORGE_GEMM`` policy (``aten``, ``onednn``, ``mkl`` where this torch has MKL's packed sgemm, and ``auto``,
+the measured choice), plus eager; then rounds of one call each,
 interleaved, best and median per system (measured, wall clock), and KL(eager ‖ hetforge) of the last-position
 logits. Writes docs/bench/prefill_gemm.json and generates docs/bench/prefill_gemm.md from it.
 
 The GEMM compute bound (issue 24): the FLOPs of the program's products (``aten.linear``/``addmm``/``mm`` and the
 fused ``hetforge::linear_act``/``gated_mlp``, each instruction's registered FLOP formula) ÷ the peak that
-``hetforge calibrate`` measures — the fastest kernel on the host (ATen, oneDNN prepacked) on square n×n×n
+``hetforge calibrate`` measures — the fastest kernel on the host (ATen, oneDNN or MKL packed) on square n×n×n
 products, best over n — measured here in the same process at the bench's thread count; a prefill below 1.0×
 of it would mean the peak is wrong. It leaves out attention, norms and elementwise ops, so it is a lower bound.
 
@@ -78,14 +79,13 @@ def run(models: list[str], seqs: list[int], rounds: int, threads: int, bf16: boo
             inputs = example_inputs(loaded, seq=seq)
             cg = capture(module, inputs, name=f"{name}-{seq}")
             exes = {}
-            for pol in ("aten", "auto"):
+            for pol in ("aten", "onednn", *(("mkl",) if onednn.mkl_available() else ()), "auto"):
                 os.environ["HETFORGE_GEMM"] = pol
                 t0 = time.perf_counter()
                 res = compile_graph(cg.gm, soc="host", example_inputs=inputs, name=f"{name}-{seq}-{pol}")
                 exes[pol] = (res.executable, time.perf_counter() - t0)
             os.environ.pop("HETFORGE_GEMM", None)
-            fns = {"eager": (module, inputs), "hetforge-aten": (exes["aten"][0], inputs),
-                   "hetforge-onednn": (exes["auto"][0], inputs)}
+            fns = {"eager": (module, inputs), **{f"hetforge-{pol}": (e[0], inputs) for pol, e in exes.items()}}
             if bf16:  # the same weights in bfloat16, compiled the same way; KL against fp32 eager
                 lb = load_model(name, dtype=torch.bfloat16)
                 mb = lb.logits_module()
@@ -106,18 +106,18 @@ def run(models: list[str], seqs: list[int], rounds: int, threads: int, bf16: boo
             flops = 2 * sum(p.numel() for n, p in module.named_parameters() if p.dim() == 2 and "wte" not in n
                             and "embed" not in n) * seq
             row = {"model": name, "seq": seq, "threads": threads,
-                   "onednn_gemms": exes["auto"][0].stats.onednn_gemm,
+                   "onednn_gemms": exes["auto"][0].stats.onednn_gemm, "mkl_gemms": exes["auto"][0].stats.mkl_gemm,
                    "compile_s": {k: round(v[1], 3) for k, v in exes.items()},
                    "kl_vs_eager": kls,
                    "best_ms": {k: round(min(v) * 1e3, 2) for k, v in times.items()},
                    "median_ms": {k: round(statistics.median(v) * 1e3, 2) for k, v in times.items()},
                    "approx_linear_gflop": round(flops / 1e9, 3)}
-            row["ratio_onednn_over_aten_best"] = round(row["best_ms"]["hetforge-onednn"] /
-                                                       row["best_ms"]["hetforge-aten"], 3)
+            row["ratio_auto_over_aten_best"] = round(row["best_ms"]["hetforge-auto"] /
+                                                     row["best_ms"]["hetforge-aten"], 3)
             gflop = gemm_flops(exes["auto"][0].program) / 1e9
             row["gemm_gflop"] = round(gflop, 3)
             row["bound_ms"] = {"fp32": round(gflop / peaks["fp32"]["gflops"] * 1e3, 2)}
-            row["over_bound_best"] = {"fp32": round(row["best_ms"]["hetforge-onednn"] / row["bound_ms"]["fp32"], 3)}
+            row["over_bound_best"] = {"fp32": round(row["best_ms"]["hetforge-auto"] / row["bound_ms"]["fp32"], 3)}
             if bf16:
                 row["bound_ms"]["bf16"] = round(gflop_bf16 / peaks["bf16"]["gflops"] * 1e3, 2)
                 row["over_bound_best"]["bf16"] = round(row["best_ms"]["hetforge-bf16"] / row["bound_ms"]["bf16"], 3)
@@ -128,25 +128,35 @@ def run(models: list[str], seqs: list[int], rounds: int, threads: int, bf16: boo
 
 def render(doc: dict) -> str:
     h = doc["host"]
-    out = ["# Prefill GEMMs: ATen vs oneDNN prepacked (measured)", "",
+    auto = "hetforge-auto"
+    kinds = [k for k in ("hetforge-aten", "hetforge-onednn", "hetforge-mkl", "hetforge-auto")
+             if any(k in r["best_ms"] for r in doc["rows"])]
+    names = {"hetforge-aten": "ATen", "hetforge-onednn": "oneDNN", "hetforge-mkl": "MKL packed",
+             "hetforge-auto": "measured choice"}
+    out = ["# Prefill GEMMs: ATen vs packed GEMMs (oneDNN, MKL) (measured)", "",
            f"Generated by `bench/prefill_gemm.py` from `prefill_gemm.json`. Host: {h['cpu']}, "
            f"{h['cores']} cores; ISA: {', '.join(h['isa']) or 'none recorded'}. {doc['note']}"
            + (f" Load average (1, 5, 15 min) at the start {doc['loadavg']['start']}, "
               f"at the end {doc['loadavg']['end']}." if "loadavg" in doc else ""), "",
-           "| model | seq | threads | oneDNN GEMMs | eager best ms | hetforge ATen best ms | hetforge oneDNN best ms "
-           "| oneDNN/ATen | GEMM GFLOP | GEMM bound ms | oneDNN ÷ bound | KL ATen | KL oneDNN |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "Columns `hetforge …`: the same capture compiled with `HETFORGE_GEMM` forcing one kernel for every "
+           "multi-row product, and the measured choice (`auto`, the default), whose products on oneDNN / MKL are "
+           "counted in `packed GEMMs`.", "",
+           "| model | seq | threads | packed GEMMs (oneDNN / MKL) | eager best ms | "
+           + " | ".join(f"hetforge {names[k]} best ms" for k in kinds)
+           + " | choice/ATen | GEMM GFLOP | GEMM bound ms | choice ÷ bound | KL ATen | KL choice |",
+           "|" + "---|" * (11 + len(kinds))]
     for r in doc["rows"]:
         b = r["best_ms"]
         bound = (f"{r['gemm_gflop']} | {r['bound_ms']['fp32']} | {r['over_bound_best']['fp32']}" if "bound_ms" in r
                  else "— | — | —")
-        out.append(f"| {r['model']} | {r['seq']} | {r['threads']} | {r['onednn_gemms']} | {b['eager']} | "
-                   f"{b['hetforge-aten']} | {b['hetforge-onednn']} | {r['ratio_onednn_over_aten_best']} | {bound} | "
-                   f"{r['kl_vs_eager']['hetforge-aten']:.2e} | {r['kl_vs_eager']['hetforge-onednn']:.2e} |")
+        ratio = r["ratio_auto_over_aten_best"]
+        out.append(f"| {r['model']} | {r['seq']} | {r['threads']} | {r['onednn_gemms']} / {r.get('mkl_gemms', 0)} | "
+                   f"{b['eager']} | " + " | ".join(str(b.get(k, "—")) for k in kinds) + f" | {ratio} | {bound} | "
+                   f"{r['kl_vs_eager']['hetforge-aten']:.2e} | {r['kl_vs_eager'][auto]:.2e} |")
     pk = doc.get("peak")
     if pk:
         out += ["", "GEMM compute bound (measured in the same run, the peak `hetforge calibrate` uses: the fastest "
-                "kernel, ATen or oneDNN prepacked, on square n×n×n products, best over n): "
+                "kernel, ATen or a packed one, on square n×n×n products, best over n): "
                 + "; ".join(f"{dt} {v['gflops']} GFLOP/s (by n: "
                             + ", ".join(f"{n}: {g}" for n, g in v["by_n"].items()) + ")" for dt, v in pk.items())
                 + ". Bound = the program's GEMM FLOPs ÷ that peak (attention, norms and elementwise ops left out, so "
@@ -161,18 +171,21 @@ def render(doc: dict) -> str:
             b, k = r["best_ms"], r["kl_vs_eager"]
             bb = r.get("bound_ms", {}).get("bf16")
             out.append(f"| {r['model']} | {r['seq']} | {b['eager-bf16']} | {b['hetforge-bf16']} | "
-                       f"{b['hetforge-onednn']} | {k['eager-bf16']:.2e} | {k['hetforge-bf16']:.2e} | "
-                       f"{b['hetforge-bf16'] / b['hetforge-onednn']:.3f} | {bb if bb is not None else '—'} | "
+                       f"{b[auto]} | {k['eager-bf16']:.2e} | {k['hetforge-bf16']:.2e} | "
+                       f"{b['hetforge-bf16'] / b[auto]:.3f} | {bb if bb is not None else '—'} | "
                        f"{r['over_bound_best']['bf16'] if bb is not None else '—'} |")
     ch = doc.get("choices") or []
     if ch:
-        out += ["", "The measured kernel choices (median per-round ATen ÷ oneDNN time ratio over interleaved rounds; "
-                "above 1: oneDNN runs):", "", "| rows | K | N | dtype | threads | ratio | oneDNN |",
-                "|---|---|---|---|---|---|---|"]
+        out += ["", "The measured kernel choices (median per-round ratio of the other side's time ÷ oneDNN's over "
+                "interleaved rounds; above 1: oneDNN runs; the other side is MKL's packed sgemm for fp32 where this "
+                "torch has it, else ATen's `linear`):", "",
+                "| rows | K | N | dtype | threads | activation | other side | ratio | runs |",
+                "|---|---|---|---|---|---|---|---|---|"]
         for c in ch:
             ratio = c.get("ratio")
-            out.append(f"| {c['rows']} | {c['k']} | {c['n']} | {c['dtype']} | {c['threads']} | "
-                       f"{'—' if ratio is None else f'{ratio:.2f}'} | {'yes' if c['onednn'] else 'no'} |")
+            kernel = c.get("kernel") or ("onednn" if c["onednn"] else "aten")
+            out.append(f"| {c['rows']} | {c['k']} | {c['n']} | {c['dtype']} | {c['threads']} | {c.get('act', '—')} | "
+                       f"{c.get('aten_side', 'aten')} | {'—' if ratio is None else f'{ratio:.2f}'} | {kernel} |")
     out += ["", "All times measured (wall clock, best of the interleaved rounds; medians in the JSON). KL is "
             "KL(eager ‖ hetforge) over the vocabulary, mean over positions."]
     return "\n".join(out) + "\n"

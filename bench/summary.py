@@ -1111,9 +1111,9 @@ def cpu_row(*files: str) -> Callable[[Callable[..., Row]], Callable[..., Row]]:
 @cpu_row("prefill_gemm.json")
 def prefill_gemm(d: J) -> Row:
     rs = list(d["rows"])
-    result = (", ".join(f"{r.s('model')} [1,{int(r.f('seq'))}] {times(r.f('ratio_onednn_over_aten_best'))}" for r in rs)
+    result = (", ".join(f"{r.s('model')} [1,{int(r.f('seq'))}] {times(r.f('ratio_auto_over_aten_best'))}" for r in rs)
               + " of the ATen-GEMM time; KL vs eager "
-              + " / ".join(f"{r['kl_vs_eager'].f('hetforge-onednn'):.1e}" for r in rs))
+              + " / ".join(f"{r['kl_vs_eager'].f('hetforge-auto'):.1e}" for r in rs))
     if all(r.has("over_bound_best") for r in rs):  # issue 24 item 1: within 1.15× of the GEMM compute bound
         over = [r["over_bound_best"].f("fp32") for r in rs]
         peak = num(d["peak"]["fp32"].f("gflops"), 0)
@@ -1124,8 +1124,8 @@ def prefill_gemm(d: J) -> Row:
                    + f" — within 1.15×: {'met' if max(over) <= 1.15 else 'not met'}")
     seq = sorted({int(r.f("seq")) for r in rs})
     thr = sorted({int(r.f("threads")) for r in rs})
-    what = (f"hetforge prefill [1,{'/'.join(map(str, seq))}] with oneDNN prepacked linears (measured choice) vs "
-            f"ATen's, interleaved, best of the rounds, {'/'.join(map(str, thr))} thread(s) (load average "
+    what = (f"hetforge prefill [1,{'/'.join(map(str, seq))}] with packed linears (oneDNN's or MKL's, the measured "
+            f"choice) vs ATen's, interleaved, best of the rounds, {'/'.join(map(str, thr))} thread(s) (load average "
             f"{load_avg(d['loadavg']['start'])} at start, {load_avg(d['loadavg']['end'])} at the end)")
     return Row("prefill GEMMs", what, result, "", link("prefill_gemm.md"))
 
@@ -1133,7 +1133,7 @@ def prefill_gemm(d: J) -> Row:
 @cpu_row("prefill_gemm.json")
 def bf16(d: J) -> Row:
     rs = list(d["rows"])
-    ratio = ", ".join(f"{num(r['best_ms'].f('hetforge-bf16') / r['best_ms'].f('hetforge-onednn'), 2)} "
+    ratio = ", ".join(f"{num(r['best_ms'].f('hetforge-bf16') / r['best_ms'].f('hetforge-auto'), 2)} "
                       f"({r.s('model')})" for r in rs)
     kl = ", ".join(f"{r['kl_vs_eager'].f('hetforge-bf16'):.1e}" for r in rs)
     kle = ", ".join(f"{r['kl_vs_eager'].f('eager-bf16'):.1e}" for r in rs)
