@@ -1,4 +1,4 @@
-"""oneDNN prepacked linears for multi-row CPU products (the prefill GEMMs).
+"""Packed linears for multi-row CPU products (the prefill GEMMs): oneDNN's, and MKL's packed sgemm.
 
 ATen's fp32 ``linear`` on the CPU runs MKL's ``sgemm`` on the weight as stored; oneDNN (inside every torch
 CPU wheel) runs the same product on a weight reordered once into its blocked layout
@@ -15,14 +15,19 @@ for as long as the weight lives. Where this oneDNN packs a weight byte for byte 
 copy serves them all; elsewhere a weight is packed once per row count. A program with one prefill length never
 pays the check. Decode uses the native GEMV on the original weight.
 
-Which kernel runs is a measured choice (:func:`choose`): for every ``(rows, K, N, dtype, threads)`` the
-executor meets, ATen and oneDNN are timed interleaved once per process (:data:`ROUNDS` rounds of one call
-each, after two warm-up calls each), and oneDNN is used where the median over rounds of the per-round ratio
-ATen time ÷ oneDNN time is above 1 (measuring stops once a majority of the rounds agree: the median is decided).
+MKL's packed sgemm (``torch.ops.mkl._mkl_linear`` on ``_mkl_reorder_linear_weight``, fp32 on x86 wheels) runs
+the sgemm ATen's ``linear`` runs, on a weight packed once instead of in every call; it fuses nothing, so the
+executor runs the activation, a gated MLP's product and a residual add in place after it.
+
+Which kernel runs is a measured choice (:func:`pick`): for every ``(rows, K, N, dtype, threads, activation)`` the
+executor meets, oneDNN and the other side (MKL's packed sgemm where :func:`mkl_available` and fp32, else ATen's
+``linear``) are timed interleaved once per process (:data:`ROUNDS` rounds of one call each, after two warm-up
+calls each), and oneDNN is used where the median over rounds of the per-round ratio other side ÷ oneDNN time is
+above 1 (measuring stops once a majority of the rounds agree: the median is decided).
 A round's ratio compares two calls made back to back, so a round in which
 another process took the core spoils that round only, and the median leaves it out; the best of each kernel's
 times, which an earlier version compared, flipped choices on a loaded 2-core host (a 2× slower ATen chosen
-for a third of the shapes). ``HETFORGE_GEMM=aten`` or ``=onednn`` forces one kernel (``auto``, the
+for a third of the shapes). ``HETFORGE_GEMM=aten``, ``=onednn`` or ``=mkl`` forces one kernel (``auto``, the
 default, measures).
 """
 
