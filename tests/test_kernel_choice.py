@@ -79,7 +79,8 @@ def test_the_executor_emits_the_recorded_kernel(compiled):
     ran = list(exe.kernels.values())
     s = exe.stats
     assert s.elided_views == ran.count("elided") and s.static_views == ran.count("static-view")
-    assert s.onednn_gemm == ran.count("onednn") and s.copy_into == ran.count("copy-into")
+    # a packed product ("onednn") runs on oneDNN's kernel or MKL's packed sgemm, whichever was measured faster
+    assert s.onednn_gemm + s.mkl_gemm == ran.count("onednn") and s.copy_into == ran.count("copy-into")
     assert s.native_ops == sum(k.startswith("native:") and k not in NATIVE_GEMV for k in ran)
     assert s.native_gemv == sum(k in NATIVE_GEMV for k in ran)
     assert s.split_gemv == sum(k.startswith("split-gemv:") for k in ran)
