@@ -87,7 +87,7 @@ class ExecStats:
     gemv_groups: int = 0  # groups of one-row products of one input run as one hf_gemv_nk_multi call (e.g. q, k, v)
     native_ops: int = 0  # hetforge row ops (norms, rotary, decode attention) as one native call into the slice
     onednn_gemm: int = 0  # multi-row linears on oneDNN's packed kernel (executor/onednn.py; result not in the arena)
-    onednn_residual: int = 0  # residual adds taken by the oneDNN product before them (onednn.residual_adds)
+    onednn_residual: int = 0  # residual adds taken by the packed product before them (oneDNN post-op, or MKL in place)
     mkl_gemm: int = 0  # multi-row linears on MKL's packed sgemm (the other side of the oneDNN choice)
     composed_views: int = 0  # views of oneDNN results made in one as_strided step (or not at all) per call
     copy_into: int = 0  # copy-like op done as slice.copy_(input)

@@ -265,16 +265,16 @@ def _packed_product(m: int, n: int, k: int, bias: bool) -> Callable[[], object] 
     if kind == "aten":
         return None
     x, b = _rn(m, k), (_rn(n) if bias else None)
-    ws = [_rn(n, k) + i for i in range(_pool_count(n * k * 4))]
-    _pools.append((len(ws), n * k * 4))
-    if kind == "mkl":
-        def mkl(w: torch.Tensor) -> Callable[[torch.Tensor], object]:
-            pk = torch.ops.mkl._mkl_reorder_linear_weight(w, m)
-            return lambda x: onednn.mkl_linear(x, pk, w, b, m)
+    count = _pool_count(n * k * 4)
+    _pools.append((count, n * k * 4))
 
-        fns = [mkl(w) for w in ws]
-    else:
-        fns = [onednn.linear_fn(torch.ops.mkldnn._reorder_linear_weight(w, m), b) for w in ws]
+    def packed(w: torch.Tensor) -> Callable[[torch.Tensor], object]:  # one weight at a time: no second pool
+        if kind == "onednn":
+            return onednn.linear_fn(torch.ops.mkldnn._reorder_linear_weight(w, m), b)
+        pk, ori = torch.ops.mkl._mkl_reorder_linear_weight(w, m), torch.zeros(1).expand(n, k)  # MKL reads its sizes
+        return lambda x: onednn.mkl_linear(x, pk, ori, b, m)
+
+    fns = [packed(_rn(n, k) + i) for i in range(count)]
     state = [0]
 
     def run() -> object:

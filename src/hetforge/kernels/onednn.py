@@ -54,12 +54,12 @@ ACT_ATTR: dict[str, tuple[str, list, str]] = {
 }
 DTYPES = (torch.float32, torch.bfloat16)
 PROBE_N = 4096  # most output columns :func:`choose` times
-ROUNDS = 5  # interleaved rounds of :func:`choose`
+ROUNDS = 5  # interleaved rounds of :func:`pick`
 
 PACK_ROWS = 512  # the widest row count _alike compares a 2-row packing with
 
 _packed: dict[tuple, dict[int, torch.Tensor]] = {}  # (id(w), weight_t[, kind]) -> rows -> packed copy
-_hint_free: dict[tuple, bool] = {}  # (dtype, shape, weight_t) -> whether packing ignores the row count >= 2
+_hint_free: dict[tuple, bool] = {}  # (dtype, shape, weight_t, kind) -> whether packing ignores the row count >= 2
 _choices: dict[tuple, str] = {}  # choice key -> the kernel that runs it (KERNELS)
 _choice_times: dict[tuple, tuple[float, float, float, str]] = {}
 _scratch: list[torch.Tensor] = []  # packing(): the buffer a burst copies transposed weights through
@@ -179,14 +179,14 @@ def _alike(w: torch.Tensor, weight_t: bool, mine: dict[int, torch.Tensor], kind:
 
 
 def mkl_linear(x: torch.Tensor, packed: torch.Tensor, ori: torch.Tensor, bias: torch.Tensor | None,
-         rows: int) -> torch.Tensor:
+               rows: int) -> torch.Tensor:
     """``x·Wᵀ + b`` on MKL's packed sgemm (``ori``: the ``[N, K]`` weight, whose sizes it reads); ``rows`` must be
     ``x``'s row count, else the op falls back to ATen's ``linear`` on ``ori``."""
     return torch.ops.mkl._mkl_linear(x, packed, ori, bias, rows)
 
 
 def packed_weight(w: torch.Tensor, weight_t: bool, rows: int, kind: str = "onednn") -> torch.Tensor:
-    """``w`` (``[N, K]``, or ``[K, N]`` when ``weight_t``) reordered into oneDNN's layout for ``rows`` rows; made
+    """``w`` (``[N, K]``, or ``[K, N]`` when ``weight_t``) packed for ``rows`` rows (``kind``); made
     once per weight and packing, freed with the weight. The first row count >= 2 a weight is packed for is packed
     as asked, without a check: a program with one prefill length packs each weight once. A second count >= 2
     takes the first one's copy where every count packs alike (:func:`_alike`), else its own. Why: each prefill
@@ -298,14 +298,15 @@ def pick(rows: int, k: int, n: int, dtype: torch.dtype, w: torch.Tensor | None =
         x = torch.randn(rows, k, generator=g).to(dtype)
         m = min(n, PROBE_N)  # a wide product (an LM head) is timed on its first PROBE_N outputs: same kernel
         wt = torch.randn(m, k, generator=g).to(dtype) if w is None else (w.t() if weight_t else w)[:m]
-        wt = wt.contiguous()
+        wc = wt.contiguous()
         b = torch.zeros(m, dtype=dtype)
-        pk = torch.ops.mkldnn._reorder_linear_weight(wt, rows)
-        fn, post = linear_fn(pk, b, act if act in ACT_ATTR else "none"), ATEN_ACT.get(act, ATEN_ACT["none"])
-        if other == "mkl":
-            mk = torch.ops.mkl._mkl_reorder_linear_weight(wt, rows)
-            side = lambda: post(mkl_linear(x, mk, wt, b, rows))  # noqa: E731
+        pk = torch.ops.mkldnn._reorder_linear_weight(wc, rows)
+        fn = linear_fn(pk, b, act if act in ACT_ATTR else "none")
+        if other == "mkl":  # as the executor runs it: the activation in place on MKL's result
+            mk, post = torch.ops.mkl._mkl_reorder_linear_weight(wc, rows), MKL_ACT.get(act, MKL_ACT["none"])
+            side = lambda: post(mkl_linear(x, mk, wc, b, rows))  # noqa: E731
         else:
+            post = ATEN_ACT.get(act, ATEN_ACT["none"])
             side = lambda: post(F.linear(x, wt, b))  # noqa: E731
         t_side, t_dnn, ratio = _bench_pair(side, lambda: fn(x), decide=1.0)
         _choice_times[key] = (t_side, t_dnn, ratio, "mkl-packed" if other == "mkl" else "aten")
