@@ -221,7 +221,7 @@ def test_compile_generate_builds_its_first_decode_program_in_a_forked_child_with
         monkeypatch.setenv("HETFORGE_PARALLEL_COMPILE", parallel)
         monkeypatch.setenv("HETFORGE_COMPILE_CACHE_DIR", str(tmp_path / f"cache-{parallel}"))  # both cold
         # the NPU on the torch stand-in, not OpenVINO's: a process that has made its OpenVINO Core (earlier tests)
-        # builds an OpenVINO-bound executor's programs in turn (ahead._openvino_refusal), and this test is about
+        # builds an OpenVINO-bound executor's programs in turn (Backend.fork_refusal), and this test is about
         # the child
         engine = make_engine("llama-tiny", "jetson-agx-orin", "backend", strategy="rules",
                              backend=["npu=emulated:torch-cpu"])

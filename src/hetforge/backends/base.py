@@ -81,6 +81,11 @@ class Backend(ABC):
     def describe(self) -> str:
         return self.name
 
+    def fork_refusal(self) -> str | None:
+        """Why a ``fork()``-ed child of this process could not compile on this backend (e.g. worker threads a
+        runtime started here, which ``fork`` does not copy); None where it can."""
+        return None
+
 
 def example_args(part: Partition) -> list[Any]:
     """Concrete example inputs built from the placeholders' fake values (zeros; shapes/dtypes exact)."""

@@ -173,6 +173,9 @@ class EmulatedBackend(Backend):
     def to_memory(self, t: torch.Tensor) -> torch.Tensor:
         return self.stand_in.to_memory(t)
 
+    def fork_refusal(self) -> str | None:
+        return self.stand_in.fork_refusal()
+
     def compile(self, part: Partition) -> CompiledPartition:
         violations, notes = check_constraints(part, self.device, self.policy)
         if violations:

@@ -110,6 +110,13 @@ class OpenVinoBackend(Backend):
         self.threads = threads
         self.name = f"openvino:{plugin}"
 
+    def fork_refusal(self) -> str | None:
+        """A child compiling on the ``Core`` this process made waits forever for its task executor's threads,
+        which ``fork()`` does not copy (seen: a placed program's child blocked in ``compile_model``)."""
+        if core_started():
+            return "OpenVINO's runtime was started in this process and its worker threads do not survive fork()"
+        return None
+
     def check_available(self) -> None:
         if openvino_version() is None:
             raise BackendUnavailable(f"backend '{self.name}' needs OpenVINO, which is not installed; install it with "

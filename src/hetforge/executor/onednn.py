@@ -11,7 +11,7 @@ import torch
 
 from hetforge.ir.kernel_choice import ONEDNN_ATTR, onednn_operands, plain_add, reshape_view
 from hetforge.ir.program import INPLACE, Reg
-from hetforge.kernels.onednn import ACT_ATTR, MKL_ACT, LazyPacked, choose, kernel_of
+from hetforge.kernels.onednn import ACT_ATTR, MKL_ACT, LazyPacked, choose, pick
 
 
 def chosen(cg, ins) -> bool:
@@ -98,7 +98,7 @@ def codegen_line(cg, ins, o: int, dev: torch.device) -> str:
         res = cg.view_of(res.id, tuple(cg.p.values[o].shape))
         cg.stats.onednn_residual += 1
     _, k, n = ins.attrs[ONEDNN_ATTR]
-    if kernel_of(rows, k, n, cg.p.values[x.id].dtype, act) == "mkl":
+    if pick(rows, k, n, cg.p.values[x.id].dtype, act=act) == "mkl":  # chosen() measured it: no timing here
         return _mkl_line(cg, o, rows, xs, wten, wt, bs, act, gate, res, weight, bias)
     call = cg.const(torch.ops.mkldnn._linear_pointwise.default, "dnn")
     binary = cg.const(torch.ops.mkldnn._linear_pointwise.binary, "dnn")

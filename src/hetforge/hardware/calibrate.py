@@ -261,7 +261,7 @@ def _packed_product(m: int, n: int, k: int, bias: bool) -> Callable[[], object] 
     None where the executor keeps ATen's. Cold: each call takes the next of several packed copies totalling ≥ 8×
     the last-level cache. (Calibrating ATen's ``linear`` while the executor runs oneDNN's made every prefill
     product ~1.4× slower in the model than measured.)"""
-    kind = onednn.pick(m, k, n, torch.float32) if m >= 2 else "aten"
+    kind = onednn.pick(m, k, n, torch.float32)
     if kind == "aten":
         return None
     x, b = _rn(m, k), (_rn(n) if bias else None)

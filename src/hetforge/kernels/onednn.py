@@ -15,9 +15,9 @@ for as long as the weight lives. Where this oneDNN packs a weight byte for byte 
 copy serves them all; elsewhere a weight is packed once per row count. A program with one prefill length never
 pays the check. Decode uses the native GEMV on the original weight.
 
-MKL's packed sgemm (``torch.ops.mkl._mkl_linear`` on ``_mkl_reorder_linear_weight``, fp32 on x86 wheels) runs
-the sgemm ATen's ``linear`` runs, on a weight packed once instead of in every call; it fuses nothing, so the
-executor runs the activation, a gated MLP's product and a residual add in place after it.
+MKL's packed sgemm (``torch.ops.mkl._mkl_linear`` on ``_mkl_reorder_linear_weight``, fp32 where torch was built
+with MKL) runs the product on a weight packed once, where ATen's ``linear`` takes the weight as stored; it fuses
+nothing, so the executor runs the activation, a gated MLP's product and a residual add in place after it.
 
 Which kernel runs is a measured choice (:func:`pick`): for every ``(rows, K, N, dtype, threads, activation)`` the
 executor meets, oneDNN and the other side (MKL's packed sgemm where :func:`mkl_available` and fp32, else ATen's
@@ -93,7 +93,7 @@ def available() -> bool:
 
 
 def mkl_available() -> bool:
-    """Whether this torch has MKL's packed sgemm as an op (``torch.ops.mkl._mkl_linear``: x86 CPU wheels)."""
+    """Whether this torch has MKL's packed sgemm as an op (``torch.ops.mkl._mkl_linear``; torch built with MKL)."""
     try:
         return bool(torch.backends.mkl.is_available()) and hasattr(torch.ops.mkl, "_mkl_linear") \
             and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight")
@@ -159,7 +159,7 @@ def _alike(w: torch.Tensor, weight_t: bool, mine: dict[int, torch.Tensor], kind:
     """Whether a weight of ``w``'s dtype, shape and layout packed for 2 and for :data:`PACK_ROWS` rows is the same
     (then, taken as alike for every count between, one packed copy serves every count >= 2); checked once per
     kernel, dtype, shape and layout, reusing the packings of ``w`` already made (``mine``). oneDNN: the packed
-    bytes are equal. MKL (whose packed tensor holds padding no one writes): the product of :data:`PACK_ROWS` rows
+    bytes are equal. MKL (whose opaque packed tensor's bytes are not comparable): the product of :data:`PACK_ROWS` rows
     on either packing gives the same bits."""
     key = (w.dtype, tuple(w.shape), weight_t, kind)
     if key not in _hint_free:
@@ -264,11 +264,16 @@ ATEN_ACT: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 }
 
 
-# the activation run in place on MKL's fresh product (the kernel ATen's out-of-place op runs)
+# the activation run in place on MKL's fresh product (no second tensor per call)
 MKL_ACT: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "none": lambda y: y, "relu": torch.relu_, "gelu": lambda y: torch.ops.aten.gelu_(y),
     "gelu_tanh": lambda y: torch.ops.aten.gelu_(y, approximate="tanh"), "silu": lambda y: torch.ops.aten.silu_(y),
 }
+
+
+def _candidate(rows: int, dtype: torch.dtype) -> bool:
+    """Whether a product of ``rows`` rows in ``dtype`` may run packed at all (one fp32 row: the native GEMV's)."""
+    return rows >= 1 and not (rows < 2 and dtype == torch.float32) and dtype in DTYPES and available()
 
 
 def pick(rows: int, k: int, n: int, dtype: torch.dtype, w: torch.Tensor | None = None,
@@ -277,13 +282,13 @@ def pick(rows: int, k: int, n: int, dtype: torch.dtype, w: torch.Tensor | None =
     oneDNN kernel, the activation fused as a post-op), ``mkl`` (MKL's packed sgemm, then the activation) or
     ``aten`` (ATen's ``linear``, then the activation). Measured once per shape, dtype, activation and thread count
     (see the module docstring): oneDNN against the other side, which is MKL's packed sgemm for fp32 where this
-    torch has it (:func:`mkl_available`; the sgemm ATen's ``linear`` runs too, there packing the weight in every
-    call), else ATen. The activation is part of what is timed: in bf16
+    torch has it (:func:`mkl_available`; not timed against ATen's ``linear``, which takes the weight as stored),
+    else ATen. The activation is part of what is timed: in bf16
     ATen's plain product is about as fast as oneDNN's, and comparing products alone let a noisy round pick the
     ATen path whose separate activation pass then cost more than the product. One fp32 row is the native GEMV's
     (:mod:`hetforge.kernels.native`); one bf16 row is measured here only where the native bf16 GEMV cannot run it
     (lowering tries that first: :func:`hetforge.ir.kernel_choice._native_gemv_fits`)."""
-    if rows < 1 or (rows < 2 and dtype == torch.float32) or dtype not in DTYPES or not available():
+    if not _candidate(rows, dtype):
         return "aten"
     other = "mkl" if dtype == torch.float32 and mkl_available() else "aten"
     pol = policy()
@@ -323,21 +328,9 @@ def choose(rows: int, k: int, n: int, dtype: torch.dtype, w: torch.Tensor | None
 def decided(rows: int, k: int, n: int, dtype: torch.dtype, act: str = "none") -> bool | None:
     """What :func:`choose` answers for this product without measuring: None when it has not been measured in
     this process (nor seeded, :func:`seed_choices`) and the policy is ``auto``."""
-    if rows < 1 or (rows < 2 and dtype == torch.float32) or dtype not in DTYPES or not available():
-        return False
-    pol = policy()
-    if pol != "auto":
-        return pol == "onednn" or pol == "mkl" and dtype == torch.float32 and mkl_available()
-    got = _choices.get((rows, k, n, dtype, threads(), act))
-    return None if got is None else got != "aten"
-
-
-def kernel_of(rows: int, k: int, n: int, dtype: torch.dtype, act: str = "none") -> str:
-    """The kernel :func:`pick` chose for this product (it must have been picked, or seeded, in this process)."""
-    pol = policy()
-    if pol != "auto":
-        return pick(rows, k, n, dtype, act=act)
-    return _choices[(rows, k, n, dtype, threads(), act)]
+    if policy() == "auto" and _candidate(rows, dtype) and (rows, k, n, dtype, threads(), act) not in _choices:
+        return None
+    return pick(rows, k, n, dtype, act=act) != "aten"  # answered without measuring: forced, no candidate, or known
 
 
 def measured_choices() -> list[dict]:

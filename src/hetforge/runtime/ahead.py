@@ -57,21 +57,15 @@ def process_refusal() -> str | None:
     return None
 
 
-def _openvino_refusal(executor: Any) -> str | None:
-    """Why a child may not build ``executor``'s programs here: they bind a device to OpenVINO and this process has
-    made its ``Core`` (see :func:`_openvino_started`); None otherwise."""
-    bindings = getattr(executor, "bindings", None) or {}
-    if _openvino_started() and any("openvino" in str(getattr(b, "spec", "")) for b in bindings.values()):
-        return "OpenVINO's runtime was started in this process and its worker threads do not survive fork()"
+def _backend_refusal(executor: Any) -> str | None:
+    """Why a child may not build ``executor``'s programs here: a backend a device is bound to refuses compiling in
+    a forked child (:meth:`hetforge.backends.base.Backend.fork_refusal`, e.g. OpenVINO once this process made its
+    ``Core``); None otherwise."""
+    for b in (getattr(executor, "bindings", None) or {}).values():
+        why = b.backend.fork_refusal()
+        if why:
+            return why
     return None
-
-
-def _openvino_started() -> bool:
-    """Whether this process made its OpenVINO ``Core`` (``hetforge.backends.openvino``): a child compiling an
-    OpenVINO partition on the inherited ``Core`` waits forever for its task executor's threads, which fork() does
-    not copy (seen: a placed program's child blocked in ``compile_model`` until :data:`TIMEOUT_S`)."""
-    mod = sys.modules.get("hetforge.backends.openvino")  # not imported here: nothing made a Core then
-    return mod is not None and mod.core_started()
 
 
 def quantize_refusal(quantize: str | None) -> str | None:
@@ -108,7 +102,7 @@ def refusal(programs: Any) -> str | None:
         return why
     if programs.fixed is not None:
         return "a generation plan's programs are rebuilt from the plan"
-    why = quantize_refusal(getattr(programs.executor, "quantize", None)) or _openvino_refusal(programs.executor)
+    why = quantize_refusal(getattr(programs.executor, "quantize", None)) or _backend_refusal(programs.executor)
     if why:
         return why
     if not compile_cache.holds(programs):

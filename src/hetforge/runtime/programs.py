@@ -51,6 +51,18 @@ def capture_policy(given: str | None = None) -> str:
     return p
 
 
+def policy_capture() -> Callable[[nn.Module, tuple, str], Any] | None:
+    """The capture :func:`capture_policy` asks a static-shape compile for: ``stamped`` (the default),
+    :func:`hetforge.runtime.stamp.capture_layers` deferred (two layers exported, the rest stamped out after the
+    passes); None (the caller exports the whole module) for ``static`` or ``dynamic`` (one static shape is
+    compiled either way)."""
+    import functools
+
+    from hetforge.runtime.stamp import capture_layers
+
+    return functools.partial(capture_layers, defer=True) if capture_policy() == "stamped" else None
+
+
 def tiers_for(max_positions: int) -> tuple[int, ...]:
     """The static lengths used for a model: the standard tiers up to its maximum context, plus that maximum."""
     ts = [t for t in TIERS if t < max_positions]

@@ -56,13 +56,11 @@ def _compile(module: torch.nn.Module, inputs: tuple, name: str, build: bool, opt
     """The shape's ``compile_graph`` result and how it was captured (a stamped capture's note, else "")."""
     from hetforge.compile import compile_graph
     from hetforge.frontend import capture
-    from hetforge.runtime.programs import capture_policy
-    from hetforge.runtime.stamp import capture_layers
+    from hetforge.runtime.programs import policy_capture
 
-    if capture_policy() == "stamped":  # the passes on two layers, the others stamped out after them
-        cg = capture_layers(module, inputs, name, defer=True)
-    else:
-        cg = capture(module, inputs, name=name, stack_traces=False, guards=False)  # lowered only: no guard needed
+    stamped = policy_capture()  # the passes on two layers, the others stamped out after them
+    cg = stamped(module, inputs, name) if stamped is not None else \
+        capture(module, inputs, name=name, stack_traces=False, guards=False)  # lowered only: no guard needed
     res = compile_graph(cg.gm, example_inputs=inputs, name=name, build=build, expand=cg.deferred, **options)
     res.seconds = {"capture": cg.seconds, **res.seconds}
     return res, cg.deferred.note() if cg.deferred is not None else cg.note

@@ -22,6 +22,7 @@ def _compile(model: str, seq: int, soc: str, strategy: str, attn: str, passes: b
     from hetforge.compile import compile_model
     from hetforge.executor import MODES
     from hetforge.placement import get_strategy
+    from hetforge.runtime.programs import policy_capture
 
     get_strategy(strategy)  # unknown names fail before the model is built
     if mode not in MODES:
@@ -40,20 +41,7 @@ def _compile(model: str, seq: int, soc: str, strategy: str, attn: str, passes: b
     options = {} if strategy == "support" else {"objective": objective, "strict": strict}
     return compile_model(model, seq=seq, soc=soc_p, strategy=strategy, attn=attn, passes=passes, mode=mode,
                          build=build, strategy_options=options, quantize=quantize, group_size=group_size,
-                         quant_skip=skip, capture_with=_capture_with())
-
-
-def _capture_with():
-    """The capture a zoo model or HF folder is compiled from: two layers exported and the rest stamped out after
-    the passes (``HETFORGE_CAPTURE=stamped``, the default, as the runtime's programs), where the layers allow it
-    (else the whole module, and the capture's note says why); None (the whole module) for
-    ``HETFORGE_CAPTURE=static`` (or ``dynamic``: the CLI compiles one static shape either way)."""
-    import functools
-
-    from hetforge.runtime.programs import capture_policy
-    from hetforge.runtime.stamp import capture_layers
-
-    return functools.partial(capture_layers, defer=True) if capture_policy() == "stamped" else None
+                         quant_skip=skip, capture_with=policy_capture())
 
 
 @app.command("compile")
