@@ -11,6 +11,7 @@ import torch
 
 from hetforge.ir.kernel_choice import ONEDNN_ATTR, onednn_operands, plain_add, reshape_view
 from hetforge.ir.program import INPLACE, Reg
+from hetforge.kernels import native
 from hetforge.kernels.onednn import ACT_ATTR, MKL_ACT, LazyPacked, choose, pick
 
 
@@ -98,8 +99,9 @@ def codegen_line(cg, ins, o: int, dev: torch.device) -> str:
         res = cg.view_of(res.id, tuple(cg.p.values[o].shape))
         cg.stats.onednn_residual += 1
     _, k, n = ins.attrs[ONEDNN_ATTR]
-    if pick(rows, k, n, cg.p.values[x.id].dtype, act=act) == "mkl":  # chosen() measured it: no timing here
-        return _mkl_line(cg, o, rows, xs, wten, wt, bs, act, gate, res, weight, bias)
+    kind = pick(rows, k, n, cg.p.values[x.id].dtype, act=act)  # chosen() measured it: no timing here
+    if kind in ("mkl", "panel"):
+        return _unfused_line(cg, kind, o, rows, xs, wten, wt, bs, act, gate, res, weight, bias)
     call = cg.const(torch.ops.mkldnn._linear_pointwise.default, "dnn")
     binary = cg.const(torch.ops.mkldnn._linear_pointwise.binary, "dnn")
     attr, sc, algo = ACT_ATTR[act]
@@ -122,16 +124,19 @@ def codegen_line(cg, ins, o: int, dev: torch.device) -> str:
     return line
 
 
-def _mkl_line(cg, o: int, rows: int, xs: str, wten: torch.Tensor, wt: bool, bs: str, act: str, gate, res,
-              weight, bias) -> str:
-    """:func:`codegen_line` where MKL's packed sgemm was chosen (:func:`hetforge.kernels.onednn.pick`): each product
-    on MKL's packed weight, the activation in place on its fresh result, a gated MLP's gate times up in place, a
-    residual added in place: the graph's ops in its order, none fused into the product."""
-    call = cg.const(torch.ops.mkl._mkl_linear.default, "mkl")
+def _unfused_line(cg, kind: str, o: int, rows: int, xs: str, wten: torch.Tensor, wt: bool, bs: str, act: str, gate,
+                  res, weight, bias) -> str:
+    """:func:`codegen_line` where MKL's packed sgemm or the native panel GEMM was chosen (``kind``,
+    :func:`hetforge.kernels.onednn.pick`): each product on that kernel's packed weight, the activation in place on
+    its fresh result, a gated MLP's gate times up in place, a residual added in place: the graph's ops in its order,
+    none fused into the product."""
     act_fn = cg.const(MKL_ACT[act], "act") if act != "none" else ""
+    call = cg.const(torch.ops.mkl._mkl_linear.default if kind == "mkl" else native.gemm_panel, kind)
 
     def product(x: str, w: torch.Tensor, w_t: bool, b: str) -> str:
-        pk = cg.const(LazyPacked(w, w_t, rows, "mkl"), "pk") + ".get()"
+        pk = cg.const(LazyPacked(w, w_t, rows, kind), "pk") + ".get()"
+        if kind == "panel":
+            return f"{call}({x}, {pk}, {b}, {w.shape[1] if w_t else w.shape[0]})"
         ori = cg.const(w.t() if w_t else w, "ori")  # [N, K]: MKL's op reads its sizes
         return f"{call}({x}, {pk}, {ori}, {b}, {rows})"
 
@@ -145,5 +150,8 @@ def _mkl_line(cg, o: int, rows: int, xs: str, wten: torch.Tensor, wt: bool, bs: 
             y = product(y, weight(wd), False, bias(bd))
     if res is not None:
         y = f"{y}.add_({res})"
-    cg.stats.mkl_gemm += 1
+    if kind == "mkl":
+        cg.stats.mkl_gemm += 1
+    else:
+        cg.stats.panel_gemm += 1
     return f"r{o} = {y}"

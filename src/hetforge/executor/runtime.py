@@ -89,6 +89,7 @@ class ExecStats:
     onednn_gemm: int = 0  # multi-row linears on oneDNN's packed kernel (executor/onednn.py; result not in the arena)
     onednn_residual: int = 0  # residual adds taken by the packed product before them (oneDNN post-op, or MKL in place)
     mkl_gemm: int = 0  # multi-row linears on MKL's packed sgemm (the other side of the oneDNN choice)
+    panel_gemm: int = 0  # multi-row linears on the native panel GEMM (a short prompt's row counts)
     composed_views: int = 0  # views of oneDNN results made in one as_strided step (or not at all) per call
     copy_into: int = 0  # copy-like op done as slice.copy_(input)
     functional_copy: int = 0  # functional op + copy into the slice

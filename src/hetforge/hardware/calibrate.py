@@ -57,7 +57,7 @@ from hetforge.hardware.bandwidth import PASSES, ReadBandwidth, ReadProbe, llc_by
 from hetforge.hardware.host import POWER_SRC, TDP_PER_CORE_W, cpu_count, cpu_name
 from hetforge.hardware.profile import row_band
 from hetforge.hardware.schema import DeviceSpec, Figure, PositiveFigure, SocSpec
-from hetforge.kernels import onednn
+from hetforge.kernels import native, onednn
 
 Progress = Callable[[str], None]
 EFF_MIN, EFF_MAX = 0.01, 100.0
@@ -256,8 +256,8 @@ def _linear_kernel() -> Callable[..., torch.Tensor]:
 
 
 def _packed_product(m: int, n: int, k: int, bias: bool) -> Callable[[], object] | None:
-    """A multi-row product on the packed kernel the executor runs it on (:mod:`hetforge.executor.onednn`): oneDNN's
-    or MKL's, whichever :func:`hetforge.kernels.onednn.pick` measures fastest for this ``(m, K, N)`` on this host;
+    """A multi-row product on the packed kernel the executor runs it on (:mod:`hetforge.executor.onednn`): oneDNN's,
+    MKL's or the native panel GEMM, whichever :func:`hetforge.kernels.onednn.pick` takes for this ``(m, K, N)`` here;
     None where the executor keeps ATen's. Cold: each call takes the next of several packed copies totalling ≥ 8×
     the last-level cache. (Calibrating ATen's ``linear`` while the executor runs oneDNN's made every prefill
     product ~1.4× slower in the model than measured.)"""
@@ -269,9 +269,12 @@ def _packed_product(m: int, n: int, k: int, bias: bool) -> Callable[[], object] 
     _pools.append((count, n * k * 4))
 
     def packed(w: torch.Tensor) -> Callable[[torch.Tensor], object]:  # one weight at a time: no second pool
+        pk = onednn.pack(w, False, m, kind)
         if kind == "onednn":
-            return onednn.linear_fn(torch.ops.mkldnn._reorder_linear_weight(w, m), b)
-        pk, ori = torch.ops.mkl._mkl_reorder_linear_weight(w, m), torch.zeros(1).expand(n, k)  # MKL reads its sizes
+            return onednn.linear_fn(pk, b)
+        if kind == "panel":
+            return lambda x: native.gemm_panel(x, pk, b, n)
+        ori = torch.zeros(1).expand(n, k)  # MKL reads its sizes
         return lambda x: onednn.mkl_linear(x, pk, ori, b, m)
 
     fns = [packed(_rn(n, k) + i) for i in range(count)]

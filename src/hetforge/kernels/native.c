@@ -2801,3 +2801,156 @@ int hf_gemm_few_kn(const float *w, const float *x, const float *bias, float *y, 
     hf_run(few_kn_reduce, &a, m, threads);
     return 0;
 }
+
+/* ---------------------------------------------------------------- panel GEMM (a short prompt's products)
+ * Y[m, n] = X[m, k] W^T + b for fp32, on a weight packed once into panels of HF_PNB output columns:
+ * P[j][kk][c] = W[j*HF_PNB + c][kk] (zero past N). Why: a prompt of a few dozen tokens still streams every weight
+ * from memory once, and the packed GEMMs torch ships (MKL's, oneDNN's) read it below the memory's speed at these
+ * row counts (measured: bench/panel_gemm.py). Here each panel is read as one contiguous block, HF_PMR rows of X at a
+ * time against it (8 x 48 accumulators in registers), and while a panel is multiplied the next one is prefetched
+ * (spread over the row passes), so the memory read overlaps the arithmetic. Each output element is one chain of
+ * fused multiply-adds from the bias in k order, on the AVX-512 path and on the plain C one alike (fmaf), so a
+ * result does not depend on the path, the thread count or the chunking. Chunks of HF_PCHUNK consecutive panels
+ * run on torch's OpenMP team (as the other multi-row kernels, hf_run_team). */
+#define HF_PNB 48
+#define HF_PMR 8
+#define HF_PCHUNK 4
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+typedef struct {
+    const float *x, *p, *bias;
+    float *y;
+    long m, n, k, np;
+} panel_ctx;
+
+/* Whether this build has the vector path (the plain C path is for correctness, not speed). */
+int hf_panel_simd(void) {
+#if defined(__AVX512F__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* Pack W ([N, K] rows, or [K, N] when weight_t) into ceil(N / HF_PNB) panels of k x HF_PNB floats at p. */
+static void panel_pack_chunk(void *ctx, long j) {
+    const panel_ctx *a = ctx;
+    const float *w = a->x; /* the weight, in the x slot */
+    int weight_t = a->m != 0;
+    long n = a->n, k = a->k;
+    float *restrict dst = (float *)a->p + (size_t)j * k * HF_PNB;
+    long c0 = j * HF_PNB, nv = n - c0 < HF_PNB ? n - c0 : HF_PNB;
+    if (weight_t) {
+        for (long kk = 0; kk < k; kk++) {
+            memcpy(dst + kk * HF_PNB, w + (size_t)kk * n + c0, (size_t)nv * sizeof(float));
+            for (long c = nv; c < HF_PNB; c++) dst[kk * HF_PNB + c] = 0.f;
+        }
+    } else {
+        for (long c = 0; c < HF_PNB; c++) {
+            const float *src = w + (size_t)(c0 + c) * k;
+            if (c < nv)
+                for (long kk = 0; kk < k; kk++) dst[kk * HF_PNB + c] = src[kk];
+            else
+                for (long kk = 0; kk < k; kk++) dst[kk * HF_PNB + c] = 0.f;
+        }
+    }
+}
+
+void hf_pack_panels(const float *w, float *p, long n, long k, int weight_t, int threads) {
+    panel_ctx a = {w, p, 0, 0, weight_t ? 1 : 0, n, k, (n + HF_PNB - 1) / HF_PNB};
+    hf_run_team(panel_pack_chunk, &a, a.np, clamp_threads(threads));
+}
+
+/* Rows [r0, r0 + mr) of X against panel j into out (ldo floats per row, HF_PNB columns); pass ``pass`` of ``passes``
+ * prefetches its share of the next panel ``nxt`` (one k-row of it every ``passes`` steps). */
+static inline __attribute__((always_inline)) void panel_block(const panel_ctx *a, const float *pan, const float *bias48,
+                                                               long r0, int mr, float *out, long ldo,
+                                                               const float *nxt, long pass, long passes) {
+    long k = a->k;
+    const float *x = a->x + r0 * k;
+    long pf0 = pass * k / passes;
+#if defined(__AVX512F__)
+    __m512 acc[HF_PMR][3];
+    for (int r = 0; r < HF_PMR; r++) {
+        acc[r][0] = _mm512_loadu_ps(bias48);
+        acc[r][1] = _mm512_loadu_ps(bias48 + 16);
+        acc[r][2] = _mm512_loadu_ps(bias48 + 32);
+    }
+    for (long kk = 0; kk < k; kk++) {
+        const float *b = pan + kk * HF_PNB;
+        if (nxt && kk % passes == 0) {
+            const char *q = (const char *)(nxt + (pf0 + kk / passes) * HF_PNB);
+            _mm_prefetch(q, _MM_HINT_T0);
+            _mm_prefetch(q + 64, _MM_HINT_T0);
+            _mm_prefetch(q + 128, _MM_HINT_T0);
+        }
+        __m512 b0 = _mm512_loadu_ps(b), b1 = _mm512_loadu_ps(b + 16), b2 = _mm512_loadu_ps(b + 32);
+#pragma GCC unroll 8
+        for (int r = 0; r < HF_PMR; r++) {
+            if (r < mr) {
+                __m512 xv = _mm512_set1_ps(x[r * k + kk]);
+                acc[r][0] = _mm512_fmadd_ps(xv, b0, acc[r][0]);
+                acc[r][1] = _mm512_fmadd_ps(xv, b1, acc[r][1]);
+                acc[r][2] = _mm512_fmadd_ps(xv, b2, acc[r][2]);
+            }
+        }
+    }
+    for (int r = 0; r < mr; r++) {
+        _mm512_storeu_ps(out + r * ldo, acc[r][0]);
+        _mm512_storeu_ps(out + r * ldo + 16, acc[r][1]);
+        _mm512_storeu_ps(out + r * ldo + 32, acc[r][2]);
+    }
+#else
+    (void)nxt;
+    (void)pf0;
+    for (int r = 0; r < mr; r++)
+        for (int c = 0; c < HF_PNB; c++) {
+            float s = bias48[c];
+            for (long kk = 0; kk < k; kk++) s = fmaf(x[r * k + kk], pan[kk * HF_PNB + c], s);
+            out[r * ldo + c] = s;
+        }
+#endif
+}
+
+static void panel_block8(const panel_ctx *a, const float *pan, const float *b48, long r0, float *out, long ldo,
+                         const float *nxt, long pass, long passes) {
+    panel_block(a, pan, b48, r0, HF_PMR, out, ldo, nxt, pass, passes);
+}
+
+static void panel_blockv(const panel_ctx *a, const float *pan, const float *b48, long r0, int mr, float *out, long ldo,
+                         const float *nxt, long pass, long passes) {
+    panel_block(a, pan, b48, r0, mr, out, ldo, nxt, pass, passes);
+}
+
+static void panel_chunk(void *ctx, long c) {
+    const panel_ctx *a = ctx;
+    long k = a->k, n = a->n, passes = (a->m + HF_PMR - 1) / HF_PMR;
+    long j1 = (c + 1) * HF_PCHUNK < a->np ? (c + 1) * HF_PCHUNK : a->np;
+    for (long j = c * HF_PCHUNK; j < j1; j++) {
+        const float *pan = a->p + (size_t)j * k * HF_PNB;
+        const float *nxt = j + 1 < a->np ? pan + k * HF_PNB : 0;
+        long c0 = j * HF_PNB, nv = n - c0 < HF_PNB ? n - c0 : HF_PNB;
+        float b48[HF_PNB], tmp[HF_PMR * HF_PNB];
+        for (long q = 0; q < HF_PNB; q++) b48[q] = a->bias && q < nv ? a->bias[c0 + q] : 0.f;
+        for (long r0 = 0, pass = 0; r0 < a->m; r0 += HF_PMR, pass++) {
+            int mr = a->m - r0 < HF_PMR ? (int)(a->m - r0) : HF_PMR;
+            float *out = nv == HF_PNB ? a->y + r0 * n + c0 : tmp;
+            long ldo = nv == HF_PNB ? n : HF_PNB;
+            if (mr == HF_PMR)
+                panel_block8(a, pan, b48, r0, out, ldo, nxt, pass, passes);
+            else
+                panel_blockv(a, pan, b48, r0, mr, out, ldo, nxt, pass, passes);
+            if (nv < HF_PNB)
+                for (int r = 0; r < mr; r++) memcpy(a->y + (r0 + r) * n + c0, tmp + r * HF_PNB, (size_t)nv * sizeof(float));
+        }
+    }
+}
+
+/* Y = X W^T + b on panels made by hf_pack_panels (b may be NULL). X [m, k] and Y [m, n] dense rows. */
+void hf_gemm_panel(const float *x, const float *p, const float *bias, float *y, long m, long n, long k, int threads) {
+    panel_ctx a = {x, p, bias, y, m, n, k, (n + HF_PNB - 1) / HF_PNB};
+    if (m < 1 || n < 1) return;
+    hf_run_team(panel_chunk, &a, (a.np + HF_PCHUNK - 1) / HF_PCHUNK, clamp_threads(threads));
+}

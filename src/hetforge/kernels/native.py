@@ -72,17 +72,25 @@ SIGNATURES = {
     "hf_gemm_few": [_P, _P, _P, _P, _L, _L, _L, _I, _I],
     "hf_gemm_few_kn": [_P, _P, _P, _P, _L, _L, _L, _I, _I, _P, _I],
     "hf_gated_mlp_few": [_P, _P, _P, _P, _P, _P, _P, _L, _L, _L, _I, _I],
+    "hf_panel_simd": [],
+    "hf_pack_panels": [_P, _P, _L, _L, _I, _I],
+    "hf_gemm_panel": [_P, _P, _P, _P, _L, _L, _L, _I],
 }
 RESTYPES = {  # the functions that return a value (every other one returns void)
     "hf_read_stream": _F, "hf_q8a_path": _I, "hf_bf16_path": _I, "hf_prefill_attention": _I, "hf_gemv_nk_multi": _I,
     "hf_gemv_q8a": _I, "hf_gemm_q8a": _I,  # 0, or -1: scratch not allocated
     "hf_gemv_q4a": _I, "hf_gemm_q4a": _I, "hf_q4a_path": _I, "hf_quantize_i8_chunks": _L, "hf_quantize_i8": _I,
-    "hf_transpose": _I, "hf_gemm_few": _I, "hf_gemm_few_kn": _I, "hf_gated_mlp_few": _I,
+    "hf_transpose": _I, "hf_gemm_few": _I, "hf_gemm_few_kn": _I, "hf_gated_mlp_few": _I, "hf_panel_simd": _I,
 }
 FEW_KN_SLOTS = 4  # split-K parts of hf_gemm_few_kn (fixed, so a result does not depend on the thread count)
 # most rows a product runs on hf_gemm_few / hf_gemm_few_kn / hf_gated_mlp_few (the C takes up to 32): at 12 and
 # 16 rows oneDNN's packed GEMM was as fast or faster inside a prefill program (docs/arch/runtime.md)
 FEW_MAX = 8
+# fp32 row counts a product runs on the panel GEMM (gemm_panel) instead of a packed GEMM torch ships: the run of row
+# counts at which it was the fastest kernel from memory on bench/panel_gemm.py's calibration shapes, in every family
+# (docs/bench/panel_gemm.md)
+PANEL_MIN, PANEL_MAX = 16, 48
+PANEL_NB = 48  # native.c's HF_PNB: output columns per panel of a packed weight (pack_panels)
 ACT_CODES = {"none": 0, "relu": 1, "gelu": 2, "gelu_tanh": 3, "silu": 4}  # native.c's ACT_* (linear_act, gated_mlp)
 
 
@@ -344,6 +352,46 @@ def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: torch
         n, k = w.shape
         lib.hf_gemv_nk(w.data_ptr(), x.data_ptr(), _ptr(bias), out.data_ptr(), n, k, threads)
     return out
+
+
+def panel_available() -> bool:
+    """Whether the panel GEMM (:func:`gemm_panel`) runs vectorized here (the library built with AVX-512): where it
+    does not, its plain C path is correct but slow, and products stay on the kernels torch ships."""
+    lib = library()
+    return lib is not None and bool(lib.hf_panel_simd())
+
+
+def pack_panels(w: torch.Tensor, weight_t: bool = False, threads: int | None = None) -> torch.Tensor:
+    """``w`` (fp32 ``[N, K]``, or ``[K, N]`` when ``weight_t``) packed for :func:`gemm_panel`: ``ceil(N / 48)``
+    panels of ``K × 48`` floats (columns past N zero), as one flat tensor. The packing does not depend on the row
+    count: one copy serves every prompt length."""
+    lib = library()
+    assert lib is not None, status().reason
+    if w.dtype != torch.float32 or w.dim() != 2 or not w.is_contiguous() or w.device.type != "cpu":
+        raise ValueError(f"panel packing takes a contiguous 2-D float32 CPU weight, got {w.dtype} "
+                         f"{tuple(w.shape)} on {w.device}")
+    k, n = w.shape if weight_t else (w.shape[1], w.shape[0])
+    out = torch.empty(((n + PANEL_NB - 1) // PANEL_NB) * PANEL_NB * k, dtype=torch.float32)
+    lib.hf_pack_panels(w.data_ptr(), out.data_ptr(), n, k, int(weight_t),
+                       max(1, torch.get_num_threads() if threads is None else threads))
+    return out
+
+
+def gemm_panel(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int,
+               threads: int | None = None) -> torch.Tensor:
+    """``x·Wᵀ + b`` (fp32, ``x``: contiguous ``[..., K]``) on a weight packed by :func:`pack_panels` with ``n``
+    outputs; a fresh ``[..., n]`` tensor. Each output is one chain of fused multiply-adds from the bias in K
+    order, so the result does not depend on the thread count."""
+    k = x.shape[-1]
+    if (x.dtype != torch.float32 or not x.is_contiguous() or packed.numel() != ((n + PANEL_NB - 1) // PANEL_NB)
+            * PANEL_NB * k or bias is not None and (bias.numel() != n or not bias.is_contiguous()
+                                                    or bias.dtype != torch.float32)):
+        raise ValueError(f"panel GEMM: input {x.dtype} {tuple(x.shape)} (contiguous: {x.is_contiguous()}) does "
+                         f"not fit a packed weight of {packed.numel()} floats for {n} outputs")
+    y = torch.empty((*x.shape[:-1], n), dtype=torch.float32)
+    library().hf_gemm_panel(x.data_ptr(), packed.data_ptr(), _ptr(bias), y.data_ptr(), x.numel() // max(k, 1),
+                            n, k, max(1, torch.get_num_threads() if threads is None else threads))
+    return y
 
 
 MULTI_MAX = 4  # native.c's HF_MULTI_MAX: the most products one hf_gemv_nk_multi call takes

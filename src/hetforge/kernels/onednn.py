@@ -27,8 +27,9 @@ above 1 (measuring stops once a majority of the rounds agree: the median is deci
 A round's ratio compares two calls made back to back, so a round in which
 another process took the core spoils that round only, and the median leaves it out; the best of each kernel's
 times, which an earlier version compared, flipped choices on a loaded 2-core host (a 2× slower ATen chosen
-for a third of the shapes). ``HETFORGE_GEMM=aten``, ``=onednn`` or ``=mkl`` forces one kernel (``auto``, the
-default, measures).
+for a third of the shapes). fp32 products of :func:`panel_rows` rows (a short prompt's) run on the native panel
+GEMM by rule instead (from memory it was faster there; the timing above reads one weight from cache).
+``HETFORGE_GEMM=aten``, ``=onednn``, ``=mkl`` or ``=panel`` forces one kernel (``auto``, the default, measures).
 """
 
 from __future__ import annotations
@@ -45,8 +46,8 @@ import torch.nn.functional as F
 
 from hetforge.kernels import native
 
-POLICIES = ("auto", "aten", "onednn", "mkl")
-KERNELS = ("aten", "onednn", "mkl")  # what a choice names (:func:`pick`)
+POLICIES = ("auto", "aten", "onednn", "mkl", "panel")
+KERNELS = ("aten", "onednn", "mkl", "panel")  # what a choice names (:func:`pick`)
 # hetforge activation name → (oneDNN post-op attr, scalars, algorithm)
 ACT_ATTR: dict[str, tuple[str, list, str]] = {
     "none": ("none", [], ""), "relu": ("relu", [], ""), "gelu": ("gelu", [], "none"),
@@ -58,7 +59,7 @@ ROUNDS = 5  # interleaved rounds of :func:`pick`
 
 PACK_ROWS = 512  # the widest row count _alike compares a 2-row packing with
 
-_packed: dict[tuple, dict[int, torch.Tensor]] = {}  # (id(w), weight_t[, kind]) -> rows -> packed copy
+_packed: dict[tuple, dict[int, torch.Tensor]] = {}  # (the weight's memory, weight_t, kind) -> rows -> packed copy
 _hint_free: dict[tuple, bool] = {}  # (dtype, shape, weight_t, kind) -> whether packing ignores the row count >= 2
 _choices: dict[tuple, str] = {}  # choice key -> the kernel that runs it (KERNELS)
 _choice_times: dict[tuple, tuple[float, float, float, str]] = {}
@@ -124,6 +125,8 @@ def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _reorder(w: torch.Tensor, weight_t: bool, rows: int, kind: str = "onednn") -> torch.Tensor:
+    if kind == "panel":  # the native panel layout, made from either layout directly (no transpose first)
+        return native.pack_panels(w.contiguous(), weight_t)
     src = w.t() if weight_t else w
     if not src.is_contiguous() and (_scratch or weight_t and native.library() is not None or kind == "mkl"):
         if _scratch:
@@ -134,9 +137,18 @@ def _reorder(w: torch.Tensor, weight_t: bool, rows: int, kind: str = "onednn") -
         else:
             dst = torch.empty(src.shape, dtype=src.dtype)
         src = dst if weight_t and native.transpose_into(w, dst) else dst.copy_(src)
-    if kind == "mkl":  # MKL's packed B of ``cblas_sgemm_pack`` (an opaque tensor of the weight's size)
-        return torch.ops.mkl._mkl_reorder_linear_weight(src, rows)
+    if kind == "mkl":  # MKL's packed B of ``cblas_sgemm_pack`` (an opaque tensor of the weight's size), packed for
+        # at least PACK_ROWS rows whatever row count asks first: the products are the same bits for any hint, but a
+        # packing for a few rows ran 128 rows up to 2x slower, while one for 512 ran every count from 16 to 512
+        # within ~10% of its own best (measured; docs/arch/runtime.md)
+        return torch.ops.mkl._mkl_reorder_linear_weight(src, max(rows, PACK_ROWS))
     return torch.ops.mkldnn._reorder_linear_weight(src, rows)  # reads any strides
+
+
+def pack(w: torch.Tensor, weight_t: bool, rows: int, kind: str) -> torch.Tensor:
+    """A fresh packing of ``w`` for ``kind`` (:data:`KERNELS` but ``aten``), made as the executor's are (calibration
+    times kernels on such copies), without :func:`packed_weight`'s sharing."""
+    return _reorder(w, weight_t, rows, kind)
 
 
 @contextlib.contextmanager
@@ -162,6 +174,8 @@ def _alike(w: torch.Tensor, weight_t: bool, mine: dict[int, torch.Tensor], kind:
     bytes are equal. MKL (whose opaque packed tensor's bytes are not comparable): the product of :data:`PACK_ROWS` rows
     on either packing gives the same bits."""
     key = (w.dtype, tuple(w.shape), weight_t, kind)
+    if kind == "panel":  # its layout does not depend on the row count
+        return True
     if key not in _hint_free:
         try:
             lo, hi = (mine.get(r) if r in mine else _reorder(w, weight_t, r, kind) for r in (2, PACK_ROWS))
@@ -185,14 +199,27 @@ def mkl_linear(x: torch.Tensor, packed: torch.Tensor, ori: torch.Tensor, bias: t
     return torch.ops.mkl._mkl_linear(x, packed, ori, bias, rows)
 
 
+def _memory_key(w: torch.Tensor, weight_t: bool, kind: str) -> tuple:
+    """What a packed copy is made of: the weight's memory (storage address, offset, sizes, strides, dtype and
+    version counter), its layout and the packing. Why not ``id(w)``: each prefill length's program holds its own
+    tensor objects over the model's one storage, so keying by object packed every weight once per prompt length
+    (one more model of memory each). An entry is dropped when the tensor that made it dies (:func:`packed_weight`),
+    so its address cannot be taken over by another weight while the entry lives; an in-place write to the weight
+    bumps its version, so a packing of the old values is never used."""
+    return (w.untyped_storage().data_ptr(), w.storage_offset(), tuple(w.shape), tuple(w.stride()), w.dtype,
+            w._version, weight_t, kind)
+
+
 def packed_weight(w: torch.Tensor, weight_t: bool, rows: int, kind: str = "onednn") -> torch.Tensor:
     """``w`` (``[N, K]``, or ``[K, N]`` when ``weight_t``) packed for ``rows`` rows (``kind``); made
     once per weight and packing, freed with the weight. The first row count >= 2 a weight is packed for is packed
     as asked, without a check: a program with one prefill length packs each weight once. A second count >= 2
     takes the first one's copy where every count packs alike (:func:`_alike`), else its own. Why: each prefill
     length (fine mode: up to 8 per power of two) would otherwise keep its own packed copy of every weight, for as
-    long as the model lives. ``kind``: ``onednn`` (oneDNN's blocked layout) or ``mkl`` (MKL's packed sgemm)."""
-    key = (id(w), weight_t) if kind == "onednn" else (id(w), weight_t, kind)
+    long as the model lives. Programs of several prompt lengths over one model share the copies (:func:`_memory_key`).
+    ``kind``: ``onednn`` (oneDNN's blocked layout), ``mkl`` (MKL's packed sgemm) or ``panel`` (the native panel
+    GEMM's, :func:`hetforge.kernels.native.pack_panels`)."""
+    key = _memory_key(w, weight_t, kind)
     mine = _packed.get(key)
     if mine is None:
         mine = _packed[key] = {}
@@ -279,11 +306,12 @@ def _candidate(rows: int, dtype: torch.dtype) -> bool:
 def pick(rows: int, k: int, n: int, dtype: torch.dtype, w: torch.Tensor | None = None,
          weight_t: bool = False, act: str = "none") -> str:
     """Which kernel runs ``act([rows, k] × [k, n] + b)`` on this host (:data:`KERNELS`): ``onednn`` (the packed
-    oneDNN kernel, the activation fused as a post-op), ``mkl`` (MKL's packed sgemm, then the activation) or
-    ``aten`` (ATen's ``linear``, then the activation). Measured once per shape, dtype, activation and thread count
-    (see the module docstring): oneDNN against the other side, which is MKL's packed sgemm for fp32 where this
-    torch has it (:func:`mkl_available`; not timed against ATen's ``linear``, which takes the weight as stored),
-    else ATen. The activation is part of what is timed: in bf16
+    oneDNN kernel, the activation fused as a post-op), ``mkl`` (MKL's packed sgemm, then the activation),
+    ``panel`` (the native panel GEMM, then the activation: fp32 row counts :func:`panel_rows` takes, by rule) or
+    ``aten`` (ATen's ``linear``, then the activation). Otherwise measured once per shape, dtype, activation and
+    thread count (see the module docstring): oneDNN against the other side, which is MKL's packed sgemm for fp32
+    where this torch has it (:func:`mkl_available`; not timed against ATen's ``linear``, which takes the weight as
+    stored), else ATen. The activation is part of what is timed: in bf16
     ATen's plain product is about as fast as oneDNN's, and comparing products alone let a noisy round pick the
     ATen path whose separate activation pass then cost more than the product. One fp32 row is the native GEMV's
     (:mod:`hetforge.kernels.native`); one bf16 row is measured here only where the native bf16 GEMV cannot run it
@@ -292,8 +320,12 @@ def pick(rows: int, k: int, n: int, dtype: torch.dtype, w: torch.Tensor | None =
         return "aten"
     other = "mkl" if dtype == torch.float32 and mkl_available() else "aten"
     pol = policy()
+    if pol == "panel":
+        return "panel" if dtype == torch.float32 and native.panel_available() else "aten"
     if pol != "auto":
         return "onednn" if pol == "onednn" else other if pol == "mkl" else "aten"
+    if panel_rows(rows, dtype):
+        return "panel"
     key = (rows, k, n, dtype, threads(), act)
     if key not in _choices and _pinned:
         raise ChoiceRefused(f"the kernel choice for [{rows}, {k}] x [{k}, {n}] {dtype} at {threads()} threads is "
@@ -319,6 +351,15 @@ def pick(rows: int, k: int, n: int, dtype: torch.dtype, w: torch.Tensor | None =
     return _choices[key]
 
 
+def panel_rows(rows: int, dtype: torch.dtype) -> bool:
+    """Whether an fp32 product of ``rows`` rows runs on the native panel GEMM without measuring: ``rows`` within
+    :data:`hetforge.kernels.native.PANEL_MIN`..``PANEL_MAX``, where it was the fastest kernel with the weights read
+    from memory (bench/panel_gemm.py, on shapes no evaluated model has), and the library vectorized here. Not
+    timed by :func:`pick`: its timing reuses one weight from cache, where the panel GEMM's prefetch of the next
+    panel buys nothing, while a prefill reads each weight from memory once."""
+    return dtype == torch.float32 and native.PANEL_MIN <= rows <= native.PANEL_MAX and native.panel_available()
+
+
 def choose(rows: int, k: int, n: int, dtype: torch.dtype, w: torch.Tensor | None = None,
            weight_t: bool = False, act: str = "none") -> bool:
     """Whether a packed kernel (oneDNN or MKL: :func:`pick`) runs this product, not ATen's ``linear``."""
@@ -328,7 +369,8 @@ def choose(rows: int, k: int, n: int, dtype: torch.dtype, w: torch.Tensor | None
 def decided(rows: int, k: int, n: int, dtype: torch.dtype, act: str = "none") -> bool | None:
     """What :func:`choose` answers for this product without measuring: None when it has not been measured in
     this process (nor seeded, :func:`seed_choices`) and the policy is ``auto``."""
-    if policy() == "auto" and _candidate(rows, dtype) and (rows, k, n, dtype, threads(), act) not in _choices:
+    if policy() == "auto" and _candidate(rows, dtype) and not panel_rows(rows, dtype) \
+            and (rows, k, n, dtype, threads(), act) not in _choices:
         return None
     return pick(rows, k, n, dtype, act=act) != "aten"  # answered without measuring: forced, no candidate, or known
 

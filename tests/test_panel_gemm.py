@@ -1,0 +1,179 @@
+"""The native panel GEMM (a short prompt's fp32 products): numerics against a float64 product for both weight
+layouts with tails in every dimension, the same bits whatever the thread count and on the plain C path as on the
+vector one, the rule that sends a short prompt's products to it, the executor's use of it (KL ≤ 1e-8 against eager),
+and packed copies shared by the programs of several prompt lengths. Its speed is measured by bench/panel_gemm.py,
+not here."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hetforge.compile import compile_graph
+from hetforge.frontend import capture
+from hetforge.kernels import native, onednn
+from hetforge.models.zoo import example_inputs, load_model
+from hetforge.verify import verify
+
+pytestmark = pytest.mark.skipif(native.library() is None,
+                                reason="the native kernels are not built here (no C compiler): nothing to test")
+needs_simd = pytest.mark.skipif(not native.panel_available(),
+                                reason="the native library has no AVX-512 path here, so lowering never picks the "
+                                       "panel GEMM (its plain C path is still tested)")
+
+
+def _case(m: int, k: int, n: int, weight_t: bool, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn((k, n) if weight_t else (n, k), generator=g)
+    return torch.randn(m, k, generator=g), w, torch.randn(n, generator=g)
+
+
+@settings(max_examples=40, deadline=None)
+@given(m=st.integers(1, 40), k=st.integers(1, 130), n=st.integers(1, 150), weight_t=st.booleans(),
+       with_bias=st.booleans(), seed=st.integers(0, 2**16))
+def test_panel_gemm_matches_a_float64_product_for_both_layouts_and_any_tail(m, k, n, weight_t, with_bias, seed):
+    x, w, b = _case(m, k, n, weight_t, seed)
+    b = b if with_bias else None
+    packed = native.pack_panels(w, weight_t)
+    assert packed.numel() == -(-n // native.PANEL_NB) * native.PANEL_NB * k
+    got = native.gemm_panel(x, packed, b, n)
+    ref = F.linear(x.double(), (w.t() if weight_t else w).double(), None if b is None else b.double())
+    assert got.shape == (m, n)
+    torch.testing.assert_close(got.double(), ref, rtol=0, atol=2e-6 * (k + 1) ** 0.5 * 4)
+    assert torch.equal(native.gemm_panel(x, packed, b, n, threads=1), got)  # no dependence on the thread count
+
+
+def test_panel_gemm_keeps_the_leading_dimensions_and_refuses_what_does_not_fit():
+    x, w, b = _case(24, 64, 100, False, 0)
+    packed = native.pack_panels(w)
+    y = native.gemm_panel(x.view(2, 12, 64), packed, b, 100)
+    assert y.shape == (2, 12, 100) and torch.equal(y.view(24, 100), native.gemm_panel(x, packed, b, 100))
+    with pytest.raises(ValueError, match="does not fit"):
+        native.gemm_panel(x[:, :63].contiguous(), packed, b, 100)
+    with pytest.raises(ValueError, match="does not fit"):
+        native.gemm_panel(x.t().contiguous().t(), packed, b, 100)  # a strided input would be misread
+    with pytest.raises(ValueError, match="float32"):
+        native.pack_panels(w.to(torch.bfloat16))
+
+
+@functools.cache
+def _plain_library(tmp: str):
+    """native.c built without ``-march=native`` (the plain C path), loaded beside the real library."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        return None
+    out = f"{tmp}/plain.so"
+    err = native._build(cc, native.FLAG_SETS[1], __import__("pathlib").Path(out))
+    assert err is None, err
+    lib = ctypes.CDLL(out)
+    for name, argtypes in native.SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = argtypes, native.RESTYPES.get(name)
+    return lib
+
+
+@needs_simd
+def test_the_plain_c_path_gives_the_same_bits_as_the_vector_path(tmp_path_factory):
+    """Each output is one chain of fused multiply-adds from the bias in K order on both paths (fmaf in C)."""
+    lib = _plain_library(str(tmp_path_factory.mktemp("plain")))
+    if lib is None:
+        pytest.skip("no C compiler on PATH to build the plain path")
+    assert lib.hf_panel_simd() == 0
+    for m, k, n, weight_t in [(16, 96, 100, False), (19, 70, 48, True), (3, 5, 7, False)]:
+        x, w, b = _case(m, k, n, weight_t, m)
+        packed = native.pack_panels(w, weight_t)
+        plain_packed = torch.empty_like(packed)
+        lib.hf_pack_panels(w.data_ptr(), plain_packed.data_ptr(), n, k, int(weight_t), 2)
+        assert torch.equal(plain_packed, packed)
+        y = torch.empty(m, n)
+        lib.hf_gemm_panel(x.data_ptr(), packed.data_ptr(), b.data_ptr(), y.data_ptr(), m, n, k, 2)
+        assert torch.equal(y, native.gemm_panel(x, packed, b, n))
+
+
+@needs_simd
+def test_a_short_prompts_fp32_products_take_the_panel_gemm_by_rule(monkeypatch):
+    monkeypatch.delenv("HETFORGE_GEMM", raising=False)
+    lo, hi = native.PANEL_MIN, native.PANEL_MAX
+    assert 2 <= native.FEW_MAX < lo <= hi
+    before = len(onednn.measured_choices())
+    for rows in (lo, hi):
+        assert onednn.pick(rows, 96, 112, torch.float32) == "panel" and onednn.choose(rows, 96, 112, torch.float32)
+        assert onednn.decided(rows, 96, 112, torch.float32) is True
+    assert len(onednn.measured_choices()) == before  # a rule: nothing timed
+    assert onednn.pick(hi + 1, 96, 112, torch.float32) != "panel"
+    assert onednn.pick(lo, 96, 112, torch.bfloat16) != "panel"
+    monkeypatch.setenv("HETFORGE_GEMM", "panel")
+    assert onednn.pick(hi + 100, 96, 112, torch.float32) == "panel"
+    monkeypatch.setenv("HETFORGE_GEMM", "mkl")
+    assert onednn.pick(lo, 96, 112, torch.float32) != "panel"
+
+
+@functools.cache
+def _loaded(name: str):
+    return load_model(name)
+
+
+@functools.cache
+def _captured(name: str, seq: int):
+    """(module, inputs, capture) of zoo model ``name`` at [1, seq]; one loaded model (one set of weights) per name."""
+    loaded = _loaded(name)
+    inputs = example_inputs(loaded, seq=seq)
+    module = loaded.logits_module()
+    return module, inputs, capture(module, inputs, name=name)
+
+
+@needs_simd
+@pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny", "qwen2-tiny"])
+def test_executor_runs_a_short_prompts_linears_on_the_panel_gemm_within_kl_1e8(name, monkeypatch):
+    """A 24-token prefill: every multi-row product on the panel GEMM (activation, gated MLP product and residual
+    add in place after it), KL ≤ 1e-8 against eager, the same top-1, and results that survive the next call."""
+    monkeypatch.delenv("HETFORGE_GEMM", raising=False)
+    module, inputs, cg = _captured(name, 24)
+    exe = compile_graph(cg.gm, soc="host", example_inputs=inputs, name=name).executable
+    assert exe.stats.panel_gemm > 0 and exe.stats.mkl_gemm == exe.stats.onednn_gemm == 0
+    rep = verify(module, exe, inputs, kl_threshold=1e-8)
+    assert rep.passed and rep.top1_agree == 1.0, rep
+    first = exe(*inputs).clone()
+    exe(*inputs)
+    torch.testing.assert_close(exe(*inputs), first, rtol=0, atol=0)
+
+
+@needs_simd
+def test_programs_of_two_prompt_lengths_share_one_packed_copy_per_weight(monkeypatch):
+    """Packed copies are keyed by the weight's memory, not the tensor object: each prompt length's program holds its
+    own tensor objects over the model's weights, and must not pack them again (one more model of memory each)."""
+    monkeypatch.delenv("HETFORGE_GEMM", raising=False)
+    made = []
+    real = onednn._reorder
+    monkeypatch.setattr(onednn, "_reorder", lambda w, t, r, k="onednn": made.append(k) or real(w, t, r, k))
+    exes = []
+    for seq in (native.PANEL_MIN, native.PANEL_MIN + 8):
+        module, inputs, cg = _captured("gpt2-tiny", seq)
+        exe = compile_graph(cg.gm, soc="host", example_inputs=inputs, name=f"share-{seq}").executable
+        assert exe.prepack() > 0
+        exes.append((exe, module, inputs))
+    lazy = [v for exe, _, _ in exes for v in exe._globals.values() if isinstance(v, onednn.LazyPacked)]
+    objects, copies = {id(v.w) for v in lazy}, {id(v.get()) for v in lazy}
+    assert len(objects) > len(copies) and made == ["panel"] * len(copies)  # several objects, one copy a weight
+    for exe, module, inputs in exes:
+        assert verify(module, exe, inputs, kl_threshold=1e-8).passed
+
+
+def test_an_in_place_write_to_a_weight_is_never_served_its_old_packing():
+    w = torch.randn(64, 32)
+    kind = "panel" if native.panel_available() else "onednn"
+    first = onednn.packed_weight(w, False, 16, kind)
+    assert onednn.packed_weight(w.view(64, 32), False, 16, kind) is first  # the same memory: the same copy
+    w.mul_(2.0)
+    again = onednn.packed_weight(w, False, 16, kind)
+    assert again is not first
+    x = torch.randn(16, 32)
+    got = native.gemm_panel(x, again, None, 64) if kind == "panel" else onednn.linear_fn(again, None)(x)
+    torch.testing.assert_close(got, x @ w.t(), rtol=1e-5, atol=1e-5)
