@@ -8,9 +8,9 @@ prefill program does.
 
 The weight shapes are a **calibration** set, not any model hetforge is evaluated on (no zoo model has them):
 two families of one layer's four fp32 products (``[N, K]`` weights, each with a bias): ``d1024`` (1024→3072,
-1024→1024, 1024→4096, 4096→1024) and ``d2048`` (2048→6144, 2048→2048, 2048→5632, 5632→2048). The largest row count
-at which the panel GEMM is the fastest kernel in both families is the limit lowering uses
-(:data:`hetforge.kernels.native.PANEL_MAX`).
+1024→1024, 1024→4096, 4096→1024) and ``d2048`` (2048→6144, 2048→2048, 2048→5632, 5632→2048). The longest run of
+row counts at which the panel GEMM is the fastest kernel in both families is what lowering sends to it
+(:data:`hetforge.kernels.native.PANEL_MIN` .. ``PANEL_MAX``).
 
 Kernels (all measured, wall clock, ``--threads`` threads): ATen's ``linear`` (the weight as stored), oneDNN's
 packed linear, MKL's packed sgemm (where this torch has it), the native panel GEMM (``hf_gemm_panel``), and up to
@@ -103,18 +103,19 @@ def measure_family(shapes: list[tuple[int, int]], rows_list: list[int], rounds: 
     return res
 
 
-def panel_max(res: dict) -> int:
-    """The largest row count r such that the panel GEMM was the fastest (median per-round ratio ≤ 1) at every
-    measured row count above :data:`native.FEW_MAX` up to r, in every family (0 when not even the first)."""
-    best = 0
+def panel_range(res: dict) -> tuple[int, int] | None:
+    """The longest run of consecutive measured row counts above :data:`native.FEW_MAX` at which the panel GEMM was
+    the fastest kernel (median per-round ratio ≤ 1) in every family, as (first, last); None when there is none."""
     rows = sorted({int(r) for f in res["families"].values() for r in f["rows"]})
+    runs: list[list[int]] = [[]]
     for r in (r for r in rows if r > res["few_max"]):
         if all(f["rows"][str(r)]["panel_ratio_median"] <= 1.0 for f in res["families"].values()
                if str(r) in f["rows"]):
-            best = r
-        else:
-            break
-    return best
+            runs[-1].append(r)
+        elif runs[-1]:
+            runs.append([])
+    best = max(runs, key=len)
+    return (best[0], best[-1]) if best else None
 
 
 def render(res: dict) -> str:
@@ -143,9 +144,13 @@ def render(res: dict) -> str:
                              f"{statistics.median(t) * 1e3:.1f} ({row['flops'] / statistics.median(t) / 1e9:.0f})")
             lines.append(f"| {r} | " + " | ".join(cells) + f" | {row['panel_ratio_median']:.3f} |")
         lines.append("")
-    lines += [f"Largest row count above {res['few_max']} (the few-row kernel's limit) up to which the panel GEMM was "
-              f"the fastest in every family at every measured count: **{panel_max(res)}** "
-              f"(`hetforge.kernels.native.PANEL_MAX` is {res['panel_max_in_code']} in the code this ran).", ""]
+    rng = panel_range(res)
+    code = f"{res['panel_min_in_code']}..{res['panel_max_in_code']}"
+    lines += [f"Longest run of measured row counts above {res['few_max']} (the few-row kernel's limit) at which the "
+              "panel GEMM was the fastest kernel in every family: "
+              + (f"**{rng[0]}..{rng[1]}**" if rng else "**none**")
+              + f" (`hetforge.kernels.native.PANEL_MIN..PANEL_MAX`, the row counts lowering sends to it, were {code} "
+              "in the code this ran).", ""]
     return "\n".join(lines)
 
 
@@ -177,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     meta = run_meta("bench/panel_gemm.py", argv)
     res = {"factor": a.factor, "llc_bytes": llc_bytes(), "few_max": native.FEW_MAX,
-           "panel_max_in_code": native.PANEL_MAX, "families": {}}
+           "panel_min_in_code": native.PANEL_MIN, "panel_max_in_code": native.PANEL_MAX, "families": {}}
     for fam in fams:
         print(f"{fam}:", file=sys.stderr, flush=True)
         res["families"][fam] = measure_family(FAMILIES[fam], rows, a.rounds, a.factor)

@@ -1130,6 +1130,23 @@ def prefill_gemm(d: J) -> Row:
     return Row("prefill GEMMs", what, result, "", link("prefill_gemm.md"))
 
 
+@cpu_row("panel_gemm.json")
+def panel_gemm(d: J) -> Row:
+    fams = d["families"]
+    cells = []
+    for name in fams.value:
+        rows = fams[name]["rows"]
+        cells.append(f"{name}: " + ", ".join(f"{r} rows {times(rows[r].f('panel_ratio_median'))}"
+                                             for r in rows.value if 16 <= int(r) <= 64))
+    lo, hi = int(d.f("panel_min_in_code")), int(d.f("panel_max_in_code"))
+    result = ("panel GEMM ÷ the fastest of ATen / oneDNN / MKL packed, weights from memory: " + "; ".join(cells)
+              + f". Lowering sends fp32 products of {lo}..{hi} rows to it")
+    what = ("a short prompt's products with every weight read from memory (pools ≥ "
+            f"{int(d.f('factor'))} last-level caches), on calibration shapes no evaluated model has, interleaved "
+            f"rounds (load average {load_avg(d['meta']['loadavg_before'])} at start)")
+    return Row("short-prompt GEMMs", what, result, "", link("panel_gemm.md"))
+
+
 @cpu_row("prefill_gemm.json")
 def bf16(d: J) -> Row:
     rs = list(d["rows"])
@@ -1321,6 +1338,7 @@ COMMAND_KEYS: list[tuple[str, tuple[str | int, ...]]] = [
     ("contention.json", ("command",)),
     ("ttft.json", ("command",)),
     ("prefill_gemm.json", ("command",)),
+    ("panel_gemm.json", ("meta", "command")),
 ]
 
 
