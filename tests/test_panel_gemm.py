@@ -177,3 +177,11 @@ def test_an_in_place_write_to_a_weight_is_never_served_its_old_packing():
     x = torch.randn(16, 32)
     got = native.gemm_panel(x, again, None, 64) if kind == "panel" else onednn.linear_fn(again, None)(x)
     torch.testing.assert_close(got, x @ w.t(), rtol=1e-5, atol=1e-5)
+
+
+def test_an_inference_tensor_weight_packs_too():
+    """Weights made under ``torch.inference_mode`` have no version counter: still one packing per weight."""
+    with torch.inference_mode():
+        w = torch.randn(48, 16)
+    kind = "panel" if native.panel_available() else "onednn"
+    assert onednn.packed_weight(w, False, 16, kind) is onednn.packed_weight(w.view(48, 16), False, 16, kind)

@@ -206,8 +206,12 @@ def _memory_key(w: torch.Tensor, weight_t: bool, kind: str) -> tuple:
     (one more model of memory each). An entry is dropped when the tensor that made it dies (:func:`packed_weight`),
     so its address cannot be taken over by another weight while the entry lives; an in-place write to the weight
     bumps its version, so a packing of the old values is never used."""
+    try:
+        version = w._version
+    except RuntimeError:  # an inference tensor has no version counter (and cannot be written in place outside
+        version = -1      # inference mode)
     return (w.untyped_storage().data_ptr(), w.storage_offset(), tuple(w.shape), tuple(w.stride()), w.dtype,
-            w._version, weight_t, kind)
+            version, weight_t, kind)
 
 
 def packed_weight(w: torch.Tensor, weight_t: bool, rows: int, kind: str = "onednn") -> torch.Tensor:
