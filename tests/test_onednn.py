@@ -335,3 +335,27 @@ def test_choice_stops_once_a_majority_of_rounds_agrees_with_the_full_median(monk
     assert max(sum(r > 1 for r in first), sum(r <= 1 for r in first)) >= 3  # stopped only on a decided majority
     assert rounds == 5 or rounds < 5 and (sum(r > 1 for r in first) == 3 or sum(r <= 1 for r in first) == 3)
     assert (early > 1.0) == (statistics.median(ratios) > 1.0)  # the answer the five rounds give
+
+
+@needs_mkl
+def test_mkl_packs_for_at_least_pack_rows_whatever_row_count_asks_first(monkeypatch):
+    """MKL's packing takes a row hint: the products are the same bits for any hint, but a packing made for a few
+    rows ran many rows up to ~2x slower (docs/arch/runtime.md), and the first program to ask may be a short
+    prompt's. So every MKL packing is made for max(rows, PACK_ROWS), and serves every row count."""
+    hints = []
+    real = torch.ops.mkl._mkl_reorder_linear_weight
+
+    class Recording:
+        def __call__(self, w, rows):
+            hints.append(rows)
+            return real(w, rows)
+
+    monkeypatch.setattr(torch.ops.mkl, "_mkl_reorder_linear_weight", Recording())
+    w = torch.randn(96, 64)
+    small = onednn.pack(w, False, 16, "mkl")
+    big = onednn.pack(w, False, 2 * onednn.PACK_ROWS, "mkl")
+    assert hints == [onednn.PACK_ROWS, 2 * onednn.PACK_ROWS]
+    x = torch.randn(16, 64)
+    torch.testing.assert_close(onednn.mkl_linear(x, small, w, None, 16), F.linear(x, w), rtol=1e-5, atol=1e-5)
+    x = torch.randn(2 * onednn.PACK_ROWS, 64)
+    torch.testing.assert_close(onednn.mkl_linear(x, big, w, None, x.shape[0]), F.linear(x, w), rtol=1e-5, atol=1e-5)

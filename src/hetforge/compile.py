@@ -259,7 +259,7 @@ def compile_model(
     res.seconds = {"load": t1 - t0, "capture": cap, **res.seconds, "total": res.seconds["total"] + cap}
     res.extra["module"] = module
     res.extra["loaded"] = loaded
-    note = cg.deferred.note() if cg.deferred is not None else cg.note  # a deferred capture's, after its stamping
+    note = cg.final_note()  # a deferred capture's, after its stamping
     if note:
         res.extra["capture_note"] = note
     return res

@@ -47,6 +47,11 @@ class CapturedGraph:
     def op_counts(self) -> Counter:
         return op_counts(self.gm)
 
+    def final_note(self) -> str:
+        """How it was made, as known once it is complete: a deferred capture's note says what its stamping did (so
+        it is read after the stamping), any other capture's is :attr:`note`."""
+        return self.deferred.note() if self.deferred is not None else self.note
+
     @property
     def num_nodes(self) -> int:
         return len(self.gm.graph.nodes)

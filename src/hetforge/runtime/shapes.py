@@ -63,7 +63,7 @@ def _compile(module: torch.nn.Module, inputs: tuple, name: str, build: bool, opt
         capture(module, inputs, name=name, stack_traces=False, guards=False)  # lowered only: no guard needed
     res = compile_graph(cg.gm, example_inputs=inputs, name=name, build=build, expand=cg.deferred, **options)
     res.seconds = {"capture": cg.seconds, **res.seconds}
-    return res, cg.deferred.note() if cg.deferred is not None else cg.note
+    return res, cg.final_note()
 
 
 def _stages(secs: dict[str, float]) -> dict[str, float]:
