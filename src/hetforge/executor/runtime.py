@@ -812,10 +812,11 @@ class _Codegen:
     def build(self, profile: bool) -> str:
         p = self.p
         self.need_views = self.needed_views()
-        reads = self.composed_reads()  # a composed view reads its root, not its inputs (some never made)
+        composed = self.composed_reads()  # a composed view reads its root, not its inputs (some never made)
+        reads = {ins.id: composed[ins.id] if ins.id in composed else ins.input_regs() for ins in p.instrs}
         last_use: dict[int, int] = {}
         for k, ins in enumerate(p.instrs):
-            for r in reads.get(ins.id, ins.input_regs()):
+            for r in reads[ins.id]:
                 last_use[r] = k
         keep = set(p.output_regs())
         params = ", ".join(f"r{v}" for v in p.inputs)
@@ -829,7 +830,7 @@ class _Codegen:
                 if sync:
                     body.append("_sync()")
                 body.append(f"_T[{k}] += _pc() - _t; _t = _pc()")
-            dead = [r for r in reads.get(ins.id, ins.input_regs()) if last_use.get(r) == k and r not in keep
+            dead = [r for r in reads[ins.id] if last_use.get(r) == k and r not in keep
                     and p.values[r].kind != WEIGHT]
             dead += [o for o in ins.outputs if o not in last_use and o not in keep]
             dead = [r for r in dead if not self.never_made(r)]
