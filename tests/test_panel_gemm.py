@@ -185,3 +185,30 @@ def test_an_inference_tensor_weight_packs_too():
         w = torch.randn(48, 16)
     kind = "panel" if native.panel_available() else "onednn"
     assert onednn.packed_weight(w, False, 16, kind) is onednn.packed_weight(w.view(48, 16), False, 16, kind)
+
+
+def _child_products(w: torch.Tensor, x: torch.Tensor, out) -> None:
+    torch.set_num_threads(2)  # as many as the parent: the kernels must not start a team the fork broke
+    out.put(native.gemm_panel(x, native.pack_panels(w), None, w.shape[0]).tolist())
+
+
+def test_the_panel_gemm_runs_in_a_forked_child_after_the_parent_used_the_team():
+    """libgomp's team does not survive fork(): a two-thread region in the child of a parent that had started it
+    hangs. The native library's team kernels run every chunk on the calling thread in a forked child instead
+    (the same chunks, so the same bits)."""
+    import multiprocessing as mp
+
+    g = torch.Generator().manual_seed(5)
+    w, x = torch.randn(200, 64, generator=g), torch.randn(20, 64, generator=g)
+    want = native.gemm_panel(x, native.pack_panels(w, threads=2), None, 200, threads=2)  # the parent's team runs
+    ctx = mp.get_context("fork")
+    out = ctx.Queue()
+    child = ctx.Process(target=_child_products, args=(w, x, out))
+    child.start()
+    try:
+        got = out.get(timeout=60)
+    finally:
+        child.join(timeout=10)
+        if child.is_alive():
+            child.kill()
+    assert torch.equal(torch.tensor(got), want)

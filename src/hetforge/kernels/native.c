@@ -211,8 +211,12 @@ static void hf_run(hf_chunk_fn fn, void *ctx, long n, int threads) {
  * team, whose threads spin a while after each GEMM; a second pool woken in that window competes with them for
  * the cores (measured: a prefill attention ran about 2x its isolated time between GEMMs on the pool above). The
  * one-row decode kernels stay on the pool: there no call may wait at a barrier for a descheduled thread. */
+static _Atomic int forked_child; /* set in a child of fork(): libgomp's team does not survive it (see below) */
+
 static void hf_run_team(hf_chunk_fn fn, void *ctx, long n, int threads) {
-    if (threads <= 1 || n <= 1) {
+    /* in a forked child a region of two threads or more hangs once the parent had started the team, so the
+     * child runs every chunk itself: the same chunks, so the same bits */
+    if (threads <= 1 || n <= 1 || atomic_load_explicit(&forked_child, memory_order_relaxed)) {
         if (omp_in_parallel()) { /* inside a caller's parallel region: a team of one, so a chunk function that
                                   * indexes per-thread scratch by omp_get_thread_num() (hf_gemm_q4a) reads 0 */
 #pragma omp parallel num_threads(1)
@@ -245,7 +249,10 @@ void hf_pool_team(int team) { atomic_store_explicit(&pool.team, team != 0, memor
 
 /* A forked child never runs the pool's jobs on the OpenMP team: libgomp's team does not survive fork() (a
  * two-thread region in the child hangs), while the pool starts the child's own helpers. */
-static void pool_team_off_in_child(void) { atomic_store(&pool.team, 0); }
+static void pool_team_off_in_child(void) {
+    atomic_store(&pool.team, 0);
+    atomic_store(&forked_child, 1);
+}
 __attribute__((constructor)) static void pool_register_fork_handler(void) {
     pthread_atfork(NULL, NULL, pool_team_off_in_child);
 }
