@@ -131,7 +131,7 @@ def _unfused_line(cg, kind: str, o: int, rows: int, xs: str, wten: torch.Tensor,
     its fresh result, a gated MLP's gate times up in place, a residual added in place: the graph's ops in its order,
     none fused into the product."""
     act_fn = cg.const(MKL_ACT[act], "act") if act != "none" else ""
-    call = cg.const(torch.ops.mkl._mkl_linear.default if kind == "mkl" else native.gemm_panel, kind)
+    call = cg.const(torch.ops.mkl._mkl_linear.default, "mkl") if kind == "mkl" else cg.const(native.gemm_panel, "gemm")
 
     def product(x: str, w: torch.Tensor, w_t: bool, b: str) -> str:
         pk = cg.const(LazyPacked(w, w_t, rows, kind), "pk") + ".get()"
