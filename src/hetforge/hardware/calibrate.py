@@ -215,8 +215,6 @@ def _native_row(n: int, k: int, weight_t: bool) -> Callable[[], object] | None:
     """A one-row product as the executor runs it on the native GEMV (a ctypes call on raw pointers, no Python
     wrapper: the wrapper's ~20 µs would otherwise be fitted as the GEMV's overhead), weights streamed as by
     :func:`_streamed`; None when the native kernels are not built."""
-    from hetforge.kernels import native
-
     lib = native.library()
     if lib is None:
         return None
@@ -383,8 +381,6 @@ def _native_specs(quick: bool) -> list[tuple[str, tuple, dict]]:
     """(hetforge op, argument shapes/values, options) of the native-kernel benchmarks: two shapes per op, so
     each op's key gets its own efficiency and overhead (one point would fit only an overhead); empty when the
     native kernels are not built here. ``quick`` does not shorten the list (the kernels take microseconds)."""
-    from hetforge.kernels import native
-
     if native.library() is None:
         return []
     return [
@@ -404,7 +400,6 @@ def _native_specs(quick: bool) -> list[tuple[str, tuple, dict]]:
 def _native_bench(op: str, shapes: tuple, opts: dict) -> Bench:
     """One native kernel called as the executor calls it (ctypes, raw pointers, result into a slice), cold
     operands; F and B from the op's registered formulas, as the cost model computes them."""
-    from hetforge.kernels import native
     from hetforge.ops.registry import OpCall, TensorMeta, lookup
 
     lib, nt = native.library(), torch.get_num_threads
@@ -606,8 +601,6 @@ def _native_act_costs(quick: bool) -> dict[str, float]:
     the activation and with ``none``, each the best of many calls, interleaved in rounds: ``(t_act − t_none)/N``,
     ≥ 0, median over the rounds. Measured this way rather than as the difference of two cold products, whose
     noise on a loaded host (±10 ns per output) is larger than the term. Empty without the native kernels."""
-    from hetforge.kernels import native
-
     lib = native.library()
     if lib is None:
         return {}

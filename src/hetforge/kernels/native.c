@@ -2842,21 +2842,26 @@ int hf_panel_simd(void) {
 }
 
 /* Pack W ([N, K] rows, or [K, N] when weight_t) into ceil(N / HF_PNB) panels of k x HF_PNB floats at p. */
+typedef struct {
+    const float *w;
+    float *p;
+    long n, k;
+    int weight_t;
+} panel_pack_ctx;
+
 static void panel_pack_chunk(void *ctx, long j) {
-    const panel_ctx *a = ctx;
-    const float *w = a->x; /* the weight, in the x slot */
-    int weight_t = a->m != 0;
+    const panel_pack_ctx *a = ctx;
     long n = a->n, k = a->k;
-    float *restrict dst = (float *)a->p + (size_t)j * k * HF_PNB;
+    float *restrict dst = a->p + (size_t)j * k * HF_PNB;
     long c0 = j * HF_PNB, nv = n - c0 < HF_PNB ? n - c0 : HF_PNB;
-    if (weight_t) {
+    if (a->weight_t) {
         for (long kk = 0; kk < k; kk++) {
-            memcpy(dst + kk * HF_PNB, w + (size_t)kk * n + c0, (size_t)nv * sizeof(float));
+            memcpy(dst + kk * HF_PNB, a->w + (size_t)kk * n + c0, (size_t)nv * sizeof(float));
             for (long c = nv; c < HF_PNB; c++) dst[kk * HF_PNB + c] = 0.f;
         }
     } else {
         for (long c = 0; c < HF_PNB; c++) {
-            const float *src = w + (size_t)(c0 + c) * k;
+            const float *src = a->w + (size_t)(c0 + c) * k;
             if (c < nv)
                 for (long kk = 0; kk < k; kk++) dst[kk * HF_PNB + c] = src[kk];
             else
@@ -2866,8 +2871,8 @@ static void panel_pack_chunk(void *ctx, long j) {
 }
 
 void hf_pack_panels(const float *w, float *p, long n, long k, int weight_t, int threads) {
-    panel_ctx a = {w, p, 0, 0, weight_t ? 1 : 0, n, k, (n + HF_PNB - 1) / HF_PNB};
-    hf_run_team(panel_pack_chunk, &a, a.np, clamp_threads(threads));
+    panel_pack_ctx a = {w, p, n, k, weight_t != 0};
+    hf_run_team(panel_pack_chunk, &a, (n + HF_PNB - 1) / HF_PNB, clamp_threads(threads));
 }
 
 /* Rows [r0, r0 + mr) of X against panel j into out (ldo floats per row, HF_PNB columns); pass ``pass`` of ``passes``
