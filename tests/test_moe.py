@@ -2,6 +2,7 @@
 for variants it must not fuse, and the grouped / capacity-limited kernel against a plain per-token reference."""
 
 import functools
+from unittest import mock
 
 import pytest
 import torch
@@ -251,3 +252,22 @@ def test_order_permutes_stored_experts_without_changing_the_result():
     ref = moe_forward(x, rw, wgu, wd, top_k=2)
     got = moe_forward(x, rw, wgu[order], wd[order], top_k=2, group_size=4, order=order)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+@settings(max_examples=20, deadline=None)
+@given(k=st.integers(1, 3), seed=st.integers(0, 99), transposed=st.booleans())
+def test_one_token_takes_no_dispatch_and_gives_the_dispatched_bits_and_counts(k, seed, transposed):
+    """A decode step's token skips the sort/count dispatch; an identity ``order`` forces the dispatched path,
+    which must give the same bits and the same routing statistics."""
+    rw, wgu, wd = _weights(d=64, f=48, seed=seed)
+    if transposed:
+        wgu, wd = wgu.transpose(1, 2).contiguous(), wd.transpose(1, 2).contiguous()
+    x = torch.randn(1, 64, generator=torch.Generator().manual_seed(seed + 1))
+    with recording() as rec:
+        with mock.patch.object(torch, "argsort", side_effect=AssertionError("the one-token path sorted")):
+            fast = moe_forward(x, rw, wgu, wd, top_k=k, transposed=transposed)
+        dispatched = moe_forward(x, rw, wgu, wd, top_k=k, transposed=transposed, group_size=1, order=list(range(8)))
+    assert torch.equal(fast, dispatched)
+    a, b = rec.calls
+    assert (a.groups, a.groups_run, a.slots, a.used, a.dropped, a.routed) == \
+        (b.groups, b.groups_run, b.slots, b.used, b.dropped, b.routed) and a.used == k

@@ -128,6 +128,8 @@ def _experts(h, w, idx, w_gate_up, w_down, act, transposed, group_size, capacity
     t, k = idx.shape
     e = w_gate_up.shape[0]
     g_size = group_size if group_size > 0 else (e if capacity else auto_group_size(t, k, e))
+    if t == 1 and g_size == 1 and not capacity and not order:
+        return _one_token(h, w, idx, w_gate_up, w_down, act, transposed, stats)
     out = torch.zeros_like(h)
     pos = idx
     if order:
@@ -186,6 +188,24 @@ def _experts(h, w, idx, w_gate_up, w_down, act, transposed, group_size, capacity
         gate, up = y.chunk(2, dim=-1)
         y = torch.bmm(apply_act(gate, act) * up, wd if transposed else wd.transpose(1, 2))
         out.index_add_(0, tok, y[le, r] * flat_w[sel, None])
+    return out
+
+
+def _one_token(h, w, idx, w_gate_up, w_down, act, transposed, stats):
+    """One token (a decode step), one expert per group, nothing dropped: its ``k`` experts run on the native GEMV
+    in ascending expert order, as the sorted dispatch of :func:`_experts` runs and adds them (the same bits), with
+    none of the dispatch's sort, count and index tensors, which cost more than the two GEMVs of a small expert."""
+    out = torch.zeros_like(h)
+    stats.groups += w_gate_up.shape[0]
+    weights = w[0]
+    for ex, j in sorted(zip(idx[0].tolist(), range(idx.shape[1]), strict=True)):
+        y = gemv.linear(h, w_gate_up[ex], weight_t=transposed)
+        gate, up = y.chunk(2, dim=-1)
+        y = gemv.linear(apply_act(gate, act) * up, w_down[ex], weight_t=transposed)
+        out.add_(y * weights[j])
+        stats.groups_run += 1
+        stats.slots += 1
+        stats.used += 1
     return out
 
 
