@@ -67,7 +67,7 @@ def test_a_two_thread_call_is_split_into_chunks_on_the_pool_and_reads_back():
     x, w = torch.randn(768), torch.randn(3072, 768)
     native.gemv(x, w, None, torch.empty(3072), False, threads=2)
     after = native.pool_info()
-    assert after.helpers >= 1 and after.spin_us == 50  # a helper thread exists; idle helpers spin 50 µs, then sleep
+    assert after.helpers >= 1 and after.spin_us == native.SPIN_US  # a helper exists; idle, it spins, then sleeps
     assert after.jobs == before.jobs + 1
     assert after.chunks - before.chunks >= 16  # 3072 rows of 3 KiB: many small chunks, not one block per thread
     one = native.pool_info()
@@ -81,7 +81,7 @@ from hetforge.kernels import native
 x, w = torch.randn(768), torch.randn(3072, 768)
 ref = native.gemv(x, w, None, torch.empty(3072), False, threads=1)
 native.gemv(x, w, None, torch.empty(3072), False, threads=2)  # start the helper
-native.pool_config(spin_us=50, hold=True)  # from now on helpers claim nothing, as if always descheduled
+native.pool_config(hold=True)  # from now on helpers claim nothing, as if always descheduled
 before = native.pool_info()
 for _ in range(200):
     out = native.gemv(x, w, None, torch.empty(3072), False, threads=2)

@@ -98,7 +98,7 @@ from hetforge.kernels import native
 x, w = torch.randn(768), torch.randn(3072, 768)
 ref = native.gemv(x, w, None, torch.empty(3072), False, threads=1)
 native.gemv(x, w, None, torch.empty(3072), False, threads=2)  # start the helper
-native.pool_config(spin_us=50, hold=True)  # helpers claim nothing: the caller must take over their run
+native.pool_config(hold=True)  # helpers claim nothing: the caller must take over their run
 before = native.pool_info()
 for _ in range(20):
     assert torch.equal(native.gemv(x, w, None, torch.empty(3072), False, threads=2), ref)

@@ -34,15 +34,16 @@ static int clamp_threads(int threads) { return threads < 1 ? 1 : threads; }
  * per thread, so each thread streams one contiguous block), then whatever is left of the others' runs. The
  * caller starts at once and, when the chunks run out, waits only for chunks that a helper has already
  * claimed, never for a helper that has not shown up: a descheduled helper's share is done by whoever runs.
- * Helpers that find no work spin briefly (``spin_us``, default 50 µs: enough to stay awake between the
- * back-to-back kernels of one step) and then sleep on a futex, so an idle helper gives its core back; the
- * caller, waiting for a claimed chunk, yields
- * after the same spin. Chunks are fixed by the problem (not by the thread count or by who ran them), so a
+ * Helpers that find no work spin briefly (``spin_us``, default HF_SPIN_US = 50 µs: enough to stay awake
+ * between the back-to-back kernels of one step; longer spins trade speed under a busy neighbour for speed on
+ * an idle host, see kernels.native.SPIN_US) and then sleep on a futex, so an idle helper gives its core back;
+ * the caller, waiting for a claimed chunk, yields after the same spin. Chunks are fixed by the problem (not by the thread count or by who ran them), so a
  * result does not depend on the thread count or on timing. One job at a time: a second concurrent caller
  * (another Python thread) runs its job inline. After fork() the child has no helpers; the caller then does
  * every chunk itself (still correct). */
 #include <limits.h>
 #include <linux/futex.h>
+#define HF_SPIN_US 50 /* kernels.native.SPIN_US */
 #include <pthread.h>
 #include <sched.h>
 #include <stdatomic.h>
@@ -72,7 +73,7 @@ static struct {
     _Atomic int regions;   /* runs of consecutive chunks, one per thread of the job (see run_chunks) */
     _Atomic unsigned long long next[HF_MAX_HELPERS + 1]; /* per run: (job << 32) | chunks of it claimed */
     _Atomic long jobs, chunks_total, chunks_by_helpers, helper_sleeps, chunks_taken_over;
-} pool = {.lock = PTHREAD_MUTEX_INITIALIZER, .grow = PTHREAD_MUTEX_INITIALIZER, .spin_us = 50};
+} pool = {.lock = PTHREAD_MUTEX_INITIALIZER, .grow = PTHREAD_MUTEX_INITIALIZER, .spin_us = HF_SPIN_US};
 
 static double now_us(void) {
     struct timespec ts;

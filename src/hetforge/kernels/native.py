@@ -285,6 +285,13 @@ class PoolInfo:
     team: bool  # pooled kernels run on torch's OpenMP team instead (set by pool_team)
 
 
+SPIN_US = 50  # the pool's default spin (native.c HF_SPIN_US): idle helpers stay awake this long between kernels.
+# A trade-off, measured with bench/contention.py (a same-day A/B, session 25): at 150 µs helpers also stay awake
+# across an MoE layer's routing (mixtral-small idle 2-thread decode 6.8 -> 5.2 ms/token, llama-110m 18.3 -> 17.0),
+# but with a busy neighbour pinned to one core their spinning took the caller's core (2-thread decode 32.1 -> 37.0
+# ms/token on gpt2, 28.1 -> 32.5 on llama-110m: no better than 1 thread), so 50 µs stays.
+
+
 def pool_info() -> PoolInfo:
     """Read back the pool's state and counters; check :func:`library` first."""
     out = (ctypes.c_long * 8)()
@@ -292,7 +299,7 @@ def pool_info() -> PoolInfo:
     return PoolInfo(*out[:7], bool(out[7]))
 
 
-def pool_config(spin_us: int = 50, hold: bool = False) -> None:
+def pool_config(spin_us: int = SPIN_US, hold: bool = False) -> None:
     """Set the pool's spin time (µs) and its test hook ``hold`` (helpers claim no work, as if descheduled)."""
     library().hf_pool_config(spin_us, int(hold))
 
