@@ -1365,7 +1365,6 @@ def cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
-
 def _still_open() -> list[str]:
     """Issue 24's targets that the committed raw JSON does not show met (read from it, never typed in)."""
     open_: list[str] = ["fp32 prefill within 1.15× of the GEMM compute bound (prefill_gemm.md)"]
@@ -1387,6 +1386,7 @@ def _still_open() -> list[str]:
         open_.append("a warm compile-cache hit ≤ 0.2 s")
     open_.append("time to first token at or below the best exact-length peer at every prompt length (ttft.md)")
     return open_
+
 
 def render() -> str:
     """The whole of docs/benchmarks.md."""

@@ -194,7 +194,8 @@ def _experts(h, w, idx, w_gate_up, w_down, act, transposed, group_size, capacity
 def _one_token(h, w, idx, w_gate_up, w_down, act, transposed, stats):
     """One token (a decode step), one expert per group, nothing dropped: its ``k`` experts run on the native GEMV
     in ascending expert order, as the sorted dispatch of :func:`_experts` runs and adds them (the same bits), with
-    none of the dispatch's sort, count and index tensors, which cost more than the two GEMVs of a small expert."""
+    none of the dispatch's sort, count and index tensors (on a small expert they cost about as much as its
+    two GEMVs)."""
     out = torch.zeros_like(h)
     stats.groups += w_gate_up.shape[0]
     weights = w[0]
