@@ -37,19 +37,20 @@ static int clamp_threads(int threads) { return threads < 1 ? 1 : threads; }
  * Helpers that find no work spin briefly (``spin_us``, default HF_SPIN_US = 50 µs: enough to stay awake
  * between the back-to-back kernels of one step; longer spins trade speed under a busy neighbour for speed on
  * an idle host, see kernels.native.SPIN_US) and then sleep on a futex, so an idle helper gives its core back;
- * the caller, waiting for a claimed chunk, yields after the same spin. Chunks are fixed by the problem (not by the thread count or by who ran them), so a
- * result does not depend on the thread count or on timing. One job at a time: a second concurrent caller
- * (another Python thread) runs its job inline. After fork() the child has no helpers; the caller then does
- * every chunk itself (still correct). */
+ * the caller, waiting for a claimed chunk, yields after the same spin. Chunks are fixed by the problem (not
+ * by the thread count or by who ran them), so a result does not depend on the thread count or on timing.
+ * One job at a time: a second concurrent caller (another Python thread) runs its job inline. After fork()
+ * the child has no helpers; the caller then does every chunk itself (still correct). */
 #include <limits.h>
 #include <linux/futex.h>
-#define HF_SPIN_US 50 /* kernels.native.SPIN_US */
 #include <pthread.h>
 #include <sched.h>
 #include <stdatomic.h>
 #include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
+
+#define HF_SPIN_US 50 /* the pool's default spin, µs (kernels.native.SPIN_US) */
 
 typedef void (*hf_chunk_fn)(void *ctx, long chunk);
 #define HF_MAX_HELPERS 63

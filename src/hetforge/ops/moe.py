@@ -175,10 +175,7 @@ def _experts(h, w, idx, w_gate_up, w_down, act, transposed, group_size, capacity
         stats.used += n_keep
         tok = flat_t[sel]
         if g1 - g0 == 1 and not capacity:  # a group of one expert: its rows are already contiguous, no slots
-            wgu, wd = w_gate_up[g0], w_down[g0]
-            y = gemv.linear(h[tok], wgu, weight_t=transposed)  # one row (decode): the native GEMV when built
-            gate, up = y.chunk(2, dim=-1)
-            y = gemv.linear(apply_act(gate, act) * up, wd, weight_t=transposed)
+            y = _expert_ffn(h[tok], w_gate_up[g0], w_down[g0], act, transposed)
             out.index_add_(0, tok, y * flat_w[sel, None])
             continue
         xs = h.new_zeros((g1 - g0, cap, h.shape[-1]))
@@ -191,22 +188,22 @@ def _experts(h, w, idx, w_gate_up, w_down, act, transposed, group_size, capacity
     return out
 
 
+def _expert_ffn(x, w_gate_up, w_down, act, transposed):
+    """One expert's gated FFN on its rows (one row, a decode step's: the native GEMV when built)."""
+    gate, up = gemv.linear(x, w_gate_up, weight_t=transposed).chunk(2, dim=-1)
+    return gemv.linear(apply_act(gate, act) * up, w_down, weight_t=transposed)
+
+
 def _one_token(h, w, idx, w_gate_up, w_down, act, transposed, stats):
-    """One token (a decode step), one expert per group, nothing dropped: its ``k`` experts run on the native GEMV
-    in ascending expert order, as the sorted dispatch of :func:`_experts` runs and adds them (the same bits), with
-    none of the dispatch's sort, count and index tensors (on a small expert they cost about as much as its
-    two GEMVs)."""
+    """One token (a decode step), one expert per group, nothing dropped: its ``k`` experts in ascending expert
+    order, as the sorted dispatch of :func:`_experts` runs and adds them (the same bits), with none of the
+    dispatch's sort, count and index tensors (on a small expert they cost about as much as its two GEMVs)."""
     out = torch.zeros_like(h)
-    stats.groups += w_gate_up.shape[0]
-    weights = w[0]
     for ex, j in sorted(zip(idx[0].tolist(), range(idx.shape[1]), strict=True)):
-        y = gemv.linear(h, w_gate_up[ex], weight_t=transposed)
-        gate, up = y.chunk(2, dim=-1)
-        y = gemv.linear(apply_act(gate, act) * up, w_down[ex], weight_t=transposed)
-        out.add_(y * weights[j])
-        stats.groups_run += 1
-        stats.slots += 1
-        stats.used += 1
+        out.add_(_expert_ffn(h, w_gate_up[ex], w_down[ex], act, transposed) * w[0, j])
+    k = idx.shape[1]
+    stats.groups += w_gate_up.shape[0]
+    stats.groups_run, stats.slots, stats.used = stats.groups_run + k, stats.slots + k, stats.used + k
     return out
 
 
