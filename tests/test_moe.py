@@ -271,3 +271,28 @@ def test_one_token_takes_no_dispatch_and_gives_the_dispatched_bits_and_counts(k,
     a, b = rec.calls
     assert (a.groups, a.groups_run, a.slots, a.used, a.dropped, a.routed) == \
         (b.groups, b.groups_run, b.slots, b.used, b.dropped, b.routed) and a.used == k
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_token_expert_runs_the_native_gated_mlp_and_matches_the_aten_chain(dtype):
+    """A decode step's expert FFN is one native gated-MLP call (gate and up in one pool call, no ATen op between
+    them) when the library is built; it equals the ATen chain it replaces to rounding, and the ATen chain is what
+    runs without the library."""
+    from hetforge.kernels import native
+    from hetforge.ops.moe import _expert_ffn
+
+    if native.library() is None:
+        pytest.skip(f"the native kernels are not built here: {native.status().reason}")
+    _, wgu, wd = _weights(d=64, f=48, seed=4)
+    x = torch.randn(1, 64, generator=torch.Generator().manual_seed(5))
+    x, wgu, wd = x.to(dtype), wgu[3].to(dtype).contiguous(), wd[3].to(dtype).contiguous()
+    gate, up = F.linear(x, wgu).chunk(2, dim=-1)
+    ref = F.linear(F.silu(gate) * up, wd)
+    kernel = "gated_mlp" if dtype == torch.float32 else "gated_mlp_bf16"
+    with mock.patch.object(native, kernel, wraps=getattr(native, kernel)) as called:
+        got = _expert_ffn(x, wgu, wd, "silu", False)
+    assert called.call_count == 1 and got.shape == ref.shape and got.dtype == dtype
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(got, ref, **tol)
+    with native.disabled("the ATen chain"), mock.patch.object(native, kernel, side_effect=AssertionError):
+        torch.testing.assert_close(_expert_ffn(x, wgu, wd, "silu", False), ref, **tol)

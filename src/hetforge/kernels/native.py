@@ -819,6 +819,29 @@ def gemv_bf16(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None
     return y
 
 
+def gated_mlp(x: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor, wd: torch.Tensor | None,
+              act: str = "silu") -> torch.Tensor:
+    """One fp32 row of ``act(x·Wgᵀ) * (x·Wuᵀ)`` (then ``·Wdᵀ``) on ``hf_gated_mlp``: gate and up in one pool call,
+    each row summed as ``hf_gemv_nk`` sums it; check :func:`gated_mlp_fits` first."""
+    f, d = wg.shape
+    h = torch.empty(f, dtype=torch.float32)
+    y = h if wd is None else torch.empty(d, dtype=torch.float32)
+    library().hf_gated_mlp(x.data_ptr(), wg.data_ptr(), wu.data_ptr(), _ptr(wd), h.data_ptr(), y.data_ptr(), f, d,
+                           ACT_CODES[act], torch.get_num_threads())
+    return y.reshape(*x.shape[:-1], -1)
+
+
+def gated_mlp_fits(x: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor, wd: torch.Tensor | None, act: str) -> bool:
+    """Whether :func:`gated_mlp` (fp32) or :func:`gated_mlp_bf16` can run one row ``x``: real contiguous CPU
+    tensors of one dtype, ``Wg``/``Wu`` ``[F, D]``, ``Wd`` ``[D, F]``, an activation the kernel has."""
+    if act not in ACT_CODES or wg.dim() != 2 or wg.shape != wu.shape or x.numel() != wg.shape[1] \
+            or (wd is not None and tuple(wd.shape) != (wg.shape[1], wg.shape[0])):
+        return False
+    if x.dtype == torch.bfloat16:
+        return bf16_fits(x, wg, wu, wd) and library() is not None
+    return row_op_fits(x) and _f32(wg, wu, wd) and library() is not None
+
+
 def gated_mlp_bf16(x: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor, wd: torch.Tensor | None,
                    act: str = "silu") -> torch.Tensor:
     """One bf16 row of ``act(x·Wgᵀ) * (x·Wuᵀ)`` (then ``·Wdᵀ``) on ``hf_gated_mlp_bf16``."""

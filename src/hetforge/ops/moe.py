@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from hetforge.kernels import native
 from hetforge.ops import gemv
 from hetforge.ops.fused import ACTIVATIONS, apply_act
 from hetforge.ops.registry import OpCall, TensorMeta, register_op
@@ -189,7 +190,15 @@ def _experts(h, w, idx, w_gate_up, w_down, act, transposed, group_size, capacity
 
 
 def _expert_ffn(x, w_gate_up, w_down, act, transposed):
-    """One expert's gated FFN on its rows (one row, a decode step's: the native GEMV when built)."""
+    """One expert's gated FFN on its rows. One row (a decode step's) in the ``[2F, D]`` layout runs as one native
+    gated-MLP call when the library is built: gate and up in one pool call, the activation and product in C,
+    then the down GEMV (no ATen op in between: after a weight stream each costs several µs of cold dispatch);
+    otherwise ATen / the native GEMV per product."""
+    if x.shape[0] == 1 and not transposed:
+        f = w_gate_up.shape[0] // 2
+        wg, wu = w_gate_up[:f], w_gate_up[f:]
+        if native.gated_mlp_fits(x, wg, wu, w_down, act):
+            return (native.gated_mlp if x.dtype == torch.float32 else native.gated_mlp_bf16)(x, wg, wu, w_down, act)
     gate, up = gemv.linear(x, w_gate_up, weight_t=transposed).chunk(2, dim=-1)
     return gemv.linear(apply_act(gate, act) * up, w_down, weight_t=transposed)
 
@@ -199,8 +208,9 @@ def _one_token(h, w, idx, w_gate_up, w_down, act, transposed, stats):
     order, as the sorted dispatch of :func:`_experts` runs and adds them (the same bits), with none of the
     dispatch's sort, count and index tensors (on a small expert they cost about as much as its two GEMVs)."""
     out = torch.zeros_like(h)
+    ws = w[0].tolist()  # Python floats of the weights' values: scaling by one rounds as by the 0-dim tensor
     for ex, j in sorted(zip(idx[0].tolist(), range(idx.shape[1]), strict=True)):
-        out.add_(_expert_ffn(h, w_gate_up[ex], w_down[ex], act, transposed) * w[0, j])
+        out.add_(_expert_ffn(h, w_gate_up[ex], w_down[ex], act, transposed).mul_(ws[j]))
     k = idx.shape[1]
     stats.groups += w_gate_up.shape[0]
     stats.groups_run, stats.slots, stats.used = stats.groups_run + k, stats.slots + k, stats.used + k
