@@ -240,3 +240,26 @@ def test_runtime_prefill_writes_attention_heads_last_and_binds_the_merge_with_th
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     folded, _ = prefill("llama-tiny")
     assert folded.count("_pa") >= 2 and "_hl" not in folded
+
+
+@pytest.mark.parametrize("ell,s", [(1, 1), (1, 40), (4, 16), (8, 8), (2, 32)])
+@pytest.mark.parametrize("gqa", [False, True])
+def test_few_rows_and_keys_equal_sdpa_for_every_mask_kind_and_bf16(ell, s, gqa):
+    """At most PA_SMALL (64) query-key pairs per head (a one-token forward's attention has one of each) run on the
+    kernel's path without packing, straight from the strided views: equal to SDPA causal (rectangular), with no
+    mask, a bool mask with a row that sees no key (zeros), a float mask with a -inf row; bf16 is the widened fp32
+    inputs' result rounded once."""
+    q, k, v = _qkv(2, 4, 2 if gqa else 4, ell, s, 32, seed=ell * 100 + s)
+    _check(q, k, v, causal=True)
+    _check(q, k, v)
+    mask = torch.ones(2, 1, ell, s, dtype=torch.bool)
+    mask[1, :, 0, :] = False
+    got, _ = _check(q, k, v, mask)
+    assert got[1, :, 0].abs().max().item() == 0.0
+    fmask = torch.randn(2, 1, ell, s, generator=torch.Generator().manual_seed(1))
+    fmask[0, :, -1, :] = float("-inf")
+    _check(q, k, v, fmask)
+    qb, kb, vb = (t.to(torch.bfloat16) for t in (q, k, v))
+    got = native.prefill_attention(qb, kb, vb, None, 0.125, True)
+    assert torch.equal(got, native.prefill_attention(qb.float(), kb.float(), vb.float(), None, 0.125,
+                                                     True).to(torch.bfloat16))

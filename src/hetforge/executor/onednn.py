@@ -27,14 +27,23 @@ def chosen(cg, ins) -> bool:
 RESIDUAL_ENV = "HETFORGE_RESIDUAL_FUSION"  # "0": every residual add runs as its own instruction
 
 
-def residual_adds(cg) -> tuple[dict[int, Reg], dict[int, int]]:
-    """Residual adds that oneDNN's product before them takes as its ``add`` post-op (``_linear_pointwise.binary``):
-    ``y = x·Wᵀ + b`` whose only user is ``add(y, r)`` (directly or through one reshape to the add's shape) becomes
-    one call writing ``x·Wᵀ + b + r``, and the add binds its register to that result. fp32: the same bits as the
-    add after the product (oneDNN rounds the product, then adds); the add's pass over the rows and its call
-    between two products are gone. Only where it is the same computation: a plain product (no activation, or
-    the down product of a gated MLP), one output with no other reader, ``r`` contiguous, of the add's shape and
-    dtype, on the same device, and ready before the product (made earlier, no in-place write in between).
+def takes_residual(cg, g) -> bool:
+    """Whether oneDNN's product ``g`` can take the residual add after it as its ``add`` post-op
+    (``_linear_pointwise.binary``): a plain product (no activation, or the down product of a gated MLP). fp32: the
+    same bits as the add after the product (oneDNN rounds the product, then adds)."""
+    if cg.kernels.get(g.id) != "onednn":
+        return False
+    ops = onednn_operands(g)
+    return not (ops is None or (ops[5] is None and ops[4] != "none") or (ops[5] is not None and ops[5][2] is None))
+
+
+def residual_adds(cg, takes, fits=None) -> tuple[dict[int, Reg], dict[int, int]]:
+    """Residual adds that the product before them takes: ``y = product(...)`` whose only user is ``add(y, r)``
+    (directly or through one reshape to the add's shape) becomes one call writing ``y + r``, and the add binds its
+    register to that result. The add's pass over the rows and its call between two products are gone. Only where
+    it is the same computation: a product ``takes(g)`` accepts, one output with no other reader, ``r`` contiguous,
+    of the add's shape and dtype, on the same device, and ready before the product (made earlier, no in-place
+    write in between); ``fits(g, add, r)`` may refuse more (None: nothing more).
 
     Returns (product instruction id → ``r``, add instruction id → the register the add takes)."""
     p = cg.p
@@ -51,11 +60,8 @@ def residual_adds(cg) -> tuple[dict[int, Reg], dict[int, int]]:
 
     product, fused = {}, {}
     for gi, g in enumerate(p.instrs):
-        if cg.kernels.get(g.id) != "onednn" or len(g.outputs) != 1:
+        if len(g.outputs) != 1 or not takes(g):
             continue
-        ops = onednn_operands(g)
-        if ops is None or (ops[5] is None and ops[4] != "none") or (ops[5] is not None and ops[5][2] is None):
-            continue  # an activation oneDNN's binary call has no room for, or a gated MLP without down product
         y = src = g.outputs[0]
         ai = only_user(y)
         if ai is not None and reshape_view(p.instrs[ai]) and len(p.instrs[ai].outputs) == 1:
@@ -74,6 +80,8 @@ def residual_adds(cg) -> tuple[dict[int, Reg], dict[int, int]]:
                 and math.prod(vy.shape) == math.prod(va.shape)
                 and cg.dm[vr.device] == dev == cg.dm[add.device]
                 and made.get(other.id, -1) < gi and not any(gi < i < ai for i in inplace)):
+            continue
+        if fits is not None and not fits(g, add, other):
             continue
         product[g.id], fused[add.id] = other, src
     return product, fused

@@ -88,6 +88,7 @@ class ExecStats:
     native_ops: int = 0  # hetforge row ops (norms, rotary, decode attention) as one native call into the slice
     onednn_gemm: int = 0  # multi-row linears on oneDNN's packed kernel (executor/onednn.py; result not in the arena)
     onednn_residual: int = 0  # residual adds taken by the packed product before them (oneDNN post-op, or MKL in place)
+    native_residual: int = 0  # residual adds taken by the one-row native product before them (hf_gemv_res, ...)
     mkl_gemm: int = 0  # multi-row linears on MKL's packed sgemm (the other side of the oneDNN choice)
     panel_gemm: int = 0  # multi-row linears on the native panel GEMM (a short prompt's row counts)
     composed_views: int = 0  # views of oneDNN results made in one as_strided step (or not at all) per call
@@ -129,7 +130,7 @@ class _Codegen:
         # the register the add binds to (its own instruction runs no kernel)
         self.readers = p.consumers()  # value id → ids of the instructions reading it
         self.by_id = p.instr_by_id()
-        self.residual, self.fused_adds = onednn.residual_adds(self)
+        self.residual, self.fused_adds = onednn.residual_adds(self, lambda g: onednn.takes_residual(self, g))
         self.dense: set[int] = set()  # registers that hold a fresh dense tensor each call (oneDNN results)
         self.heads_last_views: dict[int, torch.Tensor] = {}  # transpose instruction id → its static result
         # views of oneDNN results made in one step from the result: register → (root register, a meta tensor
@@ -142,6 +143,15 @@ class _Codegen:
         self.grouped: dict[int, torch.Tensor] = {}  # member id → the scratch row the group's call writes it to
         if os.environ.get("HETFORGE_GEMV_MULTI", "1") != "0" and mode != "fast":
             self.groups = self.gemv_groups()
+        # one-row native products that may take the residual add after them (see native_residual): product id →
+        # (add instruction, its other operand); decided when the product is emitted (its operands' pointers must
+        # be known then), recorded in ``res_at`` (add id → product instruction, residual) for the add's line
+        self.res_candidates: dict[int, tuple[Any, Reg]] = {}
+        if mode != "fast":
+            products, _ = onednn.residual_adds(self, self.native_takes_residual, self.native_residual_fits)
+            for gid, other in products.items():
+                self.res_candidates[gid] = (self.residual_add_of(gid), other)
+        self.res_at: dict[int, tuple[Any, Reg]] = {}
 
     def heads_last(self, o: int) -> torch.Tensor | None:
         """The prefill attention's result as a ``[b, h, l, dv]`` view of its arena slice laid out ``[b, l, h, dv]``,
@@ -360,6 +370,19 @@ class _Codegen:
             self.stats.inplace += 1
             return [f"{lhs} = {self.call(ins, fn, dev)}"]
         assert ins.kind == KERNEL, ins.kind
+        if ins.id in self.res_candidates and self.native_residual(ins, dev):
+            return []  # its call runs at the residual add after it (res_at), into the add's slice
+        if ins.id in self.res_at:
+            prod, res = self.res_at.pop(ins.id)
+            o = ins.outputs[0]
+            self.bound.add(o)
+            self.stats.native_residual += 1
+            k_prod = self.kernels[prod.id]
+            if k_prod in NATIVE_GEMV:
+                x, w, b, weight_t = gemm_operands(prod)
+                return [self.native_gemv(x, self.g[self.weight(w.id, dev)], b, weight_t, prod.outputs[0], dev,
+                                         into=o, res=res)]
+            return [self.native_op(prod, prod.outputs[0], dev, k_prod[7:], into=o, res=res)]
         if len(ins.outputs) == 1:
             o = ins.outputs[0]
             v = self.p.values[o]
@@ -499,8 +522,10 @@ class _Codegen:
             return self.const(t.expand(expand) if expand else t, "xv")
         return f"r{vid}.view({shape})" + (f".expand({expand})" if expand else "")
 
-    def native_gemv(self, x: Reg, w: torch.Tensor, b: Any, weight_t: bool, o: int, dev: torch.device) -> str:
-        """One-row fp32 product on the native kernel (:mod:`hetforge.kernels.native`).
+    def native_gemv(self, x: Reg, w: torch.Tensor, b: Any, weight_t: bool, o: int, dev: torch.device,
+                    into: int | None = None, res: Reg | None = None) -> str:
+        """One-row fp32 product on the native kernel (:mod:`hetforge.kernels.native`); with ``res``, plus that
+        residual, written into ``into``'s slice (``hf_gemv_res``: see :meth:`native_residual`).
 
         Arena slices never move, so the pointers of planned operands are baked into the line once."""
         vo = self.p.values[o]
@@ -521,6 +546,13 @@ class _Codegen:
             pre, yp, post = f"r{o} = {fresh}({tuple(vo.shape)}, dtype={f32}); ", f"r{o}.data_ptr()", ""
         nt = self.const(torch.get_num_threads, "f")
         wp = w.data_ptr()
+        if res is not None:
+            buf = self.buffer(into)
+            yp, post = str(self.g[buf].data_ptr()), f"; r{into} = {buf}"
+            scratch = self.gemv_scratch(n) if weight_t else None
+            part = f"{scratch.data_ptr()}, {scratch.shape[0]}" if weight_t else "None, 0"
+            return (f"{self.const(lib.hf_gemv_res, 'nk')}({wp}, {xp}, {bp}, {self.ptr(res.id, dev)}, {yp}, {n}, "
+                    f"{k}, {int(weight_t)}, {nt}(), {part})" + post)
         if weight_t:
             scratch = self.gemv_scratch(n)
             call = (f"{self.const(lib.hf_gemv_kn, 'nk')}({wp}, {xp}, {bp}, {yp}, {n}, {k}, {nt}(), "
@@ -528,6 +560,76 @@ class _Codegen:
         else:
             call = f"{self.const(lib.hf_gemv_nk, 'nk')}({wp}, {xp}, {bp}, {yp}, {n}, {k}, {nt}())"
         return pre + call + post
+
+    NATIVE_RESIDUAL = (*NATIVE_GEMV, "native:hf_gemv_bf16", "native:hf_gated_mlp", "native:hf_gated_mlp_bf16")
+
+    def native_takes_residual(self, g) -> bool:
+        """Whether the one-row native product ``g`` has a ``_res`` kernel variant that can add the residual after it
+        (``hf_gemv_res``, ``hf_gemv_bf16_res``, the gated MLPs' with a down product); not a grouped product."""
+        k = self.kernels.get(g.id)
+        if k not in self.NATIVE_RESIDUAL or self.dm[g.device].type != "cpu" or g.id in self.groups \
+                or any(g in m for m in self.groups.values()):
+            return False
+        if k in ("native:hf_gated_mlp", "native:hf_gated_mlp_bf16"):
+            return bind_args(g).get("w_down") is not None
+        return k in NATIVE_GEMV or gemm_operands(g) is not None or "x" in (bind_args(g) or {})
+
+    def native_residual_fits(self, g, add, other: Reg) -> bool:
+        """The structural half of :meth:`native_residual`: only views between the product and its add (nothing
+        writes memory there, so the product's operands still hold its inputs when its call runs at the add), and
+        both the product's and the add's results in arena slices (not graph outputs)."""
+        pos = {ins.id: i for i, ins in enumerate(self.p.instrs)}
+        lo, hi = pos[g.id], pos[add.id]
+        outs = set(self.p.output_regs())
+        o = add.outputs[0]
+        return all(ins.kind == VIEW for ins in self.p.instrs[lo + 1:hi]) and self.planned(o) and o not in outs \
+            and self.planned(g.outputs[0])
+
+    def residual_add_of(self, gid: int):
+        """The add instruction that reads product ``gid``'s result (directly or through one reshape)."""
+        r = self.by_id[gid].outputs[0]
+        nxt = self.by_id[self.readers[r][0]]
+        return nxt if nxt.kind != VIEW else self.by_id[self.readers[nxt.outputs[0]][0]]
+
+    def native_residual(self, ins, dev: torch.device) -> bool:
+        """Whether the one-row native product ``ins`` takes the residual add after it: its call then runs where the
+        add stands, on the kernel's ``_res`` variant, writing ``product + residual`` straight into the add's
+        slice (the same bits as the product then ATen's add: one fp32 add, or bf16's rounding of it); the product's
+        own instruction runs nothing. Why: after a weight stream, the add's ATen dispatch runs from a cold cache
+        (several µs), once per layer and residual, in every decode step. Only where every pointer is known now
+        (operands in arena slices or weights), the residual is the add's slice itself or apart from it, and the
+        add's slice is apart from the product's input, or the kernel reads its input in a pass before the one that
+        writes its result: a split-K ``[K, N]`` product (partial sums, then the reduce that writes) and a gated MLP
+        (gate and up into scratch, then the down product). The add's slice may be the input's own memory: the
+        plan frees the input at the product, which now runs later."""
+        add, other = self.res_candidates[ins.id]
+        k = self.kernels[ins.id]
+        if k in NATIVE_GEMV:
+            x, _, b, weight_t = gemm_operands(ins)
+        elif k == "native:hf_gemv_bf16":
+            gops = gemm_operands(ins)
+            args = bind_args(ins)
+            x, b, weight_t = (gops[0], gops[2], gops[3]) if gops is not None else \
+                (args["x"], args["bias"], bool(args["weight_t"]))
+        else:
+            x, b, weight_t = bind_args(ins)["x"], None, True  # a gated MLP: x is read before the down product
+        regs = [r for r in (x, b, other) if isinstance(r, Reg)]
+        if not isinstance(x, Reg) or any(self.static_tensor(r.id, dev) is None for r in regs):
+            return False
+        y = self.g[self.buffer(add.outputs[0])]
+
+        def span(t: torch.Tensor) -> tuple[int, int]:
+            return t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+
+        def apart(a: tuple[int, int], c: tuple[int, int]) -> bool:
+            return a[1] <= c[0] or c[1] <= a[0]
+
+        ys, xs, rs = span(y), span(self.static_tensor(x.id, dev)), span(self.static_tensor(other.id, dev))
+        if not (weight_t or apart(ys, xs)) or not (rs == ys or apart(ys, rs)):
+            return False
+        self.res_at[add.id] = (ins, other)
+        self.bound.add(ins.outputs[0])  # its slice (never written): views of it may bind, nothing reads them
+        return True
 
     def gemv_groups(self) -> dict[int, list]:
         """Native ``[N, K]`` one-row products that read the same input register (a layer's q, k and v
@@ -625,10 +727,13 @@ class _Codegen:
         extra = "" if dt == torch.float32 else f", {self.const(dt, 'dt')}"
         return f"{self.const(native.contiguous_ptr, 'f')}(r{vid}, _keep, {self.sites}{extra})"
 
-    def native_op(self, ins, o: int, dev: torch.device, fn: str) -> str:
+    def native_op(self, ins, o: int, dev: torch.device, fn: str, into: int | None = None,
+                  res: Reg | None = None) -> str:
         """A ``hetforge::`` row op (rms_norm, layer_norm, rotary, one-row kv_attention, linear_act, gated_mlp,
         linear_w8, prefill attention) as one call of its native kernel ``fn`` (chosen by lowering), pointers baked
-        in, writing straight into the result's arena slice (or a fresh tensor when the result is a graph output)."""
+        in, writing straight into the result's arena slice (or a fresh tensor when the result is a graph output).
+        With ``res`` (``hf_gemv_bf16``, the gated MLPs with a down product): plus that residual, into ``into``'s
+        slice, on the kernel's ``_res`` variant (see :meth:`native_residual`)."""
         args = bind_args(ins)
         vo = self.p.values[o]
         d = vo.shape[-1]
@@ -680,8 +785,9 @@ class _Codegen:
             dm = math.prod(self.p.values[x.id].shape)
             f = self.p.values[wg.id].shape[0]
             h = "{y}" if wd is None else str(self.g[self.const(torch.empty(f, dtype=vo.dtype), "scr")].data_ptr())
-            call = (f"{fn}({p(x)}, {p(wg)}, {p(wu)}, {p(wd)}, {h}, {{y}}, {f}, {dm}, "
-                    f"{native.ACT_CODES[args['act']]}, {nt})")
+            rp = "" if res is None else f"{p(res)}, "
+            call = (f"{fn}{'_res' if res is not None else ''}({p(x)}, {p(wg)}, {p(wu)}, {p(wd)}, {h}, {rp}{{y}}, "
+                    f"{f}, {dm}, {native.ACT_CODES[args['act']]}, {nt})")
         elif fn in ("hf_gemm_few", "hf_gemm_few_kn"):  # a few fp32 rows: linear / addmm / mm, or linear_act
             gops = gemm_operands(ins)
             x, w, b, act = (*gops[:3], "none") if gops is not None else \
@@ -710,8 +816,9 @@ class _Codegen:
                 x, w, b, wt, act = args["x"], args["weight"], args["bias"], bool(args["weight_t"]), args["act"]
             kk = math.prod(self.p.values[x.id].shape)
             part = f"{self.gemv_scratch(d).data_ptr()}, {self.gemv_scratch(d).shape[0]}" if wt else "None, 0"
-            call = (f"hf_gemv_bf16({p(w)}, {p(x)}, {p(b)}, {{y}}, {d}, {kk}, {int(wt)}, {native.ACT_CODES[act]}, "
-                    f"{nt}, {part})")
+            rp = "" if res is None else f"{p(res)}, "
+            call = (f"hf_gemv_bf16{'_res' if res is not None else ''}({p(w)}, {p(x)}, {p(b)}, {rp}{{y}}, {d}, {kk}, "
+                    f"{int(wt)}, {native.ACT_CODES[act]}, {nt}, {part})")
         elif fn == "hf_rms_norm_bf16":
             call = (f"hf_rms_norm_bf16({p(x)}, {p(args['weight'])}, {{y}}, {rows}, {d}, {float(args['eps'])!r}, "
                     f"{nt})")
@@ -756,6 +863,9 @@ class _Codegen:
         elif fn in ("hf_gemm_few", "hf_gemm_few_kn", "hf_gated_mlp_few"):  # -2: more rows than it takes (raises)
             call = f"{self.const(native.check_few_rc, 'f')}({call}, {fn!r})"
         self.stats.native_ops += 1
+        if res is not None:
+            buf = self.buffer(into)
+            return call.format(y=self.g[buf].data_ptr()) + f"; r{into} = {buf}" + post
         if self.planned(o):
             buf = self.buffer(o)
             return call.format(y=self.g[buf].data_ptr()) + f"; r{o} = {buf}" + post

@@ -407,7 +407,11 @@ typedef struct {
     float *y, *part;
     long n, k, rows;
     int act, chunks;
+    const float *res; /* a residual added after the activation (the graph's add after the product), or NULL */
 } gemv_ctx;
+
+/* The residual add after a product's element: y = v + res[r], rounded as ATen's add after it (one fp32 add). */
+static inline float with_res(float v, const float *res, long r) { return res ? v + res[r] : v; }
 
 /* Chunk c of y = act(W x + b), W [N, K]: rows [c*rows, (c+1)*rows) of each quarter of W, read as four
  * streams (one per quarter): one stream per core leaves memory bandwidth unused (measured: docs/arch/runtime.md).
@@ -420,7 +424,7 @@ static void nk_chunk(void *p, long c) {
     if (i0 >= q) { /* the tail */
         for (long r = 4 * q; r < n; r++) {
             float v = dot1(w + r * k, x, k);
-            y[r] = act_of(a->bias ? v + a->bias[r] : v, a->act);
+            y[r] = with_res(act_of(a->bias ? v + a->bias[r] : v, a->act), a->res, r);
         }
         return;
     }
@@ -428,20 +432,20 @@ static void nk_chunk(void *p, long c) {
         dot4(w + i * k, w + (i + q) * k, w + (i + 2 * q) * k, w + (i + 3 * q) * k, x, k, o);
         for (int j = 0; j < 4; j++) {
             long r = i + j * q;
-            y[r] = act_of(a->bias ? o[j] + a->bias[r] : o[j], a->act);
+            y[r] = with_res(act_of(a->bias ? o[j] + a->bias[r] : o[j], a->act), a->res, r);
         }
     }
 }
 
 static void gemv_nk_act(const float *w, const float *x, const float *bias, float *y, long n, long k, int act,
-                        int threads) {
-    gemv_ctx a = {w, x, bias, y, 0, n, k, rows_per_chunk(k * (long)sizeof(float)), act, 0};
+                        int threads, const float *res) {
+    gemv_ctx a = {w, x, bias, y, 0, n, k, rows_per_chunk(k * (long)sizeof(float)), act, 0, res};
     hf_run(nk_chunk, &a, four_stream_chunks(n, a.rows), clamp_threads(threads));
 }
 
 /* y[n] = sum_k w[n, k] x[k] (+ bias[n]); w is [N, K] row-major (F.linear layout), in row chunks. */
 void hf_gemv_nk(const float *w, const float *x, const float *bias, float *y, long n, long k, int threads) {
-    gemv_nk_act(w, x, bias, y, n, k, ACT_NONE, threads);
+    gemv_nk_act(w, x, bias, y, n, k, ACT_NONE, threads, 0);
 }
 
 /* Several one-row products of one x, one pool call: y_j = W_j x (+ b_j) for j < m (m <= HF_MULTI_MAX), each
@@ -548,14 +552,15 @@ static void kn_partial(void *p, long c) {
 static void kn_reduce(void *p, long c) {
     const gemv_ctx *a = p;
     long n = a->n, j0 = c * HF_COLS, j1 = j0 + HF_COLS < n ? j0 + HF_COLS : n;
-    float *restrict y = a->y;
-    for (long j = j0; j < j1; j++) y[j] = a->part[j];
+    float s[HF_COLS]; /* the sums in a local block: y may be the residual's own memory (read before written) */
+    for (long j = j0; j < j1; j++) s[j - j0] = a->part[j];
     for (int cc = 1; cc < a->chunks; cc++) { /* part by part: vectorized along the columns, same order per column */
         const float *restrict pc = a->part + (size_t)cc * n;
 #pragma omp simd
-        for (long j = j0; j < j1; j++) y[j] += pc[j];
+        for (long j = j0; j < j1; j++) s[j - j0] += pc[j];
     }
-    for (long j = j0; j < j1; j++) y[j] = act_of(a->bias ? y[j] + a->bias[j] : y[j], a->act);
+    for (long j = j0; j < j1; j++)
+        a->y[j] = with_res(act_of(a->bias ? s[j - j0] + a->bias[j] : s[j - j0], a->act), a->res, j);
 }
 
 /* Parts of a split-K product over K: ``slots`` at most, and at least 8 rows of each quarter of K per part. */
@@ -566,8 +571,8 @@ static int kn_parts(long k, int slots) {
 }
 
 static void gemv_kn_act(const float *w, const float *x, const float *bias, float *y, long n, long k, int act,
-                        int threads, float *part, int slots) {
-    gemv_ctx a = {w, x, bias, y, part, n, k, 0, act, kn_parts(k, slots)};
+                        int threads, float *part, int slots, const float *res) {
+    gemv_ctx a = {w, x, bias, y, part, n, k, 0, act, kn_parts(k, slots), res};
     threads = clamp_threads(threads);
     hf_run(kn_partial, &a, a.chunks, threads);
     hf_run(kn_reduce, &a, (n + HF_COLS - 1) / HF_COLS, threads);
@@ -580,7 +585,19 @@ static void gemv_kn_act(const float *w, const float *x, const float *bias, float
  * nor timing. */
 void hf_gemv_kn(const float *w, const float *x, const float *bias, float *y, long n, long k, int threads,
                 float *part, int slots) {
-    gemv_kn_act(w, x, bias, y, n, k, ACT_NONE, threads, part, slots);
+    gemv_kn_act(w, x, bias, y, n, k, ACT_NONE, threads, part, slots, 0);
+}
+
+/* y = x·W (+ bias) + res: a one-row product and the residual add after it as one call (hf_gemv_nk when
+ * weight_t = 0, hf_gemv_kn with its ``part`` scratch when 1), the same bits as the product then ATen's add.
+ * Why: after a weight stream the add's ATen dispatch runs from a cold cache (several µs), once per layer and
+ * residual. ``res`` may be ``y`` itself; ``x`` must not overlap ``y``. */
+void hf_gemv_res(const float *w, const float *x, const float *bias, const float *res, float *y, long n, long k,
+                 int weight_t, int threads, float *part, int slots) {
+    if (weight_t)
+        gemv_kn_act(w, x, bias, y, n, k, ACT_NONE, threads, part, slots, res);
+    else
+        gemv_nk_act(w, x, bias, y, n, k, ACT_NONE, threads, res);
 }
 
 /* Reads ``n`` floats as ``threads`` x four streams, like the GEMVs above (a memory-bandwidth probe for
@@ -769,9 +786,9 @@ void hf_decode_attention(const float *q, const float *k_new, const float *v_new,
 void hf_linear_act(const float *w, const float *x, const float *bias, float *y, long n, long k, int weight_t,
                    int act, int threads, float *part, int slots) {
     if (weight_t)
-        gemv_kn_act(w, x, bias, y, n, k, act, threads, part, slots);
+        gemv_kn_act(w, x, bias, y, n, k, act, threads, part, slots, 0);
     else
-        gemv_nk_act(w, x, bias, y, n, k, act, threads);
+        gemv_nk_act(w, x, bias, y, n, k, act, threads, 0);
 }
 
 typedef struct {
@@ -801,13 +818,25 @@ static void gated_chunk(void *p, long c) {
 
 /* SwiGLU-style block for one row: h = act(Wg·x) * (Wu·x) into ``h`` ([F] scratch), then y = Wd·h when wd
  * is given. Wg, Wu [F, D], Wd [D, F], row-major, no biases. */
-void hf_gated_mlp(const float *x, const float *wg, const float *wu, const float *wd, float *h, float *y,
-                  long f, long d, int act, int threads) {
+static void gated_mlp_res(const float *x, const float *wg, const float *wu, const float *wd, float *h,
+                          const float *res, float *y, long f, long d, int act, int threads) {
     threads = clamp_threads(threads);
     gated_ctx a = {x, wg, wu, h, f, d, rows_per_chunk(d * (long)sizeof(float)), act};
     long halves = f / 2;
     hf_run(gated_chunk, &a, (halves + a.rows - 1) / a.rows + (f % 2 ? 1 : 0), threads);
-    if (wd) hf_gemv_nk(wd, h, 0, y, d, f, threads);
+    if (wd) gemv_nk_act(wd, h, 0, y, d, f, ACT_NONE, threads, res);
+}
+
+void hf_gated_mlp(const float *x, const float *wg, const float *wu, const float *wd, float *h, float *y,
+                  long f, long d, int act, int threads) {
+    gated_mlp_res(x, wg, wu, wd, h, 0, y, f, d, act, threads);
+}
+
+/* hf_gated_mlp with the down product's residual add (y = Wd·h + res, the same bits as the add after it; ``res``
+ * may be ``y``, ``x`` must not overlap ``y``; see hf_gemv_res). */
+void hf_gated_mlp_res(const float *x, const float *wg, const float *wu, const float *wd, float *h, const float *res,
+                      float *y, long f, long d, int act, int threads) {
+    gated_mlp_res(x, wg, wu, wd, h, res, y, f, d, act, threads);
 }
 
 /* ---------------------------------------------------------------- int8 weight-only one-row product */
@@ -1795,7 +1824,12 @@ typedef struct {
     float *part;
     long n, k, rows;
     int act, chunks, path;
+    const hf_bf16 *res; /* a residual added to the rounded output (ATen's bf16 add after it), or NULL */
 } bgemv_ctx;
+
+static inline hf_bf16 bf16_res(hf_bf16 o, const hf_bf16 *res, long r) {
+    return res ? f2bf(bf2f(o) + bf2f(res[r])) : o;
+}
 
 /* Chunk c of y = act(W x + b), W bf16 [N, K]: four streams (one per quarter of the rows), as nk_chunk. */
 static void bf16_nk_chunk(void *p, long c) {
@@ -1806,14 +1840,15 @@ static void bf16_nk_chunk(void *p, long c) {
         for (long r = 4 * q; r < n; r++) {
             const hf_bf16 *w[4] = {a->w + r * k, a->w + r * k, a->w + r * k, a->w + r * k};
             bf16_dot4(w, a->x, k, a->path, o);
-            a->y[r] = bf16_out(o[0], a->bias, r, a->act);
+            a->y[r] = bf16_res(bf16_out(o[0], a->bias, r, a->act), a->res, r);
         }
         return;
     }
     for (long i = i0; i < i1; i++) {
         const hf_bf16 *w[4] = {a->w + i * k, a->w + (i + q) * k, a->w + (i + 2 * q) * k, a->w + (i + 3 * q) * k};
         bf16_dot4(w, a->x, k, a->path, o);
-        for (int j = 0; j < 4; j++) a->y[i + j * q] = bf16_out(o[j], a->bias, i + j * q, a->act);
+        for (int j = 0; j < 4; j++)
+            a->y[i + j * q] = bf16_res(bf16_out(o[j], a->bias, i + j * q, a->act), a->res, i + j * q);
     }
 }
 
@@ -1862,24 +1897,36 @@ static void bf16_kn_reduce(void *p, long c) {
 #pragma omp simd
         for (long j = j0; j < j1; j++) s[j - j0] += pc[j];
     }
-    for (long j = j0; j < j1; j++) a->y[j] = bf16_out(s[j - j0], a->bias, j, a->act);
+    for (long j = j0; j < j1; j++) a->y[j] = bf16_res(bf16_out(s[j - j0], a->bias, j, a->act), a->res, j);
 }
 
 /* y = act(x·Wᵀ + b) for one bf16 row: W bf16 [N, K] (weight_t = 0, F.linear layout) or [K, N] (weight_t = 1,
  * addmm / Conv1D layout: split-K into ``slots`` fp32 partial rows of ``part`` [slots, N], summed in part
  * order, so the result depends on neither the thread count nor timing); bias bf16 [N] or NULL; y bf16 [N]. */
-void hf_gemv_bf16(const hf_bf16 *w, const hf_bf16 *x, const hf_bf16 *bias, hf_bf16 *y, long n, long k,
-                  int weight_t, int act, int threads, float *part, int slots) {
+static void gemv_bf16_res(const hf_bf16 *w, const hf_bf16 *x, const hf_bf16 *bias, const hf_bf16 *res, hf_bf16 *y,
+                          long n, long k, int weight_t, int act, int threads, float *part, int slots) {
     threads = clamp_threads(threads);
     if (weight_t) {
         int chunks = kn_parts(k, slots);
-        bgemv_ctx a = {w, x, bias, y, part, n, k, 0, act, chunks, 0};
+        bgemv_ctx a = {w, x, bias, y, part, n, k, 0, act, chunks, 0, res};
         hf_run(bf16_kn_partial, &a, chunks, threads);
         hf_run(bf16_kn_reduce, &a, (n + HF_COLS - 1) / HF_COLS, threads);
     } else {
-        bgemv_ctx a = {w, x, bias, y, 0, n, k, rows_per_chunk(k * 2), act, 0, bf16_path()};
+        bgemv_ctx a = {w, x, bias, y, 0, n, k, rows_per_chunk(k * 2), act, 0, bf16_path(), res};
         hf_run(bf16_nk_chunk, &a, four_stream_chunks(n, a.rows), threads);
     }
+}
+
+void hf_gemv_bf16(const hf_bf16 *w, const hf_bf16 *x, const hf_bf16 *bias, hf_bf16 *y, long n, long k,
+                  int weight_t, int act, int threads, float *part, int slots) {
+    gemv_bf16_res(w, x, bias, 0, y, n, k, weight_t, act, threads, part, slots);
+}
+
+/* hf_gemv_bf16 with the residual add after it: y = round(round(act(..)) + res), ATen's bf16 add after the
+ * product, bit for bit (``res`` may be ``y``; ``x`` must not overlap ``y``; see hf_gemv_res). */
+void hf_gemv_bf16_res(const hf_bf16 *w, const hf_bf16 *x, const hf_bf16 *bias, const hf_bf16 *res, hf_bf16 *y,
+                      long n, long k, int weight_t, int act, int threads, float *part, int slots) {
+    gemv_bf16_res(w, x, bias, res, y, n, k, weight_t, act, threads, part, slots);
 }
 
 typedef struct {
@@ -1916,12 +1963,19 @@ static void bf16_gated_chunk(void *p, long c) {
 
 /* Gated MLP for one bf16 row: h = act(Wg·x) * (Wu·x) into ``h`` (bf16 [F]), then y = Wd·h when wd is given.
  * Wg, Wu bf16 [F, D], Wd bf16 [D, F], no biases. */
-void hf_gated_mlp_bf16(const hf_bf16 *x, const hf_bf16 *wg, const hf_bf16 *wu, const hf_bf16 *wd, hf_bf16 *h,
-                       hf_bf16 *y, long f, long d, int act, int threads) {
+void hf_gated_mlp_bf16_res(const hf_bf16 *x, const hf_bf16 *wg, const hf_bf16 *wu, const hf_bf16 *wd, hf_bf16 *h,
+                           const hf_bf16 *res, hf_bf16 *y, long f, long d, int act, int threads) {
     threads = clamp_threads(threads);
     bgated_ctx a = {x, wg, wu, h, f, d, rows_per_chunk(d * 2), act, bf16_path()};
     hf_run(bf16_gated_chunk, &a, (f / 2 + a.rows - 1) / a.rows + (f % 2 ? 1 : 0), threads);
-    if (wd) hf_gemv_bf16(wd, h, 0, y, d, f, 0, ACT_NONE, threads, 0, 0);
+    if (wd) gemv_bf16_res(wd, h, 0, res, y, d, f, 0, ACT_NONE, threads, 0, 0);
+}
+
+/* Gated MLP for one bf16 row: h = act(Wg·x) * (Wu·x) into ``h`` (bf16 [F]), then y = Wd·h when wd is given.
+ * Wg, Wu bf16 [F, D], Wd bf16 [D, F], no biases. (hf_gated_mlp_bf16_res: plus the residual add after it.) */
+void hf_gated_mlp_bf16(const hf_bf16 *x, const hf_bf16 *wg, const hf_bf16 *wu, const hf_bf16 *wd, hf_bf16 *h,
+                       hf_bf16 *y, long f, long d, int act, int threads) {
+    hf_gated_mlp_bf16_res(x, wg, wu, wd, h, 0, y, f, d, act, threads);
 }
 
 /* ---- bf16 row ops of a decode step (one call each instead of a chain of bf16 ATen kernels) */
@@ -2413,6 +2467,57 @@ static void pa_task(void *p, long t) {
     }
 }
 
+/* A few query rows over a few keys (at most PA_SMALL pairs per head: a one-token forward's attention, one query
+ * and one key per head): the same arithmetic (q scaled first, fp32 sums, max-subtracted exponentials, rows that see
+ * no key give zeros) in one pass per head on the calling thread, straight from the strided q/k/v and with expf.
+ * Why: the blocked path packs a PA_KB-key tile per kv head and runs a PA_QB x PA_KB tile per head, many times the
+ * work of a few dot products here. */
+#define PA_SMALL 64
+static void pa_small(const pa_ctx *a, long b) {
+    long esz = a->bf16 ? 2 : 4, mesz = a->mask_kind == 1 ? 1 : 4;
+    float sc[PA_SMALL], acc[PA_DMAX];
+    for (long bi = 0; bi < b; bi++)
+        for (long hi = 0; hi < a->h; hi++) {
+            long kh = hi / (a->h / a->hkv);
+            const char *Q = (const char *)a->q + (bi * a->qs[0] + hi * a->qs[1]) * esz;
+            const char *K = (const char *)a->k + (bi * a->ks[0] + kh * a->ks[1]) * esz;
+            const char *V = (const char *)a->v + (bi * a->vs[0] + kh * a->vs[1]) * esz;
+            const char *M = a->mask ? (const char *)a->mask + (bi * a->ms[0] + hi * a->ms[1]) * mesz : NULL;
+            for (long i = 0; i < a->l; i++) {
+                const float *qr = (const float *)(Q + i * a->qs[2] * esz);
+                float mx = -INFINITY;
+                for (long j = 0; j < a->s; j++) {
+                    const char *mp = M ? M + (i * a->ms[2] + j * a->ms[3]) * mesz : NULL;
+                    float v = -INFINITY;
+                    if (!(a->causal && j > i) && !(mp && a->mask_kind == 1 && !*(const uint8_t *)mp)) {
+                        const float *kr = (const float *)(K + j * a->ks[2] * esz);
+                        float dot = 0.f;
+                        for (long c = 0; c < a->d; c++) dot += (pa_in(a, qr, c) * a->scale) * pa_in(a, kr, c);
+                        v = mp && a->mask_kind == 2 ? dot + *(const float *)mp : dot;
+                    }
+                    sc[j] = v;
+                    mx = v > mx ? v : mx;
+                }
+                float z = 0.f;
+                for (long c = 0; c < a->dv; c++) acc[c] = 0.f;
+                if (mx != -INFINITY)
+                    for (long j = 0; j < a->s; j++) {
+                        if (sc[j] == -INFINITY) continue;
+                        float e = expf(sc[j] - mx);
+                        const float *vr = (const float *)(V + j * a->vs[2] * esz);
+                        z += e;
+                        for (long c = 0; c < a->dv; c++) acc[c] += e * pa_in(a, vr, c);
+                    }
+                float iz = z > 0.f ? 1.f / z : 0.f;
+                long o0 = bi * a->os[0] + hi * a->os[1] + i * a->os[2];
+                if (a->bf16)
+                    for (long c = 0; c < a->dv; c++) ((hf_bf16 *)a->out)[o0 + c] = f2bf(acc[c] * iz);
+                else
+                    for (long c = 0; c < a->dv; c++) a->out[o0 + c] = acc[c] * iz;
+            }
+        }
+}
+
 /* Attention of l query rows over s keys for b x h heads (see the banner above). q [b, h, l, d], k [b, hkv, s, d],
  * v [b, hkv, s, dv] at element strides qs/ks/vs (batch, head, row; the last dim dense); mask NULL or [b, h, l, s]
  * at element strides ms (0 where broadcast), bool (mask_kind 1) or float (2); out [b, h, l, dv] at element strides
@@ -2431,6 +2536,10 @@ int hf_prefill_attention(const void *q, const void *k, const void *v, const void
     a.nqb = (a.l + PA_QB - 1) / PA_QB;
     a.sp = (a.s + PA_KB - 1) / PA_KB * PA_KB;
     if (a.d > PA_DMAX || a.dv > PA_DMAX || a.h % a.hkv || a.l < 1 || a.s < 1) return -2;
+    if (a.l * a.s <= PA_SMALL) {
+        pa_small(&a, dims[0]);
+        return 0;
+    }
     /* the key/value scratch: kept per calling thread up to PA_KEEP bytes (a fresh block of that size is an mmap
      * and its page faults on every call, which a short prefill or one-token forward notices), else per call */
     size_t need = sizeof(float) * dims[0] * a.hkv * (a.d * a.sp + a.s * a.dv);
