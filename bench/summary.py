@@ -1108,6 +1108,20 @@ def cpu_row(*files: str) -> Callable[[Callable[..., Row]], Callable[..., Row]]:
     return row(*files, table=CPU)
 
 
+@cpu_row("prefetch.json")
+def prefetch(d: J) -> Row:
+    rows = list(d["rows"])
+    ds = list(rows[0]["ratio_to_none"].value)
+    gm = {k: statistics.geometric_mean(r["ratio_to_none"].f(k) for r in rows) for k in ds}
+    best = min(ds, key=lambda k: gm[k])
+    result = ("time ÷ no prefetch, geometric mean over the shapes: " + ", ".join(f"{k} B {times(gm[k])}" for k in ds)
+              + f"; best {best} B, in the code: {int(d.f('in_code'))} B")
+    what = ("the one-row products' software prefetch distance, one native build per distance, interleaved over "
+            f"≥ {d.f('gb')} GB weight pools, calibration shapes no evaluated model has (load average "
+            f"{load_avg(d['meta']['loadavg_before'])} at start)")
+    return Row("weight-stream prefetch", what, result, "", link("prefetch.md"))
+
+
 @cpu_row("prefill_gemm.json")
 def prefill_gemm(d: J) -> Row:
     rs = list(d["rows"])
@@ -1339,6 +1353,7 @@ COMMAND_KEYS: list[tuple[str, tuple[str | int, ...]]] = [
     ("ttft.json", ("command",)),
     ("prefill_gemm.json", ("command",)),
     ("panel_gemm.json", ("meta", "command")),
+    ("prefetch.json", ("meta", "command")),
 ]
 
 

@@ -282,6 +282,18 @@ static inline float dot(const float *restrict a, const float *restrict b, long k
 #include <immintrin.h>
 #endif
 #define HF_LANES 16
+/* Software prefetch distance of the one-row products' weight streams, bytes ahead of the read (into L1: the
+ * hardware prefetchers stop at 4 KiB pages, and four streams per thread keep them from running far enough
+ * ahead). How it was chosen: docs/arch/runtime.md, "Weight-stream prefetch". 0: none. */
+#ifndef HF_PF_BYTES
+#define HF_PF_BYTES 2048
+#endif
+#if HF_PF_BYTES > 0 && (defined(__x86_64__) || defined(__i386__))
+#include <xmmintrin.h>
+#define HF_PREFETCH(p) _mm_prefetch((const char *)(p) + HF_PF_BYTES, _MM_HINT_T0)
+#else
+#define HF_PREFETCH(p) ((void)0)
+#endif
 
 #if defined(__AVX512F__) || defined(__AVX2__)
 static inline float hsum_halves128(__m128 v) { /* lanes 0..3 of a sum already halved from 16 to 4 */
@@ -309,6 +321,7 @@ static void dot4(const float *restrict a0, const float *restrict a1, const float
     __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
     for (; i + HF_LANES <= k; i += HF_LANES) {
         __m512 xv = _mm512_loadu_ps(b + i);
+        HF_PREFETCH(a0 + i), HF_PREFETCH(a1 + i), HF_PREFETCH(a2 + i), HF_PREFETCH(a3 + i);
         s0 = _mm512_add_ps(s0, _mm512_mul_ps(_mm512_loadu_ps(a0 + i), xv));
         s1 = _mm512_add_ps(s1, _mm512_mul_ps(_mm512_loadu_ps(a1 + i), xv));
         s2 = _mm512_add_ps(s2, _mm512_mul_ps(_mm512_loadu_ps(a2 + i), xv));
@@ -529,6 +542,7 @@ static void kn_partial(void *p, long c) {
 #if defined(__AVX512F__) /* the loop below by hand (same roundings): the compiler's version was slower */
         const __m512 v0 = _mm512_set1_ps(x0), v1 = _mm512_set1_ps(x1), v2 = _mm512_set1_ps(x2), v3 = _mm512_set1_ps(x3);
         for (; j + HF_LANES <= n; j += HF_LANES) {
+            HF_PREFETCH(w0 + j), HF_PREFETCH(w1 + j), HF_PREFETCH(w2 + j), HF_PREFETCH(w3 + j);
             __m512 s01 = _mm512_add_ps(_mm512_mul_ps(v0, _mm512_loadu_ps(w0 + j)),
                                        _mm512_mul_ps(v1, _mm512_loadu_ps(w1 + j)));
             __m512 s23 = _mm512_add_ps(_mm512_mul_ps(v2, _mm512_loadu_ps(w2 + j)),
@@ -1762,6 +1776,7 @@ static void bf16_dot4(const hf_bf16 *const *w, const hf_bf16 *x, long k, int pat
         long i = 0;
         for (; i + 32 <= k; i += 32) {
             __m512bh xv = (__m512bh)_mm512_loadu_si512((const void *)(x + i));
+            HF_PREFETCH(w[0] + i), HF_PREFETCH(w[1] + i), HF_PREFETCH(w[2] + i), HF_PREFETCH(w[3] + i);
             a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512((const void *)(w[0] + i)), xv);
             a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_loadu_si512((const void *)(w[1] + i)), xv);
             a2 = _mm512_dpbf16_ps(a2, (__m512bh)_mm512_loadu_si512((const void *)(w[2] + i)), xv);
@@ -1784,6 +1799,7 @@ static void bf16_dot4(const hf_bf16 *const *w, const hf_bf16 *x, long k, int pat
         __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
         for (long i = 0; i < k; i += 32) {
             __m512i xv = bf16_load(x, i, k);
+            HF_PREFETCH(w[0] + i), HF_PREFETCH(w[1] + i), HF_PREFETCH(w[2] + i), HF_PREFETCH(w[3] + i);
             __m512 xo = _mm512_castsi512_ps(_mm512_and_si512(xv, hi)), xe = _mm512_castsi512_ps(_mm512_slli_epi32(xv, 16));
 #define HF_BF16_FMA2(j, aj)                                                                                    \
     {                                                                                                          \
@@ -1870,6 +1886,7 @@ static void bf16_kn_partial(void *p, long c) {
         const __m512 v0 = _mm512_set1_ps(x0), v1 = _mm512_set1_ps(x1), v2 = _mm512_set1_ps(x2), v3 = _mm512_set1_ps(x3);
 #define HF_BF16_W(wp) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((wp) + j))), 16))
         for (; j + 16 <= n; j += 16) {
+            HF_PREFETCH(w0 + j), HF_PREFETCH(w1 + j), HF_PREFETCH(w2 + j), HF_PREFETCH(w3 + j);
             __m512 t01 = _mm512_fmadd_ps(v1, HF_BF16_W(w1), _mm512_mul_ps(v0, HF_BF16_W(w0)));
             __m512 t23 = _mm512_fmadd_ps(v3, HF_BF16_W(w3), _mm512_mul_ps(v2, HF_BF16_W(w2)));
             _mm512_storeu_ps(acc + j, _mm512_add_ps(_mm512_loadu_ps(acc + j), _mm512_add_ps(t01, t23)));

@@ -1,0 +1,176 @@
+"""How far ahead the one-row products prefetch their weight streams (``HF_PF_BYTES`` in native.c), chosen here.
+
+The native one-row kernels read each weight as four streams per thread. The hardware prefetchers stop at 4 KiB
+pages and, with four streams per core, do not run far enough ahead to keep DRAM busy; a software prefetch a
+fixed distance ahead of every stream does. This page measures that distance: the native library is built once
+per ``--distances`` value (``-DHF_PF_BYTES=N``, the project's own compiler flags; 0 = no prefetch) and every
+build runs the same products, interleaved in ``--rounds`` rounds, each over a pool of distinct weights of at
+least ``--gb`` GB (every read from memory, as a decode step's).
+
+The shapes are a **calibration** set no evaluated model has (1024- and 4096-wide, the families of
+``bench/panel_gemm.py``): fp32 ``[N, K]`` (``hf_gemv_nk``) and ``[K, N]`` (``hf_gemv_kn``, split-K) products and
+the bf16 ones (``hf_gemv_bf16``). Per build and shape: the best pass over the pool (GB/s = pool bytes ÷ time),
+and the median over rounds of the per-round ratio to the build without prefetch. The distance in native.c is the
+one with the best geometric mean of those ratios.
+
+    python bench/prefetch.py [--distances 0,1024,2048,4096] [--rounds 3] [--threads 2] [--gb 1.0] \\
+        --out docs/bench/prefetch.json --md docs/bench/prefetch.md
+    python bench/prefetch.py --from-json --out docs/bench/prefetch.json --md docs/bench/prefetch.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import math
+import re
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from _pages import add_page_args, end_meta, from_json_done, meta_lines, run_meta, write_result
+
+from hetforge.kernels import native
+
+SHAPES = [  # (kind, N, K, dtype): calibration widths, no zoo model has them
+    ("nk", 4096, 1024, "float32"), ("nk", 1024, 4096, "float32"),
+    ("kn", 4096, 1024, "float32"), ("kn", 1024, 4096, "float32"),
+    ("nk", 4096, 1024, "bfloat16"), ("kn", 4096, 1024, "bfloat16"),
+]
+
+
+def _in_code() -> int:
+    m = re.search(r"#define HF_PF_BYTES (\d+)", native.SOURCE.read_text())
+    return int(m.group(1)) if m else -1
+
+
+def _builds(distances: list[int], folder: Path) -> dict[int, ctypes.CDLL]:
+    """One native library per distance, built with the flags the project's own build uses."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        raise SystemExit("error: no C compiler (cc/gcc) here: nothing measured")
+    libs = {}
+    for d in distances:
+        out = folder / f"native_pf{d}.so"
+        err = native._build(cc, [*native.FLAG_SETS[0], f"-DHF_PF_BYTES={d}"], out)
+        if err:
+            raise SystemExit(f"error: building the native library with HF_PF_BYTES={d} failed: {err}")
+        lib = ctypes.CDLL(str(out))
+        for name, args in native.SIGNATURES.items():
+            if hasattr(lib, name):
+                getattr(lib, name).argtypes = args
+        libs[d] = lib
+    return libs
+
+
+def _call(lib, kind: str, dt: torch.dtype, w: torch.Tensor, x: torch.Tensor, y: torch.Tensor, part: torch.Tensor,
+          n: int, k: int, threads: int) -> None:
+    kn = kind == "kn"
+    pp, slots = (part.data_ptr(), part.shape[0]) if kn else (None, 0)
+    if dt == torch.bfloat16:
+        lib.hf_gemv_bf16(w.data_ptr(), x.data_ptr(), None, y.data_ptr(), n, k, int(kn), 0, threads, pp, slots)
+    elif kn:
+        lib.hf_gemv_kn(w.data_ptr(), x.data_ptr(), None, y.data_ptr(), n, k, threads, pp, slots)
+    else:
+        lib.hf_gemv_nk(w.data_ptr(), x.data_ptr(), None, y.data_ptr(), n, k, threads)
+
+
+def measure(libs: dict[int, ctypes.CDLL], rounds: int, threads: int, gb: float) -> list[dict]:
+    rows = []
+    for kind, n, k, dts in SHAPES:
+        dt = getattr(torch, dts)
+        esz = torch.empty(0, dtype=dt).element_size()
+        count = max(4, math.ceil(gb * 1e9 / (n * k * esz)))
+        g = torch.Generator().manual_seed(n + k)
+        pool = [(torch.randn(n, k, generator=g) if kind == "nk" else torch.randn(k, n, generator=g)).to(dt)
+                for _ in range(count)]
+        x, y = torch.randn(k, generator=g).to(dt), torch.empty(n, dtype=dt)
+        part = torch.empty((native.split_k_slots(), n), dtype=torch.float32)
+        times: dict[int, list[float]] = {d: [] for d in libs}
+        for lib in libs.values():  # warm-up pass
+            for w in pool:
+                _call(lib, kind, dt, w, x, y, part, n, k, threads)
+        for _ in range(rounds):
+            for d, lib in libs.items():
+                t0 = time.perf_counter()
+                for w in pool:
+                    _call(lib, kind, dt, w, x, y, part, n, k, threads)
+                times[d].append(time.perf_counter() - t0)
+        base = min(libs)
+        row = {"kind": kind, "n": n, "k": k, "dtype": dts, "pool_bytes": count * n * k * esz, "times_s": times,
+               "ratio_to_none": {d: statistics.median(times[d][i] / times[base][i] for i in range(rounds))
+                                 for d in libs}}
+        rows.append(row)
+        print(f"  {kind} [{n}, {k}] {dts}: " + ", ".join(
+            f"{d} B {row['pool_bytes'] / min(t) / 1e9:.1f} GB/s" for d, t in times.items()), file=sys.stderr,
+            flush=True)
+        del pool
+    return rows
+
+
+def render(res: dict) -> str:
+    m = res["meta"]
+    rows = res["rows"]
+    ds = [int(d) for d in rows[0]["ratio_to_none"]]
+
+    def ratio(r: dict, d: int) -> float:
+        v = r["ratio_to_none"]
+        return v[str(d)] if str(d) in v else v[d]
+
+    def times(r: dict, d: int) -> list[float]:
+        v = r["times_s"]
+        return v[str(d)] if str(d) in v else v[d]
+
+    lines = ["# Weight-stream prefetch distance of the one-row products (measured)", "",
+             "Generated by `bench/prefetch.py` from `prefetch.json` (never edited by hand). " + " ".join(meta_lines(m)),
+             "", "One native library per prefetch distance (`-DHF_PF_BYTES`, bytes ahead of each of a thread's four "
+             "weight streams; 0 = none), the same products interleaved over pools of distinct weights (every read "
+             f"from memory, ≥ {res['gb']} GB per shape). Shapes: a calibration set no evaluated model has. Cells: "
+             "GB/s of the best pass over the pool, and (in brackets) the median over rounds of the per-round time "
+             "ratio to the build without prefetch (below 1: faster).", "",
+             "| product | weight | dtype | " + " | ".join(f"{d} B" for d in ds) + " |",
+             "|---|---|---|" + "---|" * len(ds)]
+    for r in rows:
+        shape = f"[{r['n']}, {r['k']}]" if r["kind"] == "nk" else f"[{r['k']}, {r['n']}]"
+        name = {"nk": "`[N, K]`", "kn": "`[K, N]` split-K"}[r["kind"]]
+        lines.append(f"| {name} | {shape} | {r['dtype']} | " + " | ".join(
+            f"{r['pool_bytes'] / min(times(r, d)) / 1e9:.1f} ({ratio(r, d):.3f})" for d in ds) + " |")
+    gm = {d: statistics.geometric_mean(ratio(r, d) for r in rows) for d in ds}
+    best = min(ds, key=lambda d: gm[d])
+    lines += ["", "Geometric mean of the ratios: " + ", ".join(f"{d} B {gm[d]:.3f}" for d in ds)
+              + f". Best: **{best} bytes**; `HF_PF_BYTES` in the code this ran: {res['in_code']}.", ""]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--distances", default="0,1024,2048,4096")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--gb", type=float, default=1.0, help="pool size per shape, GB (well above the LLC share)")
+    add_page_args(ap)
+    a = ap.parse_args(argv)
+    if from_json_done(ap, a, render):
+        return 0
+    try:
+        ds = sorted({int(d) for d in a.distances.split(",") if d.strip()})
+    except ValueError:
+        ap.error(f"--distances takes comma-separated integers, got {a.distances!r}")
+    if not ds or ds[0] != 0 or any(d < 0 for d in ds) or a.rounds < 1 or a.threads < 1 or a.gb <= 0:
+        ap.error("--distances must include 0 (the baseline) and be >= 0; --rounds, --threads >= 1; --gb > 0")
+    torch.set_num_threads(a.threads)
+    meta = run_meta("bench/prefetch.py", argv)
+    with tempfile.TemporaryDirectory(prefix="hetforge-prefetch-") as tmp:
+        libs = _builds(ds, Path(tmp))
+        rows = measure(libs, a.rounds, a.threads, a.gb)
+    res = {"gb": a.gb, "in_code": _in_code(), "rows": rows, "meta": end_meta(meta)}
+    write_result(res, a.out, a.md, render)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
