@@ -319,3 +319,26 @@ def test_native_transpose_refuses_what_it_cannot_read_and_writes_nothing():
         assert torch.equal(dst, before)
     with native.disabled():
         assert not native.transpose_into(w, torch.zeros(4, 8))
+
+
+@needs_cc
+def test_vectorized_tanh_gelu_of_a_split_k_product_matches_aten_over_the_whole_range():
+    """The ``[K, N]`` product's reduce computes the tanh GELU 16 columns at a time (an exp polynomial, not libm's
+    tanhf): over values from -12 to 12, tiny ones, huge ones (the cube overflows) and NaN it equals ATen's
+    ``gelu(approximate='tanh')`` to a few ulp; the 4097th column (past the last block of 16) takes the scalar
+    path."""
+    vals = torch.cat([torch.linspace(-12, 12, 3001), torch.tensor([0.0, -0.0, 1e-30, -1e-30, 1e-7, -1e-7, 1e13,
+                                                                   -1e13, 3e38, float("nan")])])
+    vals = torch.cat([vals, torch.linspace(-3, 3, 4097 - vals.numel())])
+    n = vals.numel()
+    w = vals.view(1, n).contiguous()  # K = 1, W [K, N]: y_j = 1.0 · w_j exactly, then the activation
+    x, y, part = torch.ones(1), torch.empty(n), torch.empty(2, n)
+    native.library().hf_linear_act(w.data_ptr(), x.data_ptr(), None, y.data_ptr(), n, 1, 1,
+                                   native.ACT_CODES["gelu_tanh"], 2, part.data_ptr(), 2)
+    v, nan = vals.double(), vals.isnan()
+    exact = 0.5 * v * (1 + torch.tanh((2 / torch.pi) ** 0.5 * (v + 0.044715 * v**3)))
+    ok = (y.double() - exact).abs() <= 4e-7 * v.abs() + 1e-37  # a few ulp of |v| / 2
+    assert bool(ok[~nan].all()) and bool(y[nan].isnan().all()), (vals[~ok & ~nan], y[~ok & ~nan])
+    # ATen's own 1 + tanh(u) is off by up to an ulp of 1 where tanh(u) nears -1: equal to that much
+    aten = F.gelu(vals, approximate="tanh").double()
+    assert bool(((y.double() - aten).abs() <= 4e-7 * v.abs() + 1e-37)[~nan].all())

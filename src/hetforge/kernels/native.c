@@ -524,6 +524,44 @@ int hf_gemv_nk_multi(int m, const float *const *w, const float *const *bias, flo
     return 0;
 }
 
+#if defined(__AVX512F__)
+/* e^x for x <= 0 (0 below -87.3, where fp32 would underflow to a denormal): Cephes' expf polynomial. */
+static inline __m512 pa_exp16(__m512 x) {
+    __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.3f), _CMP_GE_OQ);
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500E-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507E-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073E-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894E-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459E-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201E-1f));
+    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+    return _mm512_maskz_mov_ps(keep, _mm512_scalef_ps(p, n));
+}
+#endif
+
+#if defined(__AVX512F__)
+/* The tanh GELU of 16 values, 0.5·v·(1 + tanh(u)), u = √(2/π)·(v + 0.044715·v³) as act_of computes it, with
+ * 1 + tanh(u) = 2/(1 + e) for u >= 0 and 2e/(1 + e) below, e = exp(−2|u|) on pa_exp16 (~1 ulp): no cancellation
+ * where tanh(u) nears −1, so within a few ulp of the exact value (libm's 1 + tanhf(u) there is off by up to an
+ * ulp of 1). Why: the scalar tanhf of every output of a 3072-wide MLP product cost about a tenth of its weight
+ * stream (docs/arch/hardware-cost.md, native activation). */
+static inline __m512 gelu_tanh16(__m512 v) {
+    const __m512 beta = _mm512_set1_ps((float)(M_SQRT2 * M_2_SQRTPI * 0.5)), kappa = _mm512_set1_ps(0.044715f);
+    const __m512 one = _mm512_set1_ps(1.f), two = _mm512_set1_ps(2.f);
+    __m512 cube = _mm512_mul_ps(_mm512_mul_ps(v, v), v);
+    __m512 u = _mm512_mul_ps(beta, _mm512_add_ps(v, _mm512_mul_ps(kappa, cube)));
+    __m512 e = pa_exp16(_mm512_mul_ps(_mm512_set1_ps(-2.f), _mm512_abs_ps(u)));
+    __mmask16 neg = _mm512_cmp_ps_mask(u, _mm512_setzero_ps(), _CMP_LT_OQ);
+    __m512 onept = _mm512_div_ps(_mm512_mask_mul_ps(two, neg, two, e), _mm512_add_ps(one, e));
+    return _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.5f), v), onept);
+}
+#endif
+
 /* Split-K part c of C: rows [c*r, (c+1)*r) of each quarter of W [K, N] (r = ceil((K/4) / C); four streams,
  * one per quarter, so consecutive parts continue the same streams), plus the K % 4 tail rows in the last part,
  * into row c of part. */
@@ -573,9 +611,19 @@ static void kn_reduce(void *p, long c) {
 #pragma omp simd
         for (long j = j0; j < j1; j++) s[j - j0] += pc[j];
     }
-    for (long j = j0; j < j1; j++)
+    long j = j0;
+#if defined(__AVX512F__)
+    if (a->act == ACT_GELU_TANH && !a->res) /* 16 columns at a time (the scalar loop below for the rest) */
+        for (; j + 16 <= j1; j += 16) {
+            __m512 v = _mm512_loadu_ps(s + (j - j0));
+            if (a->bias) v = _mm512_add_ps(v, _mm512_loadu_ps(a->bias + j));
+            _mm512_storeu_ps(a->y + j, gelu_tanh16(v));
+        }
+#endif
+    for (; j < j1; j++)
         a->y[j] = with_res(act_of(a->bias ? s[j - j0] + a->bias[j] : s[j - j0], a->act), a->res, j);
 }
+
 
 /* Parts of a split-K product over K: ``slots`` at most, and at least 8 rows of each quarter of K per part. */
 static int kn_parts(long k, int slots) {
@@ -2198,25 +2246,6 @@ static inline float pa_in(const pa_ctx *a, const float *row, long i) {
     return a->bf16 ? bf2f(((const hf_bf16 *)row)[i]) : row[i];
 }
 
-#if defined(__AVX512F__)
-/* e^x for x <= 0 (0 below -87.3, where fp32 would underflow to a denormal): Cephes' expf polynomial. */
-static inline __m512 pa_exp16(__m512 x) {
-    __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.3f), _CMP_GE_OQ);
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500E-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507E-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073E-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894E-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459E-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201E-1f));
-    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-    return _mm512_maskz_mov_ps(keep, _mm512_scalef_ps(p, n));
-}
-#endif
 
 #if defined(__AVX512F__)
 /* c[r][0..64) += a[r * astride] · row[0..64) for r < 4: the 4 × 64 FMA block of both products below (scores: a is
