@@ -257,13 +257,15 @@ def test_order_permutes_stored_experts_without_changing_the_result():
 @settings(max_examples=20, deadline=None)
 @given(k=st.integers(1, 3), seed=st.integers(0, 99), transposed=st.booleans())
 def test_one_token_takes_no_dispatch_and_gives_the_dispatched_bits_and_counts(k, seed, transposed):
-    """A decode step's token skips the sort/count dispatch; an identity ``order`` forces the dispatched path,
-    which must give the same bits and the same routing statistics."""
+    """Without the native library, a decode step's token skips the sort/count dispatch; an identity ``order``
+    forces the dispatched path, which must give the same bits and the same routing statistics."""
+    from hetforge.kernels import native
+
     rw, wgu, wd = _weights(d=64, f=48, seed=seed)
     if transposed:
         wgu, wd = wgu.transpose(1, 2).contiguous(), wd.transpose(1, 2).contiguous()
     x = torch.randn(1, 64, generator=torch.Generator().manual_seed(seed + 1))
-    with recording() as rec:
+    with native.disabled("the Python one-token path"), recording() as rec:
         with mock.patch.object(torch, "argsort", side_effect=AssertionError("the one-token path sorted")):
             fast = moe_forward(x, rw, wgu, wd, top_k=k, transposed=transposed)
         dispatched = moe_forward(x, rw, wgu, wd, top_k=k, transposed=transposed, group_size=1, order=list(range(8)))
@@ -271,6 +273,31 @@ def test_one_token_takes_no_dispatch_and_gives_the_dispatched_bits_and_counts(k,
     a, b = rec.calls
     assert (a.groups, a.groups_run, a.slots, a.used, a.dropped, a.routed) == \
         (b.groups, b.groups_run, b.slots, b.used, b.dropped, b.routed) and a.used == k
+
+
+@settings(max_examples=20, deadline=None)
+@given(k=st.integers(1, 3), seed=st.integers(0, 99), norm=st.booleans(), act=st.sampled_from(["silu", "gelu"]))
+def test_one_token_runs_in_one_native_call_and_equals_the_aten_routing_and_experts(k, seed, norm, act):
+    """With the library built, a decode step's token goes through ``hf_moe_token`` (router, softmax, top-k, its
+    experts and their weighted sum in C: no ATen routing op runs) and equals the ATen path to rounding — the same
+    experts, weights and routing statistics (the probabilities to rounding)."""
+    from hetforge.kernels import native
+    from hetforge.ops import moe
+
+    if native.library() is None:
+        pytest.skip(f"the native kernels are not built here: {native.status().reason}")
+    rw, wgu, wd = _weights(d=64, f=48, seed=seed)
+    x = torch.randn(1, 64, generator=torch.Generator().manual_seed(seed + 1))
+    with recording() as rec:
+        with mock.patch.object(moe, "route", side_effect=AssertionError("routed in ATen")):
+            got = moe_forward(x, rw, wgu, wd, top_k=k, norm_topk=norm, act=act)
+        with native.disabled("the ATen routing and experts"):
+            want = moe_forward(x, rw, wgu, wd, top_k=k, norm_topk=norm, act=act)
+    # a different summation order: error relative to the output's scale (an element near 0 is a cancellation)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    a, b = rec.calls
+    assert (a.groups, a.groups_run, a.slots, a.used, a.routed) == (b.groups, b.groups_run, b.slots, b.used, b.routed)
+    assert a.mass == pytest.approx(b.mass, rel=1e-5, abs=1e-7)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

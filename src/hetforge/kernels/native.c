@@ -901,6 +901,52 @@ void hf_gated_mlp_res(const float *x, const float *wg, const float *wu, const fl
     gated_mlp_res(x, wg, wu, wd, h, res, y, f, d, act, threads);
 }
 
+/* ---------------------------------------------------------------- one token through an MoE block
+ * A decode step's token through ``hetforge::moe`` (fp32, experts stacked [E, 2F, D] / [E, D, F], no shared
+ * expert): the router's logits (one dot product per expert), the softmax in fp32 (max-subtracted expf, summed in
+ * expert order), the top k by probability (the lower expert first on a tie), renormalised over the k when
+ * ``norm``, then the k experts in ascending expert order, each a gated MLP (gated_mlp_res) whose output is scaled
+ * by its weight and added to ``out`` (0 + y·w, then + y·w: the rounding of the dispatch's product then add).
+ * Why: in Python the routing and the combine were some 25 ATen calls per layer, each after an expert's weight
+ * stream and so from a cold cache, about as long as the experts' products themselves. ``idx``/``w`` [k] and
+ * ``probs`` [E] return the routing for the caller's statistics; ``h`` [F] and ``y`` [D] are scratch. Returns -1
+ * (nothing done) when k is not in 1..E or E > HF_MOE_EMAX. */
+#define HF_MOE_EMAX 256
+int hf_moe_token(const float *x, const float *router, const float *wgu, const float *wd, long e, long d, long f,
+                 int k, int norm, int act, float *h, float *y, float *out, long *idx, float *w, float *probs,
+                 int threads) {
+    if (k < 1 || k > e || e > HF_MOE_EMAX) return -1;
+    float mx = -INFINITY, z = 0.f;
+    for (long j = 0; j < e; j++) {
+        probs[j] = dot1(router + j * d, x, d);
+        mx = probs[j] > mx ? probs[j] : mx;
+    }
+    for (long j = 0; j < e; j++) z += (probs[j] = expf(probs[j] - mx));
+    for (long j = 0; j < e; j++) probs[j] /= z;
+    int slot[HF_MOE_EMAX];
+    for (long j = 0; j < e; j++) slot[j] = -1;
+    for (int t = 0; t < k; t++) {
+        long b = -1;
+        for (long j = 0; j < e; j++)
+            if (slot[j] < 0 && (b < 0 || probs[j] > probs[b])) b = j;
+        slot[b] = t, idx[t] = b, w[t] = probs[b];
+    }
+    if (norm) {
+        float sum = 0.f;
+        for (int t = 0; t < k; t++) sum += w[t];
+        for (int t = 0; t < k; t++) w[t] /= sum;
+    }
+    for (long i = 0; i < d; i++) out[i] = 0.f;
+    for (long j = 0; j < e; j++) {
+        if (slot[j] < 0) continue;
+        const float *g = wgu + (size_t)j * 2 * f * d;
+        gated_mlp_res(x, g, g + (size_t)f * d, wd + (size_t)j * d * f, h, 0, y, f, d, act, threads);
+        float wj = w[slot[j]];
+        for (long i = 0; i < d; i++) out[i] += y[i] * wj;
+    }
+    return 0;
+}
+
 /* ---------------------------------------------------------------- int8 weight-only one-row product */
 
 static float dot_q8(const int8_t *restrict q, const float *restrict x, long k) {

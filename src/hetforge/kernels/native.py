@@ -42,6 +42,7 @@ SIGNATURES = {
     "hf_gemv_bf16_res": [_P, _P, _P, _P, _P, _L, _L, _I, _I, _I, _P, _I],
     "hf_gated_mlp_res": [_P, _P, _P, _P, _P, _P, _P, _L, _L, _I, _I],
     "hf_gated_mlp_bf16_res": [_P, _P, _P, _P, _P, _P, _P, _L, _L, _I, _I],
+    "hf_moe_token": [_P, _P, _P, _P, _L, _L, _L, _I, _I, _I, _P, _P, _P, _P, _P, _P, _I],
     "hf_gemv_bf16": [_P, _P, _P, _P, _L, _L, _I, _I, _I, _P, _I],
     "hf_gated_mlp_bf16": [_P, _P, _P, _P, _P, _P, _L, _L, _I, _I],
     "hf_rotary_bf16": [_P, _P, _P, _P, _L, _L, _I],
@@ -844,6 +845,42 @@ def gated_mlp_fits(x: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor, wd: torc
     if x.dtype == torch.bfloat16:
         return bf16_fits(x, wg, wu, wd) and library() is not None
     return row_op_fits(x) and _f32(wg, wu, wd) and library() is not None
+
+
+MOE_EMAX = 256  # native.c HF_MOE_EMAX: the most experts hf_moe_token routes over
+
+
+def moe_token_fits(x: torch.Tensor, router_w: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
+                   act: str, top_k: int) -> bool:
+    """Whether :func:`moe_token` can take one token ``x`` ([1, D]) through experts stacked ``[E, 2F, D]`` /
+    ``[E, D, F]`` with router ``[E, D]``: real contiguous fp32 CPU tensors, an activation the kernel has, 1 ≤ k ≤
+    E ≤ :data:`MOE_EMAX`, library built."""
+    if act not in ACT_CODES or x.numel() == 0 or w_gate_up.dim() != 3 or w_down.dim() != 3 or router_w.dim() != 2:
+        return False
+    e, f2, d = w_gate_up.shape
+    return (x.numel() == d and f2 % 2 == 0 and tuple(w_down.shape) == (e, d, f2 // 2)
+            and tuple(router_w.shape) == (e, d) and 1 <= top_k <= e <= MOE_EMAX
+            and row_op_fits(x) and _f32(router_w, w_gate_up, w_down) and library() is not None)
+
+
+def moe_token(x: torch.Tensor, router_w: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, top_k: int,
+              norm_topk: bool, act: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One token through an MoE block on ``hf_moe_token`` (router, softmax, top-k, the k gated-MLP experts in
+    ascending order, the weighted sum): (out [1, D], weights [1, k], expert ids [1, k], probabilities [1, E]);
+    check :func:`moe_token_fits` first."""
+    e, f2, d = w_gate_up.shape
+    out = torch.empty((1, d), dtype=torch.float32)
+    idx = torch.empty((1, top_k), dtype=torch.long)
+    w = torch.empty((1, top_k), dtype=torch.float32)
+    probs = torch.empty((1, e), dtype=torch.float32)
+    h, y = torch.empty(f2 // 2, dtype=torch.float32), torch.empty(d, dtype=torch.float32)
+    rc = library().hf_moe_token(x.data_ptr(), router_w.data_ptr(), w_gate_up.data_ptr(), w_down.data_ptr(), e, d,
+                                f2 // 2, top_k, int(norm_topk), ACT_CODES[act], h.data_ptr(), y.data_ptr(),
+                                out.data_ptr(), idx.data_ptr(), w.data_ptr(), probs.data_ptr(),
+                                torch.get_num_threads())
+    if rc:
+        raise ValueError(f"hf_moe_token: top_k {top_k} with {e} experts is outside 1..E <= {MOE_EMAX}")
+    return out, w, idx, probs
 
 
 def gated_mlp_bf16(x: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor, wd: torch.Tensor | None,

@@ -211,10 +211,14 @@ def _one_token(h, w, idx, w_gate_up, w_down, act, transposed, stats):
     ws = w[0].tolist()  # Python floats of the weights' values: scaling by one rounds as by the 0-dim tensor
     for ex, j in sorted(zip(idx[0].tolist(), range(idx.shape[1]), strict=True)):
         out.add_(_expert_ffn(h, w_gate_up[ex], w_down[ex], act, transposed).mul_(ws[j]))
-    k = idx.shape[1]
-    stats.groups += w_gate_up.shape[0]
-    stats.groups_run, stats.slots, stats.used = stats.groups_run + k, stats.slots + k, stats.used + k
+    _count_one_token(stats, w_gate_up.shape[0], idx.shape[1])
     return out
+
+
+def _count_one_token(stats, e: int, k: int) -> None:
+    """A one-token call's statistics: every expert a group of one, ``k`` of them run on one used slot each."""
+    stats.groups += e
+    stats.groups_run, stats.slots, stats.used = stats.groups_run + k, stats.slots + k, stats.used + k
 
 
 def moe_forward(x, router_w, w_gate_up, w_down, s_gate=None, s_up=None, s_down=None, s_router=None,
@@ -224,10 +228,17 @@ def moe_forward(x, router_w, w_gate_up, w_down, s_gate=None, s_up=None, s_down=N
     d = x.shape[-1]
     h = x.reshape(-1, d)
     e = w_gate_up.shape[0]
-    probs, w, idx = route(h, router_w, top_k, norm_topk)
     capacity, order = list(capacity), list(order)
     stats = CallStats(layer, h.shape[0], top_k, [], [])
-    out = _experts(h, w, idx, w_gate_up, w_down, act, transposed, group_size, capacity, order, stats)
+    one = h.shape[0] == 1 and not capacity and not order and not transposed \
+        and (group_size if group_size > 0 else auto_group_size(1, top_k, e)) == 1
+    if one and native.moe_token_fits(h, router_w, w_gate_up, w_down, act, top_k):
+        # a decode step's token: routing, its k experts and their weighted sum in one native call (hf_moe_token)
+        out, w, idx, probs = native.moe_token(h, router_w, w_gate_up, w_down, top_k, norm_topk, act)
+        _count_one_token(stats, e, top_k)
+    else:
+        probs, w, idx = route(h, router_w, top_k, norm_topk)
+        out = _experts(h, w, idx, w_gate_up, w_down, act, transposed, group_size, capacity, order, stats)
     if s_up is not None and s_down is not None:
         sh = F.linear(h, s_up)
         if s_gate is not None:
