@@ -567,8 +567,8 @@ class _Codegen:
         """Whether the one-row native product ``g`` has a ``_res`` kernel variant that can add the residual after it
         (``hf_gemv_res``, ``hf_gemv_bf16_res``, the gated MLPs' with a down product); not a grouped product."""
         k = self.kernels.get(g.id)
-        if k not in self.NATIVE_RESIDUAL or self.dm[g.device].type != "cpu" or g.id in self.groups \
-                or any(g in m for m in self.groups.values()):
+        if k not in self.NATIVE_RESIDUAL or self.dm[g.device].type != "cpu" \
+                or any(g.id == m.id for ms in self.groups.values() for m in ms):
             return False
         if k in ("native:hf_gated_mlp", "native:hf_gated_mlp_bf16"):
             return bind_args(g).get("w_down") is not None
@@ -578,8 +578,9 @@ class _Codegen:
         """The structural half of :meth:`native_residual`: only views between the product and its add (nothing
         writes memory there, so the product's operands still hold its inputs when its call runs at the add), and
         both the product's and the add's results in arena slices (not graph outputs)."""
-        pos = {ins.id: i for i, ins in enumerate(self.p.instrs)}
-        lo, hi = pos[g.id], pos[add.id]
+        if not hasattr(self, "_pos"):
+            self._pos = {ins.id: i for i, ins in enumerate(self.p.instrs)}  # program order
+        lo, hi = self._pos[g.id], self._pos[add.id]
         outs = set(self.p.output_regs())
         o = add.outputs[0]
         return all(ins.kind == VIEW for ins in self.p.instrs[lo + 1:hi]) and self.planned(o) and o not in outs \
@@ -614,7 +615,8 @@ class _Codegen:
         else:
             x, b, weight_t = bind_args(ins)["x"], None, True  # a gated MLP: x is read before the down product
         regs = [r for r in (x, b, other) if isinstance(r, Reg)]
-        if not isinstance(x, Reg) or any(self.static_tensor(r.id, dev) is None for r in regs):
+        if not isinstance(x, Reg) or any(self.static_tensor(r.id, dev) is None for r in regs) \
+                or (isinstance(b, Reg) and self.p.values[b.id].kind != WEIGHT):  # a bias the plan may overwrite
             return False
         y = self.g[self.buffer(add.outputs[0])]
 
