@@ -20,7 +20,8 @@ BF = torch.bfloat16
 def _lib():
     lib = native.library()
     if lib is None:
-        pytest.skip(f"the native kernels are not built here: {native.status().reason}")
+        pytest.skip("the native C kernels are not built on this host (" + native.status().reason + "): these "
+                    "check their residual variants only; without them every residual add runs as ATen's add")
     return lib
 
 
@@ -94,9 +95,9 @@ def test_gated_mlp_res_is_the_block_then_atens_add_even_over_its_input(dtype):
 def test_one_token_program_moves_products_to_their_residual_adds_with_the_same_logits(name, dtype, fused,
                                                                                      monkeypatch):
     """A one-token forward's residual adds ride on the native product before them: GPT-2's two per layer (split-K
-    Conv1D products), Llama's gated MLP down product (its attention output product reads an input the add's slice
-    overlaps, row by row as it writes: not moved). The logits are bit for bit those of the program that adds
-    separately (HETFORGE_RESIDUAL_FUSION=0)."""
+    Conv1D products), Llama's gated MLP down product (its attention output product is an ``[N, K]`` one, taken
+    only where the add's slice is apart from its input: not in these programs). The logits are bit for bit those
+    of the program that adds separately (HETFORGE_RESIDUAL_FUSION=0)."""
     _lib()
     from hetforge.compile import compile_graph
     from hetforge.frontend import capture

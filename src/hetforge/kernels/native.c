@@ -907,8 +907,8 @@ void hf_gated_mlp_res(const float *x, const float *wg, const float *wu, const fl
  * expert order), the top k by probability (the lower expert first on a tie), renormalised over the k when
  * ``norm``, then the k experts in ascending expert order, each a gated MLP (gated_mlp_res) whose output is scaled
  * by its weight and added to ``out`` (0 + y·w, then + y·w: the rounding of the dispatch's product then add).
- * Why: in Python the routing and the combine were some 25 ATen calls per layer, each after an expert's weight
- * stream and so from a cold cache, about as long as the experts' products themselves. ``idx``/``w`` [k] and
+ * Why: in Python the routing and the combine were about 40 ATen calls per layer (views included), each after an
+ * expert's weight stream and so from a cold cache: about as long as the experts' products themselves. ``idx``/``w`` [k] and
  * ``probs`` [E] return the routing for the caller's statistics; ``h`` [F] and ``y`` [D] are scratch. Returns -1
  * (nothing done) when k is not in 1..E or E > HF_MOE_EMAX. */
 #define HF_MOE_EMAX 256
