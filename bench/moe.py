@@ -19,6 +19,11 @@ and modeled residency on the SoC profiles — one run, raw JSON, and the Markdow
    runtime on placed programs for --run-socs: the unexpanded op, expert groups pinned to the host, pinned by the
    residency model (tiered and unlimited); greedy tokens checked; ``--section residency-run`` reruns only this
    part and updates it in --out.
+6. **Grouping bound (measured).** ``--section dispatch-bound``: per-expert dispatch ÷ its expert products alone.
+7. **Packed experts (measured).** ``--section packed-experts``: ``hetforge::moe``'s prefill with each expert's
+   rows on oneDNN's packed weights (the default) ÷ the same op with ATen's ``linear`` (``HETFORGE_MOE_PACKED=0``),
+   on random-weight MoE layers of shapes no evaluated model has (--packed-shapes), several layers' weights per call
+   so that they are read from memory as in a prefill.
 
     python bench/moe.py --out docs/bench/moe.json --md docs/bench/moe.md
     python bench/moe.py --from-json docs/bench/moe.json --md docs/bench/moe.md   # the page again from the JSON
@@ -416,6 +421,8 @@ def markdown(r: dict) -> str:
         lines += residency_run_md(r["residency_run"])
     if r.get("dispatch_bound"):
         lines += dispatch_bound_md(r["dispatch_bound"]["rows"], r["dispatch_bound"]["meta"])
+    if r.get("packed_experts"):
+        lines += packed_experts_md(r["packed_experts"]["rows"], r["packed_experts"]["meta"])
     return "\n".join(lines)
 
 
@@ -536,6 +543,77 @@ def dispatch_bound_md(rows: list[dict], meta: dict) -> list[str]:
     return lines
 
 
+def _shape(s: str) -> tuple[int, int, int, int]:
+    d, f, e, k = (int(v) for v in s.split("x"))
+    return d, f, e, k
+
+
+def packed_experts(args) -> list[dict]:
+    """The packed-expert choice on calibration shapes (D×F×E×k, random weights): per shape and token count, the
+    whole op over --packed-layers layers' weights (each read from memory once per call, as a prefill does), packed
+    ÷ ATen, interleaved rounds, with the largest difference between the two outputs."""
+    from hetforge.ops.moe import moe_forward
+
+    rows = []
+    for spec in args.packed_shapes:
+        d, f, e, k = _shape(spec)
+        g = torch.Generator().manual_seed(0)
+        layers = [(torch.randn(e, d, generator=g) * 0.05, torch.randn(e, 2 * f, d, generator=g) * 0.03,
+                   torch.randn(e, d, f, generator=g) * 0.03) for _ in range(args.packed_layers)]
+        for t in args.tokens:
+            xs = [torch.randn(1, t, d, generator=g) for _ in layers]
+
+            def run(flag: str, xs=xs, layers=layers, k=k) -> list[torch.Tensor]:
+                os.environ["HETFORGE_MOE_PACKED"] = flag
+                with torch.no_grad():
+                    return [moe_forward(x, *w, top_k=k) for x, w in zip(xs, layers, strict=True)]
+
+            try:
+                res = _median_interleaved({"packed": lambda run=run: run("1"), "aten": lambda run=run: run("0")},
+                                          args.reps)
+                err = max(float((a - b).abs().max()) for a, b in zip(run("1"), run("0"), strict=True))
+            finally:
+                os.environ.pop("HETFORGE_MOE_PACKED", None)
+            gb = args.packed_layers * (3 * e * d * f) * 4 / 1e9
+            ratio = res["packed"]["median_ms"] / res["aten"]["median_ms"]
+            rows.append({"shape": spec, "tokens": t, "layers": args.packed_layers, "weights_gb": gb,
+                         "systems": res, "ratio": ratio, "max_abs_diff": err})
+            print(f"packed experts {spec} T={t}: {ratio:.3f}x of ATen (max |diff| {err:.1e})", flush=True)
+    return rows
+
+
+def packed_experts_md(rows: list[dict], meta: dict) -> list[str]:
+    lines = ["", "## 7. Packed experts: oneDNN's packed weights vs ATen's linear (measured)", "",
+             f"Random-weight MoE layers of shapes no evaluated model has (D×F×E×k: hidden, expert FFN, experts, "
+             f"top-k), {meta['threads']} thread(s), run {meta['date']} (load average at start {meta['loadavg']}); "
+             f"`{meta['command']}`. Each call runs every layer once on its own tokens, so each expert's weights "
+             "come from memory as in a prefill; the two paths alternate, median of the rounds.", "",
+             "| shape D×F×E×k | tokens | layers (weights GB) | packed ms | ATen ms | packed ÷ ATen | max \\|diff\\| |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        s = r["systems"]
+        lines.append(f"| {r['shape']} | {r['tokens']} | {r['layers']} ({r['weights_gb']:.2f}) | "
+                     f"{s['packed']['median_ms']:.1f} | {s['aten']['median_ms']:.1f} | {r['ratio']:.3f}× | "
+                     f"{r['max_abs_diff']:.1e} |")
+    return lines + [""]
+
+
+def section_packed_experts(args) -> None:
+    """§7 only: measure the packed-expert choice and write it into --out (the rest of the JSON is kept)."""
+    if not args.out or not Path(args.out).is_file():
+        raise SystemExit("--section packed-experts updates an earlier full run: give its JSON as --out")
+    result = json.loads(Path(args.out).read_text())
+    meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "threads": args.threads,
+            "loadavg": ", ".join(f"{v:.1f}" for v in os.getloadavg()),
+            "command": f"python bench/moe.py --section packed-experts --threads {args.threads} --tokens "
+                       + " ".join(map(str, args.tokens)) + f" --reps {args.reps} --packed-shapes "
+                       + " ".join(args.packed_shapes) + f" --packed-layers {args.packed_layers} --out {args.out}"}
+    result["packed_experts"] = {"meta": meta, "rows": packed_experts(args)}
+    Path(args.out).write_text(json.dumps(result, indent=1, default=float) + "\n")
+    if args.md:
+        Path(args.md).write_text(markdown(result))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, nargs="+", default=[128, 512, 2048])
@@ -555,7 +633,10 @@ def main() -> None:
     ap.add_argument("--out", default="")
     ap.add_argument("--md", default="")
     ap.add_argument("--from-json", default="", help="write the Markdown page of an earlier --out file and exit")
-    ap.add_argument("--section", default="all", choices=["all", "residency-run", "dispatch-bound"],
+    ap.add_argument("--packed-shapes", nargs="+", default=["1024x2816x8x2", "768x1536x16x2"],
+                    help="D x F x E x k of §7's random MoE layers")
+    ap.add_argument("--packed-layers", type=int, default=4)
+    ap.add_argument("--section", default="all", choices=["all", "residency-run", "dispatch-bound", "packed-experts"],
                     help="residency-run / dispatch-bound: run only §5 / §6 and update that part of --out (an "
                          "earlier full run's JSON)")
     ap.add_argument("--run-socs", nargs="+", default=["jetson-agx-orin", "apple-m2-max"])
@@ -578,6 +659,9 @@ def main() -> None:
         return
     if args.section == "dispatch-bound":
         section_dispatch_bound(args)
+        return
+    if args.section == "packed-experts":
+        section_packed_experts(args)
         return
     meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "host": platform.machine() + ", "
             + str(os.cpu_count()) + " cores", "torch": torch.__version__, "threads": args.threads,

@@ -325,3 +325,52 @@ def test_one_token_expert_runs_the_native_gated_mlp_and_matches_the_aten_chain(d
     torch.testing.assert_close(got, ref, **tol)
     with native.disabled("the ATen chain"), mock.patch.object(native, kernel, side_effect=AssertionError):
         torch.testing.assert_close(_expert_ffn(x, wgu, wd, "silu", False), ref, **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_experts_run_on_packed_onednn_weights_and_match_the_aten_chain(dtype):
+    """Several tokens: every expert's rows go through oneDNN on packed copies of its gate, up and down weights
+    (no ATen expert chain runs), one packed copy per expert whatever its row count, equal to the ATen chain
+    (``HETFORGE_MOE_PACKED=0``) to rounding."""
+    from hetforge.kernels import onednn
+    from hetforge.ops import moe
+
+    if not onednn.available():
+        pytest.skip("this torch has no oneDNN packed linear: the experts run on ATen's linear, which the other "
+                    "MoE tests cover")
+    rw, wgu, wd = (t.to(dtype) for t in _weights(d=64, f=48, seed=4))
+    for t in (24, 57):  # two token counts: different rows per expert, the same packed copies
+        x = torch.randn(t, 64, generator=torch.Generator().manual_seed(t)).to(dtype)
+        with mock.patch.object(moe, "_expert_ffn", side_effect=AssertionError("an expert ran the ATen chain")):
+            got = moe_forward(x, rw, wgu, wd, top_k=2)
+        with mock.patch.dict("os.environ", {"HETFORGE_MOE_PACKED": "0"}):
+            want = moe_forward(x, rw, wgu, wd, top_k=2)
+        tol = 1e-5 if dtype == torch.float32 else 3e-2
+        torch.testing.assert_close(got, want, rtol=tol, atol=tol * want.abs().max().item())
+    mine = moe._PACKED[(onednn._memory_key(wgu, False, "moe"), onednn._memory_key(wd, False, "moe"))]
+    assert all(p is not None and len(p) == 3 for p in mine)  # 81 assignments over 8 experts: each one packed
+
+
+def test_a_moe_prefill_program_packs_its_experts_when_built_not_in_its_first_call():
+    """``Executable.prepack`` (run when a program is built) packs every expert of each MoE layer of a prefill
+    program; its first call then packs nothing, and its logits equal eager's."""
+    from hetforge.compile import compile_graph
+    from hetforge.kernels import onednn
+    from hetforge.ops import moe
+
+    if not onednn.available():
+        pytest.skip("this torch has no oneDNN packed linear: the experts run on ATen's linear, nothing to pack")
+    loaded = load_model("mixtral-tiny")
+    inputs = example_inputs(loaded, seq=24)
+    cg = capture(loaded.logits_module(), inputs, name="mixtral-tiny")
+    res = compile_graph(cg.gm, example_inputs=inputs, name="mixtral-tiny", soc="host")
+    layers = sum(ins.op == "hetforge.moe.default" for ins in res.program.instrs)
+    ex = res.executable
+    experts = loaded.model.config.num_local_experts
+    n = ex.prepack()
+    assert n >= layers * experts > 0
+    with mock.patch.object(moe, "_pack_expert", side_effect=AssertionError("packed in the first call")):
+        got = ex(*inputs)
+    with torch.no_grad():
+        want = loaded.logits_module()(*inputs)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

@@ -999,15 +999,31 @@ class Executable:
         return ns["run"]
 
     def prepack(self) -> int:
-        """Pack every oneDNN weight of the program now instead of in its first call (:class:`LazyPacked`); returns
-        how many were packed. It writes only the new packed copies, no arena or weight page."""
+        """Pack every oneDNN weight of the program now instead of in its first call (:class:`LazyPacked`), and the
+        experts of its multi-token MoE calls (:func:`hetforge.ops.moe.prepack_call`); returns how many weights and
+        experts were packed. It writes only the new packed copies, no arena or weight page."""
         from hetforge.kernels.onednn import LazyPacked, packing
+        from hetforge.ops import moe
 
         lazy = [v for v in self._globals.values() if isinstance(v, LazyPacked) and v.packed is None]
+        experts = 0
         with packing():
             for v in lazy:
                 v.get()
-        return len(lazy)
+            for ins in self.program.instrs:  # a prefill's MoE experts (hetforge.ops.moe.packed_experts_on)
+                if ins.op == "hetforge.moe.default" and ins.device.startswith("cpu"):
+                    experts += moe.prepack_call(ins.args, ins.kwargs, self._moe_arg)
+        return len(lazy) + experts
+
+    def _moe_arg(self, a: Any) -> torch.Tensor | None:
+        """A MoE call's argument for :func:`hetforge.ops.moe.prepack_call`: a weight's tensor, a meta stand-in of
+        another register (its shape and dtype), None for anything else."""
+        if not isinstance(a, Reg):
+            return None
+        v = self.program.values[a.id]
+        if v.kind == WEIGHT:
+            return self.program.tensors.get(a.id)
+        return torch.empty(v.shape, dtype=v.dtype, device="meta")
 
     def planned_buffer(self, vid: int) -> torch.Tensor | None:
         """The arena slice the generated code binds to register ``vid`` at build time (None if it has none)."""

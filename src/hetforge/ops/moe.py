@@ -24,14 +24,17 @@ recorder: calibration and the drop/padding report read them.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+import os
+import weakref
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from hetforge.kernels import native
+from hetforge.kernels import native, onednn
 from hetforge.ops import gemv
 from hetforge.ops.fused import ACTIVATIONS, apply_act
 from hetforge.ops.registry import OpCall, TensorMeta, register_op
@@ -176,7 +179,9 @@ def _experts(h, w, idx, w_gate_up, w_down, act, transposed, group_size, capacity
         stats.used += n_keep
         tok = flat_t[sel]
         if g1 - g0 == 1 and not capacity:  # a group of one expert: its rows are already contiguous, no slots
-            y = _expert_ffn(h[tok], w_gate_up[g0], w_down[g0], act, transposed)
+            xe = h[tok]
+            y = _packed_ffn(xe, w_gate_up, w_down, g0, act) if packed_experts_on(xe, w_gate_up, act, transposed) \
+                else _expert_ffn(xe, w_gate_up[g0], w_down[g0], act, transposed)
             out.index_add_(0, tok, y * flat_w[sel, None])
             continue
         xs = h.new_zeros((g1 - g0, cap, h.shape[-1]))
@@ -187,6 +192,84 @@ def _experts(h, w, idx, w_gate_up, w_down, act, transposed, group_size, capacity
         y = torch.bmm(apply_act(gate, act) * up, wd if transposed else wd.transpose(1, 2))
         out.index_add_(0, tok, y[le, r] * flat_w[sel, None])
     return out
+
+
+# (w_gate_up's memory, w_down's memory) -> per expert: (gate, up, down) packed for oneDNN, or None until used
+_PACKED: dict[tuple, list] = {}
+
+
+def packed_experts_on(x: torch.Tensor, w_gate_up: torch.Tensor, act: str, transposed: bool) -> bool:
+    """Whether an expert's rows ``x`` (several) run on oneDNN's packed kernels (:func:`_packed_ffn`): a CPU
+    float32/bfloat16 ``[2F, D]`` expert with an activation oneDNN fuses, oneDNN here, and ``HETFORGE_GEMM`` /
+    ``HETFORGE_MOE_PACKED=0`` not asking for ATen. Why: a prefill's expert products read their weights from memory
+    in row counts of a few dozen to a few hundred, where the packed kernels ran the whole op faster than ATen's
+    ``linear`` on shapes no evaluated model has (docs/bench/moe.md §7); the SwiGLU's product fuses into the up
+    projection as in the dense gated MLP."""
+    return (x.shape[0] >= 2 and not transposed and x.device.type == "cpu" and x.dtype in onednn.DTYPES
+            and x.dtype == w_gate_up.dtype and act in onednn.ACT_ATTR and act != "none"
+            and os.environ.get("HETFORGE_MOE_PACKED", "1") != "0" and onednn.policy() != "aten"
+            and onednn.available())
+
+
+def _packed_list(w_gate_up: torch.Tensor, w_down: torch.Tensor) -> list:
+    key = (onednn._memory_key(w_gate_up, False, "moe"), onednn._memory_key(w_down, False, "moe"))
+    got = _PACKED.get(key)
+    if got is None:
+        got = _PACKED[key] = [None] * w_gate_up.shape[0]
+        weakref.finalize(w_gate_up, _PACKED.pop, key, None)  # freed with the weights (keyed by their memory)
+    return got
+
+
+def prepack_experts(w_gate_up: torch.Tensor, w_down: torch.Tensor, rows: int) -> int:
+    """Pack every expert of one MoE block now (a prefill program's build) instead of in the first call that routes
+    a token to it; returns how many were packed."""
+    mine, n = _packed_list(w_gate_up, w_down), 0
+    for ex in range(w_gate_up.shape[0]):
+        if mine[ex] is None:
+            mine[ex] = _pack_expert(w_gate_up[ex], w_down[ex], rows)
+            n += 1
+    return n
+
+
+def prepack_call(args: tuple, kwargs: dict, tensor: Callable[[Any], torch.Tensor | None]) -> int:
+    """:func:`prepack_experts` for one ``hetforge::moe`` call of a program (``tensor`` maps an argument to its
+    weight tensor, None when it is not a weight), where its experts would run packed: several tokens, nothing a
+    static capacity drops, one expert per group. Returns how many experts were packed."""
+    def arg(name: str):
+        i = ARG_NAMES.index(name)
+        return args[i] if i < len(args) else kwargs.get(name, DEFAULTS.get(name))
+
+    wgu, wd = tensor(arg("w_gate_up")), tensor(arg("w_down"))
+    x = tensor(arg("x"))  # the caller's stand-in: a meta tensor of the input's shape and dtype
+    if wgu is None or wd is None or x is None or arg("capacity") or int(arg("group_size") or 0) > 1:
+        return 0
+    t, k, e = x.numel() // max(x.shape[-1], 1), int(arg("top_k")), wgu.shape[0]
+    rows = max(2, t * k // max(e, 1))  # the mean rows per expert (the packing serves every count alike)
+    if t < 2 or not packed_experts_on(torch.empty(2, 0, dtype=x.dtype), wgu, str(arg("act")),
+                                          bool(arg("transposed"))):
+        return 0
+    return prepack_experts(wgu, wd, rows)
+
+
+def _pack_expert(w_gate_up: torch.Tensor, w_down: torch.Tensor, rows: int) -> tuple[torch.Tensor, ...]:
+    f = w_gate_up.shape[0] // 2
+    return tuple(onednn.pack(w, False, max(rows, 2), "onednn") for w in (w_gate_up[:f], w_gate_up[f:], w_down))
+
+
+def _packed_ffn(x, w_gate_up, w_down, ex, act):
+    """Expert ``ex``'s gated FFN on its rows ``x`` through oneDNN: ``act(x·Gᵀ)`` (the activation a post-op),
+    ``(x·Uᵀ) * that`` (the product a binary post-op), then the down projection; the expert's three weights are packed
+    once (:func:`prepack_experts`, else on first use) and the packed copy serves every row count (oneDNN packs these
+    layouts alike for every count: :func:`hetforge.kernels.onednn._alike`)."""
+    mine = _packed_list(w_gate_up, w_down)
+    got = mine[ex]
+    if got is None:
+        got = mine[ex] = _pack_expert(w_gate_up[ex], w_down[ex], x.shape[0])
+    g, u, d = got
+    attr, scalars, algo = onednn.ACT_ATTR[act]
+    lp = torch.ops.mkldnn._linear_pointwise
+    h = lp.binary(x, lp(x, g, None, attr, scalars, algo), u, None, "mul")
+    return lp(h, d, None, "none", [], "")
 
 
 def _expert_ffn(x, w_gate_up, w_down, act, transposed):
