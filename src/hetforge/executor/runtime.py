@@ -33,6 +33,7 @@ from hetforge.ir.kernel_choice import (  # noqa: F401  (default_device_map, retu
     MODES,
     NATIVE_GEMV,
     ONEDNN_OPS,
+    PREPACK,
     QUANT_LINEAR_OPS,
     bind_args,
     default_device_map,
@@ -1000,24 +1001,24 @@ class Executable:
 
     def prepack(self) -> int:
         """Pack every oneDNN weight of the program now instead of in its first call (:class:`LazyPacked`), and the
-        experts of its multi-token MoE calls (:func:`hetforge.ops.moe.prepack_call`); returns how many weights and
-        experts were packed. It writes only the new packed copies, no arena or weight page."""
+        weights ops pack for themselves (:data:`hetforge.ir.kernel_choice.PREPACK`: a prefill's MoE experts);
+        returns how many were packed. It writes only the new packed copies, no arena or weight page."""
         from hetforge.kernels.onednn import LazyPacked, packing
-        from hetforge.ops import moe
 
         lazy = [v for v in self._globals.values() if isinstance(v, LazyPacked) and v.packed is None]
-        experts = 0
+        own = 0
         with packing():
             for v in lazy:
                 v.get()
-            for ins in self.program.instrs:  # a prefill's MoE experts (hetforge.ops.moe.packed_experts_on)
-                if ins.op == "hetforge.moe.default" and ins.device.startswith("cpu"):
-                    experts += moe.prepack_call(ins.args, ins.kwargs, self._moe_arg)
-        return len(lazy) + experts
+            for ins in self.program.instrs:
+                fn = PREPACK.get(ins.op)
+                if fn is not None and self.device_map[ins.device].type == "cpu":
+                    own += fn(ins.args, ins.kwargs, self._arg_tensor)
+        return len(lazy) + own
 
-    def _moe_arg(self, a: Any) -> torch.Tensor | None:
-        """A MoE call's argument for :func:`hetforge.ops.moe.prepack_call`: a weight's tensor, a meta stand-in of
-        another register (its shape and dtype), None for anything else."""
+    def _arg_tensor(self, a: Any) -> torch.Tensor | None:
+        """An instruction's argument for a :data:`hetforge.ir.kernel_choice.PREPACK` function: a weight's tensor, a
+        meta stand-in of another register (its shape and dtype), None for anything else."""
         if not isinstance(a, Reg):
             return None
         v = self.program.values[a.id]

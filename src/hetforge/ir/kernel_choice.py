@@ -56,7 +56,7 @@ from torch.utils._pytree import tree_leaves
 from hetforge.errors import UsageError
 from hetforge.ir.program import INPLACE, KERNEL, TRANSFER, VIEW, WEIGHT, Instr, Program, Reg, map_regs
 from hetforge.kernels import native, onednn
-from hetforge.ops import gemv
+from hetforge.ops import gemv, moe
 
 KERNEL_ATTR, ONEDNN_ATTR, CONTEXT_ATTR = "kernel", "onednn", "kernel_context"
 MODES = ("arena", "fast")
@@ -212,6 +212,10 @@ class Lowering:
 Chooser = Callable[[Lowering, Instr, int, torch.device], str | None]
 OP_KERNELS: dict[str, Chooser] = {}  # op name → its op-specific kernel (None: the general rules apply)
 ONEDNN_CANDIDATES: dict[str, Callable[[Lowering, Instr, int, torch.device], list[int] | None]] = {}
+# op name → what packs an op's own weights when a program is built (``Executable.prepack``): called with the
+# instruction's args and kwargs and a function mapping an argument to its tensor (a weight's, a meta stand-in of
+# another register's shape and dtype, else None); returns how many weights it packed
+PREPACK: dict[str, Callable[[tuple, dict, Callable[[Any], Any]], int]] = {"hetforge.moe.default": moe.prepack_call}
 
 
 def register(table: dict, *ops: str):
