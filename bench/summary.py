@@ -1122,6 +1122,25 @@ def prefetch(d: J) -> Row:
     return Row("weight-stream prefetch", what, result, "", link("prefetch.md"))
 
 
+@cpu_row("prefill_attention.json")
+def prefill_attention(d: J) -> Row:
+    rows = list(d["rows"])
+    parts = []
+    for dts in ("float32", "bfloat16"):
+        mine = [r for r in rows if r["dtype"].value == dts]
+        if not mine:
+            continue
+        lo = min(r.f("sdpa_over_native") for r in mine)
+        hi = max(r.f("sdpa_over_native") for r in mine)
+        code = d["in_code"].value.get(dts)
+        parts.append(f"{dts}: SDPA ÷ native {lo:.2f}–{hi:.2f}; SDPA from "
+                     + (f"{code} rows on in the code" if code is not None else "no row count in the code (native)"))
+    what = ("a prefill's causal attention on the native kernel vs ATen's SDPA, right after its projection GEMM, "
+            "calibration head layouts no evaluated model has, interleaved rounds (load average "
+            f"{load_avg(d['meta']['loadavg_before'])} at start)")
+    return Row("prefill attention", what, "; ".join(parts), "", link("prefill_attention.md"))
+
+
 @cpu_row("prefill_gemm.json")
 def prefill_gemm(d: J) -> Row:
     rs = list(d["rows"])
@@ -1354,6 +1373,7 @@ COMMAND_KEYS: list[tuple[str, tuple[str | int, ...]]] = [
     ("prefill_gemm.json", ("command",)),
     ("panel_gemm.json", ("meta", "command")),
     ("prefetch.json", ("meta", "command")),
+    ("prefill_attention.json", ("meta", "command")),
 ]
 
 

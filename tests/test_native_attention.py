@@ -181,6 +181,38 @@ def test_compiled_bf16_prefill_runs_it_and_stays_within_bf16_rounding_of_eager()
     assert rep.passed and rep.top1_agree >= 0.9, rep
 
 
+@pytest.mark.parametrize("seq", [24, native.SDPA_MIN_ROWS["bfloat16"]])
+def test_a_bf16_prefill_of_many_rows_runs_sdpa_and_fewer_rows_the_native_kernel(seq, monkeypatch):
+    """bf16 attention of at least ``SDPA_MIN_ROWS`` query rows is lowered to the general path, whose op runs ATen's
+    SDPA (the native kernel is not called), fewer rows to the native kernel; ``HETFORGE_PREFILL_ATTENTION`` forces
+    either; both stay within bf16 rounding of the bf16 eager model."""
+    import copy
+    import dataclasses
+
+    from hetforge.frontend import capture
+    from hetforge.models.zoo import example_inputs, load_model
+
+    base = load_model("llama-tiny")
+    loaded = dataclasses.replace(base, model=copy.deepcopy(base.model).to(torch.bfloat16).eval())
+    inputs = example_inputs(loaded, seq=seq)
+    module = loaded.logits_module()
+    gm = capture(module, inputs, name="llama-tiny-bf16").gm
+    many = seq >= native.SDPA_MIN_ROWS["bfloat16"]
+    for forced in ("", "native"):
+        if forced:
+            monkeypatch.setenv("HETFORGE_PREFILL_ATTENTION", forced)
+        res = compile_graph(gm, soc="host", example_inputs=inputs)
+        att = [i for i in res.program.instrs if i.op == "hetforge.attention.default"]
+        on_native = {res.executable.kernels[i.id] == "native:hf_prefill_attention" for i in att}
+        assert att and on_native == {forced == "native" or not many}
+        if many and not forced:  # the op's own body takes SDPA too: the native kernel is never entered
+            monkeypatch.setattr(native, "prefill_attention_into",
+                                lambda *a, **k: (_ for _ in ()).throw(AssertionError("native kernel ran")))
+        rep = verify(module, res.executable, inputs, kl_threshold=1e-3)
+        assert rep.passed and rep.top1_agree >= 0.9, rep
+        monkeypatch.undo()
+
+
 def test_instruction_call_keeps_one_layout_and_checks_any_other_again():
     """``PrefillAttention`` (what a program calls) gives SDPA's result for a strided layout, then a contiguous one,
     then one whose last dim is not dense (copied, so never kept), then the first again; a layout it cannot run

@@ -513,6 +513,8 @@ def _native_prefill_attention(lw: Lowering, ins: Instr, o: int, dev: torch.devic
                 or len(vm.shape) > 4 or not all(m in (1, w) for m, w in zip(vm.shape[::-1], (s, ell, h, b),
                                                                             strict=False)):
             return None
+    if not native.prefill_attention_native(vq.dtype, ell):
+        return None
     return "native:hf_prefill_attention"
 
 

@@ -708,14 +708,18 @@ void hf_rotary_pos(const float *x, const float *cos_, const float *sin_, float *
                    long d, long sb, long sh, long ss, long cs, int threads) {
     threads = clamp_threads(threads);
     long h = d / 2, rows = b * nh * s;
-#pragma omp parallel for num_threads(threads) if (rows * d >= 65536) schedule(static)
-    for (long r = 0; r < rows; r++) {
-        long ib = r / (nh * s), ih = (r / s) % nh, is = r % s;
-        const float *xr = x + ib * sb + ih * sh + is * ss, *c = cos_ + is * cs, *sn = sin_ + is * cs;
-        float *yr = y + r * d;
-        for (long i = 0; i < h; i++) yr[i] = xr[i] * c[i] + (-xr[i + h]) * sn[i];
-        for (long i = h; i < d; i++) yr[i] = xr[i] * c[i] + xr[i - h] * sn[i];
-    }
+    /* rows walked per (batch, head) with pointer steps: an integer division per row to find its position cost
+     * more than the row's arithmetic (d = 64: three divisions against 64 multiply-adds) */
+#pragma omp parallel for num_threads(threads) if (rows * d >= 65536) schedule(static) collapse(2)
+    for (long ib = 0; ib < b; ib++)
+        for (long ih = 0; ih < nh; ih++) {
+            const float *xr = x + ib * sb + ih * sh, *c = cos_, *sn = sin_;
+            float *restrict yr = y + (ib * nh + ih) * s * d;
+            for (long is = 0; is < s; is++, xr += ss, c += cs, sn += cs, yr += d) {
+                for (long i = 0; i < h; i++) yr[i] = xr[i] * c[i] + (-xr[i + h]) * sn[i];
+                for (long i = h; i < d; i++) yr[i] = xr[i] * c[i] + xr[i - h] * sn[i];
+            }
+        }
 }
 
 /* RMSNorm of contiguous rows: y = w * (x * (1 / sqrt(mean(x^2) + eps))); w may be NULL. */
@@ -2233,16 +2237,19 @@ void hf_rotary_pos_bf16(const hf_bf16 *x, const hf_bf16 *cos_, const hf_bf16 *si
                         long s, long d, long sb, long sh, long ss, long cs, int threads) {
     threads = clamp_threads(threads);
     long h = d / 2, rows = b * nh * s;
-#pragma omp parallel for num_threads(threads) if (rows * d >= 65536) schedule(static)
-    for (long r = 0; r < rows; r++) {
-        long ib = r / (nh * s), ih = (r / s) % nh, is = r % s;
-        const hf_bf16 *xr = x + ib * sb + ih * sh + is * ss, *c = cos_ + is * cs, *sn = sin_ + is * cs;
-        hf_bf16 *yr = y + r * d;
-        for (long i = 0; i < d; i++) {
-            float rh = i < h ? -bf2f(xr[i + h]) : bf2f(xr[i - h]);
-            yr[i] = f2bf(bf2f(f2bf(bf2f(xr[i]) * bf2f(c[i]))) + bf2f(f2bf(rh * bf2f(sn[i]))));
+    /* per (batch, head), rows by pointer steps: no integer division per row (see hf_rotary_pos) */
+#pragma omp parallel for num_threads(threads) if (rows * d >= 65536) schedule(static) collapse(2)
+    for (long ib = 0; ib < b; ib++)
+        for (long ih = 0; ih < nh; ih++) {
+            const hf_bf16 *xr = x + ib * sb + ih * sh, *c = cos_, *sn = sin_;
+            hf_bf16 *restrict yr = y + (ib * nh + ih) * s * d;
+            for (long is = 0; is < s; is++, xr += ss, c += cs, sn += cs, yr += d) {
+                for (long i = 0; i < h; i++)
+                    yr[i] = f2bf(bf2f(f2bf(bf2f(xr[i]) * bf2f(c[i]))) + bf2f(f2bf(-bf2f(xr[i + h]) * bf2f(sn[i]))));
+                for (long i = h; i < d; i++)
+                    yr[i] = f2bf(bf2f(f2bf(bf2f(xr[i]) * bf2f(c[i]))) + bf2f(f2bf(bf2f(xr[i - h]) * bf2f(sn[i]))));
+            }
         }
-    }
 }
 
 /* ---- prefill attention ---- */

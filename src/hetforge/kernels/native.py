@@ -590,6 +590,23 @@ def prefill_attention_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ma
     return all(m in (1, w) for m, w in zip(mask.shape[::-1], (s, ell, h, b), strict=False))
 
 
+# dtype -> the query row count from which a prefill's attention runs on ATen's SDPA instead of
+# hf_prefill_attention (absent: the native kernel at every count): where SDPA was faster on every calibration head
+# layout at that count and every larger one (bench/prefill_attention.py, docs/bench/prefill_attention.md). bf16:
+# SDPA's flash kernel multiplies in bf16 on the CPU's bf16 instructions, the native kernel widens to fp32.
+SDPA_MIN_ROWS: dict[str, int] = {"bfloat16": 128}
+
+
+def prefill_attention_native(dtype: torch.dtype, rows: int) -> bool:
+    """Whether a prefill attention of ``rows`` query rows in ``dtype`` runs on ``hf_prefill_attention`` (else on
+    SDPA: :data:`SDPA_MIN_ROWS`); ``HETFORGE_PREFILL_ATTENTION=native`` or ``=sdpa`` forces one."""
+    pol = os.environ.get("HETFORGE_PREFILL_ATTENTION", "auto").strip().lower()
+    if pol in ("native", "sdpa"):
+        return pol == "native"
+    start = SDPA_MIN_ROWS.get(str(dtype).removeprefix("torch."))
+    return start is None or rows < start
+
+
 def _dense_rows(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(3) == 1 else t.contiguous()
 

@@ -95,7 +95,8 @@ def _attention_fake(q, k, v, mask=None, scale=1.0, is_causal=False):
 def attention(q, k, v, mask=None, scale=1.0, is_causal=False):
     """Scaled dot-product attention with optional mask, causality and grouped-query k/v (fp32 or bf16 on the CPU:
     the native flash-style kernel, equal to SDPA to rounding, see ``native.c``'s prefill attention)."""
-    if native.prefill_attention_fits(q, k, v, mask, is_causal):
+    if native.prefill_attention_fits(q, k, v, mask, is_causal) and \
+            native.prefill_attention_native(q.dtype, q.shape[-2]):
         return native.prefill_attention(q, k, v, mask, scale, is_causal)
     gqa = q.dim() >= 3 and k.dim() >= 3 and k.shape[-3] != q.shape[-3]
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.0, is_causal=is_causal,
