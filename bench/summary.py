@@ -1122,6 +1122,20 @@ def prefetch(d: J) -> Row:
     return Row("weight-stream prefetch", what, result, "", link("prefetch.md"))
 
 
+@cpu_row("bf16_rows.json")
+def bf16_rows(d: J) -> Row:
+    rows = list(d["rows"])
+    counts = sorted({int(r.f("rows")) for r in rows})
+    per = {c: [r.f("native_over_onednn") for r in rows if int(r.f("rows")) == c] for c in counts}
+    result = ("AMX ÷ oneDNN time, range over the shapes: " + ", ".join(
+        f"{c} rows {min(v):.2f}–{max(v):.2f}" for c, v in per.items())
+        + f"; the AMX kernel runs 2..{int(d.f('in_code'))} rows in the code")
+    what = ("bf16 products of a few rows, the native AMX kernel vs oneDNN's packed GEMM, weights from memory "
+            f"(≥ {d.f('gb')} GB pools), calibration shapes no evaluated model has (load average "
+            f"{load_avg(d['meta']['loadavg_before'])} at start)")
+    return Row("bf16 prompt GEMMs (AMX)", what, result, "", link("bf16_rows.md"))
+
+
 @cpu_row("prefill_attention.json")
 def prefill_attention(d: J) -> Row:
     rows = list(d["rows"])
@@ -1374,6 +1388,7 @@ COMMAND_KEYS: list[tuple[str, tuple[str | int, ...]]] = [
     ("panel_gemm.json", ("meta", "command")),
     ("prefetch.json", ("meta", "command")),
     ("prefill_attention.json", ("meta", "command")),
+    ("bf16_rows.json", ("meta", "command")),
 ]
 
 

@@ -108,7 +108,7 @@ def codegen_line(cg, ins, o: int, dev: torch.device) -> str:
         cg.stats.onednn_residual += 1
     _, k, n = ins.attrs[ONEDNN_ATTR]
     kind = pick(rows, k, n, cg.p.values[x.id].dtype, act=act)  # chosen() measured it: no timing here
-    if kind in ("mkl", "panel"):
+    if kind in ("mkl", "panel", "amx"):
         return _unfused_line(cg, kind, o, rows, xs, wten, wt, bs, act, gate, res, weight, bias)
     call = cg.const(torch.ops.mkldnn._linear_pointwise.default, "dnn")
     binary = cg.const(torch.ops.mkldnn._linear_pointwise.binary, "dnn")
@@ -134,16 +134,18 @@ def codegen_line(cg, ins, o: int, dev: torch.device) -> str:
 
 def _unfused_line(cg, kind: str, o: int, rows: int, xs: str, wten: torch.Tensor, wt: bool, bs: str, act: str, gate,
                   res, weight, bias) -> str:
-    """:func:`codegen_line` where MKL's packed sgemm or the native panel GEMM was chosen (``kind``,
+    """:func:`codegen_line` where MKL's packed sgemm, the native panel GEMM or the native AMX bf16 kernel was
+    chosen (``kind``,
     :func:`hetforge.kernels.onednn.pick`): each product on that kernel's packed weight, the activation in place on
     its fresh result, a gated MLP's gate times up in place, a residual added in place: the graph's ops in its order,
     none fused into the product."""
     act_fn = cg.const(MKL_ACT[act], "act") if act != "none" else ""
-    call = cg.const(torch.ops.mkl._mkl_linear.default, "mkl") if kind == "mkl" else cg.const(native.gemm_panel, "gemm")
+    call = cg.const({"mkl": torch.ops.mkl._mkl_linear.default, "panel": native.gemm_panel,
+                     "amx": native.gemm_amx_bf16}[kind], "gemm")
 
     def product(x: str, w: torch.Tensor, w_t: bool, b: str) -> str:
         pk = cg.const(LazyPacked(w, w_t, rows, kind), "pk") + ".get()"
-        if kind == "panel":
+        if kind in ("panel", "amx"):
             return f"{call}({x}, {pk}, {b}, {w.shape[1] if w_t else w.shape[0]})"
         ori = cg.const(w.t() if w_t else w, "ori")  # [N, K]: MKL's op reads its sizes
         return f"{call}({x}, {pk}, {ori}, {b}, {rows})"
@@ -160,6 +162,8 @@ def _unfused_line(cg, kind: str, o: int, rows: int, xs: str, wten: torch.Tensor,
         y = f"{y}.add_({res})"
     if kind == "mkl":
         cg.stats.mkl_gemm += 1
-    else:
+    elif kind == "panel":
         cg.stats.panel_gemm += 1
+    else:
+        cg.stats.amx_gemm += 1
     return f"r{o} = {y}"

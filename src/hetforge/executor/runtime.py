@@ -92,6 +92,7 @@ class ExecStats:
     native_residual: int = 0  # residual adds taken by the one-row native product before them (hf_gemv_res, ...)
     mkl_gemm: int = 0  # multi-row linears on MKL's packed sgemm (the other side of the oneDNN choice)
     panel_gemm: int = 0  # multi-row linears on the native panel GEMM (a short prompt's row counts)
+    amx_gemm: int = 0  # multi-row bf16 linears on the native AMX kernel (hf_gemm_amx_bf16)
     composed_views: int = 0  # views of oneDNN results made in one as_strided step (or not at all) per call
     copy_into: int = 0  # copy-like op done as slice.copy_(input)
     functional_copy: int = 0  # functional op + copy into the slice

@@ -2044,6 +2044,160 @@ void hf_gemv_bf16_res(const hf_bf16 *w, const hf_bf16 *x, const hf_bf16 *bias, c
     gemv_bf16_res(w, x, bias, res, y, n, k, weight_t, act, threads, part, slots);
 }
 
+/* ---- bf16 products of several rows on AMX tiles (a prompt's products) ----
+ * y = x·Wᵀ + b for M bf16 rows of K, W bf16 [N, K] (or [K, N]) packed once by hf_pack_amx_bf16 into AMX B tiles:
+ * per block of 16 output columns, per 32 elements of K, one 1 KiB tile of 16 rows of 16 (column, k pair)
+ * elements (the VNNI layout ``tdpbf16ps`` reads; past N and K zero), the column blocks' tiles contiguous along K.
+ * A task is a group of AMX_CB column blocks: AMX_CB weight streams, as the GEMVs read theirs, prefetched AMX_PF
+ * bytes ahead, into AMX_CB accumulator tiles per 16 rows of x (the group's tiles are read again from L2 for the
+ * next 16 rows; one stream in the order of reading, and prefetching further ahead, were slower). x is
+ * copied once per call into a zero-padded [M16, K32] scratch (tiles load whole rows). Each output is the fp32 sum
+ * (+ bias) rounded once to bf16. Why: oneDNN's bf16 GEMM read its weights from memory well below the rate the GEMVs
+ * reach at the row counts of a prompt (docs/bench/bf16_rows.md); AMX has the compute to keep up with the stream.
+ * Returns -3 where AMX is not built or the OS refuses it (the caller keeps oneDNN), -1 without scratch memory. */
+#define AMX_CB 4
+#ifndef AMX_PF
+#define AMX_PF 2048 /* bytes ahead of each weight stream the AMX kernel prefetches */
+#endif
+#define AMX_KEEP ((size_t)8 << 20)
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__)
+#define HF_AMX 1
+#endif
+
+static _Atomic int amx_state = 0; /* 0 unknown, 1 usable, -1 not */
+
+static int amx_ok(void) {
+    int st = atomic_load(&amx_state);
+    if (st) return st > 0;
+#ifdef HF_AMX
+    /* the kernel lets a process use the AMX tile data only after asking (ARCH_REQ_XCOMP_PERM, XTILEDATA) */
+    st = syscall(SYS_arch_prctl, 0x1023, 18) == 0 ? 1 : -1;
+#else
+    st = -1;
+#endif
+    atomic_store(&amx_state, st);
+    return st > 0;
+}
+
+int hf_amx_bf16_ok(void) { return amx_ok(); }
+
+/* W (bf16 [N, K], or [K, N] when weight_t) into the tile layout above; out holds ceil(N/16) * ceil(K/32) * 512
+ * bf16 elements. */
+void hf_pack_amx_bf16(const hf_bf16 *w, hf_bf16 *out, long n, long k, int weight_t) {
+    long nb = (n + 15) / 16, kb = (k + 31) / 32;
+#pragma omp parallel for schedule(static)
+    for (long j = 0; j < nb; j++)
+        for (long t = 0; t < kb; t++) {
+            hf_bf16 *tile = out + ((size_t)j * kb + t) * 512;
+            for (long r = 0; r < 16; r++)
+                for (long c = 0; c < 16; c++)
+                    for (long e = 0; e < 2; e++) {
+                        long col = 16 * j + c, kk = 32 * t + 2 * r + e;
+                        tile[r * 32 + 2 * c + e] = col < n && kk < k ? (weight_t ? w[kk * n + col] : w[col * k + kk]) : 0;
+                    }
+        }
+}
+
+typedef struct {
+    const hf_bf16 *wp, *xp, *bias; /* packed weight, padded x [m16][k32] */
+    hf_bf16 *y;
+    long m, n, k32, nb, kb;
+} amx_ctx;
+
+#ifdef HF_AMX
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} amx_cfg;
+
+static void amx_task(void *p, long g) {
+    const amx_ctx *a = p;
+    amx_cfg cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+    _tile_loadconfig(&cfg);
+    long j0 = g * AMX_CB, nj = a->nb - j0 < AMX_CB ? a->nb - j0 : AMX_CB;
+    const hf_bf16 *B = a->wp + (size_t)j0 * a->kb * 512;
+    size_t bstride = (size_t)a->kb * 512; /* elements between two column blocks' tiles */
+    float cbuf[16 * 16 * AMX_CB] __attribute__((aligned(64)));
+    for (long m0 = 0; m0 < a->m; m0 += 16) {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        const hf_bf16 *A = a->xp + m0 * a->k32;
+        for (long t = 0; t < a->kb; t++) {
+            const hf_bf16 *bt = B + (size_t)t * 512;
+            if (m0 == 0)
+                for (long j = 0; j < nj; j++)
+                    for (int l = 0; l < 1024; l += 64) _mm_prefetch((const char *)(bt + j * bstride) + AMX_PF + l, _MM_HINT_T0);
+            _tile_loadd(4, A + 32 * t, a->k32 * 2);
+            _tile_loadd(5, bt, 64);
+            _tile_dpbf16ps(0, 4, 5);
+            if (nj > 1) { _tile_loadd(6, bt + bstride, 64); _tile_dpbf16ps(1, 4, 6); }
+            if (nj > 2) { _tile_loadd(7, bt + 2 * bstride, 64); _tile_dpbf16ps(2, 4, 7); }
+            if (nj > 3) { _tile_loadd(5, bt + 3 * bstride, 64); _tile_dpbf16ps(3, 4, 5); }
+        }
+        _tile_stored(0, cbuf, 16 * 4 * AMX_CB);
+        if (nj > 1) _tile_stored(1, cbuf + 16, 16 * 4 * AMX_CB);
+        if (nj > 2) _tile_stored(2, cbuf + 32, 16 * 4 * AMX_CB);
+        if (nj > 3) _tile_stored(3, cbuf + 48, 16 * 4 * AMX_CB);
+        long rows = a->m - m0 < 16 ? a->m - m0 : 16, c0 = 16 * j0, c1 = c0 + 16 * nj < a->n ? c0 + 16 * nj : a->n;
+        /* + bias, rounded to bf16 as f2bf (nearest even, NaN -> 0x7FC0), 16 columns at a time */
+        const __m512i rnd = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1), qnan = _mm512_set1_epi32(0x7FC0);
+        for (long r = 0; r < rows; r++)
+            for (long c = c0; c < c1; c += 16) {
+                __mmask16 mk = c1 - c >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (c1 - c)) - 1);
+                __m512 v = _mm512_loadu_ps(cbuf + r * 16 * AMX_CB + (c - c0));
+                if (a->bias)
+                    v = _mm512_add_ps(v, _mm512_castsi512_ps(_mm512_slli_epi32(
+                        _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mk, a->bias + c)), 16)));
+                __m512i u = _mm512_castps_si512(v);
+                __m512i b = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, rnd),
+                                                               _mm512_and_si512(_mm512_srli_epi32(u, 16), one)), 16);
+                b = _mm512_mask_mov_epi32(b, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), qnan);
+                _mm256_mask_storeu_epi16(a->y + (m0 + r) * a->n + c, mk, _mm512_cvtepi32_epi16(b));
+            }
+    }
+    _tile_release();
+}
+#endif
+
+int hf_gemm_amx_bf16(const hf_bf16 *wp, const hf_bf16 *x, const hf_bf16 *bias, hf_bf16 *y, long m, long n, long k,
+                     int threads) {
+    if (m < 1 || !amx_ok()) return m < 1 ? -2 : -3;
+#ifdef HF_AMX
+    long k32 = (k + 31) / 32 * 32, m16 = (m + 15) / 16 * 16;
+    size_t need = (size_t)m16 * k32 * sizeof(hf_bf16);
+    static _Thread_local hf_bf16 *kept = NULL;
+    static _Thread_local size_t kept_bytes = 0;
+    hf_bf16 *xp = need <= kept_bytes ? kept : NULL;
+    if (!xp) {
+        xp = malloc(need);
+        if (!xp) return -1;
+        if (need <= AMX_KEEP) free(kept), kept = xp, kept_bytes = need;
+    }
+    for (long r = 0; r < m16; r++) {
+        hf_bf16 *dst = xp + r * k32;
+        if (r < m) {
+            memcpy(dst, x + r * k, k * sizeof(hf_bf16));
+            memset(dst + k, 0, (k32 - k) * sizeof(hf_bf16));
+        } else {
+            memset(dst, 0, k32 * sizeof(hf_bf16));
+        }
+    }
+    amx_ctx a = {wp, xp, bias, y, m, n, k32, (n + 15) / 16, k32 / 32};
+    hf_run(amx_task, &a, (a.nb + AMX_CB - 1) / AMX_CB, clamp_threads(threads));
+    if (xp != kept) free(xp);
+    return 0;
+#else
+    (void)wp, (void)x, (void)bias, (void)y, (void)n, (void)k, (void)threads;
+    return -3;
+#endif
+}
+
 typedef struct {
     const hf_bf16 *x, *wg, *wu;
     hf_bf16 *h;

@@ -78,6 +78,9 @@ SIGNATURES = {
     "hf_gemm_few_kn": [_P, _P, _P, _P, _L, _L, _L, _I, _I, _P, _I],
     "hf_gated_mlp_few": [_P, _P, _P, _P, _P, _P, _P, _L, _L, _L, _I, _I],
     "hf_panel_simd": [],
+    "hf_gemm_amx_bf16": [_P, _P, _P, _P, _L, _L, _L, _I],
+    "hf_amx_bf16_ok": [],
+    "hf_pack_amx_bf16": [_P, _P, _L, _L, _I],
     "hf_pack_panels": [_P, _P, _L, _L, _I, _I],
     "hf_gemm_panel": [_P, _P, _P, _P, _L, _L, _L, _I],
 }
@@ -86,6 +89,7 @@ RESTYPES = {  # the functions that return a value (every other one returns void)
     "hf_gemv_q8a": _I, "hf_gemm_q8a": _I,  # 0, or -1: scratch not allocated
     "hf_gemv_q4a": _I, "hf_gemm_q4a": _I, "hf_q4a_path": _I, "hf_quantize_i8_chunks": _L, "hf_quantize_i8": _I,
     "hf_transpose": _I, "hf_gemm_few": _I, "hf_gemm_few_kn": _I, "hf_gated_mlp_few": _I, "hf_panel_simd": _I,
+    "hf_gemm_amx_bf16": _I, "hf_amx_bf16_ok": _I,
 }
 FEW_KN_SLOTS = 4  # split-K parts of hf_gemm_few_kn (fixed, so a result does not depend on the thread count)
 # most rows a product runs on hf_gemm_few / hf_gemm_few_kn / hf_gated_mlp_few (the C takes up to 32): at 12 and
@@ -95,6 +99,9 @@ FEW_MAX = 8
 # counts at which it was the fastest kernel from memory on bench/panel_gemm.py's calibration shapes, in every family
 # (docs/bench/panel_gemm.md)
 PANEL_MIN, PANEL_MAX = 16, 48
+# bf16 products of 2..AMX_ROWS_MAX rows run on hf_gemm_amx_bf16 instead of oneDNN (where AMX runs): the row counts at
+# which it was faster on every calibration shape, weights from memory (bench/bf16_rows.py, docs/bench/bf16_rows.md)
+AMX_ROWS_MAX = 16
 PANEL_NB = 48  # native.c's HF_PNB: output columns per panel of a packed weight (pack_panels)
 ACT_CODES = {"none": 0, "relu": 1, "gelu": 2, "gelu_tanh": 3, "silu": 4}  # native.c's ACT_* (linear_act, gated_mlp)
 
@@ -427,6 +434,49 @@ class MultiArgs:
     def call(self, x_ptr: int, k: int, threads: int) -> None:
         if library().hf_gemv_nk_multi(self.m, self.w, self.b, self.y, self.n, x_ptr, k, threads):
             raise ValueError(f"hf_gemv_nk_multi refused {self.m} products (it takes 1..{MULTI_MAX})")
+
+
+def amx_bf16_available() -> bool:
+    """Whether :func:`gemm_amx_bf16` runs here: the library built with AMX (AMX-TILE, AMX-BF16) and the OS lets this
+    process use the tile data."""
+    lib = library()
+    return lib is not None and bool(lib.hf_amx_bf16_ok())
+
+
+def pack_amx_bf16(w: torch.Tensor, weight_t: bool = False) -> torch.Tensor:
+    """``w`` (bf16 ``[N, K]``, or ``[K, N]`` when ``weight_t``) in the AMX tile layout :func:`gemm_amx_bf16` reads:
+    ``ceil(N / 16) * ceil(K / 32)`` tiles of 512 bf16 (past N and K zero), as one flat tensor."""
+    lib = library()
+    w = w.contiguous()
+    if lib is None or w.dim() != 2 or w.dtype != torch.bfloat16 or w.device.type != "cpu":
+        raise ValueError(f"AMX packing takes a 2-D bf16 CPU weight and the native library, got {w.dtype} "
+                         f"{tuple(w.shape)} on {w.device}")
+    k, n = (w.shape if weight_t else (w.shape[1], w.shape[0]))
+    out = torch.empty(((n + 15) // 16) * ((k + 31) // 32) * 512, dtype=torch.bfloat16)
+    lib.hf_pack_amx_bf16(w.data_ptr(), out.data_ptr(), n, k, int(weight_t))
+    return out
+
+
+def gemm_amx_bf16(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
+    """``x·Wᵀ + b`` for bf16 rows ``x`` ``[..., K]`` (made contiguous) on AMX tiles, W packed by
+    :func:`pack_amx_bf16` with ``n`` outputs; ``bias`` a contiguous bf16 ``[N]`` or None; a fresh bf16 ``[..., N]``
+    (each output the fp32 sum plus bias, rounded once)."""
+    x = x.contiguous()
+    k = x.shape[-1]
+    rows = x.numel() // max(k, 1)
+    bad_bias = bias is not None and (bias.dtype != torch.bfloat16 or not bias.is_contiguous() or bias.numel() != n)
+    if x.dtype != torch.bfloat16 or packed.dtype != torch.bfloat16 or bad_bias \
+            or packed.numel() != ((n + 15) // 16) * ((k + 31) // 32) * 512:
+        raise ValueError(f"hf_gemm_amx_bf16 takes bf16 x [..., {k}] and a weight packed for [{n}, {k}], got x "
+                         f"{x.dtype} {tuple(x.shape)}, packed {packed.dtype} {packed.numel()} elements")
+    y = torch.empty((*x.shape[:-1], n), dtype=torch.bfloat16)
+    rc = library().hf_gemm_amx_bf16(packed.data_ptr(), x.data_ptr(), _ptr(bias), y.data_ptr(), rows, n, k,
+                                    torch.get_num_threads())
+    if rc:
+        raise (MemoryError if rc == -1 else ValueError)(
+            {-1: "hf_gemm_amx_bf16: cannot allocate its row scratch", -2: "hf_gemm_amx_bf16: no rows",
+             -3: "hf_gemm_amx_bf16: AMX is not usable here"}[rc])
+    return y
 
 
 def gemv_multi(x: torch.Tensor, ws: list[torch.Tensor], biases: list[torch.Tensor | None],

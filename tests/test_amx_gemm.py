@@ -1,0 +1,89 @@
+"""The native AMX bf16 GEMM (a short prompt's bf16 products): numerics against an fp32 product rounded once to bf16
+for both weight layouts and tails in every dimension, the rule that sends 2..AMX_ROWS_MAX bf16 rows to it, and the
+executor's use of it (a bf16 prefill within bf16 rounding of the bf16 eager model). Its speed is measured by
+bench/bf16_rows.py, not here."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hetforge.compile import compile_graph
+from hetforge.frontend import capture
+from hetforge.kernels import native, onednn
+from hetforge.models.zoo import example_inputs, load_model
+from hetforge.verify import verify
+
+pytestmark = pytest.mark.skipif(not native.amx_bf16_available(),
+                                reason="no AMX here (the CPU lacks AMX-BF16, the native library is not built, or the "
+                                       "OS refuses the tile data): bf16 products of a few rows run on oneDNN instead, "
+                                       "which the bf16 tests cover")
+
+
+def _bf16_ulps(got: torch.Tensor, ref: torch.Tensor) -> float:
+    """Largest difference in units of the bf16 spacing at the reference's magnitude."""
+    spacing = torch.clamp(ref.abs(), min=1e-3) * 2.0 ** -7
+    return float(((got.float() - ref) / spacing).abs().max())
+
+
+@settings(max_examples=30, deadline=None)
+@given(m=st.integers(1, 40), k=st.integers(1, 100), n=st.integers(1, 90), weight_t=st.booleans(),
+       with_bias=st.booleans(), seed=st.integers(0, 2**16))
+def test_amx_gemm_is_the_fp32_product_rounded_once_for_both_layouts_and_any_tail(m, k, n, weight_t, with_bias, seed):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn((k, n) if weight_t else (n, k), generator=g).to(torch.bfloat16)
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+    b = torch.randn(n, generator=g).to(torch.bfloat16) if with_bias else None
+    packed = native.pack_amx_bf16(w, weight_t)
+    assert packed.numel() == -(-n // 16) * -(-k // 32) * 512
+    got = native.gemm_amx_bf16(x, packed, b, n)
+    ref = F.linear(x.double(), (w.t() if weight_t else w).double(), None if b is None else b.double()).float()
+    assert got.shape == (m, n) and got.dtype == torch.bfloat16
+    assert _bf16_ulps(got, ref) <= 1.0  # the fp32 sum differs from float64 far below one bf16 step; rounded once
+
+
+def test_amx_gemm_keeps_the_leading_dimensions_and_refuses_a_mismatched_packing():
+    w = torch.randn(70, 48).to(torch.bfloat16)
+    x = torch.randn(2, 9, 48).to(torch.bfloat16)
+    packed = native.pack_amx_bf16(w)
+    y = native.gemm_amx_bf16(x, packed, None, 70)
+    assert y.shape == (2, 9, 70) and torch.equal(y.view(18, 70), native.gemm_amx_bf16(x.view(18, 48), packed, None, 70))
+    with pytest.raises(ValueError, match="packed for"):
+        native.gemm_amx_bf16(x, packed, None, 90)  # 6 column blocks where the packing holds 5
+
+
+def test_a_prompts_bf16_products_take_the_amx_kernel_by_rule(monkeypatch):
+    monkeypatch.delenv("HETFORGE_GEMM", raising=False)
+    hi = native.AMX_ROWS_MAX
+    before = len(onednn.measured_choices())
+    for rows in (2, hi):
+        assert onednn.pick(rows, 96, 112, torch.bfloat16) == "amx"
+    assert len(onednn.measured_choices()) == before  # a rule: nothing timed
+    assert onednn.pick(hi, 96, 112, torch.float32) != "amx"
+    monkeypatch.setenv("HETFORGE_GEMM", "onednn")
+    assert onednn.pick(2, 96, 112, torch.bfloat16) == "onednn"
+
+
+@pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny"])
+def test_executor_runs_a_short_bf16_prompts_linears_on_amx_within_bf16_rounding_of_eager(name, monkeypatch):
+    """A 12-token bf16 prefill: its multi-row products on the AMX kernel (activation, gated MLP product and
+    residual add in place after it), within bf16 rounding of the bf16 eager model, results that survive the next
+    call."""
+    monkeypatch.delenv("HETFORGE_GEMM", raising=False)
+    base = load_model(name)
+    loaded = dataclasses.replace(base, model=copy.deepcopy(base.model).to(torch.bfloat16).eval())
+    inputs = example_inputs(loaded, seq=12)
+    module = loaded.logits_module()
+    exe = compile_graph(capture(module, inputs, name=name).gm, soc="host", example_inputs=inputs, name=name).executable
+    assert exe.stats.amx_gemm > 0
+    rep = verify(module, exe, inputs, kl_threshold=1e-3)
+    assert rep.passed and rep.top1_agree >= 0.9, rep
+    first = exe(*inputs).clone()
+    exe(*inputs)
+    torch.testing.assert_close(exe(*inputs), first, rtol=0, atol=0)
