@@ -2111,13 +2111,83 @@ typedef struct {
     uint8_t rows[16];
 } amx_cfg;
 
-static void amx_task(void *p, long g) {
-    const amx_ctx *a = p;
+/* Rows [m0, m0 + 16) x columns of nj blocks from 16 * j0 of the fp32 tile results in cbuf (row stride ld floats):
+ * + bias, rounded to bf16 as f2bf (nearest even, NaN -> 0x7FC0), 16 columns at a time, into y. */
+static void amx_store(const amx_ctx *a, const float *cbuf, long ld, long m0, long c0, long nj) {
+    long rows = a->m - m0 < 16 ? a->m - m0 : 16, c1 = c0 + 16 * nj < a->n ? c0 + 16 * nj : a->n;
+    const __m512i rnd = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1), qnan = _mm512_set1_epi32(0x7FC0);
+    for (long r = 0; r < rows; r++)
+        for (long c = c0; c < c1; c += 16) {
+            __mmask16 mk = c1 - c >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (c1 - c)) - 1);
+            __m512 v = _mm512_loadu_ps(cbuf + r * ld + (c - c0));
+            if (a->bias)
+                v = _mm512_add_ps(v, _mm512_castsi512_ps(_mm512_slli_epi32(
+                    _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mk, a->bias + c)), 16)));
+            __m512i u = _mm512_castps_si512(v);
+            __m512i b = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, rnd),
+                                                           _mm512_and_si512(_mm512_srli_epi32(u, 16), one)), 16);
+            b = _mm512_mask_mov_epi32(b, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), qnan);
+            _mm256_mask_storeu_epi16(a->y + (m0 + r) * a->n + c, mk, _mm512_cvtepi32_epi16(b));
+        }
+}
+
+static void amx_config(void) {
     amx_cfg cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette = 1;
     for (int t = 0; t < 8; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
     _tile_loadconfig(&cfg);
+}
+
+/* More than 16 rows: two blocks of 16 rows against two column blocks at a time (2 x 2 accumulators), so each weight
+ * tile loaded feeds two products; the group's column pairs in turn, its tiles read from memory on the first pass
+ * over the rows and from L2 after. */
+static void amx_task2(void *p, long g) {
+    const amx_ctx *a = p;
+    amx_config();
+    long j0 = g * AMX_CB, nj = a->nb - j0 < AMX_CB ? a->nb - j0 : AMX_CB;
+    size_t bstride = (size_t)a->kb * 512;
+    float cbuf[32 * 32] __attribute__((aligned(64)));
+    for (long m0 = 0; m0 < a->m; m0 += 32)
+        for (long jp = 0; jp < nj; jp += 2) {
+            const hf_bf16 *B = a->wp + (size_t)(j0 + jp) * bstride, *A = a->xp + m0 * a->k32;
+            int two = jp + 1 < nj;
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            for (long t = 0; t < a->kb; t++) {
+                const hf_bf16 *bt = B + (size_t)t * 512;
+                if (m0 == 0)
+                    for (long j = 0; j <= two; j++)
+                        for (int l = 0; l < 1024; l += 64)
+                            _mm_prefetch((const char *)(bt + j * bstride) + AMX_PF + l, _MM_HINT_T0);
+                _tile_loadd(4, A + 32 * t, a->k32 * 2);
+                _tile_loadd(5, A + 16 * a->k32 + 32 * t, a->k32 * 2);
+                _tile_loadd(6, bt, 64);
+                _tile_dpbf16ps(0, 4, 6);
+                _tile_dpbf16ps(2, 5, 6);
+                if (two) {
+                    _tile_loadd(7, bt + bstride, 64);
+                    _tile_dpbf16ps(1, 4, 7);
+                    _tile_dpbf16ps(3, 5, 7);
+                }
+            }
+            _tile_stored(0, cbuf, 32 * 4);
+            _tile_stored(2, cbuf + 16 * 32, 32 * 4);
+            if (two) {
+                _tile_stored(1, cbuf + 16, 32 * 4);
+                _tile_stored(3, cbuf + 16 * 32 + 16, 32 * 4);
+            }
+            amx_store(a, cbuf, 32, m0, 16 * (j0 + jp), 1 + two);
+            if (m0 + 16 < a->m) amx_store(a, cbuf + 16 * 32, 32, m0 + 16, 16 * (j0 + jp), 1 + two);
+        }
+    _tile_release();
+}
+
+static void amx_task(void *p, long g) {
+    const amx_ctx *a = p;
+    amx_config();
     long j0 = g * AMX_CB, nj = a->nb - j0 < AMX_CB ? a->nb - j0 : AMX_CB;
     const hf_bf16 *B = a->wp + (size_t)j0 * a->kb * 512;
     size_t bstride = (size_t)a->kb * 512; /* elements between two column blocks' tiles */
@@ -2144,22 +2214,7 @@ static void amx_task(void *p, long g) {
         if (nj > 1) _tile_stored(1, cbuf + 16, 16 * 4 * AMX_CB);
         if (nj > 2) _tile_stored(2, cbuf + 32, 16 * 4 * AMX_CB);
         if (nj > 3) _tile_stored(3, cbuf + 48, 16 * 4 * AMX_CB);
-        long rows = a->m - m0 < 16 ? a->m - m0 : 16, c0 = 16 * j0, c1 = c0 + 16 * nj < a->n ? c0 + 16 * nj : a->n;
-        /* + bias, rounded to bf16 as f2bf (nearest even, NaN -> 0x7FC0), 16 columns at a time */
-        const __m512i rnd = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1), qnan = _mm512_set1_epi32(0x7FC0);
-        for (long r = 0; r < rows; r++)
-            for (long c = c0; c < c1; c += 16) {
-                __mmask16 mk = c1 - c >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (c1 - c)) - 1);
-                __m512 v = _mm512_loadu_ps(cbuf + r * 16 * AMX_CB + (c - c0));
-                if (a->bias)
-                    v = _mm512_add_ps(v, _mm512_castsi512_ps(_mm512_slli_epi32(
-                        _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mk, a->bias + c)), 16)));
-                __m512i u = _mm512_castps_si512(v);
-                __m512i b = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, rnd),
-                                                               _mm512_and_si512(_mm512_srli_epi32(u, 16), one)), 16);
-                b = _mm512_mask_mov_epi32(b, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), qnan);
-                _mm256_mask_storeu_epi16(a->y + (m0 + r) * a->n + c, mk, _mm512_cvtepi32_epi16(b));
-            }
+        amx_store(a, cbuf, 16 * AMX_CB, m0, 16 * j0, nj);
     }
     _tile_release();
 }
@@ -2169,7 +2224,7 @@ int hf_gemm_amx_bf16(const hf_bf16 *wp, const hf_bf16 *x, const hf_bf16 *bias, h
                      int threads) {
     if (m < 1 || !amx_ok()) return m < 1 ? -2 : -3;
 #ifdef HF_AMX
-    long k32 = (k + 31) / 32 * 32, m16 = (m + 15) / 16 * 16;
+    long k32 = (k + 31) / 32 * 32, m16 = m > 16 ? (m + 31) / 32 * 32 : 16; /* x rows padded for the tiles */
     size_t need = (size_t)m16 * k32 * sizeof(hf_bf16);
     static _Thread_local hf_bf16 *kept = NULL;
     static _Thread_local size_t kept_bytes = 0;
@@ -2189,7 +2244,7 @@ int hf_gemm_amx_bf16(const hf_bf16 *wp, const hf_bf16 *x, const hf_bf16 *bias, h
         }
     }
     amx_ctx a = {wp, xp, bias, y, m, n, k32, (n + 15) / 16, k32 / 32};
-    hf_run(amx_task, &a, (a.nb + AMX_CB - 1) / AMX_CB, clamp_threads(threads));
+    hf_run(m > 16 ? amx_task2 : amx_task, &a, (a.nb + AMX_CB - 1) / AMX_CB, clamp_threads(threads));
     if (xp != kept) free(xp);
     return 0;
 #else
