@@ -141,7 +141,7 @@ def _unfused_line(cg, kind: str, o: int, rows: int, xs: str, wten: torch.Tensor,
     none fused into the product."""
     act_fn = cg.const(MKL_ACT[act], "act") if act != "none" else ""
     call = cg.const({"mkl": torch.ops.mkl._mkl_linear.default, "panel": native.gemm_panel,
-                     "amx": native.gemm_amx_bf16}[kind], "gemm")
+                     "amx": native.gemm_amx_bf16}[kind], "mkl" if kind == "mkl" else "gemm")
 
     def product(x: str, w: torch.Tensor, w_t: bool, b: str) -> str:
         pk = cg.const(LazyPacked(w, w_t, rows, kind), "pk") + ".get()"
