@@ -134,11 +134,10 @@ def codegen_line(cg, ins, o: int, dev: torch.device) -> str:
 
 def _unfused_line(cg, kind: str, o: int, rows: int, xs: str, wten: torch.Tensor, wt: bool, bs: str, act: str, gate,
                   res, weight, bias) -> str:
-    """:func:`codegen_line` where MKL's packed sgemm, the native panel GEMM or the native AMX bf16 kernel was
-    chosen (``kind``,
-    :func:`hetforge.kernels.onednn.pick`): each product on that kernel's packed weight, the activation in place on
-    its fresh result, a gated MLP's gate times up in place, a residual added in place: the graph's ops in its order,
-    none fused into the product."""
+    """:func:`codegen_line` where MKL's packed sgemm, the native panel GEMM or the native AMX bf16 kernel was chosen
+    (``kind``, :func:`hetforge.kernels.onednn.pick`): each product on that kernel's packed weight, the activation in
+    place on its fresh result, a gated MLP's gate times up in place, a residual added in place: the graph's ops in
+    its order, none fused into the product."""
     act_fn = cg.const(MKL_ACT[act], "act") if act != "none" else ""
     call = cg.const({"mkl": torch.ops.mkl._mkl_linear.default, "panel": native.gemm_panel,
                      "amx": native.gemm_amx_bf16}[kind], "mkl" if kind == "mkl" else "gemm")

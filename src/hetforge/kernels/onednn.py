@@ -379,7 +379,8 @@ def amx_rows(rows: int, dtype: torch.dtype) -> bool:
 
 def choose(rows: int, k: int, n: int, dtype: torch.dtype, w: torch.Tensor | None = None,
            weight_t: bool = False, act: str = "none") -> bool:
-    """Whether a packed kernel (oneDNN or MKL: :func:`pick`) runs this product, not ATen's ``linear``."""
+    """Whether a packed kernel (oneDNN, MKL, the panel GEMM or AMX: :func:`pick`) runs this product, not ATen's
+    ``linear``."""
     return pick(rows, k, n, dtype, w, weight_t, act) != "aten"
 
 

@@ -94,7 +94,8 @@ def _attention_fake(q, k, v, mask=None, scale=1.0, is_causal=False):
 )
 def attention(q, k, v, mask=None, scale=1.0, is_causal=False):
     """Scaled dot-product attention with optional mask, causality and grouped-query k/v (fp32 or bf16 on the CPU:
-    the native flash-style kernel, equal to SDPA to rounding, see ``native.c``'s prefill attention)."""
+    the native flash-style kernel, equal to SDPA to rounding, see ``native.c``'s prefill attention, except where
+    :func:`hetforge.kernels.native.prefill_attention_native` sends it to SDPA: bf16 prompts of many rows)."""
     if native.prefill_attention_fits(q, k, v, mask, is_causal) and \
             native.prefill_attention_native(q.dtype, q.shape[-2]):
         return native.prefill_attention(q, k, v, mask, scale, is_causal)

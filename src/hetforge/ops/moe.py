@@ -216,7 +216,8 @@ def _packed_list(w_gate_up: torch.Tensor, w_down: torch.Tensor) -> list:
     got = _PACKED.get(key)
     if got is None:
         got = _PACKED[key] = [None] * w_gate_up.shape[0]
-        weakref.finalize(w_gate_up, _PACKED.pop, key, None)  # freed with the weights (keyed by their memory)
+        for w in (w_gate_up, w_down):  # freed with either weight (keyed by their memory, which may then be reused)
+            weakref.finalize(w, _PACKED.pop, key, None)
     return got
 
 
@@ -259,8 +260,9 @@ def _pack_expert(w_gate_up: torch.Tensor, w_down: torch.Tensor, rows: int) -> tu
 def _packed_ffn(x, w_gate_up, w_down, ex, act):
     """Expert ``ex``'s gated FFN on its rows ``x`` through oneDNN: ``act(x·Gᵀ)`` (the activation a post-op),
     ``(x·Uᵀ) * that`` (the product a binary post-op), then the down projection; the expert's three weights are packed
-    once (:func:`prepack_experts`, else on first use) and the packed copy serves every row count (oneDNN packs these
-    layouts alike for every count: :func:`hetforge.kernels.onednn._alike`)."""
+    once (:func:`prepack_experts`, else on first use) for the mean rows per expert, and that copy runs every row
+    count (oneDNN's packed linear takes any count; the hint only steers its layout choice, tested against ATen's
+    chain at two counts)."""
     mine = _packed_list(w_gate_up, w_down)
     got = mine[ex]
     if got is None:
