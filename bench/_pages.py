@@ -91,6 +91,15 @@ def add_page_args(ap) -> None:
     ap.add_argument("--from-json", action="store_true", help="only regenerate --md from --out")
 
 
+def int_list(ap, value: str, option: str) -> list[int]:
+    """A comma-separated option's integers, sorted and without repeats; a bad one is ``ap.error`` (one line, exit 2)."""
+    try:
+        return sorted({int(t) for t in value.split(",") if t.strip()})
+    except ValueError:
+        ap.error(f"{option} takes comma-separated integers, got {value!r}")
+        raise  # ap.error exits; this keeps type checkers content
+
+
 def from_json_done(ap, args, render: Callable[[dict], str]) -> bool:
     """With ``--from-json``: write the page of ``--out`` (a missing file is one line and exit 2) and say True."""
     if not args.from_json:

@@ -22,7 +22,7 @@ import sys
 import time
 
 import torch
-from _pages import add_page_args, end_meta, from_json_done, meta_lines, run_meta, write_result
+from _pages import add_page_args, end_meta, from_json_done, int_list, meta_lines, run_meta, write_result
 
 from hetforge.kernels import native, onednn
 
@@ -112,10 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if from_json_done(ap, a, render):
         return 0
-    try:
-        rows = sorted({int(t) for t in a.rows.split(",") if t.strip()})
-    except ValueError:
-        ap.error(f"--rows takes comma-separated integers, got {a.rows!r}")
+    rows = int_list(ap, a.rows, "--rows")
     if not rows or rows[0] < 1 or a.rounds < 1 or a.threads < 1 or a.gb <= 0:
         ap.error("--rows >= 1; --rounds, --threads >= 1; --gb > 0")
     if not native.amx_bf16_available() or not onednn.available():

@@ -598,20 +598,26 @@ def packed_experts_md(rows: list[dict], meta: dict) -> list[str]:
     return lines + [""]
 
 
-def section_packed_experts(args) -> None:
-    """§7 only: measure the packed-expert choice and write it into --out (the rest of the JSON is kept)."""
+def _update_section(args, key: str, name: str, extra: str, measure) -> None:
+    """One section only: ``measure()``'s rows written into --out under ``key`` with their own run record (the rest of
+    the JSON is kept as it was), and the page again."""
     if not args.out or not Path(args.out).is_file():
-        raise SystemExit("--section packed-experts updates an earlier full run: give its JSON as --out")
+        raise SystemExit(f"--section {name} updates an earlier full run: give its JSON as --out")
     result = json.loads(Path(args.out).read_text())
     meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "threads": args.threads,
             "loadavg": ", ".join(f"{v:.1f}" for v in os.getloadavg()),
-            "command": f"python bench/moe.py --section packed-experts --threads {args.threads} --tokens "
-                       + " ".join(map(str, args.tokens)) + f" --reps {args.reps} --packed-shapes "
-                       + " ".join(args.packed_shapes) + f" --packed-layers {args.packed_layers} --out {args.out}"}
-    result["packed_experts"] = {"meta": meta, "rows": packed_experts(args)}
+            "command": f"python bench/moe.py --section {name} --threads {args.threads} --tokens "
+                       + " ".join(map(str, args.tokens)) + f" --reps {args.reps}{extra} --out {args.out}"}
+    result[key] = {"meta": meta, "rows": measure()}
     Path(args.out).write_text(json.dumps(result, indent=1, default=float) + "\n")
     if args.md:
         Path(args.md).write_text(markdown(result))
+
+
+def section_packed_experts(args) -> None:
+    """§7 only: measure the packed-expert choice and write it into --out."""
+    _update_section(args, "packed_experts", "packed-experts", " --packed-shapes " + " ".join(args.packed_shapes)
+                    + f" --packed-layers {args.packed_layers}", lambda: packed_experts(args))
 
 
 def main() -> None:
@@ -719,20 +725,11 @@ def section_residency_run(args, tmp: Path) -> None:
 
 
 def section_dispatch_bound(args) -> None:
-    """§6 only: measure the grouping bound and write it into --out (the rest of the JSON is kept as it was)."""
+    """§6 only: measure the grouping bound and write it into --out."""
     from hetforge.models.zoo import load_model
 
-    if not args.out or not Path(args.out).is_file():
-        raise SystemExit("--section dispatch-bound updates an earlier full run: give its JSON as --out")
-    result = json.loads(Path(args.out).read_text())
-    meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "threads": args.threads,
-            "loadavg": ", ".join(f"{v:.1f}" for v in os.getloadavg()),
-            "command": f"python bench/moe.py --section dispatch-bound --threads {args.threads} --tokens "
-                       + " ".join(map(str, args.tokens)) + f" --reps {args.reps} --out {args.out}"}
-    result["dispatch_bound"] = {"meta": meta, "rows": dispatch_bound(args, load_model("mixtral-small"))}
-    Path(args.out).write_text(json.dumps(result, indent=1, default=float) + "\n")
-    if args.md:
-        Path(args.md).write_text(markdown(result))
+    _update_section(args, "dispatch_bound", "dispatch-bound", "",
+                    lambda: dispatch_bound(args, load_model("mixtral-small")))
 
 
 if __name__ == "__main__":

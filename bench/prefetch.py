@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 import torch
-from _pages import add_page_args, end_meta, from_json_done, meta_lines, run_meta, write_result
+from _pages import add_page_args, end_meta, from_json_done, int_list, meta_lines, run_meta, write_result
 
 from hetforge.kernels import native
 
@@ -146,10 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if from_json_done(ap, a, render):
         return 0
-    try:
-        ds = sorted({int(d) for d in a.distances.split(",") if d.strip()})
-    except ValueError:
-        ap.error(f"--distances takes comma-separated integers, got {a.distances!r}")
+    ds = int_list(ap, a.distances, "--distances")
     if not ds or ds[0] != 0 or any(d < 0 for d in ds) or a.rounds < 1 or a.threads < 1 or a.gb <= 0:
         ap.error("--distances must include 0 (the baseline) and be >= 0; --rounds, --threads >= 1; --gb > 0")
     torch.set_num_threads(a.threads)

@@ -27,7 +27,7 @@ import time
 
 import torch
 import torch.nn.functional as F
-from _pages import add_page_args, end_meta, from_json_done, meta_lines, run_meta, write_result
+from _pages import add_page_args, end_meta, from_json_done, int_list, meta_lines, run_meta, write_result
 
 from hetforge.kernels import native
 
@@ -141,10 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if from_json_done(ap, a, render):
         return 0
-    try:
-        rows = sorted({int(t) for t in a.rows.split(",") if t.strip()})
-    except ValueError:
-        ap.error(f"--rows takes comma-separated integers, got {a.rows!r}")
+    rows = int_list(ap, a.rows, "--rows")
     if not rows or rows[0] < 2 or a.rounds < 1 or a.threads < 1:
         ap.error("--rows must be >= 2; --rounds, --threads >= 1")
     if native.library() is None:
