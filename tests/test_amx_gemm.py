@@ -20,10 +20,9 @@ from hetforge.kernels import native, onednn
 from hetforge.models.zoo import example_inputs, load_model
 from hetforge.verify import verify
 
-pytestmark = pytest.mark.skipif(not native.amx_bf16_available(),
-                                reason="no AMX here (the CPU lacks AMX-BF16, the native library is not built, or the "
-                                       "OS refuses the tile data): bf16 products of a few rows run on oneDNN instead, "
-                                       "which the bf16 tests cover")
+# no AMX-BF16 CPU, no native library or the OS refuses the tile data: such a host runs these products on oneDNN
+NO_AMX = "no usable AMX here: bf16 products of a few rows run on oneDNN instead, which the bf16 tests cover"
+pytestmark = pytest.mark.skipif(not native.amx_bf16_available(), reason=NO_AMX)
 
 
 def _bf16_ulps(got: torch.Tensor, ref: torch.Tensor) -> float:

@@ -336,8 +336,7 @@ def test_prefill_experts_run_on_packed_onednn_weights_and_match_the_aten_chain(d
     from hetforge.ops import moe
 
     if not onednn.available():
-        pytest.skip("this torch has no oneDNN packed linear: the experts run on ATen's linear, which the other "
-                    "MoE tests cover")
+        pytest.skip("this torch has no oneDNN: experts run on ATen's linear, which the other MoE tests cover")
     rw, wgu, wd = (t.to(dtype) for t in _weights(d=64, f=48, seed=4))
     for t in (24, 57):  # two token counts: different rows per expert, the same packed copies
         x = torch.randn(t, 64, generator=torch.Generator().manual_seed(t)).to(dtype)
@@ -359,7 +358,7 @@ def test_a_moe_prefill_program_packs_its_experts_when_built_not_in_its_first_cal
     from hetforge.ops import moe
 
     if not onednn.available():
-        pytest.skip("this torch has no oneDNN packed linear: the experts run on ATen's linear, nothing to pack")
+        pytest.skip("this torch has no oneDNN: experts run on ATen's linear, so there is nothing to pack")
     loaded = load_model("mixtral-tiny")
     inputs = example_inputs(loaded, seq=24)
     cg = capture(loaded.logits_module(), inputs, name="mixtral-tiny")

@@ -155,6 +155,9 @@ def _experts(h, w, idx, w_gate_up, w_down, act, transposed, group_size, capacity
     for i, c in enumerate(counts):
         starts[i + 1] = starts[i] + c
     rank = torch.arange(se.numel()) - torch.tensor(starts[:-1], dtype=torch.long)[se]
+    # the experts' packed copies when groups of one run on oneDNN (decided once per call, not per expert)
+    packed = _packed_list(w_gate_up, w_down) if not capacity \
+        and packed_experts_on(h.dtype, w_gate_up, act, transposed) else None
     for g0 in range(0, e, g_size):
         g1 = min(g0 + g_size, e)
         a0, a1 = starts[g0], starts[g1]
@@ -180,7 +183,7 @@ def _experts(h, w, idx, w_gate_up, w_down, act, transposed, group_size, capacity
         tok = flat_t[sel]
         if g1 - g0 == 1 and not capacity:  # a group of one expert: its rows are already contiguous, no slots
             xe = h[tok]
-            y = _packed_ffn(xe, w_gate_up, w_down, g0, act) if packed_experts_on(xe, w_gate_up, act, transposed) \
+            y = _packed_ffn(xe, packed, w_gate_up, w_down, g0, act) if packed is not None and xe.shape[0] >= 2 \
                 else _expert_ffn(xe, w_gate_up[g0], w_down[g0], act, transposed)
             out.index_add_(0, tok, y * flat_w[sel, None])
             continue
@@ -198,15 +201,15 @@ def _experts(h, w, idx, w_gate_up, w_down, act, transposed, group_size, capacity
 _PACKED: dict[tuple, list] = {}
 
 
-def packed_experts_on(x: torch.Tensor, w_gate_up: torch.Tensor, act: str, transposed: bool) -> bool:
-    """Whether an expert's rows ``x`` (several) run on oneDNN's packed kernels (:func:`_packed_ffn`): a CPU
-    float32/bfloat16 ``[2F, D]`` expert with an activation oneDNN fuses, oneDNN here, and ``HETFORGE_GEMM`` /
+def packed_experts_on(dtype: torch.dtype, w_gate_up: torch.Tensor, act: str, transposed: bool) -> bool:
+    """Whether experts' rows of ``dtype`` (several per expert) run on oneDNN's packed kernels (:func:`_packed_ffn`): a
+    CPU float32/bfloat16 ``[2F, D]`` expert with an activation oneDNN fuses, oneDNN here, and ``HETFORGE_GEMM`` /
     ``HETFORGE_MOE_PACKED=0`` not asking for ATen. Why: a prefill's expert products read their weights from memory
     in row counts of a few dozen to a few hundred, where the packed kernels ran the whole op faster than ATen's
     ``linear`` on shapes no evaluated model has (docs/bench/moe.md §7); the SwiGLU's product fuses into the up
     projection as in the dense gated MLP."""
-    return (x.shape[0] >= 2 and not transposed and x.device.type == "cpu" and x.dtype in onednn.DTYPES
-            and x.dtype == w_gate_up.dtype and act in onednn.ACT_ATTR and act != "none"
+    return (not transposed and w_gate_up.device.type == "cpu" and dtype in onednn.DTYPES
+            and dtype == w_gate_up.dtype and act in onednn.ACT_ATTR and act != "none"
             and os.environ.get("HETFORGE_MOE_PACKED", "1") != "0" and onednn.policy() != "aten"
             and onednn.available())
 
@@ -246,8 +249,7 @@ def prepack_call(args: tuple, kwargs: dict, tensor: Callable[[Any], torch.Tensor
         return 0
     t, k, e = x.numel() // max(x.shape[-1], 1), int(arg("top_k")), wgu.shape[0]
     rows = max(2, t * k // max(e, 1))  # the mean rows per expert (the packing serves every count alike)
-    if t < 2 or not packed_experts_on(torch.empty(2, 0, dtype=x.dtype), wgu, str(arg("act")),
-                                          bool(arg("transposed"))):
+    if t < 2 or not packed_experts_on(x.dtype, wgu, str(arg("act")), bool(arg("transposed"))):
         return 0
     return prepack_experts(wgu, wd, rows)
 
@@ -257,13 +259,12 @@ def _pack_expert(w_gate_up: torch.Tensor, w_down: torch.Tensor, rows: int) -> tu
     return tuple(onednn.pack(w, False, max(rows, 2), "onednn") for w in (w_gate_up[:f], w_gate_up[f:], w_down))
 
 
-def _packed_ffn(x, w_gate_up, w_down, ex, act):
+def _packed_ffn(x, mine, w_gate_up, w_down, ex, act):
     """Expert ``ex``'s gated FFN on its rows ``x`` through oneDNN: ``act(x·Gᵀ)`` (the activation a post-op),
-    ``(x·Uᵀ) * that`` (the product a binary post-op), then the down projection; the expert's three weights are packed
-    once (:func:`prepack_experts`, else on first use) for the mean rows per expert, and that copy runs every row
-    count (oneDNN's packed linear takes any count; the hint only steers its layout choice, tested against ATen's
-    chain at two counts)."""
-    mine = _packed_list(w_gate_up, w_down)
+    ``(x·Uᵀ) * that`` (the product a binary post-op), then the down projection. ``mine``: the block's packed copies
+    (:func:`_packed_list`); the expert's three weights are packed once (:func:`prepack_experts`, for the mean rows per
+    expert, else on first use for that call's rows), and that copy runs every row count (oneDNN's packed linear takes
+    any count; the hint only steers its layout choice, tested against ATen's chain at two counts)."""
     got = mine[ex]
     if got is None:
         got = mine[ex] = _pack_expert(w_gate_up[ex], w_down[ex], x.shape[0])
