@@ -3232,15 +3232,24 @@ int hf_gemm_few_kn(const float *w, const float *x, const float *bias, float *y, 
  * Y[m, n] = X[m, k] W^T + b for fp32, on a weight packed once into panels of HF_PNB output columns:
  * P[j][kk][c] = W[j*HF_PNB + c][kk] (zero past N). Why: a prompt of a few dozen tokens still streams every weight
  * from memory once, and the packed GEMMs torch ships (MKL's, oneDNN's) read it below the memory's speed at these
- * row counts (measured: bench/panel_gemm.py). Here each panel is read as one contiguous block, HF_PMR rows of X at a
- * time against it (8 x 48 accumulators in registers), and while a panel is multiplied the next one is prefetched
- * (spread over the row passes), so the memory read overlaps the arithmetic. Each output element is one chain of
- * fused multiply-adds from the bias in k order, on the AVX-512 path and on the plain C one alike (fmaf), so a
- * result does not depend on the path, the thread count or the chunking. Chunks of HF_PCHUNK consecutive panels
- * run on torch's OpenMP team (as the other multi-row kernels, hf_run_team). */
+ * row counts (measured: bench/panel_gemm.py). How the panel is read decides the speed:
+ *  - as HF_PSTREAMS interleaved streams (the k-rows [s*Q, (s+1)*Q) for s < HF_PSTREAMS, Q = ceil(k / HF_PSTREAMS),
+ *    one k-row of each in turn), each prefetched HF_PPF bytes ahead into L1: one stream per core leaves memory
+ *    bandwidth unused, as for the one-row products (dot4);
+ *  - once from memory for every row count: the k-rows are taken in blocks of HF_PKB steps (12 KiB of panel), and
+ *    every HF_PMR-row group of X runs over a block while it is in L1 (8 x 48 accumulators in registers, saved to
+ *    the output between blocks), so a second row group no longer re-reads the panel after the first has streamed
+ *    all of it.
+ * Each output element is one chain of fused multiply-adds from the bias in that stream-interleaved k order, on
+ * the AVX-512 path and on the plain C one alike (fmaf), so a result does not depend on the path, the thread count
+ * or the chunking. Chunks of HF_PCHUNK consecutive panels run on torch's OpenMP team (as the other multi-row
+ * kernels, hf_run_team). */
 #define HF_PNB 48
 #define HF_PMR 8
 #define HF_PCHUNK 4
+#define HF_PSTREAMS 4
+#define HF_PKB 16
+#define HF_PPF 2048
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -3294,94 +3303,118 @@ void hf_pack_panels(const float *w, float *p, long n, long k, int weight_t, int 
     hf_run_team(panel_pack_chunk, &a, (n + HF_PNB - 1) / HF_PNB, clamp_threads(threads));
 }
 
-/* Rows [r0, r0 + mr) of X against panel j into out (ldo floats per row, HF_PNB columns); pass ``pass`` of ``passes``
- * prefetches its share of the next panel ``nxt`` (one k-row of it every ``passes`` steps). */
-static inline __attribute__((always_inline)) void panel_block(const panel_ctx *a, const float *pan, const float *bias48,
-                                                               long r0, int mr, float *out, long ldo,
-                                                               const float *nxt, long pass, long passes) {
-    long k = a->k;
-    const float *x = a->x + r0 * k;
-    long pf0 = pass * k / passes;
+/* Row group xp (X's HF_PMR rows packed k-row by k-row: xp[kk * HF_PMR + r], rows past m zero) over the stream
+ * steps [i0, i1) of panel pan, accumulating into acc (ldo floats per row, HF_PNB columns, holding the sums so far;
+ * only its first mr rows are read and written). ``pf``: prefetch the streams ahead (the first row group of a block;
+ * the others read it from L1). The packed rows let every broadcast use a constant offset and keep all 24
+ * accumulators in registers. */
+static void panel_block(const float *xp, long k, long q, const float *pan, long i0, long i1, int mr, float *acc,
+                        long ldo, int pf) {
 #if defined(__AVX512F__)
-    __m512 acc[HF_PMR][3];
+    __m512 a[HF_PMR][3];
     for (int r = 0; r < HF_PMR; r++) {
-        acc[r][0] = _mm512_loadu_ps(bias48);
-        acc[r][1] = _mm512_loadu_ps(bias48 + 16);
-        acc[r][2] = _mm512_loadu_ps(bias48 + 32);
+        int live = r < mr;
+        a[r][0] = live ? _mm512_loadu_ps(acc + r * ldo) : _mm512_setzero_ps();
+        a[r][1] = live ? _mm512_loadu_ps(acc + r * ldo + 16) : _mm512_setzero_ps();
+        a[r][2] = live ? _mm512_loadu_ps(acc + r * ldo + 32) : _mm512_setzero_ps();
     }
-    for (long kk = 0; kk < k; kk++) {
-        const float *b = pan + kk * HF_PNB;
-        if (nxt && kk % passes == 0) {
-            const char *q = (const char *)(nxt + (pf0 + kk / passes) * HF_PNB);
-            _mm_prefetch(q, _MM_HINT_T0);
-            _mm_prefetch(q + 64, _MM_HINT_T0);
-            _mm_prefetch(q + 128, _MM_HINT_T0);
-        }
-        __m512 b0 = _mm512_loadu_ps(b), b1 = _mm512_loadu_ps(b + 16), b2 = _mm512_loadu_ps(b + 32);
+    for (long i = i0; i < i1; i++) {
+        for (int s = 0; s < HF_PSTREAMS; s++) {
+            long kk = s * q + i;
+            if (kk >= k) break;
+            const float *b = pan + kk * HF_PNB, *xv = xp + kk * HF_PMR;
+            if (pf) {
+                const char *f = (const char *)b + HF_PPF;
+                _mm_prefetch(f, _MM_HINT_T0);
+                _mm_prefetch(f + 64, _MM_HINT_T0);
+                _mm_prefetch(f + 128, _MM_HINT_T0);
+            }
+            __m512 b0 = _mm512_loadu_ps(b), b1 = _mm512_loadu_ps(b + 16), b2 = _mm512_loadu_ps(b + 32);
 #pragma GCC unroll 8
-        for (int r = 0; r < HF_PMR; r++) {
-            if (r < mr) {
-                __m512 xv = _mm512_set1_ps(x[r * k + kk]);
-                acc[r][0] = _mm512_fmadd_ps(xv, b0, acc[r][0]);
-                acc[r][1] = _mm512_fmadd_ps(xv, b1, acc[r][1]);
-                acc[r][2] = _mm512_fmadd_ps(xv, b2, acc[r][2]);
+            for (int r = 0; r < HF_PMR; r++) {
+                __m512 xb = _mm512_set1_ps(xv[r]);
+                a[r][0] = _mm512_fmadd_ps(xb, b0, a[r][0]);
+                a[r][1] = _mm512_fmadd_ps(xb, b1, a[r][1]);
+                a[r][2] = _mm512_fmadd_ps(xb, b2, a[r][2]);
             }
         }
     }
-    for (int r = 0; r < mr; r++) {
-        _mm512_storeu_ps(out + r * ldo, acc[r][0]);
-        _mm512_storeu_ps(out + r * ldo + 16, acc[r][1]);
-        _mm512_storeu_ps(out + r * ldo + 32, acc[r][2]);
-    }
+    for (int r = 0; r < HF_PMR; r++)
+        if (r < mr) {
+            _mm512_storeu_ps(acc + r * ldo, a[r][0]);
+            _mm512_storeu_ps(acc + r * ldo + 16, a[r][1]);
+            _mm512_storeu_ps(acc + r * ldo + 32, a[r][2]);
+        }
 #else
-    (void)nxt;
-    (void)pf0;
+    (void)pf;
     for (int r = 0; r < mr; r++)
         for (int c = 0; c < HF_PNB; c++) {
-            float s = bias48[c];
-            for (long kk = 0; kk < k; kk++) s = fmaf(x[r * k + kk], pan[kk * HF_PNB + c], s);
-            out[r * ldo + c] = s;
+            float v = acc[r * ldo + c];
+            for (long i = i0; i < i1; i++)
+                for (int s = 0; s < HF_PSTREAMS; s++) {
+                    long kk = s * q + i;
+                    if (kk >= k) break;
+                    v = fmaf(xp[kk * HF_PMR + r], pan[kk * HF_PNB + c], v);
+                }
+            acc[r * ldo + c] = v;
         }
 #endif
 }
 
-static void panel_block8(const panel_ctx *a, const float *pan, const float *b48, long r0, float *out, long ldo,
-                         const float *nxt, long pass, long passes) {
-    panel_block(a, pan, b48, r0, HF_PMR, out, ldo, nxt, pass, passes);
-}
-
-static void panel_blockv(const panel_ctx *a, const float *pan, const float *b48, long r0, int mr, float *out, long ldo,
-                         const float *nxt, long pass, long passes) {
-    panel_block(a, pan, b48, r0, mr, out, ldo, nxt, pass, passes);
-}
-
 static void panel_chunk(void *ctx, long c) {
     const panel_ctx *a = ctx;
-    long k = a->k, n = a->n, passes = (a->m + HF_PMR - 1) / HF_PMR;
+    long k = a->k, n = a->n, m = a->m, q = (k + HF_PSTREAMS - 1) / HF_PSTREAMS;
     long j1 = (c + 1) * HF_PCHUNK < a->np ? (c + 1) * HF_PCHUNK : a->np;
+    float stack_tmp[64 * HF_PNB], *heap_tmp = 0;
     for (long j = c * HF_PCHUNK; j < j1; j++) {
         const float *pan = a->p + (size_t)j * k * HF_PNB;
-        const float *nxt = j + 1 < a->np ? pan + k * HF_PNB : 0;
         long c0 = j * HF_PNB, nv = n - c0 < HF_PNB ? n - c0 : HF_PNB;
-        float b48[HF_PNB], tmp[HF_PMR * HF_PNB];
-        for (long q = 0; q < HF_PNB; q++) b48[q] = a->bias && q < nv ? a->bias[c0 + q] : 0.f;
-        for (long r0 = 0, pass = 0; r0 < a->m; r0 += HF_PMR, pass++) {
-            int mr = a->m - r0 < HF_PMR ? (int)(a->m - r0) : HF_PMR;
-            float *out = nv == HF_PNB ? a->y + r0 * n + c0 : tmp;
-            long ldo = nv == HF_PNB ? n : HF_PNB;
-            if (mr == HF_PMR)
-                panel_block8(a, pan, b48, r0, out, ldo, nxt, pass, passes);
-            else
-                panel_blockv(a, pan, b48, r0, mr, out, ldo, nxt, pass, passes);
-            if (nv < HF_PNB)
-                for (int r = 0; r < mr; r++) memcpy(a->y + (r0 + r) * n + c0, tmp + r * HF_PNB, (size_t)nv * sizeof(float));
+        float *out = a->y + c0, *tmp = stack_tmp;
+        long ldo = n;
+        if (nv < HF_PNB) { /* the last, partial panel: its rows are summed in a scratch of m x HF_PNB */
+            if (m > 64) {
+                if (!heap_tmp) heap_tmp = malloc((size_t)m * HF_PNB * sizeof(float));
+                if (!heap_tmp) abort();
+                tmp = heap_tmp;
+            }
+            out = tmp, ldo = HF_PNB;
         }
+        for (long r = 0; r < m; r++)
+            for (long cc = 0; cc < HF_PNB; cc++)
+                if (cc < nv || out == tmp) out[r * ldo + cc] = a->bias && cc < nv ? a->bias[c0 + cc] : 0.f;
+        for (long i0 = 0; i0 < q; i0 += HF_PKB) {
+            long i1 = i0 + HF_PKB < q ? i0 + HF_PKB : q;
+            for (long r0 = 0; r0 < m; r0 += HF_PMR) {
+                int mr = m - r0 < HF_PMR ? (int)(m - r0) : HF_PMR;
+                panel_block(a->x + r0 * k, k, q, pan, i0, i1, mr, out + r0 * ldo, ldo, r0 == 0);
+            }
+        }
+        if (nv < HF_PNB)
+            for (long r = 0; r < m; r++) memcpy(a->y + r * n + c0, tmp + r * HF_PNB, (size_t)nv * sizeof(float));
     }
+    free(heap_tmp);
 }
 
-/* Y = X W^T + b on panels made by hf_pack_panels (b may be NULL). X [m, k] and Y [m, n] dense rows. */
-void hf_gemm_panel(const float *x, const float *p, const float *bias, float *y, long m, long n, long k, int threads) {
-    panel_ctx a = {x, p, bias, y, m, n, k, (n + HF_PNB - 1) / HF_PNB};
-    if (m < 1 || n < 1) return;
+/* X [m, k] into groups of HF_PMR rows, each k-row by k-row (xp[(g * k + kk) * HF_PMR + r]), rows past m zero. */
+static void panel_pack_x(const float *x, float *xp, long m, long k) {
+    for (long g = 0; g * HF_PMR < m; g++)
+        for (long kk = 0; kk < k; kk++)
+            for (int r = 0; r < HF_PMR; r++) {
+                long row = g * HF_PMR + r;
+                xp[(g * k + kk) * HF_PMR + r] = row < m ? x[row * k + kk] : 0.f;
+            }
+}
+
+/* Y = X W^T + b on panels made by hf_pack_panels (b may be NULL). X [m, k] and Y [m, n] dense rows. Returns -1
+ * (nothing done) when the scratch for X's packed rows cannot be had, else 0. */
+int hf_gemm_panel(const float *x, const float *p, const float *bias, float *y, long m, long n, long k, int threads) {
+    if (m < 1 || n < 1) return 0;
+    long groups = (m + HF_PMR - 1) / HF_PMR;
+    float *xp = malloc((size_t)groups * HF_PMR * (k > 0 ? k : 1) * sizeof(float));
+    if (!xp) return -1;
+    panel_pack_x(x, xp, m, k);
+    panel_ctx a = {xp, p, bias, y, m, n, k, (n + HF_PNB - 1) / HF_PNB};
     hf_run_team(panel_chunk, &a, (a.np + HF_PCHUNK - 1) / HF_PCHUNK, clamp_threads(threads));
+    free(xp);
+    return 0;
 }

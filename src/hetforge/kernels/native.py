@@ -89,7 +89,7 @@ RESTYPES = {  # the functions that return a value (every other one returns void)
     "hf_gemv_q8a": _I, "hf_gemm_q8a": _I,  # 0, or -1: scratch not allocated
     "hf_gemv_q4a": _I, "hf_gemm_q4a": _I, "hf_q4a_path": _I, "hf_quantize_i8_chunks": _L, "hf_quantize_i8": _I,
     "hf_transpose": _I, "hf_gemm_few": _I, "hf_gemm_few_kn": _I, "hf_gated_mlp_few": _I, "hf_panel_simd": _I,
-    "hf_gemm_amx_bf16": _I, "hf_amx_bf16_ok": _I,
+    "hf_gemm_amx_bf16": _I, "hf_amx_bf16_ok": _I, "hf_gemm_panel": _I,
 }
 FEW_KN_SLOTS = 4  # split-K parts of hf_gemm_few_kn (fixed, so a result does not depend on the thread count)
 # most rows a product runs on hf_gemm_few / hf_gemm_few_kn / hf_gated_mlp_few (the C takes up to 32): at 12 and
@@ -98,7 +98,7 @@ FEW_MAX = 8
 # fp32 row counts a product runs on the panel GEMM (gemm_panel) instead of a packed GEMM torch ships: the run of row
 # counts at which it was the fastest kernel from memory on bench/panel_gemm.py's calibration shapes, in every family
 # (docs/bench/panel_gemm.md)
-PANEL_MIN, PANEL_MAX = 16, 48
+PANEL_MIN, PANEL_MAX = 12, 32
 # bf16 products of 2..AMX_ROWS_MAX rows run on hf_gemm_amx_bf16 instead of oneDNN (where AMX runs): the row counts at
 # which it was faster on every calibration shape, weights from memory (bench/bf16_rows.py, docs/bench/bf16_rows.md)
 AMX_ROWS_MAX = 16
@@ -408,8 +408,11 @@ def gemm_panel(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
         raise ValueError(f"panel GEMM: input {x.dtype} {tuple(x.shape)} (contiguous: {x.is_contiguous()}) does "
                          f"not fit a packed weight of {packed.numel()} floats for {n} outputs")
     y = torch.empty((*x.shape[:-1], n), dtype=torch.float32)
-    library().hf_gemm_panel(x.data_ptr(), packed.data_ptr(), _ptr(bias), y.data_ptr(), x.numel() // max(k, 1),
-                            n, k, max(1, torch.get_num_threads() if threads is None else threads))
+    rc = library().hf_gemm_panel(x.data_ptr(), packed.data_ptr(), _ptr(bias), y.data_ptr(),
+                                 x.numel() // max(k, 1), n, k, max(1, torch.get_num_threads() if threads is None
+                                                                   else threads))
+    if rc != 0:
+        raise MemoryError("hf_gemm_panel: cannot allocate the scratch for the input's packed rows")
     return y
 
 
