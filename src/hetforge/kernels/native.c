@@ -2608,11 +2608,40 @@ static void pa_transpose(void *p, long t) {
     long esz = a->bf16 ? 2 : 4;
     const char *K = (const char *)a->k + ((t / a->hkv) * a->ks[0] + (t % a->hkv) * a->ks[1]) * esz;
     float *kt = a->kt + t * a->d * a->sp;
+#if defined(__AVX512F__)
+    /* 16 keys x 16 dims at a time: the keys' rows (widened from bf16, zero past s) into a dense 16 x 16 block, then
+     * each dim's 16 keys gathered from it into the tile row (the plain loop below stores one float per step, a
+     * whole tile row apart) */
+    float blk[256] __attribute__((aligned(64)));
+    const __m512i col = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                           _mm512_set1_epi32(16));
+    for (long j0 = 0; j0 < a->sp; j0 += 16) {
+        float *tile = kt + (j0 / PA_KB) * a->d * PA_KB + j0 % PA_KB;
+        for (long c0 = 0; c0 < a->d; c0 += 16) {
+            long nc = a->d - c0 < 16 ? a->d - c0 : 16;
+            __mmask16 mk = (__mmask16)(nc == 16 ? 0xFFFF : (1u << nc) - 1);
+            for (long r = 0; r < 16; r++) {
+                long j = j0 + r;
+                __m512 v = _mm512_setzero_ps();
+                if (j < a->s) {
+                    const char *kr = K + (j * a->ks[2] + c0) * esz;
+                    v = a->bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(
+                                      _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mk, (const void *)kr)), 16))
+                                : _mm512_maskz_loadu_ps(mk, (const float *)kr);
+                }
+                _mm512_store_ps(blk + 16 * r, v);
+            }
+            for (long c = 0; c < nc; c++)
+                _mm512_storeu_ps(tile + (c0 + c) * PA_KB, _mm512_i32gather_ps(col, blk + c, 4));
+        }
+    }
+#else
     for (long j = 0; j < a->sp; j++) {
         float *tile = kt + (j / PA_KB) * a->d * PA_KB + j % PA_KB;
         const float *kr = (const float *)(K + j * a->ks[2] * esz);
         for (long c = 0; c < a->d; c++) tile[c * PA_KB] = j < a->s ? pa_in(a, kr, c) : 0.f;
     }
+#endif
     const char *V = (const char *)a->v + ((t / a->hkv) * a->vs[0] + (t % a->hkv) * a->vs[1]) * esz;
     float *vp = a->vp + t * a->s * a->dv;
     for (long j = 0; j < a->s; j++) {
