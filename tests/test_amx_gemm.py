@@ -86,3 +86,33 @@ def test_executor_runs_a_short_bf16_prompts_linears_on_amx_within_bf16_rounding_
     first = exe(*inputs).clone()
     exe(*inputs)
     torch.testing.assert_close(exe(*inputs), first, rtol=0, atol=0)
+
+
+@settings(max_examples=25, deadline=None)
+@given(m=st.integers(1, 40), k=st.integers(1, 100), n=st.integers(1, 70), act=st.sampled_from(
+    ["none", "relu", "gelu_tanh", "silu", "gelu"]), with_mul=st.booleans(), with_res=st.booleans(),
+    seed=st.integers(0, 2**16))
+def test_amx_epilogue_matches_atens_bf16_ops_after_the_product(m, k, n, act, with_mul, with_res, seed):
+    """act → × mul → + res in the kernel's store equals ATen's in-place bf16 ops on the plain product: bit for bit
+    without an activation, within one bf16 step with one (the kernel's own exp/tanh); gelu (erf), which the store
+    does not have, runs as ATen's op after it."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+    w = torch.randn(n, k, generator=g).to(torch.bfloat16)
+    b = torch.randn(n, generator=g).to(torch.bfloat16)
+    mul = torch.randn(m, n, generator=g).to(torch.bfloat16) if with_mul else None
+    res = torch.randn(m, n, generator=g).to(torch.bfloat16) if with_res else None
+    p = native.pack_amx_bf16(w)
+    ref = native.gemm_amx_bf16(x, p, b, n)
+    if act != "none":
+        ref = {"relu": torch.relu_, "gelu": torch.ops.aten.gelu_, "silu": torch.ops.aten.silu_,
+               "gelu_tanh": lambda t: torch.ops.aten.gelu_(t, approximate="tanh")}[act](ref)
+    if mul is not None:
+        ref = ref.mul_(mul)
+    if res is not None:
+        ref = ref.add_(res)
+    got = native.gemm_amx_bf16(x, p, b, n, act=act, mul=mul, res=res)
+    if act in ("none", "relu", "gelu"):
+        assert torch.equal(got, ref)
+    else:
+        assert _bf16_ulps(got.float(), ref.float()) <= 1.0 + 1e-6

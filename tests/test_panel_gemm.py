@@ -99,7 +99,7 @@ def test_the_plain_c_path_gives_the_same_bits_as_the_vector_path(tmp_path_factor
         lib.hf_pack_panels(w.data_ptr(), plain_packed.data_ptr(), n, k, int(weight_t), 2)
         assert torch.equal(plain_packed, packed)
         y = torch.empty(m, n)
-        assert lib.hf_gemm_panel(x.data_ptr(), packed.data_ptr(), b.data_ptr(), y.data_ptr(), m, n, k, 2) == 0
+        assert lib.hf_gemm_panel(x.data_ptr(), packed.data_ptr(), b.data_ptr(), y.data_ptr(), m, n, k, 2, 0, None, None) == 0
         assert torch.equal(y, native.gemm_panel(x, packed, b, n))
 
 
@@ -218,3 +218,31 @@ def test_the_panel_gemm_runs_in_a_forked_child_after_the_parent_used_the_team():
         if child.is_alive():
             child.kill()
     assert torch.equal(torch.tensor(got), want)
+
+
+@settings(max_examples=30, deadline=None)
+@given(m=st.integers(1, 40), k=st.integers(1, 100), n=st.integers(1, 120), act=st.sampled_from(
+    ["none", "relu", "gelu_tanh", "silu", "gelu"]), with_mul=st.booleans(), with_res=st.booleans(),
+    seed=st.integers(0, 2**16))
+def test_panel_epilogue_matches_atens_ops_after_the_product(m, k, n, act, with_mul, with_res, seed):
+    """act → × mul → + res in the panel GEMM's store equals ATen's in-place ops on the plain product: bit for bit
+    without an activation (or with relu, or gelu, which runs as ATen's op after the kernel), within a few fp32 ulp
+    for the kernel's own tanh GELU and SiLU."""
+    x, w, b = _case(m, k, n, False, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    mul = torch.randn(m, n, generator=g) if with_mul else None
+    res = torch.randn(m, n, generator=g) if with_res else None
+    packed = native.pack_panels(w)
+    ref = native.gemm_panel(x, packed, b, n)
+    if act != "none":
+        ref = {"relu": torch.relu_, "gelu": torch.ops.aten.gelu_, "silu": torch.ops.aten.silu_,
+               "gelu_tanh": lambda t: torch.ops.aten.gelu_(t, approximate="tanh")}[act](ref)
+    if mul is not None:
+        ref = ref.mul_(mul)
+    if res is not None:
+        ref = ref.add_(res)
+    got = native.gemm_panel(x, packed, b, n, act=act, mul=mul, res=res)
+    if act in ("none", "relu", "gelu"):
+        assert torch.equal(got, ref)
+    else:
+        torch.testing.assert_close(got, ref, rtol=4e-6, atol=1e-6)

@@ -135,21 +135,38 @@ def codegen_line(cg, ins, o: int, dev: torch.device) -> str:
 def _unfused_line(cg, kind: str, o: int, rows: int, xs: str, wten: torch.Tensor, wt: bool, bs: str, act: str, gate,
                   res, weight, bias) -> str:
     """:func:`codegen_line` where MKL's packed sgemm, the native panel GEMM or the native AMX bf16 kernel was chosen
-    (``kind``, :func:`hetforge.kernels.onednn.pick`): each product on that kernel's packed weight, the activation in
-    place on its fresh result, a gated MLP's gate times up in place, a residual added in place: the graph's ops in
-    its order, none fused into the product."""
-    act_fn = cg.const(MKL_ACT[act], "act") if act != "none" else ""
+    (``kind``, :func:`hetforge.kernels.onednn.pick`): each product on that kernel's packed weight. After MKL's: the
+    activation in place on its fresh result, a gated MLP's gate times up in place, a residual added in place (the
+    graph's ops in its order). The native kernels take them into their store instead (``act``, ``mul``, ``res``
+    of :func:`hetforge.kernels.native.gemm_panel`, same order; what a kernel cannot apply it runs as those in-place
+    ops itself): the activation on the product it follows, the gate's result into the up product, the residual
+    into the last product."""
+    native_kind = kind in ("panel", "amx")
+    act_fn = cg.const(MKL_ACT[act], "act") if act != "none" and not native_kind else ""
     call = cg.const({"mkl": torch.ops.mkl._mkl_linear.default, "panel": native.gemm_panel,
                      "amx": native.gemm_amx_bf16}[kind], "mkl" if kind == "mkl" else "gemm")
 
-    def product(x: str, w: torch.Tensor, w_t: bool, b: str) -> str:
+    def product(x: str, w: torch.Tensor, w_t: bool, b: str, a: str = "none", mul: str | None = None,
+                r: str | None = None) -> str:
         pk = cg.const(LazyPacked(w, w_t, rows, kind), "pk") + ".get()"
-        if kind in ("panel", "amx"):
-            return f"{call}({x}, {pk}, {b}, {w.shape[1] if w_t else w.shape[0]})"
+        if native_kind:
+            epi = (f", act={a!r}" if a != "none" else "") + (f", mul={mul}" if mul else "") + \
+                (f", res={r}" if r else "")
+            return f"{call}({x}, {pk}, {b}, {w.shape[1] if w_t else w.shape[0]}{epi})"
         ori = cg.const(w.t() if w_t else w, "ori")  # [N, K]: MKL's op reads its sizes
         return f"{call}({x}, {pk}, {ori}, {b}, {rows})"
 
-    if gate is None:
+    if native_kind:
+        if gate is None:
+            y = product(xs, wten, wt, bs, act, r=res)
+        else:  # gated MLP: act(x·Wgᵀ+bg) into the up product's store, then the down product
+            wg, bg, wd, bd = gate
+            g = product(xs, weight(wg), False, bias(bg), act)
+            y = product(xs, wten, False, bs, mul=g, r=res if wd is None else None)
+            if wd is not None:
+                y = product(y, weight(wd), False, bias(bd), r=res)
+        res = None
+    elif gate is None:
         y = product(xs, wten, wt, bs)
         y = f"{act_fn}({y})" if act_fn else y
     else:  # gated MLP: act(x·Wgᵀ+bg) * (x·Wuᵀ+bu), then the down product

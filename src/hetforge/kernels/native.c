@@ -562,6 +562,33 @@ static inline __m512 gelu_tanh16(__m512 v) {
 }
 #endif
 
+#if defined(__AVX512F__)
+/* act(v) of 16 values for the activations a multi-row product's epilogue applies (hf_epilogue_act): ReLU (NaN
+ * stays NaN), the tanh GELU (gelu_tanh16) and SiLU, v / (1 + exp(-v)) as v·s / (1 + e), e = exp(-|v|), s = 1 for
+ * v >= 0 and e below (pa_exp16 takes only arguments <= 0). */
+static inline __m512 act16(__m512 v, int act) {
+    if (act == ACT_RELU)
+        return _mm512_mask_mov_ps(v, _mm512_cmp_ps_mask(v, _mm512_setzero_ps(), _CMP_LE_OQ), _mm512_setzero_ps());
+    if (act == ACT_GELU_TANH) return gelu_tanh16(v);
+    if (act == ACT_SILU) {
+        __m512 e = pa_exp16(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(v)));
+        __mmask16 neg = _mm512_cmp_ps_mask(v, _mm512_setzero_ps(), _CMP_LT_OQ);
+        return _mm512_div_ps(_mm512_mask_mul_ps(v, neg, v, e), _mm512_add_ps(_mm512_set1_ps(1.f), e));
+    }
+    return v;
+}
+#endif
+
+/* Whether a multi-row product's epilogue (hf_gemm_panel, hf_gemm_amx_bf16) applies ``act`` itself: the
+ * activations act16 has, where the build has AVX-512 (the others stay a separate pass after the product). */
+int hf_epilogue_act(int act) {
+#if defined(__AVX512F__)
+    return act == ACT_NONE || act == ACT_RELU || act == ACT_GELU_TANH || act == ACT_SILU;
+#else
+    return act == ACT_NONE;
+#endif
+}
+
 /* Split-K part c of C: rows [c*r, (c+1)*r) of each quarter of W [K, N] (r = ceil((K/4) / C); four streams,
  * one per quarter, so consecutive parts continue the same streams), plus the K % 4 tail rows in the last part,
  * into row c of part. */
@@ -1818,6 +1845,30 @@ static inline hf_bf16 f2bf(float f) {
     return (hf_bf16)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define HF_BF16X16 1
+/* 16 bf16 values (the masked ones 0) widened to fp32. */
+static inline __m512 bf16x16(__mmask16 mk, const hf_bf16 *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mk, p)), 16));
+}
+
+/* 16 fp32 values rounded to bf16 as f2bf (nearest even, NaN -> 0x7FC0), as fp32. */
+static inline __m512 round_bf16x16(__m512 v) {
+    __m512i u = _mm512_castps_si512(v);
+    __m512i b = _mm512_and_si512(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)),
+                                                  _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))),
+                                 _mm512_set1_epi32((int)0xFFFF0000u));
+    b = _mm512_mask_mov_epi32(b, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC00000));
+    return _mm512_castsi512_ps(b);
+}
+
+/* 16 values already rounded to bf16 (round_bf16x16) stored as bf16, the masked ones left alone. */
+static inline void store_bf16x16(hf_bf16 *p, __mmask16 mk, __m512 rounded) {
+    _mm256_mask_storeu_epi16(p, mk, _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(rounded), 16)));
+}
+#endif
+
+
 enum { BF16_PORTABLE = 0, BF16_AVX512 = 1, BF16_DPBF16 = 2 };
 
 static int bf16_best(void) {
@@ -2102,6 +2153,8 @@ typedef struct {
     const hf_bf16 *wp, *xp, *bias; /* packed weight, padded x [m16][k32] */
     hf_bf16 *y;
     long m, n, k32, nb, kb;
+    int act;                  /* the epilogue (amx_store): ACT_*, then */
+    const hf_bf16 *mul, *res; /* times mul[r, c], then plus res[r, c] ([m, n] dense; NULL: none) */
 } amx_ctx;
 
 #ifdef HF_AMX
@@ -2112,7 +2165,8 @@ typedef struct {
 } amx_cfg;
 
 /* Rows [m0, m0 + 16) x columns of nj blocks from 16 * j0 of the fp32 tile results in cbuf (row stride ld floats):
- * + bias, rounded to bf16 as f2bf (nearest even, NaN -> 0x7FC0), 16 columns at a time, into y. */
+ * + bias, rounded to bf16 as f2bf (nearest even, NaN -> 0x7FC0), then the epilogue (act, times mul, plus res:
+ * ATen's bf16 ops after a product, each rounded), 16 columns at a time, into y. */
 static void amx_store(const amx_ctx *a, const float *cbuf, long ld, long m0, long c0, long nj) {
     long rows = a->m - m0 < 16 ? a->m - m0 : 16, c1 = c0 + 16 * nj < a->n ? c0 + 16 * nj : a->n;
     const __m512i rnd = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1), qnan = _mm512_set1_epi32(0x7FC0);
@@ -2120,9 +2174,13 @@ static void amx_store(const amx_ctx *a, const float *cbuf, long ld, long m0, lon
         for (long c = c0; c < c1; c += 16) {
             __mmask16 mk = c1 - c >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (c1 - c)) - 1);
             __m512 v = _mm512_loadu_ps(cbuf + r * ld + (c - c0));
-            if (a->bias)
-                v = _mm512_add_ps(v, _mm512_castsi512_ps(_mm512_slli_epi32(
-                    _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mk, a->bias + c)), 16)));
+            if (a->bias) v = _mm512_add_ps(v, bf16x16(mk, a->bias + c));
+            if (a->act || a->mul || a->res) { /* ATen's ops after the product, each rounded to bf16 */
+                v = round_bf16x16(v);
+                if (a->act) v = round_bf16x16(act16(v, a->act));
+                if (a->mul) v = round_bf16x16(_mm512_mul_ps(v, bf16x16(mk, a->mul + (m0 + r) * a->n + c)));
+                if (a->res) v = _mm512_add_ps(v, bf16x16(mk, a->res + (m0 + r) * a->n + c));
+            }
             __m512i u = _mm512_castps_si512(v);
             __m512i b = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, rnd),
                                                            _mm512_and_si512(_mm512_srli_epi32(u, 16), one)), 16);
@@ -2221,8 +2279,9 @@ static void amx_task(void *p, long g) {
 #endif
 
 int hf_gemm_amx_bf16(const hf_bf16 *wp, const hf_bf16 *x, const hf_bf16 *bias, hf_bf16 *y, long m, long n, long k,
-                     int threads) {
+                     int threads, int act, const hf_bf16 *mul, const hf_bf16 *res) {
     if (m < 1 || !amx_ok()) return m < 1 ? -2 : -3;
+    if (!hf_epilogue_act(act)) return -4;
 #ifdef HF_AMX
     long k32 = (k + 31) / 32 * 32, m16 = m > 16 ? (m + 31) / 32 * 32 : 16; /* x rows padded for the tiles */
     size_t need = (size_t)m16 * k32 * sizeof(hf_bf16);
@@ -2243,12 +2302,12 @@ int hf_gemm_amx_bf16(const hf_bf16 *wp, const hf_bf16 *x, const hf_bf16 *bias, h
             memset(dst, 0, k32 * sizeof(hf_bf16));
         }
     }
-    amx_ctx a = {wp, xp, bias, y, m, n, k32, (n + 15) / 16, k32 / 32};
+    amx_ctx a = {wp, xp, bias, y, m, n, k32, (n + 15) / 16, k32 / 32, act, mul, res};
     hf_run(m > 16 ? amx_task2 : amx_task, &a, (a.nb + AMX_CB - 1) / AMX_CB, clamp_threads(threads));
     if (xp != kept) free(xp);
     return 0;
 #else
-    (void)wp, (void)x, (void)bias, (void)y, (void)n, (void)k, (void)threads;
+    (void)wp, (void)x, (void)bias, (void)y, (void)n, (void)k, (void)threads, (void)mul, (void)res;
     return -3;
 #endif
 }
@@ -2332,7 +2391,16 @@ void hf_rms_norm_bf16(const hf_bf16 *x, const hf_bf16 *w, hf_bf16 *y, long rows,
 #pragma omp simd reduction(+ : s)
         for (long i = 0; i < d; i++) s += bf2f(xr[i]) * bf2f(xr[i]);
         float inv = 1.f / sqrtf(s / (float)d + eps);
-        for (long i = 0; i < d; i++) {
+        long i = 0;
+#ifdef HF_BF16X16 /* the loop below 16 at a time (same ops, same rounding) */
+        const __m512 vi = _mm512_set1_ps(inv);
+        for (; i < d; i += 16) {
+            __mmask16 mk = (__mmask16)(d - i >= 16 ? 0xFFFF : (1u << (d - i)) - 1);
+            __m512 hv = round_bf16x16(_mm512_mul_ps(bf16x16(mk, xr + i), vi));
+            store_bf16x16(yr + i, mk, w ? round_bf16x16(_mm512_mul_ps(bf16x16(mk, w + i), hv)) : hv);
+        }
+#endif
+        for (; i < d; i++) {
             hf_bf16 hv = f2bf(bf2f(xr[i]) * inv);
             yr[i] = w ? f2bf(bf2f(w[i]) * bf2f(hv)) : hv;
         }
@@ -2355,7 +2423,18 @@ void hf_layer_norm_bf16(const hf_bf16 *x, const hf_bf16 *w, const hf_bf16 *b, hf
 #pragma omp simd reduction(+ : q)
         for (long i = 0; i < d; i++) q += (bf2f(xr[i]) - mean) * (bf2f(xr[i]) - mean);
         float rstd = 1.f / sqrtf(q / (float)d + eps);
-        for (long i = 0; i < d; i++) {
+        long i = 0;
+#ifdef HF_BF16X16 /* the loop below 16 at a time (same ops, same rounding) */
+        const __m512 vm = _mm512_set1_ps(mean), vr = _mm512_set1_ps(rstd);
+        for (; i < d; i += 16) {
+            __mmask16 mk = (__mmask16)(d - i >= 16 ? 0xFFFF : (1u << (d - i)) - 1);
+            __m512 v = _mm512_mul_ps(_mm512_sub_ps(bf16x16(mk, xr + i), vm), vr);
+            if (w) v = _mm512_mul_ps(v, bf16x16(mk, w + i));
+            if (b) v = _mm512_add_ps(v, bf16x16(mk, b + i));
+            store_bf16x16(yr + i, mk, round_bf16x16(v));
+        }
+#endif
+        for (; i < d; i++) {
             float v = (bf2f(xr[i]) - mean) * rstd;
             if (w) v = v * bf2f(w[i]);
             if (b) v = v + bf2f(b[i]);
@@ -3287,7 +3366,34 @@ typedef struct {
     const float *x, *p, *bias;
     float *y;
     long m, n, k, np;
+    int act;                /* ACT_* applied to each sum (hf_epilogue_act), then */
+    const float *mul, *res; /* times mul[r, c], then plus res[r, c] ([m, n] dense; NULL: none) */
 } panel_ctx;
+
+/* act, mul and res on the sums of columns [c0, c0 + nv) held in out (ldo floats per row): the graph's
+ * activation, a gated MLP's gate product and a residual add, in that order, each one fp32 op as ATen's. */
+static void panel_epilogue(const panel_ctx *a, float *out, long ldo, long c0, long nv) {
+    for (long r = 0; r < a->m; r++) {
+        float *o = out + r * ldo;
+        const float *mu = a->mul ? a->mul + r * a->n + c0 : 0, *re = a->res ? a->res + r * a->n + c0 : 0;
+#if defined(__AVX512F__)
+        for (long c = 0; c < nv; c += 16) {
+            __mmask16 mk = (__mmask16)(nv - c >= 16 ? 0xFFFF : (1u << (nv - c)) - 1);
+            __m512 v = act16(_mm512_maskz_loadu_ps(mk, o + c), a->act);
+            if (mu) v = _mm512_mul_ps(v, _mm512_maskz_loadu_ps(mk, mu + c));
+            if (re) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mk, re + c));
+            _mm512_mask_storeu_ps(o + c, mk, v);
+        }
+#else
+        for (long c = 0; c < nv; c++) {
+            float v = act_of(o[c], a->act);
+            if (mu) v = v * mu[c];
+            if (re) v = v + re[c];
+            o[c] = v;
+        }
+#endif
+    }
+}
 
 /* Whether this build has the vector path (the plain C path is for correctness, not speed). */
 int hf_panel_simd(void) {
@@ -3418,6 +3524,7 @@ static void panel_chunk(void *ctx, long c) {
                 panel_block(a->x + r0 * k, k, q, pan, i0, i1, mr, out + r0 * ldo, ldo, r0 == 0);
             }
         }
+        if (a->act || a->mul || a->res) panel_epilogue(a, out, ldo, c0, nv);
         if (nv < HF_PNB)
             for (long r = 0; r < m; r++) memcpy(a->y + r * n + c0, tmp + r * HF_PNB, (size_t)nv * sizeof(float));
     }
@@ -3434,15 +3541,18 @@ static void panel_pack_x(const float *x, float *xp, long m, long k) {
             }
 }
 
-/* Y = X W^T + b on panels made by hf_pack_panels (b may be NULL). X [m, k] and Y [m, n] dense rows. Returns -1
- * (nothing done) when the scratch for X's packed rows cannot be had, else 0. */
-int hf_gemm_panel(const float *x, const float *p, const float *bias, float *y, long m, long n, long k, int threads) {
+/* Y = X W^T + b on panels made by hf_pack_panels (b may be NULL), then the epilogue (panel_epilogue: act, times
+ * mul, plus res; act 0 and NULLs for none). X [m, k], Y, mul and res [m, n] dense rows. Returns -1 (nothing done)
+ * when the scratch for X's packed rows cannot be had, -2 for an act the epilogue does not have, else 0. */
+int hf_gemm_panel(const float *x, const float *p, const float *bias, float *y, long m, long n, long k, int threads,
+                  int act, const float *mul, const float *res) {
+    if (!hf_epilogue_act(act)) return -2;
     if (m < 1 || n < 1) return 0;
     long groups = (m + HF_PMR - 1) / HF_PMR;
     float *xp = malloc((size_t)groups * HF_PMR * (k > 0 ? k : 1) * sizeof(float));
     if (!xp) return -1;
     panel_pack_x(x, xp, m, k);
-    panel_ctx a = {xp, p, bias, y, m, n, k, (n + HF_PNB - 1) / HF_PNB};
+    panel_ctx a = {xp, p, bias, y, m, n, k, (n + HF_PNB - 1) / HF_PNB, act, mul, res};
     hf_run_team(panel_chunk, &a, (a.np + HF_PCHUNK - 1) / HF_PCHUNK, clamp_threads(threads));
     free(xp);
     return 0;

@@ -21,9 +21,10 @@ import platform
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
@@ -78,11 +79,12 @@ SIGNATURES = {
     "hf_gemm_few_kn": [_P, _P, _P, _P, _L, _L, _L, _I, _I, _P, _I],
     "hf_gated_mlp_few": [_P, _P, _P, _P, _P, _P, _P, _L, _L, _L, _I, _I],
     "hf_panel_simd": [],
-    "hf_gemm_amx_bf16": [_P, _P, _P, _P, _L, _L, _L, _I],
+    "hf_gemm_amx_bf16": [_P, _P, _P, _P, _L, _L, _L, _I, _I, _P, _P],
+    "hf_epilogue_act": [_I],
     "hf_amx_bf16_ok": [],
     "hf_pack_amx_bf16": [_P, _P, _L, _L, _I],
     "hf_pack_panels": [_P, _P, _L, _L, _I, _I],
-    "hf_gemm_panel": [_P, _P, _P, _P, _L, _L, _L, _I],
+    "hf_gemm_panel": [_P, _P, _P, _P, _L, _L, _L, _I, _I, _P, _P],
 }
 RESTYPES = {  # the functions that return a value (every other one returns void)
     "hf_read_stream": _F, "hf_q8a_path": _I, "hf_bf16_path": _I, "hf_prefill_attention": _I, "hf_gemv_nk_multi": _I,
@@ -90,6 +92,7 @@ RESTYPES = {  # the functions that return a value (every other one returns void)
     "hf_gemv_q4a": _I, "hf_gemm_q4a": _I, "hf_q4a_path": _I, "hf_quantize_i8_chunks": _L, "hf_quantize_i8": _I,
     "hf_transpose": _I, "hf_gemm_few": _I, "hf_gemm_few_kn": _I, "hf_gated_mlp_few": _I, "hf_panel_simd": _I,
     "hf_gemm_amx_bf16": _I, "hf_amx_bf16_ok": _I, "hf_gemm_panel": _I,
+    "hf_epilogue_act": _I,
 }
 FEW_KN_SLOTS = 4  # split-K parts of hf_gemm_few_kn (fixed, so a result does not depend on the thread count)
 # most rows a product runs on hf_gemm_few / hf_gemm_few_kn / hf_gated_mlp_few (the C takes up to 32): at 12 and
@@ -396,11 +399,61 @@ def pack_panels(w: torch.Tensor, weight_t: bool = False, threads: int | None = N
     return out
 
 
+def epilogue_act(act: str) -> bool:
+    """Whether the multi-row products' epilogue (:func:`gemm_panel`, :func:`gemm_amx_bf16`) applies ``act`` itself
+    (native.c ``hf_epilogue_act``: none, relu, gelu_tanh, silu where the build has AVX-512)."""
+    lib = library()
+    return lib is not None and act in ACT_CODES and bool(lib.hf_epilogue_act(ACT_CODES[act]))
+
+
+_INPLACE_ACT: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "relu": torch.relu_, "gelu": lambda y: torch.ops.aten.gelu_(y),
+    "gelu_tanh": lambda y: torch.ops.aten.gelu_(y, approximate="tanh"), "silu": lambda y: torch.ops.aten.silu_(y),
+}
+
+
+def _epilogue(out_shape: tuple, dtype: torch.dtype, act: str, mul: torch.Tensor | None,
+              res: torch.Tensor | None) -> tuple[int, int, int, list[Callable[[torch.Tensor], torch.Tensor]]]:
+    """How a product's epilogue runs: (act code, mul pointer, res pointer) for the kernel, and the steps left for
+    after it, in the graph's order act → × mul → + res (a step the kernel cannot take, and every step after it,
+    runs as ATen's in-place op on the result: an activation it does not have, an operand that is not a dense
+    tensor of the result's shape and dtype)."""
+    if act not in ACT_CODES:
+        raise ValueError(f"unknown activation {act!r}; one of {sorted(ACT_CODES)}")
+
+    def dense(t: torch.Tensor) -> bool:
+        return t.dtype == dtype and t.is_contiguous() and tuple(t.shape) == tuple(out_shape) \
+            and t.device.type == "cpu"
+
+    steps: list[tuple[str, Any]] = [("act", act)] if act != "none" else []
+    steps += [("mul", mul)] if mul is not None else []
+    steps += [("res", res)] if res is not None else []
+    code, mp, rp, after = 0, 0, 0, []
+    for i, (kind, v) in enumerate(steps):
+        fused = epilogue_act(v) if kind == "act" else dense(v)
+        if not fused:
+            for kind2, v2 in steps[i:]:
+                after.append(_INPLACE_ACT[v2] if kind2 == "act" else
+                             (lambda y, t=v2: y.mul_(t)) if kind2 == "mul" else (lambda y, t=v2: y.add_(t)))
+            break
+        if kind == "act":
+            code = ACT_CODES[v]
+        elif kind == "mul":
+            mp = v.data_ptr()
+        else:
+            rp = v.data_ptr()
+    return code, mp, rp, after
+
+
 def gemm_panel(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int,
-               threads: int | None = None) -> torch.Tensor:
-    """``x·Wᵀ + b`` (fp32, ``x``: contiguous ``[..., K]``) on a weight packed by :func:`pack_panels` with ``n``
-    outputs; a fresh ``[..., n]`` tensor. Each output is one chain of fused multiply-adds from the bias in K
-    order, so the result does not depend on the thread count."""
+               threads: int | None = None, act: str = "none", mul: torch.Tensor | None = None,
+               res: torch.Tensor | None = None) -> torch.Tensor:
+    """``act(x·Wᵀ + b) * mul + res`` (fp32, ``x``: contiguous ``[..., K]``; ``act`` one of :data:`ACT_CODES`;
+    ``mul`` and ``res`` optional tensors of the result's shape) on a weight packed by :func:`pack_panels` with
+    ``n`` outputs; a fresh ``[..., n]`` tensor. Each product is one chain of fused multiply-adds from the bias
+    (in a fixed K order, so the result does not depend on the thread count); the activation, the product with
+    ``mul`` (a gated MLP's gate) and the residual ``res`` are applied as each output is stored, where the kernel
+    has them (:func:`epilogue_act`; else as ATen's in-place ops after it)."""
     k = x.shape[-1]
     if (x.dtype != torch.float32 or not x.is_contiguous() or packed.numel() != ((n + PANEL_NB - 1) // PANEL_NB)
             * PANEL_NB * k or bias is not None and (bias.numel() != n or not bias.is_contiguous()
@@ -408,11 +461,14 @@ def gemm_panel(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
         raise ValueError(f"panel GEMM: input {x.dtype} {tuple(x.shape)} (contiguous: {x.is_contiguous()}) does "
                          f"not fit a packed weight of {packed.numel()} floats for {n} outputs")
     y = torch.empty((*x.shape[:-1], n), dtype=torch.float32)
+    code, mp, rp, after = _epilogue(tuple(y.shape), torch.float32, act, mul, res)
     rc = library().hf_gemm_panel(x.data_ptr(), packed.data_ptr(), _ptr(bias), y.data_ptr(),
                                  x.numel() // max(k, 1), n, k, max(1, torch.get_num_threads() if threads is None
-                                                                   else threads))
+                                                                   else threads), code, mp, rp)
     if rc != 0:
         raise MemoryError("hf_gemm_panel: cannot allocate the scratch for the input's packed rows")
+    for step in after:
+        step(y)
     return y
 
 
@@ -460,10 +516,13 @@ def pack_amx_bf16(w: torch.Tensor, weight_t: bool = False) -> torch.Tensor:
     return out
 
 
-def gemm_amx_bf16(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
-    """``x·Wᵀ + b`` for bf16 rows ``x`` ``[..., K]`` (made contiguous) on AMX tiles, W packed by
+def gemm_amx_bf16(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int, act: str = "none",
+                  mul: torch.Tensor | None = None, res: torch.Tensor | None = None) -> torch.Tensor:
+    """``act(x·Wᵀ + b) * mul + res`` for bf16 rows ``x`` ``[..., K]`` (made contiguous) on AMX tiles, W packed by
     :func:`pack_amx_bf16` with ``n`` outputs; ``bias`` a contiguous bf16 ``[N]`` or None; a fresh bf16 ``[..., N]``
-    (each output the fp32 sum plus bias, rounded once)."""
+    (each product the fp32 sum plus bias, rounded once; then, as ATen's bf16 ops after a product would, the
+    activation, the product with ``mul`` and the residual ``res``, each rounded: in the kernel's store where it
+    has them, :func:`gemm_panel`'s rule)."""
     x = x.contiguous()
     k = x.shape[-1]
     rows = x.numel() // max(k, 1)
@@ -473,12 +532,16 @@ def gemm_amx_bf16(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
         raise ValueError(f"hf_gemm_amx_bf16 takes bf16 x [..., {k}] and a weight packed for [{n}, {k}], got x "
                          f"{x.dtype} {tuple(x.shape)}, packed {packed.dtype} {packed.numel()} elements")
     y = torch.empty((*x.shape[:-1], n), dtype=torch.bfloat16)
+    code, mp, rp, after = _epilogue(tuple(y.shape), torch.bfloat16, act, mul, res)
     rc = library().hf_gemm_amx_bf16(packed.data_ptr(), x.data_ptr(), _ptr(bias), y.data_ptr(), rows, n, k,
-                                    torch.get_num_threads())
+                                    torch.get_num_threads(), code, mp, rp)
     if rc:
         raise (MemoryError if rc == -1 else ValueError)(
             {-1: "hf_gemm_amx_bf16: cannot allocate its row scratch", -2: "hf_gemm_amx_bf16: no rows",
-             -3: "hf_gemm_amx_bf16: AMX is not usable here"}[rc])
+             -3: "hf_gemm_amx_bf16: AMX is not usable here",
+             -4: "hf_gemm_amx_bf16: activation not in its epilogue"}[rc])
+    for step in after:
+        step(y)
     return y
 
 
