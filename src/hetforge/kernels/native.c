@@ -2608,28 +2608,58 @@ static inline void pa_fma4x64(__m512 c[4][4], const float *a, long astride, cons
 }
 #endif
 
-/* s[ii][0..PA_KB) = qb[ii] · kt[:, 0..PA_KB) for ni rows (kt: the key block transposed, rows kst apart). */
-static void pa_scores(const float *restrict qb, const float *restrict kt, long kst, float *restrict s, long ni,
-                      long d) {
-    long ii = 0;
 #if defined(__AVX512F__)
-    for (; ii + 4 <= ni; ii += 4) {
+/* pa_fma4x64 for the first 16·g columns only (g = 1..4, a constant where it is inlined). */
+static inline __attribute__((always_inline)) void pa_fma4xg(__m512 c[4][4], const float *a, long astride,
+                                                            const float *row, const int g) {
+    __m512 r0 = _mm512_loadu_ps(row), r1 = g > 1 ? _mm512_loadu_ps(row + 16) : r0,
+           r2 = g > 2 ? _mm512_loadu_ps(row + 32) : r0, r3 = g > 3 ? _mm512_loadu_ps(row + 48) : r0;
+    __asm__("" : "+v"(r0), "+v"(r1), "+v"(r2), "+v"(r3)); /* as in pa_fma4x64 */
+    for (int r = 0; r < 4; r++) {
+        __m512 av = _mm512_set1_ps(a[r * astride]);
+        c[r][0] = _mm512_fmadd_ps(av, r0, c[r][0]);
+        if (g > 1) c[r][1] = _mm512_fmadd_ps(av, r1, c[r][1]);
+        if (g > 2) c[r][2] = _mm512_fmadd_ps(av, r2, c[r][2]);
+        if (g > 3) c[r][3] = _mm512_fmadd_ps(av, r3, c[r][3]);
+    }
+}
+
+static inline __attribute__((always_inline)) void pa_scores_g(const float *restrict qb, const float *restrict kt,
+                                                              long kst, float *restrict s, long ni, long d,
+                                                              const int g) {
+    for (long ii = 0; ii + 4 <= ni; ii += 4) {
         __m512 c[4][4];
         for (int r = 0; r < 4; r++)
             for (int x = 0; x < 4; x++) c[r][x] = _mm512_setzero_ps();
-        for (long t = 0; t < d; t++) pa_fma4x64(c, qb + ii * d + t, d, kt + t * kst);
+        for (long t = 0; t < d; t++) pa_fma4xg(c, qb + ii * d + t, d, kt + t * kst, g);
         for (int r = 0; r < 4; r++)
-            for (int x = 0; x < 4; x++) _mm512_storeu_ps(s + (ii + r) * PA_KB + 16 * x, c[r][x]);
+            for (int x = 0; x < g; x++) _mm512_storeu_ps(s + (ii + r) * PA_KB + 16 * x, c[r][x]);
     }
+}
+#endif
+
+/* s[ii][0..16·ng) = qb[ii] · kt[:, 0..16·ng) for ni rows (kt: the key block transposed, rows kst apart; ng 1..4
+ * groups of 16 keys: a block on the causal diagonal needs only the keys its last row sees). */
+static void pa_scores(const float *restrict qb, const float *restrict kt, long kst, float *restrict s, long ni,
+                      long d, long ng) {
+    long ii = 0;
+#if defined(__AVX512F__)
+    switch (ng) {
+    case 1: pa_scores_g(qb, kt, kst, s, ni, d, 1); break;
+    case 2: pa_scores_g(qb, kt, kst, s, ni, d, 2); break;
+    case 3: pa_scores_g(qb, kt, kst, s, ni, d, 3); break;
+    default: pa_scores_g(qb, kt, kst, s, ni, d, 4); break;
+    }
+    ii = ni / 4 * 4;
 #endif
     for (; ii < ni; ii++) {
         float *sr = s + ii * PA_KB;
-        for (long j = 0; j < PA_KB; j++) sr[j] = 0.f;
+        for (long j = 0; j < 16 * ng; j++) sr[j] = 0.f;
         for (long t = 0; t < d; t++) {
             float qv = qb[ii * d + t];
             const float *kr = kt + t * kst;
 #pragma omp simd
-            for (long j = 0; j < PA_KB; j++) sr[j] += qv * kr[j];
+            for (long j = 0; j < 16 * ng; j++) sr[j] += qv * kr[j];
         }
     }
 }
@@ -2820,7 +2850,9 @@ static void pa_task(void *p, long t) {
         int all = 1;
         if (a->causal && j0 > i0 + ni - 1) break; /* every later key block is past the diagonal */
         if (mbase && !pa_mask_block(a, mbase, i0, ni, j0, nj, &all)) continue;
-        pa_scores(qb, KT + j0 * d, PA_KB, sb, ni, d); /* tile j0 / PA_KB starts at (j0 / PA_KB) * d * PA_KB */
+        /* the keys any row of this block sees: up to the last row's diagonal for is_causal */
+        long nv = a->causal && i0 + ni - j0 < nj ? i0 + ni - j0 : nj;
+        pa_scores(qb, KT + j0 * d, PA_KB, sb, ni, d, (nv + 15) / 16); /* tile j0 / PA_KB at (j0 / PA_KB) * d * PA_KB */
         for (long ii = 0; ii < ni; ii++) {
             float *sr = sb + ii * PA_KB;
             long i = i0 + ii;
@@ -2872,12 +2904,20 @@ static void pa_task(void *p, long t) {
                 for (long c = 0; c < dv; c++) ar[c] *= corr;
             }
         }
-        pa_pv(sb, V + j0 * dv, dv, acc, ni, nj, dv);
+        pa_pv(sb, V + j0 * dv, dv, acc, ni, nv, dv); /* keys past nv have probability 0 in every row */
     }
     for (long ii = 0; ii < ni; ii++) {
         float iz = z[ii] > 0.f ? 1.f / z[ii] : 0.f; /* a row that saw no key: zeros, as SDPA gives */
-        if (a->bf16)
-            for (long c = 0; c < dv; c++) ((hf_bf16 *)a->out)[o0 + ii * a->os[2] + c] = f2bf(acc[ii * dv + c] * iz);
+        if (a->bf16) {
+            hf_bf16 *orow = (hf_bf16 *)a->out + o0 + ii * a->os[2];
+            long c = 0;
+#ifdef HF_BF16X16 /* the loop below 16 at a time (same product, same rounding) */
+            for (; c + 16 <= dv; c += 16)
+                store_bf16x16(orow + c, 0xFFFF,
+                              round_bf16x16(_mm512_mul_ps(_mm512_loadu_ps(acc + ii * dv + c), _mm512_set1_ps(iz))));
+#endif
+            for (; c < dv; c++) orow[c] = f2bf(acc[ii * dv + c] * iz);
+        }
         else
             for (long c = 0; c < dv; c++) a->out[o0 + ii * a->os[2] + c] = acc[ii * dv + c] * iz;
     }
