@@ -150,7 +150,8 @@ def test_compiled_w8_prefill_records_and_runs_the_gemm(with_native, monkeypatch)
 
 
 def test_gemm_op_applies_gelu_and_silu_after_the_product():
-    """GELU/SiLU of a several-row w8 product run as ATen's in-place ops on the C result (bias included)."""
+    """GELU/SiLU of a several-row w8 product run as a vectorized pass on the C result (bias included): ATen's erf
+    GELU bit for bit, the native tanh GELU and SiLU (native.act_inplace) within float rounding of ATen's."""
     q, s, x, b = _case(6, 20, 64, 6)
     for act in ("gelu", "gelu_tanh", "silu", "relu"):
         got = native.gemm_q8a(x, q, s, b, act)
@@ -158,5 +159,8 @@ def test_gemm_op_applies_gelu_and_silu_after_the_product():
         want = {"gelu": torch.nn.functional.gelu(want), "silu": torch.nn.functional.silu(want),
                 "relu": torch.relu(want),
                 "gelu_tanh": torch.nn.functional.gelu(want, approximate="tanh")}[act]
-        assert torch.equal(got, want), act
+        if act in ("gelu", "relu"):
+            assert torch.equal(got, want), act
+        else:
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6, msg=act)
 

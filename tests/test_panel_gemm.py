@@ -99,7 +99,8 @@ def test_the_plain_c_path_gives_the_same_bits_as_the_vector_path(tmp_path_factor
         lib.hf_pack_panels(w.data_ptr(), plain_packed.data_ptr(), n, k, int(weight_t), 2)
         assert torch.equal(plain_packed, packed)
         y = torch.empty(m, n)
-        assert lib.hf_gemm_panel(x.data_ptr(), packed.data_ptr(), b.data_ptr(), y.data_ptr(), m, n, k, 2, 0, None, None) == 0
+        rc = lib.hf_gemm_panel(x.data_ptr(), packed.data_ptr(), b.data_ptr(), y.data_ptr(), m, n, k, 2, 0, None, None)
+        assert rc == 0
         assert torch.equal(y, native.gemm_panel(x, packed, b, n))
 
 
@@ -246,3 +247,31 @@ def test_panel_epilogue_matches_atens_ops_after_the_product(m, k, n, act, with_m
         assert torch.equal(got, ref)
     else:
         torch.testing.assert_close(got, ref, rtol=4e-6, atol=1e-6)
+
+
+@settings(max_examples=30, deadline=None)
+@given(n=st.integers(1, 70000), act=st.sampled_from(["none", "relu", "gelu_tanh", "silu", "gelu"]),
+       with_mul=st.booleans(), seed=st.integers(0, 2**16))
+def test_act_inplace_matches_atens_activation_then_mul(n, act, with_mul, seed):
+    """native.act_inplace (MKL's products' activation and a gated MLP's gate): ATen's in-place ops bit for bit
+    where it defers to them (erf GELU) or the op is exact (relu, × mul alone), within a few fp32 ulp for the
+    vectorized tanh GELU and SiLU; a strided tensor takes ATen's ops."""
+    g = torch.Generator().manual_seed(seed)
+    y = torch.randn(n, generator=g) * 6
+    mul = torch.randn(n, generator=g) if with_mul else None
+    want = y.clone()
+    if act != "none":
+        want = {"relu": torch.relu_, "gelu": torch.ops.aten.gelu_, "silu": torch.ops.aten.silu_,
+                "gelu_tanh": lambda t: torch.ops.aten.gelu_(t, approximate="tanh")}[act](want)
+    if mul is not None:
+        want = want.mul_(mul)
+    got = native.act_inplace(y, act, mul)
+    assert got is y
+    if act in ("none", "relu", "gelu"):
+        assert torch.equal(got, want)
+    else:
+        torch.testing.assert_close(got, want, rtol=4e-6, atol=1e-6)
+    base = torch.randn(2 * n, generator=g)
+    strided, ref = base[::2], base.clone()[::2]  # the same layout: ATen's strided path rounds as it does here
+    native.act_inplace(strided, "gelu_tanh")
+    assert torch.equal(strided, torch.ops.aten.gelu_(ref, approximate="tanh"))

@@ -81,6 +81,7 @@ SIGNATURES = {
     "hf_panel_simd": [],
     "hf_gemm_amx_bf16": [_P, _P, _P, _P, _L, _L, _L, _I, _I, _P, _P],
     "hf_epilogue_act": [_I],
+    "hf_act_inplace": [_P, _P, _L, _I, _I],
     "hf_amx_bf16_ok": [],
     "hf_pack_amx_bf16": [_P, _P, _L, _L, _I],
     "hf_pack_panels": [_P, _P, _L, _L, _I, _I],
@@ -92,7 +93,7 @@ RESTYPES = {  # the functions that return a value (every other one returns void)
     "hf_gemv_q4a": _I, "hf_gemm_q4a": _I, "hf_q4a_path": _I, "hf_quantize_i8_chunks": _L, "hf_quantize_i8": _I,
     "hf_transpose": _I, "hf_gemm_few": _I, "hf_gemm_few_kn": _I, "hf_gated_mlp_few": _I, "hf_panel_simd": _I,
     "hf_gemm_amx_bf16": _I, "hf_amx_bf16_ok": _I, "hf_gemm_panel": _I,
-    "hf_epilogue_act": _I,
+    "hf_epilogue_act": _I, "hf_act_inplace": _I,
 }
 FEW_KN_SLOTS = 4  # split-K parts of hf_gemm_few_kn (fixed, so a result does not depend on the thread count)
 # most rows a product runs on hf_gemm_few / hf_gemm_few_kn / hf_gated_mlp_few (the C takes up to 32): at 12 and
@@ -443,6 +444,21 @@ def _epilogue(out_shape: tuple, dtype: torch.dtype, act: str, mul: torch.Tensor 
         else:
             rp = v.data_ptr()
     return code, mp, rp, after
+
+
+def act_inplace(y: torch.Tensor, act: str, mul: torch.Tensor | None = None) -> torch.Tensor:
+    """``y = act(y)`` (then ``* mul``) in place, returning ``y``: on the native kernel (``hf_act_inplace``, the
+    epilogue's vectorized activations) for dense fp32 CPU tensors of one shape and an activation it has
+    (:func:`epilogue_act`), else as ATen's in-place ops. For a product whose kernel has no epilogue (MKL's)."""
+    lib = library()
+    if lib is not None and y.dtype == torch.float32 and y.is_contiguous() and y.device.type == "cpu" \
+            and epilogue_act(act) and (mul is None or (mul.dtype == torch.float32 and mul.is_contiguous()
+                                                       and mul.shape == y.shape and mul.device.type == "cpu")):
+        lib.hf_act_inplace(y.data_ptr(), _ptr(mul), y.numel(), ACT_CODES[act], torch.get_num_threads())
+        return y
+    if act != "none":
+        y = _INPLACE_ACT[act](y)
+    return y if mul is None else y.mul_(mul)
 
 
 def gemm_panel(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int,
@@ -1088,23 +1104,11 @@ def q8_rows_fit(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bi
 
 def gemm_act_split(act: str) -> tuple[int, str]:
     """How a several-row ``hf_gemm_q8a`` applies ``act``: (the code passed to C, the activation applied after it
-    in place by ATen). ReLU runs in C; GELU and SiLU run as ATen's vectorized in-place ops on the result, because
-    C's per-element libm calls (erff, tanhf, expf) cost more than the product itself at prefill sizes (measured:
+    in place: :func:`act_inplace`). ReLU runs in C; GELU and SiLU run as a vectorized pass on the result
+    (:func:`act_inplace`: the native one for the tanh GELU and SiLU, ATen's for the erf GELU), because C's
+    per-element libm calls (erff, tanhf, expf) cost more than the product itself at prefill sizes (measured:
     gelu_tanh made a [128, 768]×[3072, 768] product 3.6× slower). Results equal the fused op to rounding."""
     return (ACT_CODES[act], "none") if act in ("none", "relu") else (0, act)
-
-
-def act_inplace(y: torch.Tensor, act: str) -> torch.Tensor:
-    """``y = act(y)`` in place with ATen's kernels (the formulas of ``hetforge.ops.fused.apply_act``)."""
-    if act == "gelu":
-        torch.ops.aten.gelu_(y)
-    elif act == "gelu_tanh":
-        torch.ops.aten.gelu_(y, approximate="tanh")
-    elif act == "silu":
-        torch.ops.aten.silu_(y)
-    elif act == "relu":
-        torch.ops.aten.relu_(y)
-    return y
 
 
 def gemm_q8a(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,

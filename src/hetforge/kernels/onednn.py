@@ -297,10 +297,11 @@ ATEN_ACT: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 }
 
 
-# the activation run in place on MKL's fresh product (no second tensor per call)
+# the activation run in place on MKL's fresh product (no second tensor per call): on the native kernel where it has
+# the activation (relu, the tanh GELU, SiLU: native.act_inplace), else ATen's in-place op
 MKL_ACT: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "none": lambda y: y, "relu": torch.relu_, "gelu": lambda y: torch.ops.aten.gelu_(y),
-    "gelu_tanh": lambda y: torch.ops.aten.gelu_(y, approximate="tanh"), "silu": lambda y: torch.ops.aten.silu_(y),
+    "none": lambda y: y, "relu": lambda y: native.act_inplace(y, "relu"), "gelu": lambda y: torch.ops.aten.gelu_(y),
+    "gelu_tanh": lambda y: native.act_inplace(y, "gelu_tanh"), "silu": lambda y: native.act_inplace(y, "silu"),
 }
 
 
