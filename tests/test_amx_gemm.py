@@ -11,6 +11,7 @@ import dataclasses
 import pytest
 import torch
 import torch.nn.functional as F
+from epilogue_ref import ACTS, EXACT, aten_after
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -89,8 +90,8 @@ def test_executor_runs_a_short_bf16_prompts_linears_on_amx_within_bf16_rounding_
 
 
 @settings(max_examples=25, deadline=None)
-@given(m=st.integers(1, 40), k=st.integers(1, 100), n=st.integers(1, 70), act=st.sampled_from(
-    ["none", "relu", "gelu_tanh", "silu", "gelu"]), with_mul=st.booleans(), with_res=st.booleans(),
+@given(m=st.integers(1, 40), k=st.integers(1, 100), n=st.integers(1, 70), act=st.sampled_from(ACTS),
+       with_mul=st.booleans(), with_res=st.booleans(),
     seed=st.integers(0, 2**16))
 def test_amx_epilogue_matches_atens_bf16_ops_after_the_product(m, k, n, act, with_mul, with_res, seed):
     """act → × mul → + res in the kernel's store equals ATen's in-place bf16 ops on the plain product: bit for bit
@@ -103,16 +104,9 @@ def test_amx_epilogue_matches_atens_bf16_ops_after_the_product(m, k, n, act, wit
     mul = torch.randn(m, n, generator=g).to(torch.bfloat16) if with_mul else None
     res = torch.randn(m, n, generator=g).to(torch.bfloat16) if with_res else None
     p = native.pack_amx_bf16(w)
-    ref = native.gemm_amx_bf16(x, p, b, n)
-    if act != "none":
-        ref = {"relu": torch.relu_, "gelu": torch.ops.aten.gelu_, "silu": torch.ops.aten.silu_,
-               "gelu_tanh": lambda t: torch.ops.aten.gelu_(t, approximate="tanh")}[act](ref)
-    if mul is not None:
-        ref = ref.mul_(mul)
-    if res is not None:
-        ref = ref.add_(res)
+    ref = aten_after(native.gemm_amx_bf16(x, p, b, n), act, mul, res)
     got = native.gemm_amx_bf16(x, p, b, n, act=act, mul=mul, res=res)
-    if act in ("none", "relu", "gelu"):
+    if act in EXACT:
         assert torch.equal(got, ref)
     else:
         assert _bf16_ulps(got.float(), ref.float()) <= 1.0 + 1e-6

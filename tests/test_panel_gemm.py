@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from epilogue_ref import ACTS, EXACT, aten_after
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -222,8 +223,8 @@ def test_the_panel_gemm_runs_in_a_forked_child_after_the_parent_used_the_team():
 
 
 @settings(max_examples=30, deadline=None)
-@given(m=st.integers(1, 40), k=st.integers(1, 100), n=st.integers(1, 120), act=st.sampled_from(
-    ["none", "relu", "gelu_tanh", "silu", "gelu"]), with_mul=st.booleans(), with_res=st.booleans(),
+@given(m=st.integers(1, 40), k=st.integers(1, 100), n=st.integers(1, 120), act=st.sampled_from(ACTS),
+       with_mul=st.booleans(), with_res=st.booleans(),
     seed=st.integers(0, 2**16))
 def test_panel_epilogue_matches_atens_ops_after_the_product(m, k, n, act, with_mul, with_res, seed):
     """act → × mul → + res in the panel GEMM's store equals ATen's in-place ops on the plain product: bit for bit
@@ -234,23 +235,16 @@ def test_panel_epilogue_matches_atens_ops_after_the_product(m, k, n, act, with_m
     mul = torch.randn(m, n, generator=g) if with_mul else None
     res = torch.randn(m, n, generator=g) if with_res else None
     packed = native.pack_panels(w)
-    ref = native.gemm_panel(x, packed, b, n)
-    if act != "none":
-        ref = {"relu": torch.relu_, "gelu": torch.ops.aten.gelu_, "silu": torch.ops.aten.silu_,
-               "gelu_tanh": lambda t: torch.ops.aten.gelu_(t, approximate="tanh")}[act](ref)
-    if mul is not None:
-        ref = ref.mul_(mul)
-    if res is not None:
-        ref = ref.add_(res)
+    ref = aten_after(native.gemm_panel(x, packed, b, n), act, mul, res)
     got = native.gemm_panel(x, packed, b, n, act=act, mul=mul, res=res)
-    if act in ("none", "relu", "gelu"):
+    if act in EXACT:
         assert torch.equal(got, ref)
     else:
         torch.testing.assert_close(got, ref, rtol=4e-6, atol=1e-6)
 
 
 @settings(max_examples=30, deadline=None)
-@given(n=st.integers(1, 70000), act=st.sampled_from(["none", "relu", "gelu_tanh", "silu", "gelu"]),
+@given(n=st.integers(1, 70000), act=st.sampled_from(ACTS),
        with_mul=st.booleans(), seed=st.integers(0, 2**16))
 def test_act_inplace_matches_atens_activation_then_mul(n, act, with_mul, seed):
     """native.act_inplace (MKL's products' activation and a gated MLP's gate): ATen's in-place ops bit for bit
@@ -259,15 +253,10 @@ def test_act_inplace_matches_atens_activation_then_mul(n, act, with_mul, seed):
     g = torch.Generator().manual_seed(seed)
     y = torch.randn(n, generator=g) * 6
     mul = torch.randn(n, generator=g) if with_mul else None
-    want = y.clone()
-    if act != "none":
-        want = {"relu": torch.relu_, "gelu": torch.ops.aten.gelu_, "silu": torch.ops.aten.silu_,
-                "gelu_tanh": lambda t: torch.ops.aten.gelu_(t, approximate="tanh")}[act](want)
-    if mul is not None:
-        want = want.mul_(mul)
+    want = aten_after(y.clone(), act, mul)
     got = native.act_inplace(y, act, mul)
     assert got is y
-    if act in ("none", "relu", "gelu"):
+    if act in EXACT:
         assert torch.equal(got, want)
     else:
         torch.testing.assert_close(got, want, rtol=4e-6, atol=1e-6)
