@@ -136,9 +136,10 @@ def _unfused_line(cg, kind: str, o: int, rows: int, xs: str, wten: torch.Tensor,
                   res, weight, bias) -> str:
     """:func:`codegen_line` where MKL's packed sgemm, the native panel GEMM or the native AMX bf16 kernel was chosen
     (``kind``, :func:`hetforge.kernels.onednn.pick`): each product on that kernel's packed weight. After MKL's: the
-    activation in place on its fresh result, a gated MLP's gate times up in place, a residual added in place (the
-    graph's ops in its order). The native kernels take them into their store instead (``act``, ``mul``, ``res``
-    of :func:`hetforge.kernels.native.gemm_panel`, same order; what a kernel cannot apply it runs as those in-place
+    activation in place on its fresh result (a gated MLP's: the activation and the product with up in one pass,
+    :func:`hetforge.kernels.native.act_inplace`), a residual added in place (the graph's ops in its order). The
+    native kernels take them into their store instead (``act``, ``mul``, ``res`` of
+    :func:`hetforge.kernels.native.gemm_panel`, same order; what a kernel cannot apply it runs as those in-place
     ops itself): the activation on the product it follows, the gate's result into the up product, the residual
     into the last product."""
     native_kind = kind in ("panel", "amx")
@@ -169,9 +170,10 @@ def _unfused_line(cg, kind: str, o: int, rows: int, xs: str, wten: torch.Tensor,
     elif gate is None:
         y = product(xs, wten, wt, bs)
         y = f"{act_fn}({y})" if act_fn else y
-    else:  # gated MLP: act(x·Wgᵀ+bg) * (x·Wuᵀ+bu), then the down product
+    else:  # gated MLP: act(x·Wgᵀ+bg) * (x·Wuᵀ+bu) as one in-place pass on the gate's result, then the down product
         wg, bg, wd, bd = gate
-        y = f"{act_fn or ''}({product(xs, weight(wg), False, bias(bg))}).mul_({product(xs, wten, False, bs)})"
+        actmul = cg.const(native.act_inplace, "act")
+        y = f"{actmul}({product(xs, weight(wg), False, bias(bg))}, {act!r}, {product(xs, wten, False, bs)})"
         if wd is not None:
             y = product(y, weight(wd), False, bias(bd))
     if res is not None:

@@ -482,7 +482,9 @@ def gemm_panel(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
                                  x.numel() // max(k, 1), n, k, max(1, torch.get_num_threads() if threads is None
                                                                    else threads), code, mp, rp)
     if rc != 0:
-        raise MemoryError("hf_gemm_panel: cannot allocate the scratch for the input's packed rows")
+        raise (MemoryError if rc == -1 else ValueError)(
+            "hf_gemm_panel: " + ("cannot allocate the scratch for the input's packed rows" if rc == -1 else
+                                 f"activation code {code} not in its epilogue"))
     for step in after:
         step(y)
     return y
