@@ -3443,6 +3443,7 @@ typedef struct {
     long m, n, k, np;
     int act;                /* ACT_* applied to each sum (hf_epilogue_act), then */
     const float *mul, *res; /* times mul[r, c], then plus res[r, c] ([m, n] dense; NULL: none) */
+    float *tail;            /* m x HF_PNB scratch for the last, partial panel when m > 64 (one chunk has it) */
 } panel_ctx;
 
 /* act, mul and res on the sums of columns [c0, c0 + nv) held in out (ldo floats per row): the graph's
@@ -3575,18 +3576,14 @@ static void panel_chunk(void *ctx, long c) {
     const panel_ctx *a = ctx;
     long k = a->k, n = a->n, m = a->m, q = (k + HF_PSTREAMS - 1) / HF_PSTREAMS;
     long j1 = (c + 1) * HF_PCHUNK < a->np ? (c + 1) * HF_PCHUNK : a->np;
-    float stack_tmp[64 * HF_PNB], *heap_tmp = 0;
+    float stack_tmp[64 * HF_PNB];
     for (long j = c * HF_PCHUNK; j < j1; j++) {
         const float *pan = a->p + (size_t)j * k * HF_PNB;
         long c0 = j * HF_PNB, nv = n - c0 < HF_PNB ? n - c0 : HF_PNB;
         float *out = a->y + c0, *tmp = stack_tmp;
         long ldo = n;
         if (nv < HF_PNB) { /* the last, partial panel: its rows are summed in a scratch of m x HF_PNB */
-            if (m > 64) {
-                if (!heap_tmp) heap_tmp = malloc((size_t)m * HF_PNB * sizeof(float));
-                if (!heap_tmp) abort();
-                tmp = heap_tmp;
-            }
+            if (m > 64) tmp = a->tail;
             out = tmp, ldo = HF_PNB;
         }
         for (long r = 0; r < m; r++)
@@ -3603,7 +3600,6 @@ static void panel_chunk(void *ctx, long c) {
         if (nv < HF_PNB)
             for (long r = 0; r < m; r++) memcpy(a->y + r * n + c0, tmp + r * HF_PNB, (size_t)nv * sizeof(float));
     }
-    free(heap_tmp);
 }
 
 /* X [m, k] into groups of HF_PMR rows, each k-row by k-row (xp[(g * k + kk) * HF_PMR + r]), rows past m zero. */
@@ -3618,17 +3614,21 @@ static void panel_pack_x(const float *x, float *xp, long m, long k) {
 
 /* Y = X W^T + b on panels made by hf_pack_panels (b may be NULL), then the epilogue (panel_epilogue: act, times
  * mul, plus res; act 0 and NULLs for none). X [m, k], Y, mul and res [m, n] dense rows. Returns -1 (nothing done)
- * when the scratch for X's packed rows cannot be had, -2 for an act the epilogue does not have, else 0. */
+ * when its scratch (X's packed rows; the partial panel's sums above 64 rows) cannot be had, -2 for an act the epilogue does not have, else 0. */
 int hf_gemm_panel(const float *x, const float *p, const float *bias, float *y, long m, long n, long k, int threads,
                   int act, const float *mul, const float *res) {
     if (!hf_epilogue_act(act)) return -2;
     if (m < 1 || n < 1) return 0;
     long groups = (m + HF_PMR - 1) / HF_PMR;
     float *xp = malloc((size_t)groups * HF_PMR * (k > 0 ? k : 1) * sizeof(float));
-    if (!xp) return -1;
+    float *tail = n % HF_PNB && m > 64 ? malloc((size_t)m * HF_PNB * sizeof(float)) : 0;
+    if (!xp || (n % HF_PNB && m > 64 && !tail)) {
+        free(xp), free(tail);
+        return -1;
+    }
     panel_pack_x(x, xp, m, k);
-    panel_ctx a = {xp, p, bias, y, m, n, k, (n + HF_PNB - 1) / HF_PNB, act, mul, res};
+    panel_ctx a = {xp, p, bias, y, m, n, k, (n + HF_PNB - 1) / HF_PNB, act, mul, res, tail};
     hf_run_team(panel_chunk, &a, (a.np + HF_PCHUNK - 1) / HF_PCHUNK, clamp_threads(threads));
-    free(xp);
+    free(xp), free(tail);
     return 0;
 }

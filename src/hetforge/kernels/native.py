@@ -483,8 +483,8 @@ def gemm_panel(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
                                                                    else threads), code, mp, rp)
     if rc != 0:
         raise (MemoryError if rc == -1 else ValueError)(
-            "hf_gemm_panel: " + ("cannot allocate the scratch for the input's packed rows" if rc == -1 else
-                                 f"activation code {code} not in its epilogue"))
+            "hf_gemm_panel: " + ("cannot allocate its scratch (the input's packed rows, the partial panel's sums)"
+                                 if rc == -1 else f"activation code {code} not in its epilogue"))
     for step in after:
         step(y)
     return y
