@@ -281,6 +281,10 @@ static inline float dot(const float *restrict a, const float *restrict b, long k
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
+#if defined(__AVX512F__)
+/* The lanes of a 16-wide step with ``left`` elements still to go (all 16 when left >= 16). */
+static inline __mmask16 mask16(long left) { return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1); }
+#endif
 #define HF_LANES 16
 /* Software prefetch distance of the one-row products' weight streams, bytes ahead of the read (into L1: the
  * hardware prefetchers stop at 4 KiB pages, and four streams per thread keep them from running far enough
@@ -606,7 +610,7 @@ static void actip_chunk(void *p, long c) {
     long i0 = c * ACTIP_CHUNK, i1 = i0 + ACTIP_CHUNK < a->n ? i0 + ACTIP_CHUNK : a->n;
 #if defined(__AVX512F__)
     for (long i = i0; i < i1; i += 16) {
-        __mmask16 mk = (__mmask16)(i1 - i >= 16 ? 0xFFFF : (1u << (i1 - i)) - 1);
+        __mmask16 mk = mask16(i1 - i);
         __m512 v = act16(_mm512_maskz_loadu_ps(mk, a->y + i), a->act);
         if (a->mul) v = _mm512_mul_ps(v, _mm512_maskz_loadu_ps(mk, a->mul + i));
         _mm512_mask_storeu_ps(a->y + i, mk, v);
@@ -2204,10 +2208,9 @@ typedef struct {
  * ATen's bf16 ops after a product, each rounded), 16 columns at a time, into y. */
 static void amx_store(const amx_ctx *a, const float *cbuf, long ld, long m0, long c0, long nj) {
     long rows = a->m - m0 < 16 ? a->m - m0 : 16, c1 = c0 + 16 * nj < a->n ? c0 + 16 * nj : a->n;
-    const __m512i rnd = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1), qnan = _mm512_set1_epi32(0x7FC0);
     for (long r = 0; r < rows; r++)
         for (long c = c0; c < c1; c += 16) {
-            __mmask16 mk = c1 - c >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (c1 - c)) - 1);
+            __mmask16 mk = mask16(c1 - c);
             __m512 v = _mm512_loadu_ps(cbuf + r * ld + (c - c0));
             if (a->bias) v = _mm512_add_ps(v, bf16x16(mk, a->bias + c));
             if (a->act || a->mul || a->res) { /* ATen's ops after the product, each rounded to bf16 */
@@ -2216,11 +2219,7 @@ static void amx_store(const amx_ctx *a, const float *cbuf, long ld, long m0, lon
                 if (a->mul) v = round_bf16x16(_mm512_mul_ps(v, bf16x16(mk, a->mul + (m0 + r) * a->n + c)));
                 if (a->res) v = _mm512_add_ps(v, bf16x16(mk, a->res + (m0 + r) * a->n + c));
             }
-            __m512i u = _mm512_castps_si512(v);
-            __m512i b = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, rnd),
-                                                           _mm512_and_si512(_mm512_srli_epi32(u, 16), one)), 16);
-            b = _mm512_mask_mov_epi32(b, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), qnan);
-            _mm256_mask_storeu_epi16(a->y + (m0 + r) * a->n + c, mk, _mm512_cvtepi32_epi16(b));
+            store_bf16x16(a->y + (m0 + r) * a->n + c, mk, round_bf16x16(v));
         }
 }
 
@@ -2430,7 +2429,7 @@ void hf_rms_norm_bf16(const hf_bf16 *x, const hf_bf16 *w, hf_bf16 *y, long rows,
 #ifdef HF_BF16X16 /* the loop below 16 at a time (same ops, same rounding) */
         const __m512 vi = _mm512_set1_ps(inv);
         for (; i < d; i += 16) {
-            __mmask16 mk = (__mmask16)(d - i >= 16 ? 0xFFFF : (1u << (d - i)) - 1);
+            __mmask16 mk = mask16(d - i);
             __m512 hv = round_bf16x16(_mm512_mul_ps(bf16x16(mk, xr + i), vi));
             store_bf16x16(yr + i, mk, w ? round_bf16x16(_mm512_mul_ps(bf16x16(mk, w + i), hv)) : hv);
         }
@@ -2462,7 +2461,7 @@ void hf_layer_norm_bf16(const hf_bf16 *x, const hf_bf16 *w, const hf_bf16 *b, hf
 #ifdef HF_BF16X16 /* the loop below 16 at a time (same ops, same rounding) */
         const __m512 vm = _mm512_set1_ps(mean), vr = _mm512_set1_ps(rstd);
         for (; i < d; i += 16) {
-            __mmask16 mk = (__mmask16)(d - i >= 16 ? 0xFFFF : (1u << (d - i)) - 1);
+            __mmask16 mk = mask16(d - i);
             __m512 v = _mm512_mul_ps(_mm512_sub_ps(bf16x16(mk, xr + i), vm), vr);
             if (w) v = _mm512_mul_ps(v, bf16x16(mk, w + i));
             if (b) v = _mm512_add_ps(v, bf16x16(mk, b + i));
@@ -3454,7 +3453,7 @@ static void panel_epilogue(const panel_ctx *a, float *out, long ldo, long c0, lo
         const float *mu = a->mul ? a->mul + r * a->n + c0 : 0, *re = a->res ? a->res + r * a->n + c0 : 0;
 #if defined(__AVX512F__)
         for (long c = 0; c < nv; c += 16) {
-            __mmask16 mk = (__mmask16)(nv - c >= 16 ? 0xFFFF : (1u << (nv - c)) - 1);
+            __mmask16 mk = mask16(nv - c);
             __m512 v = act16(_mm512_maskz_loadu_ps(mk, o + c), a->act);
             if (mu) v = _mm512_mul_ps(v, _mm512_maskz_loadu_ps(mk, mu + c));
             if (re) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mk, re + c));

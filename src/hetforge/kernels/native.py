@@ -400,11 +400,19 @@ def pack_panels(w: torch.Tensor, weight_t: bool = False, threads: int | None = N
     return out
 
 
+_EPILOGUE_ACTS: dict[str, bool] = {}  # act -> hf_epilogue_act's answer (fixed for the loaded library)
+
+
 def epilogue_act(act: str) -> bool:
     """Whether the multi-row products' epilogue (:func:`gemm_panel`, :func:`gemm_amx_bf16`) applies ``act`` itself
-    (native.c ``hf_epilogue_act``: none, relu, gelu_tanh, silu where the build has AVX-512)."""
-    lib = library()
-    return lib is not None and act in ACT_CODES and bool(lib.hf_epilogue_act(ACT_CODES[act]))
+    (native.c ``hf_epilogue_act``: none, relu, gelu_tanh, silu where the build has AVX-512); asked once per act."""
+    got = _EPILOGUE_ACTS.get(act)
+    if got is None:
+        lib = library()
+        got = lib is not None and act in ACT_CODES and bool(lib.hf_epilogue_act(ACT_CODES[act]))
+        if lib is not None:
+            _EPILOGUE_ACTS[act] = got
+    return got
 
 
 _INPLACE_ACT: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {

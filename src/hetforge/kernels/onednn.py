@@ -35,6 +35,7 @@ GEMM by rule instead (from memory it was faster there; the timing above reads on
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import statistics
 import time
@@ -297,11 +298,11 @@ ATEN_ACT: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 }
 
 
-# the activation run in place on MKL's fresh product (no second tensor per call): on the native kernel where it has
-# the activation (relu, the tanh GELU, SiLU: native.act_inplace), else ATen's in-place op
+# the activation run in place on MKL's fresh product (no second tensor per call): native.act_inplace (the native
+# vectorized pass where it has the activation, else ATen's in-place op)
 MKL_ACT: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "none": lambda y: y, "relu": lambda y: native.act_inplace(y, "relu"), "gelu": lambda y: torch.ops.aten.gelu_(y),
-    "gelu_tanh": lambda y: native.act_inplace(y, "gelu_tanh"), "silu": lambda y: native.act_inplace(y, "silu"),
+    act: (lambda y: y) if act == "none" else functools.partial(native.act_inplace, act=act)
+    for act in ("none", "relu", "gelu", "gelu_tanh", "silu")
 }
 
 
