@@ -54,3 +54,55 @@ CALLS_REFERENCE = HONEST.replace("class ModelNew", "from relu import Model\n\n\n
     "y = torch.empty_like(x)\n        _call(x, y)\n        return y", "return Model()(x)")
 SEGFAULT = kernel("kft_segv", forward="ctypes.string_at(0)\n        return x")
 HANGS = kernel("kft_hang", forward="while True:\n            pass")
+
+
+CUDA_RELU = '''
+import torch
+import torch.nn as nn
+from torch.utils.cpp_extension import load_inline
+
+CPP = "torch::Tensor relu(torch::Tensor x);"
+CU = r"""
+#include <torch/extension.h>
+__global__ void relu_k(const float* a, float* b, int64_t n) {
+  int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
+  if (i < n) b[i] = a[i] > 0.f ? a[i] : 0.f;
+}
+torch::Tensor relu(torch::Tensor x) {
+  TORCH_CHECK(x.is_cuda(), "relu: input must be a CUDA tensor");
+  auto y = torch::empty_like(x);
+  int64_t n = x.numel();
+  relu_k<<<(n + 255) / 256, 256>>>(x.data_ptr<float>(), y.data_ptr<float>(), n);
+  return y;
+}
+"""
+_M = load_inline("kf_cuda_relu", cpp_sources=CPP, cuda_sources=CU, functions=["relu"])
+
+
+class ModelNew(nn.Module):
+    def forward(self, x):
+        return _M.relu(x.contiguous())
+'''
+
+TRITON_RELU = '''
+import torch
+import torch.nn as nn
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _relu(a, b, n, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = i < n
+    x = tl.load(a + i, mask=m)
+    tl.store(b + i, tl.maximum(x, 0.0), mask=m)
+
+
+class ModelNew(nn.Module):
+    def forward(self, x):
+        y = torch.empty_like(x)
+        n = x.numel()
+        _relu[(triton.cdiv(n, 1024),)](x, y, n, BLOCK=1024)
+        return y
+'''

@@ -176,3 +176,48 @@ def test_platform_slots_say_not_available():
         assert not ok and "not available on this host" in why
     with pytest.raises(UsageError):
         platforms.get("opencl")
+
+
+def test_platform_devices_and_worker_env():
+    """C++ candidates run on the CPU; CUDA ones on the GPU; Triton on the GPU where there is one (compiled, not
+    interpreted) and in the interpreter elsewhere."""
+    assert platforms.get("cpp").device() == "cpu" and platforms.get("cpp").run_env() == {}
+    assert platforms.get("cuda").device() == "cuda"
+    tr = platforms.get("triton")
+    if torch.cuda.is_available():
+        assert tr.device() == "cuda" and "TRITON_INTERPRET" not in tr.run_env()
+    else:
+        assert tr.device() == "cpu" and tr.run_env() == {"TRITON_INTERPRET": "1"}
+
+
+@pytest.fixture(scope="module")
+def gpu_relu(tmp_path_factory):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    cfg = harness.Config(trials=2, threads=1, warmup=2, reps=20, budget_s=0.5, flush_bytes=64 << 20, timeout_s=600,
+                         compile_baseline=False, cache=tmp_path_factory.mktemp("kforge_gpu"), device="cuda")
+    p = problems.resolve("relu")[0]
+    return p, harness.reference(p, cfg), cfg
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", ["cuda", "triton"])
+def test_gpu_candidate_runs_on_the_gpu_against_gpu_eager(gpu_relu, tmp_path, name):
+    """A CUDA C++ / Triton relu gets CUDA inputs, is correct against the reference computed on the GPU, is timed
+    against GPU eager, and its kernels show device time in the profile (an interpreted Triton kernel would not)."""
+    p, ref, cfg = gpu_relu
+    assert ref.device == "cuda" and ref.peak_flops and ref.peak_flops > 1e12 and ref.bandwidth > 1e11
+    pf = platforms.get(name)
+    ok, why = pf.available()
+    if not ok:
+        pytest.skip(f"platform {name}: {why}")
+    code = C.CUDA_RELU if name == "cuda" else C.TRITON_RELU
+    att = harness.evaluate(p, code, pf, ref, tmp_path / name, cfg, 1e12, 1e12)
+    assert att.correct, att.error
+    assert att.time_s and att.time_s < 1e-3, att.time_s  # 2 MiB in, 2 MiB out: microseconds on a GPU
+    assert att.profile and att.profile.get("device_us", 0) > 0
+    # the bound is the GPU's measured roofline, not the (host) figures passed in
+    from hetforge.kforge import guardrails
+
+    assert att.roofline_bound_s == pytest.approx(guardrails.roofline_bound_s(
+        max(ref.flops, ref.elementwise), ref.nbytes, ref.peak_flops, ref.bandwidth))

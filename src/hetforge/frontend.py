@@ -169,17 +169,21 @@ def capture(
         dynamic_shapes = tuple(dynamic_shapes)
     model = model.eval()
     t0 = time.perf_counter()
-    saved = torch.fx.config.do_not_emit_stack_traces
+    cfg = torch.fx.config
+    has_flag = hasattr(cfg, "do_not_emit_stack_traces")  # a torch older than the pinned one may lack it
+    saved = cfg.do_not_emit_stack_traces if has_flag else None
     with lazy_recompile():
         try:
-            torch.fx.config.do_not_emit_stack_traces = saved or not stack_traces
+            if has_flag:
+                cfg.do_not_emit_stack_traces = saved or not stack_traces
             with torch.no_grad():
                 ep = torch.export.export(model, tuple(example_inputs), dynamic_shapes=dynamic_shapes,
                                          strict=strict)
         except Exception as e:  # torch raises many types here; all mean "this model cannot be captured"
             raise CaptureError(explain_export_failure(e, model)) from None
         finally:
-            torch.fx.config.do_not_emit_stack_traces = saved
+            if has_flag:
+                cfg.do_not_emit_stack_traces = saved
         gm = ep.module() if guards else _module_without_guards(ep)
     seconds = time.perf_counter() - t0  # the export and the graph module made from it (unlifting the weights)
     return CapturedGraph(gm, ep, tuple(example_inputs), seconds, strict, name, param_paths(gm, model))

@@ -59,6 +59,7 @@ class Config:
     roofline_slack: float = 2.0  # flag a time below bound / slack
     seed: int = 0
     cache: Path = field(default_factory=cache_root)
+    device: str = "cpu"  # where reference and candidates run: the platform's device() ("cpu" or "cuda")
 
 
 @dataclass
@@ -73,6 +74,9 @@ class RefInfo:
     compile_s: float | None
     compile_build_s: float | None
     compile_error: str | None
+    device: str = "cpu"
+    peak_flops: float | None = None  # the device's roofline, measured by the reference worker on a GPU
+    bandwidth: float | None = None
 
     @property
     def baseline_s(self) -> float:
@@ -119,9 +123,13 @@ def _can_unshare() -> bool:
         return False
 
 
-def _limits(mem_bytes: int):
+def _limits(mem_bytes: int, device: str = "cpu"):
+    """Core dumps off; on the CPU an address-space limit. A CUDA process reserves far more address space than
+    it uses (the driver's unified address range), so on a GPU the limit would refuse CUDA's start: there the
+    limit is RLIMIT_DATA (private writable memory), which those reservations do not count against."""
     def apply() -> None:
-        resource.setrlimit(resource.RLIMIT_AS, (mem_bytes, mem_bytes))
+        kind = resource.RLIMIT_AS if device == "cpu" else resource.RLIMIT_DATA
+        resource.setrlimit(kind, (mem_bytes, mem_bytes))
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 
     return apply
@@ -141,7 +149,7 @@ def run_worker(mode: str, spec: dict, folder: Path, cfg: Config, env_extra: dict
                **(env_extra or {}))
     with open(folder / f"{mode}.log", "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                                preexec_fn=_limits(cfg.mem_bytes))
+                                preexec_fn=_limits(cfg.mem_bytes, cfg.device))
         try:
             rc = proc.wait(timeout=cfg.timeout_s)
         except subprocess.TimeoutExpired:
@@ -163,20 +171,23 @@ def reference(problem: Problem, cfg: Config) -> RefInfo:
     import torch
 
     key = f"{problem.name}-{problem.digest}-s{cfg.seed}-t{cfg.trials}-th{cfg.threads}-c{int(cfg.compile_baseline)}"
+    if cfg.device != "cpu":
+        key += f"-{cfg.device}"
     folder = cfg.cache / "refs" / f"{key}-torch{torch.__version__}"
     rj = folder / "reference.json"
     data = json.loads(rj.read_text()) if rj.exists() else {}
     if not data.get("phases", {}).get("baseline", {}).get("ok"):
         spec = {"problem": str(problem.path), "out_dir": str(folder), "seed": cfg.seed, "trials": cfg.trials,
                 "threads": cfg.threads, "warmup": cfg.warmup, "reps": cfg.reps, "budget_s": cfg.budget_s,
-                "flush_bytes": cfg.flush_bytes, "compile": cfg.compile_baseline}
+                "flush_bytes": cfg.flush_bytes, "compile": cfg.compile_baseline, "device": cfg.device}
         rc, why = run_worker("reference", spec, folder, cfg)
         data = json.loads(rj.read_text()) if rj.exists() else {}
         if rc != 0 or not data.get("phases", {}).get("baseline", {}).get("ok"):
             raise HetforgeError(f"reference of problem '{problem.name}' failed: {why or 'no result'} "
                                 f"(log: {folder / 'reference.log'})")
     return RefInfo(folder / "refs.pt", data["flops"], data["elementwise"], data["bytes"], data["eager"]["median_s"],
-                   data.get("compile", {}).get("median_s"), data.get("compile_build_s"), data.get("compile_error"))
+                   data.get("compile", {}).get("median_s"), data.get("compile_build_s"), data.get("compile_error"),
+                   cfg.device, data.get("device_peak_flops"), data.get("device_bandwidth"))
 
 
 def compare(ref_outs: list, outs: list, atol: float, rtol: float) -> tuple[bool, str, float]:
@@ -221,8 +232,11 @@ def evaluate(problem: Problem, code: str, platform: Platform, ref: RefInfo, fold
     timed = platform.timed or torch.cuda.is_available()
     spec = {"candidate": str(folder / "candidate.py"), "refs": str(ref.refs_path), "out_dir": str(folder),
             "seed": cfg.seed, "threads": cfg.threads, "warmup": cfg.warmup, "reps": cfg.reps,
-            "budget_s": cfg.budget_s, "flush_bytes": cfg.flush_bytes, "time": timed, "profile": timed}
-    rc, why = run_worker("candidate", spec, folder, cfg, platform.env)
+            "budget_s": cfg.budget_s, "flush_bytes": cfg.flush_bytes, "time": timed, "profile": timed,
+            "device": ref.device}
+    if ref.peak_flops:  # a GPU's own roofline, not the host CPU's
+        peak_flops, bandwidth = ref.peak_flops, ref.bandwidth or bandwidth
+    rc, why = run_worker("candidate", spec, folder, cfg, platform.run_env())
     rj = folder / "result.json"
     data = json.loads(rj.read_text()) if rj.exists() else {"phases": {}}
     ph = data["phases"]

@@ -1,9 +1,11 @@
 """Programming models behind one interface: what a candidate must look like, and whether this host can run it.
 
 Every platform answers ``available()`` with (yes/no, reason) and gives the generation agent its rules.
-C++/OpenMP runs on any host with a C++ compiler; Triton needs the ``triton`` package (its interpreter,
-``TRITON_INTERPRET=1``, gives functional checks without a GPU; timings of interpreted code are not
-kernel timings); CUDA C++ needs a CUDA device; SYCL and Metal are slots that say so cleanly.
+C++/OpenMP runs on any host with a C++ compiler; Triton needs the ``triton`` package (on a CUDA host it
+compiles GPU kernels; elsewhere its interpreter, ``TRITON_INTERPRET=1``, gives functional checks, and timings
+of interpreted code are not kernel timings); CUDA C++ needs a CUDA device; SYCL and Metal are slots that say
+so cleanly. ``device()`` says where a platform's candidates run: CUDA and GPU Triton get their inputs,
+parameters and reference on the GPU.
 """
 
 from __future__ import annotations
@@ -35,6 +37,14 @@ class Platform:
     def available(self) -> tuple[bool, str]:
         raise NotImplementedError
 
+    def device(self) -> str:
+        """Where the candidate's inputs, parameters and outputs live ("cpu" or "cuda"); the reference runs there too."""
+        return "cpu"
+
+    def run_env(self) -> dict[str, str]:
+        """Environment of the worker processes for this platform on this host."""
+        return dict(self.env)
+
 
 class CppPlatform(Platform):
     def available(self) -> tuple[bool, str]:
@@ -52,6 +62,15 @@ class TritonPlatform(Platform):
             return True, "triton on the GPU (timed)"
         return True, "triton interpreter (TRITON_INTERPRET=1): functional checks only, timings are not kernel timings"
 
+    def device(self) -> str:
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def run_env(self) -> dict[str, str]:
+        """The interpreter only where there is no GPU: on a GPU host Triton compiles real kernels."""
+        return dict(self.env) if self.device() == "cpu" else {}
+
 
 class CudaPlatform(Platform):
     def available(self) -> tuple[bool, str]:
@@ -62,6 +81,9 @@ class CudaPlatform(Platform):
         if shutil.which("nvcc") is None:
             return False, "not available on this host: no nvcc on PATH"
         return True, torch.cuda.get_device_name(0)
+
+    def device(self) -> str:
+        return "cuda"
 
 
 class SlotPlatform(Platform):

@@ -80,10 +80,10 @@ def _as_list(out) -> list:
     return [out]
 
 
-def _flusher(nbytes: int):
+def _flusher(nbytes: int, device: str = "cpu"):
     import torch
 
-    buf = torch.empty(max(nbytes // 4, 1), dtype=torch.float32) if nbytes > 0 else None
+    buf = torch.empty(max(nbytes // 4, 1), dtype=torch.float32, device=device) if nbytes > 0 else None
 
     def flush() -> None:
         if buf is not None:
@@ -92,11 +92,15 @@ def _flusher(nbytes: int):
     return flush
 
 
-def time_fn(fn, args, warmup: int, reps: int, flush_bytes: int, budget_s: float) -> list[float]:
-    """Times of ``fn(*args)`` in seconds: warm-ups, then up to ``reps`` trials (cache flushed between) within budget."""
+def time_fn(fn, args, warmup: int, reps: int, flush_bytes: int, budget_s: float, device: str = "cpu"
+            ) -> list[float]:
+    """Times of ``fn(*args)`` in seconds: warm-ups, then up to ``reps`` trials (cache flushed between) within budget.
+
+    On a GPU the flush buffer lives on the GPU (it evicts the GPU's L2) and the device is synchronized around
+    each trial, so a trial's time is the device's work, not the launch queue's."""
     import torch
 
-    flush = _flusher(flush_bytes)
+    flush = _flusher(flush_bytes, device)
     for _ in range(warmup):
         fn(*args)
     times: list[float] = []
@@ -128,42 +132,86 @@ def reference(spec: dict) -> None:
     out = Path(spec["out_dir"])
     res = Result(out / "reference.json")
     torch.set_num_threads(spec["threads"])
+    device = spec.get("device", "cpu")
     mod = load_module(Path(spec["problem"]), "kforge_reference")
     init = list(mod.get_init_inputs())
     torch.manual_seed(spec["seed"])
-    model = mod.Model(*init).eval()
+    model = mod.Model(*init).eval().to(device)
     inputs, outputs = [], []
     with torch.no_grad():
         for t in range(spec["trials"]):
-            torch.manual_seed(spec["seed"] + 1000 + t)  # fresh inputs per trial
+            torch.manual_seed(spec["seed"] + 1000 + t)  # fresh inputs per trial, drawn on the CPU (saved there)
             xs = list(mod.get_inputs())
             inputs.append(xs)
-            outputs.append([o.detach().clone() if isinstance(o, torch.Tensor) else o for o in _as_list(model(*xs))])
+            outputs.append([o.detach().cpu().clone() if isinstance(o, torch.Tensor) else o
+                            for o in _as_list(model(*_to(xs, device)))])
     from torch.utils.flop_counter import FlopCounterMode
 
+    dev_inputs = _to(inputs[0], device)
     with torch.no_grad(), FlopCounterMode(display=False) as fc:
-        model(*inputs[0])
+        model(*dev_inputs)
     nbytes = sum(x.nbytes for x in inputs[0] if isinstance(x, torch.Tensor))
     nbytes += sum(o.nbytes for o in outputs[0] if isinstance(o, torch.Tensor))
     nbytes += sum(p.nbytes for p in model.state_dict().values())
     elem = max((o.numel() for o in outputs[0] if isinstance(o, torch.Tensor)), default=0)
-    torch.save({"init": init, "state": model.state_dict(), "inputs": inputs, "outputs": outputs}, out / "refs.pt")
+    state = {k: v.cpu() for k, v in model.state_dict().items()}
+    torch.save({"init": init, "state": state, "inputs": inputs, "outputs": outputs}, out / "refs.pt")
     res.set(flops=float(fc.get_total_flops()), elementwise=float(elem), bytes=float(nbytes),
             out_meta=[[list(o.shape), str(o.dtype)] for o in outputs[0] if isinstance(o, torch.Tensor)])
     res.phase("reference", True)
-    tk = dict(warmup=spec["warmup"], reps=spec["reps"], flush_bytes=spec["flush_bytes"], budget_s=spec["budget_s"])
+    if device != "cpu":
+        res.set(**device_roofline(device))
+    tk = dict(warmup=spec["warmup"], reps=spec["reps"], flush_bytes=spec["flush_bytes"], budget_s=spec["budget_s"],
+              device=device)
     with torch.no_grad():
-        res.set(eager=_summary(time_fn(model, inputs[0], **tk)))
+        res.set(eager=_summary(time_fn(model, dev_inputs, **tk)))
         if spec.get("compile"):
             try:
                 cm = torch.compile(model)
                 t0 = _PERF_NS()
-                cm(*inputs[0])
+                cm(*dev_inputs)
                 build = (_PERF_NS() - t0) / 1e9
-                res.set(compile=_summary(time_fn(cm, inputs[0], **tk)), compile_build_s=build)
+                res.set(compile=_summary(time_fn(cm, dev_inputs, **tk)), compile_build_s=build)
             except Exception as e:  # torch.compile failing is a fact about the baseline, not an error of ours
                 res.set(compile_error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
     res.phase("baseline", True)
+
+
+def _to(xs: list, device: str) -> list:
+    """The tensors of ``xs`` on ``device`` (other values as they are)."""
+    import torch
+
+    return [x.to(device) if isinstance(x, torch.Tensor) else x for x in xs]
+
+
+def device_roofline(device: str) -> dict:
+    """The GPU's own roofline, measured here: fp32 GEMM rate (4096³, TF32 off: candidates must stay fp32) and
+    device-to-device copy bandwidth (bytes read + written), each the median of 10 event-timed runs."""
+    import torch
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    n = 4096
+    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
+    src = torch.randn(2**28, device=device)  # 1 GiB
+    dst = torch.empty_like(src)
+
+    def median_ms(fn) -> float:
+        for _ in range(3):
+            fn()
+        ts = []
+        for _ in range(10):
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            fn()
+            e1.record()
+            e1.synchronize()
+            ts.append(e0.elapsed_time(e1))
+        return statistics.median(ts)
+
+    gemm_ms = median_ms(lambda: torch.mm(a, b))
+    copy_ms = median_ms(lambda: dst.copy_(src))
+    return {"device_name": torch.cuda.get_device_name(), "device_peak_flops": 2 * n**3 / (gemm_ms / 1e3),
+            "device_bandwidth": 2 * src.nbytes / (copy_ms / 1e3), "device_roofline": "measured"}
 
 
 def _op_recorder():
@@ -212,6 +260,7 @@ def candidate(spec: dict) -> None:
     out = Path(spec["out_dir"])
     res = Result(out / "result.json")
     torch.set_num_threads(spec["threads"])
+    device = spec.get("device", "cpu")
     refs = load(spec["refs"], weights_only=False)
     _block_network()
     t0 = _PERF_NS()
@@ -226,7 +275,7 @@ def candidate(spec: dict) -> None:
             mine = model.state_dict()
             theirs = {k: v for k, v in refs["state"].items() if k in mine and mine[k].shape == v.shape}
             model.load_state_dict(theirs, strict=False)  # same parameters as the reference, by name
-            model.eval()
+            model.eval().to(device)
     except Exception as e:
         res.phase("build", False, error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc()[-4000:])
         return
@@ -236,6 +285,7 @@ def candidate(spec: dict) -> None:
     try:
         with torch.no_grad():
             for t, xs in enumerate(refs["inputs"]):
+                xs = _to(xs, device)
                 before = [x.clone() if isinstance(x, torch.Tensor) else x for x in xs]
                 rec = _op_recorder()
                 with rec:
@@ -246,12 +296,12 @@ def candidate(spec: dict) -> None:
                 for i, (a, b) in enumerate(zip(before, xs, strict=True)):
                     if isinstance(a, torch.Tensor) and not allclose(a, b):
                         mutated.append(f"trial {t} input {i}")
-                outs.append([x.detach().clone() if isinstance(x, torch.Tensor) else x for x in o])
+                outs.append([x.detach().cpu().clone() if isinstance(x, torch.Tensor) else x for x in o])
             # Double run with uninitialised memory filled with NaN: an output that reads memory it never wrote changes.
             torch.use_deterministic_algorithms(True, warn_only=True)
             torch.utils.deterministic.fill_uninitialized_memory = True
-            again = [x.detach().clone() if isinstance(x, torch.Tensor) else x
-                     for x in _as_list(model(*refs["inputs"][0]))]
+            again = [x.detach().cpu().clone() if isinstance(x, torch.Tensor) else x
+                     for x in _as_list(model(*_to(refs["inputs"][0], device)))]
             torch.use_deterministic_algorithms(False)
     except Exception as e:
         res.phase("run", False, error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc()[-4000:])
@@ -260,27 +310,31 @@ def candidate(spec: dict) -> None:
     res.phase("run", True, ops=ops, casts=casts, mutated=mutated)
 
     if spec.get("time", True):
-        xs = refs["inputs"][0]
+        xs = _to(refs["inputs"][0], device)
         t_wall = _CLOCK_NS(time.CLOCK_MONOTONIC)
         with torch.no_grad():
-            times = time_fn(model, xs, spec["warmup"], spec["reps"], spec["flush_bytes"], spec["budget_s"])
+            times = time_fn(model, xs, spec["warmup"], spec["reps"], spec["flush_bytes"], spec["budget_s"], device)
         wall = (_CLOCK_NS(time.CLOCK_MONOTONIC) - t_wall) / 1e9
         res.phase("time", True, **_summary(times), times=times, wall_s=wall)
         if spec.get("profile", True):
-            res.phase("profile", True, **profile(model, xs))
+            res.phase("profile", True, **profile(model, xs, device))
     res.set(tampered=_tampered())
 
 
-def profile(model, xs) -> dict:
-    """torch.profiler summary of three calls: top ops by self CPU time, allocations, time outside ATen ops."""
+def profile(model, xs, device: str = "cpu") -> dict:
+    """torch.profiler summary of three calls: top ops by self CPU time, allocations, time outside ATen ops;
+    on a GPU also the kernels' device time."""
     import torch
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as tprofile
 
-    with torch.no_grad(), tprofile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with torch.no_grad(), tprofile(activities=acts, profile_memory=True) as prof:
         t0 = _PERF_NS()
         for _ in range(3):
             model(*xs)
+        if device == "cuda":
+            _CUDA_SYNC()
         total_us = (_PERF_NS() - t0) / 1e3 / 3
     ka = prof.key_averages()
     rows = sorted(ka, key=lambda e: e.self_cpu_time_total, reverse=True)
@@ -289,7 +343,10 @@ def profile(model, xs) -> dict:
     aten_us = sum(e.self_cpu_time_total for e in ka if e.key.startswith("aten::")) / 3
     allocs = sum(1 for e in prof.events() if e.name == "[memory]" and getattr(e, "cpu_memory_usage", 0) > 0) / 3
     alloc_bytes = sum(max(e.self_cpu_memory_usage, 0) for e in ka) / 3
-    return {"total_us": total_us, "aten_us": aten_us, "top": top, "allocations": allocs, "alloc_bytes": alloc_bytes}
+    out = {"total_us": total_us, "aten_us": aten_us, "top": top, "allocations": allocs, "alloc_bytes": alloc_bytes}
+    if device == "cuda":
+        out["device_us"] = sum(getattr(e, "self_device_time_total", 0.0) for e in ka) / 3
+    return out
 
 
 _CUDA_SYNC = None

@@ -152,7 +152,10 @@ def _subgraph(gm: GraphModule, region: list[Node], x: Node, out: Node) -> GraphM
 
 
 def _example(v: torch.Tensor) -> torch.Tensor:
-    from torch.fx.experimental.symbolic_shapes import optimization_hint
+    try:
+        from torch.fx.experimental.symbolic_shapes import optimization_hint
+    except ImportError:  # a torch older than the pinned one: the same hint under its former name
+        from torch.fx.experimental.symbolic_shapes import hint_int as optimization_hint
 
     shape = [s if isinstance(s, int) else optimization_hint(s, fallback=8) for s in v.shape]
     return torch.randn(shape, generator=torch.Generator().manual_seed(0), dtype=v.dtype)

@@ -25,7 +25,8 @@ child before the prefill program's first call (``ProgramCache._make``, ``Engine`
 
 Not done (this process builds the program itself, as before) where: ``fork`` is missing (not Linux), the process
 may use fewer than two cores, the compile cache is off or its folder is not writable, the executor's programs are
-not cached (``fx``, plans), the executor quantizes (:func:`quantize_refusal`), or ``HETFORGE_PARALLEL_COMPILE=0``.
+not cached (``fx``, plans), the executor quantizes (:func:`quantize_refusal`), CUDA was started in this process
+(CUDA does not survive ``fork``), or ``HETFORGE_PARALLEL_COMPILE=0``.
 """
 
 from __future__ import annotations
@@ -47,13 +48,16 @@ TIMEOUT_S = 600.0  # a child not done by then is stopped and the program built h
 
 def process_refusal() -> str | None:
     """Why no program is built in a forked child in this process (``HETFORGE_PARALLEL_COMPILE=0``, no ``fork``,
-    fewer than two cores), or None."""
+    fewer than two cores, CUDA already started here), or None."""
     if os.environ.get(ENV, "1").strip().lower() in ("0", "off", "no", "false"):
         return f"{ENV}=0"
     if not hasattr(os, "fork") or not sys.platform.startswith("linux"):
         return "no fork() on this platform"
     if _cores() < 2:
         return "fewer than two cores"
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        return "CUDA was started in this process, and a fork()-ed child cannot use it"
     return None
 
 

@@ -118,7 +118,7 @@ def run_cmd(
             raise UsageError(f"--translate-from '{translate_from}' does not exist")
         tr = (translate_from.stem, translate_from.read_text())
     cfg = harness.Config(trials=trials, atol=atol, rtol=rtol, threads=threads, compile_baseline=compile_baseline,
-                         timeout_s=timeout_s, mem_bytes=int(mem_gb * 2**30))
+                         timeout_s=timeout_s, mem_bytes=int(mem_gb * 2**30), device=pf.device())
     out = out or cfg.cache / "runs" / harness.now()
     out.mkdir(parents=True, exist_ok=True)
     peak, bw, calibrated = loop.host_roofline()
