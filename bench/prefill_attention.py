@@ -1,8 +1,9 @@
 """Which kernel runs a prefill's attention, per dtype and row count: the native one or ATen's SDPA (measured).
 
-``hetforge::attention`` of many query rows runs on the native flash-style kernel (``hf_prefill_attention``: fp32
-arithmetic, bf16 rows widened) or on ATen's ``scaled_dot_product_attention`` (on this CPU its flash kernel, whose
-bf16 products use the CPU's bf16 instructions). This page times both on a **calibration** set of head layouts no
+``hetforge::attention`` of many query rows runs on the native kernel (``hf_prefill_attention``: fp32 flash-style
+FMAs, bf16 rows widened; for bf16 without a mask, AMX tile products where the CPU has them) or on ATen's
+``scaled_dot_product_attention`` (on this CPU its flash kernel, whose bf16 products use the CPU's bf16
+instructions). This page times both on a **calibration** set of head layouts no
 evaluated model has (the zoo's gpt2 / llama-110m use 12 heads of 64), causal, q/k/v the transposed views of one
 fused projection output (as a program hands them over), each call right after that projection's GEMM (as in a
 program; the GEMM alone is timed in the same rounds and taken off), the native kernel writing its dense output,

@@ -6,6 +6,8 @@ for a compiled prefill program, whose logits match eager within KL ≤ 1e-8; ref
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from test_ir_common import captured, check_native_prefill_kernel
 
 from hetforge.compile import compile_graph
@@ -89,9 +91,11 @@ def test_odd_head_width_and_rectangular_causal():
 
 
 @pytest.mark.parametrize("ell,gqa,masked", [(40, False, False), (96, True, False), (70, False, True)])
-def test_bf16_is_the_fp32_kernel_on_the_widened_inputs_rounded_once(ell, gqa, masked):
-    """bf16 q/k/v (strided views) are widened exactly into the fp32 scratch and the fp32 result is rounded once:
-    bit for bit the fp32 kernel on q/k/v.float(), rounded to bf16 — and within bf16 rounding of SDPA in bf16."""
+def test_bf16_is_the_fp32_kernel_on_the_widened_inputs_rounded_once(ell, gqa, masked, monkeypatch):
+    """On the FMA path (AMX off) bf16 q/k/v (strided views) are widened exactly into the fp32 scratch and the fp32
+    result is rounded once: bit for bit the fp32 kernel on q/k/v.float(), rounded to bf16 — and within bf16
+    rounding of SDPA in bf16."""
+    monkeypatch.setenv(native.AMX_ATTENTION_ENV, "0")
     q, k, v = (t.to(torch.bfloat16) for t in _qkv(1, 4, 2 if gqa else 4, ell, ell, 32))
     mask = torch.ones(ell, ell, dtype=torch.bool).tril() if masked else None
     causal = not masked
@@ -102,6 +106,33 @@ def test_bf16_is_the_fp32_kernel_on_the_widened_inputs_rounded_once(ell, gqa, ma
     assert torch.equal(got, wide.to(torch.bfloat16))
     ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=0.125, enable_gqa=gqa)
     assert (got.float() - ref.float()).abs().max().item() <= 2 ** -6  # a few bf16 ulps of values below ~2
+
+
+@settings(max_examples=40, deadline=None)
+@given(h_per=st.sampled_from([1, 2, 3]), hkv=st.integers(1, 3), ell=st.integers(1, 150), extra=st.integers(0, 40),
+       d=st.sampled_from([16, 32, 64, 96, 128]), dv=st.sampled_from([16, 48, 64, 128]), causal=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_bf16_attention_without_a_mask_is_within_bf16_rounding_of_float64(h_per, hkv, ell, extra, d, dv, causal,
+                                                                          seed):
+    """bf16 attention with no mask (the AMX tile path where the CPU has it and d % 32 == dv % 16 == 0, else the
+    FMA path) on strided q/k/v of any head layout, row count and key count: within a few bf16 steps of float64
+    SDPA on the same bf16 inputs, every output written (the output is poisoned first)."""
+    g = torch.Generator().manual_seed(seed)
+    h, s = h_per * hkv, ell + (0 if causal else extra)
+    x = torch.randn(1, ell, h * d + 7, generator=g).to(torch.bfloat16)  # + 7: odd row strides
+    q = x[..., 7:].view(1, ell, h, d).transpose(1, 2)
+    kv = torch.randn(1, s, hkv * (d + dv) + 3, generator=g).to(torch.bfloat16)
+    k = kv[..., 3:3 + hkv * d].view(1, s, hkv, d).transpose(1, 2)
+    v = kv[..., 3 + hkv * d:].view(1, s, hkv, dv).transpose(1, 2)
+    assert native.prefill_attention_fits(q, k, v, None, causal)
+    q_, k_, v_, _, dims, strides, kind = native._prefill_attention_args(q, k, v, None, causal)
+    y = torch.full((1, h, ell, dv), float("nan"), dtype=torch.bfloat16)
+    native._prefill_attention_call(q_, k_, v_, None, y.data_ptr(), dims, strides, kind, d ** -0.5, causal)
+    kk, vv = (t.double().repeat_interleave(h_per, 1) for t in (k, v))
+    ref = F.scaled_dot_product_attention(q.double(), kk, vv, is_causal=causal, scale=d ** -0.5)
+    assert not torch.isnan(y).any()
+    err = (y.double() - ref).abs() / (ref.abs() + 1)
+    assert err.max().item() <= 2 ** -6, err.max().item()  # bf16 p and output: a few 2^-8 steps
 
 
 def test_bf16_takes_an_additive_mask_in_bf16_only():
@@ -181,11 +212,11 @@ def test_compiled_bf16_prefill_runs_it_and_stays_within_bf16_rounding_of_eager()
     assert rep.passed and rep.top1_agree >= 0.9, rep
 
 
-@pytest.mark.parametrize("seq", [24, native.SDPA_MIN_ROWS["bfloat16"]])
-def test_a_bf16_prefill_of_many_rows_runs_sdpa_and_fewer_rows_the_native_kernel(seq, monkeypatch):
-    """bf16 attention of at least ``SDPA_MIN_ROWS`` query rows is lowered to the general path, whose op runs ATen's
-    SDPA (the native kernel is not called), fewer rows to the native kernel; ``HETFORGE_PREFILL_ATTENTION`` forces
-    either; both stay within bf16 rounding of the bf16 eager model."""
+@pytest.mark.parametrize("seq", [24, 160])
+def test_bf16_prefill_attention_follows_the_sdpa_rule_and_the_forcing_switch(seq, monkeypatch):
+    """bf16 attention of at least ``SDPA_MIN_ROWS`` query rows (none: no count) is lowered to the general path, whose
+    op runs ATen's SDPA (the native kernel is not called), fewer rows to the native kernel;
+    ``HETFORGE_PREFILL_ATTENTION`` forces either; every way stays within bf16 rounding of the bf16 eager model."""
     import copy
     import dataclasses
 
@@ -197,15 +228,17 @@ def test_a_bf16_prefill_of_many_rows_runs_sdpa_and_fewer_rows_the_native_kernel(
     inputs = example_inputs(loaded, seq=seq)
     module = loaded.logits_module()
     gm = capture(module, inputs, name="llama-tiny-bf16").gm
-    many = seq >= native.SDPA_MIN_ROWS["bfloat16"]
-    for forced in ("", "native"):
+    start = native.SDPA_MIN_ROWS.get("bfloat16")
+    many = start is not None and seq >= start
+    for forced in ("", "native", "sdpa"):
         if forced:
             monkeypatch.setenv("HETFORGE_PREFILL_ATTENTION", forced)
         res = compile_graph(gm, soc="host", example_inputs=inputs)
         att = [i for i in res.program.instrs if i.op == "hetforge.attention.default"]
         on_native = {res.executable.kernels[i.id] == "native:hf_prefill_attention" for i in att}
-        assert att and on_native == {forced == "native" or not many}
-        if many and not forced:  # the op's own body takes SDPA too: the native kernel is never entered
+        sdpa = forced == "sdpa" or (many and not forced)
+        assert att and on_native == {not sdpa}
+        if sdpa:  # the op's own body takes SDPA too: the native kernel is never entered
             monkeypatch.setattr(native, "prefill_attention_into",
                                 lambda *a, **k: (_ for _ in ()).throw(AssertionError("native kernel ran")))
         rep = verify(module, res.executable, inputs, kl_threshold=1e-3)

@@ -3008,12 +3008,197 @@ static void pa_small(const pa_ctx *a, long b) {
         }
 }
 
+/* ---- bf16 prefill attention on AMX tiles ----
+ * The bf16 case of hf_prefill_attention without a mask (causal or not), head dims d % 32 == 0 and dv % 16 == 0:
+ * q·kᵀ and p·v as tdpbf16ps products instead of widened fp32 FMAs.
+ * Why: the FMA kernel widens every bf16 operand and multiplies in fp32 at 16 products per instruction; a tile
+ * product does 16 x 16 x 32 per instruction, so at a prompt's sizes the attention is dominated by the packing and
+ * the softmax instead of the products (docs/arch/runtime.md has the figures).
+ * How: a first pass packs each kv head's keys into B tiles in the VNNI layout tdpbf16ps reads (per 16 keys and 32
+ * dims: 16 rows of 16 (key, dim pair) dwords, gathered from the strided rows; zero past s) and its values likewise
+ * (per 32 keys and 16 value columns: 16 rows of 16 (key pair, column) dwords: two value rows interleaved; zero
+ * past s). A task is (batch, head, 16 query rows): its q rows are copied into a zero-padded tile; the scores of
+ * every visible key (up to the diagonal for is_causal) go to fp32 scratch, scaled; each row's softmax is computed
+ * exactly (the row's max, exponentials, their fp32 sum); the exponentials are rounded to bf16 (the p operand, as
+ * SDPA's bf16 CPU kernel rounds its p before its p·v product) and multiplied with the values into fp32
+ * accumulator tiles, four value column blocks at a time; the output is that sum over the fp32 sum of
+ * exponentials, rounded once to bf16. Scratch: the packed keys/values per call, the scores and p per thread
+ * (kept between calls). Returns -3 where AMX is not usable (the caller runs the FMA path). */
+#ifndef PAM_ONE_THREAD
+#define PAM_ONE_THREAD (1L << 22) /* products (b·h·l·s·(d + dv)) below which the AMX attention runs on one thread */
+#endif
+#ifdef HF_AMX
+typedef struct {
+    const hf_bf16 *q, *k, *v;
+    hf_bf16 *out;
+    uint32_t *kp, *vp; /* packed keys [b * hkv][sg][d / 32][16][16], values [b * hkv][s32 / 32][dv / 16][16][16] */
+    char *ts;          /* per-thread task scratch (omp_get_thread_num() * tsz): q tile rows, scores, p */
+    size_t tsz;
+    long h, hkv, l, s, d, dv, nqb, sg, s32;
+    long qs[3], ks[3], vs[3], os[3];
+    int causal;
+    float scale;
+} pam_ctx;
+
+static void pam_pack(void *p, long t) {
+    const pam_ctx *a = p;
+    long bi = t / a->hkv, kh = t % a->hkv, kd = a->d / 32, vd = a->dv / 16;
+    const hf_bf16 *K = a->k + bi * a->ks[0] + kh * a->ks[1], *V = a->v + bi * a->vs[0] + kh * a->vs[1];
+    uint32_t *kp = a->kp + (size_t)t * a->sg * kd * 256, *vp = a->vp + (size_t)t * (a->s32 / 32) * vd * 256;
+    /* keys: tile (g, c) row r = the dword (dims 32c + 2r, 32c + 2r + 1) of keys 16g .. 16g + 15 */
+    const __m512i kidx = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                            _mm512_set1_epi32((int)a->ks[2]));
+    for (long g = 0; g < a->sg; g++) {
+        __mmask16 km = mask16(a->s - 16 * g);
+        for (long c = 0; c < kd; c++) {
+            const hf_bf16 *base = K + 16 * g * a->ks[2] + 32 * c;
+            uint32_t *tile = kp + (g * kd + c) * 256;
+            for (int r = 0; r < 16; r++) /* scale 2: the key stride in bf16 elements, any parity */
+                _mm512_storeu_si512(tile + 16 * r, _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), km, kidx,
+                                                                               base + 2 * r, 2));
+        }
+    }
+    /* values: tile (j, u) row r = (v[32j + 2r][16u + c], v[32j + 2r + 1][16u + c]) for c < 16 */
+    for (long j = 0; j < a->s32 / 32; j++)
+        for (int r = 0; r < 16; r++) {
+            long k0 = 32 * j + 2 * r, k1 = k0 + 1;
+            for (long u = 0; u < vd; u++) {
+                __m512i lo = k0 < a->s ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(V + k0 * a->vs[2] + 16 * u)))
+                                       : _mm512_setzero_si512();
+                __m512i hi = k1 < a->s ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(V + k1 * a->vs[2] + 16 * u)))
+                                       : _mm512_setzero_si512();
+                _mm512_storeu_si512(vp + ((j * vd + u) * 16 + r) * 16, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+            }
+        }
+}
+
+static void pam_task(void *p, long t) {
+    const pam_ctx *a = p;
+    long bh = t / a->nqb, qblk = a->nqb - 1 - t % a->nqb; /* the largest causal blocks first */
+    long bi = bh / a->h, hi = bh % a->h, kh = hi / (a->h / a->hkv), d = a->d, dv = a->dv, kd = d / 32, vd = dv / 16;
+    long i0 = qblk * 16, ni = a->l - i0 < 16 ? a->l - i0 : 16;
+    long nk = a->causal ? (i0 + ni < a->s ? i0 + ni : a->s) : a->s; /* keys any row of the block sees */
+    long ng = (nk + 15) / 16, n32 = (nk + 31) / 32 * 32;
+    const uint32_t *kp = a->kp + (size_t)(bi * a->hkv + kh) * a->sg * kd * 256;
+    const uint32_t *vp = a->vp + (size_t)(bi * a->hkv + kh) * (a->s32 / 32) * vd * 256;
+    /* this thread's scratch: q tile rows [16][d] bf16, scores [16][ng * 16] fp32, p [16][n32] bf16 */
+    hf_bf16 *qt = (hf_bf16 *)(a->ts + (size_t)omp_get_thread_num() * a->tsz);
+    float *sc = (float *)(qt + 16 * d);
+    hf_bf16 *pb = (hf_bf16 *)(sc + 16 * ng * 16);
+    float ob[16 * 64] __attribute__((aligned(64)));
+    float zs[16];
+    const hf_bf16 *Q = a->q + bi * a->qs[0] + hi * a->qs[1];
+    for (long r = 0; r < 16; r++) {
+        if (r < ni) memcpy(qt + r * d, Q + (i0 + r) * a->qs[2], sizeof(hf_bf16) * d);
+        else memset(qt + r * d, 0, sizeof(hf_bf16) * d);
+    }
+    amx_config();
+    long ls = ng * 16; /* floats per score row */
+    for (long g = 0; g < ng; g++) {
+        _tile_zero(0);
+        for (long c = 0; c < kd; c++) {
+            _tile_loadd(4, qt + 32 * c, d * 2);
+            _tile_loadd(5, kp + (g * kd + c) * 256, 64);
+            _tile_dpbf16ps(0, 4, 5);
+        }
+        _tile_stored(0, sc + 16 * g, ls * 4);
+    }
+    const __m512 vsc = _mm512_set1_ps(a->scale), ninf = _mm512_set1_ps(-INFINITY);
+    for (long r = 0; r < 16; r++) {
+        float *sr = sc + r * ls;
+        hf_bf16 *pr = pb + r * n32;
+        long cnt = r >= ni ? 0 : a->causal ? (i0 + r + 1 < nk ? i0 + r + 1 : nk) : nk; /* keys row r sees */
+        __m512 vmax = ninf;
+        for (long j = 0; j < cnt; j += 16) {
+            __mmask16 mk = mask16(cnt - j);
+            __m512 x = _mm512_mask_mov_ps(ninf, mk, _mm512_mul_ps(_mm512_loadu_ps(sr + j), vsc));
+            _mm512_storeu_ps(sr + j, x);
+            vmax = _mm512_max_ps(vmax, x);
+        }
+        float mx = cnt ? _mm512_reduce_max_ps(vmax) : 0.f;
+        __m512 vm = _mm512_set1_ps(mx), vs = _mm512_setzero_ps();
+        for (long j = 0; j < n32; j += 16) {
+            __m512 e = _mm512_setzero_ps();
+            if (j < cnt) {
+                __mmask16 mk = mask16(cnt - j);
+                e = _mm512_maskz_mov_ps(mk, pa_exp16(_mm512_sub_ps(_mm512_loadu_ps(sr + j), vm)));
+                vs = _mm512_add_ps(vs, e);
+            }
+            store_bf16x16(pr + j, 0xFFFF, round_bf16x16(e));
+        }
+        zs[r] = cnt ? _mm512_reduce_add_ps(vs) : 0.f;
+    }
+    hf_bf16 *O = a->out + bi * a->os[0] + hi * a->os[1] + i0 * a->os[2];
+    for (long u0 = 0; u0 < vd; u0 += 4) {
+        long nu = vd - u0 < 4 ? vd - u0 : 4;
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (long j = 0; j < n32 / 32; j++) {
+            _tile_loadd(4, pb + 32 * j, n32 * 2);
+            const uint32_t *vt = vp + (j * vd + u0) * 256;
+            _tile_loadd(5, vt, 64);
+            _tile_dpbf16ps(0, 4, 5);
+            if (nu > 1) { _tile_loadd(6, vt + 256, 64); _tile_dpbf16ps(1, 4, 6); }
+            if (nu > 2) { _tile_loadd(7, vt + 512, 64); _tile_dpbf16ps(2, 4, 7); }
+            if (nu > 3) { _tile_loadd(5, vt + 768, 64); _tile_dpbf16ps(3, 4, 5); }
+        }
+        _tile_stored(0, ob, 256);
+        if (nu > 1) _tile_stored(1, ob + 16, 256);
+        if (nu > 2) _tile_stored(2, ob + 32, 256);
+        if (nu > 3) _tile_stored(3, ob + 48, 256);
+        for (long r = 0; r < ni; r++) {
+            __m512 iz = _mm512_set1_ps(zs[r] > 0.f ? 1.f / zs[r] : 0.f);
+            for (long u = 0; u < nu; u++)
+                store_bf16x16(O + r * a->os[2] + 16 * (u0 + u), 0xFFFF,
+                              round_bf16x16(_mm512_mul_ps(_mm512_loadu_ps(ob + r * 64 + 16 * u), iz)));
+        }
+    }
+    _tile_release();
+}
+#endif
+
+/* The AMX path of hf_prefill_attention (see above): 0 done, -3 not usable here (AMX absent or refused, a mask,
+ * head dims not multiples of 32 / 16), -1 no scratch memory. Same arguments as hf_prefill_attention's. */
+static int hf_prefill_attention_amx(const void *q, const void *k, const void *v, const long *dims,
+                                    const long *strides, int causal, float scale, int threads, void *out) {
+#ifdef HF_AMX
+    long b = dims[0], d = dims[5], dv = dims[6];
+    if (!amx_ok() || d % 32 || dv % 16 || d > PA_DMAX || dv > PA_DMAX) return -3;
+    pam_ctx a = {q, k, v, out, NULL, NULL, NULL, 0, dims[1], dims[2], dims[3], dims[4], d, dv, 0, 0, 0,
+                 {strides[0], strides[1], strides[2]}, {strides[3], strides[4], strides[5]},
+                 {strides[6], strides[7], strides[8]}, {strides[13], strides[14], strides[15]}, causal, scale};
+    if (a.ks[2] > INT_MAX / 16) return -3; /* the key gather's offsets are int32 */
+    a.nqb = (a.l + 15) / 16;
+    a.sg = (a.s + 15) / 16;
+    a.s32 = (a.s + 31) / 32 * 32;
+    threads = clamp_threads(threads);
+    size_t kw = (size_t)a.sg * (d / 32) * 256, vw = (size_t)(a.s32 / 32) * (dv / 16) * 256;
+    if (b * a.h * a.l * a.s * (d + dv) < PAM_ONE_THREAD) threads = 1; /* waking the team costs more */
+    /* every thread's task scratch sized for the largest block, before the tasks (a task cannot fail) */
+    a.tsz = (sizeof(hf_bf16) * 16 * d + sizeof(float) * 16 * a.sg * 16 + sizeof(hf_bf16) * 16 * a.s32 + 63) / 64 * 64;
+    size_t packed = sizeof(uint32_t) * b * a.hkv * (kw + vw);
+    char *buf = aligned_alloc(64, (packed + a.tsz * threads + 63) / 64 * 64);
+    if (!buf) return -1;
+    a.kp = (uint32_t *)buf, a.vp = a.kp + b * a.hkv * kw, a.ts = buf + (packed + 63) / 64 * 64;
+    hf_run_team(pam_pack, &a, b * a.hkv, threads);
+    hf_run_team(pam_task, &a, b * a.h * a.nqb, threads);
+    free(buf);
+    return 0;
+#else
+    (void)q, (void)k, (void)v, (void)dims, (void)strides, (void)causal, (void)scale, (void)threads, (void)out;
+    return -3;
+#endif
+}
+
 /* Attention of l query rows over s keys for b x h heads (see the banner above). q [b, h, l, d], k [b, hkv, s, d],
  * v [b, hkv, s, dv] at element strides qs/ks/vs (batch, head, row; the last dim dense); mask NULL or [b, h, l, s]
  * at element strides ms (0 where broadcast), bool (mask_kind 1) or float (2); out [b, h, l, dv] at element strides
  * os (batch, head, row; the last dim dense): dense, or e.g. [b, l, h, dv] memory that a transpose makes dense.
  * strides: qs, ks, vs, ms, os (16 longs).
- * d, dv <= 256 (PA_DMAX); h a multiple of hkv. Returns 0, -1 when the key/value scratch cannot be allocated,
+ * d, dv <= 256 (PA_DMAX); h a multiple of hkv. bf16: 0 fp32, 1 bf16, 2 bf16 and the AMX path allowed (taken
+ * without a mask where AMX runs and d % 32 == dv % 16 == 0). Returns 0, -1 when the key/value scratch cannot be allocated,
  * -2 for shapes outside those limits (the output is then not written). */
 int hf_prefill_attention(const void *q, const void *k, const void *v, const void *mask, void *out,
                          const long *dims, const long *strides, int mask_kind, int causal, float scale,
@@ -3029,6 +3214,10 @@ int hf_prefill_attention(const void *q, const void *k, const void *v, const void
     if (a.l * a.s <= PA_SMALL) {
         pa_small(&a, dims[0]);
         return 0;
+    }
+    if (bf16 == 2 && !a.mask) { /* bf16 without a mask, AMX allowed: the tile path where it runs */
+        int rc = hf_prefill_attention_amx(q, k, v, dims, strides, causal, scale, threads, out);
+        if (rc != -3) return rc;
     }
     /* the key/value scratch: kept per calling thread up to PA_KEEP bytes (a fresh block of that size is an mmap
      * and its page faults on every call, which a short prefill or one-token forward notices), else per call */

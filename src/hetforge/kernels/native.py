@@ -734,9 +734,10 @@ def prefill_attention_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ma
 
 # dtype -> the query row count from which a prefill's attention runs on ATen's SDPA instead of
 # hf_prefill_attention (absent: the native kernel at every count): where SDPA was faster on every calibration head
-# layout at that count and every larger one (bench/prefill_attention.py, docs/bench/prefill_attention.md). bf16:
-# SDPA's flash kernel multiplies in bf16 on the CPU's bf16 instructions, the native kernel widens to fp32.
-SDPA_MIN_ROWS: dict[str, int] = {"bfloat16": 128}
+# layout at that count and every larger one (bench/prefill_attention.py, docs/bench/prefill_attention.md). Empty
+# since the bf16 products run on AMX tiles (session 29; before, the native kernel widened bf16 to fp32 FMAs and
+# SDPA's flash kernel, multiplying in bf16, ran bf16 prompts from 128 rows).
+SDPA_MIN_ROWS: dict[str, int] = {}
 
 
 def prefill_attention_native(dtype: torch.dtype, rows: int) -> bool:
@@ -747,6 +748,16 @@ def prefill_attention_native(dtype: torch.dtype, rows: int) -> bool:
         return pol == "native"
     start = SDPA_MIN_ROWS.get(str(dtype).removeprefix("torch."))
     return start is None or rows < start
+
+
+AMX_ATTENTION_ENV = "HETFORGE_PREFILL_ATTENTION_AMX"
+
+
+def amx_attention() -> bool:
+    """Whether a bf16 prefill attention without a mask may run its products on AMX tiles (``hf_prefill_attention``
+    takes that path where AMX runs and the head dims are multiples of 32 / 16; p is rounded to bf16 before p·v, as
+    SDPA's bf16 kernel does); ``HETFORGE_PREFILL_ATTENTION_AMX=0`` keeps the widened fp32 FMA path."""
+    return os.environ.get(AMX_ATTENTION_ENV, "1").strip() != "0"
 
 
 def _dense_rows(t: torch.Tensor) -> torch.Tensor:
@@ -779,9 +790,9 @@ def _prefill_attention_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m
 
 def _prefill_attention_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                             y_ptr: int, dims, strides, kind: int, scale: float, is_causal: bool) -> None:
+    bf16 = (2 if amx_attention() else 1) if q.dtype == torch.bfloat16 else 0
     rc = library().hf_prefill_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), _ptr(mask), y_ptr, dims, strides,
-                                        kind, int(is_causal), scale, torch.get_num_threads(),
-                                        int(q.dtype == torch.bfloat16))
+                                        kind, int(is_causal), scale, torch.get_num_threads(), bf16)
     if rc:
         raise (MemoryError if rc == -1 else ValueError)(
             "hf_prefill_attention: " + ("cannot allocate its key/value scratch" if rc == -1 else

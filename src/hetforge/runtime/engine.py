@@ -156,6 +156,7 @@ class Generation:
         self.ledger = Ledger(engine.soc_name)
         self.decoder = StreamDecoder(engine.tokenizer)
         self.tuner: ThreadTuner | None = None
+        self._prompt_rows: tuple[Any, int] | None = None  # the prompt's K/V rows not yet in the cache
         self._pending = ""  # decoded text not shown yet (may start a stop string)
         self._shown = ""
 
@@ -224,6 +225,7 @@ class Generation:
             while not stop:
                 step = self._before_step()
                 t0 = time.perf_counter()
+                self._flush_prompt_rows()  # the first step reads them: their copy is counted in its time
                 sampler.observe(token)
                 e._ids.fill_(token)
                 e._pos.fill_(pos)
@@ -268,7 +270,10 @@ class Generation:
 
     def _prefill_all(self) -> Any:
         """Prefill the prompt into the cache, piece by piece (:func:`~hetforge.runtime.programs.prefill_pieces`);
-        returns the last piece's outputs (its logits are the first token's)."""
+        returns the last piece's outputs (its logits are the first token's). The last piece's K/V rows are copied
+        into the cache by :meth:`_flush_prompt_rows` after the first token is picked (at the first decode step,
+        which reads them, and inside its time): the copy is not on the way to the first token. Earlier pieces'
+        rows are copied at once (the next piece reads them)."""
         n = len(self.prompt_ids)
         prompt = torch.tensor(self.prompt_ids)
         if len(self.pieces) == 1 and self.pieces[0].kind == "prefill":  # one tier call (pad rows written too)
@@ -276,7 +281,7 @@ class Generation:
             ids[0, :n] = prompt
             out, placed = self._prefill(ids, torch.tensor([n - 1]))
             self.ledger.add("prefill", 0.0, placed)
-            self.cache.write(out[1:], 0)
+            self._prompt_rows = (out[1:], 0)
             return out
         top = self.engine.max_positions - 1
         for p in self.pieces:
@@ -293,6 +298,13 @@ class Generation:
             rows = out[1:] if p.real == p.size else [t[:, :, :p.real] for t in out[1:]]
             self.cache.write(rows, p.start)
         return out
+
+    def _flush_prompt_rows(self) -> None:
+        """Copy the prompt's last K/V rows into the cache (see :meth:`_prefill_all`); once."""
+        if self._prompt_rows is not None:
+            rows, at = self._prompt_rows
+            self._prompt_rows = None
+            self.cache.write(rows, at)
 
     def _prefill(self, ids: torch.Tensor, last: torch.Tensor) -> tuple[Any, Any]:
         """The prefill program's outputs (logits, K/V rows) and where it ran."""
