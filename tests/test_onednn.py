@@ -194,6 +194,20 @@ def test_prepack_packs_every_onednn_weight_once_and_the_run_after_it_gives_the_s
     torch.testing.assert_close(packed_first(*inputs), lazy_first(*inputs), rtol=0, atol=0)
 
 
+def test_a_shape_goes_to_onednn_over_mkl_only_when_clearly_faster():
+    """Against MKL's packed sgemm oneDNN needs a ratio above 1 + MKL_MARGIN (pick's timing reads one weight from
+    cache); against ATen above 1; a choice seeded from an earlier process is decided again by this rule."""
+    m = onednn.MKL_MARGIN
+    assert onednn._decide(1.0 + m / 2, "mkl") == "mkl" and onednn._decide(1.0 + 2 * m, "mkl") == "onednn"
+    assert onednn._decide(1.0 + m / 2, "aten") == "onednn" and onednn._decide(0.99, "aten") == "aten"
+    if not onednn.mkl_available():
+        return
+    key = dict(rows=7, k=40, n=24, dtype="float32", threads=torch.get_num_threads(), act="none")
+    onednn.seed_choices([{**key, "kernel": "onednn", "onednn": True, "aten_s": 1.05e-5, "onednn_s": 1e-5,
+                          "ratio": 1.0 + m / 2, "aten_side": "mkl-packed"}])
+    assert onednn.pick(7, 40, 24, torch.float32) == "mkl"
+
+
 def test_policy_aten_keeps_every_product_on_aten(monkeypatch):
     monkeypatch.setenv("HETFORGE_GEMM", "aten")
     module, inputs, cg = captured("llama-tiny")
@@ -208,7 +222,8 @@ def test_auto_policy_measures_both_kernels_once_per_shape(monkeypatch):
     first = onednn.choose(rows, k, n, torch.float32)
     got = [c for c in onednn.measured_choices() if (c["rows"], c["k"], c["n"]) == (rows, k, n)]
     assert len(got) == 1 and got[0]["aten_s"] > 0 and got[0]["onednn_s"] > 0
-    assert got[0]["onednn"] == (got[0]["ratio"] > 1.0)  # the median per-round ratio decided
+    margin = onednn.MKL_MARGIN if got[0]["aten_side"] == "mkl-packed" else 0.0
+    assert got[0]["onednn"] == (got[0]["ratio"] > 1.0 + margin)  # the median per-round ratio decided
     assert first == (got[0]["kernel"] != "aten")  # a packed kernel (oneDNN, or MKL's on its side) runs it
     assert got[0]["aten_side"] == ("mkl-packed" if onednn.mkl_available() else "aten")
     assert got[0]["kernel"] in (("onednn", "mkl") if onednn.mkl_available() else ("onednn", "aten"))
