@@ -177,9 +177,9 @@ def render(doc: dict) -> str:
     ch = doc.get("choices") or []
     if ch:
         out += ["", "The measured kernel choices (median per-round ratio of the other side's time ÷ oneDNN's over "
-                "interleaved rounds; above 1 (above 1 + `onednn.MKL_MARGIN` against MKL, since session 29): oneDNN runs; the "
-                "other side is MKL's packed sgemm for fp32 where this "
-                "torch has it, else ATen's `linear`):", "",
+                "interleaved rounds; above 1 (above 1 + `onednn.MKL_MARGIN` against MKL, since session 29): "
+                "oneDNN runs; the other side is MKL's packed sgemm for fp32 where this torch has it, else ATen's "
+                "`linear`):", "",
                 "| rows | K | N | dtype | threads | activation | other side | ratio | runs |",
                 "|---|---|---|---|---|---|---|---|---|"]
         for c in ch:
