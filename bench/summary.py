@@ -1320,14 +1320,14 @@ def why_we_lose(peers: J, kf: J) -> str:
     seq = int(peers["config"].f("seq"))
     return f"""## Why hetforge loses where it loses
 
-- **Prefill vs OpenVINO / ONNX Runtime:** the multi-row products run oneDNN's prepacked kernels (chosen by
-  measurement at build time, fused with bias and activation), so most of prefill is GEMM time
-  ([bench/prefill_gemm.md](bench/prefill_gemm.md)). Against OpenVINO f32 it is {span(ov, times)} on the latest
+- **Prefill vs OpenVINO / ONNX Runtime:** the multi-row products run packed GEMMs chosen at build time (fp32:
+  MKL's packed sgemm, or oneDNN's where it times clearly faster; bf16: oneDNN's, AMX), so most of prefill is GEMM
+  time ([bench/prefill_gemm.md](bench/prefill_gemm.md)). Against OpenVINO f32 it is {span(ov, times)} on the latest
   peers run ([bench/peers.md](bench/peers.md), whose header names the host). Where it was profiled (the AMD EPYC
   host, issue 24 session 17, torch profiler), about 95% of gpt2's prefill at {seq} rows was oneDNN's GEMMs, the
-  kernels OpenVINO runs too; earlier sessions also named the native attention running slower between GEMMs than
-  alone and the residual adds outside the GEMM epilogue. The Intel host of the latest run was not profiled.
-  Issue 24's 0.95× and GEMM-bound targets need GEMMs faster than oneDNN's on these shapes.
+  kernels OpenVINO runs too; on the Intel host (session 29, the executor's per-instruction profile of gpt2's fp32
+  prefill-88 program) the multi-row products were about 86% of it, the one-row LM head 8% and the attention 4%.
+  Issue 24's GEMM-bound target needs GEMMs faster than MKL's and oneDNN's on these shapes.
 - **Cold preparation:** hetforge exports two layers, runs the passes on them and stamps out the rest
   (`runtime/stamp.py`), builds the second program of a pair in a forked child, and packs the oneDNN weights
   while the child runs; an unquantized program has no warm-up call. What is left on the critical path is the
