@@ -208,9 +208,8 @@ def test_gpu_candidate_runs_on_the_gpu_against_gpu_eager(gpu_relu, tmp_path, nam
     p, ref, cfg = gpu_relu
     assert ref.device == "cuda" and ref.peak_flops and ref.peak_flops > 1e12 and ref.bandwidth > 1e11
     pf = platforms.get(name)
-    ok, why = pf.available()
-    if not ok:
-        pytest.skip(f"platform {name}: {why}")
+    if not pf.available()[0]:
+        pytest.skip("the platform's toolchain is missing on this CUDA host (nvcc for cuda, the triton package)")
     code = C.CUDA_RELU if name == "cuda" else C.TRITON_RELU
     att = harness.evaluate(p, code, pf, ref, tmp_path / name, cfg, 1e12, 1e12)
     assert att.correct, att.error

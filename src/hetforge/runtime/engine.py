@@ -273,7 +273,8 @@ class Generation:
         returns the last piece's outputs (its logits are the first token's). The last piece's K/V rows are copied
         into the cache by :meth:`_flush_prompt_rows` after the first token is picked (at the first decode step,
         which reads them, and inside its time): the copy is not on the way to the first token. Earlier pieces'
-        rows are copied at once (the next piece reads them)."""
+        rows are copied at once (the next piece reads them). The rows wait as views of the program's outputs,
+        which nothing writes before that step (one request at a time per engine, as its one KV cache requires)."""
         n = len(self.prompt_ids)
         prompt = torch.tensor(self.prompt_ids)
         if len(self.pieces) == 1 and self.pieces[0].kind == "prefill":  # one tier call (pad rows written too)
@@ -296,7 +297,10 @@ class Generation:
                 out, placed = prog.run(ids, pos, last, *self.cache.buffers), prog.placed
             self.ledger.add("prefill", 0.0, placed)
             rows = out[1:] if p.real == p.size else [t[:, :, :p.real] for t in out[1:]]
-            self.cache.write(rows, p.start)
+            if p is self.pieces[-1]:
+                self._prompt_rows = (rows, p.start)
+            else:
+                self.cache.write(rows, p.start)
         return out
 
     def _flush_prompt_rows(self) -> None:
