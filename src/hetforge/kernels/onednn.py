@@ -61,7 +61,7 @@ ROUNDS = 5  # interleaved rounds of :func:`pick`
 # How much faster oneDNN must be than MKL's packed sgemm in pick's timing (median ratio MKL ÷ oneDNN above
 # 1 + MKL_MARGIN) to run an fp32 product. Why: that timing reuses one weight from cache, a program reads each weight
 # from memory, and there the two did not rank as timed. Calibrated on models no benchmark evaluates (llama-oos-1536,
-# gpt2-oos-1024, prefill programs of 128 and 512 rows, 2 threads, session 29): every product on oneDNN took 5-14% more
+# gpt2-oos-1024, prefill programs of 128 and 512 rows, 2 threads, session 29): every product on oneDNN took 4-12% more
 # time per program than every product on MKL, while pick's per-shape ratios sent some shapes to oneDNN at 1.02-1.08
 # (by the draw: the same shape went either way in two processes, and a program with those shapes on oneDNN was no
 # faster, or slower, than all-MKL). A shape oneDNN runs clearly faster even from cache still goes to oneDNN.
