@@ -78,6 +78,11 @@ class RefInfo:
     peak_flops: float | None = None  # the device's roofline, measured by the reference worker on a GPU
     bandwidth: float | None = None
 
+    def roofline(self, peak_flops: float, bandwidth: float) -> tuple[float, float]:
+        """The roofline a candidate is judged by: the GPU's own where the reference measured one, else the given
+        (host profile) figures."""
+        return (self.peak_flops, self.bandwidth or bandwidth) if self.peak_flops else (peak_flops, bandwidth)
+
     @property
     def baseline_s(self) -> float:
         return min(t for t in (self.eager_s, self.compile_s) if t is not None)
@@ -234,8 +239,7 @@ def evaluate(problem: Problem, code: str, platform: Platform, ref: RefInfo, fold
             "seed": cfg.seed, "threads": cfg.threads, "warmup": cfg.warmup, "reps": cfg.reps,
             "budget_s": cfg.budget_s, "flush_bytes": cfg.flush_bytes, "time": timed, "profile": timed,
             "device": ref.device}
-    if ref.peak_flops:  # a GPU's own roofline, not the host CPU's
-        peak_flops, bandwidth = ref.peak_flops, ref.bandwidth or bandwidth
+    peak_flops, bandwidth = ref.roofline(peak_flops, bandwidth)
     rc, why = run_worker("candidate", spec, folder, cfg, platform.run_env())
     rj = folder / "result.json"
     data = json.loads(rj.read_text()) if rj.exists() else {"phases": {}}
