@@ -3605,8 +3605,12 @@ int hf_gemm_few_kn(const float *w, const float *x, const float *bias, float *y, 
  * from memory once, and the packed GEMMs torch ships (MKL's, oneDNN's) read it below the memory's speed at these
  * row counts (measured: bench/panel_gemm.py). How the panel is read decides the speed:
  *  - as HF_PSTREAMS interleaved streams (the k-rows [s*Q, (s+1)*Q) for s < HF_PSTREAMS, Q = ceil(k / HF_PSTREAMS),
- *    one k-row of each in turn), each prefetched HF_PPF bytes ahead into L1: one stream per core leaves memory
- *    bandwidth unused, as for the one-row products (dot4);
+ *    one k-row of each in turn), prefetched into L1: one stream per core leaves memory bandwidth unused, as for
+ *    the one-row products (dot4). One row group (m <= HF_PMR) prefetches HF_PPF bytes ahead of its reads; with
+ *    several, every group prefetches its share (every ng-th k-row step) of the next block's k-rows while it runs
+ *    over this block, so the next block's reads overlap all the groups' arithmetic, not only the first group's
+ *    (which alone prefetched before, so the later groups ran from L1 with memory idle: the same products took
+ *    1.13-1.22x the time at 16-32 rows over calibration-shape weights read from memory; bench/panel_gemm.py);
  *  - once from memory for every row count: the k-rows are taken in blocks of HF_PKB steps (12 KiB of panel), and
  *    every HF_PMR-row group of X runs over a block while it is in L1 (8 x 48 accumulators in registers, saved to
  *    the output between blocks), so a second row group no longer re-reads the panel after the first has streamed
@@ -3708,7 +3712,7 @@ void hf_pack_panels(const float *w, float *p, long n, long k, int weight_t, int 
  * the others read it from L1). The packed rows let every broadcast use a constant offset and keep all 24
  * accumulators in registers. */
 static void panel_block(const float *xp, long k, long q, const float *pan, long i0, long i1, int mr, float *acc,
-                        long ldo, int pf) {
+                        long ldo, int g, int ng) {
 #if defined(__AVX512F__)
     __m512 a[HF_PMR][3];
     for (int r = 0; r < HF_PMR; r++) {
@@ -3717,17 +3721,20 @@ static void panel_block(const float *xp, long k, long q, const float *pan, long 
         a[r][1] = live ? _mm512_loadu_ps(acc + r * ldo + 16) : _mm512_setzero_ps();
         a[r][2] = live ? _mm512_loadu_ps(acc + r * ldo + 32) : _mm512_setzero_ps();
     }
+    int turn = 0; /* this group prefetches the k-rows where turn == g (turn counts steps modulo ng) */
     for (long i = i0; i < i1; i++) {
         for (int s = 0; s < HF_PSTREAMS; s++) {
             long kk = s * q + i;
             if (kk >= k) break;
             const float *b = pan + kk * HF_PNB, *xv = xp + kk * HF_PMR;
-            if (pf) {
-                const char *f = (const char *)b + HF_PPF;
+            if (turn == g) {
+                /* one group: HF_PPF bytes ahead; several: this stream's k-row of the next block */
+                const char *f = ng == 1 ? (const char *)b + HF_PPF : (const char *)(b + HF_PKB * HF_PNB);
                 _mm_prefetch(f, _MM_HINT_T0);
                 _mm_prefetch(f + 64, _MM_HINT_T0);
                 _mm_prefetch(f + 128, _MM_HINT_T0);
             }
+            turn = turn + 1 == ng ? 0 : turn + 1;
             __m512 b0 = _mm512_loadu_ps(b), b1 = _mm512_loadu_ps(b + 16), b2 = _mm512_loadu_ps(b + 32);
 #pragma GCC unroll 8
             for (int r = 0; r < HF_PMR; r++) {
@@ -3745,7 +3752,7 @@ static void panel_block(const float *xp, long k, long q, const float *pan, long 
             _mm512_storeu_ps(acc + r * ldo + 32, a[r][2]);
         }
 #else
-    (void)pf;
+    (void)g, (void)ng;
     for (int r = 0; r < mr; r++)
         for (int c = 0; c < HF_PNB; c++) {
             float v = acc[r * ldo + c];
@@ -3779,9 +3786,10 @@ static void panel_chunk(void *ctx, long c) {
                 if (cc < nv || out == tmp) out[r * ldo + cc] = a->bias && cc < nv ? a->bias[c0 + cc] : 0.f;
         for (long i0 = 0; i0 < q; i0 += HF_PKB) {
             long i1 = i0 + HF_PKB < q ? i0 + HF_PKB : q;
+            int ng = (int)((m + HF_PMR - 1) / HF_PMR);
             for (long r0 = 0; r0 < m; r0 += HF_PMR) {
                 int mr = m - r0 < HF_PMR ? (int)(m - r0) : HF_PMR;
-                panel_block(a->x + r0 * k, k, q, pan, i0, i1, mr, out + r0 * ldo, ldo, r0 == 0);
+                panel_block(a->x + r0 * k, k, q, pan, i0, i1, mr, out + r0 * ldo, ldo, (int)(r0 / HF_PMR), ng);
             }
         }
         if (a->act || a->mul || a->res) panel_epilogue(a, out, ldo, c0, nv);
