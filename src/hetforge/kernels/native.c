@@ -3610,7 +3610,8 @@ int hf_gemm_few_kn(const float *w, const float *x, const float *bias, float *y, 
  *    several, every group prefetches its share (every ng-th k-row step) of the next block's k-rows while it runs
  *    over this block, so the next block's reads overlap all the groups' arithmetic, not only the first group's
  *    (which alone prefetched before, so the later groups ran from L1 with memory idle: the same products took
- *    1.13-1.22x the time at 16-32 rows over calibration-shape weights read from memory; bench/panel_gemm.py);
+ *    1.12-1.20x the time at 16-32 rows over 1024/4096-wide weights read from memory, a one-off in
+ *    docs/arch/runtime.md);
  *  - once from memory for every row count: the k-rows are taken in blocks of HF_PKB steps (12 KiB of panel), and
  *    every HF_PMR-row group of X runs over a block while it is in L1 (8 x 48 accumulators in registers, saved to
  *    the output between blocks), so a second row group no longer re-reads the panel after the first has streamed
@@ -3708,9 +3709,9 @@ void hf_pack_panels(const float *w, float *p, long n, long k, int weight_t, int 
 
 /* Row group xp (X's HF_PMR rows packed k-row by k-row: xp[kk * HF_PMR + r], rows past m zero) over the stream
  * steps [i0, i1) of panel pan, accumulating into acc (ldo floats per row, HF_PNB columns, holding the sums so far;
- * only its first mr rows are read and written). ``pf``: prefetch the streams ahead (the first row group of a block;
- * the others read it from L1). The packed rows let every broadcast use a constant offset and keep all 24
- * accumulators in registers. */
+ * only its first mr rows are read and written). ``g``: this group's index among the call's ``ng`` groups, which
+ * decides its share of the prefetches (see the header above). The packed rows let every broadcast use a constant
+ * offset and keep all 24 accumulators in registers. */
 static void panel_block(const float *xp, long k, long q, const float *pan, long i0, long i1, int mr, float *acc,
                         long ldo, int g, int ng) {
 #if defined(__AVX512F__)
@@ -3784,9 +3785,9 @@ static void panel_chunk(void *ctx, long c) {
         for (long r = 0; r < m; r++)
             for (long cc = 0; cc < HF_PNB; cc++)
                 if (cc < nv || out == tmp) out[r * ldo + cc] = a->bias && cc < nv ? a->bias[c0 + cc] : 0.f;
+        int ng = (int)((m + HF_PMR - 1) / HF_PMR);
         for (long i0 = 0; i0 < q; i0 += HF_PKB) {
             long i1 = i0 + HF_PKB < q ? i0 + HF_PKB : q;
-            int ng = (int)((m + HF_PMR - 1) / HF_PMR);
             for (long r0 = 0; r0 < m; r0 += HF_PMR) {
                 int mr = m - r0 < HF_PMR ? (int)(m - r0) : HF_PMR;
                 panel_block(a->x + r0 * k, k, q, pan, i0, i1, mr, out + r0 * ldo, ldo, (int)(r0 / HF_PMR), ng);
