@@ -9,13 +9,13 @@ keeps, per thread count (the requested count and 1), a window of recent step tim
 steps — or at once after two steps in a row took ``spike``× the window's median (the window then restarts from
 them) — it *probes*: up to ``probe_steps`` steps run with the other count, the first of them discarded (a switch
 moves threads between cores and re-warms caches, so one step after it is not representative), and the median of
-the rest (four by default: with two, one lucky step of two threads under a pinned load — its helper thread got
-the core — decided the probe) is compared with the median of the count in use. The other count is kept when it
-is faster by more than ``margin``, and a switch is confirmed by another probe a few steps later (a switch made on
-a noisy probe must not stick); a probe that loses doubles the interval to the next (up to 8× on the requested
-count, whose slowdowns the spike rule catches; 4× on one thread, where only a probe sees the core come free) and
-ends early, as lost, once a counted step is clearly slower. Medians, not a moving average, so that one descheduled step neither
-triggers a switch nor blocks one; each request's first decode step is left out, and the spike rule waits for a
+the rest (four by default: with two, one fast step of two threads under a pinned load decided the probe) is
+compared with the median of the count in use. The other count is kept when it is faster by more than ``margin``,
+and a switch is confirmed by another probe a few steps later (a switch made on a noisy probe must not stick); a
+probe that loses doubles the interval to the next (up to 8× on the requested count, whose slowdowns the spike rule
+catches; 4× on one thread, where only a probe sees the core come free) and ends early, as lost, once a counted
+step is clearly slower. Medians, not a moving average, so that one descheduled step neither triggers a switch nor
+blocks one; each request's first decode step is left out, and the spike rule waits for a
 few steps. The tuner lives on the engine: a request's prefill runs with the count its decode steps last found
 faster. Off with ``HETFORGE_ADAPT_THREADS=0``; torch's thread count is restored when the request ends.
 """
@@ -107,8 +107,8 @@ class ThreadTuner:
             self.probing, self.since_probe, self.slow_run = None, 0, 0
             est = statistics.median(counted)
             # a probe cut short by a clearly slower step lost, whatever the median of its few steps says: under a
-            # pinned load a 2-thread step is fast when the helper happens to get the core and slow otherwise, and
-            # the median of one fast and one slow step could beat the count in use
+            # pinned load 2-thread steps are sometimes fast, sometimes slow, and the median of one fast and one
+            # slow step could beat the count in use
             if not lost and (ref is None or est < (1 - self.margin) * ref):
                 self.recent[n] = deque(counted, maxlen=self.window)  # the window starts from the probe's steps
                 # confirm soon: a switch made on a noisy probe must not stick for a whole interval
