@@ -1324,10 +1324,11 @@ def why_we_lose(peers: J, kf: J) -> str:
   MKL's packed sgemm, or oneDNN's where it times clearly faster; bf16: oneDNN's, AMX), so most of prefill is GEMM
   time ([bench/prefill_gemm.md](bench/prefill_gemm.md)). Against OpenVINO f32 it is {span(ov, times)} on the latest
   peers run ([bench/peers.md](bench/peers.md), whose header names the host). Where it was profiled (the AMD EPYC
-  host, issue 24 session 17, torch profiler), about 95% of gpt2's prefill at {seq} rows was oneDNN's GEMMs, the
-  kernels OpenVINO runs too; on the Intel host (session 29, the executor's per-instruction profile of gpt2's fp32
-  prefill-88 program) the multi-row products were about 86% of it, the one-row LM head 8% and the attention 4%.
-  Issue 24's GEMM-bound target needs GEMMs faster than MKL's and oneDNN's on these shapes.
+  host: session 17 with the torch profiler, session 30 with the executor's per-instruction profile, 73.1 of
+  76.8 ms), about 95% of gpt2's fp32 prefill at {seq} rows was oneDNN's GEMMs, the kernels OpenVINO runs too, at
+  390–452 GFLOP/s against a 491 GFLOP/s square-GEMM peak; session 29 reported about 86% for gpt2's prefill-88 on
+  the Intel host. Issue 24's 0.95× target on the AMD EPYC and its GEMM-bound target need GEMMs faster than MKL's
+  and oneDNN's on these shapes.
 - **Cold preparation:** hetforge exports two layers, runs the passes on them and stamps out the rest
   (`runtime/stamp.py`), builds the second program of a pair in a forked child, and packs the oneDNN weights
   while the child runs; an unquantized program has no warm-up call. What is left on the critical path is the

@@ -62,7 +62,7 @@ def solve(problem: Problem, platform: Platform, provider: Provider, rounds: int,
     except HetforgeError as e:
         res.error = str(e)
         return res
-    peak, bw = ref.roofline(peak, bw)  # a GPU platform: its own measured roofline, not the host CPU's profile
+    peak, bw = ref.roofline(peak, bw)  # the GPU's own roofline where the reference measured one, else the host's
     res.eager_s, res.compile_s, res.compile_build_s = ref.eager_s, ref.compile_s, ref.compile_build_s
     res.baseline_kind = ref.baseline_kind
     last: Attempt | None = None
