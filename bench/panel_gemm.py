@@ -9,8 +9,9 @@ prefill program does.
 The weight shapes are a **calibration** set, not any model hetforge is evaluated on (no zoo model has them):
 two families of one layer's four fp32 products (``[N, K]`` weights, each with a bias): ``d1024`` (1024→3072,
 1024→1024, 1024→4096, 4096→1024) and ``d2048`` (2048→6144, 2048→2048, 2048→5632, 5632→2048). The longest run of
-row counts at which the panel GEMM is the fastest kernel in both families is what lowering sends to it
-(:data:`hetforge.kernels.native.PANEL_MIN` .. ``PANEL_MAX``).
+row counts at which the panel GEMM is the fastest kernel in both families (up to ``FEW_MAX`` rows the few-row
+kernel included) is what lowering sends to it (:data:`hetforge.kernels.native.PANEL_MIN` .. ``PANEL_MAX``, the
+range every host it was measured on agrees on).
 
 Kernels (all measured, wall clock, ``--threads`` threads): ATen's ``linear`` (the weight as stored), oneDNN's
 packed linear, MKL's packed sgemm (where this torch has it), the native panel GEMM (``hf_gemm_panel``), and up to
@@ -104,11 +105,12 @@ def measure_family(shapes: list[tuple[int, int]], rows_list: list[int], rounds: 
 
 
 def panel_range(res: dict) -> tuple[int, int] | None:
-    """The longest run of consecutive measured row counts above :data:`native.FEW_MAX` at which the panel GEMM was
-    the fastest kernel (median per-round ratio ≤ 1) in every family, as (first, last); None when there is none."""
+    """The longest run of consecutive measured row counts at which the panel GEMM was the fastest kernel (median
+    per-round ratio ≤ 1; up to :data:`native.FEW_MAX` rows the few-row kernel is among the others) in every
+    family, as (first, last); None when there is none."""
     rows = sorted({int(r) for f in res["families"].values() for r in f["rows"]})
     runs: list[list[int]] = [[]]
-    for r in (r for r in rows if r > res["few_max"]):
+    for r in rows:
         if all(f["rows"][str(r)]["panel_ratio_median"] <= 1.0 for f in res["families"].values()
                if str(r) in f["rows"]):
             runs[-1].append(r)
@@ -146,8 +148,8 @@ def render(res: dict) -> str:
         lines.append("")
     rng = panel_range(res)
     code = f"{res['panel_min_in_code']}..{res['panel_max_in_code']}"
-    lines += [f"Longest run of measured row counts above {res['few_max']} (the few-row kernel's limit) at which the "
-              "panel GEMM was the fastest kernel in every family: "
+    lines += ["Longest run of measured row counts at which the panel GEMM was the fastest kernel (up to "
+              f"{res['few_max']} rows the few-row kernel included) in every family: "
               + (f"**{rng[0]}..{rng[1]}**" if rng else "**none**")
               + f" (`hetforge.kernels.native.PANEL_MIN..PANEL_MAX`, the row counts lowering sends to it, were {code} "
               "in the code this ran).", ""]

@@ -13,15 +13,15 @@ SEQ = 8
 
 
 @functools.cache
-def captured(name: str):
-    """(module, inputs, captured graph) of a tiny zoo model at [1, SEQ]."""
+def captured(name: str, seq: int = SEQ):
+    """(module, inputs, captured graph) of a tiny zoo model at [1, seq]."""
     loaded = load_model(name)
-    inputs = example_inputs(loaded, seq=SEQ)
+    inputs = example_inputs(loaded, seq=seq)
     module = loaded.logits_module()
     return module, inputs, capture(module, inputs, name=name)
 
 
-def check_native_prefill_kernel(name: str, op: str, kernel: str, without: str) -> None:
+def check_native_prefill_kernel(name: str, op: str, kernel: str, without: str, seq: int = SEQ) -> None:
     """A compiled prefill of zoo model ``name`` runs every ``op`` instruction on native ``kernel`` and matches eager
     (KL ≤ 1e-8, same top-1); compiled again with the native library off (``without``: what runs instead) no
     instruction records it, and both programs agree to 1e-5."""
@@ -29,7 +29,7 @@ def check_native_prefill_kernel(name: str, op: str, kernel: str, without: str) -
     from hetforge.kernels import native
     from hetforge.verify import verify
 
-    module, inputs, cg = captured(name)
+    module, inputs, cg = captured(name, seq)
     res = compile_graph(cg.gm, soc="host", example_inputs=inputs, name=name)
     ins = [i for i in res.program.instrs if i.op == op]
     assert ins and inputs[0].shape[1] > 1

@@ -261,9 +261,11 @@ def _gemm(lw: Lowering, ins: Instr, o: int, dev: torch.device) -> str | None:
 
 def _few(rows: int, dtype: torch.dtype) -> bool:
     """Whether a product of ``rows`` rows may run on a few-row native kernel (:data:`NATIVE_FEW`): fp32, 2..8 rows
-    (:data:`native.FEW_MAX`), and no GEMM policy forced (``HETFORGE_GEMM=aten``/``onednn`` keep every multi-row
-    product on that kernel)."""
-    return 1 < rows <= native.FEW_MAX and dtype == torch.float32 and onednn.policy() == "auto"
+    (:data:`native.FEW_MAX`) that the panel GEMM does not take by rule (:func:`onednn.panel_rows`: from
+    :data:`native.PANEL_MIN` rows it read the weights faster than the few-row kernels on the calibration shapes),
+    and no GEMM policy forced (``HETFORGE_GEMM=aten``/``onednn`` keep every multi-row product on that kernel)."""
+    return (1 < rows <= native.FEW_MAX and dtype == torch.float32 and onednn.policy() == "auto"
+            and not onednn.panel_rows(rows, dtype))
 
 
 def _native_gemv_fits(lw: Lowering, x: Reg, w: torch.Tensor, b: Any, weight_t: bool, o: int,
