@@ -234,7 +234,7 @@ def test_the_childs_entry_is_taken_without_lowering_again(cache, loaded, monkeyp
 def test_a_pinned_process_refuses_to_measure_a_kernel_choice(monkeypatch):
     import torch
 
-    from hetforge.kernels import onednn
+    from hetforge.kernels import native, onednn
 
     if not onednn.available():
         # acceptable to skip: without oneDNN hetforge runs ATen for every product and never measures a kernel choice,
@@ -246,10 +246,11 @@ def test_a_pinned_process_refuses_to_measure_a_kernel_choice(monkeypatch):
     monkeypatch.setattr(onednn, "_choice_times", {})
     onednn.pin_threads(torch.get_num_threads() + 3)
     assert onednn.threads() == torch.get_num_threads() + 3
+    rows = native.PANEL_MAX + 4  # above the rows the panel GEMM takes by rule (a rule is never measured)
     with pytest.raises(onednn.ChoiceRefused, match="not measured in this process"):
-        onednn.choose(4, 64, 64, torch.float32)
-    onednn._choices[(4, 64, 64, torch.float32, onednn.threads(), "none")] = True  # inherited from the parent
-    assert onednn.choose(4, 64, 64, torch.float32) is True
+        onednn.choose(rows, 64, 64, torch.float32)
+    onednn._choices[(rows, 64, 64, torch.float32, onednn.threads(), "none")] = True  # inherited from the parent
+    assert onednn.choose(rows, 64, 64, torch.float32) is True
 
 
 def test_a_child_that_does_not_answer_in_time_is_stopped(cache, loaded, monkeypatch):

@@ -79,13 +79,16 @@ def test_the_executor_emits_the_recorded_kernel(compiled):
     ran = list(exe.kernels.values())
     s = exe.stats
     assert s.elided_views == ran.count("elided") and s.static_views == ran.count("static-view")
-    # a packed product ("onednn") runs on oneDNN's kernel or MKL's packed sgemm, whichever was measured faster
-    assert s.onednn_gemm + s.mkl_gemm == ran.count("onednn") and s.copy_into == ran.count("copy-into")
+    # a packed product ("onednn") runs on oneDNN's kernel or MKL's packed sgemm, whichever was measured faster, or
+    # by rule on the native panel GEMM (fp32, native.PANEL_MIN..PANEL_MAX rows) or AMX kernel (bf16)
+    assert s.onednn_gemm + s.mkl_gemm + s.panel_gemm + s.amx_gemm == ran.count("onednn")
+    assert s.copy_into == ran.count("copy-into")
     assert s.native_ops == sum(k.startswith("native:") and k not in NATIVE_GEMV for k in ran)
     assert s.native_gemv == sum(k in NATIVE_GEMV for k in ran)
     assert s.split_gemv == sum(k.startswith("split-gemv:") for k in ran)
-    # a residual add the native product before it takes (ExecStats.native_residual) runs no kernel of its own
-    assert s.out_variant + s.native_residual == ran.count("out-variant")
+    # a residual add the product before it takes runs no kernel of its own: a few-row native product's
+    # (ExecStats.native_residual) or a packed one's (onednn_residual: oneDNN's add post-op, the panel GEMM's epilogue)
+    assert s.out_variant + s.native_residual + s.onednn_residual == ran.count("out-variant")
     exe.run_flat(*inputs)
 
 

@@ -202,10 +202,11 @@ def test_a_shape_goes_to_onednn_over_mkl_only_when_clearly_faster():
     assert onednn._decide(1.0 + m / 2, "aten") == "onednn" and onednn._decide(0.99, "aten") == "aten"
     if not onednn.mkl_available():
         return
-    key = dict(rows=7, k=40, n=24, dtype="float32", threads=torch.get_num_threads(), act="none")
+    rows = native.PANEL_MAX + 7  # above the rows the panel GEMM takes by rule (nothing measured there)
+    key = dict(rows=rows, k=40, n=24, dtype="float32", threads=torch.get_num_threads(), act="none")
     onednn.seed_choices([{**key, "kernel": "onednn", "onednn": True, "aten_s": 1.05e-5, "onednn_s": 1e-5,
                           "ratio": 1.0 + m / 2, "aten_side": "mkl-packed"}])
-    assert onednn.pick(7, 40, 24, torch.float32) == "mkl"
+    assert onednn.pick(rows, 40, 24, torch.float32) == "mkl"
 
 
 def test_policy_aten_keeps_every_product_on_aten(monkeypatch):
@@ -218,7 +219,7 @@ def test_policy_aten_keeps_every_product_on_aten(monkeypatch):
 
 def test_auto_policy_measures_both_kernels_once_per_shape(monkeypatch):
     monkeypatch.delenv("HETFORGE_GEMM", raising=False)
-    rows, k, n = 5, 48, 80  # a shape no other test uses
+    rows, k, n = native.PANEL_MAX + 5, 48, 80  # a shape no other test uses, above the panel GEMM's rows
     first = onednn.choose(rows, k, n, torch.float32)
     got = [c for c in onednn.measured_choices() if (c["rows"], c["k"], c["n"]) == (rows, k, n)]
     assert len(got) == 1 and got[0]["aten_s"] > 0 and got[0]["onednn_s"] > 0
@@ -237,17 +238,18 @@ def test_the_choice_is_measured_per_activation_and_old_rows_without_one_are_not_
     """The ATen side of a fused-activation candidate is its ``linear`` plus the activation pass: a separate choice
     (key) per activation; cache rows from before (no ``act``) are not taken."""
     monkeypatch.delenv("HETFORGE_GEMM", raising=False)
-    rows, k, n = 6, 40, 72  # a shape no other test uses
+    rows, k, n = native.PANEL_MAX + 6, 40, 72  # a shape no other test uses, above the panel GEMM's rows
     onednn.choose(rows, k, n, torch.float32)
     onednn.choose(rows, k, n, torch.float32, act="gelu")
     got = {c["act"]: c for c in onednn.measured_choices() if (c["rows"], c["k"], c["n"]) == (rows, k, n)}
     assert set(got) == {"none", "gelu"} and all(c["aten_s"] > 0 and c["onednn_s"] > 0 for c in got.values())
     assert onednn.decided(rows, k, n, torch.float32, "gelu") == (got["gelu"]["kernel"] != "aten")
-    old = {"rows": 7, "k": 40, "n": 72, "dtype": "float32", "threads": torch.get_num_threads(), "aten_s": 1.0,
+    r7, r9 = native.PANEL_MAX + 7, native.PANEL_MAX + 9
+    old = {"rows": r7, "k": 40, "n": 72, "dtype": "float32", "threads": torch.get_num_threads(), "aten_s": 1.0,
            "onednn_s": 2.0, "ratio": 0.5, "onednn": False}
-    onednn.seed_choices([old, {**old, "rows": 9, "act": "silu"}])
-    assert onednn.decided(7, 40, 72, torch.float32) is None  # no activation recorded: measured afresh
-    assert onednn.decided(9, 40, 72, torch.float32, "silu") is False
+    onednn.seed_choices([old, {**old, "rows": r9, "act": "silu"}])
+    assert onednn.decided(r7, 40, 72, torch.float32) is None  # no activation recorded: measured afresh
+    assert onednn.decided(r9, 40, 72, torch.float32, "silu") is False
 
 
 def test_calibration_times_every_packed_gemm_too():

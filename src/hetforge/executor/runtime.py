@@ -88,7 +88,7 @@ class ExecStats:
     gemv_groups: int = 0  # groups of one-row products of one input run as one hf_gemv_nk_multi call (e.g. q, k, v)
     native_ops: int = 0  # hetforge row ops (norms, rotary, decode attention) as one native call into the slice
     onednn_gemm: int = 0  # multi-row linears on oneDNN's packed kernel (executor/onednn.py; result not in the arena)
-    onednn_residual: int = 0  # residual adds taken by the packed product before them (oneDNN post-op, or MKL in place)
+    onednn_residual: int = 0  # residual adds the packed product before them took (oneDNN post-op, MKL, panel)
     native_residual: int = 0  # residual adds taken by the one-row native product before them (hf_gemv_res, ...)
     mkl_gemm: int = 0  # multi-row linears on MKL's packed sgemm (the other side of the oneDNN choice)
     panel_gemm: int = 0  # multi-row linears on the native panel GEMM (a short prompt's row counts)
