@@ -2760,6 +2760,13 @@ static void pa_transpose(void *p, long t) {
                                            _mm512_set1_epi32(16));
     for (long j0 = 0; j0 < a->sp; j0 += 16) {
         float *tile = kt + (j0 / PA_KB) * a->d * PA_KB + j0 % PA_KB;
+        /* the next 16 keys' rows, requested now: they lie a projection row apart (a fused qkv output's stride),
+         * which the hardware prefetchers do not follow, and their first loads stalled this pass (measured: 0.93x
+         * the attention's time at 128 and 512 rows, one-off in docs/arch/runtime.md; same bits) */
+        for (long r = j0 + 16; r < j0 + 32 && r < a->s; r++) {
+            const char *nr = K + r * a->ks[2] * esz;
+            for (long off = 0; off < a->d * esz; off += 64) _mm_prefetch(nr + off, _MM_HINT_T0);
+        }
         for (long c0 = 0; c0 < a->d; c0 += 16) {
             long nc = a->d - c0 < 16 ? a->d - c0 : 16;
             __mmask16 mk = (__mmask16)(nc == 16 ? 0xFFFF : (1u << nc) - 1);
