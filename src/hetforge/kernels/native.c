@@ -2761,7 +2761,7 @@ static void pa_transpose(void *p, long t) {
     for (long j0 = 0; j0 < a->sp; j0 += 16) {
         float *tile = kt + (j0 / PA_KB) * a->d * PA_KB + j0 % PA_KB;
         /* the next 16 keys' rows, requested now: they lie a projection row apart (a fused qkv output's stride),
-         * which the hardware prefetchers do not follow, and their first loads stalled this pass (measured: 0.93x
+         * which the hardware prefetchers do not follow, and their first loads stalled this pass (measured: 0.93-0.97x
          * the attention's time at 128 and 512 rows, one-off in docs/arch/runtime.md; same bits) */
         for (long r = j0 + 16; r < j0 + 32 && r < a->s; r++) {
             const char *nr = K + r * a->ks[2] * esz;
