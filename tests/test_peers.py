@@ -157,6 +157,31 @@ def test_compare_computes_ratios_and_targets():
     assert not any("bf16" in k for k in t)  # no hetforge-bf16 row: no bf16 target
 
 
+def test_each_target_lists_the_ratio_repeat_by_repeat_from_the_runs():
+    """Targets are judged on the medians; given the runs, each also carries hetforge ÷ that peer per repeat (the k-th
+    cold run of a system is its repeat k), leaving out a repeat either side failed, and the page prints them."""
+    from hetforge.benchmarks.worker import RunResult
+
+    def run(system: str, pre: float, status: str = "ok", mode: str = "cold") -> RunResult:
+        return RunResult(system=system, model=MODEL, mode=mode, status=status, prefill_ms=[pre - 2.0, pre, pre + 1.0],
+                         step_ms=[10.0])
+
+    runs = [run("hetforge", 90.0), run("ort", 100.0),  # repeat 1: 0.90
+            run("ort", 100.0, mode="warm"),  # a warm run is no repeat
+            run("ort", 80.0), run("hetforge", 96.0),  # repeat 2, order rotated: 1.20
+            run("hetforge", 50.0, status="failed"), run("ort", 70.0)]  # repeat 3: hetforge failed, left out
+    rows = harness.aggregate(runs, [MODEL], ["hetforge", "ort"])
+    x = compare(rows, runs)[0]["targets"]["prefill_ms_at_or_below_best_f32_peer"]
+    assert x["paired"] == pytest.approx([0.9, 1.2])
+    assert x["ratio"] == pytest.approx(93.0 / 80.0) and not x["met"]  # medians 93 (two runs) and 80 (three)
+    assert any("(1.16×; per repeat 0.90, 1.20)" in ln for ln in target_lines(compare(rows, runs)[0]))
+    # the same from a saved JSON's run dicts; without runs no pairs and no such text
+    assert compare(rows, [dataclasses.asdict(r) for r in runs])[0]["targets"]["prefill_ms_at_or_below_best_f32_peer"][
+        "paired"] == pytest.approx([0.9, 1.2])
+    assert compare(rows)[0]["targets"]["prefill_ms_at_or_below_best_f32_peer"]["paired"] == []
+    assert not any("per repeat" in ln for ln in target_lines(compare(rows)[0]))
+
+
 def test_compare_puts_hetforge_bf16_against_openvino_bf16_only():
     mk = lambda s, pre, prec: Row(MODEL, s, s, "ok", runs_ok=1, runs=1, precision=prec, prefill_ms=_stat(pre),
                                   step_ms=_stat(10.0))
@@ -191,7 +216,8 @@ def test_from_json_rerenders_the_page_with_targets_by_todays_rules(suite, tmp_pa
     assert res.exit_code == 0, res.output
     again = json.loads(paths["json"].read_text())
     assert again["rows"] == doc["rows"]  # nothing measured again
-    assert again["comparisons"] == json.loads(json.dumps(compare(load_json(paths["json"]).rows), default=str))
+    saved = load_json(paths["json"])
+    assert again["comparisons"] == json.loads(json.dumps(compare(saved.rows, saved.runs), default=str))
     assert "kept" in paths["markdown"].read_text()
 
 

@@ -283,7 +283,7 @@ def run_suite(cfg: SuiteConfig, progress: Callable[[str], None] | None = None, c
     return SuiteResult(
         config=asdict(cfg), machine=machine, command=with_env(command or _default_command()), started=started,
         seconds=time.perf_counter() - t_suite, rows=rows, runs=[r.to_dict() for r in runs],
-        comparisons=compare(rows), skipped=skipped, isolated=cfg.isolate,
+        comparisons=compare(rows, runs), skipped=skipped, isolated=cfg.isolate,
     )
 
 
@@ -392,8 +392,34 @@ def _prepares(row: Row) -> bool:
     return any(k != FIRST_CALLS and v is not None and v.median > 0 for k, v in row.stages.items())
 
 
-def compare(rows: list[Row]) -> list[dict]:
-    """Per model: hetforge ÷ each peer (median ÷ median) and the issue's targets, met or not."""
+def by_repeat(runs: list, model: str, system: str, metric: str) -> list[float | None]:
+    """``system``'s figure for ``metric`` on ``model`` in each of its cold runs, in run order (None where a run
+    failed): the k-th is its repeat k, since the suite runs repeat-major and a system it stops running (after
+    failing) is not run again. A list figure (per-call latencies) gives its median, as :func:`aggregate` does.
+    ``runs``: :class:`~hetforge.benchmarks.worker.RunResult` objects or their dicts (a saved JSON)."""
+    out: list[float | None] = []
+    for r in runs:
+        get = r.get if isinstance(r, dict) else (lambda k, r=r: getattr(r, k, None))
+        if get("model") != model or get("system") != system or get("mode") != "cold":
+            continue
+        v = get(metric) if get("status") == "ok" else None
+        out.append((statistics.median(v) if v else None) if isinstance(v, list) else v)
+    return out
+
+
+def paired(runs: list | None, model: str, mine: str, peer: str, metric: str) -> list[float]:
+    """``mine`` ÷ ``peer`` repeat by repeat (the two ran in the same round of the interleaved suite, so slow drift
+    of a shared host cancels), over the repeats both completed; empty without runs."""
+    if not runs:
+        return []
+    a, b = by_repeat(runs, model, mine, metric), by_repeat(runs, model, peer, metric)
+    return [x / y for x, y in zip(a, b, strict=False) if x is not None and y]
+
+
+def compare(rows: list[Row], runs: list | None = None) -> list[dict]:
+    """Per model: hetforge ÷ each peer (median ÷ median) and the issue's targets, met or not (judged on the medians);
+    with ``runs``, each target also lists the ratio repeat by repeat (:func:`paired`), which shows whether the
+    verdict held in every round."""
     out: list[dict] = []
     for model in dict.fromkeys(r.model for r in rows):
         mine = next((r for r in rows if r.model == model and r.system == "hetforge" and r.runs_ok), None)
@@ -433,21 +459,22 @@ def compare(rows: list[Row]) -> list[dict]:
                 mark = TARGET_MARKS.get(metric, 1.0)
                 entry["targets"][f"{metric}_at_or_below_best_f32_peer"] = {
                     "best_peer": best.system, "peer": bv, "hetforge": mv, "ratio": mv / bv, "mark": mark,
-                    "met": mv <= mark * bv}
+                    "met": mv <= mark * bv, "paired": paired(runs, model, "hetforge", best.system, metric)}
         w8 = next((r for r in rows if r.model == model and r.system == "hetforge-w8" and r.runs_ok), None)
         q8 = next((r for r in rows if r.model == model and r.system == "llamacpp-q8" and r.runs_ok), None)
         if w8 is not None and q8 is not None and w8.decode_ms_per_token and q8.decode_ms_per_token:
             mv, bv = w8.decode_ms_per_token.median, q8.decode_ms_per_token.median
             entry["targets"]["w8_decode_at_or_below_llamacpp_q8"] = {
-                "peer": bv, "hetforge": mv, "ratio": mv / bv, "met": mv <= bv}
+                "peer": bv, "hetforge": mv, "ratio": mv / bv, "met": mv <= bv,
+                "paired": paired(runs, model, "hetforge-w8", "llamacpp-q8", "decode_ms_per_token")}
         if mine.kl_max is not None:
             entry["targets"]["kl_le_1e-8"] = {"kl_max": mine.kl_max, "met": mine.kl_max <= 1e-8}
-        entry["targets"].update(_bf16_targets(rows, model))
+        entry["targets"].update(_bf16_targets(rows, model, runs))
         out.append(entry)
     return out
 
 
-def _bf16_targets(rows: list[Row], model: str) -> dict:
+def _bf16_targets(rows: list[Row], model: str, runs: list | None = None) -> dict:
     """hetforge at ``--precision bf16`` against the OpenVINO rows that ran in bf16 (median ÷ median), per metric,
     with hetforge-bf16's KL against fp32 eager reported beside (issue: at or below OpenVINO's bf16)."""
     mine = next((r for r in rows if r.model == model and r.system == "hetforge-bf16" and r.runs_ok), None)
@@ -464,7 +491,7 @@ def _bf16_targets(rows: list[Row], model: str) -> dict:
             bv = getattr(best, metric).median
             out[f"{metric}_bf16_at_or_below_openvino_bf16"] = {
                 "best_peer": best.system, "peer": bv, "hetforge": mv, "ratio": mv / bv, "met": mv <= bv,
-                "kl_max": mine.kl_max}
+                "kl_max": mine.kl_max, "paired": paired(runs, model, "hetforge-bf16", best.system, metric)}
     return out
 
 

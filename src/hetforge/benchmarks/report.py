@@ -96,6 +96,12 @@ def ratio_table(cmp: dict, rows: list[Row]) -> list[str]:
     return lines
 
 
+def _per_repeat(x: dict) -> str:
+    """``; per repeat a, b, …`` (:func:`hetforge.benchmarks.harness.paired`) where two or more repeats paired up."""
+    p = x.get("paired") or []
+    return f"; per repeat {', '.join(f'{v:.2f}' for v in p)}" if len(p) > 1 else ""
+
+
 def target_lines(cmp: dict) -> list[str]:
     t = cmp.get("targets", {})
     out = []
@@ -116,11 +122,11 @@ def target_lines(cmp: dict) -> list[str]:
             x = t[key]
             at = "" if x.get("mark", 1.0) == 1.0 else f"{x['mark']:.2f}× "
             out.append(f"- {name} at or below {at}the best f32 peer ({x['best_peer']}, {x['peer']:.1f} ms): hetforge "
-                       f"{x['hetforge']:.1f} ms ({x['ratio']:.2f}×) — {mark(x['met'])}")
+                       f"{x['hetforge']:.1f} ms ({x['ratio']:.2f}×{_per_repeat(x)}) — {mark(x['met'])}")
     if "w8_decode_at_or_below_llamacpp_q8" in t:
         x = t["w8_decode_at_or_below_llamacpp_q8"]
         out.append(f"- decode per token with 8-bit weights at or below llama.cpp Q8_0 ({x['peer']:.1f} ms): hetforge "
-                   f"--quantize w8 {x['hetforge']:.1f} ms ({x['ratio']:.2f}×) — {mark(x['met'])}")
+                   f"--quantize w8 {x['hetforge']:.1f} ms ({x['ratio']:.2f}×{_per_repeat(x)}) — {mark(x['met'])}")
     if "kl_le_1e-8" in t:
         x = t["kl_le_1e-8"]
         out.append(f"- fidelity KL ≤ 1e-8 at fp32: hetforge KL max {x['kl_max']:.1e} — {mark(x['met'])}")
@@ -130,8 +136,8 @@ def target_lines(cmp: dict) -> list[str]:
             x = t[key]
             kl = "—" if x["kl_max"] is None else f"{x['kl_max']:.1e}"
             out.append(f"- bf16 {name} at or below OpenVINO in bf16 ({x['best_peer']}, {x['peer']:.1f} ms): hetforge "
-                       f"--precision bf16 {x['hetforge']:.1f} ms ({x['ratio']:.2f}×, KL vs fp32 eager {kl}) — "
-                       f"{mark(x['met'])}")
+                       f"--precision bf16 {x['hetforge']:.1f} ms ({x['ratio']:.2f}×{_per_repeat(x)}; "
+                       f"KL vs fp32 eager {kl}) — {mark(x['met'])}")
     return out or ["- no hetforge figures to check against the targets"]
 
 
@@ -286,7 +292,7 @@ def rerender(path: Path, option: str = "--from-json") -> dict[str, Path]:
         raise UsageError(f"{option} {path}: no such file (give a JSON written by `hetforge bench peers --out-dir`)")
     try:
         res = load_json(path)
-        res.comparisons = compare(res.rows)
+        res.comparisons = compare(res.rows, res.runs)
     except (ValueError, KeyError, TypeError, AttributeError) as e:  # JSON of another shape (rows not objects, ...)
         first = str(e).splitlines()[0][:200] if str(e) else ""
         raise UsageError(f"{option} {path}: not a peers JSON ({type(e).__name__}: {first})") from None
