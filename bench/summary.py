@@ -1425,11 +1425,14 @@ def _still_open() -> list[str]:
              "prefill_ms_at_or_below_best_f32_peer": "fp32 prefill ≤ 0.95× the best peer",
              "kl_le_1e-8": "fp32 KL ≤ 1e-8",
              "step_ms_at_or_below_best_f32_peer": "the one-token forward (no cache) at or below the best peer",
-             "decode_ms_per_token_at_or_below_best_f32_peer": "decode at or below the best f32 peer of the peers page",
+             "decode_ms_per_token_at_or_below_best_f32_peer": "fp32 decode at or below the best f32 peer (on "
+             "peers_decode: llama.cpp f32 and OpenVINO's stateful model)",
+             "w8_decode_at_or_below_llamacpp_q8": "--quantize w8 decode at or below llama.cpp Q8_0",
              "prefill_ms_bf16_at_or_below_openvino_bf16": "bf16 prefill at or below OpenVINO bf16",
-             "step_ms_bf16_at_or_below_openvino_bf16": "the bf16 one-token forward at or below OpenVINO bf16"}
+             "step_ms_bf16_at_or_below_openvino_bf16": "the bf16 one-token forward at or below OpenVINO bf16",
+             "decode_ms_per_token_bf16_at_or_below_openvino_bf16": "bf16 decode at or below OpenVINO bf16"}
     missed: dict[str, list[str]] = {}
-    for page in ("peers.json", "peers_512.json"):
+    for page in ("peers.json", "peers_512.json", "peers_decode.json"):
         for c in load(page)["comparisons"].value:
             for key, t in (c.get("targets") or {}).items():
                 if isinstance(t, dict) and t.get("met") is False:
