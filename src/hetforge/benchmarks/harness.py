@@ -408,8 +408,8 @@ def by_repeat(runs: list, model: str, system: str, metric: str) -> list[float | 
 
 
 def paired(runs: list | None, model: str, mine: str, peer: str, metric: str) -> list[float]:
-    """``mine`` ÷ ``peer`` repeat by repeat (the two ran in the same round of the interleaved suite, so slow drift
-    of a shared host cancels), over the repeats both completed; empty without runs."""
+    """``mine`` ÷ ``peer`` repeat by repeat (the two ran in the same round of the interleaved suite: a shared host's
+    drift between rounds does not enter the ratio), over the repeats both completed; empty without runs."""
     if not runs:
         return []
     a, b = by_repeat(runs, model, mine, metric), by_repeat(runs, model, peer, metric)
