@@ -1327,9 +1327,9 @@ def why_we_lose(peers: J, kf: J) -> str:
   host: session 17 with the torch profiler, session 30 with the executor's per-instruction profile, 73.1 of
   76.8 ms), about 95% of gpt2's fp32 prefill at {seq} rows was oneDNN's GEMMs, the kernels OpenVINO runs too, at
   390–452 GFLOP/s against a 491 GFLOP/s square-GEMM peak; session 29 reported about 86% for gpt2's prefill-88 on
-  the Intel host. Session 31 timed each oneDNN call inside llama-110m's prefill-128 program (a one-off wrapper):
-  62.6 of 65.5 ms, its gated MLPs' 36 products 32.7 ms, as long as the same products took run back to back outside
-  a program; so no time is lost between the products. Issue 24's 0.95× target on the AMD EPYC and its GEMM-bound
+  the Intel host. Session 31 timed each oneDNN call inside a prefill program and found no time lost between the
+  products (a one-off; [arch/runtime.md](arch/runtime.md#prefill-products-inside-a-program-session-31) has the
+  figures). Issue 24's 0.95× target on the AMD EPYC and its GEMM-bound
   target need GEMMs faster than MKL's and oneDNN's on these shapes.
 - **Cold preparation:** hetforge exports two layers, runs the passes on them and stamps out the rest
   (`runtime/stamp.py`), builds the second program of a pair in a forked child, and packs the oneDNN weights

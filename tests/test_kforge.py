@@ -200,7 +200,7 @@ def gpu_relu(tmp_path_factory):
 
 # Why skipped: the cuda/triton platforms need a CUDA GPU to run a candidate at all; on a CPU-only host the same harness
 # (guards, timing, roofline flag) is tested on the CPU platform by the tests above, and bench/gpu_check.sh runs this
-# one on a GPU machine (it passed on an H200 in session 29).
+# one on a GPU machine.
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU on this host: GPU candidates cannot run here; the same harness is tested on the CPU platform above (bench/gpu_check.sh runs this on a GPU)")  # noqa: E501
 @pytest.mark.parametrize("name", ["cuda", "triton"])
 def test_gpu_candidate_runs_on_the_gpu_against_gpu_eager(gpu_relu, tmp_path, name):
@@ -210,6 +210,8 @@ def test_gpu_candidate_runs_on_the_gpu_against_gpu_eager(gpu_relu, tmp_path, nam
     assert ref.device == "cuda" and ref.peak_flops and ref.peak_flops > 1e12 and ref.bandwidth > 1e11
     pf = platforms.get(name)
     if not pf.available()[0]:
+        # Why skipped: a CUDA host without nvcc (cuda) or the triton package (triton) cannot build that platform's
+        # candidate; the other GPU platform's case and the CPU-platform tests still run there
         pytest.skip(f"this CUDA host lacks {name}'s toolchain (nvcc for cuda, the triton package for triton): the other GPU platform and the CPU tests still run")  # noqa: E501
     code = C.CUDA_RELU if name == "cuda" else C.TRITON_RELU
     att = harness.evaluate(p, code, pf, ref, tmp_path / name, cfg, 1e12, 1e12)
