@@ -40,7 +40,7 @@ def _case(m: int, k: int, n: int, weight_t: bool, seed: int):
 
 
 @settings(max_examples=40, deadline=None)
-@given(m=st.integers(1, 40), k=st.integers(1, 130), n=st.integers(1, 150), weight_t=st.booleans(),
+@given(m=st.integers(1, 140), k=st.integers(1, 130), n=st.integers(1, 150), weight_t=st.booleans(),
        with_bias=st.booleans(), seed=st.integers(0, 2**16))
 def test_panel_gemm_matches_a_float64_product_for_both_layouts_and_any_tail(m, k, n, weight_t, with_bias, seed):
     x, w, b = _case(m, k, n, weight_t, seed)
@@ -223,7 +223,7 @@ def test_the_panel_gemm_runs_in_a_forked_child_after_the_parent_used_the_team():
 
 
 @settings(max_examples=30, deadline=None)
-@given(m=st.integers(1, 40), k=st.integers(1, 100), n=st.integers(1, 120), act=st.sampled_from(ACTS),
+@given(m=st.integers(1, 140), k=st.integers(1, 100), n=st.integers(1, 120), act=st.sampled_from(ACTS),
        with_mul=st.booleans(), with_res=st.booleans(),
     seed=st.integers(0, 2**16))
 def test_panel_epilogue_matches_atens_ops_after_the_product(m, k, n, act, with_mul, with_res, seed):
@@ -265,3 +265,48 @@ def test_act_inplace_matches_atens_activation_then_mul(n, act, with_mul, seed):
     assert not strided.is_contiguous()
     native.act_inplace(strided, "gelu_tanh")
     assert torch.equal(strided, torch.ops.aten.gelu_(ref, approximate="tanh"))
+
+
+def test_many_panels_split_between_threads_give_the_same_bits_as_one_thread():
+    """43 panels (N = 2048) split into near-equal ranges for 2 and 3 threads: the float64 product within fp32
+    rounding, and the same bits as one thread (each output is one fixed chain whatever range holds its panel)."""
+    x, w, b = _case(20, 96, 2048, False, 3)
+    packed = native.pack_panels(w)
+    one = native.gemm_panel(x, packed, b, 2048, threads=1)
+    torch.testing.assert_close(one.double(), F.linear(x.double(), w.double(), b.double()), rtol=0, atol=1e-4)
+    for t in (2, 3):
+        assert torch.equal(native.gemm_panel(x, packed, b, 2048, threads=t), one)
+
+
+def _vm_flags(addr: int) -> set[str]:
+    """The VmFlags of the mapping of this process holding ``addr`` (from /proc/self/smaps)."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(v, 16) for v in head.split("-"))
+            inside = lo <= addr < hi
+        elif inside and head == "VmFlags:":
+            return set(line.split()[1:])
+    return set()
+
+
+# a kernel without transparent huge pages refuses the advice (huge_empty then returns a plain tensor)
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists() or not Path("/sys/kernel/mm/transparent_hugepage").exists(),
+                    reason="no /proc/self/smaps or no transparent huge pages in this kernel: the advice cannot be "
+                           "given or read back")
+def test_packed_panels_live_on_memory_advised_for_huge_pages(monkeypatch):
+    """pack_panels' buffer (huge_empty): starts on a 2 MiB boundary of a mapping the kernel marks as advised for
+    huge pages (VmFlags ``hg``), holds what was packed after the mapping's Python object is gone, and is a plain
+    tensor with HETFORGE_HUGE_PAGES=0 or below one huge page."""
+    w = torch.randn(3000, 512)  # 64 panels x 512 x 48 floats = 6 MiB
+    packed = native.pack_panels(w)
+    assert packed.data_ptr() % native.HUGE_PAGE == 0
+    assert "hg" in _vm_flags(packed.data_ptr())
+    x = torch.randn(5, 512)
+    torch.testing.assert_close(native.gemm_panel(x, packed, None, 3000), x @ w.t(), rtol=1e-5, atol=1e-4)
+    small = native.huge_empty(1000)
+    assert small.numel() == 1000 and "hg" not in _vm_flags(small.data_ptr())
+    monkeypatch.setenv("HETFORGE_HUGE_PAGES", "0")
+    plain = native.huge_empty(4 << 20)
+    assert plain.numel() == 4 << 20 and "hg" not in _vm_flags(plain.data_ptr())

@@ -3625,8 +3625,14 @@ int hf_gemm_few_kn(const float *w, const float *x, const float *bias, float *y, 
  *    all of it.
  * Each output element is one chain of fused multiply-adds from the bias in that stream-interleaved k order, on
  * the AVX-512 path and on the plain C one alike (fmaf), so a result does not depend on the path, the thread count
- * or the chunking. Chunks of HF_PCHUNK consecutive panels run on torch's OpenMP team (as the other multi-row
- * kernels, hf_run_team). */
+ * or the chunking. The first block starts the accumulators from the bias in registers (an earlier version first
+ * wrote the bias into every output row in a scalar pass before the products), a row
+ * group takes its epilogue (act, mul, res) right after its last block, while its sums are still in L1, and the
+ * panel's three k-row vectors are held in registers (left to itself the compiler re-read them from L1 in every
+ * row's multiply-add, 32 loads per 24 multiply-adds, which made the loop load-bound). The panels are split into
+ * nc contiguous ranges of near-equal length (nc a multiple of the thread count, about HF_PCHUNK panels each; fixed
+ * chunks of HF_PCHUNK left one thread 24 panels and the other 19 for N = 2048) run on torch's OpenMP team (as the
+ * other multi-row kernels, hf_run_team). */
 #define HF_PNB 48
 #define HF_PMR 8
 #define HF_PCHUNK 4
@@ -3644,12 +3650,13 @@ typedef struct {
     int act;                /* ACT_* applied to each sum (hf_epilogue_act), then */
     const float *mul, *res; /* times mul[r, c], then plus res[r, c] ([m, n] dense; NULL: none) */
     float *tail;            /* m x HF_PNB scratch for the last, partial panel when m > 64 (one chunk has it) */
+    long nc;                /* chunks: chunk c runs panels [c * np / nc, (c + 1) * np / nc) */
 } panel_ctx;
 
 /* act, mul and res on the sums of columns [c0, c0 + nv) held in out (ldo floats per row): the graph's
  * activation, a gated MLP's gate product and a residual add, in that order, each one fp32 op as ATen's. */
-static void panel_epilogue(const panel_ctx *a, float *out, long ldo, long c0, long nv) {
-    for (long r = 0; r < a->m; r++) {
+static void panel_epilogue(const panel_ctx *a, float *out, long ldo, long c0, long nv, long r0, long r1) {
+    for (long r = r0; r < r1; r++) {
         float *o = out + r * ldo;
         const float *mu = a->mul ? a->mul + r * a->n + c0 : 0, *re = a->res ? a->res + r * a->n + c0 : 0;
 #if defined(__AVX512F__)
@@ -3720,9 +3727,13 @@ void hf_pack_panels(const float *w, float *p, long n, long k, int weight_t, int 
  * decides its share of the prefetches (see the header above). The packed rows let every broadcast use a constant
  * offset and keep all 24 accumulators in registers. */
 static void panel_block(const float *xp, long k, long q, const float *pan, long i0, long i1, int mr, float *acc,
-                        long ldo, int g, int ng) {
+                        long ldo, int g, int ng, const float *init) {
 #if defined(__AVX512F__)
     __m512 a[HF_PMR][3];
+    if (init) {
+        __m512 i0v = _mm512_loadu_ps(init), i1v = _mm512_loadu_ps(init + 16), i2v = _mm512_loadu_ps(init + 32);
+        for (int r = 0; r < HF_PMR; r++) a[r][0] = i0v, a[r][1] = i1v, a[r][2] = i2v;
+    } else
     for (int r = 0; r < HF_PMR; r++) {
         int live = r < mr;
         a[r][0] = live ? _mm512_loadu_ps(acc + r * ldo) : _mm512_setzero_ps();
@@ -3744,6 +3755,7 @@ static void panel_block(const float *xp, long k, long q, const float *pan, long 
             }
             turn = turn + 1 == ng ? 0 : turn + 1;
             __m512 b0 = _mm512_loadu_ps(b), b1 = _mm512_loadu_ps(b + 16), b2 = _mm512_loadu_ps(b + 32);
+            __asm__("" : "+v"(b0), "+v"(b1), "+v"(b2)); /* keep B in registers: one load each, not one per row */
 #pragma GCC unroll 8
             for (int r = 0; r < HF_PMR; r++) {
                 __m512 xb = _mm512_set1_ps(xv[r]);
@@ -3763,7 +3775,7 @@ static void panel_block(const float *xp, long k, long q, const float *pan, long 
     (void)g, (void)ng;
     for (int r = 0; r < mr; r++)
         for (int c = 0; c < HF_PNB; c++) {
-            float v = acc[r * ldo + c];
+            float v = init ? init[c] : acc[r * ldo + c];
             for (long i = i0; i < i1; i++)
                 for (int s = 0; s < HF_PSTREAMS; s++) {
                     long kk = s * q + i;
@@ -3778,9 +3790,9 @@ static void panel_block(const float *xp, long k, long q, const float *pan, long 
 static void panel_chunk(void *ctx, long c) {
     const panel_ctx *a = ctx;
     long k = a->k, n = a->n, m = a->m, q = (k + HF_PSTREAMS - 1) / HF_PSTREAMS;
-    long j1 = (c + 1) * HF_PCHUNK < a->np ? (c + 1) * HF_PCHUNK : a->np;
+    long j0 = c * a->np / a->nc, j1 = (c + 1) * a->np / a->nc;
     float stack_tmp[64 * HF_PNB];
-    for (long j = c * HF_PCHUNK; j < j1; j++) {
+    for (long j = j0; j < j1; j++) {
         const float *pan = a->p + (size_t)j * k * HF_PNB;
         long c0 = j * HF_PNB, nv = n - c0 < HF_PNB ? n - c0 : HF_PNB;
         float *out = a->y + c0, *tmp = stack_tmp;
@@ -3789,18 +3801,19 @@ static void panel_chunk(void *ctx, long c) {
             if (m > 64) tmp = a->tail;
             out = tmp, ldo = HF_PNB;
         }
-        for (long r = 0; r < m; r++)
-            for (long cc = 0; cc < HF_PNB; cc++)
-                if (cc < nv || out == tmp) out[r * ldo + cc] = a->bias && cc < nv ? a->bias[c0 + cc] : 0.f;
-        int ng = (int)((m + HF_PMR - 1) / HF_PMR);
+        float binit[HF_PNB];
+        for (long cc = 0; cc < HF_PNB; cc++) binit[cc] = a->bias && cc < nv ? a->bias[c0 + cc] : 0.f;
+        int ng = (int)((m + HF_PMR - 1) / HF_PMR), epi = a->act || a->mul || a->res;
         for (long i0 = 0; i0 < q; i0 += HF_PKB) {
             long i1 = i0 + HF_PKB < q ? i0 + HF_PKB : q;
             for (long r0 = 0; r0 < m; r0 += HF_PMR) {
                 int mr = m - r0 < HF_PMR ? (int)(m - r0) : HF_PMR;
-                panel_block(a->x + r0 * k, k, q, pan, i0, i1, mr, out + r0 * ldo, ldo, (int)(r0 / HF_PMR), ng);
+                panel_block(a->x + r0 * k, k, q, pan, i0, i1, mr, out + r0 * ldo, ldo, (int)(r0 / HF_PMR), ng,
+                            i0 == 0 ? binit : 0);
+                if (epi && i1 == q) /* the group's final sums, still in L1: its epilogue now */
+                    panel_epilogue(a, out, ldo, c0, nv, r0, r0 + mr);
             }
         }
-        if (a->act || a->mul || a->res) panel_epilogue(a, out, ldo, c0, nv);
         if (nv < HF_PNB)
             for (long r = 0; r < m; r++) memcpy(a->y + r * n + c0, tmp + r * HF_PNB, (size_t)nv * sizeof(float));
     }
@@ -3831,8 +3844,10 @@ int hf_gemm_panel(const float *x, const float *p, const float *bias, float *y, l
         return -1;
     }
     panel_pack_x(x, xp, m, k);
-    panel_ctx a = {xp, p, bias, y, m, n, k, (n + HF_PNB - 1) / HF_PNB, act, mul, res, tail};
-    hf_run_team(panel_chunk, &a, (a.np + HF_PCHUNK - 1) / HF_PCHUNK, clamp_threads(threads));
+    threads = clamp_threads(threads);
+    long np = (n + HF_PNB - 1) / HF_PNB, nc = threads * ((np + threads * HF_PCHUNK - 1) / (threads * HF_PCHUNK));
+    panel_ctx a = {xp, p, bias, y, m, n, k, np, act, mul, res, tail, nc < np ? nc : np};
+    hf_run_team(panel_chunk, &a, a.nc, threads);
     free(xp), free(tail);
     return 0;
 }

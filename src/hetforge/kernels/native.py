@@ -16,11 +16,13 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import hashlib
+import mmap
 import os
 import platform
 import shutil
 import subprocess
 import tempfile
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -385,6 +387,33 @@ def panel_available() -> bool:
     return lib is not None and bool(lib.hf_panel_simd())
 
 
+HUGE_PAGE = 2 << 20  # the transparent huge page size asked for (x86-64's 2 MiB pages)
+
+
+def huge_empty(numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """An uninitialised 1-D CPU tensor of ``numel`` elements on memory asked to be backed by transparent huge pages
+    (a private anonymous mapping advised ``MADV_HUGEPAGE`` before its first touch, the tensor starting on a 2 MiB
+    boundary); a plain ``torch.empty`` where the system has no such advice or the mapping fails. Why: a packed
+    weight read from memory by the panel GEMM crosses a 4 KiB page every 21 k-rows of a panel, and the hardware
+    prefetchers stop at page boundaries, so with 4 KiB pages the products ran below their in-cache speed; on
+    huge pages they ran close to it (measured: docs/arch/runtime.md). The tensor keeps the mapping alive; the kernel
+    may still hand out 4 KiB pages (THP off, or no free huge page): same values, only slower."""
+    size = numel * torch.empty(0, dtype=dtype).element_size()
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    if advice is None or size < HUGE_PAGE or os.environ.get("HETFORGE_HUGE_PAGES", "1") == "0":
+        return torch.empty(numel, dtype=dtype)
+    try:
+        mm = mmap.mmap(-1, size + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        mm.madvise(advice)
+    except (OSError, ValueError):
+        return torch.empty(numel, dtype=dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # frombuffer warns about buffers it cannot see are writable
+        flat = torch.frombuffer(mm, dtype=torch.uint8)
+    skip = -flat.data_ptr() % HUGE_PAGE
+    return flat[skip:skip + size].view(dtype)
+
+
 def pack_panels(w: torch.Tensor, weight_t: bool = False, threads: int | None = None) -> torch.Tensor:
     """``w`` (fp32 ``[N, K]``, or ``[K, N]`` when ``weight_t``) packed for :func:`gemm_panel`: ``ceil(N / 48)``
     panels of ``K × 48`` floats (columns past N zero), as one flat tensor. The packing does not depend on the row
@@ -395,7 +424,7 @@ def pack_panels(w: torch.Tensor, weight_t: bool = False, threads: int | None = N
         raise ValueError(f"panel packing takes a contiguous 2-D float32 CPU weight, got {w.dtype} "
                          f"{tuple(w.shape)} on {w.device}")
     k, n = w.shape if weight_t else (w.shape[1], w.shape[0])
-    out = torch.empty(((n + PANEL_NB - 1) // PANEL_NB) * PANEL_NB * k, dtype=torch.float32)
+    out = huge_empty(((n + PANEL_NB - 1) // PANEL_NB) * PANEL_NB * k)
     lib.hf_pack_panels(w.data_ptr(), out.data_ptr(), n, k, int(weight_t),
                        max(1, torch.get_num_threads() if threads is None else threads))
     return out
