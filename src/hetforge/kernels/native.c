@@ -3819,14 +3819,55 @@ static void panel_chunk(void *ctx, long c) {
     }
 }
 
-/* X [m, k] into groups of HF_PMR rows, each k-row by k-row (xp[(g * k + kk) * HF_PMR + r]), rows past m zero. */
-static void panel_pack_x(const float *x, float *xp, long m, long k) {
-    for (long g = 0; g * HF_PMR < m; g++)
-        for (long kk = 0; kk < k; kk++)
-            for (int r = 0; r < HF_PMR; r++) {
-                long row = g * HF_PMR + r;
-                xp[(g * k + kk) * HF_PMR + r] = row < m ? x[row * k + kk] : 0.f;
-            }
+/* X [m, k] into groups of HF_PMR rows, each k-row by k-row (xp[(g * k + kk) * HF_PMR + r]), rows past m zero: one
+ * group per chunk on torch's OpenMP team, a full group's 8 x 8 blocks transposed in registers. Why: packed one
+ * element at a time by the calling thread alone, X's packing cost a narrow product (N = 768) about as much as a
+ * tenth of its arithmetic at 512 rows (its cost grows with m * k, the product's with m * k * n / threads). */
+typedef struct {
+    const float *x;
+    float *xp;
+    long m, k;
+} pack_x_ctx;
+
+static void panel_pack_group(void *ctx, long g) {
+    const pack_x_ctx *a = ctx;
+    long m = a->m, k = a->k, kk = 0;
+#if defined(__AVX2__) && HF_PMR == 8
+    if ((g + 1) * HF_PMR <= m) /* a full group: 8 x 8 blocks transposed in registers (the same values, moved) */
+        for (const float *x0 = a->x + g * HF_PMR * k; kk + 8 <= k; kk += 8) {
+            __m256 r0 = _mm256_loadu_ps(x0 + kk), r1 = _mm256_loadu_ps(x0 + k + kk),
+                   r2 = _mm256_loadu_ps(x0 + 2 * k + kk), r3 = _mm256_loadu_ps(x0 + 3 * k + kk),
+                   r4 = _mm256_loadu_ps(x0 + 4 * k + kk), r5 = _mm256_loadu_ps(x0 + 5 * k + kk),
+                   r6 = _mm256_loadu_ps(x0 + 6 * k + kk), r7 = _mm256_loadu_ps(x0 + 7 * k + kk);
+            __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1), t2 = _mm256_unpacklo_ps(r2, r3),
+                   t3 = _mm256_unpackhi_ps(r2, r3), t4 = _mm256_unpacklo_ps(r4, r5), t5 = _mm256_unpackhi_ps(r4, r5),
+                   t6 = _mm256_unpacklo_ps(r6, r7), t7 = _mm256_unpackhi_ps(r6, r7);
+            __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE),
+                   u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE),
+                   u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE),
+                   u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+            float *o = a->xp + (g * k + kk) * HF_PMR; /* column c of the block = k-row kk + c of the 8 rows */
+            _mm256_storeu_ps(o, _mm256_permute2f128_ps(u0, u4, 0x20));
+            _mm256_storeu_ps(o + 8, _mm256_permute2f128_ps(u1, u5, 0x20));
+            _mm256_storeu_ps(o + 16, _mm256_permute2f128_ps(u2, u6, 0x20));
+            _mm256_storeu_ps(o + 24, _mm256_permute2f128_ps(u3, u7, 0x20));
+            _mm256_storeu_ps(o + 32, _mm256_permute2f128_ps(u0, u4, 0x31));
+            _mm256_storeu_ps(o + 40, _mm256_permute2f128_ps(u1, u5, 0x31));
+            _mm256_storeu_ps(o + 48, _mm256_permute2f128_ps(u2, u6, 0x31));
+            _mm256_storeu_ps(o + 56, _mm256_permute2f128_ps(u3, u7, 0x31));
+        }
+#endif
+    for (; kk < k; kk++)
+        for (int r = 0; r < HF_PMR; r++) {
+            long row = g * HF_PMR + r;
+            a->xp[(g * k + kk) * HF_PMR + r] = row < m ? a->x[row * k + kk] : 0.f;
+        }
+}
+
+static void panel_pack_x(const float *x, float *xp, long m, long k, int threads) {
+    pack_x_ctx a = {x, xp, m, k};
+    long groups = (m + HF_PMR - 1) / HF_PMR;
+    hf_run_team(panel_pack_group, &a, groups, m * k >= 65536 ? threads : 1);
 }
 
 /* Y = X W^T + b on panels made by hf_pack_panels (b may be NULL), then the epilogue (panel_epilogue: act, times
@@ -3843,8 +3884,8 @@ int hf_gemm_panel(const float *x, const float *p, const float *bias, float *y, l
         free(xp), free(tail);
         return -1;
     }
-    panel_pack_x(x, xp, m, k);
     threads = clamp_threads(threads);
+    panel_pack_x(x, xp, m, k, threads);
     long np = (n + HF_PNB - 1) / HF_PNB, nc = threads * ((np + threads * HF_PCHUNK - 1) / (threads * HF_PCHUNK));
     panel_ctx a = {xp, p, bias, y, m, n, k, np, act, mul, res, tail, nc < np ? nc : np};
     hf_run_team(panel_chunk, &a, a.nc, threads);
