@@ -3820,9 +3820,10 @@ static void panel_chunk(void *ctx, long c) {
 }
 
 /* X [m, k] into groups of HF_PMR rows, each k-row by k-row (xp[(g * k + kk) * HF_PMR + r]), rows past m zero: one
- * group per chunk on torch's OpenMP team, a full group's 8 x 8 blocks transposed in registers. Why: packed one
- * element at a time by the calling thread alone, X's packing cost a narrow product (N = 768) about as much as a
- * tenth of its arithmetic at 512 rows (its cost grows with m * k, the product's with m * k * n / threads). */
+ * group per chunk on torch's OpenMP team, a full group's 8 x 8 blocks transposed in registers. Why: it was packed
+ * one element at a time by the calling thread alone while the other threads waited, and its cost grows with m * k
+ * where the product's grows with m * k * n / threads, so it weighed most on narrow products (N = 768) with many rows
+ * (measured before/after: docs/arch/runtime.md). */
 typedef struct {
     const float *x;
     float *xp;
