@@ -3706,7 +3706,15 @@ static void panel_pack_chunk(void *ctx, long j) {
             for (long c = nv; c < HF_PNB; c++) dst[kk * HF_PNB + c] = 0.f;
         }
     } else {
-        for (long c = 0; c < HF_PNB; c++) {
+        long c = 0, kb = 0;
+#if defined(__AVX2__)
+        kb = k - k % 8; /* k-rows [0, kb) of 8-column blocks by register transposes, the rest one by one below */
+        for (; c + 8 <= nv; c += 8)
+            for (long kk = 0; kk < kb; kk += 8) tr8x8(a->w + (size_t)(c0 + c) * k + kk, k, dst + kk * HF_PNB + c, HF_PNB);
+        for (long cb = 0; cb < c; cb++)
+            for (long kk = kb; kk < k; kk++) dst[kk * HF_PNB + cb] = a->w[(size_t)(c0 + cb) * k + kk];
+#endif
+        for (; c < HF_PNB; c++) {
             const float *src = a->w + (size_t)(c0 + c) * k;
             if (c < nv)
                 for (long kk = 0; kk < k; kk++) dst[kk * HF_PNB + c] = src[kk];
@@ -3835,28 +3843,8 @@ static void panel_pack_group(void *ctx, long g) {
     long m = a->m, k = a->k, kk = 0;
 #if defined(__AVX2__) && HF_PMR == 8
     if ((g + 1) * HF_PMR <= m) /* a full group: 8 x 8 blocks transposed in registers (the same values, moved) */
-        for (const float *x0 = a->x + g * HF_PMR * k; kk + 8 <= k; kk += 8) {
-            __m256 r0 = _mm256_loadu_ps(x0 + kk), r1 = _mm256_loadu_ps(x0 + k + kk),
-                   r2 = _mm256_loadu_ps(x0 + 2 * k + kk), r3 = _mm256_loadu_ps(x0 + 3 * k + kk),
-                   r4 = _mm256_loadu_ps(x0 + 4 * k + kk), r5 = _mm256_loadu_ps(x0 + 5 * k + kk),
-                   r6 = _mm256_loadu_ps(x0 + 6 * k + kk), r7 = _mm256_loadu_ps(x0 + 7 * k + kk);
-            __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1), t2 = _mm256_unpacklo_ps(r2, r3),
-                   t3 = _mm256_unpackhi_ps(r2, r3), t4 = _mm256_unpacklo_ps(r4, r5), t5 = _mm256_unpackhi_ps(r4, r5),
-                   t6 = _mm256_unpacklo_ps(r6, r7), t7 = _mm256_unpackhi_ps(r6, r7);
-            __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE),
-                   u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE),
-                   u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE),
-                   u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
-            float *o = a->xp + (g * k + kk) * HF_PMR; /* column c of the block = k-row kk + c of the 8 rows */
-            _mm256_storeu_ps(o, _mm256_permute2f128_ps(u0, u4, 0x20));
-            _mm256_storeu_ps(o + 8, _mm256_permute2f128_ps(u1, u5, 0x20));
-            _mm256_storeu_ps(o + 16, _mm256_permute2f128_ps(u2, u6, 0x20));
-            _mm256_storeu_ps(o + 24, _mm256_permute2f128_ps(u3, u7, 0x20));
-            _mm256_storeu_ps(o + 32, _mm256_permute2f128_ps(u0, u4, 0x31));
-            _mm256_storeu_ps(o + 40, _mm256_permute2f128_ps(u1, u5, 0x31));
-            _mm256_storeu_ps(o + 48, _mm256_permute2f128_ps(u2, u6, 0x31));
-            _mm256_storeu_ps(o + 56, _mm256_permute2f128_ps(u3, u7, 0x31));
-        }
+        for (const float *x0 = a->x + g * HF_PMR * k; kk + 8 <= k; kk += 8)
+            tr8x8(x0 + kk, k, a->xp + (g * k + kk) * HF_PMR, HF_PMR);
 #endif
     for (; kk < k; kk++)
         for (int r = 0; r < HF_PMR; r++) {
