@@ -10,8 +10,8 @@ The weight shapes are a **calibration** set, not any model hetforge is evaluated
 two families of one layer's four fp32 products (``[N, K]`` weights, each with a bias): ``d1024`` (1024→3072,
 1024→1024, 1024→4096, 4096→1024) and ``d2048`` (2048→6144, 2048→2048, 2048→5632, 5632→2048). The longest run of
 row counts at which the panel GEMM is the fastest kernel in both families (up to ``FEW_MAX`` rows the few-row
-kernel included) is what lowering sends to it (:data:`hetforge.kernels.native.PANEL_MIN` .. ``PANEL_MAX``, the
-range every host it was measured on agrees on).
+kernel included) is what lowering sends to it (:data:`hetforge.kernels.native.PANEL_MIN` .. ``PANEL_MAX``;
+docs/arch/runtime.md says which run and host set the current range).
 
 Kernels (all measured, wall clock, ``--threads`` threads): ATen's ``linear`` (the weight as stored), oneDNN's
 packed linear, MKL's packed sgemm (where this torch has it), the native panel GEMM (``hf_gemm_panel``), and up to

@@ -116,7 +116,7 @@ def test_a_multi_row_product_the_executor_kept_on_aten_uses_the_aten_keys(monkey
     from hetforge.kernels import native
 
     # rows above the panel GEMM's (which it takes by rule, known without measuring), below the rows<64 key: the
-    # rule's upper end (64) leaves no such row count, so this test narrows it to 32, as it was until session 32
+    # rule's upper end (128 since session 32) leaves no such row count, so this test narrows it to 32, as it was
     monkeypatch.setattr(native, "PANEL_MAX", 32)
     inputs = (torch.randn(1, native.PANEL_MAX + 8, 32),)
     res = compile_graph(capture(M(), inputs).gm, soc="host", example_inputs=inputs, passes=False)

@@ -398,7 +398,9 @@ def huge_empty(numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     weight read from memory by the panel GEMM crosses a 4 KiB page every 21 k-rows of a panel, and the hardware
     prefetchers stop at page boundaries, so with 4 KiB pages the products ran below their in-cache speed; on
     huge pages they ran close to it (measured: docs/arch/runtime.md). The tensor keeps the mapping alive; the kernel
-    may still hand out 4 KiB pages (THP off, or no free huge page): same values, only slower."""
+    may still hand out 4 KiB pages (THP off, or no free huge page): same values, only slower. The cost: fresh huge
+    pages are zeroed on first touch, which made packing a model's weights slower than into reused ordinary pages
+    (docs/arch/runtime.md)."""
     size = numel * torch.empty(0, dtype=dtype).element_size()
     advice = getattr(mmap, "MADV_HUGEPAGE", None)
     if advice is None or size < HUGE_PAGE or os.environ.get("HETFORGE_HUGE_PAGES", "1") == "0":
