@@ -2761,8 +2761,8 @@ static void pa_transpose(void *p, long t) {
     for (long j0 = 0; j0 < a->sp; j0 += 16) {
         float *tile = kt + (j0 / PA_KB) * a->d * PA_KB + j0 % PA_KB;
         /* the next 16 keys' rows, requested now: they lie a projection row apart (a fused qkv output's stride),
-         * which the hardware prefetchers do not follow, and their first loads stalled this pass (measured: 0.93-0.97x
-         * the attention's time at 128 and 512 rows, one-off in docs/arch/runtime.md; same bits) */
+         * which the hardware prefetchers do not follow, and their first loads stalled this pass (the before/after
+         * is in docs/arch/runtime.md; same bits) */
         for (long r = j0 + 16; r < j0 + 32 && r < a->s; r++) {
             const char *nr = K + r * a->ks[2] * esz;
             for (long off = 0; off < a->d * esz; off += 64) _mm_prefetch(nr + off, _MM_HINT_T0);
