@@ -269,6 +269,54 @@ def test_cleanup_before_expected():
     torch.testing.assert_close(out(x), module(x))
 
 
+class EmptyPastCat(nn.Module):
+    """A cache's empty past before the new keys, as Hugging Face's cache writes it in a forward without a cache:
+    ``torch.tensor([])`` (the legacy 1-D empty form, which cat skips) and an empty [1, 2, 0, 4] tensor."""
+
+    def forward(self, k):
+        legacy = torch.cat([torch.tensor([]), k.transpose(1, 2)], dim=-2)
+        shaped = torch.cat([torch.zeros(1, 2, 0, 4), k.transpose(1, 2)], dim=-2)
+        return legacy * 2, shaped + 1
+
+
+def test_cleanup_drops_a_cat_whose_other_operands_are_empty_before_expected():
+    module, k = EmptyPastCat().eval(), _x(1, 3, 2, 4)
+    gm = capture(module, (k,)).gm
+    before = graph_text(gm)
+    assert before.count("aten::cat(") == 2
+    out = cleanup(gm).gm
+    assert graph_text(out) == _listing("""
+        %0 = aten::lift_fresh_copy(@lifted_tensor_0)
+        %1 = aten::detach_(%0)
+        %2 = aten::transpose.int(%x0, 1, 2)
+        %3 = aten::transpose.int(%x0, 1, 2)
+        %4 = aten::mul.Tensor(%2, 2)
+        %5 = aten::add.Tensor(%3, 1)
+        return (%4, %5)""")  # the legacy empty tensor's in-place detach_ stays (dead-code elimination keeps writes)
+    torch.testing.assert_close(out(k), module(k))
+
+
+@pytest.mark.parametrize("inplace", [True, False])
+def test_cleanup_keeps_a_cat_of_one_real_operand_only_when_a_write_into_its_result_follows(inplace):
+    """Dropping the cat would make an in-place add after it write into the operand's memory, so then it stays; the
+    same graph with an out-of-place add loses it. (torch.export functionalizes such a write away, so the graph is
+    built by hand, with real tensors as the nodes' values.)"""
+    aten = torch.ops.aten
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    e = g.call_function(aten.zeros.default, ([0, 4],))
+    c = g.call_function(aten.cat.default, ([e, x], 0))
+    a = g.call_function(aten.add_.Tensor if inplace else aten.add.Tensor, (c, 1))
+    g.output(a)
+    k = _x(3, 4)
+    for n, v in ((x, k), (e, torch.zeros(0, 4)), (c, k.clone()), (a, k + 1)):
+        n.meta["val"] = v
+    out = cleanup(torch.fx.GraphModule(nn.Module(), g)).gm
+    cats = sum(1 for n in out.graph.nodes if n.target is aten.cat.default)
+    assert cats == (1 if inplace else 0)
+    torch.testing.assert_close(out(k.clone()), k + 1)
+
+
 def test_graph_text_tells_graphs_apart():
     """The listing is a real comparison: a different literal, input order or op gives a different text."""
     a = capture(LinearAct().eval(), (_x(2, 5, 16),)).gm

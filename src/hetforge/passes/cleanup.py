@@ -3,7 +3,9 @@
 Removed (each use rewired to the node's input): eval-mode or p=0 dropout; ``aten.to`` to the dtype/device
 the tensor already has; ``aten.alias``/``detach``; ``contiguous`` of an already-contiguous tensor;
 ``view``/``reshape``/``expand`` to the input's own shape; ``_assert_tensor_metadata`` (an export-time check
-with no output). All of these return their input (or an alias of it), so removing them is exact. Dropout in
+with no output); a ``cat`` whose other operands are all empty along its dimension (a cache's empty past before
+the new keys, in a forward without a cache), replaced by its one real operand when nothing writes into the
+result. All of these return their input, an alias of it or a copy of its values, so removing them is exact. Dropout in
 training mode is random and stays (reported as a near-miss).
 """
 
@@ -43,9 +45,44 @@ def _is_identity_to(n: Node) -> bool:
     return x.dtype == out.dtype and x.device == out.device and x.layout == out.layout and x.shape == out.shape
 
 
+def _mutates(n: Node) -> bool:
+    """Whether ``n`` writes into one of its inputs (an in-place or out= ATen op)."""
+    schema = getattr(n.target, "_schema", None)
+    return n.op == "call_function" and (schema is None or schema.is_mutable)
+
+
+def _cat_of_one(n: Node) -> Node | None:
+    """The one operand of a ``cat`` whose other operands are all empty along the cat dimension (e.g. a KV cache's
+    empty past concatenated with the new keys in a forward without a cache), when it has the cat's shape and dtype
+    and nothing downstream writes into the result (which would then write into the operand's memory)."""
+    if n.target is not aten.cat.default or not isinstance(n.args[0], (list, tuple)):
+        return None
+    out = tval(n)
+    if out is None:
+        return None
+    dim = n.args[1] if len(n.args) > 1 else n.kwargs.get("dim", 0)
+    kept = []
+    for a in n.args[0]:
+        v = tval(a)
+        if not isinstance(a, Node) or v is None:
+            return None
+        empty = (v.dim() == 1 and v.shape[0] == 0) or (v.dim() == out.dim() and v.shape[dim] == 0)
+        if not empty:  # (cat skips a 1-D empty tensor of any other rank: the legacy empty-past form)
+            kept.append((a, v))
+    if len(kept) != 1:
+        return None
+    a, v = kept[0]
+    if tuple(v.shape) != tuple(out.shape) or v.dtype != out.dtype or v.device != out.device:
+        return None
+    return None if any(_mutates(u) for u in n.users) else a
+
+
 def _removal(n: Node) -> tuple[str, Node] | str | None:
     """(kind, replacement) when ``n`` can go, a near-miss reason string, or None when it is not a candidate."""
     t = n.target
+    if t is aten.cat.default:
+        one = _cat_of_one(n)
+        return ("cat_of_one", one) if one is not None else None
     if t in _DROPOUTS:
         p = scalar(n.args[1]) if len(n.args) > 1 else 0.0
         train = n.args[2] if len(n.args) > 2 else n.kwargs.get("train", True)
