@@ -1,7 +1,7 @@
 """Pass 1, cleanup: drop nodes that compute nothing in inference, then dead-code elimination.
 
 Removed (each use rewired to the node's input): eval-mode or p=0 dropout; ``aten.to`` to the dtype/device
-the tensor already has; ``aten.alias``/``detach``; ``contiguous`` of an already-contiguous tensor;
+the tensor already has; ``aten.alias``/``detach``/``detach_``; ``contiguous`` of an already-contiguous tensor;
 ``view``/``reshape``/``expand`` to the input's own shape; ``_assert_tensor_metadata`` (an export-time check
 with no output); a ``cat`` whose other operands are all empty along its dimension (a cache's empty past before
 the new keys, in a forward without a cache), replaced by its one real operand when nothing writes into the
@@ -25,7 +25,8 @@ from hetforge.passes.common import (
 )
 
 _DROPOUTS = (aten.dropout.default, aten.feature_dropout.default, aten.alpha_dropout.default)
-_ALIASES = (aten.alias.default, aten.detach.default, aten.lift_fresh.default)
+# detach_ writes only autograd metadata (no values), so in an inference graph it too is its input
+_ALIASES = (aten.alias.default, aten.detach.default, aten.detach_.default, aten.lift_fresh.default)
 _SAME_SHAPE = (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default)
 _ASSERTS = (aten._assert_tensor_metadata.default,)
 _TO = (aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten._to_copy.default)
