@@ -294,25 +294,37 @@ def test_cleanup_drops_a_cat_whose_other_operands_are_empty_before_expected():
     torch.testing.assert_close(out(k), module(k))
 
 
-@pytest.mark.parametrize("inplace", [True, False])
-def test_cleanup_keeps_a_cat_of_one_real_operand_only_when_a_write_into_its_result_follows(inplace):
-    """Dropping the cat would make an in-place add after it write into the operand's memory, so then it stays; the
-    same graph with an out-of-place add loses it. (torch.export functionalizes such a write away, so the graph is
-    built by hand, with real tensors as the nodes' values.)"""
+@pytest.mark.parametrize("after", ["add", "add_", "view+add_", "returned"])
+def test_cleanup_keeps_a_cat_of_one_real_operand_only_when_its_result_is_written_or_returned(after):
+    """Dropping the cat would make an in-place add after it (directly or through a view) write into the operand's
+    memory, here the graph's input, and returning it would hand the caller that input: then it stays; with an
+    out-of-place add it goes. (torch.export functionalizes such writes away, so the graph is built by hand, with
+    real tensors as the nodes' values.)"""
     aten = torch.ops.aten
     g = torch.fx.Graph()
     x = g.placeholder("x")
     e = g.call_function(aten.zeros.default, ([0, 4],))
     c = g.call_function(aten.cat.default, ([e, x], 0))
-    a = g.call_function(aten.add_.Tensor if inplace else aten.add.Tensor, (c, 1))
-    g.output(a)
     k = _x(3, 4)
-    for n, v in ((x, k), (e, torch.zeros(0, 4)), (c, k.clone()), (a, k + 1)):
+    vals = [(x, k), (e, torch.zeros(0, 4)), (c, k.clone())]
+    if after == "returned":
+        g.output(c)
+    else:
+        src = c
+        if after == "view+add_":
+            src = g.call_function(aten.view.default, (c, [12]))
+            vals.append((src, k.reshape(12)))
+        a = g.call_function(aten.add.Tensor if after == "add" else aten.add_.Tensor, (src, 1))
+        vals.append((a, (k + 1).reshape(src is c and (3, 4) or (12,))))
+        g.output(a)
+    for n, v in vals:
         n.meta["val"] = v
     out = cleanup(torch.fx.GraphModule(nn.Module(), g)).gm
     cats = sum(1 for n in out.graph.nodes if n.target is aten.cat.default)
-    assert cats == (1 if inplace else 0)
-    torch.testing.assert_close(out(k.clone()), k + 1)
+    assert cats == (0 if after == "add" else 1)
+    kin = k.clone()
+    torch.testing.assert_close(out(kin).reshape(3, 4), k if after == "returned" else k + 1)
+    assert torch.equal(kin, k)  # the input is never written
 
 
 def test_graph_text_tells_graphs_apart():

@@ -5,8 +5,8 @@ the tensor already has; ``aten.alias``/``detach``/``detach_``; ``contiguous`` of
 ``view``/``reshape``/``expand`` to the input's own shape; ``_assert_tensor_metadata`` (an export-time check
 with no output); a ``cat`` whose other operands are all empty along its dimension (a cache's empty past before
 the new keys, in a forward without a cache), replaced by its one real operand when nothing writes into the
-result. All of these return their input, an alias of it or a copy of its values, so removing them is exact. Dropout in
-training mode is random and stays (reported as a near-miss).
+result and the graph does not return it. All of these return their input, an alias of it or a copy of its
+values, so removing them is exact. Dropout in training mode is random and stays (reported as a near-miss).
 """
 
 from __future__ import annotations
@@ -47,15 +47,37 @@ def _is_identity_to(n: Node) -> bool:
 
 
 def _mutates(n: Node) -> bool:
-    """Whether ``n`` writes into one of its inputs (an in-place or out= ATen op)."""
+    """Whether ``n`` may write into one of its inputs (an in-place or out= op; a call without a schema counts)."""
     schema = getattr(n.target, "_schema", None)
     return n.op == "call_function" and (schema is None or schema.is_mutable)
 
 
+def _is_view(n: Node) -> bool:
+    """Whether ``n``'s result shares its input's memory (an ATen view: its schema's return aliases an input)."""
+    schema = getattr(n.target, "_schema", None)
+    return n.op == "call_function" and schema is not None and not schema.is_mutable and any(
+        r.alias_info is not None for r in schema.returns)
+
+
+def _written_or_returned(n: Node) -> bool:
+    """Whether anything writes into ``n``'s result, directly or through views of it, or the graph returns it or such
+    a view (the caller would then get the operand's memory, perhaps an input's, instead of a new tensor)."""
+    stack, seen = [n], {n}
+    while stack:
+        for u in stack.pop().users:
+            if u.op == "output" or _mutates(u):
+                return True
+            if _is_view(u) and u not in seen:
+                seen.add(u)
+                stack.append(u)
+    return False
+
+
 def _cat_of_one(n: Node) -> Node | None:
     """The one operand of a ``cat`` whose other operands are all empty along the cat dimension (e.g. a KV cache's
-    empty past concatenated with the new keys in a forward without a cache), when it has the cat's shape and dtype
-    and nothing downstream writes into the result (which would then write into the operand's memory)."""
+    empty past concatenated with the new keys in a forward without a cache), when it has the cat's shape and dtype,
+    nothing writes into the result (which would then write into the operand's memory) and the graph does not return
+    it (see :func:`_written_or_returned`)."""
     if n.target is not aten.cat.default or not isinstance(n.args[0], (list, tuple)):
         return None
     out = tval(n)
@@ -75,7 +97,7 @@ def _cat_of_one(n: Node) -> Node | None:
     a, v = kept[0]
     if tuple(v.shape) != tuple(out.shape) or v.dtype != out.dtype or v.device != out.device:
         return None
-    return None if any(_mutates(u) for u in n.users) else a
+    return None if _written_or_returned(n) else a
 
 
 def _removal(n: Node) -> tuple[str, Node] | str | None:
