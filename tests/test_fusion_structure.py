@@ -270,8 +270,9 @@ def test_cleanup_before_expected():
 
 
 class EmptyPastCat(nn.Module):
-    """A cache's empty past before the new keys, as Hugging Face's cache writes it in a forward without a cache:
-    ``torch.tensor([])`` (the legacy 1-D empty form, which cat skips) and an empty [1, 2, 0, 4] tensor."""
+    """A cache's empty past before the new keys, as Hugging Face's cache writes it in a plain forward (no
+    ``use_cache=False``): ``torch.tensor([])`` (the legacy 1-D empty form, which cat skips) and an empty [1, 2, 0, 4]
+    tensor."""
 
     def forward(self, k):
         legacy = torch.cat([torch.tensor([]), k.transpose(1, 2)], dim=-2)

@@ -4,8 +4,8 @@ Removed (each use rewired to the node's input): eval-mode or p=0 dropout; ``aten
 the tensor already has; ``aten.alias``/``detach``/``detach_``; ``contiguous`` of an already-contiguous tensor;
 ``view``/``reshape``/``expand`` to the input's own shape; ``_assert_tensor_metadata`` (an export-time check
 with no output); a ``cat`` whose other operands are all empty along its dimension (a cache's empty past before
-the new keys, in a forward without a cache), replaced by its one real operand when nothing writes into the
-result and the graph does not return it. All of these return their input, an alias of it or a copy of its
+the new keys, in a plain forward that builds a cache), replaced by its one real operand when nothing writes into
+the result and the graph does not return it. All of these return their input, an alias of it or a copy of its
 values, so removing them is exact. Dropout in training mode is random and stays (reported as a near-miss).
 """
 
@@ -75,9 +75,9 @@ def _written_or_returned(n: Node) -> bool:
 
 def _cat_of_one(n: Node) -> Node | None:
     """The one operand of a ``cat`` whose other operands are all empty along the cat dimension (e.g. a KV cache's
-    empty past concatenated with the new keys in a forward without a cache), when it has the cat's shape and dtype,
-    nothing writes into the result (which would then write into the operand's memory) and the graph does not return
-    it (see :func:`_written_or_returned`)."""
+    empty past concatenated with the new keys in a plain forward that builds a cache), when it has the cat's shape
+    and dtype, nothing writes into the result (which would then write into the operand's memory) and the graph does
+    not return it (see :func:`_written_or_returned`)."""
     if n.target is not aten.cat.default or not isinstance(n.args[0], (list, tuple)):
         return None
     out = tval(n)
