@@ -20,6 +20,7 @@ from hetforge.passes.common import (
     Rewrite,
     aten,
     graph_pass,
+    may_write,
     scalar,
     tval,
 )
@@ -47,9 +48,9 @@ def _is_identity_to(n: Node) -> bool:
 
 
 def _mutates(n: Node) -> bool:
-    """Whether ``n`` may write into one of its inputs (an in-place or out= op; a call without a schema counts)."""
-    schema = getattr(n.target, "_schema", None)
-    return n.op == "call_function" and (schema is None or schema.is_mutable)
+    """Whether ``n`` may write into one of its inputs (:func:`may_write`; here a call of anything but an op with a
+    schema counts too: nothing says it does not write)."""
+    return may_write(n) or (n.op == "call_function" and not isinstance(n.target, torch._ops.OpOverload))
 
 
 def _is_view(n: Node) -> bool:

@@ -159,12 +159,16 @@ def erase_unused(gm: GraphModule, nodes: Iterable[Node]) -> None:
                 changed = True
 
 
+def may_write(n: Node) -> bool:
+    """Whether ``n`` is an ATen/library op that may write into its arguments (in-place ops such as ``div_``)."""
+    return n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable
+
+
 def mutated_nodes(gm: GraphModule) -> set[Node]:
-    """Nodes passed to an op that may write into its arguments (in-place ops such as ``div_``)."""
+    """Nodes passed to an op that may write into its arguments (:func:`may_write`)."""
     out: set[Node] = set()
     for n in gm.graph.nodes:
-        t = n.target
-        if n.op == "call_function" and isinstance(t, torch._ops.OpOverload) and t._schema.is_mutable:
+        if may_write(n):
             out.update(n.all_input_nodes)
     return out
 
