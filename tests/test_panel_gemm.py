@@ -68,6 +68,14 @@ def test_panel_gemm_keeps_the_leading_dimensions_and_refuses_what_does_not_fit()
         native.pack_panels(w.to(torch.bfloat16))
 
 
+def test_panel_gemm_with_no_k_rows_gives_the_bias_in_every_row():
+    """K = 0: no products, so every row is the bias (zeros without one), not whatever the output memory held."""
+    w, b, x = torch.zeros(50, 0), torch.randn(50), torch.zeros(3, 0)
+    packed = native.pack_panels(w)
+    assert torch.equal(native.gemm_panel(x, packed, b, 50), b.expand(3, 50))
+    assert torch.equal(native.gemm_panel(x, packed, None, 50), torch.zeros(3, 50))
+
+
 @functools.cache
 def _plain_library(tmp: str):
     """native.c built without ``-march=native`` (the plain C path), loaded beside the real library."""
@@ -94,7 +102,9 @@ def test_the_plain_c_path_gives_the_same_bits_as_the_vector_path(tmp_path_factor
         pytest.skip("no C compiler (cc or gcc) on PATH to build the plain, non-AVX-512 copy of the native kernels "
                     "that this test compares against; the loaded kernels are tested by the other tests here")
     assert lib.hf_panel_simd() == 0
-    for m, k, n, weight_t in [(16, 96, 100, False), (19, 70, 48, True), (3, 5, 7, False)]:
+    # (141, 517, 97): two row blocks of the 128-row scratch (128 + 13), five k-blocks, a k tail and a
+    # partial last panel
+    for m, k, n, weight_t in [(16, 96, 100, False), (19, 70, 48, True), (3, 5, 7, False), (141, 517, 97, False)]:
         x, w, b = _case(m, k, n, weight_t, m)
         packed = native.pack_panels(w, weight_t)
         plain_packed = torch.empty_like(packed)

@@ -3619,10 +3619,11 @@ int hf_gemm_few_kn(const float *w, const float *x, const float *bias, float *y, 
  *    (which alone prefetched before, so the later groups ran from L1 with memory idle: the same products took
  *    1.12-1.20x the time at 16-32 rows over 1024/4096-wide weights read from memory, a one-off in
  *    docs/arch/runtime.md);
- *  - once from memory for every row count: the k-rows are taken in blocks of HF_PKB steps (12 KiB of panel), and
+ *  - once from memory for every row count: the k-rows are taken in blocks of HF_PKB steps (24 KiB of panel), and
  *    every HF_PMR-row group of X runs over a block while it is in L1 (8 x 48 accumulators in registers, saved to
- *    the output between blocks), so a second row group no longer re-reads the panel after the first has streamed
- *    all of it.
+ *    a contiguous scratch between blocks: panel_chunk), so a second row group no longer re-reads the panel after
+ *    the first has streamed all of it. Blocks of 32 steps rather than 16 halve the accumulators' saves and
+ *    reloads (1-2% on 128-row products of the calibration shapes, level at 32 rows; docs/arch/runtime.md).
  * Each output element is one chain of fused multiply-adds from the bias in that stream-interleaved k order, on
  * the AVX-512 path and on the plain C one alike (fmaf), so a result does not depend on the path, the thread count
  * or the chunking. The first block starts the accumulators from the bias in registers (an earlier version first
@@ -3637,8 +3638,9 @@ int hf_gemm_few_kn(const float *w, const float *x, const float *bias, float *y, 
 #define HF_PMR 8
 #define HF_PCHUNK 4
 #define HF_PSTREAMS 4
-#define HF_PKB 16
+#define HF_PKB 32
 #define HF_PPF 2048
+#define HF_PSUP 128
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -3649,34 +3651,8 @@ typedef struct {
     long m, n, k, np;
     int act;                /* ACT_* applied to each sum (hf_epilogue_act), then */
     const float *mul, *res; /* times mul[r, c], then plus res[r, c] ([m, n] dense; NULL: none) */
-    float *tail;            /* m x HF_PNB scratch for the last, partial panel when m > 64 (one chunk has it) */
     long nc;                /* chunks: chunk c runs panels [c * np / nc, (c + 1) * np / nc) */
 } panel_ctx;
-
-/* act, mul and res on the sums of columns [c0, c0 + nv) held in out (ldo floats per row): the graph's
- * activation, a gated MLP's gate product and a residual add, in that order, each one fp32 op as ATen's. */
-static void panel_epilogue(const panel_ctx *a, float *out, long ldo, long c0, long nv, long r0, long r1) {
-    for (long r = r0; r < r1; r++) {
-        float *o = out + r * ldo;
-        const float *mu = a->mul ? a->mul + r * a->n + c0 : 0, *re = a->res ? a->res + r * a->n + c0 : 0;
-#if defined(__AVX512F__)
-        for (long c = 0; c < nv; c += 16) {
-            __mmask16 mk = mask16(nv - c);
-            __m512 v = act16(_mm512_maskz_loadu_ps(mk, o + c), a->act);
-            if (mu) v = _mm512_mul_ps(v, _mm512_maskz_loadu_ps(mk, mu + c));
-            if (re) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mk, re + c));
-            _mm512_mask_storeu_ps(o + c, mk, v);
-        }
-#else
-        for (long c = 0; c < nv; c++) {
-            float v = act_of(o[c], a->act);
-            if (mu) v = v * mu[c];
-            if (re) v = v + re[c];
-            o[c] = v;
-        }
-#endif
-    }
-}
 
 /* Whether this build has the vector path (the plain C path is for correctness, not speed). */
 int hf_panel_simd(void) {
@@ -3748,25 +3724,37 @@ static void panel_block(const float *xp, long k, long q, const float *pan, long 
         a[r][1] = live ? _mm512_loadu_ps(acc + r * ldo + 16) : _mm512_setzero_ps();
         a[r][2] = live ? _mm512_loadu_ps(acc + r * ldo + 32) : _mm512_setzero_ps();
     }
-    int turn = 0; /* this group prefetches the k-rows where turn == g (turn counts steps modulo ng) */
+    /* Which steps prefetch: this group takes the steps i = i0 + g, i0 + g + ng, ... (every step when ng is 1),
+     * each for all the streams' k-rows, so the groups between them cover the next block once; a counter, not a
+     * modulo, and nothing kept across the streams (a counter carried from stream to stream lived on the stack and
+     * made every step wait on a store and reload of it). */
+    long pfi = i0 + g;
+    const long pfo = ng == 1 ? HF_PPF : HF_PKB * HF_PNB * (long)sizeof(float);
+    const long sb = q * HF_PNB, sx = q * HF_PMR; /* one stream's k-rows to the next's, in floats */
+    const long full = k - (HF_PSTREAMS - 1) * q; /* steps i < full have a k-row in every stream */
     for (long i = i0; i < i1; i++) {
-        for (int s = 0; s < HF_PSTREAMS; s++) {
-            long kk = s * q + i;
-            if (kk >= k) break;
-            const float *b = pan + kk * HF_PNB, *xv = xp + kk * HF_PMR;
-            if (turn == g) {
-                /* one group: HF_PPF bytes ahead; several: this stream's k-row of the next block */
-                const char *f = ng == 1 ? (const char *)b + HF_PPF : (const char *)(b + HF_PKB * HF_PNB);
+        const float *b = pan + i * HF_PNB, *xv = xp + i * HF_PMR;
+        int ns = HF_PSTREAMS;
+        if (i >= full)
+            for (ns = 0; ns < HF_PSTREAMS && ns * q + i < k; ns++) {}
+        if (i == pfi) {
+            for (int s = 0; s < ns; s++) {
+                const char *f = (const char *)(b + s * sb) + pfo;
                 _mm_prefetch(f, _MM_HINT_T0);
                 _mm_prefetch(f + 64, _MM_HINT_T0);
                 _mm_prefetch(f + 128, _MM_HINT_T0);
             }
-            turn = turn + 1 == ng ? 0 : turn + 1;
-            __m512 b0 = _mm512_loadu_ps(b), b1 = _mm512_loadu_ps(b + 16), b2 = _mm512_loadu_ps(b + 32);
+            pfi += ng;
+        }
+#pragma GCC unroll 4
+        for (int s = 0; s < HF_PSTREAMS; s++) {
+            if (s >= ns) break;
+            const float *bs = b + s * sb, *xs = xv + s * sx;
+            __m512 b0 = _mm512_loadu_ps(bs), b1 = _mm512_loadu_ps(bs + 16), b2 = _mm512_loadu_ps(bs + 32);
             __asm__("" : "+v"(b0), "+v"(b1), "+v"(b2)); /* keep B in registers: one load each, not one per row */
 #pragma GCC unroll 8
             for (int r = 0; r < HF_PMR; r++) {
-                __m512 xb = _mm512_set1_ps(xv[r]);
+                __m512 xb = _mm512_set1_ps(xs[r]);
                 a[r][0] = _mm512_fmadd_ps(xb, b0, a[r][0]);
                 a[r][1] = _mm512_fmadd_ps(xb, b1, a[r][1]);
                 a[r][2] = _mm512_fmadd_ps(xb, b2, a[r][2]);
@@ -3795,35 +3783,61 @@ static void panel_block(const float *xp, long k, long q, const float *pan, long 
 #endif
 }
 
+/* The sums of rows [r0, r1) in acc (HF_PNB floats per row, row r0 first) through the epilogue (act, mul, res) into
+ * Y's columns [c0, c0 + nv): the graph's activation, a gated MLP's gate product and a residual add, in that order,
+ * each one fp32 op as ATen's. */
+static void panel_store(const panel_ctx *a, const float *acc, long c0, long nv, long r0, long r1) {
+    for (long r = r0; r < r1; r++) {
+        const float *o = acc + (r - r0) * HF_PNB;
+        float *y = a->y + r * a->n + c0;
+        const float *mu = a->mul ? a->mul + r * a->n + c0 : 0, *re = a->res ? a->res + r * a->n + c0 : 0;
+#if defined(__AVX512F__)
+        for (long c = 0; c < nv; c += 16) {
+            __mmask16 mk = mask16(nv - c);
+            __m512 v = act16(_mm512_loadu_ps(o + c), a->act);
+            if (mu) v = _mm512_mul_ps(v, _mm512_maskz_loadu_ps(mk, mu + c));
+            if (re) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mk, re + c));
+            _mm512_mask_storeu_ps(y + c, mk, v);
+        }
+#else
+        for (long c = 0; c < nv; c++) {
+            float v = act_of(o[c], a->act);
+            if (mu) v = v * mu[c];
+            if (re) v = v + re[c];
+            y[c] = v;
+        }
+#endif
+    }
+}
+
+/* Chunk c's panels. The sums of up to HF_PSUP rows are kept in one contiguous scratch on the stack (HF_PNB floats a
+ * row) while the k-blocks run, and go through the epilogue into Y after a row group's last block: summed in place
+ * in Y instead, the row groups' sums sat n floats apart, which for N a multiple of 1024 put every row's sums in the
+ * same few L1 sets (evicted to L2 between blocks) and made the last, partial panel need a scratch of its own. */
 static void panel_chunk(void *ctx, long c) {
     const panel_ctx *a = ctx;
     long k = a->k, n = a->n, m = a->m, q = (k + HF_PSTREAMS - 1) / HF_PSTREAMS;
     long j0 = c * a->np / a->nc, j1 = (c + 1) * a->np / a->nc;
-    float stack_tmp[64 * HF_PNB];
+    float tmp[HF_PSUP * HF_PNB] __attribute__((aligned(64)));
     for (long j = j0; j < j1; j++) {
         const float *pan = a->p + (size_t)j * k * HF_PNB;
         long c0 = j * HF_PNB, nv = n - c0 < HF_PNB ? n - c0 : HF_PNB;
-        float *out = a->y + c0, *tmp = stack_tmp;
-        long ldo = n;
-        if (nv < HF_PNB) { /* the last, partial panel: its rows are summed in a scratch of m x HF_PNB */
-            if (m > 64) tmp = a->tail;
-            out = tmp, ldo = HF_PNB;
-        }
         float binit[HF_PNB];
         for (long cc = 0; cc < HF_PNB; cc++) binit[cc] = a->bias && cc < nv ? a->bias[c0 + cc] : 0.f;
-        int ng = (int)((m + HF_PMR - 1) / HF_PMR), epi = a->act || a->mul || a->res;
-        for (long i0 = 0; i0 < q; i0 += HF_PKB) {
-            long i1 = i0 + HF_PKB < q ? i0 + HF_PKB : q;
-            for (long r0 = 0; r0 < m; r0 += HF_PMR) {
-                int mr = m - r0 < HF_PMR ? (int)(m - r0) : HF_PMR;
-                panel_block(a->x + r0 * k, k, q, pan, i0, i1, mr, out + r0 * ldo, ldo, (int)(r0 / HF_PMR), ng,
-                            i0 == 0 ? binit : 0);
-                if (epi && i1 == q) /* the group's final sums, still in L1: its epilogue now */
-                    panel_epilogue(a, out, ldo, c0, nv, r0, r0 + mr);
+        for (long s0 = 0; s0 < m; s0 += HF_PSUP) {
+            long ms = m - s0 < HF_PSUP ? m - s0 : HF_PSUP;
+            int ng = (int)((ms + HF_PMR - 1) / HF_PMR);
+            for (long i0 = 0; i0 == 0 || i0 < q; i0 += HF_PKB) { /* once with no steps when k is 0: the bias */
+                long i1 = i0 + HF_PKB < q ? i0 + HF_PKB : q;
+                for (long r0 = 0; r0 < ms; r0 += HF_PMR) {
+                    int mr = ms - r0 < HF_PMR ? (int)(ms - r0) : HF_PMR;
+                    panel_block(a->x + (s0 + r0) * k, k, q, pan, i0, i1, mr, tmp + r0 * HF_PNB, HF_PNB,
+                                (int)(r0 / HF_PMR), ng, i0 == 0 ? binit : 0);
+                    if (i1 == q) /* the group's final sums, still in L1: through the epilogue into Y now */
+                        panel_store(a, tmp + r0 * HF_PNB, c0, nv, s0 + r0, s0 + r0 + mr);
+                }
             }
         }
-        if (nv < HF_PNB)
-            for (long r = 0; r < m; r++) memcpy(a->y + r * n + c0, tmp + r * HF_PNB, (size_t)nv * sizeof(float));
     }
 }
 
@@ -3859,25 +3873,21 @@ static void panel_pack_x(const float *x, float *xp, long m, long k, int threads)
     hf_run_team(panel_pack_group, &a, groups, m * k >= 65536 ? threads : 1);
 }
 
-/* Y = X W^T + b on panels made by hf_pack_panels (b may be NULL), then the epilogue (panel_epilogue: act, times
+/* Y = X W^T + b on panels made by hf_pack_panels (b may be NULL), then the epilogue (panel_store: act, times
  * mul, plus res; act 0 and NULLs for none). X [m, k], Y, mul and res [m, n] dense rows. Returns -1 (nothing done)
- * when its scratch (X's packed rows; the partial panel's sums above 64 rows) cannot be had, -2 for an act the epilogue does not have, else 0. */
+ * when its scratch (X's packed rows) cannot be had, -2 for an act the epilogue does not have, else 0. */
 int hf_gemm_panel(const float *x, const float *p, const float *bias, float *y, long m, long n, long k, int threads,
                   int act, const float *mul, const float *res) {
     if (!hf_epilogue_act(act)) return -2;
     if (m < 1 || n < 1) return 0;
     long groups = (m + HF_PMR - 1) / HF_PMR;
     float *xp = malloc((size_t)groups * HF_PMR * (k > 0 ? k : 1) * sizeof(float));
-    float *tail = n % HF_PNB && m > 64 ? malloc((size_t)m * HF_PNB * sizeof(float)) : 0;
-    if (!xp || (n % HF_PNB && m > 64 && !tail)) {
-        free(xp), free(tail);
-        return -1;
-    }
+    if (!xp) return -1;
     threads = clamp_threads(threads);
     panel_pack_x(x, xp, m, k, threads);
     long np = (n + HF_PNB - 1) / HF_PNB, nc = threads * ((np + threads * HF_PCHUNK - 1) / (threads * HF_PCHUNK));
-    panel_ctx a = {xp, p, bias, y, m, n, k, np, act, mul, res, tail, nc < np ? nc : np};
+    panel_ctx a = {xp, p, bias, y, m, n, k, np, act, mul, res, nc < np ? nc : np};
     hf_run_team(panel_chunk, &a, a.nc, threads);
-    free(xp), free(tail);
+    free(xp);
     return 0;
 }

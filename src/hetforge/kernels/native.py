@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import hashlib
+import math
 import mmap
 import os
 import platform
@@ -520,11 +521,11 @@ def gemm_panel(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
     y = torch.empty((*x.shape[:-1], n), dtype=torch.float32)
     code, mp, rp, after = _epilogue(tuple(y.shape), torch.float32, act, mul, res)
     rc = library().hf_gemm_panel(x.data_ptr(), packed.data_ptr(), _ptr(bias), y.data_ptr(),
-                                 x.numel() // max(k, 1), n, k, max(1, torch.get_num_threads() if threads is None
+                                 math.prod(x.shape[:-1]), n, k, max(1, torch.get_num_threads() if threads is None
                                                                    else threads), code, mp, rp)
     if rc != 0:
         raise (MemoryError if rc == -1 else ValueError)(
-            "hf_gemm_panel: " + ("cannot allocate its scratch (the input's packed rows, the partial panel's sums)"
+            "hf_gemm_panel: " + ("cannot allocate its scratch (the input's packed rows)"
                                  if rc == -1 else f"activation code {code} not in its epilogue"))
     for step in after:
         step(y)
