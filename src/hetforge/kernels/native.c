@@ -1159,6 +1159,7 @@ static void q8a_dot4(const int8_t *const *w, const int8_t *xq, const float *xd, 
             __m512 dv = _mm512_loadu_ps(xd8 + b * 8);
 #define HF_Q8A_VNNI_ROW(j, aj)                                                                                     \
     {                                                                                                          \
+        HF_PREFETCH(w[j] + b * 32);                                                                            \
         __m512i wv = _mm512_loadu_si512((const void *)(w[j] + b * 32));                                        \
         __m512i sx = _mm512_mask_sub_epi8(xv, _mm512_movepi8_mask(wv), z, xv);                                 \
         __m512i s = _mm512_dpbusd_epi32(z, _mm512_abs_epi8(wv), sx);                                           \
@@ -1180,6 +1181,7 @@ static void q8a_dot4(const int8_t *const *w, const int8_t *xq, const float *xd, 
             __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + b * 32));
             __m256 dv = _mm256_loadu_ps(xd8 + b * 8);
             for (int j = 0; j < 4; j++) {
+                if (b % 2 == 0) HF_PREFETCH(w[j] + b * 32); /* one request per 64-byte line, as above */
                 __m256i wv = _mm256_loadu_si256((const __m256i *)(w[j] + b * 32));
                 __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv));
                 __m256 f = _mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones));
