@@ -20,6 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hetforge.compile import compile_graph
+from hetforge.executor import onednn as onednn_exec
 from hetforge.frontend import capture
 from hetforge.kernels import native, onednn
 from hetforge.models.zoo import example_inputs, load_model
@@ -162,6 +163,44 @@ def test_executor_runs_a_short_prompts_linears_on_the_panel_gemm_within_kl_1e8(n
     first = exe(*inputs).clone()
     exe(*inputs)
     torch.testing.assert_close(exe(*inputs), first, rtol=0, atol=0)
+
+
+def test_panel_gemm_multi_gives_each_product_the_bits_of_its_own_call():
+    """One call for several weights of one input (X packed once, their panels split between the threads as one
+    list): each result has gemm_panel's bits for that weight alone, whatever the thread count, also with a weight
+    of no outputs, partial last panels, a K tail and more rows than one 128-row block."""
+    for m, k, ns in [(24, 96, [96, 96, 96]), (17, 70, [100, 5, 48, 49]), (141, 517, [97, 30]), (9, 40, [0, 50])]:
+        g = torch.Generator().manual_seed(m + k)
+        x = torch.randn(m, k, generator=g)
+        packs = [native.pack_panels(torch.randn(n, k, generator=g)) for n in ns]
+        biases = [torch.randn(n, generator=g) if i % 2 == 0 else None for i, n in enumerate(ns)]
+        got = native.gemm_panel_multi(x, packs, biases, ns)
+        assert [tuple(y.shape) for y in got] == [(m, n) for n in ns]
+        for y, pk, b, n in zip(got, packs, biases, ns, strict=True):
+            assert torch.equal(y, native.gemm_panel(x, pk, b, n))
+        for y, y1 in zip(got, native.gemm_panel_multi(x, packs, biases, ns, threads=1), strict=True):
+            assert torch.equal(y, y1)
+    with pytest.raises(ValueError, match="1..4 weights"):
+        native.gemm_panel_multi(x, packs * 3, biases * 3, ns * 3)  # six weights
+    with pytest.raises(ValueError, match="does not fit"):
+        native.gemm_panel_multi(x[:, :-1].contiguous(), packs, biases, ns)
+
+
+@needs_simd
+def test_a_layers_q_k_v_products_run_as_one_panel_call_with_the_same_bits(monkeypatch):
+    """Llama-style q, k and v projections of one input (three weights) run as one gemm_panel_multi call per layer,
+    and the program's logits are bit-equal to the program with each product on its own call."""
+    monkeypatch.delenv("HETFORGE_GEMM", raising=False)
+    module, inputs, cg = _captured("llama-tiny", 24)
+    monkeypatch.setenv(onednn_exec.PANEL_MULTI_ENV, "0")
+    apart = compile_graph(cg.gm, soc="host", example_inputs=inputs, name="qkv-apart").executable
+    monkeypatch.setenv(onednn_exec.PANEL_MULTI_ENV, "1")
+    grouped = compile_graph(cg.gm, soc="host", example_inputs=inputs, name="qkv-grouped").executable
+    layers = _loaded("llama-tiny").model.config.num_hidden_layers
+    assert apart.stats.panel_groups == 0 and grouped.stats.panel_groups == layers  # one group (q, k, v) a layer
+    assert grouped.stats.panel_gemm == apart.stats.panel_gemm
+    assert torch.equal(grouped(*inputs), apart(*inputs))
+    assert verify(module, grouped, inputs, kl_threshold=1e-8).passed
 
 
 @needs_simd

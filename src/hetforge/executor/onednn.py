@@ -87,6 +87,69 @@ def residual_adds(cg, takes, fits=None) -> tuple[dict[int, Reg], dict[int, int]]
     return product, fused
 
 
+PANEL_MULTI_ENV = "HETFORGE_PANEL_MULTI"  # "0": every panel-GEMM product runs as its own call
+
+
+def panel_groups(cg) -> dict[int, tuple[int, int, list]]:
+    """Products on the native panel GEMM that read the same input register (a layer's q, k and v projections), with
+    no activation, gated MLP or residual add of their own, in program order, cut into groups of
+    2..:data:`hetforge.kernels.native.PANEL_SEG`: each group runs as one ``gemm_panel_multi`` call where its first
+    product stands (X packed once, one fork of the team; every result bit-equal to its own call). Computing the
+    later ones early is sound: their input is the same register, their weights and biases constants, their results
+    fresh tensors. Not grouped: a group with an in-place instruction between its members. Returns member id →
+    (first member's id, its index in the group, the group)."""
+    p = cg.p
+    if os.environ.get(PANEL_MULTI_ENV, "1") == "0":
+        return {}
+    pos = {ins.id: i for i, ins in enumerate(p.instrs)}
+    inplace = [i for i, ins in enumerate(p.instrs) if ins.kind == INPLACE]
+    by_x: dict[tuple[int, object], list] = {}
+    for ins in p.instrs:
+        if cg.kernels.get(ins.id) != "onednn" or len(ins.outputs) != 1 or ins.id in cg.residual:
+            continue
+        ops = onednn_operands(ins)
+        if ops is None:
+            continue
+        x, _, _, _, act, gate = ops
+        rows, k, n = ins.attrs[ONEDNN_ATTR]
+        if act != "none" or gate is not None or not isinstance(x, Reg) \
+                or pick(rows, k, n, p.values[x.id].dtype, act=act) != "panel":
+            continue
+        by_x.setdefault((x.id, cg.dm[ins.device]), []).append(ins)
+    groups: dict[int, tuple[int, int, list]] = {}
+    for members in by_x.values():
+        for i in range(0, len(members), native.PANEL_SEG):
+            g = members[i:i + native.PANEL_SEG]
+            lo, hi = pos[g[0].id], pos[g[-1].id]
+            if len(g) > 1 and not any(lo < j < hi for j in inplace):
+                for idx, m in enumerate(g):
+                    groups[m.id] = (g[0].id, idx, g)
+    return groups
+
+
+def _panel_group_line(cg, ins, o: int, dev: torch.device, weight, bias) -> str:
+    """The line of a grouped panel-GEMM product (:func:`panel_groups`): at the first member, the one call for the
+    whole group, its results held in a local tuple; at every member, its result bound from that tuple (dropped
+    after the last)."""
+    first, idx, group = cg.panel_group_of[ins.id]
+    held = f"_pg{first}"
+    bind = f"r{o} = {held}[{idx}]" + (f"; {held} = None" if idx == len(group) - 1 else "")
+    cg.stats.panel_gemm += 1
+    if idx:
+        return bind
+    rows = ins.attrs[ONEDNN_ATTR][0]
+    pks, bs, ns = [], [], []
+    for m in group:
+        x, w, b, wt, _, _ = onednn_operands(m)
+        wten = weight(w)
+        pks.append(cg.const(LazyPacked(wten, wt, rows, "panel"), "pk") + ".get()")
+        bs.append(bias(b))
+        ns.append(int(wten.shape[1] if wt else wten.shape[0]))
+    call = cg.const(native.gemm_panel_multi, "gemm")
+    cg.stats.panel_groups += 1
+    return f"{held} = {call}(r{x.id}, ({', '.join(pks)},), ({', '.join(bs)},), {tuple(ns)!r}); {bind}"
+
+
 def codegen_line(cg, ins, o: int, dev: torch.device) -> str:
     """The executor's line for an instruction lowering made a oneDNN candidate and :func:`chosen` took.
 
@@ -101,6 +164,8 @@ def codegen_line(cg, ins, o: int, dev: torch.device) -> str:
     def bias(a) -> str:
         return "None" if a is None else cg.const(weight(a), "bias")
 
+    if ins.id in cg.panel_group_of:  # one call for the products of this input (panel_groups)
+        return _panel_group_line(cg, ins, o, dev, weight, bias)
     xs, bs, wten = f"r{x.id}", bias(b), weight(w)
     res = cg.residual.get(ins.id)  # the residual add this product takes (residual_adds)
     if res is not None:

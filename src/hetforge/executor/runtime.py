@@ -92,6 +92,7 @@ class ExecStats:
     native_residual: int = 0  # residual adds taken by the one-row native product before them (hf_gemv_res, ...)
     mkl_gemm: int = 0  # multi-row linears on MKL's packed sgemm (the other side of the oneDNN choice)
     panel_gemm: int = 0  # multi-row linears on the native panel GEMM (a short prompt's row counts)
+    panel_groups: int = 0  # groups of panel-GEMM products of one input run as one gemm_panel_multi call (q, k, v)
     amx_gemm: int = 0  # multi-row bf16 linears on the native AMX kernel (hf_gemm_amx_bf16)
     composed_views: int = 0  # views of oneDNN results made in one as_strided step (or not at all) per call
     copy_into: int = 0  # copy-like op done as slice.copy_(input)
@@ -133,6 +134,9 @@ class _Codegen:
         self.readers = p.consumers()  # value id → ids of the instructions reading it
         self.by_id = p.instr_by_id()
         self.residual, self.fused_adds = onednn.residual_adds(self, lambda g: onednn.takes_residual(self, g))
+        # panel-GEMM products of one input run as one call at the first (onednn.panel_groups): member id → (first
+        # member's id, index, group)
+        self.panel_group_of = onednn.panel_groups(self) if mode != "fast" else {}
         self.dense: set[int] = set()  # registers that hold a fresh dense tensor each call (oneDNN results)
         self.heads_last_views: dict[int, torch.Tensor] = {}  # transpose instruction id → its static result
         # views of oneDNN results made in one step from the result: register → (root register, a meta tensor

@@ -3647,13 +3647,17 @@ int hf_gemm_few_kn(const float *w, const float *x, const float *bias, float *y, 
 #include <immintrin.h>
 #endif
 
+#define HF_PSEG 4 /* products of one input in one call at most (hf_gemm_panel_multi) */
 typedef struct {
-    const float *x, *p, *bias;
-    float *y;
-    long m, n, k, np;
+    const float *x;         /* X packed (panel_pack_x) */
+    long m, k, np;          /* np: the panels of all the segments */
+    int nseg;               /* segment s: a weight's panels p[s] (global panels [j0[s], j0[s + 1])), its bias and Y */
+    const float *p[HF_PSEG], *bias[HF_PSEG];
+    float *y[HF_PSEG];
+    long n[HF_PSEG], j0[HF_PSEG + 1];
     int act;                /* ACT_* applied to each sum (hf_epilogue_act), then */
-    const float *mul, *res; /* times mul[r, c], then plus res[r, c] ([m, n] dense; NULL: none) */
-    long nc;                /* chunks: chunk c runs panels [c * np / nc, (c + 1) * np / nc) */
+    const float *mul, *res; /* times mul[r, c], then plus res[r, c] ([m, n] dense; NULL: none; one segment only) */
+    long nc;                /* chunks: chunk c runs global panels [c * np / nc, (c + 1) * np / nc) */
 } panel_ctx;
 
 /* Whether this build has the vector path (the plain C path is for correctness, not speed). */
@@ -3788,11 +3792,12 @@ static void panel_block(const float *xp, long k, long q, const float *pan, long 
 /* The sums of rows [r0, r1) in acc (HF_PNB floats per row, row r0 first) through the epilogue (act, mul, res) into
  * Y's columns [c0, c0 + nv): the graph's activation, a gated MLP's gate product and a residual add, in that order,
  * each one fp32 op as ATen's. */
-static void panel_store(const panel_ctx *a, const float *acc, long c0, long nv, long r0, long r1) {
+static void panel_store(const panel_ctx *a, int sg, const float *acc, long c0, long nv, long r0, long r1) {
+    long n = a->n[sg];
     for (long r = r0; r < r1; r++) {
         const float *o = acc + (r - r0) * HF_PNB;
-        float *y = a->y + r * a->n + c0;
-        const float *mu = a->mul ? a->mul + r * a->n + c0 : 0, *re = a->res ? a->res + r * a->n + c0 : 0;
+        float *y = a->y[sg] + r * n + c0;
+        const float *mu = a->mul ? a->mul + r * n + c0 : 0, *re = a->res ? a->res + r * n + c0 : 0;
 #if defined(__AVX512F__)
         for (long c = 0; c < nv; c += 16) {
             __mmask16 mk = mask16(nv - c);
@@ -3818,14 +3823,17 @@ static void panel_store(const panel_ctx *a, const float *acc, long c0, long nv, 
  * same few L1 sets (evicted to L2 between blocks) and made the last, partial panel need a scratch of its own. */
 static void panel_chunk(void *ctx, long c) {
     const panel_ctx *a = ctx;
-    long k = a->k, n = a->n, m = a->m, q = (k + HF_PSTREAMS - 1) / HF_PSTREAMS;
+    long k = a->k, m = a->m, q = (k + HF_PSTREAMS - 1) / HF_PSTREAMS;
     long j0 = c * a->np / a->nc, j1 = (c + 1) * a->np / a->nc;
     float tmp[HF_PSUP * HF_PNB] __attribute__((aligned(64)));
+    int sg = 0;
     for (long j = j0; j < j1; j++) {
-        const float *pan = a->p + (size_t)j * k * HF_PNB;
-        long c0 = j * HF_PNB, nv = n - c0 < HF_PNB ? n - c0 : HF_PNB;
+        while (j >= a->j0[sg + 1]) sg++; /* the segment (weight) global panel j belongs to */
+        long jl = j - a->j0[sg], n = a->n[sg];
+        const float *pan = a->p[sg] + (size_t)jl * k * HF_PNB, *bias = a->bias[sg];
+        long c0 = jl * HF_PNB, nv = n - c0 < HF_PNB ? n - c0 : HF_PNB;
         float binit[HF_PNB];
-        for (long cc = 0; cc < HF_PNB; cc++) binit[cc] = a->bias && cc < nv ? a->bias[c0 + cc] : 0.f;
+        for (long cc = 0; cc < HF_PNB; cc++) binit[cc] = bias && cc < nv ? bias[c0 + cc] : 0.f;
         for (long s0 = 0; s0 < m; s0 += HF_PSUP) {
             long ms = m - s0 < HF_PSUP ? m - s0 : HF_PSUP;
             int ng = (int)((ms + HF_PMR - 1) / HF_PMR);
@@ -3836,7 +3844,7 @@ static void panel_chunk(void *ctx, long c) {
                     panel_block(a->x + (s0 + r0) * k, k, q, pan, i0, i1, mr, tmp + r0 * HF_PNB, HF_PNB,
                                 (int)(r0 / HF_PMR), ng, i0 == 0 ? binit : 0);
                     if (i1 == q) /* the group's final sums, still in L1: through the epilogue into Y now */
-                        panel_store(a, tmp + r0 * HF_PNB, c0, nv, s0 + r0, s0 + r0 + mr);
+                        panel_store(a, sg, tmp + r0 * HF_PNB, c0, nv, s0 + r0, s0 + r0 + mr);
                 }
             }
         }
@@ -3875,6 +3883,19 @@ static void panel_pack_x(const float *x, float *xp, long m, long k, int threads)
     hf_run_team(panel_pack_group, &a, groups, m * k >= 65536 ? threads : 1);
 }
 
+static int panel_run(panel_ctx *a, const float *x, int threads) {
+    long m = a->m, k = a->k, groups = (m + HF_PMR - 1) / HF_PMR;
+    float *xp = malloc((size_t)groups * HF_PMR * (k > 0 ? k : 1) * sizeof(float));
+    if (!xp) return -1;
+    threads = clamp_threads(threads);
+    panel_pack_x(x, xp, m, k, threads);
+    long np = a->j0[a->nseg], nc = threads * ((np + threads * HF_PCHUNK - 1) / (threads * HF_PCHUNK));
+    a->x = xp, a->np = np, a->nc = nc < np ? nc : np;
+    hf_run_team(panel_chunk, a, a->nc, threads);
+    free(xp);
+    return 0;
+}
+
 /* Y = X W^T + b on panels made by hf_pack_panels (b may be NULL), then the epilogue (panel_store: act, times
  * mul, plus res; act 0 and NULLs for none). X [m, k], Y, mul and res [m, n] dense rows. Returns -1 (nothing done)
  * when its scratch (X's packed rows) cannot be had, -2 for an act the epilogue does not have, else 0. */
@@ -3882,14 +3903,27 @@ int hf_gemm_panel(const float *x, const float *p, const float *bias, float *y, l
                   int act, const float *mul, const float *res) {
     if (!hf_epilogue_act(act)) return -2;
     if (m < 1 || n < 1) return 0;
-    long groups = (m + HF_PMR - 1) / HF_PMR;
-    float *xp = malloc((size_t)groups * HF_PMR * (k > 0 ? k : 1) * sizeof(float));
-    if (!xp) return -1;
-    threads = clamp_threads(threads);
-    panel_pack_x(x, xp, m, k, threads);
-    long np = (n + HF_PNB - 1) / HF_PNB, nc = threads * ((np + threads * HF_PCHUNK - 1) / (threads * HF_PCHUNK));
-    panel_ctx a = {xp, p, bias, y, m, n, k, np, act, mul, res, nc < np ? nc : np};
-    hf_run_team(panel_chunk, &a, a.nc, threads);
-    free(xp);
-    return 0;
+    panel_ctx a = {0};
+    a.m = m, a.k = k, a.nseg = 1, a.p[0] = p, a.bias[0] = bias, a.y[0] = y, a.n[0] = n;
+    a.j0[1] = (n + HF_PNB - 1) / HF_PNB, a.act = act, a.mul = mul, a.res = res;
+    return panel_run(&a, x, threads);
+}
+
+/* ``nseg`` (1..HF_PSEG) products of the same X, Y_s = X W_s^T + b_s (b_s may be NULL; no epilogue), as one call:
+ * X packed once and the products' panels split between the threads as one list. Each Y_s has the bits
+ * hf_gemm_panel gives for it alone (the same chain of multiply-adds per output). Why: a layer's q, k and v
+ * projections of one input (separate weights in most models) each packed X and forked the team again, and a
+ * narrow product (N = 768 at 128 rows) runs below a wide one. Returns -3 for nseg out of range, else as
+ * hf_gemm_panel. */
+int hf_gemm_panel_multi(const float *x, int nseg, const float *const *p, const float *const *bias, float *const *y,
+                        const long *n, long m, long k, int threads) {
+    if (nseg < 1 || nseg > HF_PSEG) return -3;
+    if (m < 1) return 0;
+    panel_ctx a = {0};
+    a.m = m, a.k = k, a.nseg = nseg;
+    for (int s = 0; s < nseg; s++) {
+        a.p[s] = p[s], a.bias[s] = bias[s], a.y[s] = y[s], a.n[s] = n[s];
+        a.j0[s + 1] = a.j0[s] + (n[s] + HF_PNB - 1) / HF_PNB;
+    }
+    return panel_run(&a, x, threads);
 }

@@ -89,13 +89,14 @@ SIGNATURES = {
     "hf_pack_amx_bf16": [_P, _P, _L, _L, _I],
     "hf_pack_panels": [_P, _P, _L, _L, _I, _I],
     "hf_gemm_panel": [_P, _P, _P, _P, _L, _L, _L, _I, _I, _P, _P],
+    "hf_gemm_panel_multi": [_P, _I, _P, _P, _P, _P, _L, _L, _I],
 }
 RESTYPES = {  # the functions that return a value (every other one returns void)
     "hf_read_stream": _F, "hf_q8a_path": _I, "hf_bf16_path": _I, "hf_prefill_attention": _I, "hf_gemv_nk_multi": _I,
     "hf_gemv_q8a": _I, "hf_gemm_q8a": _I,  # 0, or -1: scratch not allocated
     "hf_gemv_q4a": _I, "hf_gemm_q4a": _I, "hf_q4a_path": _I, "hf_quantize_i8_chunks": _L, "hf_quantize_i8": _I,
     "hf_transpose": _I, "hf_gemm_few": _I, "hf_gemm_few_kn": _I, "hf_gated_mlp_few": _I, "hf_panel_simd": _I,
-    "hf_gemm_amx_bf16": _I, "hf_amx_bf16_ok": _I, "hf_gemm_panel": _I,
+    "hf_gemm_amx_bf16": _I, "hf_amx_bf16_ok": _I, "hf_gemm_panel": _I, "hf_gemm_panel_multi": _I,
     "hf_epilogue_act": _I, "hf_act_inplace": _I,
 }
 FEW_KN_SLOTS = 4  # split-K parts of hf_gemm_few_kn (fixed, so a result does not depend on the thread count)
@@ -113,6 +114,7 @@ PANEL_MIN, PANEL_MAX = 4, 192
 # which it was faster on every calibration shape, weights from memory (bench/bf16_rows.py, docs/bench/bf16_rows.md)
 AMX_ROWS_MAX = 16
 PANEL_NB = 48  # native.c's HF_PNB: output columns per panel of a packed weight (pack_panels)
+PANEL_SEG = 4  # native.c's HF_PSEG: the most products of one input one gemm_panel_multi call takes
 ACT_CODES = {"none": 0, "relu": 1, "gelu": 2, "gelu_tanh": 3, "silu": 4}  # native.c's ACT_* (linear_act, gated_mlp)
 
 
@@ -531,6 +533,32 @@ def gemm_panel(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
     for step in after:
         step(y)
     return y
+
+
+def gemm_panel_multi(x: torch.Tensor, packs: list[torch.Tensor], biases: list[torch.Tensor | None], ns: list[int],
+                     threads: int | None = None) -> tuple[torch.Tensor, ...]:
+    """``x·W_sᵀ + b_s`` for 1..:data:`PANEL_SEG` weights packed by :func:`pack_panels` (``ns[s]`` outputs each) of
+    the same fp32 input ``x`` ``[..., K]`` (contiguous), as one native call: X packed once, the products' panels
+    split between the threads as one list. Fresh ``[..., n_s]`` tensors, each bit-equal to :func:`gemm_panel`'s for
+    that weight alone (no activation or epilogue here)."""
+    k = x.shape[-1]
+    if not 1 <= len(packs) <= PANEL_SEG or not len(packs) == len(biases) == len(ns):
+        raise ValueError(f"gemm_panel_multi takes 1..{PANEL_SEG} weights with one bias and size each, got "
+                         f"{len(packs)} / {len(biases)} / {len(ns)}")
+    for pk, b, n in zip(packs, biases, ns, strict=True):
+        if (x.dtype != torch.float32 or not x.is_contiguous() or pk.numel() != -(-n // PANEL_NB) * PANEL_NB * k
+                or b is not None and (b.numel() != n or not b.is_contiguous() or b.dtype != torch.float32)):
+            raise ValueError(f"panel GEMM: input {x.dtype} {tuple(x.shape)} (contiguous: {x.is_contiguous()}) does "
+                             f"not fit a packed weight of {pk.numel()} floats for {n} outputs")
+    ys = tuple(torch.empty((*x.shape[:-1], n), dtype=torch.float32) for n in ns)
+    arr = ctypes.c_void_p * len(packs)
+    rc = library().hf_gemm_panel_multi(
+        x.data_ptr(), len(packs), arr(*(pk.data_ptr() for pk in packs)), arr(*(_ptr(b) for b in biases)),
+        arr(*(y.data_ptr() for y in ys)), (ctypes.c_long * len(ns))(*ns), math.prod(x.shape[:-1]), k,
+        max(1, torch.get_num_threads() if threads is None else threads))
+    if rc != 0:
+        raise MemoryError("hf_gemm_panel_multi: cannot allocate its scratch (the input's packed rows)")
+    return ys
 
 
 MULTI_MAX = 4  # native.c's HF_MULTI_MAX: the most products one hf_gemv_nk_multi call takes
