@@ -3625,7 +3625,8 @@ int hf_gemm_few_kn(const float *w, const float *x, const float *bias, float *y, 
  *    every HF_PMR-row group of X runs over a block while it is in L1 (8 x 48 accumulators in registers, saved to
  *    a contiguous scratch between blocks: panel_chunk), so a second row group no longer re-reads the panel after
  *    the first has streamed all of it. Blocks of 32 steps rather than 16 halve the accumulators' saves and
- *    reloads (1-2% on 128-row products of the calibration shapes, level at 32 rows; docs/arch/runtime.md).
+ *    reloads (1-2% on 128-row products of the calibration shapes, level at 32 rows; slower in 16-row programs:
+ *    docs/arch/runtime.md, session 34).
  * Each output element is one chain of fused multiply-adds from the bias in that stream-interleaved k order, on
  * the AVX-512 path and on the plain C one alike (fmaf), so a result does not depend on the path, the thread count
  * or the chunking. The first block starts the accumulators from the bias in registers (an earlier version first
@@ -3732,8 +3733,9 @@ static void panel_block(const float *xp, long k, long q, const float *pan, long 
     }
     /* Which steps prefetch: this group takes the steps i = i0 + g, i0 + g + ng, ... (every step when ng is 1),
      * each for all the streams' k-rows, so the groups between them cover the next block once; a counter, not a
-     * modulo, and nothing kept across the streams (a counter carried from stream to stream lived on the stack and
-     * made every step wait on a store and reload of it). */
+     * modulo, and nothing kept across the streams (a counter carried from stream to stream lived on the stack: a
+     * store and a reload each step; 1-2% of the time at 128 rows. But 16-row programs ran 3-7% slower with this
+     * loop or with blocks of 32: docs/arch/runtime.md, session 34, has the variant that recovers them). */
     long pfi = i0 + g;
     const long pfo = ng == 1 ? HF_PPF : HF_PKB * HF_PNB * (long)sizeof(float);
     const long sb = q * HF_PNB, sx = q * HF_PMR; /* one stream's k-rows to the next's, in floats */
