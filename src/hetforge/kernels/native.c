@@ -3625,8 +3625,8 @@ int hf_gemm_few_kn(const float *w, const float *x, const float *bias, float *y, 
  *    every HF_PMR-row group of X runs over a block while it is in L1 (8 x 48 accumulators in registers, saved to
  *    a contiguous scratch between blocks: panel_chunk), so a second row group no longer re-reads the panel after
  *    the first has streamed all of it. Blocks of 32 steps rather than 16 halve the accumulators' saves and
- *    reloads (1-2% on 128-row products of the calibration shapes, level at 32 rows; slower in 16-row programs:
- *    docs/arch/runtime.md, session 34).
+ *    reloads (1-2% on 128-row products of the calibration shapes, level at 32 rows; up to 16 rows blocks of 16
+ *    steps and session 33's loop stay: docs/arch/runtime.md, session 34).
  * Each output element is one chain of fused multiply-adds from the bias in that stream-interleaved k order, on
  * the AVX-512 path and on the plain C one alike (fmaf), so a result does not depend on the path, the thread count
  * or the chunking. The first block starts the accumulators from the bias in registers (an earlier version first
@@ -3642,6 +3642,7 @@ int hf_gemm_few_kn(const float *w, const float *x, const float *bias, float *y, 
 #define HF_PCHUNK 4
 #define HF_PSTREAMS 4
 #define HF_PKB 32
+#define HF_PKB_FEW 16 /* k-steps per block for one or two row groups (panel_block) */
 #define HF_PPF 2048
 #define HF_PSUP 128
 #if defined(__AVX512F__)
@@ -3717,8 +3718,23 @@ void hf_pack_panels(const float *w, float *p, long n, long k, int weight_t, int 
  * only its first mr rows are read and written). ``g``: this group's index among the call's ``ng`` groups, which
  * decides its share of the prefetches (see the header above). The packed rows let every broadcast use a constant
  * offset and keep all 24 accumulators in registers. */
+#if defined(__AVX512F__)
+/* One k-row step of a row group: the panel's three k-row vectors times the group's 8 X values into a[8][3]. */
+static inline __attribute__((always_inline)) void panel_step(__m512 a[HF_PMR][3], const float *bs, const float *xs) {
+    __m512 b0 = _mm512_loadu_ps(bs), b1 = _mm512_loadu_ps(bs + 16), b2 = _mm512_loadu_ps(bs + 32);
+    __asm__("" : "+v"(b0), "+v"(b1), "+v"(b2)); /* keep B in registers: one load each, not one per row */
+#pragma GCC unroll 8
+    for (int r = 0; r < HF_PMR; r++) {
+        __m512 xb = _mm512_set1_ps(xs[r]);
+        a[r][0] = _mm512_fmadd_ps(xb, b0, a[r][0]);
+        a[r][1] = _mm512_fmadd_ps(xb, b1, a[r][1]);
+        a[r][2] = _mm512_fmadd_ps(xb, b2, a[r][2]);
+    }
+}
+#endif
+
 static void panel_block(const float *xp, long k, long q, const float *pan, long i0, long i1, int mr, float *acc,
-                        long ldo, int g, int ng, const float *init) {
+                        long ldo, int g, int ng, const float *init, long kb) {
 #if defined(__AVX512F__)
     __m512 a[HF_PMR][3];
     if (init) {
@@ -3731,13 +3747,33 @@ static void panel_block(const float *xp, long k, long q, const float *pan, long 
         a[r][1] = live ? _mm512_loadu_ps(acc + r * ldo + 16) : _mm512_setzero_ps();
         a[r][2] = live ? _mm512_loadu_ps(acc + r * ldo + 32) : _mm512_setzero_ps();
     }
-    /* Which steps prefetch: this group takes the steps i = i0 + g, i0 + g + ng, ... (every step when ng is 1),
-     * each for all the streams' k-rows, so the groups between them cover the next block once; a counter, not a
-     * modulo, and nothing kept across the streams (a counter carried from stream to stream lived on the stack: a
-     * store and a reload each step; 1-2% of the time at 128 rows. But 16-row programs ran 3-7% slower with this
-     * loop or with blocks of 32: docs/arch/runtime.md, session 34, has the variant that recovers them). */
+    if (ng <= 2) {
+        /* One or two row groups (up to 16 rows, a weight-read-bound product): session 33's loop, each stream step
+         * in turn prefetching when its turn comes (every step for one group; every other for two), with blocks of
+         * HF_PKB_FEW steps. Programs of 16 rows ran 3-7% slower with the loop below and blocks of 32, and this one
+         * recovers them (docs/arch/runtime.md, session 34); the loop below is faster from 24 rows. */
+        int turn = 0;
+        for (long i = i0; i < i1; i++)
+            for (int s = 0; s < HF_PSTREAMS; s++) {
+                long kk = s * q + i;
+                if (kk >= k) break;
+                const float *b = pan + kk * HF_PNB;
+                if (turn == g) { /* one group: HF_PPF bytes ahead; two: this stream's k-row of the next block */
+                    const char *f = ng == 1 ? (const char *)b + HF_PPF : (const char *)(b + kb * HF_PNB);
+                    _mm_prefetch(f, _MM_HINT_T0);
+                    _mm_prefetch(f + 64, _MM_HINT_T0);
+                    _mm_prefetch(f + 128, _MM_HINT_T0);
+                }
+                turn = turn + 1 == ng ? 0 : turn + 1;
+                panel_step(a, b, xp + kk * HF_PMR);
+            }
+    } else {
+    /* Which steps prefetch: this group takes the steps i = i0 + g, i0 + g + ng, ..., each for all the streams'
+     * k-rows, so the groups between them cover the next block once; a counter, not a modulo, and nothing kept
+     * across the streams (a counter carried from stream to stream lived on the stack: a store and a reload each
+     * step; 1-2% of the time at 128 rows). */
     long pfi = i0 + g;
-    const long pfo = ng == 1 ? HF_PPF : HF_PKB * HF_PNB * (long)sizeof(float);
+    const long pfo = kb * HF_PNB * (long)sizeof(float);
     const long sb = q * HF_PNB, sx = q * HF_PMR; /* one stream's k-rows to the next's, in floats */
     const long full = k - (HF_PSTREAMS - 1) * q; /* steps i < full have a k-row in every stream */
     for (long i = i0; i < i1; i++) {
@@ -3757,17 +3793,9 @@ static void panel_block(const float *xp, long k, long q, const float *pan, long 
 #pragma GCC unroll 4
         for (int s = 0; s < HF_PSTREAMS; s++) {
             if (s >= ns) break;
-            const float *bs = b + s * sb, *xs = xv + s * sx;
-            __m512 b0 = _mm512_loadu_ps(bs), b1 = _mm512_loadu_ps(bs + 16), b2 = _mm512_loadu_ps(bs + 32);
-            __asm__("" : "+v"(b0), "+v"(b1), "+v"(b2)); /* keep B in registers: one load each, not one per row */
-#pragma GCC unroll 8
-            for (int r = 0; r < HF_PMR; r++) {
-                __m512 xb = _mm512_set1_ps(xs[r]);
-                a[r][0] = _mm512_fmadd_ps(xb, b0, a[r][0]);
-                a[r][1] = _mm512_fmadd_ps(xb, b1, a[r][1]);
-                a[r][2] = _mm512_fmadd_ps(xb, b2, a[r][2]);
-            }
+            panel_step(a, b + s * sb, xv + s * sx);
         }
+    }
     }
     for (int r = 0; r < HF_PMR; r++)
         if (r < mr) {
@@ -3776,7 +3804,7 @@ static void panel_block(const float *xp, long k, long q, const float *pan, long 
             _mm512_storeu_ps(acc + r * ldo + 32, a[r][2]);
         }
 #else
-    (void)g, (void)ng;
+    (void)g, (void)ng, (void)kb;
     for (int r = 0; r < mr; r++)
         for (int c = 0; c < HF_PNB; c++) {
             float v = init ? init[c] : acc[r * ldo + c];
@@ -3839,12 +3867,13 @@ static void panel_chunk(void *ctx, long c) {
         for (long s0 = 0; s0 < m; s0 += HF_PSUP) {
             long ms = m - s0 < HF_PSUP ? m - s0 : HF_PSUP;
             int ng = (int)((ms + HF_PMR - 1) / HF_PMR);
-            for (long i0 = 0; i0 == 0 || i0 < q; i0 += HF_PKB) { /* once with no steps when k is 0: the bias */
-                long i1 = i0 + HF_PKB < q ? i0 + HF_PKB : q;
+            long kb = ng <= 2 ? HF_PKB_FEW : HF_PKB; /* see panel_block */
+            for (long i0 = 0; i0 == 0 || i0 < q; i0 += kb) { /* once with no steps when k is 0: the bias */
+                long i1 = i0 + kb < q ? i0 + kb : q;
                 for (long r0 = 0; r0 < ms; r0 += HF_PMR) {
                     int mr = ms - r0 < HF_PMR ? (int)(ms - r0) : HF_PMR;
                     panel_block(a->x + (s0 + r0) * k, k, q, pan, i0, i1, mr, tmp + r0 * HF_PNB, HF_PNB,
-                                (int)(r0 / HF_PMR), ng, i0 == 0 ? binit : 0);
+                                (int)(r0 / HF_PMR), ng, i0 == 0 ? binit : 0, kb);
                     if (i1 == q) /* the group's final sums, still in L1: through the epilogue into Y now */
                         panel_store(a, sg, tmp + r0 * HF_PNB, c0, nv, s0 + r0, s0 + r0 + mr);
                 }
