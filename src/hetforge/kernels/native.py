@@ -106,10 +106,11 @@ FEW_MAX = 8
 # fp32 row counts a product runs on the panel GEMM (gemm_panel) instead of a packed GEMM torch ships or, where the
 # panel GEMM runs, the few-row kernels above: the run of row counts at which it was the fastest kernel from memory
 # (the few-row kernel included) on bench/panel_gemm.py's calibration shapes, in every family
-# (docs/bench/panel_gemm.md; session 34's two runs after the contiguous-scratch change: 2..192 and 8..192 rows, level
-# with oneDNN at 4 and at 192; session 32's: 4..128; 2-3 rows stay on the few-row kernels, docs/arch/runtime.md says
-# why). The one Intel Xeon run (4..32) was of an earlier kernel.
-PANEL_MIN, PANEL_MAX = 4, 192
+# (docs/bench/panel_gemm.md; session 34's three runs: 2..192 and 8..192 rows after the contiguous-scratch change,
+# 2..128 after the 16-row fix, which the page holds — 160 rows 0.98-1.00 and 192 rows 1.02-1.04 of oneDNN's time
+# there; session 32's: 4..128; 2-3 rows stay on the few-row kernels, docs/arch/runtime.md says why). The one Intel
+# Xeon run (4..32) was of an earlier kernel.
+PANEL_MIN, PANEL_MAX = 4, 128
 # bf16 products of 2..AMX_ROWS_MAX rows run on hf_gemm_amx_bf16 instead of oneDNN (where AMX runs): the row counts at
 # which it was faster on every calibration shape, weights from memory (bench/bf16_rows.py, docs/bench/bf16_rows.md)
 AMX_ROWS_MAX = 16
