@@ -3768,34 +3768,34 @@ static void panel_block(const float *xp, long k, long q, const float *pan, long 
                 panel_step(a, b, xp + kk * HF_PMR);
             }
     } else {
-    /* Which steps prefetch: this group takes the steps i = i0 + g, i0 + g + ng, ..., each for all the streams'
-     * k-rows, so the groups between them cover the next block once; a counter, not a modulo, and nothing kept
-     * across the streams (a counter carried from stream to stream lived on the stack: a store and a reload each
-     * step; 1-2% of the time at 128 rows). */
-    long pfi = i0 + g;
-    const long pfo = kb * HF_PNB * (long)sizeof(float);
-    const long sb = q * HF_PNB, sx = q * HF_PMR; /* one stream's k-rows to the next's, in floats */
-    const long full = k - (HF_PSTREAMS - 1) * q; /* steps i < full have a k-row in every stream */
-    for (long i = i0; i < i1; i++) {
-        const float *b = pan + i * HF_PNB, *xv = xp + i * HF_PMR;
-        int ns = HF_PSTREAMS;
-        if (i >= full)
-            for (ns = 0; ns < HF_PSTREAMS && ns * q + i < k; ns++) {}
-        if (i == pfi) {
-            for (int s = 0; s < ns; s++) {
-                const char *f = (const char *)(b + s * sb) + pfo;
-                _mm_prefetch(f, _MM_HINT_T0);
-                _mm_prefetch(f + 64, _MM_HINT_T0);
-                _mm_prefetch(f + 128, _MM_HINT_T0);
+        /* Which steps prefetch: this group takes the steps i = i0 + g, i0 + g + ng, ..., each for all the streams'
+         * k-rows, so the groups between them cover the next block once; a counter, not a modulo, and nothing kept
+         * across the streams (a counter carried from stream to stream lived on the stack: a store and a reload each
+         * step; 1-2% of the time at 128 rows). */
+        long pfi = i0 + g;
+        const long pfo = kb * HF_PNB * (long)sizeof(float);
+        const long sb = q * HF_PNB, sx = q * HF_PMR; /* one stream's k-rows to the next's, in floats */
+        const long full = k - (HF_PSTREAMS - 1) * q; /* steps i < full have a k-row in every stream */
+        for (long i = i0; i < i1; i++) {
+            const float *b = pan + i * HF_PNB, *xv = xp + i * HF_PMR;
+            int ns = HF_PSTREAMS;
+            if (i >= full)
+                for (ns = 0; ns < HF_PSTREAMS && ns * q + i < k; ns++) {}
+            if (i == pfi) {
+                for (int s = 0; s < ns; s++) {
+                    const char *f = (const char *)(b + s * sb) + pfo;
+                    _mm_prefetch(f, _MM_HINT_T0);
+                    _mm_prefetch(f + 64, _MM_HINT_T0);
+                    _mm_prefetch(f + 128, _MM_HINT_T0);
+                }
+                pfi += ng;
             }
-            pfi += ng;
-        }
 #pragma GCC unroll 4
-        for (int s = 0; s < HF_PSTREAMS; s++) {
-            if (s >= ns) break;
-            panel_step(a, b + s * sb, xv + s * sx);
+            for (int s = 0; s < HF_PSTREAMS; s++) {
+                if (s >= ns) break;
+                panel_step(a, b + s * sb, xv + s * sx);
+            }
         }
-    }
     }
     for (int r = 0; r < HF_PMR; r++)
         if (r < mr) {
