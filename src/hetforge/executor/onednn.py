@@ -127,10 +127,11 @@ def panel_groups(cg) -> dict[int, tuple[int, int, list]]:
     return groups
 
 
-def _panel_group_line(cg, ins, o: int, dev: torch.device, weight, bias) -> str:
+def _panel_group_line(cg, ins, o: int, weight) -> str:
     """The line of a grouped panel-GEMM product (:func:`panel_groups`): at the first member, the one call for the
-    whole group, its results held in a local tuple; at every member, its result bound from that tuple (dropped
-    after the last)."""
+    whole group (a :class:`hetforge.kernels.native.PanelMulti` made here, its pointer arrays made at its first
+    call), its results held in a local tuple; at every member, its result bound from that tuple (dropped after the
+    last)."""
     first, idx, group = cg.panel_group_of[ins.id]
     held = f"_pg{first}"
     bind = f"r{o} = {held}[{idx}]" + (f"; {held} = None" if idx == len(group) - 1 else "")
@@ -142,12 +143,14 @@ def _panel_group_line(cg, ins, o: int, dev: torch.device, weight, bias) -> str:
     for m in group:
         x, w, b, wt, _, _ = onednn_operands(m)
         wten = weight(w)
-        pks.append(cg.const(LazyPacked(wten, wt, rows, "panel"), "pk") + ".get()")
-        bs.append(bias(b))
+        lazy = LazyPacked(wten, wt, rows, "panel")
+        cg.const(lazy, "pk")  # a global of the program too, so Executable.prepack packs it ahead as every other
+        pks.append(lazy.get)
+        bs.append(None if b is None else weight(b))
         ns.append(int(wten.shape[1] if wt else wten.shape[0]))
-    call = cg.const(native.gemm_panel_multi, "gemm")
+    call = cg.const(native.PanelMulti(pks, bs, ns), "gemm")
     cg.stats.panel_groups += 1
-    return f"{held} = {call}(r{x.id}, ({', '.join(pks)},), ({', '.join(bs)},), {tuple(ns)!r}); {bind}"
+    return f"{held} = {call}(r{x.id}); {bind}"
 
 
 def codegen_line(cg, ins, o: int, dev: torch.device) -> str:
@@ -165,7 +168,7 @@ def codegen_line(cg, ins, o: int, dev: torch.device) -> str:
         return "None" if a is None else cg.const(weight(a), "bias")
 
     if ins.id in cg.panel_group_of:  # one call for the products of this input (panel_groups)
-        return _panel_group_line(cg, ins, o, dev, weight, bias)
+        return _panel_group_line(cg, ins, o, weight)
     xs, bs, wten = f"r{x.id}", bias(b), weight(w)
     res = cg.residual.get(ins.id)  # the residual add this product takes (residual_adds)
     if res is not None:

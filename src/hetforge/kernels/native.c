@@ -3719,6 +3719,13 @@ void hf_pack_panels(const float *w, float *p, long n, long k, int weight_t, int 
  * decides its share of the prefetches (see the header above). The packed rows let every broadcast use a constant
  * offset and keep all 24 accumulators in registers. */
 #if defined(__AVX512F__)
+/* A panel k-row (HF_PNB floats: three lines) at f into L1. */
+static inline void panel_prefetch(const char *f) {
+    _mm_prefetch(f, _MM_HINT_T0);
+    _mm_prefetch(f + 64, _MM_HINT_T0);
+    _mm_prefetch(f + 128, _MM_HINT_T0);
+}
+
 /* One k-row step of a row group: the panel's three k-row vectors times the group's 8 X values into a[8][3]. */
 static inline __attribute__((always_inline)) void panel_step(__m512 a[HF_PMR][3], const float *bs, const float *xs) {
     __m512 b0 = _mm512_loadu_ps(bs), b1 = _mm512_loadu_ps(bs + 16), b2 = _mm512_loadu_ps(bs + 32);
@@ -3759,10 +3766,7 @@ static void panel_block(const float *xp, long k, long q, const float *pan, long 
                 if (kk >= k) break;
                 const float *b = pan + kk * HF_PNB;
                 if (turn == g) { /* one group: HF_PPF bytes ahead; two: this stream's k-row of the next block */
-                    const char *f = ng == 1 ? (const char *)b + HF_PPF : (const char *)(b + kb * HF_PNB);
-                    _mm_prefetch(f, _MM_HINT_T0);
-                    _mm_prefetch(f + 64, _MM_HINT_T0);
-                    _mm_prefetch(f + 128, _MM_HINT_T0);
+                    panel_prefetch(ng == 1 ? (const char *)b + HF_PPF : (const char *)(b + kb * HF_PNB));
                 }
                 turn = turn + 1 == ng ? 0 : turn + 1;
                 panel_step(a, b, xp + kk * HF_PMR);
@@ -3782,12 +3786,7 @@ static void panel_block(const float *xp, long k, long q, const float *pan, long 
             if (i >= full)
                 for (ns = 0; ns < HF_PSTREAMS && ns * q + i < k; ns++) {}
             if (i == pfi) {
-                for (int s = 0; s < ns; s++) {
-                    const char *f = (const char *)(b + s * sb) + pfo;
-                    _mm_prefetch(f, _MM_HINT_T0);
-                    _mm_prefetch(f + 64, _MM_HINT_T0);
-                    _mm_prefetch(f + 128, _MM_HINT_T0);
-                }
+                for (int s = 0; s < ns; s++) panel_prefetch((const char *)(b + s * sb) + pfo);
                 pfi += ng;
             }
 #pragma GCC unroll 4

@@ -517,11 +517,7 @@ def gemm_panel(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
     ``mul`` (a gated MLP's gate) and the residual ``res`` are applied as each output is stored, where the kernel
     has them (:func:`epilogue_act`; else as ATen's in-place ops after it)."""
     k = x.shape[-1]
-    if (x.dtype != torch.float32 or not x.is_contiguous() or packed.numel() != ((n + PANEL_NB - 1) // PANEL_NB)
-            * PANEL_NB * k or bias is not None and (bias.numel() != n or not bias.is_contiguous()
-                                                    or bias.dtype != torch.float32)):
-        raise ValueError(f"panel GEMM: input {x.dtype} {tuple(x.shape)} (contiguous: {x.is_contiguous()}) does "
-                         f"not fit a packed weight of {packed.numel()} floats for {n} outputs")
+    _check_panel(x, packed, bias, n)
     y = torch.empty((*x.shape[:-1], n), dtype=torch.float32)
     code, mp, rp, after = _epilogue(tuple(y.shape), torch.float32, act, mul, res)
     rc = library().hf_gemm_panel(x.data_ptr(), packed.data_ptr(), _ptr(bias), y.data_ptr(),
@@ -536,30 +532,62 @@ def gemm_panel(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
     return y
 
 
+def _check_panel(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int) -> None:
+    """Refuse (ValueError) an input and a weight packed by :func:`pack_panels` for ``n`` outputs that do not fit:
+    ``x`` contiguous fp32 ``[..., K]``, ``packed`` of ``ceil(n / 48) * 48 * K`` floats, ``bias`` None or a
+    contiguous fp32 ``[n]``."""
+    k = x.shape[-1]
+    if (x.dtype != torch.float32 or not x.is_contiguous() or packed.numel() != -(-n // PANEL_NB) * PANEL_NB * k
+            or bias is not None and (bias.numel() != n or not bias.is_contiguous() or bias.dtype != torch.float32)):
+        raise ValueError(f"panel GEMM: input {x.dtype} {tuple(x.shape)} (contiguous: {x.is_contiguous()}) does "
+                         f"not fit a packed weight of {packed.numel()} floats for {n} outputs")
+
+
+class PanelMulti:
+    """One ``hf_gemm_panel_multi`` call's fixed operands — 1..:data:`PANEL_SEG` weights packed by
+    :func:`pack_panels` (``ns[s]`` outputs each) and their biases — with their pointer arrays made once, at the
+    first call (``packs`` may be callables that pack on first use: the executor's lazy packings), as
+    :class:`MultiArgs` does for the one-row groups; a call checks only ``x`` and makes the outputs."""
+
+    def __init__(self, packs: list, biases: list[torch.Tensor | None], ns: list[int]):
+        if not 1 <= len(packs) <= PANEL_SEG or not len(packs) == len(biases) == len(ns):
+            raise ValueError(f"gemm_panel_multi takes 1..{PANEL_SEG} weights with one bias and size each, got "
+                             f"{len(packs)} / {len(biases)} / {len(ns)}")
+        self.packs, self.biases, self.ns = packs, biases, [int(n) for n in ns]
+        self.k: int | None = None  # K of the packed weights, once they are resolved
+
+    def _resolve(self, x: torch.Tensor) -> None:
+        packs = [p() if callable(p) else p for p in self.packs]
+        for pk, b, n in zip(packs, self.biases, self.ns, strict=True):
+            _check_panel(x, pk, b, n)
+        self.packs, self.k = packs, x.shape[-1]  # the tensors, kept alive: their pointers are in the arrays
+        m = len(packs)
+        self.w = (ctypes.c_void_p * m)(*(pk.data_ptr() for pk in packs))
+        self.b = (ctypes.c_void_p * m)(*(_ptr(b) for b in self.biases))
+        self.n = (ctypes.c_long * m)(*self.ns)
+
+    def __call__(self, x: torch.Tensor, threads: int | None = None) -> tuple[torch.Tensor, ...]:
+        if self.k is None:
+            self._resolve(x)
+        elif x.dtype != torch.float32 or not x.is_contiguous() or x.shape[-1] != self.k:
+            raise ValueError(f"panel GEMM: input {x.dtype} {tuple(x.shape)} (contiguous: {x.is_contiguous()}) does "
+                             f"not fit weights packed for K = {self.k}")
+        ys = tuple(torch.empty((*x.shape[:-1], n), dtype=torch.float32) for n in self.ns)
+        rc = library().hf_gemm_panel_multi(
+            x.data_ptr(), len(ys), self.w, self.b, (ctypes.c_void_p * len(ys))(*(y.data_ptr() for y in ys)),
+            self.n, math.prod(x.shape[:-1]), self.k, max(1, torch.get_num_threads() if threads is None else threads))
+        if rc != 0:
+            raise MemoryError("hf_gemm_panel_multi: cannot allocate its scratch (the input's packed rows)")
+        return ys
+
+
 def gemm_panel_multi(x: torch.Tensor, packs: list[torch.Tensor], biases: list[torch.Tensor | None], ns: list[int],
                      threads: int | None = None) -> tuple[torch.Tensor, ...]:
     """``x·W_sᵀ + b_s`` for 1..:data:`PANEL_SEG` weights packed by :func:`pack_panels` (``ns[s]`` outputs each) of
     the same fp32 input ``x`` ``[..., K]`` (contiguous), as one native call: X packed once, the products' panels
     split between the threads as one list. Fresh ``[..., n_s]`` tensors, each bit-equal to :func:`gemm_panel`'s for
-    that weight alone (no activation or epilogue here)."""
-    k = x.shape[-1]
-    if not 1 <= len(packs) <= PANEL_SEG or not len(packs) == len(biases) == len(ns):
-        raise ValueError(f"gemm_panel_multi takes 1..{PANEL_SEG} weights with one bias and size each, got "
-                         f"{len(packs)} / {len(biases)} / {len(ns)}")
-    for pk, b, n in zip(packs, biases, ns, strict=True):
-        if (x.dtype != torch.float32 or not x.is_contiguous() or pk.numel() != -(-n // PANEL_NB) * PANEL_NB * k
-                or b is not None and (b.numel() != n or not b.is_contiguous() or b.dtype != torch.float32)):
-            raise ValueError(f"panel GEMM: input {x.dtype} {tuple(x.shape)} (contiguous: {x.is_contiguous()}) does "
-                             f"not fit a packed weight of {pk.numel()} floats for {n} outputs")
-    ys = tuple(torch.empty((*x.shape[:-1], n), dtype=torch.float32) for n in ns)
-    arr = ctypes.c_void_p * len(packs)
-    rc = library().hf_gemm_panel_multi(
-        x.data_ptr(), len(packs), arr(*(pk.data_ptr() for pk in packs)), arr(*(_ptr(b) for b in biases)),
-        arr(*(y.data_ptr() for y in ys)), (ctypes.c_long * len(ns))(*ns), math.prod(x.shape[:-1]), k,
-        max(1, torch.get_num_threads() if threads is None else threads))
-    if rc != 0:
-        raise MemoryError("hf_gemm_panel_multi: cannot allocate its scratch (the input's packed rows)")
-    return ys
+    that weight alone (no activation or epilogue here). A call site that repeats it keeps a :class:`PanelMulti`."""
+    return PanelMulti(packs, biases, ns)(x, threads)
 
 
 MULTI_MAX = 4  # native.c's HF_MULTI_MAX: the most products one hf_gemv_nk_multi call takes
