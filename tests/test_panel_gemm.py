@@ -366,6 +366,7 @@ def test_packed_panels_live_on_memory_advised_for_huge_pages_where_the_os_takes_
     def advised(t: torch.Tensor) -> bool:
         return "hg" in _vm_flags(t.data_ptr())
 
+    monkeypatch.setenv("HETFORGE_HUGE_PAGES", "1")  # asked for whatever earlier packings measured
     w = torch.randn(3000, 512)  # 64 panels x 512 x 48 floats = 6 MiB
     packed = native.pack_panels(w)
     if _advice_taken():
@@ -380,3 +381,27 @@ def test_packed_panels_live_on_memory_advised_for_huge_pages_where_the_os_takes_
     monkeypatch.setenv("HETFORGE_HUGE_PAGES", "0")
     plain = native.huge_empty(4 << 20)
     assert plain.numel() == 4 << 20 and (not smaps or not advised(plain))
+
+
+def test_packing_stops_asking_for_huge_pages_once_they_prove_slower_than_the_rate_ordinary_pages_ran_at(monkeypatch):
+    """By default pack_panels asks for huge pages until the process's packings onto them, summed over at least
+    HUGE_JUDGE_BYTES, ran below HUGE_MIN_RATE; from then on its buffers are ordinary memory (not advised), with the
+    same packed values. A rate no packing can miss keeps asking."""
+    check_flags = _advice_taken() and Path("/proc/self/smaps").exists()
+    monkeypatch.delenv("HETFORGE_HUGE_PAGES", raising=False)
+    w = torch.randn(3000, 512)  # 6 MiB packed
+    monkeypatch.setattr(native, "_huge_packing", {"bytes": 0, "seconds": 0.0, "slow": False})
+    monkeypatch.setattr(native, "HUGE_JUDGE_BYTES", 4 << 20)
+    monkeypatch.setattr(native, "HUGE_MIN_RATE", 0.0)  # never too slow
+    for _ in range(2):
+        p = native.pack_panels(w)
+        assert not check_flags or "hg" in _vm_flags(p.data_ptr())
+    assert native.huge_pages_wanted() and native._huge_packing["bytes"] == 2 * p.numel() * 4
+    monkeypatch.setattr(native, "HUGE_MIN_RATE", 1e30)  # always too slow: judged after this packing
+    first = native.pack_panels(w)
+    assert native._huge_packing["slow"] and not native.huge_pages_wanted()
+    later = native.pack_panels(w)
+    assert not check_flags or "hg" not in _vm_flags(later.data_ptr())
+    assert torch.equal(first, later) and torch.equal(first, p)
+    monkeypatch.setenv("HETFORGE_HUGE_PAGES", "1")  # forced on whatever was measured
+    assert native.huge_pages_wanted()

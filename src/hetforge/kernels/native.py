@@ -23,6 +23,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import time
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -394,6 +395,14 @@ def panel_available() -> bool:
 
 
 HUGE_PAGE = 2 << 20  # the transparent huge page size asked for (x86-64's 2 MiB pages)
+# Packing onto huge pages continues only while it runs at least this fast (bytes of packed panels per second, summed
+# over the process's packings once HUGE_JUDGE_BYTES were packed): the rate packing into ordinary 4 KiB pages ran at
+# (fault, zero and copy; measured: docs/arch/runtime.md, session 35). Slower means the system hands out huge pages it
+# must first fetch (a VM whose host backs guest memory on first touch: about 1 GB/s there), and the 0-3% the
+# products gain from huge pages does not pay for it.
+HUGE_MIN_RATE = 4e9
+HUGE_JUDGE_BYTES = 32 << 20
+_huge_packing = {"bytes": 0, "seconds": 0.0, "slow": False}
 
 
 def huge_empty(numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -404,11 +413,11 @@ def huge_empty(numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     prefetchers stop at page boundaries, so with 4 KiB pages the products ran below their in-cache speed; on
     huge pages they ran close to it (measured: docs/arch/runtime.md). The tensor keeps the mapping alive; the kernel
     may still hand out 4 KiB pages (THP off, or no free huge page): same values, only slower. The cost: fresh huge
-    pages are zeroed on first touch, which made packing a model's weights slower than into reused ordinary pages
-    (docs/arch/runtime.md)."""
+    pages are zeroed on first touch, and on a VM whose host backs guest memory lazily that ran at about 1 GB/s, so
+    :func:`pack_panels` stops asking for them once they prove slower than ordinary pages (:func:`huge_pages_wanted`)."""
     size = numel * torch.empty(0, dtype=dtype).element_size()
     advice = getattr(mmap, "MADV_HUGEPAGE", None)
-    if advice is None or size < HUGE_PAGE or os.environ.get("HETFORGE_HUGE_PAGES", "1") == "0":
+    if advice is None or size < HUGE_PAGE or not huge_pages_wanted():
         return torch.empty(numel, dtype=dtype)
     try:
         mm = mmap.mmap(-1, size + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
@@ -432,10 +441,34 @@ def pack_panels(w: torch.Tensor, weight_t: bool = False, threads: int | None = N
         raise ValueError(f"panel packing takes a contiguous 2-D float32 CPU weight, got {w.dtype} "
                          f"{tuple(w.shape)} on {w.device}")
     k, n = w.shape if weight_t else (w.shape[1], w.shape[0])
-    out = huge_empty(((n + PANEL_NB - 1) // PANEL_NB) * PANEL_NB * k)
+    numel = ((n + PANEL_NB - 1) // PANEL_NB) * PANEL_NB * k
+    huge = huge_pages_wanted() and numel * 4 >= HUGE_PAGE
+    t0 = time.perf_counter()
+    out = huge_empty(numel)
     lib.hf_pack_panels(w.data_ptr(), out.data_ptr(), n, k, int(weight_t),
                        max(1, torch.get_num_threads() if threads is None else threads))
+    if huge:
+        _judge_huge_packing(numel * 4, time.perf_counter() - t0)
     return out
+
+
+def huge_pages_wanted() -> bool:
+    """Whether :func:`huge_empty` asks for huge pages now: not with ``HETFORGE_HUGE_PAGES=0``; with ``=1`` always;
+    by default until this process's packings onto huge pages ran below :data:`HUGE_MIN_RATE`."""
+    env = os.environ.get("HETFORGE_HUGE_PAGES", "")
+    if env in ("0", "1"):
+        return env == "1"
+    return not _huge_packing["slow"]
+
+
+def _judge_huge_packing(nbytes: int, seconds: float) -> None:
+    """Count one packing onto huge pages; once :data:`HUGE_JUDGE_BYTES` were packed, a summed rate below
+    :data:`HUGE_MIN_RATE` turns huge pages off for the rest of the process (see there why)."""
+    h = _huge_packing
+    h["bytes"] += nbytes
+    h["seconds"] += seconds
+    if h["bytes"] >= HUGE_JUDGE_BYTES and h["bytes"] < HUGE_MIN_RATE * h["seconds"]:
+        h["slow"] = True
 
 
 _EPILOGUE_ACTS: dict[str, bool] = {}  # act -> hf_epilogue_act's answer (fixed for the loaded library)
