@@ -328,3 +328,39 @@ def test_few_rows_and_keys_equal_sdpa_for_every_mask_kind_and_bf16(ell, s, gqa):
     got = native.prefill_attention(qb, kb, vb, None, 0.125, True)
     assert torch.equal(got, native.prefill_attention(qb.float(), kb.float(), vb.float(), None, 0.125,
                                                      True).to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny"])
+def test_forward_writes_attention_into_the_slice_of_its_copying_transpose_with_the_same_bits(name, monkeypatch):
+    """In a forward program (no cache) the capture records the transpose that merges the heads as a copy into
+    dense storage of its own (``.contiguous()`` after it). Its buffer is live from the attention on (so it shares
+    no byte with the attention's operands), the attention writes its rows there in ``[b, l, h, dv]`` order and
+    the copy goes: one functional copy fewer per layer, the logits bit for bit those of the program that copies."""
+    from hetforge.executor import runtime
+    from hetforge.ir.liveness import attention_writes, copying_heads_transpose
+    from hetforge.ir.program import iter_regs
+
+    module, inputs, cg = captured(name)
+    res = compile_graph(cg.gm, soc="host", example_inputs=inputs, name=name)
+    p, plan = res.program, res.memory
+    by_id = {i.id: i for i in p.instrs}
+    copies = [i for i in p.instrs if copying_heads_transpose(i, p)]
+    assert len(copies) >= 2
+    for t in copies:
+        att = by_id[attention_writes(t, p, by_id)]
+        out = plan.buffers[t.outputs[0]]
+        assert out.start == p.instrs.index(att)
+        for r in iter_regs((att.args, att.kwargs)):
+            b = plan.buffers.get(p.root(r))
+            if b is not None:  # a planned operand: no byte in common
+                o0, o1 = plan.offsets[out.value], plan.offsets[b.value]
+                assert o0 + out.size <= o1 or o1 + b.size <= o0
+    with monkeypatch.context() as m:
+        m.setattr(runtime._Codegen, "heads_last", lambda self, o: None)
+        dense = compile_graph(cg.gm, soc="host", example_inputs=inputs, name=name)
+    assert res.executable.source.count("_hl") == len(copies) and "_hl" not in dense.executable.source
+    assert dense.executable.stats.functional_copy - res.executable.stats.functional_copy == len(copies)
+    with torch.no_grad():
+        got, ref = res.executable(*inputs), dense.executable(*inputs)
+    for a, b in zip(torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(ref), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

@@ -45,7 +45,8 @@ from hetforge.ir.kernel_choice import (  # noqa: F401  (default_device_map, retu
     returns_alias,
     with_kernels,
 )
-from hetforge.ir.program import INPLACE, KERNEL, OUTPUT, TRANSFER, VIEW, WEIGHT, Program, Reg
+from hetforge.ir.liveness import copying_heads_transpose
+from hetforge.ir.program import INPLACE, KERNEL, OUTPUT, TRANSFER, VIEW, WEIGHT, Program, Reg, iter_regs
 from hetforge.kernels import native
 from hetforge.memplan import MemoryPlan
 from hetforge.ops import gemv, lookup
@@ -184,15 +185,37 @@ class _Codegen:
         if len(users) != 1:
             return None
         t = users[0]
-        if not heads_transpose(t) or len(t.outputs) != 1 or t.outputs[0] in outs:
-            return None
-        merges = readers(t.outputs[0])  # each must live in the result's storage: the plan then keeps it live
-        if not merges or any(not reshape_view(r) or any(p.root(x) != p.root(o) for x in r.outputs) for r in merges):
+        if len(t.outputs) != 1 or t.outputs[0] in outs:
             return None
         b, h, ell, dv = vo.shape
-        slab = self.g[self.buffer(o)].view(b, ell, h, dv)
+        to = t.outputs[0]
+        if copying_heads_transpose(t, p) and self.planned(to) and self.p.values[to].is_contiguous:
+            # the transpose copies into its own dense slice: the attention writes there instead, when the slice
+            # shares no byte with what the attention reads (the plan may give it their slots: they die there)
+            slab = self.g[self.buffer(to)]
+            att = self.by_id[p.values[o].producer]
+            if any(self.overlaps(slab, r) for r in iter_regs((att.args, att.kwargs))):
+                return None
+            slab = slab.view(b, ell, h, dv)
+        else:
+            if not heads_transpose(t):
+                return None
+            merges = readers(to)  # each must live in the result's storage: the plan then keeps it live
+            if not merges or any(not reshape_view(r) or any(p.root(x) != p.root(o) for x in r.outputs)
+                                 for r in merges):
+                return None
+            slab = self.g[self.buffer(o)].view(b, ell, h, dv)
         self.heads_last_views[t.id] = slab
         return slab.transpose(1, 2)
+
+    def overlaps(self, t: torch.Tensor, r: int) -> bool:
+        """Whether register ``r``'s planned storage shares a byte with ``t`` (False where it has none)."""
+        root = self.p.root(r)
+        if not self.planned(root):
+            return False
+        u = self.g[self.buffer(root)]
+        a0, b0 = t.data_ptr(), u.data_ptr()
+        return a0 < b0 + self.p.values[root].nbytes and b0 < a0 + t.numel() * t.element_size()
 
     def composed_views(self) -> tuple[dict[int, tuple[int, torch.Tensor]], set[int]]:
         """Chains of views over a oneDNN result (a fresh dense tensor each call, offset 0): each view's outputs as
@@ -339,6 +362,11 @@ class _Codegen:
             return [f"{outs[0]} = {src}.to({self.const(dev, 'dev')}, copy=True)"]
         fn = self.const(self.kernel(ins, dev), "f")
         lhs = outs[0] if len(outs) == 1 else ", ".join(outs)
+        if ins.kind != VIEW and ins.id in self.heads_last_views:  # a copying transpose the attention wrote
+            t = self.heads_last_views[ins.id]
+            self.static[ins.outputs[0]] = t
+            self.stats.static_views += 1
+            return [f"{outs[0]} = {self.const(t, 'sv')}"]
         if ins.kind == VIEW:
             self.stats.views += 1
             if ins.id in self.heads_last_views:  # the transpose of a heads-last attention result: dense, static

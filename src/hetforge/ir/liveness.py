@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hetforge.ir.program import TEMP, Program
+from hetforge.ir.program import KERNEL, TEMP, Instr, Program, Reg
 
 ALIGN = 64
 
@@ -32,16 +32,40 @@ class Buffer:
         return self.start <= other.end and other.start <= self.end
 
 
+ATTENTION_OP = "hetforge.attention.default"
+
+
+def copying_heads_transpose(ins: Instr, p: Program) -> bool:
+    """Whether ``ins`` is ``transpose(x, 1, 2)`` of a 4-D value into storage of its own (not a view: the capture
+    recorded a dense result, as when ``.contiguous()`` followed it), which the executor runs as a copy."""
+    return ins.kind == KERNEL and ins.op == "aten.transpose.int" and len(ins.args) == 3 and len(ins.outputs) == 1 \
+        and isinstance(ins.args[0], Reg) and len(p.values[ins.args[0].id].shape) == 4 \
+        and sorted(int(d) % 4 for d in ins.args[1:3]) == [1, 2]
+
+
+def attention_writes(ins: Instr, p: Program, by_id: dict[int, Instr]) -> int | None:
+    """The attention instruction that may write ``ins``'s result (the executor's heads-last rows: the attention
+    writes the slice of a copying heads transpose of its result, and the copy goes), else None. Such a result
+    is live from the attention on, so it never shares storage with what the attention reads."""
+    if not copying_heads_transpose(ins, p):
+        return None
+    att = by_id.get(p.values[ins.args[0].id].producer)
+    return att.id if att is not None and att.op == ATTENTION_OP and att.device == ins.device else None
+
+
 def lifetimes(p: Program) -> dict[int, Buffer]:
-    """Buffers of ``p`` (in its current instruction order) with their [first def, last use] intervals."""
+    """Buffers of ``p`` (in its current instruction order) with their [first def, last use] intervals (a result
+    an attention may write, :func:`attention_writes`, from the attention on)."""
     pos = {ins.id: k for k, ins in enumerate(p.instrs)}
+    by_id = {ins.id: ins for ins in p.instrs}
     start: dict[int, int] = {}
     end: dict[int, int] = {}
     for k, ins in enumerate(p.instrs):
+        early = attention_writes(ins, p, by_id)
         for o in ins.outputs:
             rt = p.root(o)
             if o == rt:
-                start[rt] = k
+                start[rt] = k if early is None else min(k, pos.get(early, k))
             end[rt] = max(end.get(rt, k), k)
         for r in ins.input_regs():
             rt = p.root(r)
