@@ -115,6 +115,13 @@ def test_the_plain_c_path_gives_the_same_bits_as_the_vector_path(tmp_path_factor
         rc = lib.hf_gemm_panel(x.data_ptr(), packed.data_ptr(), b.data_ptr(), y.data_ptr(), m, n, k, 2, 0, None, None)
         assert rc == 0
         assert torch.equal(y, native.gemm_panel(x, packed, b, n))
+        if not weight_t:  # the gated call (gate = this weight, up = its negation; the plain build's epilogue has
+            # no activation)
+            up = native.pack_panels(-w)
+            rc = lib.hf_gemm_panel_gated(x.data_ptr(), packed.data_ptr(), up.data_ptr(), b.data_ptr(), None,
+                                         y.data_ptr(), m, n, k, 2, 0, None)
+            assert rc == 0
+            assert torch.equal(y, native.gemm_panel_gated(x, packed, up, b, None, n, "none"))
 
 
 @needs_simd
@@ -184,6 +191,51 @@ def test_panel_gemm_multi_gives_each_product_the_bits_of_its_own_call():
         native.gemm_panel_multi(x, packs * 3, biases * 3, ns * 3)  # six weights
     with pytest.raises(ValueError, match="does not fit"):
         native.gemm_panel_multi(x[:, :-1].contiguous(), packs, biases, ns)
+
+
+@pytest.mark.parametrize("m,k,n,bias,res", [(128, 96, 100, False, False), (17, 70, 48, True, True),
+                                             (141, 517, 97, True, False), (3, 5, 7, False, True),
+                                             (4, 0, 9, True, True)])
+def test_gated_call_gives_the_bits_of_the_gate_call_then_the_up_call_with_its_result_as_mul(m, k, n, bias, res):
+    """A gated MLP's gate and up products as one call: bit-equal to gemm_panel(gate, act) followed by
+    gemm_panel(up, mul=that, res) for every activation the epilogue has, whatever the thread count, also with
+    biases, a residual, partial panels, a K tail, more rows than one 128-row block and no k-rows at all."""
+    g = torch.Generator().manual_seed(m * 7 + k)
+    x = torch.randn(m, k, generator=g)
+    pg, pu = (native.pack_panels(torch.randn(n, k, generator=g)) for _ in range(2))
+    bg, bu = (torch.randn(n, generator=g) if bias else None for _ in range(2))
+    r = torch.randn(m, n, generator=g) if res else None
+    acts = [a for a in ACTS if native.epilogue_act(a)]
+    assert "none" in acts
+    for act in acts:
+        ref = native.gemm_panel(x, pu, bu, n, mul=native.gemm_panel(x, pg, bg, n, act=act), res=r)
+        for threads in (1, 2, 3):
+            assert torch.equal(native.gemm_panel_gated(x, pg, pu, bg, bu, n, act, res=r, threads=threads), ref)
+    with pytest.raises(ValueError, match="does not fit"):
+        native.gemm_panel_gated(torch.randn(m, k + 1), pg, pu, bg, bu, n, "none")  # not the packed K
+
+
+def test_a_gated_mlps_gate_and_up_products_run_as_one_panel_call_with_the_same_bits(monkeypatch):
+    """Where the panel GEMM runs a Llama-style MLP (silu gate times up, then down), each layer's gate and up products
+    are one gemm_panel_gated call (none where it does not run), and the logits are bit-equal to the program with
+    two calls (HETFORGE_PANEL_GATED=0)."""
+    monkeypatch.delenv("HETFORGE_GEMM", raising=False)
+    module, inputs, cg = _captured("llama-tiny", 24)
+    monkeypatch.setenv(onednn_exec.PANEL_GATED_ENV, "0")
+    apart = compile_graph(cg.gm, soc="host", example_inputs=inputs, name="gate-up-apart").executable
+    monkeypatch.setenv(onednn_exec.PANEL_GATED_ENV, "1")
+    fused = compile_graph(cg.gm, soc="host", example_inputs=inputs, name="gate-up-fused").executable
+    layers = _loaded("llama-tiny").model.config.num_hidden_layers
+    panel = native.panel_available() and native.epilogue_act("silu")
+
+
+    def gated_calls(exe) -> int:
+        names = [k for k, v in exe._globals.items() if v is native.gemm_panel_gated]
+        return sum(exe.source.count(f"{k}(") for k in names)
+
+    assert gated_calls(fused) == (layers if panel else 0) and gated_calls(apart) == 0
+    assert torch.equal(fused(*inputs), apart(*inputs))
+    assert verify(module, fused, inputs, kl_threshold=1e-8).passed
 
 
 def test_a_layers_q_k_v_products_run_as_one_panel_call_with_the_same_bits(monkeypatch):

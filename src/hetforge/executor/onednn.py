@@ -88,6 +88,7 @@ def residual_adds(cg, takes, fits=None) -> tuple[dict[int, Reg], dict[int, int]]
 
 
 PANEL_MULTI_ENV = "HETFORGE_PANEL_MULTI"  # "0": every panel-GEMM product runs as its own call
+PANEL_GATED_ENV = "HETFORGE_PANEL_GATED"  # "0": a gated MLP's gate and up products run as two panel-GEMM calls
 
 
 def panel_groups(cg) -> dict[int, tuple[int, int, list]]:
@@ -230,8 +231,17 @@ def _unfused_line(cg, kind: str, o: int, rows: int, xs: str, wten: torch.Tensor,
             y = product(xs, wten, wt, bs, act, r=res)
         else:  # gated MLP: act(x·Wgᵀ+bg) into the up product's store, then the down product
             wg, bg, wd, bd = gate
-            g = product(xs, weight(wg), False, bias(bg), act)
-            y = product(xs, wten, False, bs, mul=g, r=res if wd is None else None)
+            r_up = res if wd is None else None
+            if kind == "panel" and native.epilogue_act(act) and os.environ.get(PANEL_GATED_ENV, "1") != "0":
+                # gate and up as one call (native.gemm_panel_gated): the same bits
+                pg = cg.const(LazyPacked(weight(wg), False, rows, kind), "pk") + ".get()"
+                pu = cg.const(LazyPacked(wten, False, rows, kind), "pk") + ".get()"
+                gated = cg.const(native.gemm_panel_gated, "gemm")
+                y = f"{gated}({xs}, {pg}, {pu}, {bias(bg)}, {bs}, {wten.shape[0]}, {act!r}" + \
+                    (f", res={r_up})" if r_up else ")")
+            else:
+                g = product(xs, weight(wg), False, bias(bg), act)
+                y = product(xs, wten, False, bs, mul=g, r=r_up)
             if wd is not None:
                 y = product(y, weight(wd), False, bias(bd), r=res)
         res = None

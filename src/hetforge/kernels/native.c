@@ -3659,6 +3659,8 @@ typedef struct {
     long n[HF_PSEG], j0[HF_PSEG + 1];
     int act;                /* ACT_* applied to each sum (hf_epilogue_act), then */
     const float *mul, *res; /* times mul[r, c], then plus res[r, c] ([m, n] dense; NULL: none; one segment only) */
+    int gated;              /* one segment, no mul: Y = act(X Wg^T + bg) * (X Wu^T + bu) (+ res), p[0] / bias[0] the */
+    const float *pu, *bu;   /* gate's panels and bias, pu / bu the up product's */
     long nc;                /* chunks: chunk c runs global panels [c * np / nc, (c + 1) * np / nc) */
 } panel_ctx;
 
@@ -3846,6 +3848,65 @@ static void panel_store(const panel_ctx *a, int sg, const float *acc, long c0, l
     }
 }
 
+/* A gated product's rows [r0, r1): gate sums g and up sums u (HF_PNB floats per row each, row r0 first) into Y's
+ * columns [c0, c0 + nv) as u * act(g) (+ res): the bits of panel_store with mul = act(g) stored by a product of
+ * its own (the same fp32 values, multiplied in the same order). */
+static void panel_store_gated(const panel_ctx *a, const float *g, const float *u, long c0, long nv, long r0,
+                              long r1) {
+    long n = a->n[0];
+    for (long r = r0; r < r1; r++) {
+        const float *gr = g + (r - r0) * HF_PNB, *ur = u + (r - r0) * HF_PNB;
+        float *y = a->y[0] + r * n + c0;
+        const float *re = a->res ? a->res + r * n + c0 : 0;
+#if defined(__AVX512F__)
+        for (long c = 0; c < nv; c += 16) {
+            __mmask16 mk = mask16(nv - c);
+            __m512 v = _mm512_mul_ps(_mm512_loadu_ps(ur + c), act16(_mm512_loadu_ps(gr + c), a->act));
+            if (re) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mk, re + c));
+            _mm512_mask_storeu_ps(y + c, mk, v);
+        }
+#else
+        for (long c = 0; c < nv; c++) {
+            float v = ur[c] * act_of(gr[c], a->act);
+            if (re) v = v + re[c];
+            y[c] = v;
+        }
+#endif
+    }
+}
+
+/* A gated product's panels [j0, j1) (see panel_ctx): per row block, the gate's panel through all k-blocks into
+ * gs, then the up product's into us (each sum the chain panel_chunk makes for it), then both through
+ * panel_store_gated. Why one call: the gate's result no longer goes to memory and back, and X is packed once. */
+static void panel_chunk_gated(const panel_ctx *a, long j0, long j1, float *gs) {
+    long k = a->k, m = a->m, q = (k + HF_PSTREAMS - 1) / HF_PSTREAMS, n = a->n[0];
+    float us[HF_PSUP * HF_PNB] __attribute__((aligned(64)));
+    for (long j = j0; j < j1; j++) {
+        long c0 = j * HF_PNB, nv = n - c0 < HF_PNB ? n - c0 : HF_PNB;
+        const float *pans[2] = {a->p[0] + (size_t)j * k * HF_PNB, a->pu + (size_t)j * k * HF_PNB};
+        const float *bs[2] = {a->bias[0], a->bu};
+        float *outs[2] = {gs, us};
+        float binit[2][HF_PNB];
+        for (int w = 0; w < 2; w++)
+            for (long cc = 0; cc < HF_PNB; cc++) binit[w][cc] = bs[w] && cc < nv ? bs[w][c0 + cc] : 0.f;
+        for (long s0 = 0; s0 < m; s0 += HF_PSUP) {
+            long ms = m - s0 < HF_PSUP ? m - s0 : HF_PSUP;
+            int ng = (int)((ms + HF_PMR - 1) / HF_PMR);
+            long kb = ng <= 2 ? HF_PKB_FEW : HF_PKB; /* see panel_block */
+            for (int w = 0; w < 2; w++)
+                for (long i0 = 0; i0 == 0 || i0 < q; i0 += kb) {
+                    long i1 = i0 + kb < q ? i0 + kb : q;
+                    for (long r0 = 0; r0 < ms; r0 += HF_PMR) {
+                        int mr = ms - r0 < HF_PMR ? (int)(ms - r0) : HF_PMR;
+                        panel_block(a->x + (s0 + r0) * k, k, q, pans[w], i0, i1, mr, outs[w] + r0 * HF_PNB,
+                                    HF_PNB, (int)(r0 / HF_PMR), ng, i0 == 0 ? binit[w] : 0, kb);
+                    }
+                }
+            panel_store_gated(a, gs, us, c0, nv, s0, s0 + ms);
+        }
+    }
+}
+
 /* Chunk c's panels. The sums of up to HF_PSUP rows are kept in one contiguous scratch on the stack (HF_PNB floats a
  * row) while the k-blocks run, and go through the epilogue into Y after a row group's last block: summed in place
  * in Y instead, the row groups' sums sat n floats apart, which for N a multiple of 1024 put every row's sums in the
@@ -3855,6 +3916,10 @@ static void panel_chunk(void *ctx, long c) {
     long k = a->k, m = a->m, q = (k + HF_PSTREAMS - 1) / HF_PSTREAMS;
     long j0 = c * a->np / a->nc, j1 = (c + 1) * a->np / a->nc;
     float tmp[HF_PSUP * HF_PNB] __attribute__((aligned(64)));
+    if (a->gated) {
+        panel_chunk_gated(a, j0, j1, tmp);
+        return;
+    }
     int sg = 0;
     for (long j = j0; j < j1; j++) {
         while (j >= a->j0[sg + 1]) sg++; /* the segment (weight) global panel j belongs to */
@@ -3936,6 +4001,20 @@ int hf_gemm_panel(const float *x, const float *p, const float *bias, float *y, l
     panel_ctx a = {0};
     a.m = m, a.k = k, a.nseg = 1, a.p[0] = p, a.bias[0] = bias, a.y[0] = y, a.n[0] = n;
     a.j0[1] = (n + HF_PNB - 1) / HF_PNB, a.act = act, a.mul = mul, a.res = res;
+    return panel_run(&a, x, threads);
+}
+
+/* Y = act(X Wg^T + bg) * (X Wu^T + bu) (+ res) on the gate's and up product's panels (both [n, k] weights packed by
+ * hf_pack_panels; biases and res may be NULL): a gated MLP's gate and up products as one call (panel_chunk_gated),
+ * with the bits hf_gemm_panel gives for the gate with ``act`` followed by the up product with ``mul`` = that result.
+ * Returns as hf_gemm_panel. */
+int hf_gemm_panel_gated(const float *x, const float *pg, const float *pu, const float *bg, const float *bu, float *y,
+                        long m, long n, long k, int threads, int act, const float *res) {
+    if (!hf_epilogue_act(act)) return -2;
+    if (m < 1 || n < 1) return 0;
+    panel_ctx a = {0};
+    a.m = m, a.k = k, a.nseg = 1, a.p[0] = pg, a.bias[0] = bg, a.y[0] = y, a.n[0] = n;
+    a.j0[1] = (n + HF_PNB - 1) / HF_PNB, a.act = act, a.res = res, a.gated = 1, a.pu = pu, a.bu = bu;
     return panel_run(&a, x, threads);
 }
 

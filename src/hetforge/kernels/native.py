@@ -91,6 +91,7 @@ SIGNATURES = {
     "hf_pack_panels": [_P, _P, _L, _L, _I, _I],
     "hf_gemm_panel": [_P, _P, _P, _P, _L, _L, _L, _I, _I, _P, _P],
     "hf_gemm_panel_multi": [_P, _I, _P, _P, _P, _P, _L, _L, _I],
+    "hf_gemm_panel_gated": [_P, _P, _P, _P, _P, _P, _L, _L, _L, _I, _I, _P],
 }
 RESTYPES = {  # the functions that return a value (every other one returns void)
     "hf_read_stream": _F, "hf_q8a_path": _I, "hf_bf16_path": _I, "hf_prefill_attention": _I, "hf_gemv_nk_multi": _I,
@@ -98,6 +99,7 @@ RESTYPES = {  # the functions that return a value (every other one returns void)
     "hf_gemv_q4a": _I, "hf_gemm_q4a": _I, "hf_q4a_path": _I, "hf_quantize_i8_chunks": _L, "hf_quantize_i8": _I,
     "hf_transpose": _I, "hf_gemm_few": _I, "hf_gemm_few_kn": _I, "hf_gated_mlp_few": _I, "hf_panel_simd": _I,
     "hf_gemm_amx_bf16": _I, "hf_amx_bf16_ok": _I, "hf_gemm_panel": _I, "hf_gemm_panel_multi": _I,
+    "hf_gemm_panel_gated": _I,
     "hf_epilogue_act": _I, "hf_act_inplace": _I,
 }
 FEW_KN_SLOTS = 4  # split-K parts of hf_gemm_few_kn (fixed, so a result does not depend on the thread count)
@@ -562,6 +564,29 @@ def gemm_panel(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
                                  if rc == -1 else f"activation code {code} not in its epilogue"))
     for step in after:
         step(y)
+    return y
+
+
+def gemm_panel_gated(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, bias_gate: torch.Tensor | None,
+                     bias_up: torch.Tensor | None, n: int, act: str, res: torch.Tensor | None = None,
+                     threads: int | None = None) -> torch.Tensor:
+    """A gated MLP's ``act(x·W_gᵀ + b_g) * (x·W_uᵀ + b_u)`` (``+ res``) on two weights packed by :func:`pack_panels`
+    (``n`` outputs each), as one native call: X packed once, and the gate's result never written out. Bit-equal to
+    ``gemm_panel(x, up, b_u, n, mul=gemm_panel(x, gate, b_g, n, act=act), res=res)``; ``act`` must be one the
+    epilogue has (:func:`epilogue_act`)."""
+    _check_panel(x, gate, bias_gate, n)
+    _check_panel(x, up, bias_up, n)
+    y = torch.empty((*x.shape[:-1], n), dtype=torch.float32)
+    if not epilogue_act(act) or res is not None and (res.dtype != torch.float32 or not res.is_contiguous()
+                                                     or res.numel() != y.numel()):
+        raise ValueError(f"gated panel GEMM: activation {act!r} or residual "
+                         f"{None if res is None else (res.dtype, tuple(res.shape))} is not one it applies")
+    rc = library().hf_gemm_panel_gated(x.data_ptr(), gate.data_ptr(), up.data_ptr(), _ptr(bias_gate), _ptr(bias_up),
+                                       y.data_ptr(), math.prod(x.shape[:-1]), n, x.shape[-1],
+                                       max(1, torch.get_num_threads() if threads is None else threads),
+                                       ACT_CODES[act], _ptr(res))
+    if rc != 0:
+        raise MemoryError("hf_gemm_panel_gated: cannot allocate its scratch (the input's packed rows)")
     return y
 
 
