@@ -360,6 +360,7 @@ def test_forward_writes_attention_into_the_slice_of_its_copying_transpose_with_t
         dense = compile_graph(cg.gm, soc="host", example_inputs=inputs, name=name)
     assert res.executable.source.count("_hl") == len(copies) and "_hl" not in dense.executable.source
     assert dense.executable.stats.functional_copy - res.executable.stats.functional_copy == len(copies)
+    assert res.executable.stats.heads_last_copies == len(copies) and dense.executable.stats.heads_last_copies == 0
     with torch.no_grad():
         got, ref = res.executable(*inputs), dense.executable(*inputs)
     for a, b in zip(torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(ref), strict=True):

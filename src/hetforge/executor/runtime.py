@@ -98,6 +98,7 @@ class ExecStats:
     composed_views: int = 0  # views of oneDNN results made in one as_strided step (or not at all) per call
     copy_into: int = 0  # copy-like op done as slice.copy_(input)
     functional_copy: int = 0  # functional op + copy into the slice
+    heads_last_copies: int = 0  # copying heads transposes the attention before them wrote (bound, no copy)
     unplanned: int = 0  # functional result kept outside the arena (mode fast)
     fresh_outputs: int = 0  # graph outputs (fresh each call)
     views: int = 0
@@ -362,10 +363,11 @@ class _Codegen:
             return [f"{outs[0]} = {src}.to({self.const(dev, 'dev')}, copy=True)"]
         fn = self.const(self.kernel(ins, dev), "f")
         lhs = outs[0] if len(outs) == 1 else ", ".join(outs)
-        if ins.kind != VIEW and ins.id in self.heads_last_views:  # a copying transpose the attention wrote
+        if ins.kind != VIEW and ins.id in self.heads_last_views:  # a copying transpose the attention wrote: its
+            # slice, bound (the record keeps the copy's kernel: what it names is what the slice holds)
             t = self.heads_last_views[ins.id]
             self.static[ins.outputs[0]] = t
-            self.stats.static_views += 1
+            self.stats.heads_last_copies += 1
             return [f"{outs[0]} = {self.const(t, 'sv')}"]
         if ins.kind == VIEW:
             self.stats.views += 1
