@@ -88,7 +88,8 @@ class CompileResult:
             out["executor"] = {"mode": self.executable.mode, "out_variant": s.out_variant, "gemm_out": s.gemm_out,
                                "copy_into": s.copy_into, "functional_copy": s.functional_copy,
                                "heads_last_copies": s.heads_last_copies, "views": s.views,
-                               "elided_views": s.elided_views, "unplanned": s.unplanned, "fallback_ops": s.by_op_fallback}
+                               "elided_views": s.elided_views, "unplanned": s.unplanned,
+                               "fallback_ops": s.by_op_fallback}
         return out
 
 
