@@ -2732,6 +2732,19 @@ static void pa_pv(const float *restrict p, const float *restrict V, long vstride
 /* Whether mask block [i0, i0+ni) x [j0, j0+nj) of (batch, head) base has a visible entry; *all: every one is. */
 static int pa_mask_block(const pa_ctx *a, const char *base, long i0, long ni, long j0, long nj, int *all) {
     int any = 0, every = 1;
+#if defined(__AVX512BW__)
+    if (a->mask_kind == 1 && a->ms[3] == 1 && nj <= 64) { /* a bool mask's dense rows: 64 entries per test */
+        __mmask64 live = nj == 64 ? ~(__mmask64)0 : (((__mmask64)1 << nj) - 1);
+        for (long ii = 0; ii < ni; ii++) {
+            __m512i row = _mm512_maskz_loadu_epi8(live, base + (i0 + ii) * a->ms[2] + j0);
+            __mmask64 vis = _mm512_test_epi8_mask(row, row);
+            any |= vis != 0;
+            every &= vis == live;
+        }
+        *all = every;
+        return any;
+    }
+#endif
     for (long ii = 0; ii < ni; ii++) {
         const char *row = base + (i0 + ii) * a->ms[2] * (a->mask_kind == 1 ? 1 : 4);
         for (long jj = 0; jj < nj; jj++) {
