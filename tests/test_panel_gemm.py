@@ -215,19 +215,25 @@ def test_gated_call_gives_the_bits_of_the_gate_call_then_the_up_call_with_its_re
         native.gemm_panel_gated(torch.randn(m, k + 1), pg, pu, bg, bu, n, "none")  # not the packed K
 
 
+def _llama_tiny_with_and_without(monkeypatch, env: str) -> tuple:
+    """llama-tiny's 24-token forward compiled with the executor switch ``env`` at "0" and at "1" (the default
+    kernel choice otherwise): (module, inputs, program with 0, program with 1)."""
+    monkeypatch.delenv("HETFORGE_GEMM", raising=False)
+    module, inputs, cg = _captured("llama-tiny", 24)
+    exes = []
+    for value in ("0", "1"):
+        monkeypatch.setenv(env, value)
+        exes.append(compile_graph(cg.gm, soc="host", example_inputs=inputs, name=f"{env}-{value}").executable)
+    return module, inputs, *exes
+
+
 def test_a_gated_mlps_gate_and_up_products_run_as_one_panel_call_with_the_same_bits(monkeypatch):
     """Where the panel GEMM runs a Llama-style MLP (silu gate times up, then down), each layer's gate and up products
     are one gemm_panel_gated call (none where it does not run), and the logits are bit-equal to the program with
     two calls (HETFORGE_PANEL_GATED=0)."""
-    monkeypatch.delenv("HETFORGE_GEMM", raising=False)
-    module, inputs, cg = _captured("llama-tiny", 24)
-    monkeypatch.setenv(onednn_exec.PANEL_GATED_ENV, "0")
-    apart = compile_graph(cg.gm, soc="host", example_inputs=inputs, name="gate-up-apart").executable
-    monkeypatch.setenv(onednn_exec.PANEL_GATED_ENV, "1")
-    fused = compile_graph(cg.gm, soc="host", example_inputs=inputs, name="gate-up-fused").executable
+    module, inputs, apart, fused = _llama_tiny_with_and_without(monkeypatch, onednn_exec.PANEL_GATED_ENV)
     layers = _loaded("llama-tiny").model.config.num_hidden_layers
     panel = native.panel_available() and native.epilogue_act("silu")
-
 
     def gated_calls(exe) -> int:
         names = [k for k, v in exe._globals.items() if v is native.gemm_panel_gated]
@@ -242,12 +248,7 @@ def test_a_layers_q_k_v_products_run_as_one_panel_call_with_the_same_bits(monkey
     """Llama-style q, k and v projections of one input (three weights) run as one gemm_panel_multi call per layer
     where the panel GEMM runs (none are grouped where it does not), and the program's logits are bit-equal to the
     program with each product on its own call."""
-    monkeypatch.delenv("HETFORGE_GEMM", raising=False)
-    module, inputs, cg = _captured("llama-tiny", 24)
-    monkeypatch.setenv(onednn_exec.PANEL_MULTI_ENV, "0")
-    apart = compile_graph(cg.gm, soc="host", example_inputs=inputs, name="qkv-apart").executable
-    monkeypatch.setenv(onednn_exec.PANEL_MULTI_ENV, "1")
-    grouped = compile_graph(cg.gm, soc="host", example_inputs=inputs, name="qkv-grouped").executable
+    module, inputs, apart, grouped = _llama_tiny_with_and_without(monkeypatch, onednn_exec.PANEL_MULTI_ENV)
     layers = _loaded("llama-tiny").model.config.num_hidden_layers if native.panel_available() else 0
     assert apart.stats.panel_groups == 0 and grouped.stats.panel_groups == layers  # one group (q, k, v) a layer
     assert grouped.stats.panel_gemm == apart.stats.panel_gemm

@@ -3672,9 +3672,9 @@ typedef struct {
     long n[HF_PSEG], j0[HF_PSEG + 1];
     int act;                /* ACT_* applied to each sum (hf_epilogue_act), then */
     const float *mul, *res; /* times mul[r, c], then plus res[r, c] ([m, n] dense; NULL: none; one segment only) */
-    int gated;              /* one segment, no mul: Y = act(X Wg^T + bg) * (X Wu^T + bu) (+ res), p[0] / bias[0] the */
-    const float *pu, *bu;   /* gate's panels and bias, pu / bu the up product's */
     long nc;                /* chunks: chunk c runs global panels [c * np / nc, (c + 1) * np / nc) */
+    int gated;              /* one segment, no mul: Y = act(X Wg^T + bg) * (X Wu^T + bu) (+ res), p[0] / bias[0] the */
+    const float *pu, *bu;   /* gate's panels and bias, pu / bu the up product's (panel_chunk_gated) */
 } panel_ctx;
 
 /* Whether this build has the vector path (the plain C path is for correctness, not speed). */
@@ -3888,11 +3888,16 @@ static void panel_store_gated(const panel_ctx *a, const float *g, const float *u
     }
 }
 
-/* A gated product's panels [j0, j1) (see panel_ctx): per row block, the gate's panel through all k-blocks into
+/* Chunk c's panels of a gated product (see panel_ctx): per row block, the gate's panel through all k-blocks into
  * gs, then the up product's into us (each sum the chain panel_chunk makes for it), then both through
- * panel_store_gated. Why one call: the gate's result no longer goes to memory and back, and X is packed once. */
-static void panel_chunk_gated(const panel_ctx *a, long j0, long j1, float *gs) {
+ * panel_store_gated. Why one call: the gate's result no longer goes to memory and back, and X is packed once.
+ * Both chunk functions are flattened (panel_block inlined into each): with two callers GCC kept panel_block out of
+ * line, and plain products ran 5-9% slower (measured: docs/arch/runtime.md, session 35). */
+__attribute__((flatten)) static void panel_chunk_gated(void *ctx, long c) {
+    const panel_ctx *a = ctx;
     long k = a->k, m = a->m, q = (k + HF_PSTREAMS - 1) / HF_PSTREAMS, n = a->n[0];
+    long j0 = c * a->np / a->nc, j1 = (c + 1) * a->np / a->nc;
+    float gs[HF_PSUP * HF_PNB] __attribute__((aligned(64)));
     float us[HF_PSUP * HF_PNB] __attribute__((aligned(64)));
     for (long j = j0; j < j1; j++) {
         long c0 = j * HF_PNB, nv = n - c0 < HF_PNB ? n - c0 : HF_PNB;
@@ -3924,15 +3929,11 @@ static void panel_chunk_gated(const panel_ctx *a, long j0, long j1, float *gs) {
  * row) while the k-blocks run, and go through the epilogue into Y after a row group's last block: summed in place
  * in Y instead, the row groups' sums sat n floats apart, which for N a multiple of 1024 put every row's sums in the
  * same few L1 sets (evicted to L2 between blocks) and made the last, partial panel need a scratch of its own. */
-static void panel_chunk(void *ctx, long c) {
+__attribute__((flatten)) static void panel_chunk(void *ctx, long c) { /* flattened: see panel_chunk_gated */
     const panel_ctx *a = ctx;
     long k = a->k, m = a->m, q = (k + HF_PSTREAMS - 1) / HF_PSTREAMS;
     long j0 = c * a->np / a->nc, j1 = (c + 1) * a->np / a->nc;
     float tmp[HF_PSUP * HF_PNB] __attribute__((aligned(64)));
-    if (a->gated) {
-        panel_chunk_gated(a, j0, j1, tmp);
-        return;
-    }
     int sg = 0;
     for (long j = j0; j < j1; j++) {
         while (j >= a->j0[sg + 1]) sg++; /* the segment (weight) global panel j belongs to */
@@ -3999,7 +4000,7 @@ static int panel_run(panel_ctx *a, const float *x, int threads) {
     panel_pack_x(x, xp, m, k, threads);
     long np = a->j0[a->nseg], nc = threads * ((np + threads * HF_PCHUNK - 1) / (threads * HF_PCHUNK));
     a->x = xp, a->np = np, a->nc = nc < np ? nc : np;
-    hf_run_team(panel_chunk, a, a->nc, threads);
+    hf_run_team(a->gated ? panel_chunk_gated : panel_chunk, a, a->nc, threads);
     free(xp);
     return 0;
 }
