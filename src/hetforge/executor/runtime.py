@@ -167,7 +167,9 @@ class _Codegen:
         writes rows in that order (``hf_prefill_attention``'s output strides), the transpose is the dense slice
         (bound here, at build time) and the reshape that merges the heads a view of it, where with a dense
         ``[b, h, l, dv]`` result it copied the whole output each call. None otherwise. The slice lives until the
-        reshapes' last reads: the plan keeps a view's storage live for its aliases."""
+        reshapes' last reads: the plan keeps a view's storage live for its aliases. Where the transpose is a copy
+        into storage of its own (a plain forward's ``.contiguous()``), the slice is that storage, which the plan
+        makes live from the attention on (``ir.liveness.attention_writes``), and the copy goes."""
         p, outs = self.p, set(self.p.output_regs())
         vo = p.values[o]
         if self.mode == "fast" or not self.planned(o) or o in outs or len(vo.shape) != 4:
