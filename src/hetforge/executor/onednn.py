@@ -216,9 +216,12 @@ def _unfused_line(cg, kind: str, o: int, rows: int, xs: str, wten: torch.Tensor,
     call = cg.const({"mkl": torch.ops.mkl._mkl_linear.default, "panel": native.gemm_panel,
                      "amx": native.gemm_amx_bf16}[kind], "mkl" if kind == "mkl" else "gemm")
 
+    def packed(w: torch.Tensor, w_t: bool) -> str:
+        return cg.const(LazyPacked(w, w_t, rows, kind), "pk") + ".get()"
+
     def product(x: str, w: torch.Tensor, w_t: bool, b: str, a: str = "none", mul: str | None = None,
                 r: str | None = None) -> str:
-        pk = cg.const(LazyPacked(w, w_t, rows, kind), "pk") + ".get()"
+        pk = packed(w, w_t)
         if native_kind:
             epi = (f", act={a!r}" if a != "none" else "") + (f", mul={mul}" if mul else "") + \
                 (f", res={r}" if r else "")
@@ -234,11 +237,9 @@ def _unfused_line(cg, kind: str, o: int, rows: int, xs: str, wten: torch.Tensor,
             r_up = res if wd is None else None
             if kind == "panel" and native.epilogue_act(act) and os.environ.get(PANEL_GATED_ENV, "1") != "0":
                 # gate and up as one call (native.gemm_panel_gated): the same bits
-                pg = cg.const(LazyPacked(weight(wg), False, rows, kind), "pk") + ".get()"
-                pu = cg.const(LazyPacked(wten, False, rows, kind), "pk") + ".get()"
                 gated = cg.const(native.gemm_panel_gated, "gemm")
-                y = f"{gated}({xs}, {pg}, {pu}, {bias(bg)}, {bs}, {wten.shape[0]}, {act!r}" + \
-                    (f", res={r_up})" if r_up else ")")
+                y = f"{gated}({xs}, {packed(weight(wg), False)}, {packed(wten, False)}, {bias(bg)}, {bs}, " \
+                    f"{wten.shape[0]}, {act!r}" + (f", res={r_up})" if r_up else ")")
             else:
                 g = product(xs, weight(wg), False, bias(bg), act)
                 y = product(xs, wten, False, bs, mul=g, r=r_up)

@@ -3835,13 +3835,16 @@ static void panel_block(const float *xp, long k, long q, const float *pan, long 
 
 /* The sums of rows [r0, r1) in acc (HF_PNB floats per row, row r0 first) through the epilogue (act, mul, res) into
  * Y's columns [c0, c0 + nv): the graph's activation, a gated MLP's gate product and a residual add, in that order,
- * each one fp32 op as ATen's. */
-static void panel_store(const panel_ctx *a, int sg, const float *acc, long c0, long nv, long r0, long r1) {
+ * each one fp32 op as ATen's. ``up``: a gated product's up sums laid out as acc, the multiplier instead of mul
+ * (act(gate) times up: the bits of the up product stored with mul = the gate's result), else NULL. */
+static void panel_store(const panel_ctx *a, int sg, const float *acc, long c0, long nv, long r0, long r1,
+                        const float *up) {
     long n = a->n[sg];
     for (long r = r0; r < r1; r++) {
         const float *o = acc + (r - r0) * HF_PNB;
         float *y = a->y[sg] + r * n + c0;
-        const float *mu = a->mul ? a->mul + r * n + c0 : 0, *re = a->res ? a->res + r * n + c0 : 0;
+        const float *mu = up ? up + (r - r0) * HF_PNB : a->mul ? a->mul + r * n + c0 : 0;
+        const float *re = a->res ? a->res + r * n + c0 : 0;
 #if defined(__AVX512F__)
         for (long c = 0; c < nv; c += 16) {
             __mmask16 mk = mask16(nv - c);
@@ -3861,36 +3864,9 @@ static void panel_store(const panel_ctx *a, int sg, const float *acc, long c0, l
     }
 }
 
-/* A gated product's rows [r0, r1): gate sums g and up sums u (HF_PNB floats per row each, row r0 first) into Y's
- * columns [c0, c0 + nv) as u * act(g) (+ res): the bits of panel_store with mul = act(g) stored by a product of
- * its own (the same fp32 values, multiplied in the same order). */
-static void panel_store_gated(const panel_ctx *a, const float *g, const float *u, long c0, long nv, long r0,
-                              long r1) {
-    long n = a->n[0];
-    for (long r = r0; r < r1; r++) {
-        const float *gr = g + (r - r0) * HF_PNB, *ur = u + (r - r0) * HF_PNB;
-        float *y = a->y[0] + r * n + c0;
-        const float *re = a->res ? a->res + r * n + c0 : 0;
-#if defined(__AVX512F__)
-        for (long c = 0; c < nv; c += 16) {
-            __mmask16 mk = mask16(nv - c);
-            __m512 v = _mm512_mul_ps(_mm512_loadu_ps(ur + c), act16(_mm512_loadu_ps(gr + c), a->act));
-            if (re) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mk, re + c));
-            _mm512_mask_storeu_ps(y + c, mk, v);
-        }
-#else
-        for (long c = 0; c < nv; c++) {
-            float v = ur[c] * act_of(gr[c], a->act);
-            if (re) v = v + re[c];
-            y[c] = v;
-        }
-#endif
-    }
-}
-
 /* Chunk c's panels of a gated product (see panel_ctx): per row block, the gate's panel through all k-blocks into
  * gs, then the up product's into us (each sum the chain panel_chunk makes for it), then both through
- * panel_store_gated. Why one call: the gate's result no longer goes to memory and back, and X is packed once.
+ * panel_store. Why one call: the gate's result no longer goes to memory and back, and X is packed once.
  * Both chunk functions are flattened (panel_block inlined into each): with two callers GCC kept panel_block out of
  * line, and plain products ran 5-9% slower (measured: docs/arch/runtime.md, session 35). */
 __attribute__((flatten)) static void panel_chunk_gated(void *ctx, long c) {
@@ -3920,7 +3896,7 @@ __attribute__((flatten)) static void panel_chunk_gated(void *ctx, long c) {
                                     HF_PNB, (int)(r0 / HF_PMR), ng, i0 == 0 ? binit[w] : 0, kb);
                     }
                 }
-            panel_store_gated(a, gs, us, c0, nv, s0, s0 + ms);
+            panel_store(a, 0, gs, c0, nv, s0, s0 + ms, us);
         }
     }
 }
@@ -3953,7 +3929,7 @@ __attribute__((flatten)) static void panel_chunk(void *ctx, long c) { /* flatten
                     panel_block(a->x + (s0 + r0) * k, k, q, pan, i0, i1, mr, tmp + r0 * HF_PNB, HF_PNB,
                                 (int)(r0 / HF_PMR), ng, i0 == 0 ? binit : 0, kb);
                     if (i1 == q) /* the group's final sums, still in L1: through the epilogue into Y now */
-                        panel_store(a, sg, tmp + r0 * HF_PNB, c0, nv, s0 + r0, s0 + r0 + mr);
+                        panel_store(a, sg, tmp + r0 * HF_PNB, c0, nv, s0 + r0, s0 + r0 + mr, NULL);
                 }
             }
         }

@@ -419,7 +419,7 @@ def huge_empty(numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     :func:`pack_panels` stops asking for them once they prove slower than ordinary pages (:func:`huge_pages_wanted`)."""
     size = numel * torch.empty(0, dtype=dtype).element_size()
     advice = getattr(mmap, "MADV_HUGEPAGE", None)
-    if advice is None or size < HUGE_PAGE or not huge_pages_wanted():
+    if advice is None or not _asks_huge(size):
         return torch.empty(numel, dtype=dtype)
     try:
         mm = mmap.mmap(-1, size + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
@@ -444,7 +444,7 @@ def pack_panels(w: torch.Tensor, weight_t: bool = False, threads: int | None = N
                          f"{tuple(w.shape)} on {w.device}")
     k, n = w.shape if weight_t else (w.shape[1], w.shape[0])
     numel = ((n + PANEL_NB - 1) // PANEL_NB) * PANEL_NB * k
-    huge = huge_pages_wanted() and numel * 4 >= HUGE_PAGE
+    huge = _asks_huge(numel * 4)  # what huge_empty decides for it (asked now: the judgment below may change it)
     t0 = time.perf_counter()
     out = huge_empty(numel)
     lib.hf_pack_panels(w.data_ptr(), out.data_ptr(), n, k, int(weight_t),
@@ -461,6 +461,11 @@ def huge_pages_wanted() -> bool:
     if env in ("0", "1"):
         return env == "1"
     return not _huge_packing["slow"]
+
+
+def _asks_huge(size: int) -> bool:
+    """Whether :func:`huge_empty` asks for huge pages for ``size`` bytes (where the OS has the advice)."""
+    return size >= HUGE_PAGE and huge_pages_wanted()
 
 
 def _judge_huge_packing(nbytes: int, seconds: float) -> None:
