@@ -63,3 +63,15 @@ def test_cli_runs_bf16_where_the_cpu_has_it():
     assert r.returncode == 0, r.stderr
     doc = json.loads(r.stdout)
     assert doc["precision"] == "bf16" and len(doc["tokens"]) == 2
+
+
+def test_cpu_name_carries_the_x86_family_model_and_stepping_of_the_first_processor():
+    """A VM's generic model name ("AMD EPYC") is the same for two CPU generations; the record must tell them apart."""
+    from hetforge.hardware.host import cpu_name
+
+    def block(i: int, model: int) -> str:
+        return (f"processor\t: {i}\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel\t\t: {model}\n"
+                f"model name\t: AMD EPYC\nstepping\t: 1\nflags\t\t: fpu avx512f\n\n")
+
+    assert cpu_name(block(0, 17) + block(1, 99)) == "AMD EPYC (family 25, model 17, stepping 1)"
+    assert cpu_name(CPUINFO_X86) == "Test CPU"  # no family/model/stepping lines (e.g. ARM): the name alone

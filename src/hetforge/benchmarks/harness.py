@@ -168,14 +168,9 @@ def machine_info(threads: int) -> dict:
     import torch
     import transformers
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    from hetforge.hardware.host import cpu_name
+
+    cpu = cpu_name()
     versions = {"python": platform.python_version(), "torch": torch.__version__,
                 "transformers": transformers.__version__}
     for mod in ("onnxruntime", "openvino", "onnx", "onnxscript"):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import platform
+from pathlib import Path
 
 import psutil
 
@@ -29,15 +30,27 @@ def cpu_count() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+def cpu_name(cpuinfo: str | None = None) -> str:
+    """The CPU's model name from /proc/cpuinfo, with its x86 family, model and stepping where it has them: a VM
+    often shows only a generic name ("AMD EPYC" for Zen 4 and Zen 5 alike), and results from two CPU generations
+    must not read as one machine's."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            cpuinfo = ""
+    fields: dict[str, str] = {}
+    for line in cpuinfo.splitlines():
+        key, sep, val = line.partition(":")
+        if not sep:
+            if fields:
+                break  # the first processor's block only
+            continue
+        fields.setdefault(key.strip(), val.strip())
+    name = fields.get("model name") or platform.processor() or platform.machine()
+    if all(fields.get(k) for k in ("cpu family", "model", "stepping")):
+        name += f" (family {fields['cpu family']}, model {fields['model']}, stepping {fields['stepping']})"
+    return name
 
 
 def default_host_spec() -> SocSpec:
