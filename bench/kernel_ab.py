@@ -1,0 +1,215 @@
+"""The native kernels built from a git revision's ``native.c`` against the working tree's, side by side (measured).
+
+Why: a kernel's speed can move with an edit that does not touch it. In session 35 a second caller of the panel
+GEMM's inner block made GCC keep that block out of line, and every panel product ran 5-9% slower with the same
+bits, so no test saw it. This script builds both sources with the project's own flags
+(``native.FLAG_SETS[0]``), loads both libraries into one process and runs the same calls on each, interleaved in
+``--rounds`` rounds (the order flips every round):
+
+- the panel GEMM (``hf_gemm_panel``) at ``--rows`` rows over a pool of calibration weights (1024/4096-wide, no zoo
+  model has them) of at least 3 last-level caches, each library on weights packed by its own ``hf_pack_panels``;
+- the one-row products ``hf_gemv_nk`` and ``hf_gemv_kn`` over pools of the same size;
+- the prefill attention (``hf_prefill_attention``, causal) on two calibration head layouts at 128 and 512 rows.
+
+Per case: the median over rounds of the per-round time ratio working tree ÷ base (below 1: the working tree is
+faster) and whether both builds gave the same bits. ``--max-ratio R`` makes the exit status 1 when a case's median
+ratio is above R (a guard before committing a change to native.c; the host is shared and noisy, so rerun a case
+that fails by a little). Nothing is written unless ``--json`` names a file.
+
+    python bench/kernel_ab.py [--base HEAD] [--rows 16,128] [--rounds 7] [--threads 2] [--max-ratio 1.03] \\
+        [--json ab.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from _pages import int_list, run_meta
+
+from hetforge.hardware.bandwidth import llc_bytes
+from hetforge.kernels import native
+
+PANEL_SHAPES = [(3072, 1024), (1024, 1024), (4096, 1024), (1024, 4096)]  # (N, K): calibration widths
+GEMV_SHAPES = [("nk", 4096, 1024), ("kn", 1024, 4096)]  # (layout, N, K)
+ATTENTION = [(32, 8, 64), (16, 4, 128)]  # (query heads, kv heads, head dim): calibration layouts
+ATTENTION_ROWS = (128, 512)
+POOL_LLCS = 3
+
+
+def base_source(rev: str) -> str | None:
+    """``native.c`` as committed at ``rev``, or None where git has no such file there (an unknown revision)."""
+    rel = native.SOURCE.relative_to(native.SOURCE.parents[3]).as_posix()
+    got = subprocess.run(["git", "show", f"{rev}:{rel}"], cwd=native.SOURCE.parent, capture_output=True, text=True)
+    return got.stdout if got.returncode == 0 else None
+
+
+def build(source: str, folder: Path, name: str) -> ctypes.CDLL:
+    """``source`` built with the project's flags into ``folder`` and loaded, with the library's signatures set."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        raise SystemExit("error: no C compiler (cc/gcc) here: nothing measured")
+    src = folder / f"{name}.c"
+    src.write_text(source)
+    out = folder / f"{name}.so"
+    got = subprocess.run([cc, *native.FLAG_SETS[0], "-shared", "-fPIC", str(src), "-o", str(out), "-lm"],
+                         capture_output=True, text=True)
+    if got.returncode != 0:
+        raise SystemExit(f"error: building {name}'s native.c failed: {got.stderr.strip()[:300]}")
+    lib, why = native._open(out)  # loaded with the library's signatures, as the project loads its own
+    if lib is None:
+        raise SystemExit(f"error: {name}'s native library does not load: {why}")
+    return lib
+
+
+def pool_count(nbytes_each: int) -> int:
+    return max(2, -(-POOL_LLCS * llc_bytes() // nbytes_each))
+
+
+def panel_cases(libs: dict[str, ctypes.CDLL], rows_list: list[int], threads: int) -> list[dict]:
+    """One case per row count: every pool weight's product, on each library's own packed copy."""
+    g = torch.Generator().manual_seed(1)
+    layer = sum(n * k * 4 for n, k in PANEL_SHAPES)
+    ws = [(torch.randn(n, k, generator=g) * 0.02, n, k) for _ in range(pool_count(layer)) for n, k in PANEL_SHAPES]
+    packs = {}
+    for name, lib in libs.items():
+        ps = []
+        for w, n, k in ws:
+            p = torch.empty(-(-n // native.PANEL_NB) * native.PANEL_NB * k)
+            lib.hf_pack_panels(w.data_ptr(), p.data_ptr(), n, k, 0, threads)
+            ps.append(p)
+        packs[name] = ps
+    cases = []
+    for rows in rows_list:
+        xs = {k: torch.randn(rows, k, generator=g) for k in {k for _, _, k in ws}}
+        outs = {name: [torch.empty(rows, n) for _, n, _ in ws] for name in libs}
+
+        def call(name: str, xs=xs, outs=outs, rows=rows) -> None:
+            lib = libs[name]
+            for (_, n, k), p, y in zip(ws, packs[name], outs[name], strict=True):
+                lib.hf_gemm_panel(xs[k].data_ptr(), p.data_ptr(), None, y.data_ptr(), rows, n, k, threads, 0,
+                                  None, None)
+
+        cases.append({"case": f"panel GEMM, {rows} rows", "call": call, "outs": outs,
+                      "bytes": sum(w.numel() * 4 for w, _, _ in ws)})
+    return cases
+
+
+def gemv_cases(libs: dict[str, ctypes.CDLL], threads: int) -> list[dict]:
+    cases = []
+    g = torch.Generator().manual_seed(2)
+    for layout, n, k in GEMV_SHAPES:
+        pool = [torch.randn(*((n, k) if layout == "nk" else (k, n)), generator=g) for _ in range(pool_count(n * k * 4))]
+        x = torch.randn(k, generator=g)
+        outs = {name: [torch.empty(n)] for name in libs}
+        part = {name: torch.empty(native.split_k_slots(), n) for name in libs}
+
+        def call(name: str, layout=layout, n=n, k=k, pool=pool, x=x, outs=outs, part=part) -> None:
+            lib, y = libs[name], outs[name][0]
+            for w in pool:
+                if layout == "nk":
+                    lib.hf_gemv_nk(w.data_ptr(), x.data_ptr(), None, y.data_ptr(), n, k, threads)
+                else:
+                    lib.hf_gemv_kn(w.data_ptr(), x.data_ptr(), None, y.data_ptr(), n, k, threads,
+                                   part[name].data_ptr(), part[name].shape[0])
+
+        cases.append({"case": f"one-row {layout} [{n}, {k}]" if layout == "nk" else f"one-row split-K [{k}, {n}]",
+                      "call": call, "outs": outs, "bytes": len(pool) * n * k * 4})
+    return cases
+
+
+def attention_cases(libs: dict[str, ctypes.CDLL], threads: int) -> list[dict]:
+    cases = []
+    g = torch.Generator().manual_seed(3)
+    for h, hkv, d in ATTENTION:
+        for rows in ATTENTION_ROWS:
+            qkv = torch.randn(1, rows, (h + 2 * hkv) * d, generator=g)
+            q = qkv[..., : h * d].view(1, rows, h, d).transpose(1, 2)
+            k = qkv[..., h * d: (h + hkv) * d].view(1, rows, hkv, d).transpose(1, 2)
+            v = qkv[..., (h + hkv) * d:].view(1, rows, hkv, d).transpose(1, 2)
+            q, k, v, _, dims, strides, kind = native._prefill_attention_args(q, k, v, None, True)
+            outs = {name: [torch.empty(1, h, rows, d)] for name in libs}
+
+            def call(name: str, q=q, k=k, v=v, dims=dims, strides=strides, kind=kind, outs=outs, d=d) -> None:
+                rc = libs[name].hf_prefill_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), None,
+                                                     outs[name][0].data_ptr(), dims, strides, kind, 1, d ** -0.5,
+                                                     threads, 0)
+                if rc:
+                    raise SystemExit(f"error: hf_prefill_attention returned {rc} in the {name} build")
+
+            cases.append({"case": f"prefill attention {h}/{hkv}x{d}, {rows} rows", "call": call, "outs": outs,
+                          "bytes": 0})
+    return cases
+
+
+def run_case(case: dict, names: list[str], rounds: int) -> dict:
+    call: Callable[[str], None] = case["call"]
+    for name in names:  # warm-up: first touch of outputs and packed copies
+        call(name)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names if r % 2 == 0 else names[::-1]:
+            t0 = time.perf_counter()
+            call(name)
+            times[name].append(time.perf_counter() - t0)
+    base, new = names
+    ratio = statistics.median(t / b for t, b in zip(times[new], times[base], strict=True))
+    same = all(torch.equal(a, b) for a, b in zip(case["outs"][base], case["outs"][new], strict=True))
+    return {"case": case["case"], "median_s": {n: statistics.median(t) for n, t in times.items()},
+            "ratio": ratio, "same_bits": same}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--base", default="HEAD", help="the git revision whose native.c is the base (default HEAD)")
+    ap.add_argument("--rows", default="16,128", help="row counts of the panel GEMM cases")
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--max-ratio", type=float, default=None,
+                    help="exit 1 when a case's median ratio working tree ÷ base is above this")
+    ap.add_argument("--json", type=Path, default=None, help="write the results here")
+    args = ap.parse_args(argv)
+    rows = int_list(ap, args.rows, "--rows")
+    if args.rounds < 1 or args.threads < 1 or any(r < 1 for r in rows):
+        ap.error("--rounds, --threads and every --rows value must be at least 1")
+    base = base_source(args.base)
+    if base is None:
+        ap.error(f"--base {args.base!r}: git has no native.c at that revision (a commit, branch or tag is allowed)")
+    if not native.panel_available():
+        raise SystemExit("error: the native library is not built with AVX-512 here: its kernels are not the ones "
+                         "this compares")
+    torch.set_num_threads(args.threads)
+    names = [f"base ({args.base})", "working tree"]
+    with tempfile.TemporaryDirectory(prefix="hf-kernel-ab-") as td:
+        libs = {names[0]: build(base, Path(td), "base"),
+                names[1]: build(native.SOURCE.read_text(), Path(td), "tree")}
+        results = []
+        for group in (lambda: panel_cases(libs, rows, args.threads), lambda: gemv_cases(libs, args.threads),
+                      lambda: attention_cases(libs, args.threads)):
+            for case in group():
+                got = run_case(case, names, args.rounds)
+                results.append(got)
+                print(f"{got['case']:<40} working tree ÷ base {got['ratio']:.3f}"
+                      f"{'' if got['same_bits'] else '  DIFFERENT BITS'}", flush=True)
+    doc = {"meta": run_meta("bench/kernel_ab.py", argv), "base": args.base, "rounds": args.rounds,
+           "results": results}
+    if args.json:
+        args.json.write_text(json.dumps(doc, indent=1))
+    over = [r["case"] for r in results if args.max_ratio is not None and r["ratio"] > args.max_ratio]
+    if over:
+        print(f"slower than --max-ratio {args.max_ratio}: {'; '.join(over)}", file=sys.stderr)
+    return 1 if over else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
