@@ -1317,20 +1317,22 @@ def why_we_lose(peers: J, kf: J) -> str:
     by_name = {p.s("name"): p.f("speedup") for p in probs}
     slow = ", ".join(f"{n} {times(by_name[n])}" for n in ("hardtanh", "amax_lastdim") if n in by_name)
     fast = sorted(probs, key=lambda p: -p.f("speedup"))[:4]
-    seq = int(peers["config"].f("seq"))
     return f"""## Why hetforge loses where it loses
 
-- **Prefill vs OpenVINO / ONNX Runtime:** the multi-row products run packed GEMMs chosen at build time (fp32:
-  MKL's packed sgemm, or oneDNN's where it times clearly faster; bf16: oneDNN's, AMX), so most of prefill is GEMM
-  time ([bench/prefill_gemm.md](bench/prefill_gemm.md)). Against OpenVINO f32 it is {span(ov, times)} on the latest
-  peers run ([bench/peers.md](bench/peers.md), whose header names the host). Where it was profiled (the AMD EPYC
-  host: session 17 with the torch profiler, session 30 with the executor's per-instruction profile, 73.1 of
-  76.8 ms), about 95% of gpt2's fp32 prefill at {seq} rows was oneDNN's GEMMs, the kernels OpenVINO runs too, at
-  390–452 GFLOP/s against a 491 GFLOP/s square-GEMM peak; session 29 reported about 86% for gpt2's prefill-88 on
-  the Intel host. Session 31 timed each oneDNN call inside a prefill program and found no time lost between the
-  products (a one-off; [arch/runtime.md](arch/runtime.md#prefill-products-inside-a-program-session-31) has the
-  figures). Issue 24's 0.95× target on the AMD EPYC and its GEMM-bound
-  target need GEMMs faster than MKL's and oneDNN's on these shapes.
+- **Prefill vs OpenVINO / ONNX Runtime:** the multi-row products run packed GEMMs chosen at build time (fp32: the
+  native panel GEMM for 4..128 rows, else oneDNN's or MKL's packed GEMM by a measured choice; bf16: oneDNN's, AMX's
+  where the CPU has it), so most of prefill is GEMM time ([bench/prefill_gemm.md](bench/prefill_gemm.md)). Against
+  OpenVINO f32 it is {span(ov, times)} on the latest peers run ([bench/peers.md](bench/peers.md), whose header names
+  the host). The engines' products run at about the same fraction of the host's FMA peak, so the lead moves with
+  the CPU: on the Zen 5 VM of sessions 30–35 (two 512-bit FMAs per cycle) the panel GEMM read a short prompt's
+  weights faster than oneDNN; on the Zen 4 VM of session 36 (x86 family 25: 512-bit FMAs on 256-bit units,
+  234 GFLOP/s on 2 cores by a register-only FMA loop, a one-off) it is level with oneDNN's packed GEMM from 32 rows
+  and slower from 128 ([bench/panel_gemm.md](bench/panel_gemm.md)), and a profiled llama-110m prefill [1,128] ran
+  its products at about 200 GFLOP/s (a one-off, [arch/runtime.md](arch/runtime.md) "Session 36"). Session 31
+  timed each oneDNN call inside a prefill program and found no time lost between the products (a one-off;
+  [arch/runtime.md](arch/runtime.md#prefill-products-inside-a-program-session-31) has the figures). Issue 24's
+  0.95× target at 128 tokens and its GEMM-bound target need products faster than the peers' own oneDNN / MLAS
+  kernels on these shapes.
 - **Cold preparation:** hetforge exports two layers, runs the passes on them and stamps out the rest
   (`runtime/stamp.py`), builds the second program of a pair in a forked child, and packs the oneDNN weights
   while the child runs; an unquantized program has no warm-up call. What is left on the critical path is the
