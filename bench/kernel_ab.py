@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
+import re
 import shutil
 import statistics
 import subprocess
@@ -52,6 +53,11 @@ def base_source(rev: str) -> str | None:
     rel = native.SOURCE.relative_to(native.SOURCE.parents[3]).as_posix()
     got = subprocess.run(["git", "show", f"{rev}:{rel}"], cwd=native.SOURCE.parent, capture_output=True, text=True)
     return got.stdout if got.returncode == 0 else None
+
+
+def _panel_width(source: str) -> int | None:
+    m = re.search(r"#define HF_PNB (\d+)", source)
+    return int(m.group(1)) if m else None
 
 
 def build(source: str, folder: Path, name: str) -> ctypes.CDLL:
@@ -100,8 +106,7 @@ def panel_cases(libs: dict[str, ctypes.CDLL], rows_list: list[int], threads: int
                 lib.hf_gemm_panel(xs[k].data_ptr(), p.data_ptr(), None, y.data_ptr(), rows, n, k, threads, 0,
                                   None, None)
 
-        cases.append({"case": f"panel GEMM, {rows} rows", "call": call, "outs": outs,
-                      "bytes": sum(w.numel() * 4 for w, _, _ in ws)})
+        cases.append({"case": f"panel GEMM, {rows} rows", "call": call, "outs": outs})
     return cases
 
 
@@ -124,7 +129,7 @@ def gemv_cases(libs: dict[str, ctypes.CDLL], threads: int) -> list[dict]:
                                    part[name].data_ptr(), part[name].shape[0])
 
         cases.append({"case": f"one-row {layout} [{n}, {k}]" if layout == "nk" else f"one-row split-K [{k}, {n}]",
-                      "call": call, "outs": outs, "bytes": len(pool) * n * k * 4})
+                      "call": call, "outs": outs})
     return cases
 
 
@@ -147,8 +152,7 @@ def attention_cases(libs: dict[str, ctypes.CDLL], threads: int) -> list[dict]:
                 if rc:
                     raise SystemExit(f"error: hf_prefill_attention returned {rc} in the {name} build")
 
-            cases.append({"case": f"prefill attention {h}/{hkv}x{d}, {rows} rows", "call": call, "outs": outs,
-                          "bytes": 0})
+            cases.append({"case": f"prefill attention {h}/{hkv}x{d}, {rows} rows", "call": call, "outs": outs})
     return cases
 
 
@@ -185,6 +189,9 @@ def main(argv: list[str] | None = None) -> int:
     base = base_source(args.base)
     if base is None:
         ap.error(f"--base {args.base!r}: git has no native.c at that revision (a commit, branch or tag is allowed)")
+    if _panel_width(base) != _panel_width(native.SOURCE.read_text()):
+        raise SystemExit("error: the base's panel width (HF_PNB) differs from the working tree's: the two builds "
+                         "pack weights differently, and this script packs one layout's size for both")
     if not native.panel_available():
         raise SystemExit("error: the native library is not built with AVX-512 here: its kernels are not the ones "
                          "this compares")
