@@ -68,10 +68,9 @@ def build(source: str, folder: Path, name: str) -> ctypes.CDLL:
     src = folder / f"{name}.c"
     src.write_text(source)
     out = folder / f"{name}.so"
-    got = subprocess.run([cc, *native.FLAG_SETS[0], "-shared", "-fPIC", str(src), "-o", str(out), "-lm"],
-                         capture_output=True, text=True)
-    if got.returncode != 0:
-        raise SystemExit(f"error: building {name}'s native.c failed: {got.stderr.strip()[:300]}")
+    err = native._build(cc, native.FLAG_SETS[0], out, source=src)
+    if err:
+        raise SystemExit(f"error: building {name}'s native.c failed: {err}")
     lib, why = native._open(out)  # loaded with the library's signatures, as the project loads its own
     if lib is None:
         raise SystemExit(f"error: {name}'s native library does not load: {why}")

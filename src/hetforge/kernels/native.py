@@ -155,8 +155,9 @@ def _cpu_tag() -> str:
     return platform.machine() + flags
 
 
-def _build(cc: str, flags: list[str], out: Path) -> str | None:
-    """Compile ``SOURCE`` into ``out`` atomically (temp file, then rename); the compiler's error or None."""
+def _build(cc: str, flags: list[str], out: Path, source: Path = SOURCE) -> str | None:
+    """Compile ``source`` (this library's ``SOURCE``; another revision's for bench/kernel_ab.py) into ``out``
+    atomically (temp file, then rename); the compiler's error or None."""
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
@@ -164,7 +165,7 @@ def _build(cc: str, flags: list[str], out: Path) -> str | None:
     except OSError as e:
         return f"cannot write the kernel cache {out.parent}: {e}"
     try:
-        r = subprocess.run([cc, *flags, "-shared", "-fPIC", str(SOURCE), "-o", tmp, "-lm"], capture_output=True,
+        r = subprocess.run([cc, *flags, "-shared", "-fPIC", str(source), "-o", tmp, "-lm"], capture_output=True,
                            text=True, timeout=120)
         if r.returncode != 0:
             return (r.stderr.strip().splitlines() or ["failed"])[-1]
