@@ -1323,11 +1323,11 @@ def why_we_lose(peers: J, kf: J) -> str:
   native panel GEMM for 4..128 rows, else oneDNN's or MKL's packed GEMM by a measured choice; bf16: oneDNN's, AMX's
   where the CPU has it), so most of prefill is GEMM time ([bench/prefill_gemm.md](bench/prefill_gemm.md)). Against
   OpenVINO f32 it is {span(ov, times)} on the latest peers run ([bench/peers.md](bench/peers.md), whose header names
-  the host). The engines' products run at about the same fraction of the host's FMA peak, so the lead moves with
-  the CPU: on the Zen 5 VM of sessions 30–35 (two 512-bit FMAs per cycle) the panel GEMM read a short prompt's
-  weights faster than oneDNN; on the Zen 4 VM of session 36 (x86 family 25: 512-bit FMAs on 256-bit units,
-  234 GFLOP/s on 2 cores by a register-only FMA loop, a one-off) it is level with oneDNN's packed GEMM from 32 rows
-  and slower from 128 ([bench/panel_gemm.md](bench/panel_gemm.md)), and a profiled llama-110m prefill [1,128] ran
+  the host). hetforge's products run close to the host's FMA peak, and so must the peers', so the lead moves with
+  the CPU: on the Zen 5 VM of sessions 30–35 the panel GEMM read a short prompt's weights faster than oneDNN;
+  on the Zen 4 VM of session 36 (x86 family 25, 234 GFLOP/s on 2 cores by a register-only FMA loop, a one-off) it
+  is about level with oneDNN's packed GEMM at 32–64 rows and slower at 128
+  ([bench/panel_gemm.md](bench/panel_gemm.md)), and a profiled llama-110m prefill [1,128] ran
   its products at about 200 GFLOP/s (a one-off, [arch/runtime.md](arch/runtime.md) "Session 36"). Session 31
   timed each oneDNN call inside a prefill program and found no time lost between the products (a one-off;
   [arch/runtime.md](arch/runtime.md#prefill-products-inside-a-program-session-31) has the figures). Issue 24's

@@ -418,20 +418,25 @@ def huge_empty(numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     may still hand out 4 KiB pages (THP off, or no free huge page): same values, only slower. The cost: fresh huge
     pages are zeroed on first touch, and on a VM whose host backs guest memory lazily that ran at about 1 GB/s, so
     :func:`pack_panels` stops asking for them once they prove slower than ordinary pages (:func:`huge_pages_wanted`)."""
+    return _huge_alloc(numel, dtype)[0]
+
+
+def _huge_alloc(numel: int, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, bool]:
+    """:func:`huge_empty`'s tensor, and whether it is a mapping advised for huge pages (False: ``torch.empty``)."""
     size = numel * torch.empty(0, dtype=dtype).element_size()
     advice = getattr(mmap, "MADV_HUGEPAGE", None)
-    if advice is None or not _asks_huge(size):
-        return torch.empty(numel, dtype=dtype)
+    if advice is None or size < HUGE_PAGE or not huge_pages_wanted():
+        return torch.empty(numel, dtype=dtype), False
     try:
         mm = mmap.mmap(-1, size + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         mm.madvise(advice)
     except (OSError, ValueError):
-        return torch.empty(numel, dtype=dtype)
+        return torch.empty(numel, dtype=dtype), False
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # frombuffer warns about buffers it cannot see are writable
         flat = torch.frombuffer(mm, dtype=torch.uint8)
     skip = -flat.data_ptr() % HUGE_PAGE
-    return flat[skip:skip + size].view(dtype)
+    return flat[skip:skip + size].view(dtype), True
 
 
 def pack_panels(w: torch.Tensor, weight_t: bool = False, threads: int | None = None) -> torch.Tensor:
@@ -445,9 +450,8 @@ def pack_panels(w: torch.Tensor, weight_t: bool = False, threads: int | None = N
                          f"{tuple(w.shape)} on {w.device}")
     k, n = w.shape if weight_t else (w.shape[1], w.shape[0])
     numel = ((n + PANEL_NB - 1) // PANEL_NB) * PANEL_NB * k
-    huge = _asks_huge(numel * 4)  # what huge_empty decides for it (asked now: the judgment below may change it)
     t0 = time.perf_counter()
-    out = huge_empty(numel)
+    out, huge = _huge_alloc(numel)  # only a packing onto an advised mapping is judged below
     lib.hf_pack_panels(w.data_ptr(), out.data_ptr(), n, k, int(weight_t),
                        max(1, torch.get_num_threads() if threads is None else threads))
     if huge:
@@ -462,11 +466,6 @@ def huge_pages_wanted() -> bool:
     if env in ("0", "1"):
         return env == "1"
     return not _huge_packing["slow"]
-
-
-def _asks_huge(size: int) -> bool:
-    """Whether :func:`huge_empty` asks for huge pages for ``size`` bytes (where the OS has the advice)."""
-    return size >= HUGE_PAGE and huge_pages_wanted()
 
 
 def _judge_huge_packing(nbytes: int, seconds: float) -> None:
