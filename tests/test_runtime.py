@@ -105,9 +105,12 @@ def test_decode_writes_the_cache_in_place_without_cache_sized_allocations():
     it.close()
     assert cache.data_ptrs() == ptrs
     totals = [sum(s) for s in per_step]
-    assert max(max(s) for s in per_step) < layer_bytes / 4, "a cache-sized tensor was allocated during decode"
+    assert max(max(s, default=0) for s in per_step) < layer_bytes / 4, "a cache-sized tensor was allocated in decode"
     assert max(totals) < cache.nbytes / 2
     assert len(set(totals[1:])) == 1, f"allocation per step changes: {totals}"
+    # the decode program is bound as a step (runtime.executors.StepBinding): its logits and K/V rows live in its own
+    # memory, so a step through the placed executor makes no new storage at all
+    assert per_step == [[]] * len(per_step), per_step
 
 
 def test_stop_string_cuts_the_text_before_it():
@@ -320,8 +323,8 @@ def test_a_prefill_program_runs_its_one_row_kernels_on_the_openmp_team_and_a_dec
         jobs = native.pool_info().jobs
         pre.run_flat(*pin)  # its LM head GEMV ran at 2 threads, on the team: no pool job
         assert native.pool_info().jobs == jobs and not native.pool_info().team  # switched back off after the run
-        with pytest.raises(RuntimeError):  # a run that raises half-way switches it off too
-            pre.run_flat(torch.zeros((1, 3), dtype=torch.long), pin[1])
+        with pytest.raises(IndexError):  # a run that raises half-way switches it off too (a token past the vocab)
+            pre.run_flat(torch.full((1, 16), 10**6, dtype=torch.long), pin[1])
         assert not native.pool_info().team
         native.pool_team(True)  # left on by someone else: the decode step switches it off for its run
         dec.run_flat(*dinputs)
@@ -335,6 +338,7 @@ def test_decode_program_groups_the_products_of_one_input_into_one_call(with_nati
     """llama's q, k and v projections read one normed row: the decode program runs them as one
     hf_gemv_nk_multi call per layer, with outputs bit-equal to one call per product (HETFORGE_GEMV_MULTI=0)."""
     from hetforge.compile import compile_graph
+    from hetforge.kernels import native
 
     before = torch.get_num_threads()
     torch.set_num_threads(2)
@@ -342,7 +346,10 @@ def test_decode_program_groups_the_products_of_one_input_into_one_call(with_nati
         cg, inputs, layers = _decode_graph("llama-tiny", 32, token=5, pos=20)
         exe = compile_graph(cg.gm, soc="host", example_inputs=inputs, name="decode").executable
         assert exe.stats.gemv_groups == layers
-        assert exe.source.count("hf_gemv_nk_multi") == 0 and exe.source.count(".call(") == layers
+        listed = [n for v in exe._globals.values() if isinstance(v, native.CallList) for n, _, _ in v.calls]
+        # one hf_gemv_nk_multi call per layer: from Python (a MultiArgs .call) or in a call list
+        assert exe.source.count("hf_gemv_nk_multi") == 0
+        assert exe.source.count(".call(") + listed.count("hf_gemv_nk_multi") == layers
         got = [t.clone() for t in exe.run_flat(*inputs)]
         monkeypatch.setenv("HETFORGE_GEMV_MULTI", "0")
         off = compile_graph(cg.gm, soc="host", example_inputs=inputs, name="decode").executable

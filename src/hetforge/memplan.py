@@ -27,12 +27,12 @@ lower bound max over time of the live bytes (no packing can beat it).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 # Lifetimes and the plan check are facts about the IR (hetforge.ir.liveness); re-exported here.
 from hetforge.ir.liveness import ALIGN, Buffer, PlanError, align, lifetimes, verify_plan  # noqa: F401
-from hetforge.ir.program import Program
+from hetforge.ir.program import OUTPUT, TEMP, Program, Reg
 
 
 @dataclass
@@ -158,3 +158,23 @@ def plan_memory(p: Program, algorithms: tuple[str, ...] = ("greedy-by-size", "fi
     if verify:
         verify_plan(bufs, offsets, {d: dp.arena_bytes for d, dp in devices.items()})
     return plan
+
+
+def with_output_slices(p: Program, plan: MemoryPlan) -> MemoryPlan:
+    """``plan`` plus a range past each arena's end for every graph output's storage root that is not in the arena:
+    for a program whose caller takes its outputs before calling it again (a decode step), which then needs no fresh
+    tensor per output and per call. The added ranges overlap nothing (past the end, each its own), so the plan stays
+    valid; its figures (naive, lower bound) stay those of the temporaries."""
+    offsets = dict(plan.offsets)
+    devices = {d: replace(dp) for d, dp in plan.devices.items()}
+    for o in p.outputs:
+        if not isinstance(o, Reg):
+            continue
+        rt = p.root(o.id)
+        v = p.values[rt]
+        if rt in offsets or v.producer is None or v.nbytes == 0 or v.kind not in (TEMP, OUTPUT):
+            continue
+        dp = devices.setdefault(v.device, DevicePlan(v.device, 0, 0, 0, 0, "outputs"))
+        offsets[rt] = align(dp.arena_bytes)
+        dp.arena_bytes = offsets[rt] + align(v.nbytes)
+    return replace(plan, offsets=offsets, devices=devices)

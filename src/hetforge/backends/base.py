@@ -65,6 +65,7 @@ class Backend(ABC):
 
     name: str
     memory: str = "host"
+    binds_steps: bool = False  # compile() honours a partition's reuse_outputs and pinned inputs
 
     @abstractmethod
     def check_available(self) -> None:

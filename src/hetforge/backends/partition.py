@@ -24,6 +24,10 @@ class Partition:
     inputs: list[str]  # original value names read (graph inputs or earlier partitions' outputs)
     outputs: list[str]  # original value names produced here and read later
     weights: list[str]  # get_attr targets read
+    # a step program's binding (runtime.executors.StepBinding), for a backend that takes one (Backend.binds_steps):
+    # its outputs in memory the next call overwrites, and input position → the tensor every call passes there
+    reuse_outputs: bool = False
+    pinned: dict[int, torch.Tensor] = field(default_factory=dict)
 
     @property
     def name(self) -> str:

@@ -53,6 +53,7 @@ class TorchCpuBackend(Backend):
             raise UsageError(f"unknown torch-cpu engine '{engine}'; allowed: {', '.join(ENGINES)}")
         self.engine = engine
         self.name = "torch-cpu" if engine == "executor" else "torch-cpu:fx"
+        self.binds_steps = engine == "executor"
 
     def check_available(self) -> None:
         return None
@@ -67,17 +68,27 @@ class TorchCpuBackend(Backend):
         from hetforge.memplan import plan_memory
 
         prog = lower(part.gm, None, None, name=part.name).program
-        return self.executable(prog, plan_memory(prog), t0)
+        return self.executable(prog, plan_memory(prog), t0, part.reuse_outputs, part.pinned)
 
-    def executable(self, prog: Any, plan: Any, t0: float) -> TorchCompiled:
+    def executable(self, prog: Any, plan: Any, t0: float, reuse_outputs: bool = False,
+                   pinned: dict[int, torch.Tensor] | None = None) -> TorchCompiled:
         """A lowered partition program and its memory plan as a compiled partition on hetforge's executor (the
-        compile cache calls this with a stored program, skipping the lowering above)."""
+        compile cache calls this with a stored program, skipping the lowering above); ``reuse_outputs`` and
+        ``pinned``: a step program's binding (:class:`hetforge.executor.Executable`)."""
         from hetforge.executor import Executable
 
-        exe = Executable(prog, plan, {d: torch.device("cpu") for d in prog.devices}, mode="arena")
+        exe = Executable(prog, plan, {d: torch.device("cpu") for d in prog.devices}, mode="arena",
+                         reuse_outputs=reuse_outputs, pinned=pinned)
         arena = sum(exe.arena_bytes().values())
-        report = CompileReport(self.name, "torch CPU (hetforge executor)", time.perf_counter() - t0,
-                               [f"executor: {len(prog.instrs)} instructions, arena {arena / 2**20:.2f} MiB"])
+        notes = [f"executor: {len(prog.instrs)} instructions, arena {arena / 2**20:.2f} MiB"]
+        if exe.stats.call_lists:
+            notes.append(f"executor: {exe.stats.listed_calls} native calls run as {exe.stats.call_lists} call "
+                         "list(s) (executor.calllist)")
+        if reuse_outputs or pinned:
+            notes.append(f"executor: bound as a step (outputs in its own memory, overwritten by the next call; "
+                         f"{len(pinned or {})} input(s) pinned to the caller's tensors)")
+        report = CompileReport(self.name, "torch CPU (hetforge executor)", time.perf_counter() - t0, notes)
         out = TorchCompiled(self.name, exe.run_flat, report)
         out.executable = exe  # what the compile cache stores (the lowered, kernel-chosen program)
+        out.outputs_alias = reuse_outputs
         return out

@@ -16,7 +16,6 @@ an arena (they are fresh tensors each call), so a caller may keep them.
 
 from __future__ import annotations
 
-import ctypes
 import math
 import os
 import time
@@ -29,6 +28,7 @@ from torch.utils._pytree import tree_leaves
 from hetforge.errors import UsageError
 from hetforge.executor import onednn
 from hetforge.executor.allocator import keep_freed_memory
+from hetforge.executor.calllist import batch_native_calls
 from hetforge.ir.kernel_choice import (  # noqa: F401  (default_device_map, returns_alias: re-exported)
     MODES,
     NATIVE_GEMV,
@@ -48,7 +48,7 @@ from hetforge.ir.kernel_choice import (  # noqa: F401  (default_device_map, retu
 from hetforge.ir.liveness import copying_heads_transpose
 from hetforge.ir.program import INPLACE, KERNEL, OUTPUT, TRANSFER, VIEW, WEIGHT, Program, Reg, iter_regs
 from hetforge.kernels import native
-from hetforge.memplan import MemoryPlan
+from hetforge.memplan import MemoryPlan, with_output_slices
 from hetforge.ops import gemv, lookup
 
 _PRODUCT_OPS = frozenset(ONEDNN_OPS + QUANT_LINEAR_OPS)  # linear-type products (on_team counts their rows)
@@ -87,6 +87,9 @@ class ExecStats:
     split_gemv: int = 0  # one-row products run as a threaded bmm over output chunks (ops/gemv.py)
     native_gemv: int = 0  # one-row fp32 products on the native C kernel (kernels/native.py)
     gemv_groups: int = 0  # groups of one-row products of one input run as one hf_gemv_nk_multi call (e.g. q, k, v)
+    call_lists: int = 0  # runs of native calls made one hf_run_calls call each (executor.calllist)
+    listed_calls: int = 0  # the native calls those lists run
+    native_ewise: int = 0  # of the out_variant ones: adds / muls of two dense rows on hf_ewise (native_ewise)
     native_ops: int = 0  # hetforge row ops (norms, rotary, decode attention) as one native call into the slice
     onednn_gemm: int = 0  # multi-row linears on oneDNN's packed kernel (executor/onednn.py; result not in the arena)
     onednn_residual: int = 0  # residual adds the packed product before them took (oneDNN post-op, MKL, panel)
@@ -110,11 +113,14 @@ class ExecStats:
 
 
 COMPOSE_ENV = "HETFORGE_COMPOSE_VIEWS"  # "0": every view of a oneDNN result is its own call (composed_views)
+EWISE_MAX = 16384  # most values an add / mul runs on hf_ewise (one thread; a decode step's rows are ~1-4 K)
+CALL_LISTS_ENV = "HETFORGE_CALL_LISTS"  # "0": every native call from Python on its own (executor.calllist)
 
 
 class _Codegen:
     def __init__(self, p: Program, plan: MemoryPlan, device_map: dict[str, torch.device], mode: str,
-                 arenas: dict[str, torch.Tensor]):
+                 arenas: dict[str, torch.Tensor], pinned: dict[int, torch.Tensor] | None = None,
+                 unpinned: Any = None):
         self.p, self.plan, self.dm, self.mode = p, plan, device_map, mode
         self.g: dict[str, Any] = {"torch": torch}
         self.lines: list[str] = []
@@ -123,7 +129,10 @@ class _Codegen:
         self.weights_on: dict[tuple[int, str], str] = {}
         self.const_ids: dict[int, str] = {}
         self.moved: dict[tuple[int, torch.device], torch.Tensor] = {}
-        self.static: dict[int, torch.Tensor] = {}  # views bound at build time (static_view)
+        # views bound at build time (static_view), and the pinned inputs (input register → the tensor every call gets)
+        self.pinned = {p.inputs[pos]: t for pos, t in (pinned or {}).items()}
+        self.unpinned = unpinned  # what a call with other tensors at the pinned inputs runs instead
+        self.static: dict[int, torch.Tensor] = dict(self.pinned)
         # planned values whose register is their arena slice once written (every arena-mode write does that;
         # mode fast keeps some results in fresh tensors, a zero-copy transfer binds the source)
         self.bound: set[int] = set()
@@ -453,6 +462,10 @@ class _Codegen:
                 self.stats.copy_into += 1
                 self.bound.add(o)
                 return [f"{outs[0]} = {buf}.copy_({self.expr(ins.args[0], dev)})"]
+            if k == "out-variant" and ins.op in native.EWISE_OPS:
+                line = self.native_ewise(ins, o)
+                if line is not None:
+                    return [line]
             if k == "out-variant":
                 self.stats.out_variant += 1
                 self.bound.add(o)
@@ -710,7 +723,7 @@ class _Codegen:
                 buf = self.buffer(o)
                 self.bound.add(o)
                 self.stats.gemm_out += 1
-                mm = self.const(ctypes.memmove, "f")
+                mm = self.const(native.library().hf_copy, "nk")
                 return f"{mm}({self.g[buf].data_ptr()}, {scr.data_ptr()}, {scr.numel() * 4}); r{o} = {buf}"
             self.stats.fresh_outputs += self.p.values[o].kind == OUTPUT
             return f"r{o} = {self.const(scr, 'scr')}.clone()"
@@ -913,6 +926,32 @@ class _Codegen:
         return f"r{o} = {fresh}({tuple(vo.shape)}, dtype={self.const(vo.dtype, 'dt')}); " + \
             call.format(y=f"r{o}.data_ptr()") + post
 
+    def native_ewise(self, ins, o: int) -> str | None:
+        """An add or mul of two same-shape dense rows (fp32 or bf16) in the arena or weights, into its slice, as one
+        ``hf_ewise`` call with its pointers baked in (bit-equal to ATen's): a decode step's residual adds and gated
+        products, which then join the native calls around them in one call list (executor.calllist). None where it
+        does not fit (broadcasting, alpha, another dtype, a pointer known only per call, more than EWISE_MAX values:
+        ATen's threaded kernel is faster there)."""
+        lib = native.library()
+        v = self.p.values[o]
+        if self.mode == "fast" or lib is None or not hasattr(lib, "hf_ewise") or ins.kwargs.get("alpha", 1) != 1 \
+                or len(ins.args) != 2 or v.dtype not in (torch.float32, torch.bfloat16) or not v.is_contiguous \
+                or math.prod(v.shape) > EWISE_MAX or self.dm[ins.device].type != "cpu":
+            return None
+        ptrs = []
+        for a in ins.args:
+            t = self.static_tensor(a.id, self.dm[ins.device]) if isinstance(a, Reg) else None
+            if t is None or tuple(t.shape) != v.shape or t.dtype != v.dtype or not t.is_contiguous():
+                return None
+            ptrs.append(t.data_ptr())
+        buf = self.buffer(o)
+        self.bound.add(o)
+        self.stats.out_variant += 1  # its recorded kernel stays out-variant: the result written into its slice
+        self.stats.native_ewise += 1
+        fn = self.const(lib.hf_ewise, "nk")
+        return (f"{fn}({ptrs[0]}, {ptrs[1]}, {self.g[buf].data_ptr()}, {math.prod(v.shape)}, "
+                f"{native.EWISE_OPS[ins.op]}, {int(v.dtype == torch.bfloat16)}); r{o} = {buf}")
+
     def split_gemv(self, x: Reg, w: torch.Tensor, b: Any, c: int, weight_t: bool, o: int, dev: torch.device) -> str:
         """One-row product as one threaded ``bmm`` over ``c`` chunks (see :mod:`hetforge.ops.gemv`), into the
         planned slice, or into a fresh tensor when the result is a graph output."""
@@ -986,6 +1025,12 @@ class _Codegen:
             dead = [r for r in dead if not self.never_made(r)]
             if dead:
                 body.append(f"{' = '.join(f'r{r}' for r in dead)} = None")
+        if not profile and os.environ.get(CALL_LISTS_ENV, "1") != "0":  # profiling times each call on its own
+            body, self.stats.call_lists, self.stats.listed_calls = batch_native_calls(body, self.g)
+        if self.pinned:  # the code reads the pinned inputs' baked-in pointers: other tensors run the other code
+            names = {r: self.const(t, "pin") for r, t in self.pinned.items()}
+            other = self.const(self.unpinned, "unp")
+            body.insert(0, f"if {' or '.join(f'r{r} is not {n}' for r, n in names.items())}: return {other}({params})")
         ret = []
         for o in p.outputs:
             ret.append(self.expr(o, self.dm[p.devices[0]]) if isinstance(o, Reg) else repr(o))
@@ -1000,11 +1045,30 @@ class _Codegen:
         return f"def run({params}):\n" + "\n".join("    " + ln for ln in body) + "\n"
 
 
+class _Unpinned:
+    """A pinned program's code without its pinned inputs, made on first need: what runs when a call passes other
+    tensors there (a batch-of-one cache of a verify pass, a caller with its own cache)."""
+
+    def __init__(self, make):
+        self.make, self.fn = make, None
+
+    def __call__(self, *inputs: torch.Tensor) -> tuple[Any, ...]:
+        if self.fn is None:
+            self.fn = self.make()
+        return self.fn(*inputs)
+
+
 class Executable:
     """A compiled program bound to arenas and weights; call it like the captured graph module."""
 
     def __init__(self, program: Program, plan: MemoryPlan, device_map: dict[str, torch.device] | None = None,
-                 mode: str = "arena", soc=None):
+                 mode: str = "arena", soc=None, reuse_outputs: bool = False,
+                 pinned: dict[int, torch.Tensor] | None = None):
+        """``reuse_outputs``: the outputs live in this program's own memory, which its next call overwrites (a decode
+        step's caller copies the K/V rows out and samples before the next step): no fresh tensor per output and
+        call, and their pointers are known when the code is made. ``pinned``: input position → the tensor every
+        call passes there (a decode step's KV cache buffers): its pointer is baked in like an arena slice's; a call
+        given other tensors there runs code made without them (on first need)."""
         if mode not in MODES:
             raise UsageError(f"unknown executor mode '{mode}'; allowed: {', '.join(MODES)}")
         keep_freed_memory()  # fresh outputs reuse freed heap pages (hetforge.executor.allocator)
@@ -1012,13 +1076,27 @@ class Executable:
         missing = [d for d in program.devices if d not in self.device_map]
         if missing:
             raise UsageError(f"device map lacks {', '.join(missing)}")
+        self.reuse_outputs = reuse_outputs
+        self.pinned = dict(pinned or {})
+        for pos, t in self.pinned.items():
+            v = program.values[program.inputs[pos]] if 0 <= pos < len(program.inputs) else None
+            if v is None or not isinstance(t, torch.Tensor) or not v.laid_out_as(t) \
+                    or t.device != self.device_map[v.device]:
+                raise UsageError(f"pinned input {pos} does not match the program's input "
+                                 f"{'(none)' if v is None else repr(v.name)}")
+        unpinned = _Unpinned(lambda: Executable(program, plan, self.device_map, mode, soc, reuse_outputs).run_flat) \
+            if self.pinned else None
+        # what the code runs on: the plan, plus the outputs' own slices when they are reused (self.plan stays the
+        # plan as made: what the compile cache stores and checks)
+        run_plan = with_output_slices(program, plan) if reuse_outputs else plan
         # the kernels recorded by lowering (hetforge.ir.kernel_choice); chosen again, on a copy, when they
-        # were chosen for another host, device map or mode
-        program = with_kernels(program, plan.offsets, self.device_map, mode)
-        self.program, self.plan, self.mode = program, plan, mode
-        self.arenas = {d: torch.empty(plan.devices[d].arena_bytes if d in plan.devices else 0, dtype=torch.uint8,
-                                      device=self.device_map[d]) for d in program.devices}
-        cg = _Codegen(program, plan, self.device_map, mode, self.arenas)
+        # were chosen for another host, device map, mode or set of planned values
+        program = with_kernels(program, run_plan.offsets, self.device_map, mode)
+        self.program, self.plan, self.run_plan, self.mode = program, plan, run_plan, mode
+        self.arenas = {d: torch.empty(run_plan.devices[d].arena_bytes if d in run_plan.devices else 0,
+                                      dtype=torch.uint8, device=self.device_map[d]) for d in program.devices}
+        self._unpinned = unpinned
+        cg = _Codegen(program, run_plan, self.device_map, mode, self.arenas, self.pinned, unpinned)
         self.source = cg.build(profile=False)
         self.stats = cg.stats
         self.kernels = cg.kernels  # instruction id → the kernel its code runs (oneDNN candidates decided)
@@ -1097,7 +1175,8 @@ class Executable:
         self.check_inputs(inputs)
         n = len(self.program.instrs)
         if self._profile_fn is None:
-            cg = _Codegen(self.program, self.plan, self.device_map, self.mode, self.arenas)
+            cg = _Codegen(self.program, self.run_plan, self.device_map, self.mode, self.arenas, self.pinned,
+                          self._unpinned)
             src = cg.build(profile=True)
             cg.g.update({"_pc": time.perf_counter, "_sync": torch.cuda.synchronize if torch.cuda.is_available()
                          else (lambda: None), "_T": [0.0] * n})

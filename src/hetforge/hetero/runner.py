@@ -188,8 +188,11 @@ class HeteroExecutable:
         ms, mj = transfer_cost(nbytes, link)
         return out, TransferRecord(name, src, dst, nbytes, mode, t0 - start, dt, ms, mj)
 
-    def run(self, inputs: tuple[Any, ...] | list[Any], trace: Trace | None = None) -> tuple[Any, RunReport]:
-        """Run all partitions once; return (outputs, report)."""
+    def run(self, inputs: tuple[Any, ...] | list[Any], trace: Trace | None = None,
+            copy_aliased: bool = True) -> tuple[Any, RunReport]:
+        """Run all partitions once; return (outputs, report). An output a backend keeps in memory its next call
+        overwrites (``outputs_alias``) is returned as a copy, unless ``copy_aliased`` is False (a caller that takes
+        the outputs before the next call: a decode step)."""
         pg = self.pg
         if len(inputs) != len(pg.graph_inputs):
             raise ValueError(f"expected {len(pg.graph_inputs)} inputs ({', '.join(pg.graph_inputs)}), "
@@ -222,7 +225,7 @@ class HeteroExecutable:
                 moved[(name, part.device)] = o
         producer = pg.producer()
         aliasing = {p.index for p, c in zip(pg.partitions, self.compiled, strict=True)
-                    if getattr(c, "outputs_alias", False)}
+                    if copy_aliased and getattr(c, "outputs_alias", False)}
         final: dict[str, Any] = {}
         for name in pytree.tree_leaves(pg.output_args):
             if not isinstance(name, str) or name in final:

@@ -4026,3 +4026,131 @@ int hf_gemm_panel_multi(const float *x, int nseg, const float *const *p, const f
     }
     return panel_run(&a, x, threads);
 }
+
+/* ---- small elementwise ops and a call list ------------------------------------------------------------------ */
+
+/* y = a + b (op 0) or a * b (op 1) over n fp32 values (or bf16 with ``bf16``: each value widened, the float result
+ * rounded to nearest even, as ATen computes a bf16 add or mul). One thread: a decode step's rows are a few KiB.
+ * Built with -ffp-contract=off, so each result has the bits of ATen's add / mul. Returns -2 for an unknown op. */
+int hf_ewise(const void *a, const void *b, void *y, long n, int op, int bf16) {
+    if (op != 0 && op != 1) return -2;
+    if (bf16) {
+        const hf_bf16 *x = a, *z = b;
+        hf_bf16 *o = y;
+        for (long i = 0; i < n; i++) o[i] = f2bf(op ? bf2f(x[i]) * bf2f(z[i]) : bf2f(x[i]) + bf2f(z[i]));
+        return 0;
+    }
+    const float *x = a, *z = b;
+    float *o = y;
+    if (op) for (long i = 0; i < n; i++) o[i] = x[i] * z[i];
+    else for (long i = 0; i < n; i++) o[i] = x[i] + z[i];
+    return 0;
+}
+
+/* memmove of n bytes (a grouped product's row from its scratch into the result's slice). */
+void hf_copy(void *dst, const void *src, long n) { memmove(dst, src, (size_t)n); }
+
+/* The kernels a call list may run: name, whether it returns a status (R: int, nonzero = failure) or nothing (V), its
+ * argument kinds (P pointer, L long, I int, F float: the Python side checks them against its own signatures), and
+ * the call with each argument read from the record. */
+#define HF_CALLS(X) \
+    X(hf_gemv_nk, V, "PPPPLLI", (AP(0), AP(1), AP(2), AP(3), AL(4), AL(5), AI(6))) \
+    X(hf_gemv_kn, V, "PPPPLLIPI", (AP(0), AP(1), AP(2), AP(3), AL(4), AL(5), AI(6), AP(7), AI(8))) \
+    X(hf_gemv_res, V, "PPPPPLLIIPI", (AP(0), AP(1), AP(2), AP(3), AP(4), AL(5), AL(6), AI(7), AI(8), AP(9), AI(10))) \
+    X(hf_gemv_nk_multi, R, "IPPPPPLI", (AI(0), AP(1), AP(2), AP(3), AP(4), AP(5), AL(6), AI(7))) \
+    X(hf_rms_norm, V, "PPPLLFI", (AP(0), AP(1), AP(2), AL(3), AL(4), AF(5), AI(6))) \
+    X(hf_layer_norm, V, "PPPPLLFI", (AP(0), AP(1), AP(2), AP(3), AL(4), AL(5), AF(6), AI(7))) \
+    X(hf_rotary, V, "PPPPLLI", (AP(0), AP(1), AP(2), AP(3), AL(4), AL(5), AI(6))) \
+    X(hf_decode_attention, V, "PPPPPPPPPLLLLFI", (AP(0), AP(1), AP(2), AP(3), AP(4), AP(5), AP(6), AP(7), AP(8), \
+                                                  AL(9), AL(10), AL(11), AL(12), AF(13), AI(14))) \
+    X(hf_linear_act, V, "PPPPLLIIIPI", (AP(0), AP(1), AP(2), AP(3), AL(4), AL(5), AI(6), AI(7), AI(8), AP(9), AI(10))) \
+    X(hf_gated_mlp, V, "PPPPPPLLII", (AP(0), AP(1), AP(2), AP(3), AP(4), AP(5), AL(6), AL(7), AI(8), AI(9))) \
+    X(hf_gated_mlp_res, V, "PPPPPPPLLII", (AP(0), AP(1), AP(2), AP(3), AP(4), AP(5), AP(6), AL(7), AL(8), AI(9), \
+                                          AI(10))) \
+    X(hf_gemv_q8, V, "PPPPPLLII", (AP(0), AP(1), AP(2), AP(3), AP(4), AL(5), AL(6), AI(7), AI(8))) \
+    X(hf_gemv_q8a, R, "PPPPPLLII", (AP(0), AP(1), AP(2), AP(3), AP(4), AL(5), AL(6), AI(7), AI(8))) \
+    X(hf_gemm_q8a, R, "PPPPPLLLII", (AP(0), AP(1), AP(2), AP(3), AP(4), AL(5), AL(6), AL(7), AI(8), AI(9))) \
+    X(hf_gemv_q4a, R, "PPPPPLLLII", (AP(0), AP(1), AP(2), AP(3), AP(4), AL(5), AL(6), AL(7), AI(8), AI(9))) \
+    X(hf_gemm_q4a, R, "PPPPPLLLLII", (AP(0), AP(1), AP(2), AP(3), AP(4), AL(5), AL(6), AL(7), AL(8), AI(9), AI(10))) \
+    X(hf_gemm_few, R, "PPPPLLLII", (AP(0), AP(1), AP(2), AP(3), AL(4), AL(5), AL(6), AI(7), AI(8))) \
+    X(hf_gemm_few_kn, R, "PPPPLLLIIPI", (AP(0), AP(1), AP(2), AP(3), AL(4), AL(5), AL(6), AI(7), AI(8), AP(9), AI(10))) \
+    X(hf_gated_mlp_few, R, "PPPPPPPLLLII", (AP(0), AP(1), AP(2), AP(3), AP(4), AP(5), AP(6), AL(7), AL(8), AL(9), \
+                                           AI(10), AI(11))) \
+    X(hf_gemv_bf16, V, "PPPPLLIIIPI", (AP(0), AP(1), AP(2), AP(3), AL(4), AL(5), AI(6), AI(7), AI(8), AP(9), AI(10))) \
+    X(hf_gemv_bf16_res, V, "PPPPPLLIIIPI", (AP(0), AP(1), AP(2), AP(3), AP(4), AL(5), AL(6), AI(7), AI(8), AI(9), \
+                                           AP(10), AI(11))) \
+    X(hf_gated_mlp_bf16, V, "PPPPPPLLII", (AP(0), AP(1), AP(2), AP(3), AP(4), AP(5), AL(6), AL(7), AI(8), AI(9))) \
+    X(hf_gated_mlp_bf16_res, V, "PPPPPPPLLII", (AP(0), AP(1), AP(2), AP(3), AP(4), AP(5), AP(6), AL(7), AL(8), \
+                                               AI(9), AI(10))) \
+    X(hf_rms_norm_bf16, V, "PPPLLFI", (AP(0), AP(1), AP(2), AL(3), AL(4), AF(5), AI(6))) \
+    X(hf_layer_norm_bf16, V, "PPPPLLFI", (AP(0), AP(1), AP(2), AP(3), AL(4), AL(5), AF(6), AI(7))) \
+    X(hf_rotary_bf16, V, "PPPPLLI", (AP(0), AP(1), AP(2), AP(3), AL(4), AL(5), AI(6))) \
+    X(hf_decode_attention_bf16, V, "PPPPPPPPPLLLLFI", (AP(0), AP(1), AP(2), AP(3), AP(4), AP(5), AP(6), AP(7), \
+                                                       AP(8), AL(9), AL(10), AL(11), AL(12), AF(13), AI(14))) \
+    X(hf_ewise, R, "PPPLII", (AP(0), AP(1), AP(2), AL(3), AI(4), AI(5))) \
+    X(hf_copy, V, "PPL", (AP(0), AP(1), AL(2)))
+
+#define HF_CALL_ENUM(name, ret, sig, args) HF_OP_##name,
+enum { HF_CALLS(HF_CALL_ENUM) HF_NCALLS };
+#define HF_CALL_NAME(name, ret, sig, args) #name,
+#define HF_CALL_SIG(name, ret, sig, args) sig,
+static const char *const hf_call_names[] = {HF_CALLS(HF_CALL_NAME)};
+static const char *const hf_call_sigs[] = {HF_CALLS(HF_CALL_SIG)};
+
+/* The call list's table, for the Python side: how many kernels, and kernel ``i``'s name and argument kinds. */
+int hf_call_count(void) { return HF_NCALLS; }
+const char *hf_call_name(int i) { return i >= 0 && i < HF_NCALLS ? hf_call_names[i] : NULL; }
+const char *hf_call_sig(int i) { return i >= 0 && i < HF_NCALLS ? hf_call_sigs[i] : NULL; }
+
+#define HF_NT INT64_MIN /* an int argument that is the thread count given to hf_run_calls */
+static inline float hf_arg_f32(int64_t v) {
+    uint32_t u = (uint32_t)(uint64_t)v;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* Run ``n`` kernel calls in order, as Python would call them one by one (each a whole call of its kernel, with its
+ * own threads): ``rec`` holds, per call, its kernel's index in the table above, its argument count and its
+ * arguments (pointers and integers as int64, a float's bits in the low 32, HF_NT for the thread count ``threads``).
+ * Why: a decode step is ~10 kernel calls per layer whose arguments are all known when the program is built, and each
+ * call from Python costs about a microsecond of argument conversion plus the interpreter's statements around it.
+ * Returns -1 when every call ran and returned 0; else the index of the first call that returned nonzero (its value in
+ * *status; later calls not run), or of a malformed record (*status -100: unknown kernel or wrong argument count). */
+int64_t hf_run_calls(const int64_t *rec, int64_t n, int threads, int64_t *status) {
+    const int64_t *r = rec;
+    *status = 0;
+    for (int64_t i = 0; i < n; i++) {
+        int64_t op = r[0], na = r[1];
+        const int64_t *a = r + 2;
+        int64_t rc = 0;
+        int nt = threads;
+#define AP(i) ((void *)(intptr_t)a[i])
+#define AL(i) ((long)a[i])
+#define AI(i) (a[i] == HF_NT ? nt : (int)a[i])
+#define AF(i) hf_arg_f32(a[i])
+#define HF_RET_R(call) rc = (int64_t)(call)
+#define HF_RET_V(call) (call)
+#define HF_CALL_CASE(name, ret, sig, args) \
+    case HF_OP_##name: \
+        if (na != (int64_t)(sizeof sig - 1)) { *status = -100; return i; } \
+        HF_RET_##ret(name args); \
+        break;
+        switch (op) {
+            HF_CALLS(HF_CALL_CASE)
+        default:
+            *status = -100;
+            return i;
+        }
+#undef AP
+#undef AL
+#undef AI
+#undef AF
+        if (rc) {
+            *status = rc;
+            return i;
+        }
+        r += 2 + na;
+    }
+    return -1;
+}

@@ -21,6 +21,7 @@ import mmap
 import os
 import platform
 import shutil
+import struct
 import subprocess
 import tempfile
 import time
@@ -92,6 +93,12 @@ SIGNATURES = {
     "hf_gemm_panel": [_P, _P, _P, _P, _L, _L, _L, _I, _I, _P, _P],
     "hf_gemm_panel_multi": [_P, _I, _P, _P, _P, _P, _L, _L, _I],
     "hf_gemm_panel_gated": [_P, _P, _P, _P, _P, _P, _L, _L, _L, _I, _I, _P],
+    "hf_ewise": [_P, _P, _P, _L, _I, _I],
+    "hf_copy": [_P, _P, _L],
+    "hf_call_count": [],
+    "hf_call_name": [_I],
+    "hf_call_sig": [_I],
+    "hf_run_calls": [_P, ctypes.c_int64, _I, _P],
 }
 RESTYPES = {  # the functions that return a value (every other one returns void)
     "hf_read_stream": _F, "hf_q8a_path": _I, "hf_bf16_path": _I, "hf_prefill_attention": _I, "hf_gemv_nk_multi": _I,
@@ -101,6 +108,8 @@ RESTYPES = {  # the functions that return a value (every other one returns void)
     "hf_gemm_amx_bf16": _I, "hf_amx_bf16_ok": _I, "hf_gemm_panel": _I, "hf_gemm_panel_multi": _I,
     "hf_gemm_panel_gated": _I,
     "hf_epilogue_act": _I, "hf_act_inplace": _I,
+    "hf_ewise": _I, "hf_call_count": _I, "hf_call_name": ctypes.c_char_p, "hf_call_sig": ctypes.c_char_p,
+    "hf_run_calls": ctypes.c_int64,
 }
 FEW_KN_SLOTS = 4  # split-K parts of hf_gemm_few_kn (fixed, so a result does not depend on the thread count)
 # most rows a product runs on hf_gemm_few / hf_gemm_few_kn / hf_gated_mlp_few (the C takes up to 32): at 12 and
@@ -654,6 +663,7 @@ def gemm_panel_multi(x: torch.Tensor, packs: list[torch.Tensor], biases: list[to
 
 
 MULTI_MAX = 4  # native.c's HF_MULTI_MAX: the most products one hf_gemv_nk_multi call takes
+EWISE_OPS = {"aten.add.Tensor": 0, "aten.mul.Tensor": 1}  # hf_ewise's op codes
 
 
 class MultiArgs:
@@ -672,8 +682,89 @@ class MultiArgs:
         self.n = (ctypes.c_long * m)(*rows)
 
     def call(self, x_ptr: int, k: int, threads: int) -> None:
-        if library().hf_gemv_nk_multi(self.m, self.w, self.b, self.y, self.n, x_ptr, k, threads):
-            raise ValueError(f"hf_gemv_nk_multi refused {self.m} products (it takes 1..{MULTI_MAX})")
+        check_multi_rc(library().hf_gemv_nk_multi(self.m, self.w, self.b, self.y, self.n, x_ptr, k, threads),
+                       "hf_gemv_nk_multi", self.m)
+
+    def args(self, x_ptr: int, k: int, threads: Any) -> list[Any]:
+        """The arguments of its ``hf_gemv_nk_multi`` call (for a :class:`CallList`)."""
+        return [self.m, *(ctypes.addressof(a) for a in (self.w, self.b, self.y, self.n)), x_ptr, k, threads]
+
+
+def check_multi_rc(rc: int, fn: str = "hf_gemv_nk_multi", m: int = 0) -> None:
+    """Raise when ``hf_gemv_nk_multi`` refused its call (a product count outside 1..MULTI_MAX)."""
+    if rc:
+        raise ValueError(f"{fn} refused {m or 'its'} products (it takes 1..{MULTI_MAX})")
+
+
+NT = object()  # a CallList argument that is the thread count given to CallList.run
+_KIND = {_P: "P", _L: "L", _I: "I", _F: "F"}
+
+
+def call_table(lib: ctypes.CDLL | None = None) -> dict[str, int]:
+    """The kernels ``hf_run_calls`` runs (name → its index in native.c's table), each with the argument kinds of its
+    ``SIGNATURES`` entry; a kernel whose C table entry lists other kinds is left out (never run from a list)."""
+    lib = lib or library()
+    if lib is None:
+        return {}
+    got = _state.get("calls")
+    if got is None or got[0] is not lib:
+        table = {}
+        for i in range(lib.hf_call_count()):
+            name, sig = lib.hf_call_name(i).decode(), lib.hf_call_sig(i).decode()
+            if name in SIGNATURES and "".join(_KIND.get(t, "?") for t in SIGNATURES[name]) == sig:
+                table[name] = i
+        got = _state["calls"] = (lib, table)
+    return got[1]
+
+
+def _arg_word(kind: Any, a: Any) -> int:
+    if kind is _F:
+        if not isinstance(a, (int, float)) or isinstance(a, bool):
+            raise TypeError(f"a float argument, got {a!r}")
+        return int.from_bytes(struct.pack("<f", a), "little")
+    if a is NT and kind is _I:
+        return -(2 ** 63)  # native.c's HF_NT
+    if a is None and kind is _P:
+        return 0
+    if not isinstance(a, int) or isinstance(a, bool):
+        raise TypeError(f"an integer argument, got {a!r}")
+    return a
+
+
+class CallList:
+    """Kernel calls run in order by one ``hf_run_calls`` call, as if called one by one: ``calls`` holds
+    ``(kernel name, arguments, check)`` with the arguments as ctypes would take them (ints, floats, None for a
+    null pointer, :data:`NT` for the thread count given to :meth:`run`), and ``check(rc, name)`` raising for a
+    nonzero status (None: any nonzero status raises RuntimeError). The executor runs a decode step's runs of native
+    calls this way (hetforge.executor.calllist): their arguments are fixed when the program is built."""
+
+    def __init__(self, calls: list[tuple[str, list[Any], Callable[[int, str], None] | None]]):
+        lib = library()
+        table = call_table(lib)
+        words: list[int] = []
+        for name, args, _ in calls:
+            if name not in table:
+                raise ValueError(f"{name} is not a kernel hf_run_calls runs")
+            kinds = SIGNATURES[name]
+            if len(args) != len(kinds):
+                raise ValueError(f"{name} takes {len(kinds)} arguments, got {len(args)}")
+            words += [table[name], len(args), *(_arg_word(k, a) for k, a in zip(kinds, args, strict=True))]
+        self.calls = calls
+        self.n = len(calls)
+        self.rec = (ctypes.c_int64 * len(words))(*words)
+        self.status = ctypes.c_int64(0)
+        self._run, self._status = lib.hf_run_calls, ctypes.byref(self.status)
+
+    def run(self, threads: int) -> None:
+        i = self._run(self.rec, self.n, threads, self._status)
+        if i >= 0:
+            rc = self.status.value
+            name, _, check = self.calls[i]
+            if rc == -100:
+                raise RuntimeError(f"hf_run_calls: call {i} ({name}) is not a record it can run")
+            if check is not None:
+                check(rc, name)
+            raise RuntimeError(f"{name} returned {rc}")
 
 
 def amx_bf16_available() -> bool:

@@ -463,11 +463,11 @@ def store(key: str, doc: dict[str, Any], res: Any, notes: list[str], nodes: int,
 
 
 def load(key: str, doc: dict[str, Any], module: torch.nn.Module,
-         executor: Any = None) -> tuple[CachedResult, dict[str, Any]] | None:
+         executor: Any = None, step: Any = None) -> tuple[CachedResult, dict[str, Any]] | None:
     """The entry for ``key`` as a :class:`CachedResult` (program bound to ``module``'s weights, memory plan
     re-made and checked against the stored one) and its meta; None when there is none. With ``executor`` (a
     placed executor) and an entry that holds built partitions, ``res.extra["built"]`` carries them rebuilt for
-    it (see :func:`_built`). Raises
+    it (see :func:`_built`; bound to ``step``, a :class:`~hetforge.runtime.executors.StepBinding`). Raises
     :class:`CacheEntryError` for a corrupt or stale entry (after deleting it)."""
     jpath, tpath = _paths(key)
     try:
@@ -482,7 +482,7 @@ def load(key: str, doc: dict[str, Any], module: torch.nn.Module,
     except OSError:
         pass  # a read-only cache still serves hits
     try:
-        return _load(text, tpath, doc, module, executor)
+        return _load(text, tpath, doc, module, executor, step)
     except CacheEntryError:
         _drop(key)
         raise
@@ -492,7 +492,7 @@ def load(key: str, doc: dict[str, Any], module: torch.nn.Module,
 
 
 def _load(text: str, tpath: Path, doc: dict[str, Any], module: torch.nn.Module,
-          executor: Any = None) -> tuple[CachedResult, dict]:
+          executor: Any = None, step: Any = None) -> tuple[CachedResult, dict]:
     from hetforge.placement import Placement
 
     head, sep, body = text.partition("\n")
@@ -529,7 +529,7 @@ def _load(text: str, tpath: Path, doc: dict[str, Any], module: torch.nn.Module,
     if meta.get("quantize"):
         res.extra["quantize"] = type("Q", (), {"report": _QuantNote(meta["quantize"])})()
     if fast:
-        res.extra["built"] = _built(built, weights, tensors, executor, res)
+        res.extra["built"] = _built(built, weights, tensors, executor, res, step)
     return res, meta
 
 
@@ -650,7 +650,7 @@ class _CachedPartition(Partition):
 
 
 def _built(built: dict[str, Any], weights: list[dict], tensors: dict[int, torch.Tensor], executor: Any,
-           res: CachedResult) -> tuple:
+           res: CachedResult, step: Any = None) -> tuple:
     """(partitions, executable, build report) from an entry's built partitions: each stored lowered program
     bound to the weights, its memory plan made again and checked against the stored one, then generated into
     the executor's code; no partitioning, lowering or kernel choice again. (No program verifier here: the entry
@@ -675,7 +675,9 @@ def _built(built: dict[str, Any], weights: list[dict], tensors: dict[int, torch.
         if plan.offsets != {int(k): v for k, v in sp["offsets"].items()}:
             raise CacheEntryError("stale (a partition's memory plan differs from the one this hetforge makes)")
         backend = executor.bindings[sp["device"]].backend
-        compiled.append(backend.executable(q, plan, time.perf_counter()))
+        bind = step is not None and backend.binds_steps
+        compiled.append(backend.executable(q, plan, time.perf_counter(), bind,
+                                           step.for_partition(built["graph_inputs"], sp["inputs"]) if bind else None))
         parts.append(_CachedPartition(int(sp["index"]), sp["device"], list(sp["nodes"]), list(sp["inputs"]),
                                       list(sp["outputs"]), list(sp["weights"]), res, graphs))
     spec = built.get("out_spec")
@@ -686,7 +688,8 @@ def _built(built: dict[str, Any], weights: list[dict], tensors: dict[int, torch.
     return pg, exe, report
 
 
-def cached_build(programs: Any, kind: str, length: int, module: torch.nn.Module, inputs: tuple) -> Any:
+def cached_build(programs: Any, kind: str, length: int, module: torch.nn.Module, inputs: tuple,
+                 step: Any = None) -> Any:
     """The runtime's built program from the cache, or a callback that stores the freshly built one: returns
     ``(build or None, store_fn or None, notes)``; the caller (:mod:`hetforge.runtime.programs`) wraps a hit in its
     ``Program`` and times it."""
@@ -698,13 +701,13 @@ def cached_build(programs: Any, kind: str, length: int, module: torch.nn.Module,
     doc, key = _keyed(programs, kind, length, module, inputs)
     notes: list[str] = []
     try:
-        got = load(key, doc, module, programs.executor)
+        got = load(key, doc, module, programs.executor, step)
     except CacheEntryError as e:
         got = None
         notes.append(f"compile cache: entry {key[:12]}… {e}: deleted, rebuilt")
     if got is not None:
         res, meta = got
-        b = programs.executor.build_program(res, res.extra.pop("built", None))
+        b = programs.executor.build_program(res, res.extra.pop("built", None), step=step)
         secs = time.perf_counter() - t0
         b.notes.insert(0, f"compile cache: hit {key[:12]}… in {cache_dir()} ({secs:.3f} s measured, capture, passes, "
                           "placement, lowering, scheduling and memory planning skipped; no warm-up call)")

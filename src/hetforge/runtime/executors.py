@@ -40,6 +40,22 @@ class Built:
     placed: Any = None  # a :class:`Placed` for placed programs (partitions, per-call reports); None for fx
 
 
+@dataclass(frozen=True)
+class StepBinding:
+    """How a program run once per generated token is bound to its caller (the runtime's decode step), which takes
+    its outputs before calling it again and passes the same tensors at some inputs every call (its KV cache):
+    partitions on a backend that takes a binding (``Backend.binds_steps``) keep their outputs in their own memory,
+    overwritten by the next call, with no copy on the way out, and bake in the pinned inputs' pointers
+    (:class:`hetforge.executor.Executable` ``reuse_outputs`` / ``pinned``)."""
+
+    pinned: dict[int, torch.Tensor] = field(default_factory=dict)  # graph input position → the tensor passed there
+
+    def for_partition(self, graph_inputs: Sequence[str], part_inputs: Sequence[str]) -> dict[int, torch.Tensor]:
+        """The pinned tensors by the position of a partition's inputs (named as the graph's)."""
+        at = {name: i for i, name in enumerate(graph_inputs)}
+        return {j: self.pinned[at[n]] for j, n in enumerate(part_inputs) if at.get(n) in self.pinned}
+
+
 class Executor(Protocol):
     name: str
 
@@ -176,27 +192,34 @@ class PlacedExecutor:
                              example_inputs=inputs, passes=optimize, name=label, quantize=self.quantize,
                              group_size=self.group_size, build=False, placement=placement, expand=expand)
 
-    def build(self, gm: torch.fx.GraphModule, inputs: tuple, label: str, optimize: bool, expand: Any = None) \
-            -> Built:
-        return self.build_program(self.place(gm, inputs, label, optimize, expand=expand))
+    def build(self, gm: torch.fx.GraphModule, inputs: tuple, label: str, optimize: bool, expand: Any = None,
+              step: StepBinding | None = None) -> Built:
+        return self.build_program(self.place(gm, inputs, label, optimize, expand=expand), step=step)
 
-    def build_program(self, res, built: tuple[Any, Any, Any] | None = None) -> Built:
+    def build_program(self, res, built: tuple[Any, Any, Any] | None = None, step: StepBinding | None = None) -> Built:
         """Partition a compiled (scheduled) program and compile each partition on its device's backend;
-        ``built``: the partitions, executable and build report made already (a compile-cache hit)."""
+        ``built``: the partitions, executable and build report made already (a compile-cache hit, bound to ``step``
+        there); ``step``: the program is a decode step (:class:`StepBinding`)."""
         t0 = time.perf_counter()
         if built is None:
             from hetforge.hetero.program import partition_program
             from hetforge.hetero.runner import build
 
             pg = partition_program(res.program)
+            if step is not None:
+                for part in pg.partitions:
+                    if self.bindings[part.device].backend.binds_steps:
+                        part.reuse_outputs = True
+                        part.pinned = step.for_partition(pg.graph_inputs, part.inputs)
             exe, breport = build(pg, self.soc_profile, self.bindings, getattr(res, "partition_costs", None))
         else:
             pg, exe, breport = built
         placed = Placed(res, pg, exe, breport)
+        copy_aliased = step is None  # a step's caller takes its outputs before the next call
 
         def call(*args: torch.Tensor) -> Sequence[torch.Tensor]:
             with torch.no_grad():
-                out, placed.last = exe.run(args)
+                out, placed.last = exe.run(args, copy_aliased=copy_aliased)
             return out
 
         devs = ", ".join(f"{p.device}:{self.bindings[p.device].spec}" for p in pg.partitions)

@@ -108,8 +108,8 @@ class MoePlacedExecutor(PlacedExecutor):
         self.expansions[label] = exp
         return res
 
-    def build_program(self, res):
-        b = super().build_program(res)
+    def build_program(self, res, built=None, step=None):
+        b = super().build_program(res, built, step)
         exp = res.extra.get("moe")
         if exp is not None:
             on = {}

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from hetforge.frontend import gc_frozen
-from hetforge.runtime.executors import Executor, PlacedExecutor
+from hetforge.runtime.executors import Executor, PlacedExecutor, StepBinding
 from hetforge.runtime.kvcache import KVCache
 from hetforge.runtime.static_kv import ChunkModule, DecodeModule, PrefillModule, model_dims
 
@@ -237,6 +237,12 @@ class ProgramCache:
         inputs = (torch.zeros((1, 1), dtype=torch.long), torch.zeros((1, 1), dtype=torch.long), *cache.buffers)
         return DecodeModule(self.model), inputs
 
+    def _decode_step(self, inputs: tuple) -> StepBinding | None:
+        """A decode program's binding: its caller (runtime.engine) copies the K/V rows out and samples before the next
+        step, and passes this cache's buffers (inputs 2..) every step."""
+        return StepBinding({i: t for i, t in enumerate(inputs) if i >= 2}) \
+            if isinstance(self.executor, PlacedExecutor) else None
+
     def decode(self, length: int) -> tuple[Program, bool]:
         """The decode program over a KV cache of ``length`` positions (waiting for :meth:`decode_ahead`'s child
         when one builds it: the wait counts in its compile time)."""
@@ -246,11 +252,12 @@ class ProgramCache:
         module, inputs = self._decode_args(length)
         self.join_ahead(key)
         joined = self.joined.pop(key, None)
+        step = self._decode_step(inputs)
         if joined is None:
-            self.programs[key] = self._make("decode", length, module, inputs)
+            self.programs[key] = self._make("decode", length, module, inputs, step=step)
             return self.programs[key], True
         _, own, err, waited = joined  # waited: starting the child and waiting for it
-        prog = self._make("decode", length, module, inputs)
+        prog = self._make("decode", length, module, inputs, step=step)
         prog.compile_s += waited  # what the user waited for the child counts as this program's compilation
         if any(n.startswith("compile cache: hit") for n in prog.notes):
             prog.child_s = own
@@ -295,7 +302,7 @@ class ProgramCache:
             return ""
 
         def build() -> bool:
-            prog = self._make("decode", length, module, inputs, warm=False)
+            prog = self._make("decode", length, module, inputs, warm=False, step=self._decode_step(inputs))
             return any(n.startswith("compile cache: stored") for n in prog.notes)
 
         job = ahead.start(build)
@@ -341,7 +348,7 @@ class ProgramCache:
 
     @gc_frozen()  # hetforge.frontend: no full garbage collection over the whole process while compiling
     def _make(self, kind: str, length: int, module: nn.Module, inputs: tuple, label: str = "",
-              warm: bool = True) -> Program:
+              warm: bool = True, step: StepBinding | None = None) -> Program:
         label = label or f"{kind}-{length}"
         t_in = time.perf_counter()  # a program's seconds are the wall time of making it (less a child's wait)
         entry = None
@@ -355,7 +362,7 @@ class ProgramCache:
         if entry is None:  # the compile cache on disk (hetforge.runtime.compile_cache)
             from hetforge.runtime.compile_cache import cached_build
 
-            hit, store, cache_notes = cached_build(self, kind, length, module, inputs)
+            hit, store, cache_notes = cached_build(self, kind, length, module, inputs, step)
             if hit is not None:
                 b = hit
                 return Program(kind, length, b.run, self.executor.name, b.nodes, 0.0, 0.0,
@@ -364,13 +371,13 @@ class ProgramCache:
         defer = entry is None and isinstance(self.executor, PlacedExecutor)
         cg = self._capture(module, inputs, label, kind, length, defer)
         if entry is None:
-            b = (self.executor.build(cg.gm, inputs, label, self.optimize, expand=cg.deferred) if defer else
-                 self.executor.build(cg.gm, inputs, label, self.optimize))
+            b = (self.executor.build(cg.gm, inputs, label, self.optimize, expand=cg.deferred, step=step) if defer
+                 else self.executor.build(cg.gm, inputs, label, self.optimize))
             b.notes[:0] = cache_notes
             if store is not None:
                 store(b)
         else:
-            b = self._build_fixed(cg.gm, inputs, label, entry)
+            b = self._build_fixed(cg.gm, inputs, label, entry, step)
         if cg.deferred is not None:
             cg.note = cg.deferred.note()
         if cg.note:
@@ -437,7 +444,7 @@ class ProgramCache:
                    f"{' (made now)' if made else ' (reused)'}, specialised to {kind} {length}")
         return cg
 
-    def _build_fixed(self, gm, inputs: tuple, label: str, entry: dict):
+    def _build_fixed(self, gm, inputs: tuple, label: str, entry: dict, step: StepBinding | None = None):
         """Build with a generation plan's stored placement; the program must come out as stored."""
         from hetforge.placement import Placement
         from hetforge.runtime.genplan import check_rebuilt
@@ -446,6 +453,6 @@ class ProgramCache:
         placement = Placement(f"plan:{ex.strategy}", dict(entry["assignment"]), objective=ex.objective)
         res = ex.place(gm, inputs, label, self.optimize, placement=placement)
         check_rebuilt(entry, res.program, self.fixed_source, label)
-        b = ex.build_program(res)
+        b = ex.build_program(res, step=step)
         b.notes.append(f"placement from plan '{self.fixed_source}' (program checked against the stored one)")
         return b

@@ -142,6 +142,7 @@ class SituatedPrograms:
                                  group_size=ex.group_size, backends=backends, policy=ex.policy)
             pc = ProgramCache(self.engine.loaded.model, self.engine.loaded.max_positions, pex,
                               optimize=self.engine.programs.optimize)
+            pc.caches = self.engine.programs.caches  # the request's KV caches: its decode steps are bound to them
             self.caches[sit] = pc
         return self.caches[sit]
 
