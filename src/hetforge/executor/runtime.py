@@ -11,7 +11,10 @@ the cost model). Weights are moved once to every torch device that reads them; `
 baked into the graph are rewritten to the instruction's torch device.
 
 The arenas are reused on every call: the executable is not re-entrant, and graph outputs are never in
-an arena (they are fresh tensors each call), so a caller may keep them.
+an arena (they are fresh tensors each call), so a caller may keep them — except in a program built with
+``reuse_outputs`` (a decode step, whose caller takes them before the next call): there they have their own
+ranges past the arena's end. Runs of native kernel calls whose arguments are known when the code is made run
+as one call list (:mod:`hetforge.executor.calllist`).
 """
 
 from __future__ import annotations
