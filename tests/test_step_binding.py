@@ -94,3 +94,25 @@ def test_generation_with_step_bound_decode_gives_the_fx_references_tokens():
     eng = Engine(loaded, executor="auto")
     for _ in range(2):  # the second request runs on the bound program made by the first
         assert eng.generate(PROMPT, params).tokens == ref.tokens
+
+
+@pytest.mark.parametrize("copy_aliased", [True, False])
+def test_a_one_partition_host_program_runs_directly_with_the_general_paths_outputs_and_report(copy_aliased):
+    """HeteroExecutable.run's direct path (one host partition reading graph inputs only) against its general path on
+    the same program: the same outputs (copies exactly where the general path copies) and the same call record."""
+    eng, prog, exe, args = _decode("gpt2-tiny")
+    hx, pg = prog.placed.exe, prog.placed.partitions
+    by_part = dict(zip(pg.partitions[0].inputs, args, strict=True))
+    gargs = tuple(by_part[n] for n in pg.graph_inputs)
+    got, rep = hx.run(gargs, copy_aliased=copy_aliased)
+    assert hx._direct  # planned on the first run
+    got = [(t.clone(), t.data_ptr()) for t in got]
+    hx._direct = False  # the general path from here on
+    want, wrep = hx.run(gargs, copy_aliased=copy_aliased)
+    assert [torch.equal(a, b) for (a, _), b in zip(got, want, strict=True)] == [True] * len(want)
+    assert [p for _, p in got] == [t.data_ptr() for t in want] or copy_aliased  # not copied: the program's memory
+    assert rep.output_copies == wrep.output_copies == (len(want) if copy_aliased else 0)
+    (c,), (w,) = rep.calls, wrep.calls
+    assert (c.partition, c.device, c.backend, c.nodes, c.modeled_s) == (w.partition, w.device, w.backend, w.nodes,
+                                                                        w.modeled_s)
+    assert rep.transfers == wrep.transfers == []
