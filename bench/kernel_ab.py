@@ -60,6 +60,9 @@ def _panel_width(source: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
+KERNELS = ("hf_pack_panels", "hf_gemm_panel", "hf_gemv_nk", "hf_gemv_kn", "hf_prefill_attention")  # what it times
+
+
 def build(source: str, folder: Path, name: str) -> ctypes.CDLL:
     """``source`` built with the project's flags into ``folder`` and loaded, with the library's signatures set."""
     cc = shutil.which("cc") or shutil.which("gcc")
@@ -71,7 +74,8 @@ def build(source: str, folder: Path, name: str) -> ctypes.CDLL:
     err = native._build(cc, native.FLAG_SETS[0], out, source=src)
     if err:
         raise SystemExit(f"error: building {name}'s native.c failed: {err}")
-    lib, why = native._open(out)  # loaded with the library's signatures, as the project loads its own
+    # loaded with the library's signatures, as the project loads its own; an older revision may lack later kernels
+    lib, why = native._open(out, need=KERNELS)
     if lib is None:
         raise SystemExit(f"error: {name}'s native library does not load: {why}")
     return lib

@@ -6,6 +6,7 @@ everything else where it was."""
 from __future__ import annotations
 
 import ast
+import ctypes
 
 import pytest
 import torch
@@ -130,3 +131,17 @@ def test_the_code_pass_leaves_code_without_the_thread_count_function_or_a_run_as
     assert batch_native_calls(lines, g) == (lines, 0, 0)
     del g["_f3"]
     assert batch_native_calls(lines * 2, g) == (lines * 2, 0, 0)
+
+
+def test_opening_a_build_for_some_kernels_requires_only_those_and_binds_the_ones_present():
+    """bench/kernel_ab.py loads another revision's build, which may lack later kernels (this change's call list)."""
+    from pathlib import Path
+
+    _lib()
+    path = Path(native.status().path)
+    lib, why = native._open(path, need=("hf_gemv_nk", "hf_no_such_kernel"))
+    assert lib is None and "hf_no_such_kernel" in why
+    lib, why = native._open(path, need=("hf_gemv_nk",))
+    assert lib is not None and why == ""
+    assert lib.hf_gemv_nk.argtypes == native.SIGNATURES["hf_gemv_nk"]
+    assert lib.hf_run_calls.restype is ctypes.c_int64  # present, so bound too

@@ -227,9 +227,11 @@ def elf_damage(path: Path) -> str:
     return ""
 
 
-def _open(path: Path) -> tuple[ctypes.CDLL | None, str]:
+def _open(path: Path, need: tuple[str, ...] | None = None) -> tuple[ctypes.CDLL | None, str]:
     """Load ``path`` and bind every kernel's signature; (None, why) when it is not a loadable library with all
-    of hetforge's symbols (an empty, truncated or foreign file in the cache)."""
+    of hetforge's symbols (an empty, truncated or foreign file in the cache). ``need``: only these symbols must be
+    there (bench/kernel_ab.py loading another revision's build, which may lack later kernels); the signatures of
+    those present are bound."""
     try:
         damage = elf_damage(path)
     except OSError as e:
@@ -240,7 +242,7 @@ def _open(path: Path) -> tuple[ctypes.CDLL | None, str]:
         lib = ctypes.CDLL(str(path))
     except OSError as e:
         return None, str(e).splitlines()[0]
-    missing = [name for name in SIGNATURES if not hasattr(lib, name)]
+    missing = [name for name in (SIGNATURES if need is None else need) if not hasattr(lib, name)]
     if missing:
         with contextlib.suppress(Exception):  # unload it so the rebuilt file at the same path is really read
             import _ctypes
@@ -248,8 +250,9 @@ def _open(path: Path) -> tuple[ctypes.CDLL | None, str]:
             _ctypes.dlclose(lib._handle)
         return None, f"it lacks hetforge's symbol(s) {', '.join(missing[:3])}"
     for name, argtypes in SIGNATURES.items():
-        fn = getattr(lib, name)
-        fn.argtypes, fn.restype = argtypes, RESTYPES.get(name)
+        if hasattr(lib, name):
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = argtypes, RESTYPES.get(name)
     return lib, ""
 
 
@@ -735,7 +738,7 @@ class CallList:
     """Kernel calls run in order by one ``hf_run_calls`` call, as if called one by one: ``calls`` holds
     ``(kernel name, arguments, check)`` with the arguments as ctypes would take them (ints, floats, None for a
     null pointer, :data:`NT` for the thread count given to :meth:`run`), and ``check(rc, name)`` raising for a
-    nonzero status (None: any nonzero status raises RuntimeError). The executor runs a decode step's runs of native
+    nonzero status (None: any nonzero status raises RuntimeError). The executor runs its programs' runs of native
     calls this way (hetforge.executor.calllist): their arguments are fixed when the program is built."""
 
     def __init__(self, calls: list[tuple[str, list[Any], Callable[[int, str], None] | None]]):
