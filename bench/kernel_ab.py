@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import json
 import re
 import shutil
 import statistics
@@ -38,6 +37,8 @@ from pathlib import Path
 import torch
 from _pages import int_list, run_meta
 
+from hetforge.errors import UsageError
+from hetforge.files import check_output, write_json
 from hetforge.hardware.bandwidth import llc_bytes
 from hetforge.kernels import native
 
@@ -189,6 +190,11 @@ def main(argv: list[str] | None = None) -> int:
     rows = int_list(ap, args.rows, "--rows")
     if args.rounds < 1 or args.threads < 1 or any(r < 1 for r in rows):
         ap.error("--rounds, --threads and every --rows value must be at least 1")
+    if args.json is not None:  # refused before minutes of building and timing, not after
+        try:
+            check_output(args.json, "--json", (".json",))
+        except UsageError as e:
+            ap.error(str(e))
     base = base_source(args.base)
     if base is None:
         ap.error(f"--base {args.base!r}: git has no native.c at that revision (a commit, branch or tag is allowed)")
@@ -214,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     doc = {"meta": run_meta("bench/kernel_ab.py", argv), "base": args.base, "rounds": args.rounds,
            "results": results}
     if args.json:
-        args.json.write_text(json.dumps(doc, indent=1))
+        write_json(args.json, doc, "--json", indent=1)  # atomically: no half-written file
     over = [r["case"] for r in results if args.max_ratio is not None and r["ratio"] > args.max_ratio]
     if over:
         print(f"slower than --max-ratio {args.max_ratio}: {'; '.join(over)}", file=sys.stderr)

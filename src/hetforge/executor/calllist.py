@@ -23,7 +23,8 @@ from hetforge.kernels import native
 
 _CHECKS = (native.check_rc, native.check_q4_rc, native.check_few_rc)
 _KERNEL = re.compile(r"\b_(nk|mg)\d+[.(]")  # a line that may call a kernel (the executor's const names)
-_BINDING = re.compile(r"^(r\d+(, r\d+)* = )+(None|\w+(, \w+)*)$")  # ``r1 = _b1``, ``r1 = r2 = None``: runs nothing
+# a statement that only names tensors (``r1 = _b1``, ``r1 = r2 = None``, ``r1, r2 = _s1, _s2``): runs nothing
+_BINDING = re.compile(r"^(r\d+(, r\d+)* = )+(None|\w+(, \w+)*)$")
 
 
 def _literal(node: ast.expr, nt_name: str) -> Any:
@@ -66,22 +67,10 @@ def _kernel_call(stmt: ast.stmt, g: dict[str, Any], table: dict[str, int], nt_na
     return name, args, check
 
 
-def _names(node: ast.expr) -> bool:
-    return isinstance(node, ast.Name) or (isinstance(node, ast.Tuple)
-                                          and all(isinstance(e, ast.Name) for e in node.elts))
-
-
-def _binding(stmt: ast.stmt) -> bool:
-    """``r1 = _b1``, ``r1 = r2 = None``, ``r1, r2 = _s1, _s2``: names tensors, runs nothing."""
-    return isinstance(stmt, ast.Assign) and all(_names(t) for t in stmt.targets) \
-        and (_names(stmt.value) or (isinstance(stmt.value, ast.Constant) and stmt.value.value is None))
-
-
 def batch_native_calls(lines: list[str], g: dict[str, Any], hint: str = "cl") -> tuple[list[str], int, int]:
     """``lines`` (generated statements, ``; ``-joined per line, no blocks) with every run of two native calls or more
     made one :class:`native.CallList` call, the list bound in ``g``; also returns (lists made, calls they run)."""
-    lib = native.library()
-    table = native.call_table(lib) if lib is not None and hasattr(lib, "hf_run_calls") else {}
+    table = native.call_table()
     if not table:
         return lines, 0, 0
     nt_name = next((k for k, v in g.items() if v is torch.get_num_threads), None)
@@ -104,7 +93,7 @@ def batch_native_calls(lines: list[str], g: dict[str, Any], hint: str = "cl") ->
                 calls[len(stmts)] = got
                 stmts.append(("call", text))
             else:
-                stmts.append(("bind" if len(body) == 1 and _binding(body[0]) else "other", text))
+                stmts.append(("bind" if _BINDING.match(text) else "other", text))
     out: list[str] = []
     run: list[tuple[str, list[Any], Any]] = []
     held: list[tuple[bool, str]] = []  # the run's statements in order: (is a native call, its text)

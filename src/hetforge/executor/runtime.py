@@ -937,7 +937,7 @@ class _Codegen:
         ATen's threaded kernel is faster there)."""
         lib = native.library()
         v = self.p.values[o]
-        if self.mode == "fast" or lib is None or not hasattr(lib, "hf_ewise") or ins.kwargs.get("alpha", 1) != 1 \
+        if self.mode == "fast" or lib is None or ins.kwargs.get("alpha", 1) != 1 \
                 or len(ins.args) != 2 or v.dtype not in (torch.float32, torch.bfloat16) or not v.is_contiguous \
                 or math.prod(v.shape) > EWISE_MAX or self.dm[ins.device].type != "cpu":
             return None

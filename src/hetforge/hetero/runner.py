@@ -243,15 +243,18 @@ class HeteroExecutable:
                 report.output_copies += 1
             final[name] = v
         out = pytree.tree_map(lambda a: final.get(a, a) if isinstance(a, str) else a, pg.output_args)
-        if pg.out_spec is not None:
-            out = pytree.tree_unflatten(list(out), pg.out_spec)
+        return self._finish(out, report, start, trace)
+
+    def _finish(self, out: Any, report: RunReport, start: float, trace: Trace | None) -> tuple[Any, RunReport]:
+        """Both paths' end: the outputs in the graph's structure, the report's wall time, the trace."""
+        if self.pg.out_spec is not None:
+            out = pytree.tree_unflatten(list(out), self.pg.out_spec)
         elif isinstance(out, (list, tuple)) and len(out) == 1:
             out = out[0]  # no output spec recorded: one output comes back bare, as the executor does
         report.wall_s = time.perf_counter() - start
         if trace is not None:
             record_trace(trace, report)
         return out, report
-
 
     def _direct_plan(self) -> tuple | None:
         """For a program that is one partition on the host reading only graph inputs (a host-only decode step):
@@ -295,23 +298,18 @@ class HeteroExecutable:
         copies: dict[int, Any] = {}
         vals = []
         for kind, k in picks:
-            if kind == "out":
-                v = outs[k]
-                if copy and isinstance(v, torch.Tensor):  # one copy per output, as the general path's
-                    if k not in copies:
-                        copies[k] = v.clone()
-                        report.output_copies += 1
-                    v = copies[k]
-            vals.append(v if kind == "out" else inputs[k] if kind == "in" else k)
-        out = pytree.tree_unflatten(vals, spec)
-        if pg.out_spec is not None:
-            out = pytree.tree_unflatten(list(out), pg.out_spec)
-        elif isinstance(out, (list, tuple)) and len(out) == 1:
-            out = out[0]
-        report.wall_s = time.perf_counter() - start
-        if trace is not None:
-            record_trace(trace, report)
-        return out, report
+            if kind == "in":
+                vals.append(inputs[k])
+            elif kind == "const":
+                vals.append(k)
+            elif copy and isinstance(outs[k], torch.Tensor):  # one copy per output, as the general path's
+                if k not in copies:
+                    copies[k] = outs[k].clone()
+                    report.output_copies += 1
+                vals.append(copies[k])
+            else:
+                vals.append(outs[k])
+        return self._finish(pytree.tree_unflatten(vals, spec), report, start, trace)
 
 
 def record_trace(trace: Trace, report: RunReport, offset_s: float = 0.0, modeled_offset_s: float | None = None,

@@ -659,6 +659,7 @@ def _built(built: dict[str, Any], weights: list[dict], tensors: dict[int, torch.
     from hetforge.hetero.runner import assemble
     from hetforge.ir.serialize import _build_program, _dec
     from hetforge.memplan import plan_memory
+    from hetforge.runtime.executors import bind_partition
 
     t0 = time.perf_counter()
     by_path = {w["path"]: tensors[int(w["value"])] for w in weights}
@@ -675,9 +676,8 @@ def _built(built: dict[str, Any], weights: list[dict], tensors: dict[int, torch.
         if plan.offsets != {int(k): v for k, v in sp["offsets"].items()}:
             raise CacheEntryError("stale (a partition's memory plan differs from the one this hetforge makes)")
         backend = executor.bindings[sp["device"]].backend
-        bind = step is not None and backend.binds_steps
-        compiled.append(backend.executable(q, plan, time.perf_counter(), bind,
-                                           step.for_partition(built["graph_inputs"], sp["inputs"]) if bind else None))
+        compiled.append(backend.executable(q, plan, time.perf_counter(),
+                                           *bind_partition(step, backend, built["graph_inputs"], sp["inputs"])))
         parts.append(_CachedPartition(int(sp["index"]), sp["device"], list(sp["nodes"]), list(sp["inputs"]),
                                       list(sp["outputs"]), list(sp["weights"]), res, graphs))
     spec = built.get("out_spec")

@@ -50,10 +50,18 @@ class StepBinding:
 
     pinned: dict[int, torch.Tensor] = field(default_factory=dict)  # graph input position → the tensor passed there
 
-    def for_partition(self, graph_inputs: Sequence[str], part_inputs: Sequence[str]) -> dict[int, torch.Tensor]:
-        """The pinned tensors by the position of a partition's inputs (named as the graph's)."""
-        at = {name: i for i, name in enumerate(graph_inputs)}
-        return {j: self.pinned[at[n]] for j, n in enumerate(part_inputs) if at.get(n) in self.pinned}
+
+
+def bind_partition(step: StepBinding | None, backend: Any, graph_inputs: Sequence[str],
+                   part_inputs: Sequence[str]) -> tuple[bool, dict[int, torch.Tensor]]:
+    """``(reuse_outputs, pinned)`` for one partition of a program bound as ``step`` (none: ``(False, {})``): the
+    binding where its backend takes one (``Backend.binds_steps``), the pinned tensors by the position of the
+    partition's inputs (named as the graph's). Both ways of building a partition use it: compiled here, or rebuilt
+    from a compile-cache entry."""
+    if step is None or not backend.binds_steps:
+        return False, {}
+    at = {name: i for i, name in enumerate(graph_inputs)}
+    return True, {j: step.pinned[at[n]] for j, n in enumerate(part_inputs) if at.get(n) in step.pinned}
 
 
 class Executor(Protocol):
@@ -206,11 +214,9 @@ class PlacedExecutor:
             from hetforge.hetero.runner import build
 
             pg = partition_program(res.program)
-            if step is not None:
-                for part in pg.partitions:
-                    if self.bindings[part.device].backend.binds_steps:
-                        part.reuse_outputs = True
-                        part.pinned = step.for_partition(pg.graph_inputs, part.inputs)
+            for part in pg.partitions:
+                part.reuse_outputs, part.pinned = bind_partition(step, self.bindings[part.device].backend,
+                                                                 pg.graph_inputs, part.inputs)
             exe, breport = build(pg, self.soc_profile, self.bindings, getattr(res, "partition_costs", None))
         else:
             pg, exe, breport = built
