@@ -4050,6 +4050,20 @@ int hf_ewise(const void *a, const void *b, void *y, long n, int op, int bf16) {
 /* memmove of n bytes (a grouped product's row from its scratch into the result's slice). */
 void hf_copy(void *dst, const void *src, long n) { memmove(dst, src, (size_t)n); }
 
+/* New K/V rows into the cache buffers at row position pos, all buffers in one call: nb records of 8 words
+ * (src, dst, heads, n rows, bytes per row, src head stride, src row stride, dst head stride; strides in bytes,
+ * dst rows dense): record b copies src's rows [0, n) of every head to dst's rows [pos, pos + n). Why: a decode step
+ * wrote its 2 x layers rows with one ATen copy_ each (a dispatch of a few microseconds per 256-byte row). */
+void hf_rows_write(const int64_t *rec, long nb, long pos) {
+    for (long b = 0; b < nb; b++) {
+        const int64_t *r = rec + 8 * b;
+        const char *src = (const char *)(intptr_t)r[0];
+        char *dst = (char *)(intptr_t)r[1] + pos * r[4];
+        for (long h = 0; h < r[2]; h++)
+            for (long i = 0; i < r[3]; i++) memcpy(dst + h * r[7] + i * r[4], src + h * r[5] + i * r[6], (size_t)r[4]);
+    }
+}
+
 /* The kernels a call list may run: name, whether it returns a status (R: int, nonzero = failure) or nothing (V), its
  * argument kinds (P pointer, L long, I int, F float: the Python side checks them against its own signatures), and
  * the call with each argument read from the record. */

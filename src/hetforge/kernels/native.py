@@ -95,6 +95,7 @@ SIGNATURES = {
     "hf_gemm_panel_gated": [_P, _P, _P, _P, _P, _P, _L, _L, _L, _I, _I, _P],
     "hf_ewise": [_P, _P, _P, _L, _I, _I],
     "hf_copy": [_P, _P, _L],
+    "hf_rows_write": [_P, _L, _L],
     "hf_call_count": [],
     "hf_call_name": [_I],
     "hf_call_sig": [_I],
@@ -768,6 +769,47 @@ class CallList:
             if check is not None:
                 check(rc, name)
             raise RuntimeError(f"{name} returned {rc}")
+
+
+class RowsWriter:
+    """New K/V rows copied into KV-cache buffers at a row position by one ``hf_rows_write`` call: ``rows[i]``
+    (``[1, heads, n, d]``, its last dim dense) into ``buffers[i]`` (``[1, heads, S, d]``, dense) at rows
+    ``[pos, pos + n)``. The rows' and buffers' addresses are read when it is made (it holds both, so they stay
+    valid): it serves only calls with these very tensors. Why: one ATen ``copy_`` per buffer cost a dispatch each,
+    2 x layers of them per decode step."""
+
+    def __init__(self, rows: tuple[torch.Tensor, ...], buffers: list[torch.Tensor]):
+        words: list[int] = []
+        for row, buf in zip(rows, buffers, strict=True):
+            es = row.element_size()
+            words += [row.data_ptr(), buf.data_ptr(), row.shape[1], row.shape[2], row.shape[3] * es,
+                      row.stride(1) * es, row.stride(2) * es, buf.stride(1) * es]
+        self.rows, self.buffers = rows, buffers
+        self.n = rows[0].shape[2] if rows else 0
+        self.length = min((b.shape[2] for b in buffers), default=0)
+        self.rec = (ctypes.c_int64 * max(1, len(words)))(*words)
+        self._fn, self._nb = library().hf_rows_write, len(rows)
+
+    @staticmethod
+    def fits(rows: tuple[torch.Tensor, ...], buffers: list[torch.Tensor]) -> bool:
+        """Whether the native copy takes these rows: the library loaded, every row the buffer's dtype and CPU
+        layout ``[1, heads, n, d]`` with its last dim dense, every buffer dense, the same n in every row."""
+        if library() is None or len(rows) != len(buffers) or not rows:
+            return False
+        n = rows[0].shape[2] if rows[0].dim() == 4 else -1
+        for row, buf in zip(rows, buffers, strict=True):
+            if (row.dim() != 4 or buf.dim() != 4 or row.device.type != "cpu" or buf.device.type != "cpu"
+                    or row.dtype != buf.dtype or not buf.is_contiguous() or row.shape[0] != 1 or buf.shape[0] != 1
+                    or row.shape[1] != buf.shape[1] or row.shape[3] != buf.shape[3] or row.shape[2] != n
+                    or (row.stride(3) != 1 and row.shape[3] > 1)):
+                return False
+        return True
+
+    def run(self, pos: int) -> None:
+        """Copy the rows to rows ``[pos, pos + n)`` of every buffer."""
+        if pos < 0 or pos + self.n > self.length:
+            raise ValueError(f"rows {pos}..{pos + self.n} are not inside the buffers' {self.length} rows")
+        self._fn(self.rec, self._nb, pos)
 
 
 def amx_bf16_available() -> bool:

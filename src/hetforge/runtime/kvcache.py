@@ -2,7 +2,9 @@
 
 The cache lives outside every compiled program (it is a graph *input*, never an activation), so it is
 not part of any activation arena. A decode step's program returns the new K/V rows and
-:meth:`KVCache.write` copies them into position ``pos`` with ``Tensor.copy_`` on a view: no allocation.
+:meth:`KVCache.write` copies them into position ``pos``: no allocation. Where the native kernels load, all rows go
+in one native call (``native.RowsWriter``, kept while the program hands back the same output tensors, as a
+decode program bound as a step does); else with one ``Tensor.copy_`` per buffer.
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from hetforge.kernels import native
 
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -34,6 +38,7 @@ class KVCache:
     def __post_init__(self) -> None:
         shape = (1, self.kv_heads, self.length, self.head_dim)
         self.buffers: list[torch.Tensor] = [zeros(shape, self.dtype) for _ in range(2 * self.layers)]
+        self._writer: tuple[tuple[torch.Tensor, ...], native.RowsWriter | None] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -48,6 +53,16 @@ class KVCache:
         n = rows[0].shape[2]
         if start + n > self.length:
             raise ValueError(f"KV cache write {start}..{start + n} past its length {self.length}")
+        if start < 0:
+            raise ValueError(f"KV cache write at {start}: positions start at 0")
+        w = self._writer
+        if w is None or len(w[0]) != len(rows) or any(a is not b for a, b in zip(w[0], rows, strict=True)):
+            rows = tuple(rows)
+            w = self._writer = (rows, native.RowsWriter(rows, self.buffers)
+                                if native.RowsWriter.fits(rows, self.buffers) else None)
+        if w[1] is not None:
+            w[1].run(start)
+            return
         for buf, row in zip(self.buffers, rows, strict=True):
             buf[:, :, start:start + n].copy_(row)
 
