@@ -123,7 +123,8 @@ def run(models: list[str], seqs: list[int], rounds: int, threads: int, bf16: boo
                 row["over_bound_best"]["bf16"] = round(row["best_ms"]["hetforge-bf16"] / row["bound_ms"]["bf16"], 3)
             rows.append(row)
             print(json.dumps(row))
-    return {"rows": rows, "choices": onednn.measured_choices(), "peak": peaks}
+    return {"rows": rows, "choices": onednn.measured_choices(), "peak": peaks,
+            "mkl_margin": onednn.margin_record() if onednn.mkl_available() else None}
 
 
 def render(doc: dict) -> str:
@@ -176,8 +177,12 @@ def render(doc: dict) -> str:
                        f"{r['over_bound_best']['bf16'] if bb is not None else '—'} |")
     ch = doc.get("choices") or []
     if ch:
+        mm = doc.get("mkl_margin")
+        rule = ("above 1 + `onednn.MKL_MARGIN` against MKL, since session 29" if mm is None else
+                f"above 1 + this host's margin against MKL, `onednn.mkl_margin()`: {mm['margin']:g} here, from MKL ÷ "
+                f"oneDNN {mm['mkl_over_onednn']:.2f} on its calibration sequence at {mm['threads']} threads")
         out += ["", "The measured kernel choices (median per-round ratio of the other side's time ÷ oneDNN's over "
-                "interleaved rounds; above 1 (above 1 + `onednn.MKL_MARGIN` against MKL, since session 29): "
+                f"interleaved rounds; above 1 ({rule}): "
                 "oneDNN runs; the other side is MKL's packed sgemm for fp32 where this torch has it, else ATen's "
                 "`linear`):", "",
                 "| rows | K | N | dtype | threads | activation | other side | ratio | runs |",

@@ -2,6 +2,7 @@
 the policy switch, the measured choice, and calibration taking the fastest GEMM kernel."""
 
 import contextlib
+import json
 import statistics
 
 import pytest
@@ -194,12 +195,17 @@ def test_prepack_packs_every_onednn_weight_once_and_the_run_after_it_gives_the_s
     torch.testing.assert_close(packed_first(*inputs), lazy_first(*inputs), rtol=0, atol=0)
 
 
-def test_a_shape_goes_to_onednn_over_mkl_only_when_clearly_faster():
-    """Against MKL's packed sgemm oneDNN needs a ratio above 1 + MKL_MARGIN (pick's timing reads one weight from
-    cache); against ATen above 1; a choice seeded from an earlier process is decided again by this rule."""
+def test_a_shape_goes_to_onednn_over_mkl_only_by_more_than_this_hosts_margin(monkeypatch):
+    """Against MKL's packed sgemm oneDNN needs a ratio above 1 + the host's margin (MKL_MARGIN where MKL won the
+    calibration sequence, else 0); against ATen above 1; a choice seeded from an earlier process is decided again
+    by this rule."""
     m = onednn.MKL_MARGIN
+    monkeypatch.setattr(onednn, "_margins", {onednn.threads(): m})
     assert onednn._decide(1.0 + m / 2, "mkl") == "mkl" and onednn._decide(1.0 + 2 * m, "mkl") == "onednn"
     assert onednn._decide(1.0 + m / 2, "aten") == "onednn" and onednn._decide(0.99, "aten") == "aten"
+    monkeypatch.setattr(onednn, "_margins", {onednn.threads(): 0.0})
+    assert onednn._decide(1.01, "mkl") == "onednn" and onednn._decide(0.99, "mkl") == "mkl"
+    monkeypatch.setattr(onednn, "_margins", {onednn.threads(): m})
     if not onednn.mkl_available():
         return
     rows = native.PANEL_MAX + 7  # above the rows the panel GEMM takes by rule (nothing measured there)
@@ -207,6 +213,45 @@ def test_a_shape_goes_to_onednn_over_mkl_only_when_clearly_faster():
     onednn.seed_choices([{**key, "kernel": "onednn", "onednn": True, "aten_s": 1.05e-5, "onednn_s": 1e-5,
                           "ratio": 1.0 + m / 2, "aten_side": "mkl-packed"}])
     assert onednn.pick(rows, 40, 24, torch.float32) == "mkl"
+
+
+def test_the_hosts_margin_comes_from_its_calibration_file_and_a_damaged_file_is_measured_again(monkeypatch, tmp_path):
+    monkeypatch.setenv("HETFORGE_CACHE", str(tmp_path))
+    monkeypatch.setattr(onednn, "_margins", {})
+    n = onednn.threads()
+    path = onednn._margin_file(n)
+    assert tmp_path in path.parents
+    path.parent.mkdir(parents=True)
+
+    def no_measuring(*a, **k):
+        raise AssertionError("measured although the file has the ratio")
+
+    monkeypatch.setattr(onednn, "_bench_pair", no_measuring)
+    path.write_text(json.dumps({"mkl_over_onednn": 0.93}))  # MKL ran the sequence faster: the margin applies
+    assert onednn.mkl_margin() == onednn.MKL_MARGIN
+    monkeypatch.setattr(onednn, "_margins", {})
+    path.write_text(json.dumps({"mkl_over_onednn": 1.2}))  # oneDNN faster: pick's ratio decides alone
+    assert onednn.mkl_margin() == 0.0
+    calls = []
+    monkeypatch.setattr(onednn, "_bench_pair", lambda fa, fb, rounds: calls.append(rounds) or (2.0, 1.0, 2.0))
+    monkeypatch.setattr(onednn, "MARGIN_SHAPES", ((16, 24),))  # small, the measurement itself is faked
+    monkeypatch.setattr(native, "llc_bytes", lambda: 4096)
+    for damaged in ("{not json", json.dumps({"mkl_over_onednn": "nan"}), json.dumps({"other": 1})):
+        monkeypatch.setattr(onednn, "_margins", {})
+        path.write_text(damaged)
+        assert onednn.mkl_margin() == 0.0 and calls
+        assert json.loads(path.read_text())["mkl_over_onednn"] == 2.0  # measured again and written back
+        calls.clear()
+
+
+def test_the_hosts_margin_is_measured_on_real_kernels_and_kept(monkeypatch, tmp_path):
+    assert onednn.mkl_available(), "the pinned torch CPU wheel ships MKL's packed sgemm on x86_64"
+    monkeypatch.setenv("HETFORGE_CACHE", str(tmp_path))
+    monkeypatch.setattr(onednn, "_margins", {})
+    got = onednn.mkl_margin()
+    rec = json.loads(onednn._margin_file(onednn.threads()).read_text())
+    assert rec["mkl_s"] > 0 and rec["onednn_s"] > 0 and rec["copies"] >= 2
+    assert got == (onednn.MKL_MARGIN if rec["mkl_over_onednn"] <= 1.0 else 0.0)
 
 
 def test_policy_aten_keeps_every_product_on_aten(monkeypatch):
@@ -223,7 +268,7 @@ def test_auto_policy_measures_both_kernels_once_per_shape(monkeypatch):
     first = onednn.choose(rows, k, n, torch.float32)
     got = [c for c in onednn.measured_choices() if (c["rows"], c["k"], c["n"]) == (rows, k, n)]
     assert len(got) == 1 and got[0]["aten_s"] > 0 and got[0]["onednn_s"] > 0
-    margin = onednn.MKL_MARGIN if got[0]["aten_side"] == "mkl-packed" else 0.0
+    margin = onednn.mkl_margin() if got[0]["aten_side"] == "mkl-packed" else 0.0
     assert got[0]["onednn"] == (got[0]["ratio"] > 1.0 + margin)  # the median per-round ratio decided
     assert first == (got[0]["kernel"] != "aten")  # a packed kernel (oneDNN, or MKL's on its side) runs it
     assert got[0]["aten_side"] == ("mkl-packed" if onednn.mkl_available() else "aten")

@@ -24,26 +24,11 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from hetforge.kernels.native import llc_bytes  # noqa: F401  (re-exported: calibration's pools)
+
 BUFFER_BYTES = 8 * 2**20
 FACTOR = 8
 PASSES = 10  # the profiled runs bench/costmodel.py takes its per-instruction best over (--runs 10)
-
-
-def llc_bytes() -> int:
-    """Last-level cache size from sysfs (the largest ``cpu0/cache/index*/size``; 32 MiB when unknown)."""
-    best = 0
-    for idx in range(8):
-        try:
-            with open(f"/sys/devices/system/cpu/cpu0/cache/index{idx}/size") as f:
-                txt = f.read().strip()
-        except OSError:
-            continue
-        mult = {"K": 1024, "M": 1024 ** 2, "G": 1024 ** 3}.get(txt[-1:], 1)
-        try:
-            best = max(best, int(txt.rstrip("KMG")) * mult)
-        except ValueError:
-            continue
-    return best or 32 * 1024 ** 2
 
 
 @dataclass(frozen=True)

@@ -188,6 +188,23 @@ def _build(cc: str, flags: list[str], out: Path, source: Path = SOURCE) -> str |
             os.unlink(tmp)
 
 
+def llc_bytes() -> int:
+    """Last-level cache size from sysfs (the largest ``cpu0/cache/index*/size``; 32 MiB when unknown)."""
+    best = 0
+    for idx in range(8):
+        try:
+            with open(f"/sys/devices/system/cpu/cpu0/cache/index{idx}/size") as f:
+                txt = f.read().strip()
+        except OSError:
+            continue
+        mult = {"K": 1024, "M": 1024 ** 2, "G": 1024 ** 3}.get(txt[-1:], 1)
+        try:
+            best = max(best, int(txt.rstrip("KMG")) * mult)
+        except ValueError:
+            continue
+    return best or 32 * 1024 ** 2
+
+
 def library_path(cc: str, flags: list[str]) -> Path:
     """Where the library built from this source with ``cc flags`` for this CPU is cached."""
     key = hashlib.sha256(SOURCE.read_bytes() + " ".join([cc, *flags]).encode() + _cpu_tag().encode()).hexdigest()

@@ -37,15 +37,21 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
+import json
+import math
 import os
 import statistics
 import time
 import weakref
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from hetforge.errors import HetforgeError
+from hetforge.files import write_json
 from hetforge.kernels import native
 
 POLICIES = ("auto", "aten", "onednn", "mkl", "panel")
@@ -59,19 +65,91 @@ DTYPES = (torch.float32, torch.bfloat16)
 PROBE_N = 4096  # most output columns :func:`choose` times
 ROUNDS = 5  # interleaved rounds of :func:`pick`
 # How much faster oneDNN must be than MKL's packed sgemm in pick's timing (median ratio MKL ÷ oneDNN above
-# 1 + MKL_MARGIN) to run an fp32 product. Why: that timing reuses one weight from cache, a program reads each weight
-# from memory, and there the two did not rank as timed. Calibrated on models no benchmark evaluates (llama-oos-1536,
-# gpt2-oos-1024, prefill programs of 128 and 512 rows, 2 threads, session 29): every product on oneDNN took 4-12% more
-# time per program than every product on MKL, while pick's per-shape ratios sent some shapes to oneDNN at 1.02-1.08
-# (by the draw: the same shape went either way in two processes, and a program with those shapes on oneDNN was no
-# faster, or slower, than all-MKL). A shape oneDNN runs clearly faster even from cache still goes to oneDNN.
+# 1 + MKL_MARGIN) to run an fp32 product, on a host where MKL wins in programs (:func:`mkl_margin` decides per host).
+# Why: that timing reuses one weight from cache, a program reads each weight from memory, and there the two did not
+# rank as timed. Calibrated on models no benchmark evaluates (llama-oos-1536, gpt2-oos-1024, prefill programs of 128
+# and 512 rows, 2 threads, session 29, a Zen 5 host): every product on oneDNN took 4-12% more time per program than
+# every product on MKL, while pick's per-shape ratios sent some shapes to oneDNN at 1.02-1.08 (by the draw: the same
+# shape went either way in two processes, and a program with those shapes on oneDNN was no faster, or slower, than
+# all-MKL). A shape oneDNN runs clearly faster even from cache still goes to oneDNN.
 MKL_MARGIN = 0.15
+# The calibration sequence :func:`mkl_margin` times: (K, N) products of MARGIN_ROWS rows, no zoo model's shapes
+MARGIN_ROWS = 256
+MARGIN_SHAPES = ((1280, 3456), (3456, 1280), (1280, 1280))
+MARGIN_ROUNDS = 3
+_margins: dict[int, float] = {}  # thread count -> this host's margin (mkl_margin)
 
 
 def _decide(ratio: float, other: str) -> str:
-    """The kernel for a measured ratio (``other`` ÷ oneDNN time): oneDNN where it is faster, by more than
-    :data:`MKL_MARGIN` against MKL."""
-    return "onednn" if ratio > 1.0 + (MKL_MARGIN if other == "mkl" else 0.0) else other
+    """The kernel for a measured ratio (``other`` ÷ oneDNN time): oneDNN where it is faster, by more than this
+    host's :func:`mkl_margin` against MKL."""
+    return "onednn" if ratio > 1.0 + (mkl_margin() if other == "mkl" else 0.0) else other
+
+
+def mkl_margin() -> float:
+    """The margin :func:`pick` asks of oneDNN against MKL's packed sgemm on this host at :func:`threads`:
+    :data:`MKL_MARGIN` where a calibration sequence ran at least as fast all on MKL as all on oneDNN, else 0.
+
+    The sequence: :data:`MARGIN_SHAPES` products of :data:`MARGIN_ROWS` rows (no zoo model has these shapes), each
+    over copies of its weight totalling twice the last-level cache, so that every weight comes from memory as in a
+    program; all on MKL and all on oneDNN, :data:`MARGIN_ROUNDS` interleaved rounds, the median per-round ratio.
+    Why per host: the margin was calibrated where programs ran faster on MKL than pick's hot timing said (a Zen 5,
+    session 29); on a Zen 4 (session 38) the calibration models' 512-row programs ran 0.98-1.00x the measured
+    choice's time all on oneDNN and 1.14-1.41x all on MKL, and pick's timing had oneDNN faster on every shape, so
+    the margin only moved shapes onto the slower kernel there. Measured once per host (the native library's CPU
+    tag), torch build and thread count, and kept on disk next to the native library (a file that cannot be read
+    back is measured again; one that cannot be written costs a measurement per process)."""
+    n = threads()
+    if n not in _margins:
+        _margins[n] = MKL_MARGIN if _sequence_ratio(n) <= 1.0 else 0.0
+    return _margins[n]
+
+
+def margin_record() -> dict[str, float | int]:
+    """This host's margin at :func:`threads` and the calibration sequence's MKL ÷ oneDNN ratio it came from (for
+    benchmark pages)."""
+    n = threads()
+    return {"threads": n, "margin": mkl_margin(), "mkl_over_onednn": _sequence_ratio(n)}
+
+
+def _margin_file(n: int) -> Path:
+    tag = hashlib.sha256(f"{native._cpu_tag()}|{torch.__version__}|{n}".encode()).hexdigest()[:16]
+    return native.cache_dir().parent / "gemm" / f"mkl-margin-{tag}.json"
+
+
+def _sequence_ratio(n: int) -> float:
+    """This host's MKL ÷ oneDNN time on the calibration sequence (:func:`mkl_margin`), from disk where it was
+    measured before."""
+    path = _margin_file(n)
+    try:
+        ratio = float(json.loads(path.read_text())["mkl_over_onednn"])
+        if math.isfinite(ratio) and ratio > 0:
+            return ratio
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    g = torch.Generator().manual_seed(0)
+    rows = MARGIN_ROWS
+    per_copy = sum(k * m * 4 for k, m in MARGIN_SHAPES)
+    copies = min(16, max(2, -(-2 * native.llc_bytes() // per_copy)))  # 16: a bound on the memory it takes
+    xs = {k: torch.randn(rows, k, generator=g) for k, _ in MARGIN_SHAPES}
+    dnn: list[Callable[[], object]] = []
+    mkl: list[Callable[[], object]] = []
+    for _ in range(copies):
+        for k, m in MARGIN_SHAPES:
+            w = torch.randn(m, k, generator=g) * k ** -0.5
+            b = torch.zeros(m)
+            dnn.append(functools.partial(linear_fn(torch.ops.mkldnn._reorder_linear_weight(w, rows), b), xs[k]))
+            mkl.append(functools.partial(mkl_linear, xs[k], torch.ops.mkl._mkl_reorder_linear_weight(w, rows), w, b,
+                                         rows))
+    t_mkl, t_dnn, ratio = _bench_pair(lambda: [f() for f in mkl], lambda: [f() for f in dnn], rounds=MARGIN_ROUNDS)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_json(path, {"mkl_over_onednn": ratio, "mkl_s": t_mkl, "onednn_s": t_dnn, "threads": n,
+                          "rows": rows, "shapes": [list(s) for s in MARGIN_SHAPES], "copies": copies,
+                          "torch": torch.__version__}, "the GEMM margin calibration")
+    except (HetforgeError, OSError):
+        pass
+    return ratio
 
 PACK_ROWS = 512  # the widest row count _alike compares a 2-row packing with
 
