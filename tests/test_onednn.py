@@ -242,6 +242,11 @@ def test_the_hosts_margin_comes_from_its_calibration_file_and_a_damaged_file_is_
         assert onednn.mkl_margin() == 0.0 and calls
         assert json.loads(path.read_text())["mkl_over_onednn"] == 2.0  # measured again and written back
         calls.clear()
+    monkeypatch.setattr(onednn, "_margins", {})
+    monkeypatch.setattr(onednn, "_pinned", [n])
+    path.unlink()
+    assert onednn.mkl_margin() == onednn.MKL_MARGIN and not calls  # must not measure: the older rule
+    assert not path.exists()
 
 
 def test_the_hosts_margin_is_measured_on_real_kernels_and_kept(monkeypatch, tmp_path):

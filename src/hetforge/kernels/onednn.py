@@ -98,7 +98,8 @@ def mkl_margin() -> float:
     choice's time all on oneDNN and 1.14-1.41x all on MKL, and pick's timing had oneDNN faster on every shape, so
     the margin only moved shapes onto the slower kernel there. Measured once per host (the native library's CPU
     tag), torch build and thread count, and kept on disk next to the native library (a file that cannot be read
-    back is measured again; one that cannot be written costs a measurement per process)."""
+    back is measured again; one that cannot be written costs a measurement per process). A process that must not
+    measure (:func:`pin_threads`) and finds no measurement on disk keeps :data:`MKL_MARGIN`."""
     n = threads()
     if n not in _margins:
         _margins[n] = MKL_MARGIN if _sequence_ratio(n) <= 1.0 else 0.0
@@ -127,6 +128,8 @@ def _sequence_ratio(n: int) -> float:
             return ratio
     except (OSError, ValueError, KeyError, TypeError):
         pass
+    if _pinned:  # a process that must not measure (pin_threads) keeps the rule calibrated before this one
+        return 1.0
     g = torch.Generator().manual_seed(0)
     rows = MARGIN_ROWS
     per_copy = sum(k * m * 4 for k, m in MARGIN_SHAPES)
