@@ -53,8 +53,15 @@ def test_native_write_puts_every_row_where_copy_puts_it(layers, heads, n, d, len
         b.copy_(torch.randn(b.shape, generator=torch.Generator().manual_seed(seed + 1)).to(dtype))
     rows = _rows(layers, heads, n, d, dtype, layout, seed)
     want = _reference(cache, rows, start)
-    cache.write(rows, start)
-    assert cache._writer is not None and cache._writer[1] is not None  # the native path ran
+    calls = []
+    real = native.RowsWriter.run
+    native.RowsWriter.run = lambda self, pos: calls.append(pos) or real(self, pos)
+    try:
+        cache.write(rows, start)
+    finally:
+        native.RowsWriter.run = real
+    assert calls == [start]  # the native path ran
+    assert (cache._writer is not None) == (n == 1)  # kept for a decode step's rows only
     for got, exp in zip(cache.buffers, want, strict=True):
         assert torch.equal(got, exp)
 
@@ -85,6 +92,7 @@ def test_a_partial_piece_of_the_rows_is_written_as_its_view():
     piece = [t[:, :, :5] for t in full]  # a chunk's real rows (runtime.engine._prefill_all)
     want = _reference(cache, piece, 3)
     cache.write(piece, 3)
+    assert cache._writer is None  # not kept: it would hold the prompt's rows
     for got, exp in zip(cache.buffers, want, strict=True):
         assert torch.equal(got, exp)
 
@@ -94,7 +102,7 @@ def test_rows_of_another_dtype_are_converted_by_copy():
     rows = _rows(1, 2, 1, 4, torch.float32, "dense", 3)
     want = _reference(cache, rows, 2)
     cache.write(rows, 2)
-    assert cache._writer[1] is None  # not the native copy: it does not convert
+    assert cache._writer is not None and cache._writer[1] is None  # not the native copy: it does not convert
     for got, exp in zip(cache.buffers, want, strict=True):
         assert torch.equal(got, exp)
 

@@ -102,13 +102,14 @@ def mkl_margin() -> float:
     measure (:func:`pin_threads`) and finds no measurement on disk keeps :data:`MKL_MARGIN`."""
     n = threads()
     if n not in _margins:
-        _margins[n] = MKL_MARGIN if _sequence_ratio(n) <= 1.0 else 0.0
+        ratio = _sequence_ratio(n)
+        _margins[n] = MKL_MARGIN if ratio is None or ratio <= 1.0 else 0.0
     return _margins[n]
 
 
-def margin_record() -> dict[str, float | int]:
+def margin_record() -> dict[str, float | int | None]:
     """This host's margin at :func:`threads` and the calibration sequence's MKL ÷ oneDNN ratio it came from (for
-    benchmark pages)."""
+    benchmark pages; None where it was not measured)."""
     n = threads()
     return {"threads": n, "margin": mkl_margin(), "mkl_over_onednn": _sequence_ratio(n)}
 
@@ -118,9 +119,9 @@ def _margin_file(n: int) -> Path:
     return native.cache_dir().parent / "gemm" / f"mkl-margin-{tag}.json"
 
 
-def _sequence_ratio(n: int) -> float:
+def _sequence_ratio(n: int) -> float | None:
     """This host's MKL ÷ oneDNN time on the calibration sequence (:func:`mkl_margin`), from disk where it was
-    measured before."""
+    measured before; None in a process that must not measure (:func:`pin_threads`) when it was not."""
     path = _margin_file(n)
     try:
         ratio = float(json.loads(path.read_text())["mkl_over_onednn"])
@@ -128,12 +129,12 @@ def _sequence_ratio(n: int) -> float:
             return ratio
     except (OSError, ValueError, KeyError, TypeError):
         pass
-    if _pinned:  # a process that must not measure (pin_threads) keeps the rule calibrated before this one
-        return 1.0
+    if _pinned:
+        return None
     g = torch.Generator().manual_seed(0)
     rows = MARGIN_ROWS
     per_copy = sum(k * m * 4 for k, m in MARGIN_SHAPES)
-    copies = min(16, max(2, -(-2 * native.llc_bytes() // per_copy)))  # 16: a bound on the memory it takes
+    copies = min(6, max(2, -(-2 * native.llc_bytes() // per_copy)))  # 6: a bound on the memory it takes (~0.75 GB)
     xs = {k: torch.randn(rows, k, generator=g) for k, _ in MARGIN_SHAPES}
     dnn: list[Callable[[], object]] = []
     mkl: list[Callable[[], object]] = []

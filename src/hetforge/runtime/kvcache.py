@@ -58,8 +58,9 @@ class KVCache:
         w = self._writer
         if w is None or len(w[0]) != len(rows) or any(a is not b for a, b in zip(w[0], rows, strict=True)):
             rows = tuple(rows)
-            w = self._writer = (rows, native.RowsWriter(rows, self.buffers)
-                                if native.RowsWriter.fits(rows, self.buffers) else None)
+            w = (rows, native.RowsWriter(rows, self.buffers) if native.RowsWriter.fits(rows, self.buffers) else None)
+            if n == 1:  # a decode step's rows: the next step hands back the same tensors (a prompt's never do, and
+                self._writer = w  # keeping their writer would hold the prompt's rows)
         if w[1] is not None:
             w[1].run(start)
             return
