@@ -1324,15 +1324,17 @@ def why_we_lose(peers: J, kf: J) -> str:
   where the CPU has it), so most of prefill is GEMM time ([bench/prefill_gemm.md](bench/prefill_gemm.md)). Against
   OpenVINO f32 it is {span(ov, times)} on the latest peers run ([bench/peers.md](bench/peers.md), whose header names
   the host). hetforge's products run close to the host's FMA peak, and so must the peers', so the lead moves with
-  the CPU: on the Zen 5 VM of sessions 30–35 the panel GEMM read a short prompt's weights faster than oneDNN;
-  on the Zen 4 VM of session 36 (x86 family 25, 234 GFLOP/s on 2 cores by a register-only FMA loop, a one-off) it
-  is about level with oneDNN's packed GEMM at 32–64 rows and slower at 128
-  ([bench/panel_gemm.md](bench/panel_gemm.md)), and a profiled llama-110m prefill [1,128] ran
-  its products at about 200 GFLOP/s (a one-off, [arch/runtime.md](arch/runtime.md) "Session 36"). Session 31
-  timed each oneDNN call inside a prefill program and found no time lost between the products (a one-off;
-  [arch/runtime.md](arch/runtime.md#prefill-products-inside-a-program-session-31) has the figures). Issue 24's
-  0.95× target at 128 tokens and its GEMM-bound target need products faster than the peers' own oneDNN / MLAS
-  kernels on these shapes.
+  the CPU: on the Zen 5 VM of sessions 30–35 the panel GEMM read a short prompt's weights faster than oneDNN.
+  On the Zen 4 VM of sessions 36–38 (x86 family 25, 235 GFLOP/s on 2 cores by a register-only FMA loop) hetforge's
+  [1,128] prefill took 0.97× OpenVINO f32's time when both ran in one process, interleaved (session 38, a one-off;
+  [arch/runtime.md](arch/runtime.md) "fp32 prefill at 128 rows against the FMA peak"). Its products ran at 87–92% of
+  that peak in the program, about what the kernel reaches alone from memory (89–92% on two threads). A 0.95× verdict
+  would need every product at the LM head's best rate and no time left in attention and norms. It would also need a
+  lead larger than this VM's swing from process to process, since the page measures each system in its own
+  processes. At 512 rows hetforge is ahead (0.92–0.93× on [bench/peers_512.md](bench/peers_512.md)) since its
+  products there run on oneDNN by a margin measured per host (session 38). Issue 24's GEMM-bound target (1.15×) is
+  met at 128 rows and missed at 512 rows; [bench/prefill_gemm.md](bench/prefill_gemm.md) has the figures. The bound
+  leaves attention out, and at 512 rows attention costs about 7% of the prefill.
 - **Cold preparation:** hetforge exports two layers, runs the passes on them and stamps out the rest
   (`runtime/stamp.py`), builds the second program of a pair in a forked child, and packs the oneDNN weights
   while the child runs; an unquantized program has no warm-up call. What is left on the critical path is the
