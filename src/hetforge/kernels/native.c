@@ -2348,6 +2348,168 @@ int hf_gemm_amx_bf16(const hf_bf16 *wp, const hf_bf16 *x, const hf_bf16 *bias, h
 #endif
 }
 
+/* ---- bf16 products of a few rows on AVX512-BF16 (vdpbf16ps): hf_gemm_bf16_panel ----
+ * Y[m, n] = X[m, k] W^T (+ b), then the epilogue amx_store has (act, times mul, plus res, each rounded to bf16 as
+ * ATen's ops), for a CPU with AVX512-BF16 and no AMX. Why: oneDNN's bf16 products of 2-32 rows read their weights at
+ * 16-23 GB/s on such a CPU (a one-off on the Zen 4 of session 38: [16, 768] x [768, 2048] 0.19 ms, where the weight
+ * alone takes 0.085 ms to read and the products 0.11 ms at the bf16 peak), so a short prompt's products waited on
+ * neither memory nor arithmetic. The weight is packed once into panels of HF_BNB columns, k-pair by k-pair
+ * (P[j][kp][c][2] = W[j*HF_BNB + c][2kp .. 2kp+1], zero past n and k), so one vdpbf16ps takes 16 columns' pair
+ * for one row, X's pair broadcast; each thread streams its own panels once per group of 8 rows (a later group
+ * reads them from L2). Each output is one fp32 chain over the k-pairs in order (the instruction's own rounding of
+ * its two products and sum), then + bias, then the epilogue: the same bits for any thread count. k must be even
+ * (X's pairs are read in place). */
+#ifndef HF_BNV
+#define HF_BNV 3
+#endif
+#ifndef HF_BMR
+#define HF_BMR 8
+#endif
+#define HF_BNB (16 * HF_BNV)
+typedef struct {
+    const hf_bf16 *wp, *x, *bias;
+    hf_bf16 *y;
+    long m, n, k, kp, np, nc;
+    int act;
+    const hf_bf16 *mul, *res;
+} bpanel_ctx;
+
+/* Pack W ([n, k] rows, or [k, n] when weight_t) into hf_gemm_bf16_panel's panels at p (ceil(n / HF_BNB) panels of
+ * ceil(k / 2) x HF_BNB x 2 values). */
+void hf_pack_bf16_panels(const hf_bf16 *w, hf_bf16 *p, long n, long k, int weight_t) {
+    long np = (n + HF_BNB - 1) / HF_BNB, kp = (k + 1) / 2;
+    for (long j = 0; j < np; j++)
+        for (long i = 0; i < kp; i++) {
+            hf_bf16 *dst = p + ((size_t)j * kp + i) * HF_BNB * 2;
+            for (long c = 0; c < HF_BNB; c++)
+                for (int h = 0; h < 2; h++) {
+                    long col = j * HF_BNB + c, kk = 2 * i + h;
+                    dst[2 * c + h] = col < n && kk < k ? (weight_t ? w[kk * n + col] : w[col * k + kk]) : 0;
+                }
+        }
+}
+
+/* Whether this build has hf_gemm_bf16_panel's vector path (AVX512-BF16). */
+int hf_bf16_panel_ok(void) {
+#if defined(__AVX512BF16__) && defined(HF_BF16X16)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+#if defined(__AVX512BF16__) && defined(HF_BF16X16)
+/* Rows [r0, r0 + MR) of a panel over k-pairs [i0, i1): MR x 3 accumulators from acc (zero when first), back into
+ * acc (HF_BNB floats a row); pf: prefetch the panel ahead (the first row group of a block, which brings it in from
+ * memory; the others read it from L1). */
+static inline __attribute__((always_inline)) void bpanel_block(const bpanel_ctx *a, const hf_bf16 *pan, long r0,
+                                                               long i0, long i1, float *acc, int pf, const int MR) {
+    const int32_t *xr[HF_BMR];
+    __m512 c[HF_BMR][HF_BNV];
+    for (int r = 0; r < MR; r++) {
+        xr[r] = (const int32_t *)(a->x + (r0 + r) * a->k);
+        for (int v = 0; v < HF_BNV; v++)
+            c[r][v] = i0 ? _mm512_loadu_ps(acc + r * HF_BNB + 16 * v) : _mm512_setzero_ps();
+    }
+    for (long i = i0; i < i1; i++) {
+        const hf_bf16 *b = pan + (size_t)i * HF_BNB * 2;
+        if (pf)
+            for (int v = 0; v < HF_BNV; v++) _mm_prefetch((const char *)b + 2048 + 64 * v, _MM_HINT_T0);
+        __m512i bv[HF_BNV];
+        for (int v = 0; v < HF_BNV; v++) {
+            bv[v] = _mm512_loadu_si512((const void *)(b + 32 * v));
+            __asm__("" : "+v"(bv[v])); /* one load each, as panel_step */
+        }
+        for (int r = 0; r < MR; r++) {
+            __m512bh xb = (__m512bh)_mm512_set1_epi32(xr[r][i]);
+            for (int v = 0; v < HF_BNV; v++) c[r][v] = _mm512_dpbf16_ps(c[r][v], (__m512bh)bv[v], xb);
+        }
+    }
+    for (int r = 0; r < MR; r++)
+        for (int v = 0; v < HF_BNV; v++) _mm512_storeu_ps(acc + r * HF_BNB + 16 * v, c[r][v]);
+}
+
+/* The sums of rows [r0, r0 + mr) of panel j (acc) + bias, through the epilogue into Y. */
+static void bpanel_store(const bpanel_ctx *a, long j, long r0, int mr, const float *acc) {
+    long c0 = j * HF_BNB;
+    for (int r = 0; r < mr; r++)
+        for (int v = 0; v < HF_BNV; v++) {
+            long c = c0 + 16 * v;
+            if (c >= a->n) break;
+            __mmask16 mk = mask16(a->n - c);
+            __m512 o = _mm512_loadu_ps(acc + r * HF_BNB + 16 * v);
+            if (a->bias) o = _mm512_add_ps(o, bf16x16(mk, a->bias + c));
+            long at = (r0 + r) * a->n + c;
+            if (a->act || a->mul || a->res) { /* ATen's ops after the product, each rounded to bf16 (amx_store) */
+                o = round_bf16x16(o);
+                if (a->act) o = round_bf16x16(act16(o, a->act));
+                if (a->mul) o = round_bf16x16(_mm512_mul_ps(o, bf16x16(mk, a->mul + at)));
+                if (a->res) o = _mm512_add_ps(o, bf16x16(mk, a->res + at));
+            }
+            store_bf16x16(a->y + at, mk, round_bf16x16(o));
+        }
+}
+
+#define HF_BKB 64   /* k-pairs per block: 12 KiB of panel, in L1 while every row group runs over it */
+#define HF_BSUP 64  /* rows whose sums a chunk keeps at once (larger m: in turn) */
+
+static void bpanel_chunk(void *ctx, long c) {
+    const bpanel_ctx *a = ctx;
+    long j0 = c * a->np / a->nc, j1 = (c + 1) * a->np / a->nc;
+    float acc[HF_BSUP * HF_BNB] __attribute__((aligned(64)));
+    for (long j = j0; j < j1; j++) {
+        const hf_bf16 *pan = a->wp + (size_t)j * a->kp * HF_BNB * 2;
+        for (long s0 = 0; s0 < a->m; s0 += HF_BSUP) {
+            long ms = a->m - s0 < HF_BSUP ? a->m - s0 : HF_BSUP;
+            for (long i0 = 0; i0 < a->kp; i0 += HF_BKB) {
+                long i1 = i0 + HF_BKB < a->kp ? i0 + HF_BKB : a->kp;
+                for (long r0 = 0; r0 < ms; r0 += HF_BMR) {
+                    float *ac = acc + r0 * HF_BNB;
+                    long rr = s0 + r0;
+                    int pf = r0 == 0;
+                    switch (ms - r0 < HF_BMR ? (int)(ms - r0) : HF_BMR) {
+                    case 1: bpanel_block(a, pan, rr, i0, i1, ac, pf, 1); break;
+                    case 2: bpanel_block(a, pan, rr, i0, i1, ac, pf, 2); break;
+                    case 3: bpanel_block(a, pan, rr, i0, i1, ac, pf, 3); break;
+#if HF_BMR > 4
+                    case 4: bpanel_block(a, pan, rr, i0, i1, ac, pf, 4); break;
+                    case 5: bpanel_block(a, pan, rr, i0, i1, ac, pf, 5); break;
+                    case 6: bpanel_block(a, pan, rr, i0, i1, ac, pf, 6); break;
+                    case 7: bpanel_block(a, pan, rr, i0, i1, ac, pf, 7); break;
+                    default: bpanel_block(a, pan, rr, i0, i1, ac, pf, 8); break;
+#else
+                    default: bpanel_block(a, pan, rr, i0, i1, ac, pf, 4); break;
+#endif
+                    }
+                }
+            }
+            for (long r0 = 0; r0 < ms; r0 += HF_BMR)
+                bpanel_store(a, j, s0 + r0, ms - r0 < HF_BMR ? (int)(ms - r0) : HF_BMR, acc + r0 * HF_BNB);
+        }
+    }
+}
+#endif
+
+/* Y = X W^T + b (b may be NULL), then act, times mul, plus res (0 / NULL: none), on panels made by
+ * hf_pack_bf16_panels; X [m, k] (k even), Y, mul and res [m, n] dense bf16 rows. Returns 0, -2 for no rows, -3
+ * when this build has no AVX512-BF16 path, -4 for an act the epilogue does not have, -5 for an odd k. */
+int hf_gemm_bf16_panel(const hf_bf16 *wp, const hf_bf16 *x, const hf_bf16 *bias, hf_bf16 *y, long m, long n, long k,
+                       int threads, int act, const hf_bf16 *mul, const hf_bf16 *res) {
+    if (m < 1) return -2;
+    if (!hf_bf16_panel_ok()) return -3;
+    if (!hf_epilogue_act(act)) return -4;
+    if (k % 2) return -5;
+#if defined(__AVX512BF16__) && defined(HF_BF16X16)
+    threads = clamp_threads(threads);
+    long np = (n + HF_BNB - 1) / HF_BNB, nc = threads * ((np + threads * 4 - 1) / (threads * 4));
+    bpanel_ctx a = {wp, x, bias, y, m, n, k, k / 2, np, nc < np ? nc : np, act, mul, res};
+    hf_run_team(bpanel_chunk, &a, a.nc, threads);
+#else
+    (void)wp, (void)x, (void)bias, (void)y, (void)n, (void)threads, (void)mul, (void)res;
+#endif
+    return 0;
+}
+
 typedef struct {
     const hf_bf16 *x, *wg, *wu;
     hf_bf16 *h;
