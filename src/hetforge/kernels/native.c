@@ -2601,8 +2601,8 @@ void hf_rotary_pos_bf16(const hf_bf16 *x, const hf_bf16 *cos_, const hf_bf16 *si
 #endif
 
 /* query rows per task: a causal block on the diagonal computes its scores up to its last row's key, so a block of
- * 32 rows computed ~QB^2/2 pairs no row sees (a quarter of a 128-row head); 16 rows ran 0.93x the time at 128 rows
- * and 0.98x at 512 (bench/kernel_ab.py, calibration head layouts, same bits; 8 rows were no faster) */
+ * QB rows computes ~QB^2/2 pairs no row sees (a quarter of a 128-row head at 32 rows); 16 measured faster than 32
+ * and no slower than 8 (bench/kernel_ab.py; the figures are in docs/arch/runtime.md) */
 #define PA_QB 16
 #define PA_KB 64
 #define PA_DMAX 256

@@ -93,10 +93,9 @@ def mkl_margin() -> float:
     The sequence: :data:`MARGIN_SHAPES` products of :data:`MARGIN_ROWS` rows (no zoo model has these shapes), each
     over copies of its weight totalling twice the last-level cache, so that every weight comes from memory as in a
     program; all on MKL and all on oneDNN, :data:`MARGIN_ROUNDS` interleaved rounds, the median per-round ratio.
-    Why per host: the margin was calibrated where programs ran faster on MKL than pick's hot timing said (a Zen 5,
-    session 29); on a Zen 4 (session 38) the calibration models' 512-row programs ran 0.98-1.00x the measured
-    choice's time all on oneDNN and 1.14-1.41x all on MKL, and pick's timing had oneDNN faster on every shape, so
-    the margin only moved shapes onto the slower kernel there. Measured once per host (the native library's CPU
+    Why per host: the margin was calibrated on a CPU where programs ran faster on MKL than pick's hot timing said;
+    on another, pick's timing and the programs both had oneDNN faster, and the margin only moved shapes onto the
+    slower kernel (docs/arch/runtime.md has both measurements). Measured once per host (the native library's CPU
     tag), torch build and thread count, and kept on disk next to the native library (a file that cannot be read
     back is measured again; one that cannot be written costs a measurement per process). A process that must not
     measure (:func:`pin_threads`) and finds no measurement on disk keeps :data:`MKL_MARGIN`."""
