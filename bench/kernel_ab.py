@@ -39,7 +39,6 @@ from _pages import int_list, run_meta
 
 from hetforge.errors import UsageError
 from hetforge.files import check_output, write_json
-from hetforge.hardware.bandwidth import llc_bytes
 from hetforge.kernels import native
 
 PANEL_SHAPES = [(3072, 1024), (1024, 1024), (4096, 1024), (1024, 4096)]  # (N, K): calibration widths
@@ -83,7 +82,7 @@ def build(source: str, folder: Path, name: str) -> ctypes.CDLL:
 
 
 def pool_count(nbytes_each: int) -> int:
-    return max(2, -(-POOL_LLCS * llc_bytes() // nbytes_each))
+    return max(2, -(-POOL_LLCS * native.llc_bytes() // nbytes_each))
 
 
 def panel_cases(libs: dict[str, ctypes.CDLL], rows_list: list[int], threads: int) -> list[dict]:

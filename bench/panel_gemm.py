@@ -36,8 +36,8 @@ import torch
 import torch.nn.functional as F
 from _pages import add_page_args, end_meta, from_json_done, meta_lines, run_meta, write_result
 
-from hetforge.hardware.bandwidth import llc_bytes
 from hetforge.kernels import native, onednn
+from hetforge.kernels.native import llc_bytes
 
 FAMILIES = {  # (K, N) of one layer's products; no zoo model has these widths
     "d1024": [(1024, 3072), (1024, 1024), (1024, 4096), (4096, 1024)],

@@ -34,9 +34,10 @@ from pathlib import Path
 import torch
 from _pages import page_from_json, write_result
 
-from hetforge.hardware.bandwidth import BUFFER_BYTES, FACTOR, llc_bytes, pool_size
+from hetforge.hardware.bandwidth import BUFFER_BYTES, FACTOR, pool_size
 from hetforge.hardware.host import cpu_count, cpu_name
 from hetforge.kernels import native
+from hetforge.kernels.native import llc_bytes
 
 CLOCKS = {"thread": time.thread_time, "wall": time.perf_counter}
 

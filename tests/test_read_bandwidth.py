@@ -9,8 +9,9 @@ from hypothesis import strategies as st
 
 from hetforge.cost import estimate
 from hetforge.hardware import load_file, save_spec
-from hetforge.hardware.bandwidth import FACTOR, llc_bytes, pool_size, pooled_time, read_bandwidth
+from hetforge.hardware.bandwidth import FACTOR, pool_size, pooled_time, read_bandwidth
 from hetforge.hardware.calibrate import Measured, host_spec
+from hetforge.kernels.native import llc_bytes
 from hetforge.ops.registry import OpCall, TensorMeta
 
 

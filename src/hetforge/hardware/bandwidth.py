@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from hetforge.kernels.native import llc_bytes  # noqa: F401  (re-exported: calibration's pools)
+from hetforge.kernels.native import llc_bytes
 
 BUFFER_BYTES = 8 * 2**20
 FACTOR = 8

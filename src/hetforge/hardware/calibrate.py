@@ -53,11 +53,12 @@ import psutil
 import torch
 import torch.nn.functional as F
 
-from hetforge.hardware.bandwidth import PASSES, ReadBandwidth, ReadProbe, llc_bytes, pooled_time
+from hetforge.hardware.bandwidth import PASSES, ReadBandwidth, ReadProbe, pooled_time
 from hetforge.hardware.host import POWER_SRC, TDP_PER_CORE_W, cpu_count, cpu_name
 from hetforge.hardware.profile import row_band
 from hetforge.hardware.schema import DeviceSpec, Figure, PositiveFigure, SocSpec
 from hetforge.kernels import native, onednn
+from hetforge.kernels.native import llc_bytes
 
 Progress = Callable[[str], None]
 EFF_MIN, EFF_MAX = 0.01, 100.0

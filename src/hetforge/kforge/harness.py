@@ -36,7 +36,7 @@ def cache_root() -> Path:
 
 
 def _flush_default() -> int:
-    from hetforge.hardware.calibrate import llc_bytes
+    from hetforge.kernels.native import llc_bytes
 
     return min(2 * llc_bytes(), 128 * 2**20)
 

@@ -51,7 +51,6 @@ class StepBinding:
     pinned: dict[int, torch.Tensor] = field(default_factory=dict)  # graph input position → the tensor passed there
 
 
-
 def bind_partition(step: StepBinding | None, backend: Any, graph_inputs: Sequence[str],
                    part_inputs: Sequence[str]) -> tuple[bool, dict[int, torch.Tensor]]:
     """``(reuse_outputs, pinned)`` for one partition of a program bound as ``step`` (none: ``(False, {})``): the
