@@ -1332,8 +1332,9 @@ def why_we_lose(peers: J, kf: J) -> str:
   would need every product at the LM head's best rate and no time left in attention and norms. It would also need a
   lead larger than this VM's swing from process to process, since the page measures each system in its own
   processes. At 512 rows hetforge is ahead (0.92–0.93× on [bench/peers_512.md](bench/peers_512.md); session 36
-  measured 0.91× there before session 38 moved those products onto oneDNN by a margin measured per host). Issue 24's GEMM-bound target (1.15×) is
-  met at 128 rows and missed at 512 rows; [bench/prefill_gemm.md](bench/prefill_gemm.md) has the figures. The bound
+  measured 0.91× there before session 38 moved those products onto oneDNN by a margin measured per host).
+  Issue 24's GEMM-bound target (1.15×) is met at 128 rows and missed at 512 rows;
+  [bench/prefill_gemm.md](bench/prefill_gemm.md) has the figures. The bound
   leaves attention out, and at 512 rows attention costs about 7% of the prefill.
 - **Cold preparation:** hetforge exports two layers, runs the passes on them and stamps out the rest
   (`runtime/stamp.py`), builds the second program of a pair in a forked child, and packs the oneDNN weights
