@@ -9,7 +9,8 @@ bits, so no test saw it. This script builds both sources with the project's own 
 - the panel GEMM (``hf_gemm_panel``) at ``--rows`` rows over a pool of calibration weights (1024/4096-wide, no zoo
   model has them) of at least 3 last-level caches, each library on weights packed by its own ``hf_pack_panels``;
 - the one-row products ``hf_gemv_nk`` and ``hf_gemv_kn`` over pools of the same size;
-- the prefill attention (``hf_prefill_attention``, causal) on two calibration head layouts at 128 and 512 rows.
+- the prefill attention (``hf_prefill_attention``, causal: ``is_causal`` and the same pattern as a bool mask) on two
+  calibration head layouts at 16, 128 and 512 rows.
 
 Per case: the median over rounds of the per-round time ratio working tree ÷ base (below 1: the working tree is
 faster) and whether both builds gave the same bits. ``--max-ratio R`` makes the exit status 1 when a case's median
@@ -17,7 +18,7 @@ ratio is above R (a guard before committing a change to native.c; the host is sh
 that fails by a little). Nothing is written unless ``--json`` names a file.
 
     python bench/kernel_ab.py [--base HEAD] [--rows 16,128] [--rounds 7] [--threads 2] [--max-ratio 1.03] \\
-        [--json ab.json]
+        [--groups panel,gemv,attention] [--json ab.json]
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ from hetforge.kernels import native
 PANEL_SHAPES = [(3072, 1024), (1024, 1024), (4096, 1024), (1024, 4096)]  # (N, K): calibration widths
 GEMV_SHAPES = [("nk", 4096, 1024), ("kn", 1024, 4096)]  # (layout, N, K)
 ATTENTION = [(32, 8, 64), (16, 4, 128)]  # (query heads, kv heads, head dim): calibration layouts
-ATTENTION_ROWS = (128, 512)
+ATTENTION_ROWS = (16, 128, 512)
+GROUPS = ("panel", "gemv", "attention")  # --groups: the kernels timed
 POOL_LLCS = 3
 
 
@@ -137,25 +139,33 @@ def gemv_cases(libs: dict[str, ctypes.CDLL], threads: int) -> list[dict]:
 
 
 def attention_cases(libs: dict[str, ctypes.CDLL], threads: int) -> list[dict]:
+    """Causal attention on each calibration layout and row count, once with ``is_causal`` and once with the causal
+    pattern as a bool mask (as GPT-2's graphs pass it)."""
     cases = []
     g = torch.Generator().manual_seed(3)
     for h, hkv, d in ATTENTION:
         for rows in ATTENTION_ROWS:
-            qkv = torch.randn(1, rows, (h + 2 * hkv) * d, generator=g)
-            q = qkv[..., : h * d].view(1, rows, h, d).transpose(1, 2)
-            k = qkv[..., h * d: (h + hkv) * d].view(1, rows, hkv, d).transpose(1, 2)
-            v = qkv[..., (h + hkv) * d:].view(1, rows, hkv, d).transpose(1, 2)
-            q, k, v, _, dims, strides, kind = native._prefill_attention_args(q, k, v, None, True)
-            outs = {name: [torch.empty(1, h, rows, d)] for name in libs}
+            for masked in (False, True):
+                qkv = torch.randn(1, rows, (h + 2 * hkv) * d, generator=g)
+                q = qkv[..., : h * d].view(1, rows, h, d).transpose(1, 2)
+                k = qkv[..., h * d: (h + hkv) * d].view(1, rows, hkv, d).transpose(1, 2)
+                v = qkv[..., (h + hkv) * d:].view(1, rows, hkv, d).transpose(1, 2)
+                mask = torch.ones(rows, rows, dtype=torch.bool).tril().view(1, 1, rows, rows) if masked else None
+                q, k, v, mask, dims, strides, kind = native._prefill_attention_args(q, k, v, mask, not masked)
+                outs = {name: [torch.empty(1, h, rows, d)] for name in libs}
 
-            def call(name: str, q=q, k=k, v=v, dims=dims, strides=strides, kind=kind, outs=outs, d=d) -> None:
-                rc = libs[name].hf_prefill_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), None,
-                                                     outs[name][0].data_ptr(), dims, strides, kind, 1, d ** -0.5,
-                                                     threads, 0)
-                if rc:
-                    raise SystemExit(f"error: hf_prefill_attention returned {rc} in the {name} build")
+                def call(name: str, q=q, k=k, v=v, mask=mask, dims=dims, strides=strides, kind=kind, outs=outs,
+                         d=d) -> None:
+                    rc = libs[name].hf_prefill_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(),
+                                                         None if mask is None else mask.data_ptr(),
+                                                         outs[name][0].data_ptr(), dims, strides, kind,
+                                                         int(mask is None), d ** -0.5, threads, 0)
+                    if rc:
+                        raise SystemExit(f"error: hf_prefill_attention returned {rc} in the {name} build")
 
-            cases.append({"case": f"prefill attention {h}/{hkv}x{d}, {rows} rows", "call": call, "outs": outs})
+                how = "bool causal mask" if masked else "is_causal"
+                cases.append({"case": f"prefill attention {h}/{hkv}x{d}, {rows} rows, {how}", "call": call,
+                              "outs": outs})
     return cases
 
 
@@ -185,10 +195,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-ratio", type=float, default=None,
                     help="exit 1 when a case's median ratio working tree ÷ base is above this")
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
+    ap.add_argument("--groups", default=",".join(GROUPS),
+                    help=f"which kernels to time, comma-separated from {', '.join(GROUPS)} (default: all)")
     args = ap.parse_args(argv)
     rows = int_list(ap, args.rows, "--rows")
     if args.rounds < 1 or args.threads < 1 or any(r < 1 for r in rows):
         ap.error("--rounds, --threads and every --rows value must be at least 1")
+    groups = [g.strip() for g in args.groups.split(",") if g.strip()]
+    if not groups or any(g not in GROUPS for g in groups):
+        ap.error(f"--groups {args.groups!r}: allowed a comma-separated list of {', '.join(GROUPS)}")
     if args.json is not None:  # refused before minutes of building and timing, not after
         try:
             check_output(args.json, "--json", (".json",))
@@ -209,9 +224,10 @@ def main(argv: list[str] | None = None) -> int:
         libs = {names[0]: build(base, Path(td), "base"),
                 names[1]: build(native.SOURCE.read_text(), Path(td), "tree")}
         results = []
-        for group in (lambda: panel_cases(libs, rows, args.threads), lambda: gemv_cases(libs, args.threads),
-                      lambda: attention_cases(libs, args.threads)):
-            for case in group():
+        make = {"panel": lambda: panel_cases(libs, rows, args.threads), "gemv": lambda: gemv_cases(libs, args.threads),
+                "attention": lambda: attention_cases(libs, args.threads)}
+        for group in groups:
+            for case in make[group]():
                 got = run_case(case, names, args.rounds)
                 results.append(got)
                 print(f"{got['case']:<40} working tree ÷ base {got['ratio']:.3f}"

@@ -2703,17 +2703,21 @@ static void pa_scores(const float *restrict qb, const float *restrict kt, long k
     }
 }
 
-/* acc[ii][0..dv) += p[ii][0..nj) · V[0..nj) for ni rows (V rows vstride apart, dense last dim). */
+/* acc[ii][0..dv) = acc[ii][0..dv) · cr[ii] + p[ii][0..nj) · V[0..nj) for ni rows (V rows vstride apart, dense last
+ * dim; cr: the online softmax's rescale of each row, applied as the row is loaded, not in a pass of its own). */
 static void pa_pv(const float *restrict p, const float *restrict V, long vstride, float *restrict acc, long ni,
-                  long nj, long dv) {
+                  long nj, long dv, const float *restrict cr) {
     long ii = 0;
 #if defined(__AVX512F__)
     if (dv % 64 == 0) {
         for (; ii + 4 <= ni; ii += 4)
             for (long c0 = 0; c0 < dv; c0 += 64) {
                 __m512 c[4][4];
-                for (int r = 0; r < 4; r++)
-                    for (int x = 0; x < 4; x++) c[r][x] = _mm512_loadu_ps(acc + (ii + r) * dv + c0 + 16 * x);
+                for (int r = 0; r < 4; r++) {
+                    __m512 f = _mm512_set1_ps(cr[ii + r]);
+                    for (int x = 0; x < 4; x++)
+                        c[r][x] = _mm512_mul_ps(_mm512_loadu_ps(acc + (ii + r) * dv + c0 + 16 * x), f);
+                }
                 for (long j = 0; j < nj; j++) pa_fma4x64(c, p + ii * PA_KB + j, PA_KB, V + j * vstride + c0);
                 for (int r = 0; r < 4; r++)
                     for (int x = 0; x < 4; x++) _mm512_storeu_ps(acc + (ii + r) * dv + c0 + 16 * x, c[r][x]);
@@ -2722,6 +2726,8 @@ static void pa_pv(const float *restrict p, const float *restrict V, long vstride
 #endif
     for (; ii < ni; ii++) {
         float *ar = acc + ii * dv;
+        if (cr[ii] != 1.f)
+            for (long c = 0; c < dv; c++) ar[c] *= cr[ii];
         for (long j = 0; j < nj; j++) {
             float w = p[ii * PA_KB + j];
             if (w == 0.f) continue;
@@ -2732,22 +2738,28 @@ static void pa_pv(const float *restrict p, const float *restrict V, long vstride
     }
 }
 
-/* Whether mask block [i0, i0+ni) x [j0, j0+nj) of (batch, head) base has a visible entry; *all: every one is. */
-static int pa_mask_block(const pa_ctx *a, const char *base, long i0, long ni, long j0, long nj, int *all) {
+/* Whether mask block [i0, i0+ni) x [j0, j0+nj) of (batch, head) base has a visible entry; *all: every one is;
+ * *ext: 1 + the last column that some row of the block sees (0 when none does). Why ext: a causal mask passed as a
+ * mask (GPT-2's graphs build one) hides the upper part of each diagonal block, and the products need not run past
+ * the last key any row sees (as is_causal's blocks stop at the diagonal); read from the mask, so exact for any. */
+static int pa_mask_block(const pa_ctx *a, const char *base, long i0, long ni, long j0, long nj, int *all, long *ext) {
     int any = 0, every = 1;
 #if defined(__AVX512BW__)
     if (a->mask_kind == 1 && a->ms[3] == 1 && nj <= 64) { /* a bool mask's dense rows: 64 entries per test */
-        __mmask64 live = nj == 64 ? ~(__mmask64)0 : (((__mmask64)1 << nj) - 1);
+        __mmask64 live = nj == 64 ? ~(__mmask64)0 : (((__mmask64)1 << nj) - 1), seen = 0;
         for (long ii = 0; ii < ni; ii++) {
             __m512i row = _mm512_maskz_loadu_epi8(live, base + (i0 + ii) * a->ms[2] + j0);
             __mmask64 vis = _mm512_test_epi8_mask(row, row);
-            any |= vis != 0;
+            seen |= vis;
             every &= vis == live;
         }
+        any = seen != 0;
         *all = every;
+        *ext = seen ? 64 - __builtin_clzll((unsigned long long)seen) : 0;
         return any;
     }
 #endif
+    long last = -1;
     for (long ii = 0; ii < ni; ii++) {
         const char *row = base + (i0 + ii) * a->ms[2] * (a->mask_kind == 1 ? 1 : 4);
         for (long jj = 0; jj < nj; jj++) {
@@ -2755,9 +2767,11 @@ static int pa_mask_block(const pa_ctx *a, const char *base, long i0, long ni, lo
             int vis = a->mask_kind == 1 ? ((const uint8_t *)row)[off] != 0 : ((const float *)row)[off] != -INFINITY;
             any |= vis;
             every &= vis;
+            if (vis && jj > last) last = jj;
         }
     }
     *all = every;
+    *ext = last + 1;
     return any;
 }
 
@@ -2776,7 +2790,9 @@ static void pa_transpose(void *p, long t) {
     float blk[256] __attribute__((aligned(64)));
     const __m512i col = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
                                            _mm512_set1_epi32(16));
-    for (long j0 = 0; j0 < a->sp; j0 += 16) {
+    /* up to the 16-key group of the last key: the products read a block's keys in groups of 16 up to the last one
+     * some row sees (pa_task's nv), never the zero groups past s */
+    for (long j0 = 0; j0 < a->s; j0 += 16) {
         float *tile = kt + (j0 / PA_KB) * a->d * PA_KB + j0 % PA_KB;
         /* the next 16 keys' rows, requested now: they lie a projection row apart (a fused qkv output's stride),
          * which the hardware prefetchers do not follow, and their first loads stalled this pass (the before/after
@@ -2829,9 +2845,10 @@ static inline __mmask16 pa_below(long cnt, int c) {
 }
 
 /* One row's scores of one key block: columns past cnt (the block's end, or the diagonal) and those the mask hides
- * set to -inf (a float mask added), then the online-softmax step; returns 0 when nothing is visible yet. */
+ * set to -inf (a float mask added), then the online-softmax step; *cr: the factor the row's output sums are to be
+ * scaled by (pa_pv applies it); returns 0 when nothing is visible yet. */
 static int pa_row_avx(const pa_ctx *a, float *restrict sr, const char *mrow, long j0, long cnt, int apply,
-                      float *m, float *z, float *restrict ar) {
+                      float *m, float *z, float *cr) {
     const __m512 ninf = _mm512_set1_ps(-INFINITY);
     __m512 x[4], vmax = ninf;
     for (int c = 0; c < 4; c++) {
@@ -2863,11 +2880,12 @@ static int pa_row_avx(const pa_ctx *a, float *restrict sr, const char *mrow, lon
         vmax = _mm512_max_ps(vmax, x[c]);
     }
     float mx = _mm512_reduce_max_ps(vmax), mn = mx > *m ? mx : *m;
+    *cr = 1.f;
     if (mn == -INFINITY) {
         for (int c = 0; c < 4; c++) _mm512_storeu_ps(sr + 16 * c, _mm512_setzero_ps());
         return 0;
     }
-    float corr = *m == -INFINITY ? 0.f : expf(*m - mn);
+    float corr = *m == -INFINITY ? 0.f : mn == *m ? 1.f : expf(*m - mn); /* expf(0) is 1: no call */
     __m512 vm = _mm512_set1_ps(mn), vs = _mm512_setzero_ps();
     for (int c = 0; c < 4; c++) {
         __m512 e = pa_exp16(_mm512_sub_ps(x[c], vm));
@@ -2876,8 +2894,7 @@ static int pa_row_avx(const pa_ctx *a, float *restrict sr, const char *mrow, lon
     }
     *z = *z * corr + _mm512_reduce_add_ps(vs);
     *m = mn;
-    if (corr != 1.f)
-        for (long c = 0; c < a->dv; c++) ar[c] *= corr;
+    *cr = corr;
     return 1;
 }
 #endif
@@ -2897,31 +2914,45 @@ static void pa_task(void *p, long t) {
     float qb[PA_QB * PA_DMAX] __attribute__((aligned(64)));
     float sb[PA_QB * PA_KB] __attribute__((aligned(64)));
     float acc[PA_QB * PA_DMAX] __attribute__((aligned(64)));
-    float m[PA_QB], z[PA_QB];
+    float m[PA_QB], z[PA_QB], cr[PA_QB]; /* cr: each row's rescale for this key block (pa_pv applies it) */
     for (long ii = 0; ii < ni; ii++) {
         const float *qr = (const float *)(Q + (i0 + ii) * a->qs[2] * qsz);
-        for (long c = 0; c < d; c++) qb[ii * d + c] = pa_in(a, qr, c) * a->scale;
+        long c = 0;
+#if defined(__AVX512F__) /* the loop below 16 at a time (same products) */
+        const __m512 vs = _mm512_set1_ps(a->scale);
+        for (; c + 16 <= d; c += 16) {
+            __m512 x = a->bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(
+                                     _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const hf_bf16 *)qr + c))), 16))
+                               : _mm512_loadu_ps(qr + c);
+            _mm512_storeu_ps(qb + ii * d + c, _mm512_mul_ps(x, vs));
+        }
+#endif
+        for (; c < d; c++) qb[ii * d + c] = pa_in(a, qr, c) * a->scale;
         m[ii] = -INFINITY, z[ii] = 0.f;
     }
     memset(acc, 0, sizeof(float) * ni * dv);
     for (long j0 = 0; j0 < a->s; j0 += PA_KB) {
         long nj = a->s - j0 < PA_KB ? a->s - j0 : PA_KB;
         int all = 1;
+        long ext = nj;
         if (a->causal && j0 > i0 + ni - 1) break; /* every later key block is past the diagonal */
-        if (mbase && !pa_mask_block(a, mbase, i0, ni, j0, nj, &all)) continue;
-        /* the keys any row of this block sees: up to the last row's diagonal for is_causal */
+        if (mbase && !pa_mask_block(a, mbase, i0, ni, j0, nj, &all, &ext)) continue;
+        /* the keys any row of this block sees: up to the last row's diagonal for is_causal, up to the last key the
+         * mask shows a row (ext) for a mask; the columns from nv on are hidden from every row */
         long nv = a->causal && i0 + ni - j0 < nj ? i0 + ni - j0 : nj;
+        nv = ext < nv ? ext : nv;
         pa_scores(qb, KT + j0 * d, PA_KB, sb, ni, d, (nv + 15) / 16); /* tile j0 / PA_KB at (j0 / PA_KB) * d * PA_KB */
         for (long ii = 0; ii < ni; ii++) {
             float *sr = sb + ii * PA_KB;
             long i = i0 + ii;
 #if defined(__AVX512F__)
-            long cnt = a->causal && i - j0 + 1 < nj ? i - j0 + 1 : nj;
+            long cnt = a->causal && i - j0 + 1 < nv ? i - j0 + 1 : nv; /* past nv: not computed, hidden */
             pa_row_avx(a, sr, mbase ? mbase + i * a->ms[2] * esz : NULL, j0, cnt,
-                       mbase && !(a->mask_kind == 1 && all), m + ii, z + ii, acc + ii * dv);
+                       mbase && !(a->mask_kind == 1 && all), m + ii, z + ii, cr + ii);
             continue;
 #endif
-            for (long jj = nj; jj < PA_KB; jj++) sr[jj] = -INFINITY;
+            cr[ii] = 1.f; /* the plain path below rescales the row itself */
+            for (long jj = nv; jj < PA_KB; jj++) sr[jj] = -INFINITY; /* past nv: not computed, hidden */
             if (a->causal && j0 + nj - 1 > i)
                 for (long jj = i - j0 + 1 < 0 ? 0 : i - j0 + 1; jj < nj; jj++) sr[jj] = -INFINITY;
             if (mbase && !(a->mask_kind == 1 && all)) {
@@ -2963,7 +2994,7 @@ static void pa_task(void *p, long t) {
                 for (long c = 0; c < dv; c++) ar[c] *= corr;
             }
         }
-        pa_pv(sb, V + j0 * dv, dv, acc, ni, nv, dv); /* keys past nv have probability 0 in every row */
+        pa_pv(sb, V + j0 * dv, dv, acc, ni, nv, dv, cr); /* keys past nv have probability 0 in every row */
     }
     for (long ii = 0; ii < ni; ii++) {
         float iz = z[ii] > 0.f ? 1.f / z[ii] : 0.f; /* a row that saw no key: zeros, as SDPA gives */
@@ -2977,8 +3008,15 @@ static void pa_task(void *p, long t) {
 #endif
             for (; c < dv; c++) orow[c] = f2bf(acc[ii * dv + c] * iz);
         }
-        else
-            for (long c = 0; c < dv; c++) a->out[o0 + ii * a->os[2] + c] = acc[ii * dv + c] * iz;
+        else {
+            float *orow = a->out + o0 + ii * a->os[2];
+            long c = 0;
+#if defined(__AVX512F__) /* the loop below 16 at a time (same products) */
+            for (; c + 16 <= dv; c += 16)
+                _mm512_storeu_ps(orow + c, _mm512_mul_ps(_mm512_loadu_ps(acc + ii * dv + c), _mm512_set1_ps(iz)));
+#endif
+            for (; c < dv; c++) orow[c] = acc[ii * dv + c] * iz;
+        }
     }
 }
 
