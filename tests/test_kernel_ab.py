@@ -36,7 +36,9 @@ def test_kernel_ab_builds_both_sources_and_times_every_case_with_the_bits_compar
     cases = [r["case"] for r in doc["results"]]
     assert any(c.startswith("panel GEMM, 8 rows") for c in cases)
     assert any(c.startswith("one-row nk") for c in cases) and any(c.startswith("one-row split-K") for c in cases)
-    assert sum(c.startswith("prefill attention") for c in cases) == 4
+    att = [c for c in cases if c.startswith("prefill attention")]
+    assert len(att) == 12  # 2 layouts x 16/128/512 rows x (is_causal, a causal bool mask)
+    assert sum(c.endswith("bool causal mask") for c in att) == 6 and sum(c.endswith("is_causal") for c in att) == 6
     for r in doc["results"]:
         assert math.isfinite(r["ratio"]) and r["ratio"] > 0
         assert all(s > 0 for s in r["median_s"].values())
@@ -51,3 +53,10 @@ def test_kernel_ab_refuses_a_revision_git_does_not_know_with_one_line_and_exit_2
     got = run("--base", "no-such-revision-xyz")
     assert got.returncode == 2
     assert "--base 'no-such-revision-xyz'" in got.stderr and "Traceback" not in got.stderr
+
+
+def test_kernel_ab_refuses_an_unknown_group_with_one_line_and_exit_2() -> None:
+    got = run("--groups", "attention,gemm")
+    assert got.returncode == 2
+    assert "--groups 'attention,gemm'" in got.stderr and "panel, gemv, attention" in got.stderr
+    assert "Traceback" not in got.stderr
