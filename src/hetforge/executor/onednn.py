@@ -177,7 +177,7 @@ def codegen_line(cg, ins, o: int, dev: torch.device) -> str:
         cg.stats.onednn_residual += 1
     _, k, n = ins.attrs[ONEDNN_ATTR]
     kind = pick(rows, k, n, cg.p.values[x.id].dtype, act=act)  # chosen() measured it: no timing here
-    if kind in ("mkl", "panel", "amx"):
+    if kind in ("mkl", "panel", "amx", "bf16panel"):
         return _unfused_line(cg, kind, o, rows, xs, wten, wt, bs, act, gate, res, weight, bias)
     call = cg.const(torch.ops.mkldnn._linear_pointwise.default, "dnn")
     binary = cg.const(torch.ops.mkldnn._linear_pointwise.binary, "dnn")
@@ -203,18 +203,19 @@ def codegen_line(cg, ins, o: int, dev: torch.device) -> str:
 
 def _unfused_line(cg, kind: str, o: int, rows: int, xs: str, wten: torch.Tensor, wt: bool, bs: str, act: str, gate,
                   res, weight, bias) -> str:
-    """:func:`codegen_line` where MKL's packed sgemm, the native panel GEMM or the native AMX bf16 kernel was chosen
-    (``kind``, :func:`hetforge.kernels.onednn.pick`): each product on that kernel's packed weight. After MKL's: the
-    activation in place on its fresh result (a gated MLP's: the activation and the product with up in one pass,
-    :func:`hetforge.kernels.native.act_inplace`), a residual added in place (the graph's ops in its order). The
+    """:func:`codegen_line` where MKL's packed sgemm, the native panel GEMM or a native bf16 kernel (AMX, AVX512-BF16)
+    was chosen (``kind``, :func:`hetforge.kernels.onednn.pick`): each product on that kernel's packed weight. After
+    MKL's: the activation in place on its fresh result (a gated MLP's: the activation and the product with up in one
+    pass, :func:`hetforge.kernels.native.act_inplace`), a residual added in place (the graph's ops in its order). The
     native kernels take them into their store instead (``act``, ``mul``, ``res`` of
     :func:`hetforge.kernels.native.gemm_panel`, same order; what a kernel cannot apply it runs as those in-place
     ops itself): the activation on the product it follows, the gate's result into the up product, the residual
     into the last product."""
-    native_kind = kind in ("panel", "amx")
+    native_kind = kind in ("panel", "amx", "bf16panel")
     act_fn = cg.const(MKL_ACT[act], "act") if act != "none" and not native_kind else ""
     call = cg.const({"mkl": torch.ops.mkl._mkl_linear.default, "panel": native.gemm_panel,
-                     "amx": native.gemm_amx_bf16}[kind], "mkl" if kind == "mkl" else "gemm")
+                     "amx": native.gemm_amx_bf16, "bf16panel": native.gemm_bf16_panel}[kind],
+                    "mkl" if kind == "mkl" else "gemm")
 
     def packed(w: torch.Tensor, w_t: bool) -> str:
         return cg.const(LazyPacked(w, w_t, rows, kind), "pk") + ".get()"
@@ -261,6 +262,8 @@ def _unfused_line(cg, kind: str, o: int, rows: int, xs: str, wten: torch.Tensor,
         cg.stats.mkl_gemm += 1
     elif kind == "panel":
         cg.stats.panel_gemm += 1
+    elif kind == "bf16panel":
+        cg.stats.bf16_panel_gemm += 1
     else:
         cg.stats.amx_gemm += 1
     return f"r{o} = {y}"

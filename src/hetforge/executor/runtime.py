@@ -101,6 +101,7 @@ class ExecStats:
     panel_gemm: int = 0  # multi-row linears on the native panel GEMM (a short prompt's row counts)
     panel_groups: int = 0  # groups of panel-GEMM products of one input run as one gemm_panel_multi call (q, k, v)
     amx_gemm: int = 0  # multi-row bf16 linears on the native AMX kernel (hf_gemm_amx_bf16)
+    bf16_panel_gemm: int = 0  # multi-row bf16 linears on the native AVX512-BF16 kernel (hf_gemm_bf16_panel)
     composed_views: int = 0  # views of oneDNN results made in one as_strided step (or not at all) per call
     copy_into: int = 0  # copy-like op done as slice.copy_(input)
     functional_copy: int = 0  # functional op + copy into the slice

@@ -2348,6 +2348,238 @@ int hf_gemm_amx_bf16(const hf_bf16 *wp, const hf_bf16 *x, const hf_bf16 *bias, h
 #endif
 }
 
+/* ---- bf16 products of a few rows on AVX512-BF16 (vdpbf16ps): hf_gemm_bf16_panel ----
+ * Y[m, n] = X[m, k] W^T (+ b), then the epilogue amx_store has (act, times mul, plus res, each rounded to bf16 as
+ * ATen's ops), for a CPU with AVX512-BF16 and no AMX. Why: a short prompt's bf16 products read every weight from
+ * memory once, and oneDNN's kernel at these row counts overlaps that read with its arithmetic only in part (its
+ * measured rates are in docs/arch/runtime.md). The weight is packed once into panels of HF_BNB columns, k-pair by
+ * k-pair (P[j][kp][c][2] = W[j*HF_BNB + c][2kp .. 2kp+1], zero past n and k), so one vdpbf16ps takes 16 columns'
+ * pair for one row, X's pair broadcast. X is packed per call by groups of HF_BMR rows, pair by pair, so a step's
+ * broadcasts read one line. As in the fp32 panel GEMM (its header has the reasons), a panel's k-pairs are read as
+ * HF_BSTREAMS interleaved streams, in blocks that every row group runs over while they are in L1, and the prefetch
+ * keeps memory busy while the arithmetic runs: one group fetches HF_BPF bytes ahead into L1 and HF_BPF1 into L2;
+ * with several, group g fetches every ng-th step of the next block into L1 and of the block HF_BPF2 blocks on into
+ * L2, so the next block streams in while every group computes. Each output is one fp32 chain over the k-pairs in
+ * that stream-interleaved order (the instruction's own rounding of its two products and sum), then + bias, then the
+ * epilogue: the same bits for any thread count. k must be even (X's pairs are read in place). */
+#ifndef HF_BNV
+#define HF_BNV 3
+#endif
+#ifndef HF_BMR
+#define HF_BMR 8
+#endif
+#define HF_BNB (16 * HF_BNV)
+typedef struct {
+    const hf_bf16 *wp, *x, *bias; /* x: X's pairs packed by row group (bpanel_pack_x) */
+    hf_bf16 *y;
+    long m, n, k, kp, np, nc;
+    int act;
+    const hf_bf16 *mul, *res;
+} bpanel_ctx;
+
+/* Pack W ([n, k] rows, or [k, n] when weight_t) into hf_gemm_bf16_panel's panels at p (ceil(n / HF_BNB) panels of
+ * ceil(k / 2) x HF_BNB x 2 values). */
+void hf_pack_bf16_panels(const hf_bf16 *w, hf_bf16 *p, long n, long k, int weight_t) {
+    long np = (n + HF_BNB - 1) / HF_BNB, kp = (k + 1) / 2;
+    for (long j = 0; j < np; j++)
+        for (long i = 0; i < kp; i++) {
+            hf_bf16 *dst = p + ((size_t)j * kp + i) * HF_BNB * 2;
+            for (long c = 0; c < HF_BNB; c++)
+                for (int h = 0; h < 2; h++) {
+                    long col = j * HF_BNB + c, kk = 2 * i + h;
+                    dst[2 * c + h] = col < n && kk < k ? (weight_t ? w[kk * n + col] : w[col * k + kk]) : 0;
+                }
+        }
+}
+
+/* Whether this build has hf_gemm_bf16_panel's vector path (AVX512-BF16). */
+int hf_bf16_panel_ok(void) {
+#if defined(__AVX512BF16__) && defined(HF_BF16X16)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+#if defined(__AVX512BF16__) && defined(HF_BF16X16)
+#define HF_BPF 2048  /* one row group: bytes of panel fetched into L1 ahead of its reads */
+#define HF_BPF1 8192 /* one row group: bytes of panel fetched into L2 ahead of its reads */
+#define HF_BPF2 8    /* several row groups: blocks ahead that their L2 fetches run */
+#define HF_BSTREAMS 4 /* the panel's k-pairs as this many interleaved streams (as the fp32 panel GEMM's) */
+/* A panel k-pair step (HF_BNB columns' pairs: three lines) at f into L1. */
+static inline void bpanel_prefetch(const char *f) {
+    _mm_prefetch(f, _MM_HINT_T0);
+    _mm_prefetch(f + 64, _MM_HINT_T0);
+    _mm_prefetch(f + 128, _MM_HINT_T0);
+}
+
+/* Row group xg (its HF_BMR rows' pairs packed pair by pair: xg[i * HF_BMR + r]) over the k-pairs [i0, i1) of panel
+ * pan: MR x 3 accumulators from acc (zero when first), back into acc (HF_BNB floats a row). Prefetch (as the fp32
+ * panel GEMM's, see its header): one group fetches HF_BPF bytes ahead of its reads; with ng groups, group g takes
+ * every ng-th step from i0 + g and fetches that step of the next block (kb steps on), so the next block streams in
+ * while every group computes, not only while the first does (which alone prefetched in session 38's version: the
+ * later groups ran from L1 with memory idle). */
+static inline __attribute__((always_inline)) void bpanel_block(const int32_t *xg, const hf_bf16 *pan, long i0,
+                                                               long i1, long q, long kp, float *acc, int first,
+                                                               int g, int ng, long kb, const int MR) {
+    __m512 c[HF_BMR][HF_BNV];
+    for (int r = 0; r < MR; r++)
+        for (int v = 0; v < HF_BNV; v++)
+            c[r][v] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(acc + r * HF_BNB + 16 * v);
+    long pfi = i0 + g;
+    const long pfo = kb * HF_BNB * 2 * (long)sizeof(hf_bf16);
+    for (long i = i0; i < i1; i++) {
+        int pf = ng == 1 || i == pfi;
+        if (i == pfi) pfi += ng;
+        for (int st = 0; st < HF_BSTREAMS; st++) {
+            long kk = st * q + i;
+            if (kk >= kp) break;
+            const hf_bf16 *b = pan + (size_t)kk * HF_BNB * 2;
+            if (pf) {
+                bpanel_prefetch((const char *)b + (ng == 1 ? HF_BPF : pfo));
+                const char *f2 = (const char *)b + (ng == 1 ? HF_BPF1 : HF_BPF2 * pfo);
+                _mm_prefetch(f2, _MM_HINT_T1), _mm_prefetch(f2 + 64, _MM_HINT_T1), _mm_prefetch(f2 + 128, _MM_HINT_T1);
+            }
+            __m512i bv[HF_BNV];
+            for (int v = 0; v < HF_BNV; v++) {
+                bv[v] = _mm512_loadu_si512((const void *)(b + 32 * v));
+                __asm__("" : "+v"(bv[v])); /* one load each, as panel_step */
+            }
+            const int32_t *xs = xg + kk * HF_BMR;
+            for (int r = 0; r < MR; r++) {
+                __m512bh xb = (__m512bh)_mm512_set1_epi32(xs[r]);
+                for (int v = 0; v < HF_BNV; v++) c[r][v] = _mm512_dpbf16_ps(c[r][v], (__m512bh)bv[v], xb);
+            }
+        }
+    }
+    for (int r = 0; r < MR; r++)
+        for (int v = 0; v < HF_BNV; v++) _mm512_storeu_ps(acc + r * HF_BNB + 16 * v, c[r][v]);
+}
+
+/* The sums of rows [r0, r0 + mr) of panel j (acc) + bias, through the epilogue into Y. */
+static void bpanel_store(const bpanel_ctx *a, long j, long r0, int mr, const float *acc) {
+    long c0 = j * HF_BNB;
+    for (int r = 0; r < mr; r++)
+        for (int v = 0; v < HF_BNV; v++) {
+            long c = c0 + 16 * v;
+            if (c >= a->n) break;
+            __mmask16 mk = mask16(a->n - c);
+            __m512 o = _mm512_loadu_ps(acc + r * HF_BNB + 16 * v);
+            if (a->bias) o = _mm512_add_ps(o, bf16x16(mk, a->bias + c));
+            long at = (r0 + r) * a->n + c;
+            if (a->act || a->mul || a->res) { /* ATen's ops after the product, each rounded to bf16 (amx_store) */
+                o = round_bf16x16(o);
+                if (a->act) o = round_bf16x16(act16(o, a->act));
+                if (a->mul) o = round_bf16x16(_mm512_mul_ps(o, bf16x16(mk, a->mul + at)));
+                if (a->res) o = _mm512_add_ps(o, bf16x16(mk, a->res + at));
+            }
+            store_bf16x16(a->y + at, mk, round_bf16x16(o));
+        }
+}
+
+/* steps per block (HF_BSTREAMS k-pairs each), in L1 while every row group runs over it: 6 KiB for one or two groups
+ * (the next block is fetched into L1 beside it), 24 KiB for more (fewer saves and reloads of the sums, as the fp32
+ * panel GEMM's HF_PKB; one-off hot-cache timings in docs/arch/runtime.md) */
+#define HF_BKB 8
+#define HF_BKB_MANY 32
+#define HF_BSUP 64  /* rows whose sums a chunk keeps at once (larger m: in turn) */
+
+static void bpanel_chunk(void *ctx, long c) {
+    const bpanel_ctx *a = ctx;
+    long j0 = c * a->np / a->nc, j1 = (c + 1) * a->np / a->nc;
+    const int32_t *xp = (const int32_t *)a->x;
+    float acc[HF_BSUP * HF_BNB] __attribute__((aligned(64)));
+    for (long j = j0; j < j1; j++) {
+        const hf_bf16 *pan = a->wp + (size_t)j * a->kp * HF_BNB * 2;
+        for (long s0 = 0; s0 < a->m; s0 += HF_BSUP) {
+            long ms = a->m - s0 < HF_BSUP ? a->m - s0 : HF_BSUP;
+            int ng = (int)((ms + HF_BMR - 1) / HF_BMR);
+            long q = (a->kp + HF_BSTREAMS - 1) / HF_BSTREAMS, kb = ng <= 2 ? HF_BKB : HF_BKB_MANY;
+            for (long i0 = 0; i0 < q; i0 += kb) {
+                long i1 = i0 + kb < q ? i0 + kb : q;
+                for (int g = 0; g < ng; g++) {
+                    long r0 = (long)g * HF_BMR;
+                    float *ac = acc + r0 * HF_BNB;
+                    const int32_t *xg = xp + (s0 + r0) / HF_BMR * a->kp * HF_BMR;
+                    int f = i0 == 0;
+                    switch (ms - r0 < HF_BMR ? (int)(ms - r0) : HF_BMR) {
+                    case 1: bpanel_block(xg, pan, i0, i1, q, a->kp, ac, f, g, ng, kb, 1); break;
+                    case 2: bpanel_block(xg, pan, i0, i1, q, a->kp, ac, f, g, ng, kb, 2); break;
+                    case 3: bpanel_block(xg, pan, i0, i1, q, a->kp, ac, f, g, ng, kb, 3); break;
+                    case 4: bpanel_block(xg, pan, i0, i1, q, a->kp, ac, f, g, ng, kb, 4); break;
+                    case 5: bpanel_block(xg, pan, i0, i1, q, a->kp, ac, f, g, ng, kb, 5); break;
+                    case 6: bpanel_block(xg, pan, i0, i1, q, a->kp, ac, f, g, ng, kb, 6); break;
+                    case 7: bpanel_block(xg, pan, i0, i1, q, a->kp, ac, f, g, ng, kb, 7); break;
+                    default: bpanel_block(xg, pan, i0, i1, q, a->kp, ac, f, g, ng, kb, 8); break;
+                    }
+                }
+            }
+            for (long r0 = 0; r0 < ms; r0 += HF_BMR)
+                bpanel_store(a, j, s0 + r0, ms - r0 < HF_BMR ? (int)(ms - r0) : HF_BMR, acc + r0 * HF_BNB);
+        }
+    }
+}
+
+/* X's rows as pairs, by groups of HF_BMR rows: xp[(g * kp + i) * HF_BMR + r] = pair i of row g * HF_BMR + r (zero
+ * past m), so a step's broadcasts read one line at constant offsets. One group per task (on the team: the packing
+ * is a copy of X, serial it idled the other threads). */
+typedef struct {
+    const hf_bf16 *x;
+    int32_t *xp;
+    long m, kp;
+} bpack_ctx;
+
+static void bpanel_pack_x(void *ctx, long g) {
+    const bpack_ctx *a = ctx;
+    long kp = a->kp;
+    int32_t *dst = a->xp + g * kp * HF_BMR;
+    const int32_t *src[HF_BMR];
+    for (int r = 0; r < HF_BMR; r++) {
+        long row = g * HF_BMR + r;
+        src[r] = row < a->m ? (const int32_t *)(a->x + row * kp * 2) : NULL;
+    }
+    for (long i = 0; i < kp; i++)
+        for (int r = 0; r < HF_BMR; r++) dst[i * HF_BMR + r] = src[r] ? src[r][i] : 0;
+}
+#endif
+
+/* Y = X W^T + b (b may be NULL), then act, times mul, plus res (0 / NULL: none), on panels made by
+ * hf_pack_bf16_panels; X [m, k] (k even), Y, mul and res [m, n] dense bf16 rows. Returns 0, -2 for no rows, -3
+ * when this build has no AVX512-BF16 path, -4 for an act the epilogue does not have, -5 for an odd k, -1 when the
+ * scratch for X's packed pairs cannot be allocated. */
+int hf_gemm_bf16_panel(const hf_bf16 *wp, const hf_bf16 *x, const hf_bf16 *bias, hf_bf16 *y, long m, long n, long k,
+                       int threads, int act, const hf_bf16 *mul, const hf_bf16 *res) {
+    if (m < 1) return -2;
+    if (!hf_bf16_panel_ok()) return -3;
+    if (!hf_epilogue_act(act)) return -4;
+    if (k % 2) return -5;
+#if defined(__AVX512BF16__) && defined(HF_BF16X16)
+    threads = clamp_threads(threads);
+    long np = (n + HF_BNB - 1) / HF_BNB, nc = threads * ((np + threads * 4 - 1) / (threads * 4)), kp = k / 2;
+    size_t xbytes = sizeof(int32_t) * (size_t)((m + HF_BMR - 1) / HF_BMR) * HF_BMR * kp;
+    /* X's packed pairs: kept per calling thread up to 1 MiB (a short prompt's), else per call */
+    static _Thread_local int32_t *kept = NULL;
+    static _Thread_local size_t kept_bytes = 0;
+    int keep = xbytes <= ((size_t)1 << 20);
+    if (keep && xbytes > kept_bytes) {
+        int32_t *grown = aligned_alloc(64, (xbytes + 63) / 64 * 64);
+        if (!grown) return -1;
+        free(kept);
+        kept = grown, kept_bytes = xbytes;
+    }
+    int32_t *xp = keep ? kept : aligned_alloc(64, (xbytes + 63) / 64 * 64);
+    if (!xp) return -1;
+    bpack_ctx pk = {x, xp, m, kp};
+    hf_run_team(bpanel_pack_x, &pk, (m + HF_BMR - 1) / HF_BMR, threads);
+    bpanel_ctx a = {wp, (const hf_bf16 *)xp, bias, y, m, n, k, kp, np, nc < np ? nc : np, act, mul, res};
+    hf_run_team(bpanel_chunk, &a, a.nc, threads);
+    if (!keep) free(xp);
+#else
+    (void)wp, (void)x, (void)bias, (void)y, (void)n, (void)threads, (void)mul, (void)res;
+#endif
+    return 0;
+}
+
 typedef struct {
     const hf_bf16 *x, *wg, *wu;
     hf_bf16 *h;

@@ -89,6 +89,9 @@ SIGNATURES = {
     "hf_act_inplace": [_P, _P, _L, _I, _I],
     "hf_amx_bf16_ok": [],
     "hf_pack_amx_bf16": [_P, _P, _L, _L, _I],
+    "hf_pack_bf16_panels": [_P, _P, _L, _L, _I],
+    "hf_bf16_panel_ok": [],
+    "hf_gemm_bf16_panel": [_P, _P, _P, _P, _L, _L, _L, _I, _I, _P, _P],
     "hf_pack_panels": [_P, _P, _L, _L, _I, _I],
     "hf_gemm_panel": [_P, _P, _P, _P, _L, _L, _L, _I, _I, _P, _P],
     "hf_gemm_panel_multi": [_P, _I, _P, _P, _P, _P, _L, _L, _I],
@@ -106,7 +109,8 @@ RESTYPES = {  # the functions that return a value (every other one returns void)
     "hf_gemv_q8a": _I, "hf_gemm_q8a": _I,  # 0, or -1: scratch not allocated
     "hf_gemv_q4a": _I, "hf_gemm_q4a": _I, "hf_q4a_path": _I, "hf_quantize_i8_chunks": _L, "hf_quantize_i8": _I,
     "hf_transpose": _I, "hf_gemm_few": _I, "hf_gemm_few_kn": _I, "hf_gated_mlp_few": _I, "hf_panel_simd": _I,
-    "hf_gemm_amx_bf16": _I, "hf_amx_bf16_ok": _I, "hf_gemm_panel": _I, "hf_gemm_panel_multi": _I,
+    "hf_gemm_amx_bf16": _I, "hf_amx_bf16_ok": _I, "hf_bf16_panel_ok": _I, "hf_gemm_bf16_panel": _I,
+    "hf_gemm_panel": _I, "hf_gemm_panel_multi": _I,
     "hf_gemm_panel_gated": _I,
     "hf_epilogue_act": _I, "hf_act_inplace": _I,
     "hf_ewise": _I, "hf_call_count": _I, "hf_call_name": ctypes.c_char_p, "hf_call_sig": ctypes.c_char_p,
@@ -127,6 +131,13 @@ PANEL_MIN, PANEL_MAX = 4, 128
 # bf16 products of 2..AMX_ROWS_MAX rows run on hf_gemm_amx_bf16 instead of oneDNN (where AMX runs): the row counts at
 # which it was faster on every calibration shape, weights from memory (bench/bf16_rows.py, docs/bench/bf16_rows.md)
 AMX_ROWS_MAX = 16
+# bf16 products of BF16_PANEL_ROWS_MIN..BF16_PANEL_ROWS_MAX rows run on hf_gemm_bf16_panel instead of oneDNN where
+# AVX512-BF16 runs and AMX does not. MIN: the prefill programs' smallest row count (their counts are multiples of
+# runtime.programs.FINE_MIN); fewer rows (a batched decode, a verification) stay on oneDNN, which tied the kernel at 4
+# rows. MAX: the row counts from MIN at which it was faster on every calibration shape, weights from memory
+# (bench/bf16_rows.py --kernel panel, docs/bench/bf16_panel_rows.md)
+BF16_PANEL_ROWS_MIN = 8
+BF16_PANEL_ROWS_MAX = 16
 PANEL_NB = 48  # native.c's HF_PNB: output columns per panel of a packed weight (pack_panels)
 PANEL_SEG = 4  # native.c's HF_PSEG: the most products of one input one gemm_panel_multi call takes
 ACT_CODES = {"none": 0, "relu": 1, "gelu": 2, "gelu_tanh": 3, "silu": 4}  # native.c's ACT_* (linear_act, gated_mlp)
@@ -874,6 +885,63 @@ def gemm_amx_bf16(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
             {-1: "hf_gemm_amx_bf16: cannot allocate its row scratch", -2: "hf_gemm_amx_bf16: no rows",
              -3: "hf_gemm_amx_bf16: AMX is not usable here",
              -4: "hf_gemm_amx_bf16: activation not in its epilogue"}[rc])
+    for step in after:
+        step(y)
+    return y
+
+
+def bf16_panel_available() -> bool:
+    """Whether :func:`gemm_bf16_panel` runs here: the library built with AVX512-BF16."""
+    lib = library()
+    return lib is not None and bool(lib.hf_bf16_panel_ok())
+
+
+BF16_PANEL_NB = 48  # native.c's HF_BNB: output columns per panel of pack_bf16_panels
+
+
+def _bf16_panel_numel(n: int, k: int) -> int:
+    return -(-n // BF16_PANEL_NB) * -(-k // 2) * BF16_PANEL_NB * 2
+
+
+def pack_bf16_panels(w: torch.Tensor, weight_t: bool = False) -> torch.Tensor:
+    """``w`` (bf16 ``[N, K]``, or ``[K, N]`` when ``weight_t``) in the panel layout :func:`gemm_bf16_panel` reads:
+    ``ceil(N / 48)`` panels of ``ceil(K / 2)`` k-pairs of 48 columns (past N and K zero), as one flat tensor."""
+    lib = library()
+    w = w.contiguous()
+    if lib is None or w.dim() != 2 or w.dtype != torch.bfloat16 or w.device.type != "cpu":
+        raise ValueError(f"bf16 panel packing takes a 2-D bf16 CPU weight and the native library, got {w.dtype} "
+                         f"{tuple(w.shape)} on {w.device}")
+    k, n = (w.shape if weight_t else (w.shape[1], w.shape[0]))
+    out = torch.empty(_bf16_panel_numel(n, k), dtype=torch.bfloat16)
+    lib.hf_pack_bf16_panels(w.data_ptr(), out.data_ptr(), n, k, int(weight_t))
+    return out
+
+
+def gemm_bf16_panel(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int, act: str = "none",
+                    mul: torch.Tensor | None = None, res: torch.Tensor | None = None) -> torch.Tensor:
+    """``act(x·Wᵀ + b) * mul + res`` for bf16 rows ``x`` ``[..., K]`` (made contiguous; K even) on AVX512-BF16, W
+    packed by :func:`pack_bf16_panels` with ``n`` outputs; ``bias`` a contiguous bf16 ``[N]`` or None; a fresh bf16
+    ``[..., N]``. Each product is the fp32 sum over K's pairs in order, plus bias, rounded once; then, as ATen's bf16
+    ops after a product would, the activation, the product with ``mul`` and the residual ``res``, each rounded (in
+    the kernel's store where it has them, :func:`gemm_amx_bf16`'s rule)."""
+    x = x.contiguous()
+    k = x.shape[-1]
+    rows = x.numel() // max(k, 1)
+    bad_bias = bias is not None and (bias.dtype != torch.bfloat16 or not bias.is_contiguous() or bias.numel() != n)
+    if x.dtype != torch.bfloat16 or packed.dtype != torch.bfloat16 or bad_bias or k % 2 \
+            or packed.numel() != _bf16_panel_numel(n, k):
+        raise ValueError(f"hf_gemm_bf16_panel takes bf16 x [..., {k}] (K even) and a weight packed for [{n}, {k}], "
+                         f"got x {x.dtype} {tuple(x.shape)}, packed {packed.dtype} {packed.numel()} elements")
+    y = torch.empty((*x.shape[:-1], n), dtype=torch.bfloat16)
+    code, mp, rp, after = _epilogue(tuple(y.shape), torch.bfloat16, act, mul, res)
+    rc = library().hf_gemm_bf16_panel(packed.data_ptr(), x.data_ptr(), _ptr(bias), y.data_ptr(), rows, n, k,
+                                      torch.get_num_threads(), code, mp, rp)
+    if rc:
+        if rc == -1:
+            raise MemoryError("hf_gemm_bf16_panel: cannot allocate the scratch for x's packed pairs")
+        raise ValueError({-2: "hf_gemm_bf16_panel: no rows", -3: "hf_gemm_bf16_panel: no AVX512-BF16 in this build",
+                          -4: "hf_gemm_bf16_panel: activation not in its epilogue",
+                          -5: "hf_gemm_bf16_panel: K is odd"}[rc])
     for step in after:
         step(y)
     return y

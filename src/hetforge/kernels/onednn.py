@@ -55,7 +55,7 @@ from hetforge.files import write_json
 from hetforge.kernels import native
 
 POLICIES = ("auto", "aten", "onednn", "mkl", "panel")
-KERNELS = ("aten", "onednn", "mkl", "panel", "amx")  # what a choice names (:func:`pick`)
+KERNELS = ("aten", "onednn", "mkl", "panel", "amx", "bf16panel")  # what a choice names (:func:`pick`)
 # hetforge activation name → (oneDNN post-op attr, scalars, algorithm)
 ACT_ATTR: dict[str, tuple[str, list, str]] = {
     "none": ("none", [], ""), "relu": ("relu", [], ""), "gelu": ("gelu", [], "none"),
@@ -226,6 +226,8 @@ def _reorder(w: torch.Tensor, weight_t: bool, rows: int, kind: str = "onednn") -
         return native.pack_panels(w.contiguous(), weight_t)
     if kind == "amx":  # the AMX tile layout, made from either layout directly
         return native.pack_amx_bf16(w, weight_t)
+    if kind == "bf16panel":  # the bf16 panel layout, likewise
+        return native.pack_bf16_panels(w, weight_t)
     src = w.t() if weight_t else w
     if not src.is_contiguous() and (_scratch or weight_t and native.library() is not None or kind == "mkl"):
         if _scratch:
@@ -273,7 +275,7 @@ def _alike(w: torch.Tensor, weight_t: bool, mine: dict[int, torch.Tensor], kind:
     bytes are equal. MKL (whose opaque packed tensor's bytes are not comparable): the product of :data:`PACK_ROWS` rows
     on either packing gives the same bits."""
     key = (w.dtype, tuple(w.shape), weight_t, kind)
-    if kind in ("panel", "amx"):  # their layouts do not depend on the row count
+    if kind in ("panel", "amx", "bf16panel"):  # their layouts do not depend on the row count
         return True
     if key not in _hint_free:
         try:
@@ -412,7 +414,8 @@ def pick(rows: int, k: int, n: int, dtype: torch.dtype, w: torch.Tensor | None =
     """Which kernel runs ``act([rows, k] × [k, n] + b)`` on this host (:data:`KERNELS`): ``onednn`` (the packed
     oneDNN kernel, the activation fused as a post-op), ``mkl`` (MKL's packed sgemm, then the activation),
     ``panel`` (the native panel GEMM, then the activation: fp32 row counts :func:`panel_rows` takes, by rule),
-    ``amx`` (the native AMX bf16 kernel, then the activation: :func:`amx_rows`, by rule) or
+    ``amx`` (the native AMX bf16 kernel, then the activation: :func:`amx_rows`, by rule), ``bf16panel`` (the
+    native AVX512-BF16 kernel where AMX is absent: :func:`bf16_panel_rows`, by rule) or
     ``aten`` (ATen's ``linear``, then the activation). Otherwise measured once per shape, dtype, activation and
     thread count (see the module docstring): oneDNN against the other side, which is MKL's packed sgemm for fp32
     where this torch has it (:func:`mkl_available`; not timed against ATen's ``linear``, which takes the weight as
@@ -433,6 +436,8 @@ def pick(rows: int, k: int, n: int, dtype: torch.dtype, w: torch.Tensor | None =
         return "panel"
     if amx_rows(rows, dtype):
         return "amx"
+    if bf16_panel_rows(rows, k, dtype):
+        return "bf16panel"
     key = (rows, k, n, dtype, threads(), act)
     if key not in _choices and _pinned:
         raise ChoiceRefused(f"the kernel choice for [{rows}, {k}] x [{k}, {n}] {dtype} at {threads()} threads is "
@@ -473,6 +478,18 @@ def amx_rows(rows: int, dtype: torch.dtype) -> bool:
     calibration shape with the weights read from memory (bench/bf16_rows.py), and AMX runs here.
     Not timed by :func:`pick`, for :func:`panel_rows`'s reason: that timing reads one weight from cache."""
     return dtype == torch.bfloat16 and 2 <= rows <= native.AMX_ROWS_MAX and native.amx_bf16_available()
+
+
+def bf16_panel_rows(rows: int, k: int, dtype: torch.dtype) -> bool:
+    """Whether a bf16 product of ``rows`` rows runs on the native AVX512-BF16 panel kernel
+    (:func:`native.gemm_bf16_panel`) without measuring: :data:`hetforge.kernels.native.BF16_PANEL_ROWS_MIN`..
+    :data:`hetforge.kernels.native.BF16_PANEL_ROWS_MAX` rows,
+    where it was faster than oneDNN on every calibration shape with the weights read from memory
+    (bench/bf16_rows.py --kernel panel), K even, and AVX512-BF16 runs here but AMX does not (:func:`amx_rows` first).
+    Not timed by :func:`pick`, for :func:`panel_rows`'s reason."""
+    return dtype == torch.bfloat16 and native.BF16_PANEL_ROWS_MIN <= rows <= native.BF16_PANEL_ROWS_MAX \
+        and k % 2 == 0 \
+        and native.bf16_panel_available() and not native.amx_bf16_available()
 
 
 def choose(rows: int, k: int, n: int, dtype: torch.dtype, w: torch.Tensor | None = None,
