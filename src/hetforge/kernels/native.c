@@ -2370,7 +2370,7 @@ int hf_gemm_amx_bf16(const hf_bf16 *wp, const hf_bf16 *x, const hf_bf16 *bias, h
 #endif
 #define HF_BNB (16 * HF_BNV)
 typedef struct {
-    const hf_bf16 *wp, *x, *bias; /* x: X's pairs packed by row group (bpanel_pack_x) */
+    const hf_bf16 *wp, *x, *bias; /* x: X's pairs packed by row group (panel_pack_x) */
     hf_bf16 *y;
     long m, n, k, kp, np, nc;
     int act;
@@ -2520,27 +2520,9 @@ static void bpanel_chunk(void *ctx, long c) {
     }
 }
 
-/* X's rows as pairs, by groups of HF_BMR rows: xp[(g * kp + i) * HF_BMR + r] = pair i of row g * HF_BMR + r (zero
- * past m), so a step's broadcasts read one line at constant offsets. One group per task (on the team: the packing
- * is a copy of X, serial it idled the other threads). */
-typedef struct {
-    const hf_bf16 *x;
-    int32_t *xp;
-    long m, kp;
-} bpack_ctx;
-
-static void bpanel_pack_x(void *ctx, long g) {
-    const bpack_ctx *a = ctx;
-    long kp = a->kp;
-    int32_t *dst = a->xp + g * kp * HF_BMR;
-    const int32_t *src[HF_BMR];
-    for (int r = 0; r < HF_BMR; r++) {
-        long row = g * HF_BMR + r;
-        src[r] = row < a->m ? (const int32_t *)(a->x + row * kp * 2) : NULL;
-    }
-    for (long i = 0; i < kp; i++)
-        for (int r = 0; r < HF_BMR; r++) dst[i * HF_BMR + r] = src[r] ? src[r][i] : 0;
-}
+/* X's pairs packed as panel_pack_x packs fp32 rows (a pair is 4 bytes, as a float; the values only move):
+ * xp[(g * kp + i) * HF_BMR + r] = pair i of row g * HF_BMR + r, zero past m, so a step's broadcasts read one line. */
+static void panel_pack_x(const float *x, float *xp, long m, long k, int threads);
 #endif
 
 /* Y = X W^T + b (b may be NULL), then act, times mul, plus res (0 / NULL: none), on panels made by
@@ -2569,8 +2551,7 @@ int hf_gemm_bf16_panel(const hf_bf16 *wp, const hf_bf16 *x, const hf_bf16 *bias,
     }
     int32_t *xp = keep ? kept : aligned_alloc(64, (xbytes + 63) / 64 * 64);
     if (!xp) return -1;
-    bpack_ctx pk = {x, xp, m, kp};
-    hf_run_team(bpanel_pack_x, &pk, (m + HF_BMR - 1) / HF_BMR, threads);
+    panel_pack_x((const float *)x, (float *)xp, m, kp, threads);
     bpanel_ctx a = {wp, (const hf_bf16 *)xp, bias, y, m, n, k, kp, np, nc < np ? nc : np, act, mul, res};
     hf_run_team(bpanel_chunk, &a, a.nc, threads);
     if (!keep) free(xp);
@@ -4235,6 +4216,7 @@ static void panel_pack_group(void *ctx, long g) {
         }
 }
 
+_Static_assert(HF_BMR == HF_PMR, "hf_gemm_bf16_panel packs X's pairs with panel_pack_x");
 static void panel_pack_x(const float *x, float *xp, long m, long k, int threads) {
     pack_x_ctx a = {x, xp, m, k};
     long groups = (m + HF_PMR - 1) / HF_PMR;

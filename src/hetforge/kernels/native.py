@@ -868,26 +868,9 @@ def gemm_amx_bf16(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     (each product the fp32 sum plus bias, rounded once; then, as ATen's bf16 ops after a product would, the
     activation, the product with ``mul`` and the residual ``res``, each rounded: in the kernel's store where it
     has them, :func:`gemm_panel`'s rule)."""
-    x = x.contiguous()
     k = x.shape[-1]
-    rows = x.numel() // max(k, 1)
-    bad_bias = bias is not None and (bias.dtype != torch.bfloat16 or not bias.is_contiguous() or bias.numel() != n)
-    if x.dtype != torch.bfloat16 or packed.dtype != torch.bfloat16 or bad_bias \
-            or packed.numel() != ((n + 15) // 16) * ((k + 31) // 32) * 512:
-        raise ValueError(f"hf_gemm_amx_bf16 takes bf16 x [..., {k}] and a weight packed for [{n}, {k}], got x "
-                         f"{x.dtype} {tuple(x.shape)}, packed {packed.dtype} {packed.numel()} elements")
-    y = torch.empty((*x.shape[:-1], n), dtype=torch.bfloat16)
-    code, mp, rp, after = _epilogue(tuple(y.shape), torch.bfloat16, act, mul, res)
-    rc = library().hf_gemm_amx_bf16(packed.data_ptr(), x.data_ptr(), _ptr(bias), y.data_ptr(), rows, n, k,
-                                    torch.get_num_threads(), code, mp, rp)
-    if rc:
-        raise (MemoryError if rc == -1 else ValueError)(
-            {-1: "hf_gemm_amx_bf16: cannot allocate its row scratch", -2: "hf_gemm_amx_bf16: no rows",
-             -3: "hf_gemm_amx_bf16: AMX is not usable here",
-             -4: "hf_gemm_amx_bf16: activation not in its epilogue"}[rc])
-    for step in after:
-        step(y)
-    return y
+    return _bf16_packed_gemm("hf_gemm_amx_bf16", x, packed, bias, n, ((n + 15) // 16) * ((k + 31) // 32) * 512,
+                             "", act, mul, res, {-1: "cannot allocate its row scratch", -3: "AMX is not usable here"})
 
 
 def bf16_panel_available() -> bool:
@@ -924,24 +907,34 @@ def gemm_bf16_panel(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | 
     ``[..., N]``. Each product is the fp32 sum over K's pairs in order, plus bias, rounded once; then, as ATen's bf16
     ops after a product would, the activation, the product with ``mul`` and the residual ``res``, each rounded (in
     the kernel's store where it has them, :func:`gemm_amx_bf16`'s rule)."""
+    k = x.shape[-1]
+    if k % 2:
+        raise ValueError(f"hf_gemm_bf16_panel takes bf16 x [..., K] with K even, got x {tuple(x.shape)}")
+    return _bf16_packed_gemm("hf_gemm_bf16_panel", x, packed, bias, n, _bf16_panel_numel(n, k), " (K even)", act,
+                             mul, res, {-1: "cannot allocate the scratch for x's packed pairs",
+                                        -3: "no AVX512-BF16 in this build", -5: "K is odd"})
+
+
+def _bf16_packed_gemm(fn: str, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int, numel: int,
+                      k_note: str, act: str, mul: torch.Tensor | None, res: torch.Tensor | None,
+                      errors: dict[int, str]) -> torch.Tensor:
+    """:func:`gemm_amx_bf16` and :func:`gemm_bf16_panel`: the operands checked (``numel``: the packing's size for
+    ``[n, K]``), the kernel ``fn`` called with the epilogue it applies, the rest of the epilogue after it; its return
+    codes -1 (MemoryError), -2 (no rows), -4 (an activation its store lacks) and ``errors``' own."""
     x = x.contiguous()
     k = x.shape[-1]
     rows = x.numel() // max(k, 1)
     bad_bias = bias is not None and (bias.dtype != torch.bfloat16 or not bias.is_contiguous() or bias.numel() != n)
-    if x.dtype != torch.bfloat16 or packed.dtype != torch.bfloat16 or bad_bias or k % 2 \
-            or packed.numel() != _bf16_panel_numel(n, k):
-        raise ValueError(f"hf_gemm_bf16_panel takes bf16 x [..., {k}] (K even) and a weight packed for [{n}, {k}], "
-                         f"got x {x.dtype} {tuple(x.shape)}, packed {packed.dtype} {packed.numel()} elements")
+    if x.dtype != torch.bfloat16 or packed.dtype != torch.bfloat16 or bad_bias or packed.numel() != numel:
+        raise ValueError(f"{fn} takes bf16 x [..., {k}]{k_note} and a weight packed for [{n}, {k}], got x {x.dtype} "
+                         f"{tuple(x.shape)}, packed {packed.dtype} {packed.numel()} elements")
     y = torch.empty((*x.shape[:-1], n), dtype=torch.bfloat16)
     code, mp, rp, after = _epilogue(tuple(y.shape), torch.bfloat16, act, mul, res)
-    rc = library().hf_gemm_bf16_panel(packed.data_ptr(), x.data_ptr(), _ptr(bias), y.data_ptr(), rows, n, k,
-                                      torch.get_num_threads(), code, mp, rp)
+    rc = getattr(library(), fn)(packed.data_ptr(), x.data_ptr(), _ptr(bias), y.data_ptr(), rows, n, k,
+                                torch.get_num_threads(), code, mp, rp)
     if rc:
-        if rc == -1:
-            raise MemoryError("hf_gemm_bf16_panel: cannot allocate the scratch for x's packed pairs")
-        raise ValueError({-2: "hf_gemm_bf16_panel: no rows", -3: "hf_gemm_bf16_panel: no AVX512-BF16 in this build",
-                          -4: "hf_gemm_bf16_panel: activation not in its epilogue",
-                          -5: "hf_gemm_bf16_panel: K is odd"}[rc])
+        msg = {-2: "no rows", -4: "activation not in its epilogue", **errors}[rc]
+        raise (MemoryError if rc == -1 else ValueError)(f"{fn}: {msg}")
     for step in after:
         step(y)
     return y
