@@ -104,6 +104,7 @@ def test_a_prompts_bf16_products_take_the_panel_kernel_by_rule_only_where_it_run
         assert (onednn.pick(rows, 96, 112, torch.bfloat16) == "bf16panel") == usable
     if usable:
         assert len(onednn.measured_choices()) == before  # a rule: nothing timed
+        assert onednn.decided(lo, 96, 112, torch.bfloat16) is True  # answered by the rule, not "not measured yet"
         assert onednn.pick(hi, 95, 112, torch.bfloat16) != "bf16panel"  # odd K
         assert onednn.pick(hi + 1, 96, 112, torch.bfloat16) != "bf16panel"
         assert onednn.pick(lo - 1, 96, 112, torch.bfloat16) != "bf16panel"

@@ -494,15 +494,17 @@ def bf16_panel_rows(rows: int, k: int, dtype: torch.dtype) -> bool:
 
 def choose(rows: int, k: int, n: int, dtype: torch.dtype, w: torch.Tensor | None = None,
            weight_t: bool = False, act: str = "none") -> bool:
-    """Whether a packed kernel (oneDNN, MKL, the panel GEMM or AMX: :func:`pick`) runs this product, not ATen's
-    ``linear``."""
+    """Whether a packed kernel (oneDNN, MKL, the panel GEMM, AMX or the bf16 panel kernel: :func:`pick`) runs this
+    product, not ATen's ``linear``."""
     return pick(rows, k, n, dtype, w, weight_t, act) != "aten"
 
 
 def decided(rows: int, k: int, n: int, dtype: torch.dtype, act: str = "none") -> bool | None:
     """What :func:`choose` answers for this product without measuring: None when it has not been measured in
-    this process (nor seeded, :func:`seed_choices`) and the policy is ``auto``."""
-    if policy() == "auto" and _candidate(rows, dtype) and not panel_rows(rows, dtype) \
+    this process (nor seeded, :func:`seed_choices`) and the policy is ``auto``; a kernel chosen by rule (the
+    panel GEMM, AMX, the bf16 panel kernel) is answered."""
+    by_rule = panel_rows(rows, dtype) or amx_rows(rows, dtype) or bf16_panel_rows(rows, k, dtype)
+    if policy() == "auto" and _candidate(rows, dtype) and not by_rule \
             and (rows, k, n, dtype, threads(), act) not in _choices:
         return None
     return pick(rows, k, n, dtype, act=act) != "aten"  # answered without measuring: forced, no candidate, or known
