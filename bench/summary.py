@@ -1122,18 +1122,28 @@ def prefetch(d: J) -> Row:
     return Row("weight-stream prefetch", what, result, "", link("prefetch.md"))
 
 
-@cpu_row("bf16_rows.json")
-def bf16_rows(d: J) -> Row:
+def _bf16_rows_row(d: J, kernel: str, lo: int, page: str) -> Row:
+    """A bf16_rows.py page's row: the native kernel ÷ oneDNN per row count and the rule's range in the code."""
     rows = list(d["rows"])
     counts = sorted({int(r.f("rows")) for r in rows})
     per = {c: [r.f("native_over_onednn") for r in rows if int(r.f("rows")) == c] for c in counts}
-    result = ("AMX ÷ oneDNN time, range over the shapes: " + ", ".join(
+    result = (f"{kernel} ÷ oneDNN time, range over the shapes: " + ", ".join(
         f"{c} rows {min(v):.2f}–{max(v):.2f}" for c, v in per.items())
-        + f"; the AMX kernel runs 2..{int(d.f('in_code'))} rows in the code")
-    what = ("bf16 products of a few rows, the native AMX kernel vs oneDNN's packed GEMM, weights from memory "
+        + f"; the {kernel} kernel runs {lo}..{int(d.f('in_code'))} rows in the code")
+    what = (f"bf16 products of a few rows, the native {kernel} kernel vs oneDNN's packed GEMM, weights from memory "
             f"(≥ {d.f('gb')} GB pools), calibration shapes no evaluated model has (load average "
             f"{load_avg(d['meta']['loadavg_before'])} at start)")
-    return Row("bf16 prompt GEMMs (AMX)", what, result, "", link("bf16_rows.md"))
+    return Row(f"bf16 prompt GEMMs ({kernel})", what, result, "", link(page))
+
+
+@cpu_row("bf16_rows.json")
+def bf16_rows(d: J) -> Row:
+    return _bf16_rows_row(d, "AMX", 2, "bf16_rows.md")
+
+
+@cpu_row("bf16_panel_rows.json")
+def bf16_panel_rows(d: J) -> Row:
+    return _bf16_rows_row(d, "AVX512-BF16", int(d.f("in_code_min")), "bf16_panel_rows.md")
 
 
 @cpu_row("prefill_attention.json")
@@ -1321,7 +1331,8 @@ def why_we_lose(peers: J, kf: J) -> str:
 
 - **Prefill vs OpenVINO / ONNX Runtime:** the multi-row products run packed GEMMs chosen at build time (fp32: the
   native panel GEMM for 4..128 rows, else oneDNN's or MKL's packed GEMM by a measured choice; bf16: oneDNN's, AMX's
-  where the CPU has it), so most of prefill is GEMM time ([bench/prefill_gemm.md](bench/prefill_gemm.md)). Against
+  where the CPU has it, the native AVX512-BF16 panel kernel for 8..16 rows where it has no AMX), so most of prefill
+  is GEMM time ([bench/prefill_gemm.md](bench/prefill_gemm.md)). Against
   OpenVINO f32 it is {span(ov, times)} on the latest peers run ([bench/peers.md](bench/peers.md), whose header names
   the host). hetforge's products run close to the host's FMA peak, and so must the peers', so the lead moves with
   the CPU: on the Zen 5 VM of sessions 30–35 the panel GEMM read a short prompt's weights faster than oneDNN.
@@ -1397,6 +1408,7 @@ COMMAND_KEYS: list[tuple[str, tuple[str | int, ...]]] = [
     ("prefetch.json", ("meta", "command")),
     ("prefill_attention.json", ("meta", "command")),
     ("bf16_rows.json", ("meta", "command")),
+    ("bf16_panel_rows.json", ("meta", "command")),
 ]
 
 
