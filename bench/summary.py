@@ -1342,11 +1342,11 @@ def why_we_lose(peers: J, kf: J) -> str:
   that peak in the program, about what the kernel reaches alone from memory (89–92% on two threads). A 0.95× verdict
   would need every product at the LM head's best rate and no time left in attention and norms. It would also need a
   lead larger than this VM's swing from process to process, since the page measures each system in its own
-  processes. At 512 rows hetforge is ahead (0.92–0.93× on [bench/peers_512.md](bench/peers_512.md); session 36
-  measured 0.91× there before session 38 moved those products onto oneDNN by a margin measured per host).
-  Issue 24's GEMM-bound target (1.15×) is met at 128 rows and missed at 512 rows;
-  [bench/prefill_gemm.md](bench/prefill_gemm.md) has the figures. The bound
-  leaves attention out, and at 512 rows attention costs about 7% of the prefill.
+  processes. At 512 rows hetforge is ahead ([bench/peers_512.md](bench/peers_512.md)). Issue 24's GEMM-bound target
+  (1.15×) depends on the run at these margins: session 38's page missed it at 512 rows (1.16–1.18×); session 39's
+  first run missed it for gpt2 at 128 rows (1.20×, a run in which every gpt2 system, eager included, was 4–12%
+  slower than before), its second run, the page, met it everywhere ([bench/prefill_gemm.md](bench/prefill_gemm.md)).
+  The bound leaves attention out, and at 512 rows attention costs about 6% of the prefill.
 - **Cold preparation:** hetforge exports two layers, runs the passes on them and stamps out the rest
   (`runtime/stamp.py`), builds the second program of a pair in a forked child, and packs the oneDNN weights
   while the child runs; an unquantized program has no warm-up call. What is left on the critical path is the
