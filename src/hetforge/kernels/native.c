@@ -2358,8 +2358,8 @@ int hf_gemm_amx_bf16(const hf_bf16 *wp, const hf_bf16 *x, const hf_bf16 *bias, h
  * broadcasts read one line. As in the fp32 panel GEMM (its header has the reasons), a panel's k-pairs are read as
  * HF_BSTREAMS interleaved streams, in blocks that every row group runs over while they are in L1, and the prefetch
  * keeps memory busy while the arithmetic runs: one group fetches HF_BPF bytes ahead into L1 and HF_BPF1 into L2;
- * with several, group g fetches every ng-th step of the next block into L1 and of the block HF_BPF2 blocks on into
- * L2, so the next block streams in while every group computes. Each output is one fp32 chain over the k-pairs in
+ * with several, group g fetches every ng-th step of the next block into L1 and HF_BPF2 bytes ahead into L2, so the
+ * next block streams in while every group computes. Each output is one fp32 chain over the k-pairs in
  * that stream-interleaved order (the instruction's own rounding of its two products and sum), then + bias, then the
  * epilogue: the same bits for any thread count. k must be even (X's pairs are read in place). */
 #ifndef HF_BNV
@@ -2404,7 +2404,8 @@ int hf_bf16_panel_ok(void) {
 #if defined(__AVX512BF16__) && defined(HF_BF16X16)
 #define HF_BPF 2048  /* one row group: bytes of panel fetched into L1 ahead of its reads */
 #define HF_BPF1 8192 /* one row group: bytes of panel fetched into L2 ahead of its reads */
-#define HF_BPF2 8    /* several row groups: blocks ahead that their L2 fetches run */
+#define HF_BPF2 12288 /* several row groups: bytes ahead that their L2 fetches run (a fixed distance, not a count
+                       * of blocks, which for the 24 KiB blocks was slower: docs/arch/runtime.md) */
 #define HF_BSTREAMS 4 /* the panel's k-pairs as this many interleaved streams (as the fp32 panel GEMM's) */
 /* A panel k-pair step (HF_BNB columns' pairs: three lines) at f into L1. */
 static inline void bpanel_prefetch(const char *f) {
@@ -2437,7 +2438,7 @@ static inline __attribute__((always_inline)) void bpanel_block(const int32_t *xg
             const hf_bf16 *b = pan + (size_t)kk * HF_BNB * 2;
             if (pf) {
                 bpanel_prefetch((const char *)b + (ng == 1 ? HF_BPF : pfo));
-                const char *f2 = (const char *)b + (ng == 1 ? HF_BPF1 : HF_BPF2 * pfo);
+                const char *f2 = (const char *)b + (ng == 1 ? HF_BPF1 : HF_BPF2);
                 _mm_prefetch(f2, _MM_HINT_T1), _mm_prefetch(f2 + 64, _MM_HINT_T1), _mm_prefetch(f2 + 128, _MM_HINT_T1);
             }
             __m512i bv[HF_BNV];
