@@ -1127,9 +1127,15 @@ def _bf16_rows_row(d: J, kernel: str, lo: int, page: str) -> Row:
     rows = list(d["rows"])
     counts = sorted({int(r.f("rows")) for r in rows})
     per = {c: [r.f("native_over_onednn") for r in rows if int(r.f("rows")) == c] for c in counts}
+    rule = None  # bench/bf16_rows.py's threshold: faster on every shape at every count from the smallest
+    for c in counts:
+        if max(per[c]) >= 1.0:
+            break
+        rule = c
     result = (f"{kernel} ÷ oneDNN time, range over the shapes: " + ", ".join(
         f"{c} rows {min(v):.2f}–{max(v):.2f}" for c, v in per.items())
-        + f"; the {kernel} kernel runs {lo}..{int(d.f('in_code'))} rows in the code")
+        + f"; the page's rule: {f'{lo}..{rule}' if rule else 'none'} rows (the code when it ran: "
+        f"{lo}..{int(d.f('in_code'))})")
     what = (f"bf16 products of a few rows, the native {kernel} kernel vs oneDNN's packed GEMM, weights from memory "
             f"(≥ {d.f('gb')} GB pools), calibration shapes no evaluated model has (load average "
             f"{load_avg(d['meta']['loadavg_before'])} at start)")
@@ -1331,7 +1337,7 @@ def why_we_lose(peers: J, kf: J) -> str:
 
 - **Prefill vs OpenVINO / ONNX Runtime:** the multi-row products run packed GEMMs chosen at build time (fp32: the
   native panel GEMM for 4..128 rows, else oneDNN's or MKL's packed GEMM by a measured choice; bf16: oneDNN's, AMX's
-  where the CPU has it, the native AVX512-BF16 panel kernel for 8..16 rows where it has no AMX), so most of prefill
+  where the CPU has it, the native AVX512-BF16 panel kernel for 8..48 rows where it has no AMX), so most of prefill
   is GEMM time ([bench/prefill_gemm.md](bench/prefill_gemm.md)). Against
   OpenVINO f32 it is {span(ov, times)} on the latest peers run ([bench/peers.md](bench/peers.md), whose header names
   the host). hetforge's products run close to the host's FMA peak, and so must the peers', so the lead moves with

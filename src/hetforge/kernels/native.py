@@ -137,7 +137,7 @@ AMX_ROWS_MAX = 16
 # rows. MAX: the row counts from MIN at which it was faster on every calibration shape, weights from memory
 # (bench/bf16_rows.py --kernel panel, docs/bench/bf16_panel_rows.md)
 BF16_PANEL_ROWS_MIN = 8
-BF16_PANEL_ROWS_MAX = 16
+BF16_PANEL_ROWS_MAX = 48
 PANEL_NB = 48  # native.c's HF_PNB: output columns per panel of a packed weight (pack_panels)
 PANEL_SEG = 4  # native.c's HF_PSEG: the most products of one input one gemm_panel_multi call takes
 ACT_CODES = {"none": 0, "relu": 1, "gelu": 2, "gelu_tanh": 3, "silu": 4}  # native.c's ACT_* (linear_act, gated_mlp)
