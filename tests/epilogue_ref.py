@@ -1,7 +1,9 @@
 """ATen's in-place ops after a product, in the graph's order (act → × mul → + res): the reference the native
-kernels' epilogues (panel GEMM, AMX bf16, act_inplace) are checked against."""
+kernels' epilogues (panel GEMM, AMX bf16, the bf16 panel kernel, act_inplace) are checked against."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -19,3 +21,28 @@ def aten_after(y: torch.Tensor, act: str, mul: torch.Tensor | None = None,
     if mul is not None:
         y = y.mul_(mul)
     return y if res is None else y.add_(res)
+
+
+def bf16_ulps(got: torch.Tensor, ref: torch.Tensor) -> float:
+    """Largest difference in units of the bf16 spacing at the reference's magnitude."""
+    spacing = torch.clamp(ref.abs(), min=1e-3) * 2.0 ** -7
+    return float(((got.float() - ref) / spacing).abs().max())
+
+
+def check_bf16_epilogue(pack: Callable[[torch.Tensor], torch.Tensor], gemm: Callable[..., torch.Tensor], m: int,
+                        k: int, n: int, act: str, with_mul: bool, with_res: bool, seed: int) -> None:
+    """A bf16 kernel's store (``gemm(x, pack(w), b, n, act=, mul=, res=)``) against ATen's in-place bf16 ops on its
+    plain product: bit for bit without an activation, within one bf16 step with one (the kernel's own exp/tanh)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+    w = torch.randn(n, k, generator=g).to(torch.bfloat16)
+    b = torch.randn(n, generator=g).to(torch.bfloat16)
+    mul = torch.randn(m, n, generator=g).to(torch.bfloat16) if with_mul else None
+    res = torch.randn(m, n, generator=g).to(torch.bfloat16) if with_res else None
+    p = pack(w)
+    ref = aten_after(gemm(x, p, b, n), act, mul, res)
+    got = gemm(x, p, b, n, act=act, mul=mul, res=res)
+    if act in EXACT:
+        assert torch.equal(got, ref)
+    else:
+        assert bf16_ulps(got.float(), ref.float()) <= 1.0 + 1e-6

@@ -11,7 +11,7 @@ import dataclasses
 import pytest
 import torch
 import torch.nn.functional as F
-from epilogue_ref import ACTS, EXACT, aten_after
+from epilogue_ref import ACTS, bf16_ulps, check_bf16_epilogue
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -27,12 +27,6 @@ from hetforge.verify import verify
 pytestmark = pytest.mark.skipif(not native.amx_bf16_available(), reason="no AMX-BF16 on this CPU/OS: lowering never uses the AMX kernel here; bf16 products run on oneDNN (test_onednn.py, test_native_bf16.py)")  # noqa: E501
 
 
-def _bf16_ulps(got: torch.Tensor, ref: torch.Tensor) -> float:
-    """Largest difference in units of the bf16 spacing at the reference's magnitude."""
-    spacing = torch.clamp(ref.abs(), min=1e-3) * 2.0 ** -7
-    return float(((got.float() - ref) / spacing).abs().max())
-
-
 @settings(max_examples=30, deadline=None)
 @given(m=st.integers(1, 40), k=st.integers(1, 100), n=st.integers(1, 90), weight_t=st.booleans(),
        with_bias=st.booleans(), seed=st.integers(0, 2**16))
@@ -46,7 +40,7 @@ def test_amx_gemm_is_the_fp32_product_rounded_once_for_both_layouts_and_any_tail
     got = native.gemm_amx_bf16(x, packed, b, n)
     ref = F.linear(x.double(), (w.t() if weight_t else w).double(), None if b is None else b.double()).float()
     assert got.shape == (m, n) and got.dtype == torch.bfloat16
-    assert _bf16_ulps(got, ref) <= 1.0  # the fp32 sum differs from float64 far below one bf16 step; rounded once
+    assert bf16_ulps(got, ref) <= 1.0  # the fp32 sum differs from float64 far below one bf16 step; rounded once
 
 
 def test_amx_gemm_keeps_the_leading_dimensions_and_refuses_a_mismatched_packing():
@@ -98,16 +92,4 @@ def test_amx_epilogue_matches_atens_bf16_ops_after_the_product(m, k, n, act, wit
     """act → × mul → + res in the kernel's store equals ATen's in-place bf16 ops on the plain product: bit for bit
     without an activation, within one bf16 step with one (the kernel's own exp/tanh); gelu (erf), which the store
     does not have, runs as ATen's op after it."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(m, k, generator=g).to(torch.bfloat16)
-    w = torch.randn(n, k, generator=g).to(torch.bfloat16)
-    b = torch.randn(n, generator=g).to(torch.bfloat16)
-    mul = torch.randn(m, n, generator=g).to(torch.bfloat16) if with_mul else None
-    res = torch.randn(m, n, generator=g).to(torch.bfloat16) if with_res else None
-    p = native.pack_amx_bf16(w)
-    ref = aten_after(native.gemm_amx_bf16(x, p, b, n), act, mul, res)
-    got = native.gemm_amx_bf16(x, p, b, n, act=act, mul=mul, res=res)
-    if act in EXACT:
-        assert torch.equal(got, ref)
-    else:
-        assert _bf16_ulps(got.float(), ref.float()) <= 1.0 + 1e-6
+    check_bf16_epilogue(native.pack_amx_bf16, native.gemm_amx_bf16, m, k, n, act, with_mul, with_res, seed)

@@ -13,7 +13,7 @@ import dataclasses
 import pytest
 import torch
 import torch.nn.functional as F
-from epilogue_ref import ACTS, EXACT, aten_after
+from epilogue_ref import ACTS, bf16_ulps, check_bf16_epilogue
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -24,12 +24,6 @@ from hetforge.models.zoo import example_inputs, load_model
 from hetforge.verify import verify
 
 HERE = native.bf16_panel_available()  # this build has the AVX512-BF16 path
-
-
-def _bf16_ulps(got: torch.Tensor, ref: torch.Tensor) -> float:
-    """Largest difference in units of the bf16 spacing at the reference's magnitude."""
-    spacing = torch.clamp(ref.abs(), min=1e-3) * 2.0 ** -7
-    return float(((got.float() - ref) / spacing).abs().max())
 
 
 @settings(max_examples=30, deadline=None)
@@ -51,7 +45,7 @@ def test_bf16_panel_gemm_is_the_product_rounded_once_for_both_layouts_and_any_ta
     got = native.gemm_bf16_panel(x, packed, b, n)
     ref = F.linear(x.double(), (w.t() if weight_t else w).double(), None if b is None else b.double()).float()
     assert got.shape == (m, n) and got.dtype == torch.bfloat16
-    assert _bf16_ulps(got, ref) <= 1.0  # the fp32 sum differs from float64 far below one bf16 step; rounded once
+    assert bf16_ulps(got, ref) <= 1.0  # the fp32 sum differs from float64 far below one bf16 step; rounded once
 
 
 def test_bf16_panel_gemm_keeps_leading_dimensions_and_refuses_odd_k_and_mismatched_packings():
@@ -79,19 +73,7 @@ def test_bf16_panel_epilogue_matches_atens_bf16_ops_after_the_product(m, k2, n, 
     if not HERE:
         return  # the kernel refuses here (the first test checks that): nothing of its store to compare
     k = 2 * k2
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(m, k, generator=g).to(torch.bfloat16)
-    w = torch.randn(n, k, generator=g).to(torch.bfloat16)
-    b = torch.randn(n, generator=g).to(torch.bfloat16)
-    mul = torch.randn(m, n, generator=g).to(torch.bfloat16) if with_mul else None
-    res = torch.randn(m, n, generator=g).to(torch.bfloat16) if with_res else None
-    p = native.pack_bf16_panels(w)
-    ref = aten_after(native.gemm_bf16_panel(x, p, b, n), act, mul, res)
-    got = native.gemm_bf16_panel(x, p, b, n, act=act, mul=mul, res=res)
-    if act in EXACT:
-        assert torch.equal(got, ref)
-    else:
-        assert _bf16_ulps(got.float(), ref.float()) <= 1.0 + 1e-6
+    check_bf16_epilogue(native.pack_bf16_panels, native.gemm_bf16_panel, m, k, n, act, with_mul, with_res, seed)
 
 
 def test_a_prompts_bf16_products_take_the_panel_kernel_by_rule_only_where_it_runs_and_amx_does_not(monkeypatch):

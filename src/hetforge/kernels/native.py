@@ -850,14 +850,21 @@ def amx_bf16_available() -> bool:
 def pack_amx_bf16(w: torch.Tensor, weight_t: bool = False) -> torch.Tensor:
     """``w`` (bf16 ``[N, K]``, or ``[K, N]`` when ``weight_t``) in the AMX tile layout :func:`gemm_amx_bf16` reads:
     ``ceil(N / 16) * ceil(K / 32)`` tiles of 512 bf16 (past N and K zero), as one flat tensor."""
+    return _pack_bf16("hf_pack_amx_bf16", "AMX packing", w, weight_t,
+                      lambda n, k: ((n + 15) // 16) * ((k + 31) // 32) * 512)
+
+
+def _pack_bf16(fn: str, what: str, w: torch.Tensor, weight_t: bool, numel: Callable[[int, int], int]) -> torch.Tensor:
+    """:func:`pack_amx_bf16` and :func:`pack_bf16_panels`: ``w`` checked (2-D bf16 on the CPU, the library built),
+    packed by the kernel ``fn`` into a fresh flat tensor of ``numel(N, K)`` elements."""
     lib = library()
     w = w.contiguous()
     if lib is None or w.dim() != 2 or w.dtype != torch.bfloat16 or w.device.type != "cpu":
-        raise ValueError(f"AMX packing takes a 2-D bf16 CPU weight and the native library, got {w.dtype} "
+        raise ValueError(f"{what} takes a 2-D bf16 CPU weight and the native library, got {w.dtype} "
                          f"{tuple(w.shape)} on {w.device}")
     k, n = (w.shape if weight_t else (w.shape[1], w.shape[0]))
-    out = torch.empty(((n + 15) // 16) * ((k + 31) // 32) * 512, dtype=torch.bfloat16)
-    lib.hf_pack_amx_bf16(w.data_ptr(), out.data_ptr(), n, k, int(weight_t))
+    out = torch.empty(numel(n, k), dtype=torch.bfloat16)
+    getattr(lib, fn)(w.data_ptr(), out.data_ptr(), n, k, int(weight_t))
     return out
 
 
@@ -889,15 +896,7 @@ def _bf16_panel_numel(n: int, k: int) -> int:
 def pack_bf16_panels(w: torch.Tensor, weight_t: bool = False) -> torch.Tensor:
     """``w`` (bf16 ``[N, K]``, or ``[K, N]`` when ``weight_t``) in the panel layout :func:`gemm_bf16_panel` reads:
     ``ceil(N / 48)`` panels of ``ceil(K / 2)`` k-pairs of 48 columns (past N and K zero), as one flat tensor."""
-    lib = library()
-    w = w.contiguous()
-    if lib is None or w.dim() != 2 or w.dtype != torch.bfloat16 or w.device.type != "cpu":
-        raise ValueError(f"bf16 panel packing takes a 2-D bf16 CPU weight and the native library, got {w.dtype} "
-                         f"{tuple(w.shape)} on {w.device}")
-    k, n = (w.shape if weight_t else (w.shape[1], w.shape[0]))
-    out = torch.empty(_bf16_panel_numel(n, k), dtype=torch.bfloat16)
-    lib.hf_pack_bf16_panels(w.data_ptr(), out.data_ptr(), n, k, int(weight_t))
-    return out
+    return _pack_bf16("hf_pack_bf16_panels", "bf16 panel packing", w, weight_t, _bf16_panel_numel)
 
 
 def gemm_bf16_panel(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int, act: str = "none",
