@@ -108,3 +108,15 @@ def from_json_done(ap, args, render: Callable[[dict], str]) -> bool:
         ap.error(f"--from-json reads --out, and {args.out or 'no --out'} is not a file")
     page_from_json(args.out, args.md, render)
     return True
+
+
+def faster_through(ratios: dict[int, list[float]]) -> int | None:
+    """The largest row count R such that every ratio (native ÷ the other kernel, one per shape) is below 1 at every
+    count from the smallest up to R; None when the smallest already fails. The rule bench/bf16_rows.py's pages set
+    (``native.AMX_ROWS_MAX``, ``native.BF16_PANEL_ROWS_MAX``) and bench/summary.py reports."""
+    best = None
+    for r in sorted(ratios):
+        if not all(x < 1.0 for x in ratios[r]):
+            break
+        best = r
+    return best

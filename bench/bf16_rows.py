@@ -29,7 +29,7 @@ import sys
 import time
 
 import torch
-from _pages import add_page_args, end_meta, from_json_done, int_list, meta_lines, run_meta, write_result
+from _pages import add_page_args, end_meta, faster_through, from_json_done, int_list, meta_lines, run_meta, write_result
 
 from hetforge.kernels import native, onednn
 
@@ -86,12 +86,8 @@ def measure(rows: list[int], rounds: int, gb: float, kernel: str = "amx") -> lis
 
 def threshold(rows: list[dict]) -> int | None:
     """The largest R with the native kernel faster on every shape at every measured count from the smallest to R."""
-    best = None
-    for r in sorted({x["rows"] for x in rows}):
-        if not all(x["native_over_onednn"] < 1.0 for x in rows if x["rows"] == r):
-            break
-        best = r
-    return best
+    counts = {x["rows"] for x in rows}
+    return faster_through({r: [x["native_over_onednn"] for x in rows if x["rows"] == r] for r in counts})
 
 
 def render(res: dict) -> str:

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from _pages import faster_through
+
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "docs" / "bench"
 OUT = ROOT / "docs" / "benchmarks.md"
@@ -1127,11 +1129,7 @@ def _bf16_rows_row(d: J, kernel: str, lo: int, page: str) -> Row:
     rows = list(d["rows"])
     counts = sorted({int(r.f("rows")) for r in rows})
     per = {c: [r.f("native_over_onednn") for r in rows if int(r.f("rows")) == c] for c in counts}
-    rule = None  # bench/bf16_rows.py's threshold: faster on every shape at every count from the smallest
-    for c in counts:
-        if max(per[c]) >= 1.0:
-            break
-        rule = c
+    rule = faster_through(per)  # bench/bf16_rows.py's rule
     result = (f"{kernel} ÷ oneDNN time, range over the shapes: " + ", ".join(
         f"{c} rows {min(v):.2f}–{max(v):.2f}" for c, v in per.items())
         + f"; the page's rule: {f'{lo}..{rule}' if rule else 'none'} rows (the code when it ran: "

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 
 ACTS = ["none", "relu", "gelu_tanh", "silu", "gelu"]
 # the activations whose epilogue result is bit-equal to ATen's: relu (exact) and the erf GELU (left to ATen)
@@ -46,3 +47,40 @@ def check_bf16_epilogue(pack: Callable[[torch.Tensor], torch.Tensor], gemm: Call
         assert torch.equal(got, ref)
     else:
         assert bf16_ulps(got.float(), ref.float()) <= 1.0 + 1e-6
+
+
+def bf16_operands(m: int, k: int, n: int, weight_t: bool, with_bias: bool,
+                  seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Seeded bf16 ``w`` (``[n, k]``, or ``[k, n]`` when ``weight_t``), ``x`` ``[m, k]`` and ``b`` ``[n]`` or None."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn((k, n) if weight_t else (n, k), generator=g).to(torch.bfloat16)
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+    b = torch.randn(n, generator=g).to(torch.bfloat16) if with_bias else None
+    return w, x, b
+
+
+def check_rounded_once(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
+                       weight_t: bool) -> None:
+    """A bf16 kernel's ``[m, n]`` product within one bf16 step of the float64 product: the fp32 sum differs from
+    float64 far below one step, so the kernel rounded once."""
+    ref = F.linear(x.double(), (w.t() if weight_t else w).double(), None if b is None else b.double()).float()
+    assert got.shape == ref.shape and got.dtype == torch.bfloat16
+    assert bf16_ulps(got, ref) <= 1.0
+
+
+def bf16_prefill(name: str, seq: int):
+    """A zoo model cast to bf16, its logits module, a ``seq``-token example input and the compiled host program:
+    ``(module, executable, inputs)`` (the bf16 kernels' executor tests)."""
+    import copy
+    import dataclasses
+
+    from hetforge.compile import compile_graph
+    from hetforge.frontend import capture
+    from hetforge.models.zoo import example_inputs, load_model
+
+    base = load_model(name)
+    loaded = dataclasses.replace(base, model=copy.deepcopy(base.model).to(torch.bfloat16).eval())
+    inputs = example_inputs(loaded, seq=seq)
+    module = loaded.logits_module()
+    exe = compile_graph(capture(module, inputs, name=name).gm, soc="host", example_inputs=inputs, name=name).executable
+    return module, exe, inputs

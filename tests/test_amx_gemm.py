@@ -5,20 +5,13 @@ bench/bf16_rows.py, not here."""
 
 from __future__ import annotations
 
-import copy
-import dataclasses
-
 import pytest
 import torch
-import torch.nn.functional as F
-from epilogue_ref import ACTS, bf16_ulps, check_bf16_epilogue
+from epilogue_ref import ACTS, bf16_operands, bf16_prefill, check_bf16_epilogue, check_rounded_once
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hetforge.compile import compile_graph
-from hetforge.frontend import capture
 from hetforge.kernels import native, onednn
-from hetforge.models.zoo import example_inputs, load_model
 from hetforge.verify import verify
 
 # Why skipped: on a CPU without AMX-BF16 (or an OS that refuses the tile data) lowering never picks this kernel, so
@@ -31,16 +24,10 @@ pytestmark = pytest.mark.skipif(not native.amx_bf16_available(), reason="no AMX-
 @given(m=st.integers(1, 40), k=st.integers(1, 100), n=st.integers(1, 90), weight_t=st.booleans(),
        with_bias=st.booleans(), seed=st.integers(0, 2**16))
 def test_amx_gemm_is_the_fp32_product_rounded_once_for_both_layouts_and_any_tail(m, k, n, weight_t, with_bias, seed):
-    g = torch.Generator().manual_seed(seed)
-    w = torch.randn((k, n) if weight_t else (n, k), generator=g).to(torch.bfloat16)
-    x = torch.randn(m, k, generator=g).to(torch.bfloat16)
-    b = torch.randn(n, generator=g).to(torch.bfloat16) if with_bias else None
+    w, x, b = bf16_operands(m, k, n, weight_t, with_bias, seed)
     packed = native.pack_amx_bf16(w, weight_t)
     assert packed.numel() == -(-n // 16) * -(-k // 32) * 512
-    got = native.gemm_amx_bf16(x, packed, b, n)
-    ref = F.linear(x.double(), (w.t() if weight_t else w).double(), None if b is None else b.double()).float()
-    assert got.shape == (m, n) and got.dtype == torch.bfloat16
-    assert bf16_ulps(got, ref) <= 1.0  # the fp32 sum differs from float64 far below one bf16 step; rounded once
+    check_rounded_once(native.gemm_amx_bf16(x, packed, b, n), x, w, b, weight_t)
 
 
 def test_amx_gemm_keeps_the_leading_dimensions_and_refuses_a_mismatched_packing():
@@ -71,11 +58,7 @@ def test_executor_runs_a_short_bf16_prompts_linears_on_amx_within_bf16_rounding_
     residual add in place after it), within bf16 rounding of the bf16 eager model, results that survive the next
     call."""
     monkeypatch.delenv("HETFORGE_GEMM", raising=False)
-    base = load_model(name)
-    loaded = dataclasses.replace(base, model=copy.deepcopy(base.model).to(torch.bfloat16).eval())
-    inputs = example_inputs(loaded, seq=12)
-    module = loaded.logits_module()
-    exe = compile_graph(capture(module, inputs, name=name).gm, soc="host", example_inputs=inputs, name=name).executable
+    module, exe, inputs = bf16_prefill(name, 12)
     assert exe.stats.amx_gemm > 0
     rep = verify(module, exe, inputs, kl_threshold=1e-3)
     assert rep.passed and rep.top1_agree >= 0.9, rep

@@ -7,20 +7,13 @@ measured by ``bench/bf16_rows.py --kernel panel``, not here."""
 
 from __future__ import annotations
 
-import copy
-import dataclasses
-
 import pytest
 import torch
-import torch.nn.functional as F
-from epilogue_ref import ACTS, bf16_ulps, check_bf16_epilogue
+from epilogue_ref import ACTS, bf16_operands, bf16_prefill, check_bf16_epilogue, check_rounded_once
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hetforge.compile import compile_graph
-from hetforge.frontend import capture
 from hetforge.kernels import native, onednn
-from hetforge.models.zoo import example_inputs, load_model
 from hetforge.verify import verify
 
 HERE = native.bf16_panel_available()  # this build has the AVX512-BF16 path
@@ -31,21 +24,14 @@ HERE = native.bf16_panel_available()  # this build has the AVX512-BF16 path
        with_bias=st.booleans(), seed=st.integers(0, 2**16))
 def test_bf16_panel_gemm_is_the_product_rounded_once_for_both_layouts_and_any_tail(m, k2, n, weight_t, with_bias,
                                                                                     seed):
-    k = 2 * k2
-    g = torch.Generator().manual_seed(seed)
-    w = torch.randn((k, n) if weight_t else (n, k), generator=g).to(torch.bfloat16)
-    x = torch.randn(m, k, generator=g).to(torch.bfloat16)
-    b = torch.randn(n, generator=g).to(torch.bfloat16) if with_bias else None
+    w, x, b = bf16_operands(m, 2 * k2, n, weight_t, with_bias, seed)
     packed = native.pack_bf16_panels(w, weight_t)
     assert packed.numel() == -(-n // 48) * k2 * 96
     if not HERE:
         with pytest.raises(ValueError, match="no AVX512-BF16"):
             native.gemm_bf16_panel(x, packed, b, n)
         return
-    got = native.gemm_bf16_panel(x, packed, b, n)
-    ref = F.linear(x.double(), (w.t() if weight_t else w).double(), None if b is None else b.double()).float()
-    assert got.shape == (m, n) and got.dtype == torch.bfloat16
-    assert bf16_ulps(got, ref) <= 1.0  # the fp32 sum differs from float64 far below one bf16 step; rounded once
+    check_rounded_once(native.gemm_bf16_panel(x, packed, b, n), x, w, b, weight_t)
 
 
 def test_bf16_panel_gemm_keeps_leading_dimensions_and_refuses_odd_k_and_mismatched_packings():
@@ -101,11 +87,7 @@ def test_executor_runs_a_short_bf16_prompt_within_bf16_rounding_of_eager(name, m
     gated MLP product and residual add in its store), within bf16 rounding of the bf16 eager model, results that
     survive the next call; elsewhere none do."""
     monkeypatch.delenv("HETFORGE_GEMM", raising=False)
-    base = load_model(name)
-    loaded = dataclasses.replace(base, model=copy.deepcopy(base.model).to(torch.bfloat16).eval())
-    inputs = example_inputs(loaded, seq=8)
-    module = loaded.logits_module()
-    exe = compile_graph(capture(module, inputs, name=name).gm, soc="host", example_inputs=inputs, name=name).executable
+    module, exe, inputs = bf16_prefill(name, 8)
     uses = onednn.bf16_panel_rows(8, 64, torch.bfloat16)
     assert (exe.stats.bf16_panel_gemm > 0) == uses
     rep = verify(module, exe, inputs, kl_threshold=1e-3)

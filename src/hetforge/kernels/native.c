@@ -22,6 +22,25 @@
  * a caller's per-thread scratch has rows). */
 static int clamp_threads(int threads) { return threads < 1 ? 1 : threads; }
 
+/* A 64-byte-aligned scratch of `need` bytes for the calling thread, kept in `slot` between calls when it is at most
+ * `keep` bytes (a fresh block of a few MiB is an mmap whose page faults every call would pay), else a fresh block:
+ * release it with scratch_done. NULL when it cannot be allocated. Each kernel keeps its own thread-local slot. */
+typedef struct {
+    void *p;
+    size_t bytes;
+} hf_scratch;
+
+static void *scratch_get(hf_scratch *slot, size_t need, size_t keep) {
+    if (slot->p && need <= slot->bytes) return slot->p;
+    void *p = aligned_alloc(64, (need + 63) / 64 * 64 + (need == 0 ? 64 : 0));
+    if (p && need <= keep) free(slot->p), slot->p = p, slot->bytes = need;
+    return p;
+}
+
+static void scratch_done(const hf_scratch *slot, void *p) {
+    if (p != slot->p) free(p);
+}
+
 /* ---------------------------------------------------------------- the decode kernels' thread pool
  * Why not an OpenMP team: every OpenMP region ends at a barrier that waits for *every* team thread, and
  * libgomp's idle threads spin for a long time (300000 rounds by default) before sleeping. When another busy
@@ -2321,14 +2340,9 @@ int hf_gemm_amx_bf16(const hf_bf16 *wp, const hf_bf16 *x, const hf_bf16 *bias, h
 #ifdef HF_AMX
     long k32 = (k + 31) / 32 * 32, m16 = m > 16 ? (m + 31) / 32 * 32 : 16; /* x rows padded for the tiles */
     size_t need = (size_t)m16 * k32 * sizeof(hf_bf16);
-    static _Thread_local hf_bf16 *kept = NULL;
-    static _Thread_local size_t kept_bytes = 0;
-    hf_bf16 *xp = need <= kept_bytes ? kept : NULL;
-    if (!xp) {
-        xp = malloc(need);
-        if (!xp) return -1;
-        if (need <= AMX_KEEP) free(kept), kept = xp, kept_bytes = need;
-    }
+    static _Thread_local hf_scratch kept;
+    hf_bf16 *xp = scratch_get(&kept, need, AMX_KEEP);
+    if (!xp) return -1;
     for (long r = 0; r < m16; r++) {
         hf_bf16 *dst = xp + r * k32;
         if (r < m) {
@@ -2340,7 +2354,7 @@ int hf_gemm_amx_bf16(const hf_bf16 *wp, const hf_bf16 *x, const hf_bf16 *bias, h
     }
     amx_ctx a = {wp, xp, bias, y, m, n, k32, (n + 15) / 16, k32 / 32, act, mul, res};
     hf_run(m > 16 ? amx_task2 : amx_task, &a, (a.nb + AMX_CB - 1) / AMX_CB, clamp_threads(threads));
-    if (xp != kept) free(xp);
+    scratch_done(&kept, xp);
     return 0;
 #else
     (void)wp, (void)x, (void)bias, (void)y, (void)n, (void)k, (void)threads, (void)mul, (void)res;
@@ -2351,8 +2365,8 @@ int hf_gemm_amx_bf16(const hf_bf16 *wp, const hf_bf16 *x, const hf_bf16 *bias, h
 /* ---- bf16 products of a few rows on AVX512-BF16 (vdpbf16ps): hf_gemm_bf16_panel ----
  * Y[m, n] = X[m, k] W^T (+ b), then the epilogue amx_store has (act, times mul, plus res, each rounded to bf16 as
  * ATen's ops), for a CPU with AVX512-BF16 and no AMX. Why: a short prompt's bf16 products read every weight from
- * memory once, and oneDNN's kernel at these row counts overlaps that read with its arithmetic only in part (its
- * measured rates are in docs/arch/runtime.md). The weight is packed once into panels of HF_BNB columns, k-pair by
+ * memory once, and oneDNN's kernel at these row counts reads them well below the memory's rate (measured rates:
+ * docs/arch/runtime.md). The weight is packed once into panels of HF_BNB columns, k-pair by
  * k-pair (P[j][kp][c][2] = W[j*HF_BNB + c][2kp .. 2kp+1], zero past n and k), so one vdpbf16ps takes 16 columns'
  * pair for one row, X's pair broadcast. X is packed per call by groups of HF_BMR rows, pair by pair, so a step's
  * broadcasts read one line. As in the fp32 panel GEMM (its header has the reasons), a panel's k-pairs are read as
@@ -2540,22 +2554,13 @@ int hf_gemm_bf16_panel(const hf_bf16 *wp, const hf_bf16 *x, const hf_bf16 *bias,
     threads = clamp_threads(threads);
     long np = (n + HF_BNB - 1) / HF_BNB, nc = threads * ((np + threads * 4 - 1) / (threads * 4)), kp = k / 2;
     size_t xbytes = sizeof(int32_t) * (size_t)((m + HF_BMR - 1) / HF_BMR) * HF_BMR * kp;
-    /* X's packed pairs: kept per calling thread up to 1 MiB (a short prompt's), else per call */
-    static _Thread_local int32_t *kept = NULL;
-    static _Thread_local size_t kept_bytes = 0;
-    int keep = xbytes <= ((size_t)1 << 20);
-    if (keep && xbytes > kept_bytes) {
-        int32_t *grown = aligned_alloc(64, (xbytes + 63) / 64 * 64);
-        if (!grown) return -1;
-        free(kept);
-        kept = grown, kept_bytes = xbytes;
-    }
-    int32_t *xp = keep ? kept : aligned_alloc(64, (xbytes + 63) / 64 * 64);
+    static _Thread_local hf_scratch kept; /* X's packed pairs: kept up to 1 MiB (a short prompt's) */
+    int32_t *xp = scratch_get(&kept, xbytes, (size_t)1 << 20);
     if (!xp) return -1;
     panel_pack_x((const float *)x, (float *)xp, m, kp, threads);
     bpanel_ctx a = {wp, (const hf_bf16 *)xp, bias, y, m, n, k, kp, np, nc < np ? nc : np, act, mul, res};
     hf_run_team(bpanel_chunk, &a, a.nc, threads);
-    if (!keep) free(xp);
+    scratch_done(&kept, xp);
 #else
     (void)wp, (void)x, (void)bias, (void)y, (void)n, (void)threads, (void)mul, (void)res;
 #endif
@@ -3499,23 +3504,15 @@ int hf_prefill_attention(const void *q, const void *k, const void *v, const void
     /* the key/value scratch: kept per calling thread up to PA_KEEP bytes (a fresh block of that size is an mmap
      * and its page faults on every call, which a short prefill or one-token forward notices), else per call */
     size_t need = sizeof(float) * dims[0] * a.hkv * (a.d * a.sp + a.s * a.dv);
-    static _Thread_local float *kept = NULL;
-    static _Thread_local size_t kept_bytes = 0;
-    int keep = need <= PA_KEEP;
-    if (keep && need > kept_bytes) {
-        float *grown = malloc(need);
-        if (!grown) return -1;
-        free(kept);
-        kept = grown, kept_bytes = need;
-    }
-    a.kt = keep ? kept : malloc(need);
+    static _Thread_local hf_scratch kept;
+    a.kt = scratch_get(&kept, need, PA_KEEP);
     if (!a.kt) return -1;
     a.vp = a.kt + dims[0] * a.hkv * a.d * a.sp;
     /* a few thousand products (a one-token forward, a short chunk): waking the team costs more than they do */
     if (dims[0] * a.h * a.l * a.s * (a.d + a.dv) < (1L << 20)) threads = 1;
     hf_run_team(pa_transpose, &a, dims[0] * a.hkv, clamp_threads(threads));
     hf_run_team(pa_task, &a, dims[0] * a.h * a.nqb, clamp_threads(threads));
-    if (!keep) free(a.kt);
+    scratch_done(&kept, a.kt);
     return 0;
 }
 

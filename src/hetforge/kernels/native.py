@@ -877,7 +877,7 @@ def gemm_amx_bf16(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     has them, :func:`gemm_panel`'s rule)."""
     k = x.shape[-1]
     return _bf16_packed_gemm("hf_gemm_amx_bf16", x, packed, bias, n, ((n + 15) // 16) * ((k + 31) // 32) * 512,
-                             "", act, mul, res, {-1: "cannot allocate its row scratch", -3: "AMX is not usable here"})
+                             act, mul, res, {-1: "cannot allocate its row scratch", -3: "AMX is not usable here"})
 
 
 def bf16_panel_available() -> bool:
@@ -903,19 +903,20 @@ def gemm_bf16_panel(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | 
                     mul: torch.Tensor | None = None, res: torch.Tensor | None = None) -> torch.Tensor:
     """``act(x·Wᵀ + b) * mul + res`` for bf16 rows ``x`` ``[..., K]`` (made contiguous; K even) on AVX512-BF16, W
     packed by :func:`pack_bf16_panels` with ``n`` outputs; ``bias`` a contiguous bf16 ``[N]`` or None; a fresh bf16
-    ``[..., N]``. Each product is the fp32 sum over K's pairs in order, plus bias, rounded once; then, as ATen's bf16
+    ``[..., N]``. Each product is one fp32 sum over K's pairs (in the kernel's stream-interleaved order, the same for
+    any thread count), plus bias, rounded once; then, as ATen's bf16
     ops after a product would, the activation, the product with ``mul`` and the residual ``res``, each rounded (in
     the kernel's store where it has them, :func:`gemm_amx_bf16`'s rule)."""
     k = x.shape[-1]
     if k % 2:
         raise ValueError(f"hf_gemm_bf16_panel takes bf16 x [..., K] with K even, got x {tuple(x.shape)}")
-    return _bf16_packed_gemm("hf_gemm_bf16_panel", x, packed, bias, n, _bf16_panel_numel(n, k), " (K even)", act,
-                             mul, res, {-1: "cannot allocate the scratch for x's packed pairs",
-                                        -3: "no AVX512-BF16 in this build", -5: "K is odd"})
+    return _bf16_packed_gemm("hf_gemm_bf16_panel", x, packed, bias, n, _bf16_panel_numel(n, k), act, mul, res,
+                             {-1: "cannot allocate the scratch for x's packed pairs",
+                              -3: "no AVX512-BF16 in this build"})
 
 
 def _bf16_packed_gemm(fn: str, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int, numel: int,
-                      k_note: str, act: str, mul: torch.Tensor | None, res: torch.Tensor | None,
+                      act: str, mul: torch.Tensor | None, res: torch.Tensor | None,
                       errors: dict[int, str]) -> torch.Tensor:
     """:func:`gemm_amx_bf16` and :func:`gemm_bf16_panel`: the operands checked (``numel``: the packing's size for
     ``[n, K]``), the kernel ``fn`` called with the epilogue it applies, the rest of the epilogue after it; its return
@@ -925,7 +926,7 @@ def _bf16_packed_gemm(fn: str, x: torch.Tensor, packed: torch.Tensor, bias: torc
     rows = x.numel() // max(k, 1)
     bad_bias = bias is not None and (bias.dtype != torch.bfloat16 or not bias.is_contiguous() or bias.numel() != n)
     if x.dtype != torch.bfloat16 or packed.dtype != torch.bfloat16 or bad_bias or packed.numel() != numel:
-        raise ValueError(f"{fn} takes bf16 x [..., {k}]{k_note} and a weight packed for [{n}, {k}], got x {x.dtype} "
+        raise ValueError(f"{fn} takes bf16 x [..., {k}] and a weight packed for [{n}, {k}], got x {x.dtype} "
                          f"{tuple(x.shape)}, packed {packed.dtype} {packed.numel()} elements")
     y = torch.empty((*x.shape[:-1], n), dtype=torch.bfloat16)
     code, mp, rp, after = _epilogue(tuple(y.shape), torch.bfloat16, act, mul, res)
