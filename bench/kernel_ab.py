@@ -10,7 +10,11 @@ bits, so no test saw it. This script builds both sources with the project's own 
   model has them) of at least 3 last-level caches, each library on weights packed by its own ``hf_pack_panels``;
 - the one-row products ``hf_gemv_nk`` and ``hf_gemv_kn`` over pools of the same size;
 - the prefill attention (``hf_prefill_attention``, causal: ``is_causal`` and the same pattern as a bool mask) on two
-  calibration head layouts at 16, 128 and 512 rows.
+  calibration head layouts at 16, 128 and 512 rows;
+- the decode attention (``hf_decode_attention``, fp32, and ``hf_decode_attention_bf16``) of one new row on the same
+  layouts, over caches of 256 and 1024 positions with the first three quarters written (the rest hidden by the
+  mask, as in a decode step), each call on the next cache of a pool of at least 3 last-level caches: in a decode
+  step a layer's cache comes from memory, since the weights streamed through every cache level after it was read.
 
 Per case: the median over rounds of the per-round time ratio working tree ÷ base (below 1: the working tree is
 faster) and whether both builds gave the same bits. ``--max-ratio R`` makes the exit status 1 when a case's median
@@ -18,7 +22,7 @@ ratio is above R (a guard before committing a change to native.c; the host is sh
 that fails by a little). Nothing is written unless ``--json`` names a file.
 
     python bench/kernel_ab.py [--base HEAD] [--rows 16,128] [--rounds 7] [--threads 2] [--max-ratio 1.03] \\
-        [--groups panel,gemv,attention] [--json ab.json]
+        [--groups panel,gemv,attention,decode] [--json ab.json]
 """
 
 from __future__ import annotations
@@ -46,7 +50,8 @@ PANEL_SHAPES = [(3072, 1024), (1024, 1024), (4096, 1024), (1024, 4096)]  # (N, K
 GEMV_SHAPES = [("nk", 4096, 1024), ("kn", 1024, 4096)]  # (layout, N, K)
 ATTENTION = [(32, 8, 64), (16, 4, 128)]  # (query heads, kv heads, head dim): calibration layouts
 ATTENTION_ROWS = (16, 128, 512)
-GROUPS = ("panel", "gemv", "attention")  # --groups: the kernels timed
+DECODE_CACHES = (256, 1024)  # positions of the decode attention's cache (the first 3/4 written)
+GROUPS = ("panel", "gemv", "attention", "decode")  # --groups: the kernels timed
 POOL_LLCS = 3
 
 
@@ -62,7 +67,8 @@ def _panel_width(source: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-KERNELS = ("hf_pack_panels", "hf_gemm_panel", "hf_gemv_nk", "hf_gemv_kn", "hf_prefill_attention")  # what it times
+KERNELS = ("hf_pack_panels", "hf_gemm_panel", "hf_gemv_nk", "hf_gemv_kn", "hf_prefill_attention", "hf_decode_attention",
+           "hf_decode_attention_bf16")  # what it times
 
 
 def build(source: str, folder: Path, name: str) -> ctypes.CDLL:
@@ -169,6 +175,36 @@ def attention_cases(libs: dict[str, ctypes.CDLL], threads: int) -> list[dict]:
     return cases
 
 
+def decode_cases(libs: dict[str, ctypes.CDLL], threads: int) -> list[dict]:
+    """One new row's attention per layout, cache length and dtype, over a pool of caches read from memory."""
+    cases = []
+    g = torch.Generator().manual_seed(4)
+    for dtype, fn in ((torch.float32, "hf_decode_attention"), (torch.bfloat16, "hf_decode_attention_bf16")):
+        for h, hkv, d in ATTENTION:
+            for s in DECODE_CACHES:
+                size = 2 * hkv * s * d * dtype.itemsize
+                pool = [(torch.randn(1, hkv, s, d, generator=g).to(dtype), torch.randn(1, hkv, s, d, generator=g)
+                         .to(dtype)) for _ in range(pool_count(size))]
+                q = torch.randn(1, h, 1, d, generator=g).to(dtype)
+                k, v = (torch.randn(1, hkv, 1, d, generator=g).to(dtype) for _ in range(2))
+                mask = torch.zeros(s, dtype=dtype)
+                mask[3 * s // 4:] = float("-inf")
+                scratch = torch.empty(h, s + 1 + (2 * d if dtype == torch.bfloat16 else 0))
+                outs = {name: [torch.empty(1, h, 1, d, dtype=dtype)] for name in libs}
+
+                def call(name: str, fn=fn, pool=pool, q=q, k=k, v=v, mask=mask, scratch=scratch, outs=outs, h=h,
+                         hkv=hkv, s=s, d=d) -> None:
+                    f, out = getattr(libs[name], fn), outs[name][0]
+                    for kc, vc in pool:
+                        f(q.data_ptr(), k.data_ptr(), v.data_ptr(), kc.data_ptr(), vc.data_ptr(), mask.data_ptr(),
+                          None, out.data_ptr(), scratch.data_ptr(), h, hkv, s, d, d ** -0.5, threads)
+
+                kind = "fp32" if dtype == torch.float32 else "bf16"
+                cases.append({"case": f"decode attention {kind} {h}/{hkv}x{d}, cache {s}", "call": call,
+                              "outs": outs})
+    return cases
+
+
 def run_case(case: dict, names: list[str], rounds: int) -> dict:
     call: Callable[[str], None] = case["call"]
     for name in names:  # warm-up: first touch of outputs and packed copies
@@ -225,7 +261,8 @@ def main(argv: list[str] | None = None) -> int:
                 names[1]: build(native.SOURCE.read_text(), Path(td), "tree")}
         results = []
         make = {"panel": lambda: panel_cases(libs, rows, args.threads), "gemv": lambda: gemv_cases(libs, args.threads),
-                "attention": lambda: attention_cases(libs, args.threads)}
+                "attention": lambda: attention_cases(libs, args.threads),
+                "decode": lambda: decode_cases(libs, args.threads)}
         for group in groups:
             for case in make[group]():
                 got = run_case(case, names, args.rounds)

@@ -39,6 +39,9 @@ def test_kernel_ab_builds_both_sources_and_times_every_case_with_the_bits_compar
     att = [c for c in cases if c.startswith("prefill attention")]
     assert len(att) == 12  # 2 layouts x 16/128/512 rows x (is_causal, a causal bool mask)
     assert sum(c.endswith("bool causal mask") for c in att) == 6 and sum(c.endswith("is_causal") for c in att) == 6
+    dec = [c for c in cases if c.startswith("decode attention")]
+    assert len(dec) == 8  # fp32 and bf16 x 2 layouts x caches of 256 and 1024 positions
+    assert sum(" bf16 " in c for c in dec) == 4 and sum(c.endswith("cache 1024") for c in dec) == 4
     for r in doc["results"]:
         assert math.isfinite(r["ratio"]) and r["ratio"] > 0
         assert all(s > 0 for s in r["median_s"].values())
@@ -58,5 +61,5 @@ def test_kernel_ab_refuses_a_revision_git_does_not_know_with_one_line_and_exit_2
 def test_kernel_ab_refuses_an_unknown_group_with_one_line_and_exit_2() -> None:
     got = run("--groups", "attention,gemm")
     assert got.returncode == 2
-    assert "--groups 'attention,gemm'" in got.stderr and "panel, gemv, attention" in got.stderr
+    assert "--groups 'attention,gemm'" in got.stderr and "panel, gemv, attention, decode" in got.stderr
     assert "Traceback" not in got.stderr

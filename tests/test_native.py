@@ -219,7 +219,8 @@ def test_a_damaged_cached_library_is_rebuilt_and_used(fresh_state, monkeypatch, 
 
 @NEEDS_NATIVE
 @pytest.mark.parametrize("h, hkv, s, d, written", [(12, 12, 256, 64, 131), (8, 2, 37, 16, 37), (4, 4, 9, 48, 1),
-                                                   (6, 3, 64, 32, 20)])
+                                                   (6, 3, 64, 32, 20), (4, 2, 70, 128, 50), (2, 1, 45, 80, 44),
+                                                   (2, 2, 40, 20, 25), (3, 3, 300, 256, 299)])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_decode_attention_equals_sdpa_over_the_written_positions(h, hkv, s, d, written, threads):
     """One new row against a cache whose first ``written`` positions are visible (the rest hidden by -inf, as a

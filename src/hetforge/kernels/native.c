@@ -856,10 +856,80 @@ typedef struct {
     long h, hkv, s, d;
 } att_ctx;
 
-/* Cache rows fetched ahead (software prefetch) by the decode attention: a head's rows are read in order, but
- * the scores read four rows at a time, a pattern the hardware prefetchers follow poorly (measured on a cache
- * pool larger than the last-level cache: ~20% faster per call with it, one thread). */
-#define HF_ATT_AHEAD 16
+/* Cache rows fetched ahead (software prefetch) by the decode attention, K and V side by side while the scores run:
+ * into L2 HF_ATT_FAR rows ahead and into L1 HF_ATT_NEAR rows ahead (a head's first rows before its loop). Why: in a
+ * decode step the cache comes from memory (the layer's weights streamed through every cache level since it was
+ * last read), a head's rows are read in order but the scores read four rows at a time, a pattern the hardware
+ * prefetchers follow poorly, and a weighted sum that waited for V, or a head that started cold, spent most of its
+ * time waiting. The distances were chosen on calibration shapes (bench/kernel_ab.py --groups decode; the figures
+ * are in docs/arch/runtime.md). Rows of bf16 are fetched at the same distances in bytes. */
+#define HF_ATT_NEAR 4
+#define HF_ATT_FAR 32
+
+/* Fetch rows [r0, r1) of a head's K and V (rows of ``bytes`` bytes) into L1 (near) or L2 (far). */
+#define ATT_FETCH(kc, vc, r0, r1, bytes, loc)                                                     \
+    for (long fr_ = (r0); fr_ < (r1); fr_++)                                                      \
+        for (long fb_ = 0; fb_ < (bytes); fb_ += 64)                                              \
+            __builtin_prefetch((const char *)(kc) + fr_ * (bytes) + fb_, 0, loc),                 \
+            __builtin_prefetch((const char *)(vc) + fr_ * (bytes) + fb_, 0, loc)
+
+#if defined(__AVX512F__)
+/* exp(x - mx) of 16 scores: 0 where x is -inf, NaN where x is NaN (as expf would give) */
+static inline __m512 exp_scores16(__m512 x, __m512 vm, __m512 ninf) {
+    __m512 e = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, ninf, _CMP_NEQ_OQ), pa_exp16(_mm512_sub_ps(x, vm)));
+    return _mm512_mask_mov_ps(e, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), x);
+}
+#endif
+
+/* pr[0..n) = exp(pr - mx), 0 where pr is -inf (a hidden position); returns their sum. pa_exp16 16 at a time where
+ * the library has AVX-512 (~1 ulp, summed in 16 lanes; arguments are <= 0 as mx is the maximum), expf else. */
+static float softmax_exp(float *pr, long n, float mx) {
+    float z = 0.f;
+    long t = 0;
+#if defined(__AVX512F__)
+    __m512 vz = _mm512_setzero_ps(), vm = _mm512_set1_ps(mx), ninf = _mm512_set1_ps(-INFINITY);
+    for (; t + 16 <= n; t += 16) {
+        __m512 x = _mm512_loadu_ps(pr + t);
+        __m512 e = exp_scores16(x, vm, ninf);
+        _mm512_storeu_ps(pr + t, e);
+        vz = _mm512_add_ps(vz, e);
+    }
+    if (t < n) {
+        __mmask16 m = (__mmask16)((1u << (n - t)) - 1);
+        __m512 x = _mm512_mask_loadu_ps(ninf, m, pr + t);
+        __m512 e = exp_scores16(x, vm, ninf);
+        _mm512_mask_storeu_ps(pr + t, m, e);
+        vz = _mm512_add_ps(vz, e);
+        t = n;
+    }
+    z = hsum16(vz);
+#endif
+    for (; t < n; t++) {
+        float e = pr[t] == -INFINITY ? 0.f : expf(pr[t] - mx); /* expf(-inf) is 0: skipped, same sum */
+        pr[t] = e;
+        z += e;
+    }
+    return z;
+}
+
+#if defined(__AVX512F__)
+/* o[c0, c0 + 16 nv) = Σ_t (pr[t]·iz)·v_t over the cache rows vc (rows of d floats; zero weights skipped) and then the
+ * new row vnew, each column a chain of products and adds in t order, in nv accumulators (nv a constant at each
+ * call, so the loops unroll into registers) */
+static inline __attribute__((always_inline)) void pv_block_f32(float *o, const float *pr, float iz, const float *vc,
+                                                               const float *vnew, long s, long d, long c0, int nv) {
+    __m512 acc[8];
+    for (int u = 0; u < nv; u++) acc[u] = _mm512_setzero_ps();
+    for (long t = 0; t <= s; t++) {
+        float w = pr[t] * iz;
+        if (w == 0.f && t < s) continue;
+        const float *vr = (t < s ? vc + t * d : vnew) + c0;
+        const __m512 wv = _mm512_set1_ps(w);
+        for (int u = 0; u < nv; u++) acc[u] = _mm512_add_ps(acc[u], _mm512_mul_ps(wv, _mm512_loadu_ps(vr + 16 * u)));
+    }
+    for (int u = 0; u < nv; u++) _mm512_storeu_ps(o + c0 + 16 * u, acc[u]);
+}
+#endif
 
 static void att_head(void *p, long i) {
     const att_ctx *a = p;
@@ -871,10 +941,13 @@ static void att_head(void *p, long i) {
     /* Scores four cache rows at a time (dot4: four independent sums, one horizontal add each). A position the
      * mask hides (-inf: not written yet) is -inf whatever its key holds, so its key row is not read: a decode
      * step over a cache longer than the context so far reads only the written part. */
-    long t = 0;
+    long t = 0, rb = d * (long)sizeof(float), first = 0;
+    while (first < HF_ATT_FAR && first < s && mask[first] != -INFINITY) first++;
+    ATT_FETCH(kc, vc, 0, first < HF_ATT_NEAR ? first : HF_ATT_NEAR, rb, 3);
+    ATT_FETCH(kc, vc, HF_ATT_NEAR, first, rb, 2);
     for (; t + 4 <= s; t += 4) {
-        if (t + HF_ATT_AHEAD < s && mask[t + HF_ATT_AHEAD] != -INFINITY)
-            for (long b = 0; b < 4 * d; b += 16) __builtin_prefetch(kc + (t + HF_ATT_AHEAD) * d + b);
+        if (t + HF_ATT_FAR < s && mask[t + HF_ATT_FAR] != -INFINITY) ATT_FETCH(kc, vc, t + HF_ATT_FAR, t + HF_ATT_FAR + 4, rb, 2);
+        if (t + HF_ATT_NEAR < s && mask[t + HF_ATT_NEAR] != -INFINITY) ATT_FETCH(kc, vc, t + HF_ATT_NEAR, t + HF_ATT_NEAR + 4, rb, 3);
         int hidden = (mask[t] == -INFINITY) + (mask[t + 1] == -INFINITY) + (mask[t + 2] == -INFINITY) +
                      (mask[t + 3] == -INFINITY);
         if (hidden == 4) {
@@ -897,27 +970,26 @@ static void att_head(void *p, long i) {
     float vn = scale * dot1(a->k_new + j * d, qi, d) + (a->new_mask ? *a->new_mask : 0.f);
     pr[s] = vn;
     if (vn > mx) mx = vn;
-    float z = 0.f;
-    for (long t = 0; t <= s; t++) {
-        float e = pr[t] == -INFINITY ? 0.f : expf(pr[t] - mx); /* expf(-inf) is 0: skipped, same sum */
-        pr[t] = e;
-        z += e;
-    }
-    float iz = 1.f / z;
-    for (long c = 0; c < d; c++) o[c] = 0.f;
-    for (long t = 0; t < s; t++) {
-        float w = pr[t] * iz;
-        if (t + HF_ATT_AHEAD < s && pr[t + HF_ATT_AHEAD] != 0.f)
-            for (long b = 0; b < d; b += 16) __builtin_prefetch(vc + (t + HF_ATT_AHEAD) * d + b);
-        if (w == 0.f) continue;
-        const float *vr = vc + t * d;
+    float iz = 1.f / softmax_exp(pr, s + 1, mx);
+    /* o = Σ_t w_t·v_t in t order (hidden rows skipped), then the new row: each output column's sum is a chain of
+     * products and adds in that order, up to 128 columns at a time in registers */
+    long c0 = 0;
+#if defined(__AVX512F__)
+    const float *vnew = a->v_new + j * d;
+    for (; c0 + 128 <= d; c0 += 128) pv_block_f32(o, pr, iz, vc, vnew, s, d, c0, 8);
+    for (; c0 + 64 <= d; c0 += 64) pv_block_f32(o, pr, iz, vc, vnew, s, d, c0, 4);
+    for (; c0 + 16 <= d; c0 += 16) pv_block_f32(o, pr, iz, vc, vnew, s, d, c0, 1);
+#endif
+    if (c0 < d) {
+        for (long c = c0; c < d; c++) o[c] = 0.f;
+        for (long t = 0; t <= s; t++) {
+            float w = pr[t] * iz;
+            if (w == 0.f && t < s) continue;
+            const float *vr = t < s ? vc + t * d : a->v_new + j * d;
 #pragma omp simd
-        for (long c = 0; c < d; c++) o[c] += w * vr[c];
+            for (long c = c0; c < d; c++) o[c] += w * vr[c];
+        }
     }
-    float w = pr[s] * iz;
-    const float *vr = a->v_new + j * d;
-#pragma omp simd
-    for (long c = 0; c < d; c++) o[c] += w * vr[c];
 }
 
 /* One new query row per head against a read-only KV cache plus the new row (the decode step's attention).
@@ -2736,6 +2808,26 @@ static inline void bf16_axpy(float *o, float w, const hf_bf16 *v, long d) {
     for (long c = 0; c < d; c++) o[c] += w * bf2f(v[c]);
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+/* pv_block_f32 on bf16 rows, with bf16_axpy's fused multiply-add per product and every zero weight skipped */
+static inline __attribute__((always_inline)) void pv_block_bf16(float *o, const float *pr, float iz,
+                                                                const hf_bf16 *vc, const hf_bf16 *vnew, long s, long d,
+                                                                long c0, int nv) {
+    __m512 acc[8];
+    for (int u = 0; u < nv; u++) acc[u] = _mm512_setzero_ps();
+    for (long t = 0; t <= s; t++) {
+        float wt = pr[t] * iz;
+        if (wt == 0.f) continue;
+        const hf_bf16 *vr = (t < s ? vc + t * d : vnew) + c0;
+        const __m512 wv = _mm512_set1_ps(wt);
+        for (int u = 0; u < nv; u++)
+            acc[u] = _mm512_fmadd_ps(wv, _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(vr + 16 * u))), 16)), acc[u]);
+    }
+    for (int u = 0; u < nv; u++) _mm512_storeu_ps(o + c0 + 16 * u, acc[u]);
+}
+#endif
+
 /* One head of the bf16 decode attention, in fp32 (scores, softmax, weighted sum), the output rounded once.
  * Scratch per head: s + 1 scores, then d floats of q and d of the output. */
 static void bf16_att_head(void *p, long i) {
@@ -2743,25 +2835,47 @@ static void bf16_att_head(void *p, long i) {
     long s = a->s, d = a->d, j = i / (a->h / a->hkv);
     const hf_bf16 *kc = a->k_cache + j * s * d, *vc = a->v_cache + j * s * d;
     float *pr = a->scratch + i * (s + 1 + 2 * d), *qi = pr + s + 1, *o = qi + d, scale = a->scale;
-    for (long c = 0; c < d; c++) qi[c] = bf2f(a->q[i * d + c]), o[c] = 0.f;
+    const hf_bf16 *mask = a->mask, *vn = a->v_new + j * d;
+    const long near = 2 * HF_ATT_NEAR, far = 2 * HF_ATT_FAR, rb = d * (long)sizeof(hf_bf16); /* fp32's bytes */
+    for (long c = 0; c < d; c++) qi[c] = bf2f(a->q[i * d + c]);
     float mx = -INFINITY;
-    for (long t = 0; t <= s; t++) {
-        const hf_bf16 *kr = t < s ? kc + t * d : a->k_new + j * d;
-        float v = scale * bf16_qk(qi, kr, d) + (t < s ? bf2f(a->mask[t]) : a->new_mask ? bf2f(*a->new_mask) : 0.f);
+    /* a hidden position (-inf in the mask) scores -inf and weighs 0: its rows are not read (see att_head) */
+    long first = 0;
+    while (first < far && first < s && bf2f(mask[first]) != -INFINITY) first++;
+    ATT_FETCH(kc, vc, 0, first < near ? first : near, rb, 3);
+    ATT_FETCH(kc, vc, near, first, rb, 2);
+    for (long t = 0; t < s; t++) {
+        if (t + far < s && bf2f(mask[t + far]) != -INFINITY) ATT_FETCH(kc, vc, t + far, t + far + 1, rb, 2);
+        if (t + near < s && bf2f(mask[t + near]) != -INFINITY) ATT_FETCH(kc, vc, t + near, t + near + 1, rb, 3);
+        if (bf2f(mask[t]) == -INFINITY) {
+            pr[t] = -INFINITY;
+            continue;
+        }
+        float v = scale * bf16_qk(qi, kc + t * d, d) + bf2f(mask[t]);
         pr[t] = v;
         if (v > mx) mx = v;
     }
-    float z = 0.f;
-    for (long t = 0; t <= s; t++) {
-        float e = expf(pr[t] - mx);
-        pr[t] = e;
-        z += e;
+    float vs = scale * bf16_qk(qi, a->k_new + j * d, d) + (a->new_mask ? bf2f(*a->new_mask) : 0.f);
+    pr[s] = vs;
+    if (vs > mx) mx = vs;
+    float iz = 1.f / softmax_exp(pr, s + 1, mx);
+    /* o = Σ_t w_t·v_t in t order (zero weights skipped), one fused multiply-add per product, up to 128 columns at a
+     * time in registers where d is a multiple of 16 (bf16_axpy's bits), bf16_axpy on o in memory else */
+    long c0 = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    if (d % 16 == 0) {
+        for (; c0 + 128 <= d; c0 += 128) pv_block_bf16(o, pr, iz, vc, vn, s, d, c0, 8);
+        for (; c0 + 64 <= d; c0 += 64) pv_block_bf16(o, pr, iz, vc, vn, s, d, c0, 4);
+        for (; c0 < d; c0 += 16) pv_block_bf16(o, pr, iz, vc, vn, s, d, c0, 1);
     }
-    float iz = 1.f / z;
-    for (long t = 0; t <= s; t++) {
-        float wt = pr[t] * iz;
-        if (wt == 0.f) continue;
-        bf16_axpy(o, wt, t < s ? vc + t * d : a->v_new + j * d, d);
+#endif
+    if (c0 < d) {
+        for (long c = 0; c < d; c++) o[c] = 0.f;
+        for (long t = 0; t <= s; t++) {
+            float wt = pr[t] * iz;
+            if (wt == 0.f) continue;
+            bf16_axpy(o, wt, t < s ? vc + t * d : vn, d);
+        }
     }
     for (long c = 0; c < d; c++) a->out[i * d + c] = f2bf(o[c]);
 }
