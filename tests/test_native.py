@@ -249,6 +249,37 @@ def test_decode_attention_equals_sdpa_over_the_written_positions(h, hkv, s, d, w
 
 
 @NEEDS_NATIVE
+@pytest.mark.parametrize("h, hkv, d", [(16, 2, 64), (12, 4, 128), (10, 2, 80), (6, 2, 20), (14, 2, 16), (8, 8, 64)])
+def test_decode_attention_has_the_same_bits_per_head_and_per_group_of_query_heads(h, hkv, d):
+    """Query heads that share a K/V head run as groups of up to four (one task reads each K/V row once) where there
+    are at least as many groups as threads, else one task per head: the two give the same bits (the same sums in the
+    same order), so the result does not depend on the thread count. Groups of 1-4 heads, head widths through every
+    path of the weighted sum, a cache with hidden positions in the middle."""
+    g = torch.Generator().manual_seed(h * 100 + d)
+    s = 70
+    q = torch.randn(1, h, 1, d, generator=g)
+    k, v = torch.randn(1, hkv, 1, d, generator=g), torch.randn(1, hkv, 1, d, generator=g)
+    kc, vc = torch.randn(1, hkv, s, d, generator=g), torch.randn(1, hkv, s, d, generator=g)
+    mask = torch.zeros(1, s)
+    mask[0, 50:] = float("-inf")
+    mask[0, [3, 17, 18]] = float("-inf")
+    groups = hkv * -(-(h // hkv) // 4)
+    old = torch.get_num_threads()
+    got = {}
+    try:
+        for threads in (1, groups + 1):  # per group, then per head (fewer groups than threads)
+            torch.set_num_threads(threads)
+            got[threads] = native.decode_attention(q, k, v, kc, vc, mask, torch.zeros(1, 1), d ** -0.5)
+    finally:
+        torch.set_num_threads(old)
+    assert torch.equal(got[1], got[groups + 1])
+    want = F.scaled_dot_product_attention(
+        q, torch.cat([kc, k], 2).repeat_interleave(h // hkv, 1), torch.cat([vc, v], 2).repeat_interleave(h // hkv, 1),
+        attn_mask=torch.cat([mask, torch.zeros(1, 1)], 1), scale=d ** -0.5)
+    torch.testing.assert_close(got[1], want, rtol=1e-5, atol=1e-6)
+
+
+@NEEDS_NATIVE
 @settings(max_examples=40, deadline=None)
 @given(rows=st.lists(st.integers(1, 70), min_size=1, max_size=native.MULTI_MAX), k=st.integers(1, 90),
        bias=st.lists(st.booleans(), min_size=native.MULTI_MAX, max_size=native.MULTI_MAX), threads=st.integers(1, 3))

@@ -164,6 +164,32 @@ def test_decode_attention_matches_aten_and_reads_no_hidden_row(h, hkv, s, d):
     torch.testing.assert_close(got.float(), ref.float(), rtol=4 * STEP, atol=4 * STEP)
 
 
+@pytest.mark.parametrize("h,hkv,d", [(16, 2, 64), (12, 4, 128), (10, 2, 80), (6, 2, 24), (14, 2, 16)])
+def test_decode_attention_has_the_same_bits_per_head_and_per_group_of_query_heads(h, hkv, d):
+    """As the fp32 kernel (tests/test_native.py): groups of up to four query heads of one K/V head as one task (with
+    one thread) and one task per head (more threads than groups) give the same bits."""
+    g = torch.Generator().manual_seed(h * 10 + d)
+    s = 60
+    q = torch.randn(1, h, 1, d, generator=g).to(BF)
+    k, v = (torch.randn(1, hkv, 1, d, generator=g).to(BF) for _ in range(2))
+    kc, vc = (torch.randn(1, hkv, s, d, generator=g).to(BF) for _ in range(2))
+    mask = torch.zeros(1, s).to(BF)
+    mask[0, 40:] = float("-inf")
+    mask[0, [2, 11]] = float("-inf")
+    groups = hkv * -(-(h // hkv) // 4)
+    old = torch.get_num_threads()
+    got = {}
+    try:
+        for threads in (1, groups + 1):
+            torch.set_num_threads(threads)
+            got[threads] = native.decode_attention_bf16(q, k, v, kc, vc, mask, None, d**-0.5)
+    finally:
+        torch.set_num_threads(old)
+    assert torch.equal(got[1], got[groups + 1])
+    ref = torch.ops.hetforge.kv_attention(q, k, v, kc, vc, mask, None, d**-0.5)
+    torch.testing.assert_close(got[1].float(), ref.float(), rtol=4 * STEP, atol=4 * STEP)
+
+
 def test_a_bf16_operand_read_at_run_time_is_checked_for_its_dtype():
     keep: dict = {}
     t = torch.zeros(4, dtype=BF)

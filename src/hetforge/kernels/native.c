@@ -992,15 +992,120 @@ static void att_head(void *p, long i) {
     }
 }
 
+#if defined(__AVX512F__)
+/* pv_block_f32 for NU query heads that share their V rows (GQA): each V row loaded once per column block for all
+ * NU heads, NU x nv accumulators; every head's column a chain of products and adds in t order. A row whose weight
+ * is 0 for every head is skipped; one whose weight is 0 for some heads only adds w·v = ±0 to their sums, which
+ * leaves them as the per-head loop (which skips it) leaves them: a sum starts at +0 and +0 + -0 is +0. */
+static inline __attribute__((always_inline)) void pv_quad_f32(float *const *o, float *const *pr, const float *iz,
+                                                              const float *vc, const float *vnew, long s, long d,
+                                                              long c0, int nv, int nu) {
+    __m512 acc[4][4];
+    for (int u = 0; u < nu; u++)
+        for (int b = 0; b < nv; b++) acc[u][b] = _mm512_setzero_ps();
+    for (long t = 0; t <= s; t++) {
+        float w[4];
+        int any = 0;
+        for (int u = 0; u < nu; u++) w[u] = pr[u][t] * iz[u], any |= w[u] != 0.f;
+        if (!any && t < s) continue;
+        const float *vr = (t < s ? vc + t * d : vnew) + c0;
+        for (int b = 0; b < nv; b++) {
+            __m512 v = _mm512_loadu_ps(vr + 16 * b);
+            for (int u = 0; u < nu; u++) acc[u][b] = _mm512_add_ps(acc[u][b], _mm512_mul_ps(_mm512_set1_ps(w[u]), v));
+        }
+    }
+    for (int u = 0; u < nu; u++)
+        for (int b = 0; b < nv; b++) _mm512_storeu_ps(o[u] + c0 + 16 * b, acc[u][b]);
+}
+
+#define PV_QUAD_CASE(NU)                                                                                    \
+    case NU:                                                                                                \
+        for (; c0 + 64 <= d; c0 += 64) pv_quad_f32(o, pr, iz, vc, vnew, s, d, c0, 4, NU);                  \
+        for (; c0 + 16 <= d; c0 += 16) pv_quad_f32(o, pr, iz, vc, vnew, s, d, c0, 1, NU);                  \
+        break;
+#endif
+
+/* Up to four query heads that read the same K/V head (GQA), as one task: each K row is read once for the four
+ * scores and each V row once per 64 output columns for the four weighted sums, where att_head reads them once per
+ * query head (three of four from L2). The same sums in the same order as att_head, so the same bits: a score is
+ * dot4's per-row chain (q·k and k·q multiply the same pairs), the softmax is softmax_exp, the weighted sums as
+ * pv_quad_f32 says. Task c is K/V head c / quads, query heads 4·(c % quads) onwards of its group. */
+static void att_quad(void *p, long c) {
+    const att_ctx *a = p;
+    long s = a->s, d = a->d, g = a->h / a->hkv, quads = (g + 3) / 4, j = c / quads, u0 = 4 * (c % quads);
+    int nu = g - u0 < 4 ? (int)(g - u0) : 4;
+    long i0 = j * g + u0;
+    const float *kc = a->k_cache + j * s * d, *vc = a->v_cache + j * s * d, *mask = a->mask, *q[4];
+    float *pr[4], *o[4], mx[4], iz[4], o4[4], scale = a->scale;
+    for (int u = 0; u < 4; u++) {
+        int uu = u < nu ? u : nu - 1; /* a missing head repeats the last one: its scores are computed, not kept */
+        q[u] = a->q + (i0 + uu) * d, pr[u] = a->scratch + (i0 + uu) * (s + 1), o[u] = a->out + (i0 + uu) * d;
+        mx[u] = -INFINITY;
+    }
+    long rb = d * (long)sizeof(float), first = 0;
+    while (first < HF_ATT_FAR && first < s && mask[first] != -INFINITY) first++;
+    ATT_FETCH(kc, vc, 0, first < HF_ATT_NEAR ? first : HF_ATT_NEAR, rb, 3);
+    ATT_FETCH(kc, vc, HF_ATT_NEAR, first, rb, 2);
+    for (long t = 0; t < s; t++) {
+        if (t + HF_ATT_FAR < s && mask[t + HF_ATT_FAR] != -INFINITY) ATT_FETCH(kc, vc, t + HF_ATT_FAR, t + HF_ATT_FAR + 1, rb, 2);
+        if (t + HF_ATT_NEAR < s && mask[t + HF_ATT_NEAR] != -INFINITY) ATT_FETCH(kc, vc, t + HF_ATT_NEAR, t + HF_ATT_NEAR + 1, rb, 3);
+        if (mask[t] == -INFINITY) {
+            for (int u = 0; u < nu; u++) pr[u][t] = -INFINITY;
+            continue;
+        }
+        dot4(q[0], q[1], q[2], q[3], kc + t * d, d, o4);
+        for (int u = 0; u < nu; u++) {
+            float v = scale * o4[u] + mask[t];
+            pr[u][t] = v;
+            if (v > mx[u]) mx[u] = v;
+        }
+    }
+    dot4(q[0], q[1], q[2], q[3], a->k_new + j * d, d, o4);
+    for (int u = 0; u < nu; u++) {
+        float v = scale * o4[u] + (a->new_mask ? *a->new_mask : 0.f);
+        pr[u][s] = v;
+        if (v > mx[u]) mx[u] = v;
+        iz[u] = 1.f / softmax_exp(pr[u], s + 1, mx[u]);
+    }
+    const float *vnew = a->v_new + j * d;
+    long c0 = 0;
+#if defined(__AVX512F__)
+    switch (nu) {
+        PV_QUAD_CASE(1)
+        PV_QUAD_CASE(2)
+        PV_QUAD_CASE(3)
+        PV_QUAD_CASE(4)
+    }
+#endif
+    for (int u = 0; u < nu && c0 < d; u++) { /* columns past the last multiple of 16: att_head's loop */
+        float *ou = o[u];
+        for (long cc = c0; cc < d; cc++) ou[cc] = 0.f;
+        for (long t = 0; t <= s; t++) {
+            float w = pr[u][t] * iz[u];
+            if (w == 0.f && t < s) continue;
+            const float *vr = t < s ? vc + t * d : vnew;
+#pragma omp simd
+            for (long cc = c0; cc < d; cc++) ou[cc] += w * vr[cc];
+        }
+    }
+}
+
 /* One new query row per head against a read-only KV cache plus the new row (the decode step's attention).
  * q [h, d], k_new/v_new [hkv, d], caches [hkv, s, d], mask [s] additive (may hold -inf), new_mask the
- * additive mask of the new row against itself (one float, or NULL); out [h, d]. Head i reads kv head i / (h / hkv). Heads
- * are the pool's chunks; scores sit in a per-head buffer of s + 1 floats (scratch [h, s + 1]). */
+ * additive mask of the new row against itself (one float, or NULL); out [h, d]. Head i reads kv head i / (h / hkv).
+ * The pool's chunks are the heads (att_head), or, where query heads share a K/V head and there are at least as many
+ * groups of up to four of them as threads, those groups (att_quad: the same bits, each K/V row read once per group);
+ * scores sit in a per-head buffer of s + 1 floats (scratch [h, s + 1]). */
 void hf_decode_attention(const float *q, const float *k_new, const float *v_new, const float *k_cache,
                          const float *v_cache, const float *mask, const float *new_mask, float *out, float *scratch,
                          long h, long hkv, long s, long d, float scale, int threads) {
     att_ctx a = {q, k_new, v_new, k_cache, v_cache, mask, new_mask, out, scratch, scale, h, hkv, s, d};
-    hf_run(att_head, &a, h, clamp_threads(threads));
+    long g = h / hkv, quads = hkv * ((g + 3) / 4);
+    threads = clamp_threads(threads);
+    if (g > 1 && quads >= threads)
+        hf_run(att_quad, &a, quads, threads);
+    else
+        hf_run(att_head, &a, h, threads);
 }
 
 /* ---------------------------------------------------------------- one-row MLP blocks */
@@ -2880,12 +2985,131 @@ static void bf16_att_head(void *p, long i) {
     for (long c = 0; c < d; c++) a->out[i * d + c] = f2bf(o[c]);
 }
 
-/* hf_decode_attention on bf16 tensors (mask and new_mask bf16 too); scratch fp32 [h, s + 1 + 2 d]. */
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+/* bf16_qk of four q rows against one bf16 K row (d a multiple of 16): the row widened once, each sum bf16_qk's
+ * chain of fused multiply-adds and its final reduce, so each result has bf16_qk's bits */
+static inline void bf16_qk4(const float *const *q, const hf_bf16 *k, long d, float *out) {
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (long c = 0; c < d; c += 16) {
+        __m512 kv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(k + c))), 16));
+        a0 = _mm512_fmadd_ps(_mm512_loadu_ps(q[0] + c), kv, a0);
+        a1 = _mm512_fmadd_ps(_mm512_loadu_ps(q[1] + c), kv, a1);
+        a2 = _mm512_fmadd_ps(_mm512_loadu_ps(q[2] + c), kv, a2);
+        a3 = _mm512_fmadd_ps(_mm512_loadu_ps(q[3] + c), kv, a3);
+    }
+    out[0] = _mm512_reduce_add_ps(a0), out[1] = _mm512_reduce_add_ps(a1);
+    out[2] = _mm512_reduce_add_ps(a2), out[3] = _mm512_reduce_add_ps(a3);
+}
+
+/* pv_quad_f32 on bf16 V rows with pv_block_bf16's fused multiply-add per product (a weight of 0 adds an exact 0) */
+static inline __attribute__((always_inline)) void pv_quad_bf16(float *const *o, float *const *pr, const float *iz,
+                                                               const hf_bf16 *vc, const hf_bf16 *vnew, long s, long d,
+                                                               long c0, int nv, int nu) {
+    __m512 acc[4][4];
+    for (int u = 0; u < nu; u++)
+        for (int b = 0; b < nv; b++) acc[u][b] = _mm512_setzero_ps();
+    for (long t = 0; t <= s; t++) {
+        float w[4];
+        int any = 0;
+        for (int u = 0; u < nu; u++) w[u] = pr[u][t] * iz[u], any |= w[u] != 0.f;
+        if (!any) continue;
+        const hf_bf16 *vr = (t < s ? vc + t * d : vnew) + c0;
+        for (int b = 0; b < nv; b++) {
+            __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(vr + 16 * b))), 16));
+            for (int u = 0; u < nu; u++) acc[u][b] = _mm512_fmadd_ps(_mm512_set1_ps(w[u]), v, acc[u][b]);
+        }
+    }
+    for (int u = 0; u < nu; u++)
+        for (int b = 0; b < nv; b++) _mm512_storeu_ps(o[u] + c0 + 16 * b, acc[u][b]);
+}
+
+#define PV_QUAD_BF16_CASE(NU)                                                                               \
+    case NU:                                                                                                \
+        for (; c0 + 64 <= d; c0 += 64) pv_quad_bf16(o, pr, iz, vc, vn, s, d, c0, 4, NU);                   \
+        for (; c0 < d; c0 += 16) pv_quad_bf16(o, pr, iz, vc, vn, s, d, c0, 1, NU);                         \
+        break;
+#endif
+
+/* att_quad for bf16_att_head: up to four query heads of one K/V head as one task, with bf16_att_head's bits. */
+static void bf16_att_quad(void *p, long c) {
+    const batt_ctx *a = p;
+    long s = a->s, d = a->d, g = a->h / a->hkv, quads = (g + 3) / 4, j = c / quads, u0 = 4 * (c % quads);
+    int nu = g - u0 < 4 ? (int)(g - u0) : 4;
+    long i0 = j * g + u0;
+    const hf_bf16 *kc = a->k_cache + j * s * d, *vc = a->v_cache + j * s * d, *mask = a->mask, *vn = a->v_new + j * d;
+    float *pr[4], *q[4], *o[4], mx[4], iz[4], o4[4], scale = a->scale;
+    for (int u = 0; u < 4; u++) {
+        int uu = u < nu ? u : nu - 1; /* a missing head repeats the last one: its scores are computed, not kept */
+        pr[u] = a->scratch + (i0 + uu) * (s + 1 + 2 * d), q[u] = pr[u] + s + 1, o[u] = q[u] + d;
+        mx[u] = -INFINITY;
+    }
+    for (int u = 0; u < nu; u++)
+        for (long cc = 0; cc < d; cc++) q[u][cc] = bf2f(a->q[(i0 + u) * d + cc]);
+    const long near = 2 * HF_ATT_NEAR, far = 2 * HF_ATT_FAR, rb = d * (long)sizeof(hf_bf16);
+    long first = 0;
+    while (first < far && first < s && bf2f(mask[first]) != -INFINITY) first++;
+    ATT_FETCH(kc, vc, 0, first < near ? first : near, rb, 3);
+    ATT_FETCH(kc, vc, near, first, rb, 2);
+    for (long t = 0; t <= s; t++) {
+        const hf_bf16 *kr = t < s ? kc + t * d : a->k_new + j * d;
+        float add = t < s ? bf2f(mask[t]) : a->new_mask ? bf2f(*a->new_mask) : 0.f;
+        if (t < s) {
+            if (t + far < s && bf2f(mask[t + far]) != -INFINITY) ATT_FETCH(kc, vc, t + far, t + far + 1, rb, 2);
+            if (t + near < s && bf2f(mask[t + near]) != -INFINITY) ATT_FETCH(kc, vc, t + near, t + near + 1, rb, 3);
+            if (add == -INFINITY) {
+                for (int u = 0; u < nu; u++) pr[u][t] = -INFINITY;
+                continue;
+            }
+        }
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+        if (d % 16 == 0)
+            bf16_qk4((const float *const *)q, kr, d, o4);
+        else
+#endif
+            for (int u = 0; u < nu; u++) o4[u] = bf16_qk(q[u], kr, d);
+        for (int u = 0; u < nu; u++) {
+            float v = scale * o4[u] + add;
+            pr[u][t] = v;
+            if (v > mx[u]) mx[u] = v;
+        }
+    }
+    for (int u = 0; u < nu; u++) iz[u] = 1.f / softmax_exp(pr[u], s + 1, mx[u]);
+    long c0 = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    if (d % 16 == 0)
+        switch (nu) {
+            PV_QUAD_BF16_CASE(1)
+            PV_QUAD_BF16_CASE(2)
+            PV_QUAD_BF16_CASE(3)
+            PV_QUAD_BF16_CASE(4)
+        }
+#endif
+    for (int u = 0; u < nu; u++) {
+        if (c0 < d) { /* bf16_att_head's generic loop */
+            for (long cc = 0; cc < d; cc++) o[u][cc] = 0.f;
+            for (long t = 0; t <= s; t++) {
+                float wt = pr[u][t] * iz[u];
+                if (wt == 0.f) continue;
+                bf16_axpy(o[u], wt, t < s ? vc + t * d : vn, d);
+            }
+        }
+        for (long cc = 0; cc < d; cc++) a->out[(i0 + u) * d + cc] = f2bf(o[u][cc]);
+    }
+}
+
+/* hf_decode_attention on bf16 tensors (mask and new_mask bf16 too); scratch fp32 [h, s + 1 + 2 d]. Tasks as in
+ * hf_decode_attention (bf16_att_quad where query heads share a K/V head, the same bits). */
 void hf_decode_attention_bf16(const hf_bf16 *q, const hf_bf16 *k_new, const hf_bf16 *v_new, const hf_bf16 *k_cache,
                               const hf_bf16 *v_cache, const hf_bf16 *mask, const hf_bf16 *new_mask, hf_bf16 *out,
                               float *scratch, long h, long hkv, long s, long d, float scale, int threads) {
     batt_ctx a = {q, k_new, v_new, k_cache, v_cache, mask, new_mask, out, scratch, scale, h, hkv, s, d};
-    hf_run(bf16_att_head, &a, h, clamp_threads(threads));
+    long g = h / hkv, quads = hkv * ((g + 3) / 4);
+    threads = clamp_threads(threads);
+    if (g > 1 && quads >= threads)
+        hf_run(bf16_att_quad, &a, quads, threads);
+    else
+        hf_run(bf16_att_head, &a, h, threads);
 }
 
 /* hf_rotary_pos on bf16 (prefill: x [b, h, s, d] read with strides sb, sh, ss, cos/sin one row per position, row
