@@ -1018,12 +1018,29 @@ static inline __attribute__((always_inline)) void pv_quad_f32(float *const *o, f
         for (int b = 0; b < nv; b++) _mm512_storeu_ps(o[u] + c0 + 16 * b, acc[u][b]);
 }
 
-#define PV_QUAD_CASE(NU)                                                                                    \
+/* case NU of a switch on the group's head count: ``fn`` (pv_quad_f32 or pv_quad_bf16) over 64-column blocks, then
+ * 16-column blocks, with NU a constant so its loops unroll into registers; c0 ends past the last block */
+#define PV_QUAD_CASE(fn, NU, vnew)                                                                          \
     case NU:                                                                                                \
-        for (; c0 + 64 <= d; c0 += 64) pv_quad_f32(o, pr, iz, vc, vnew, s, d, c0, 4, NU);                  \
-        for (; c0 + 16 <= d; c0 += 16) pv_quad_f32(o, pr, iz, vc, vnew, s, d, c0, 1, NU);                  \
+        for (; c0 + 64 <= d; c0 += 64) fn(o, pr, iz, vc, vnew, s, d, c0, 4, NU);                           \
+        for (; c0 + 16 <= d; c0 += 16) fn(o, pr, iz, vc, vnew, s, d, c0, 1, NU);                           \
         break;
 #endif
+
+/* The decode attention's grouped tasks (att_quad, bf16_att_quad): how many there are for h query heads over hkv
+ * K/V heads on ``threads`` threads (0: run one task per head instead, where no two query heads share a K/V head or
+ * there are fewer groups than threads), and for task c its K/V head *j, its first query head *i0 and how many query
+ * heads it has (1-4). */
+static long att_quad_tasks(long h, long hkv, int threads) {
+    long g = h / hkv, n = hkv * ((g + 3) / 4);
+    return g > 1 && n >= threads ? n : 0;
+}
+
+static int att_quad_task(long h, long hkv, long c, long *j, long *i0) {
+    long g = h / hkv, quads = (g + 3) / 4, u0 = 4 * (c % quads);
+    *j = c / quads, *i0 = *j * g + u0;
+    return g - u0 < 4 ? (int)(g - u0) : 4;
+}
 
 /* Up to four query heads that read the same K/V head (GQA), as one task: each K row is read once for the four
  * scores and each V row once per 64 output columns for the four weighted sums, where att_head reads them once per
@@ -1032,9 +1049,8 @@ static inline __attribute__((always_inline)) void pv_quad_f32(float *const *o, f
  * pv_quad_f32 says. Task c is K/V head c / quads, query heads 4·(c % quads) onwards of its group. */
 static void att_quad(void *p, long c) {
     const att_ctx *a = p;
-    long s = a->s, d = a->d, g = a->h / a->hkv, quads = (g + 3) / 4, j = c / quads, u0 = 4 * (c % quads);
-    int nu = g - u0 < 4 ? (int)(g - u0) : 4;
-    long i0 = j * g + u0;
+    long s = a->s, d = a->d, j, i0;
+    int nu = att_quad_task(a->h, a->hkv, c, &j, &i0);
     const float *kc = a->k_cache + j * s * d, *vc = a->v_cache + j * s * d, *mask = a->mask, *q[4];
     float *pr[4], *o[4], mx[4], iz[4], o4[4], scale = a->scale;
     for (int u = 0; u < 4; u++) {
@@ -1071,10 +1087,10 @@ static void att_quad(void *p, long c) {
     long c0 = 0;
 #if defined(__AVX512F__)
     switch (nu) {
-        PV_QUAD_CASE(1)
-        PV_QUAD_CASE(2)
-        PV_QUAD_CASE(3)
-        PV_QUAD_CASE(4)
+        PV_QUAD_CASE(pv_quad_f32, 1, vnew)
+        PV_QUAD_CASE(pv_quad_f32, 2, vnew)
+        PV_QUAD_CASE(pv_quad_f32, 3, vnew)
+        PV_QUAD_CASE(pv_quad_f32, 4, vnew)
     }
 #endif
     for (int u = 0; u < nu && c0 < d; u++) { /* columns past the last multiple of 16: att_head's loop */
@@ -1100,12 +1116,9 @@ void hf_decode_attention(const float *q, const float *k_new, const float *v_new,
                          const float *v_cache, const float *mask, const float *new_mask, float *out, float *scratch,
                          long h, long hkv, long s, long d, float scale, int threads) {
     att_ctx a = {q, k_new, v_new, k_cache, v_cache, mask, new_mask, out, scratch, scale, h, hkv, s, d};
-    long g = h / hkv, quads = hkv * ((g + 3) / 4);
     threads = clamp_threads(threads);
-    if (g > 1 && quads >= threads)
-        hf_run(att_quad, &a, quads, threads);
-    else
-        hf_run(att_head, &a, h, threads);
+    long quads = att_quad_tasks(h, hkv, threads);
+    hf_run(quads ? att_quad : att_head, &a, quads ? quads : h, threads);
 }
 
 /* ---------------------------------------------------------------- one-row MLP blocks */
@@ -3024,19 +3037,13 @@ static inline __attribute__((always_inline)) void pv_quad_bf16(float *const *o, 
         for (int b = 0; b < nv; b++) _mm512_storeu_ps(o[u] + c0 + 16 * b, acc[u][b]);
 }
 
-#define PV_QUAD_BF16_CASE(NU)                                                                               \
-    case NU:                                                                                                \
-        for (; c0 + 64 <= d; c0 += 64) pv_quad_bf16(o, pr, iz, vc, vn, s, d, c0, 4, NU);                   \
-        for (; c0 < d; c0 += 16) pv_quad_bf16(o, pr, iz, vc, vn, s, d, c0, 1, NU);                         \
-        break;
 #endif
 
 /* att_quad for bf16_att_head: up to four query heads of one K/V head as one task, with bf16_att_head's bits. */
 static void bf16_att_quad(void *p, long c) {
     const batt_ctx *a = p;
-    long s = a->s, d = a->d, g = a->h / a->hkv, quads = (g + 3) / 4, j = c / quads, u0 = 4 * (c % quads);
-    int nu = g - u0 < 4 ? (int)(g - u0) : 4;
-    long i0 = j * g + u0;
+    long s = a->s, d = a->d, j, i0;
+    int nu = att_quad_task(a->h, a->hkv, c, &j, &i0);
     const hf_bf16 *kc = a->k_cache + j * s * d, *vc = a->v_cache + j * s * d, *mask = a->mask, *vn = a->v_new + j * d;
     float *pr[4], *q[4], *o[4], mx[4], iz[4], o4[4], scale = a->scale;
     for (int u = 0; u < 4; u++) {
@@ -3079,10 +3086,10 @@ static void bf16_att_quad(void *p, long c) {
 #if defined(__AVX512F__) && defined(__AVX512BW__)
     if (d % 16 == 0)
         switch (nu) {
-            PV_QUAD_BF16_CASE(1)
-            PV_QUAD_BF16_CASE(2)
-            PV_QUAD_BF16_CASE(3)
-            PV_QUAD_BF16_CASE(4)
+            PV_QUAD_CASE(pv_quad_bf16, 1, vn)
+            PV_QUAD_CASE(pv_quad_bf16, 2, vn)
+            PV_QUAD_CASE(pv_quad_bf16, 3, vn)
+            PV_QUAD_CASE(pv_quad_bf16, 4, vn)
         }
 #endif
     for (int u = 0; u < nu; u++) {
@@ -3104,12 +3111,9 @@ void hf_decode_attention_bf16(const hf_bf16 *q, const hf_bf16 *k_new, const hf_b
                               const hf_bf16 *v_cache, const hf_bf16 *mask, const hf_bf16 *new_mask, hf_bf16 *out,
                               float *scratch, long h, long hkv, long s, long d, float scale, int threads) {
     batt_ctx a = {q, k_new, v_new, k_cache, v_cache, mask, new_mask, out, scratch, scale, h, hkv, s, d};
-    long g = h / hkv, quads = hkv * ((g + 3) / 4);
     threads = clamp_threads(threads);
-    if (g > 1 && quads >= threads)
-        hf_run(bf16_att_quad, &a, quads, threads);
-    else
-        hf_run(bf16_att_head, &a, h, threads);
+    long quads = att_quad_tasks(h, hkv, threads);
+    hf_run(quads ? bf16_att_quad : bf16_att_head, &a, quads ? quads : h, threads);
 }
 
 /* hf_rotary_pos on bf16 (prefill: x [b, h, s, d] read with strides sb, sh, ss, cos/sin one row per position, row
