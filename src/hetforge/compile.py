@@ -11,6 +11,7 @@ a :class:`CompileResult` holding every stage's result, its report and its wall t
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -121,6 +122,28 @@ def _passes_then_stamp(gm: torch.fx.GraphModule, example_inputs, passes, expand:
     return gm2, opt, note
 
 
+def row_prune_enabled() -> bool:
+    """Whether compiles with passes run the row-selection pass (``passes/rowprune.py``): yes unless
+    ``HETFORGE_ROW_PRUNE=0`` (an A/B switch; the compile cache keys on it)."""
+    return os.environ.get("HETFORGE_ROW_PRUNE", "1").strip() != "0"
+
+
+def _prune_rows(gm: torch.fx.GraphModule, opt: Any) -> tuple[torch.fx.GraphModule, Any]:
+    """The row-selection pass on the whole (stamped) graph, its result added to the passes' report."""
+    import dataclasses
+
+    from hetforge.passes import fused_counts
+    from hetforge.passes.rowprune import prune_rows
+
+    res = prune_rows(gm)
+    if not res.rewrites:
+        return gm, opt
+    if opt is not None:
+        opt = dataclasses.replace(opt, gm=res.gm, passes=[*opt.passes, res], fused=fused_counts(res.gm),
+                                  nodes_after=res.nodes_after)
+    return res.gm, opt
+
+
 def _transfer_seconds(p: Program, soc) -> float:
     """Modeled time of all transfers (cost model)."""
     from hetforge.cost import transfer_cost
@@ -171,6 +194,8 @@ def compile_graph(
         gm2, opt, note = _run_passes(gm, example_inputs, passes)
     else:
         gm2, opt, note = _passes_then_stamp(gm, example_inputs, passes, expand)
+    if passes is not False and row_prune_enabled():  # after stamping (passes/rowprune.py)
+        gm2, opt = _prune_rows(gm2, opt)
     secs["passes"] = time.perf_counter() - t0 - (expand.seconds if expand is not None else 0.0)
     if expand is not None:
         secs["stamp"] = expand.seconds

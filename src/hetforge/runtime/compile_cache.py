@@ -51,6 +51,7 @@ from typing import Any
 import torch
 
 from hetforge.backends.partition import Partition, PartitionedGraph
+from hetforge.compile import row_prune_enabled
 from hetforge.kernels import onednn
 
 FORMAT = "hetforge-cache/2"
@@ -242,7 +243,7 @@ def key_document(model: torch.nn.Module, options: dict[str, Any], optimize: bool
             "module": type(module).__qualname__ if module is not None else None,
             "inputs": [[list(t.shape), str(t.dtype)] if isinstance(t, torch.Tensor) else repr(t) for t in inputs],
             "gemm": os.environ.get("HETFORGE_GEMM", "auto"), "cpu": _cpu_key(), "w8_act": _w8_act(options),
-            "w4_act": _w4_act(options)}
+            "w4_act": _w4_act(options), "row_prune": row_prune_enabled()}
 
 
 def _w8_act(options: dict[str, Any]) -> str | None:
