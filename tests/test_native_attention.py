@@ -299,8 +299,9 @@ def test_runtime_prefill_writes_attention_heads_last_and_binds_the_merge_with_th
         dense_src, dense_out = prefill("gpt2-tiny")
     layers = dense_src.count("_pa")
     assert layers >= 2 and src.count("_hl") == layers and "_hl" not in dense_src
-    # the merge reshape and the view after it: per call (a copy, then a view) with a dense result, bound here
-    assert src.count("= _sv") - dense_src.count("= _sv") >= 2 * layers
+    # the merge reshape and the view after it: per call (a copy, then a view) with a dense result, bound here; the
+    # last layer's attention has the selected row only (passes/rowprune.py), where the merge is a view either way
+    assert src.count("= _sv") - dense_src.count("= _sv") >= 2 * (layers - 1)
     for a, b in zip(out, dense_out, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     folded, _ = prefill("llama-tiny")

@@ -216,8 +216,9 @@ def test_compiled_w4_prefill_records_and_runs_the_gemm_kernel(monkeypatch):
         exe = res.executable
         w4 = [i for i in exe.program.instrs if i.op == "hetforge.linear_w4.default" and rows(i, exe.program) > 1]
         native_ones = [i for i in w4 if exe.kernels[i.id] == "native:hf_gemm_q4a"]
-        if mode == "q8":  # q, o, gate, up, down per layer read by the kernels; k, v (N = 32) are not
-            assert len(native_ones) >= 5 * m.config.num_hidden_layers
+        if mode == "q8":  # q, o, gate, up, down per layer read by the kernels; k, v (N = 32) are not; the last
+            # layer's o, gate, up and down run on the selected row only (passes/rowprune.py), its q on every row
+            assert len(native_ones) >= 5 * (m.config.num_hidden_layers - 1) + 1
             assert all(i.attrs["kernel"] == "native:hf_gemm_q4a" for i in native_ones)
             cost = estimate_instr(native_ones[0], exe.program, res.soc.device(native_ones[0].device),
                                   set(res.memory.offsets))
