@@ -179,6 +179,8 @@ def compile_graph(
     ``expand``: ``gm`` is a cut-down capture whose repeated layers are stamped out after the passes (a
     :class:`hetforge.runtime.stamp.Deferred`: the passes then run on two layers, not all); where the optimized
     layers cannot be stamped it gives the whole graph and the passes run on that.
+    With passes, the row-selection pass (``passes/rowprune.py``) runs on the whole graph after them (and after the
+    stamping): a one-row selection's last layer computed for that row only.
     ``quantize`` (``w8``/``w4``/``w8a8``/``none``) runs the weight-quantization pass after the middle-end passes,
     so placement and the cost model see the int8/int4 linears. ``build=False`` stops before allocating
     arenas (reports only).

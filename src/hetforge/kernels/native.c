@@ -1025,6 +1025,14 @@ static inline __attribute__((always_inline)) void pv_quad_f32(float *const *o, f
         for (; c0 + 64 <= d; c0 += 64) fn(o, pr, iz, vc, vnew, s, d, c0, 4, NU);                           \
         for (; c0 + 16 <= d; c0 += 16) fn(o, pr, iz, vc, vnew, s, d, c0, 1, NU);                           \
         break;
+/* the switch over a group's 1-4 heads, each case with its head count a constant */
+#define PV_QUAD_SWITCH(fn, nu, vnew)                                                                        \
+    switch (nu) {                                                                                           \
+        PV_QUAD_CASE(fn, 1, vnew)                                                                           \
+        PV_QUAD_CASE(fn, 2, vnew)                                                                           \
+        PV_QUAD_CASE(fn, 3, vnew)                                                                           \
+        PV_QUAD_CASE(fn, 4, vnew)                                                                           \
+    }
 #endif
 
 /* The decode attention's grouped tasks (att_quad, bf16_att_quad): how many there are for h query heads over hkv
@@ -1086,12 +1094,7 @@ static void att_quad(void *p, long c) {
     const float *vnew = a->v_new + j * d;
     long c0 = 0;
 #if defined(__AVX512F__)
-    switch (nu) {
-        PV_QUAD_CASE(pv_quad_f32, 1, vnew)
-        PV_QUAD_CASE(pv_quad_f32, 2, vnew)
-        PV_QUAD_CASE(pv_quad_f32, 3, vnew)
-        PV_QUAD_CASE(pv_quad_f32, 4, vnew)
-    }
+    PV_QUAD_SWITCH(pv_quad_f32, nu, vnew)
 #endif
     for (int u = 0; u < nu && c0 < d; u++) { /* columns past the last multiple of 16: att_head's loop */
         float *ou = o[u];
@@ -3085,12 +3088,7 @@ static void bf16_att_quad(void *p, long c) {
     long c0 = 0;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
     if (d % 16 == 0)
-        switch (nu) {
-            PV_QUAD_CASE(pv_quad_bf16, 1, vn)
-            PV_QUAD_CASE(pv_quad_bf16, 2, vn)
-            PV_QUAD_CASE(pv_quad_bf16, 3, vn)
-            PV_QUAD_CASE(pv_quad_bf16, 4, vn)
-        }
+        PV_QUAD_SWITCH(pv_quad_bf16, nu, vn)
 #endif
     for (int u = 0; u < nu; u++) {
         if (c0 < d) { /* bf16_att_head's generic loop */

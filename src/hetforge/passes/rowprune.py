@@ -167,7 +167,8 @@ def prune_rows(gm: GraphModule, log: PassLog) -> None:
              and tval(n.args[2]).numel() == 1]
     for root in roots:
         x0, dim, idx = root.args
-        row = _pruned_set(root, dim % tval(x0).dim())
+        d0 = dim % tval(x0).dim()
+        row = _pruned_set(root, d0) if tval(x0).shape[d0] > 1 else None  # one row already: nothing to prune
         if not row:
             continue
         new = _rewrite(gm, row, idx, fake)[x0]
