@@ -4,15 +4,15 @@ A generation's prefill returns the logits of one row (``index_select(hidden, 1, 
 K/V rows of every position. So the last decoder layer's attention output, output projection, residual adds, norms and
 MLP are needed for that one row only: the other rows' values feed nothing but the selected row. This pass moves the
 row selection up through the operations that act on each row alone, as far as every use of a value lies on the
-selected row's path, and selects the row of the first value that is also read elsewhere (the last layer's input,
-which its K/V projections read) or that an operation it does not know produced (a rotary query). In the last layer
-the query projection and rotary still run on every row; the attention then runs for the one query row, against all
-keys (the causal mask becomes a mask of the keys up to ``last``), and the products after it run on one row. For a
-decoder of L layers that is roughly ``9 / (12 L)`` of the prefill's product FLOPs not done (llama.cpp skips the same
-rows of its last layer).
+selected row's path, and selects the row of the first value that is also read elsewhere (the last layer's input, which
+its K/V projections read) or that an operation it does not know produced (an MoE block's output). In the last layer
+the attention then runs for the one query row, against all keys (the causal mask becomes a mask of the keys up to
+``last``), and the products after it run on one row. For a decoder of L layers that is roughly ``9 / (12 L)`` (a fused
+q/k/v product) to ``10 / (12 L)`` of the prefill's product FLOPs not done (llama.cpp skips the same rows of its last layer).
 
-Row-wise operations it moves through: elementwise add / sub / mul (an operand that broadcasts over the rows is read
-as it is), the norms (``hetforge::layer_norm`` / ``rms_norm`` over the last dimensions), the products (``linear``,
+Row-wise operations it moves through: elementwise add / sub / mul and ``hetforge::rotary`` (an operand that broadcasts
+over the rows, such as one position's cos/sin, is read as it is; a cos/sin with a row per position has its row
+selected too), the norms (``hetforge::layer_norm`` / ``rms_norm`` over the last dimensions), the products (``linear``,
 ``addmm``, ``hetforge::linear_act``, ``hetforge::gated_mlp``), ``view`` / ``reshape`` that keep the row dimension
 whole, ``transpose``, and ``hetforge::attention`` (its query rows). The row's values equal the full graph's to
 rounding (one-row products run other kernels: a different summation order), not bit for bit.
@@ -48,9 +48,11 @@ def _row_input_dim(n: Node, d: int) -> dict[int, int] | None:
         return None
     rank, t = out.dim(), out.shape[d]
     tgt = n.target
-    if tgt in _EWISE:
+    if tgt in _EWISE or tgt is _hf("rotary"):  # rotary: x·cos + rotate_half(x)·sin, within each row (last dim)
+        if tgt is _hf("rotary") and d == rank - 1:
+            return None
         dims = {}
-        for i, a in enumerate(n.args[:2]):
+        for i, a in enumerate(n.args[:3]):
             v = tval(a)
             if v is None:
                 continue
