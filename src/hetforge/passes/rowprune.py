@@ -8,7 +8,8 @@ selected row's path, and selects the row of the first value that is also read el
 its K/V projections read) or that an operation it does not know produced (an MoE block's output). In the last layer
 the attention then runs for the one query row, against all keys (the causal mask becomes a mask of the keys up to
 ``last``), and the products after it run on one row. For a decoder of L layers that is roughly ``9 / (12 L)`` (a fused
-q/k/v product) to ``10 / (12 L)`` of the prefill's product FLOPs not done (llama.cpp skips the same rows of its last layer).
+q/k/v product) to ``10 / (12 L)`` of the prefill's product FLOPs not done (llama.cpp skips the same rows of its last
+layer).
 
 Row-wise operations it moves through: elementwise add / sub / mul and ``hetforge::rotary`` (an operand that broadcasts
 over the rows, such as one position's cos/sin, is read as it is; a cos/sin with a row per position has its row
