@@ -913,22 +913,63 @@ static float softmax_exp(float *pr, long n, float mx) {
 }
 
 #if defined(__AVX512F__)
-/* o[c0, c0 + 16 nv) = Σ_t (pr[t]·iz)·v_t over the cache rows vc (rows of d floats; zero weights skipped) and then the
- * new row vnew, each column a chain of products and adds in t order, in nv accumulators (nv a constant at each
- * call, so the loops unroll into registers) */
-static inline __attribute__((always_inline)) void pv_block_f32(float *o, const float *pr, float iz, const float *vc,
-                                                               const float *vnew, long s, long d, long c0, int nv) {
-    __m512 acc[8];
-    for (int u = 0; u < nv; u++) acc[u] = _mm512_setzero_ps();
-    for (long t = 0; t <= s; t++) {
-        float w = pr[t] * iz;
-        if (w == 0.f && t < s) continue;
-        const float *vr = (t < s ? vc + t * d : vnew) + c0;
-        const __m512 wv = _mm512_set1_ps(w);
-        for (int u = 0; u < nv; u++) acc[u] = _mm512_add_ps(acc[u], _mm512_mul_ps(wv, _mm512_loadu_ps(vr + 16 * u)));
-    }
-    for (int u = 0; u < nv; u++) _mm512_storeu_ps(o + c0 + 16 * u, acc[u]);
+/* The weights w[u] = pr[u][t]·iz[u] of row t for nu heads; whether any is nonzero. */
+static inline __attribute__((always_inline)) int pv_weights(float *const *pr, const float *iz, long t, int nu,
+                                                           float *w) {
+    int any = 0;
+    for (int u = 0; u < nu; u++) w[u] = pr[u][t] * iz[u], any |= w[u] != 0.f;
+    return any;
 }
+
+/* o[u][c0, c0 + 16 nv) = Σ_t (pr[u][t]·iz[u])·v_t over the cache rows vc (rows of d floats, or of d bf16 values with
+ * ``bf16``) and then the new row vnew, for nu query heads that share their V rows (1 for a head of its own; up to 4
+ * under GQA, then nv <= 4): each V row loaded once per column block for all of them, nu x nv accumulators (nu, nv
+ * and bf16 constants at each call, so the loops unroll into registers); every column a chain in t order of a
+ * product and an add (fp32) or of bf16_axpy's fused multiply-adds (bf16). A row whose weight is 0 for every head is
+ * skipped (in bf16 the new row too); one whose weight is 0 for some heads only adds w·v = ±0 to their sums, which
+ * leaves them as skipping it would: a sum starts at +0 and +0 + -0 is +0. */
+static inline __attribute__((always_inline)) void pv_quad(float *const *o, float *const *pr, const float *iz,
+                                                          const void *vc, const void *vnew, long s, long d, long c0,
+                                                          int nv, int nu, int bf16) {
+    __m512 acc[4][8];
+    for (int u = 0; u < nu; u++)
+        for (int b = 0; b < nv; b++) acc[u][b] = _mm512_setzero_ps();
+    for (long t = 0; t <= s; t++) {
+        float w[4];
+        if (!pv_weights(pr, iz, t, nu, w) && (bf16 || t < s)) continue;
+        for (int b = 0; b < nv; b++) {
+            __m512 v;
+            if (bf16) {
+                const uint16_t *vr = (t < s ? (const uint16_t *)vc + t * d : (const uint16_t *)vnew) + c0 + 16 * b;
+                v = _mm512_castsi512_ps(
+                    _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)vr)), 16));
+                for (int u = 0; u < nu; u++) acc[u][b] = _mm512_fmadd_ps(_mm512_set1_ps(w[u]), v, acc[u][b]);
+            } else {
+                v = _mm512_loadu_ps((t < s ? (const float *)vc + t * d : (const float *)vnew) + c0 + 16 * b);
+                for (int u = 0; u < nu; u++)
+                    acc[u][b] = _mm512_add_ps(acc[u][b], _mm512_mul_ps(_mm512_set1_ps(w[u]), v));
+            }
+        }
+    }
+    for (int u = 0; u < nu; u++)
+        for (int b = 0; b < nv; b++) _mm512_storeu_ps(o[u] + c0 + 16 * b, acc[u][b]);
+}
+
+/* case NU of a switch on the group's head count: pv_quad over 64-column blocks, then 16-column blocks, with NU a
+ * constant so its loops unroll into registers; c0 ends past the last block */
+#define PV_QUAD_CASE(NU, vnew, bf16)                                                                        \
+    case NU:                                                                                                \
+        for (; c0 + 64 <= d; c0 += 64) pv_quad(o, pr, iz, vc, vnew, s, d, c0, 4, NU, bf16);                \
+        for (; c0 + 16 <= d; c0 += 16) pv_quad(o, pr, iz, vc, vnew, s, d, c0, 1, NU, bf16);                \
+        break;
+/* the switch over a group's 1-4 heads, each case with its head count a constant */
+#define PV_QUAD_SWITCH(nu, vnew, bf16)                                                                      \
+    switch (nu) {                                                                                           \
+        PV_QUAD_CASE(1, vnew, bf16)                                                                         \
+        PV_QUAD_CASE(2, vnew, bf16)                                                                         \
+        PV_QUAD_CASE(3, vnew, bf16)                                                                         \
+        PV_QUAD_CASE(4, vnew, bf16)                                                                         \
+    }
 #endif
 
 static void att_head(void *p, long i) {
@@ -976,9 +1017,10 @@ static void att_head(void *p, long i) {
     long c0 = 0;
 #if defined(__AVX512F__)
     const float *vnew = a->v_new + j * d;
-    for (; c0 + 128 <= d; c0 += 128) pv_block_f32(o, pr, iz, vc, vnew, s, d, c0, 8);
-    for (; c0 + 64 <= d; c0 += 64) pv_block_f32(o, pr, iz, vc, vnew, s, d, c0, 4);
-    for (; c0 + 16 <= d; c0 += 16) pv_block_f32(o, pr, iz, vc, vnew, s, d, c0, 1);
+    float *os[1] = {o}, *prs[1] = {pr};
+    for (; c0 + 128 <= d; c0 += 128) pv_quad(os, prs, &iz, vc, vnew, s, d, c0, 8, 1, 0);
+    for (; c0 + 64 <= d; c0 += 64) pv_quad(os, prs, &iz, vc, vnew, s, d, c0, 4, 1, 0);
+    for (; c0 + 16 <= d; c0 += 16) pv_quad(os, prs, &iz, vc, vnew, s, d, c0, 1, 1, 0);
 #endif
     if (c0 < d) {
         for (long c = c0; c < d; c++) o[c] = 0.f;
@@ -992,48 +1034,6 @@ static void att_head(void *p, long i) {
     }
 }
 
-#if defined(__AVX512F__)
-/* pv_block_f32 for NU query heads that share their V rows (GQA): each V row loaded once per column block for all
- * NU heads, NU x nv accumulators; every head's column a chain of products and adds in t order. A row whose weight
- * is 0 for every head is skipped; one whose weight is 0 for some heads only adds w·v = ±0 to their sums, which
- * leaves them as the per-head loop (which skips it) leaves them: a sum starts at +0 and +0 + -0 is +0. */
-static inline __attribute__((always_inline)) void pv_quad_f32(float *const *o, float *const *pr, const float *iz,
-                                                              const float *vc, const float *vnew, long s, long d,
-                                                              long c0, int nv, int nu) {
-    __m512 acc[4][4];
-    for (int u = 0; u < nu; u++)
-        for (int b = 0; b < nv; b++) acc[u][b] = _mm512_setzero_ps();
-    for (long t = 0; t <= s; t++) {
-        float w[4];
-        int any = 0;
-        for (int u = 0; u < nu; u++) w[u] = pr[u][t] * iz[u], any |= w[u] != 0.f;
-        if (!any && t < s) continue;
-        const float *vr = (t < s ? vc + t * d : vnew) + c0;
-        for (int b = 0; b < nv; b++) {
-            __m512 v = _mm512_loadu_ps(vr + 16 * b);
-            for (int u = 0; u < nu; u++) acc[u][b] = _mm512_add_ps(acc[u][b], _mm512_mul_ps(_mm512_set1_ps(w[u]), v));
-        }
-    }
-    for (int u = 0; u < nu; u++)
-        for (int b = 0; b < nv; b++) _mm512_storeu_ps(o[u] + c0 + 16 * b, acc[u][b]);
-}
-
-/* case NU of a switch on the group's head count: ``fn`` (pv_quad_f32 or pv_quad_bf16) over 64-column blocks, then
- * 16-column blocks, with NU a constant so its loops unroll into registers; c0 ends past the last block */
-#define PV_QUAD_CASE(fn, NU, vnew)                                                                          \
-    case NU:                                                                                                \
-        for (; c0 + 64 <= d; c0 += 64) fn(o, pr, iz, vc, vnew, s, d, c0, 4, NU);                           \
-        for (; c0 + 16 <= d; c0 += 16) fn(o, pr, iz, vc, vnew, s, d, c0, 1, NU);                           \
-        break;
-/* the switch over a group's 1-4 heads, each case with its head count a constant */
-#define PV_QUAD_SWITCH(fn, nu, vnew)                                                                        \
-    switch (nu) {                                                                                           \
-        PV_QUAD_CASE(fn, 1, vnew)                                                                           \
-        PV_QUAD_CASE(fn, 2, vnew)                                                                           \
-        PV_QUAD_CASE(fn, 3, vnew)                                                                           \
-        PV_QUAD_CASE(fn, 4, vnew)                                                                           \
-    }
-#endif
 
 /* The decode attention's grouped tasks (att_quad, bf16_att_quad): how many there are for h query heads over hkv
  * K/V heads on ``threads`` threads (0: run one task per head instead, where no two query heads share a K/V head or
@@ -1054,7 +1054,7 @@ static int att_quad_task(long h, long hkv, long c, long *j, long *i0) {
  * scores and each V row once per 64 output columns for the four weighted sums, where att_head reads them once per
  * query head (three of four from L2). The same sums in the same order as att_head, so the same bits: a score is
  * dot4's per-row chain (q·k and k·q multiply the same pairs), the softmax is softmax_exp, the weighted sums as
- * pv_quad_f32 says. Task c is K/V head c / quads, query heads 4·(c % quads) onwards of its group. */
+ * pv_quad says. Task c is K/V head c / quads, query heads 4·(c % quads) onwards of its group. */
 static void att_quad(void *p, long c) {
     const att_ctx *a = p;
     long s = a->s, d = a->d, j, i0;
@@ -1094,7 +1094,7 @@ static void att_quad(void *p, long c) {
     const float *vnew = a->v_new + j * d;
     long c0 = 0;
 #if defined(__AVX512F__)
-    PV_QUAD_SWITCH(pv_quad_f32, nu, vnew)
+    PV_QUAD_SWITCH(nu, vnew, 0)
 #endif
     for (int u = 0; u < nu && c0 < d; u++) { /* columns past the last multiple of 16: att_head's loop */
         float *ou = o[u];
@@ -2930,23 +2930,21 @@ static inline void bf16_axpy(float *o, float w, const hf_bf16 *v, long d) {
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-/* pv_block_f32 on bf16 rows, with bf16_axpy's fused multiply-add per product and every zero weight skipped */
-static inline __attribute__((always_inline)) void pv_block_bf16(float *o, const float *pr, float iz,
-                                                                const hf_bf16 *vc, const hf_bf16 *vnew, long s, long d,
-                                                                long c0, int nv) {
-    __m512 acc[8];
-    for (int u = 0; u < nv; u++) acc[u] = _mm512_setzero_ps();
-    for (long t = 0; t <= s; t++) {
-        float wt = pr[t] * iz;
-        if (wt == 0.f) continue;
-        const hf_bf16 *vr = (t < s ? vc + t * d : vnew) + c0;
-        const __m512 wv = _mm512_set1_ps(wt);
-        for (int u = 0; u < nv; u++)
-            acc[u] = _mm512_fmadd_ps(wv, _mm512_castsi512_ps(_mm512_slli_epi32(
-                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(vr + 16 * u))), 16)), acc[u]);
+/* bf16_qk of four q rows against one bf16 K row (d a multiple of 16): the row widened once, each sum bf16_qk's
+ * chain of fused multiply-adds and its final reduce, so each result has bf16_qk's bits */
+static inline void bf16_qk4(const float *const *q, const hf_bf16 *k, long d, float *out) {
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (long c = 0; c < d; c += 16) {
+        __m512 kv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(k + c))), 16));
+        a0 = _mm512_fmadd_ps(_mm512_loadu_ps(q[0] + c), kv, a0);
+        a1 = _mm512_fmadd_ps(_mm512_loadu_ps(q[1] + c), kv, a1);
+        a2 = _mm512_fmadd_ps(_mm512_loadu_ps(q[2] + c), kv, a2);
+        a3 = _mm512_fmadd_ps(_mm512_loadu_ps(q[3] + c), kv, a3);
     }
-    for (int u = 0; u < nv; u++) _mm512_storeu_ps(o + c0 + 16 * u, acc[u]);
+    out[0] = _mm512_reduce_add_ps(a0), out[1] = _mm512_reduce_add_ps(a1);
+    out[2] = _mm512_reduce_add_ps(a2), out[3] = _mm512_reduce_add_ps(a3);
 }
+
 #endif
 
 /* One head of the bf16 decode attention, in fp32 (scores, softmax, weighted sum), the output rounded once.
@@ -2985,9 +2983,10 @@ static void bf16_att_head(void *p, long i) {
     long c0 = 0;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
     if (d % 16 == 0) {
-        for (; c0 + 128 <= d; c0 += 128) pv_block_bf16(o, pr, iz, vc, vn, s, d, c0, 8);
-        for (; c0 + 64 <= d; c0 += 64) pv_block_bf16(o, pr, iz, vc, vn, s, d, c0, 4);
-        for (; c0 < d; c0 += 16) pv_block_bf16(o, pr, iz, vc, vn, s, d, c0, 1);
+        float *os[1] = {o}, *prs[1] = {pr};
+        for (; c0 + 128 <= d; c0 += 128) pv_quad(os, prs, &iz, vc, vn, s, d, c0, 8, 1, 1);
+        for (; c0 + 64 <= d; c0 += 64) pv_quad(os, prs, &iz, vc, vn, s, d, c0, 4, 1, 1);
+        for (; c0 < d; c0 += 16) pv_quad(os, prs, &iz, vc, vn, s, d, c0, 1, 1, 1);
     }
 #endif
     if (c0 < d) {
@@ -3001,46 +3000,6 @@ static void bf16_att_head(void *p, long i) {
     for (long c = 0; c < d; c++) a->out[i * d + c] = f2bf(o[c]);
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-/* bf16_qk of four q rows against one bf16 K row (d a multiple of 16): the row widened once, each sum bf16_qk's
- * chain of fused multiply-adds and its final reduce, so each result has bf16_qk's bits */
-static inline void bf16_qk4(const float *const *q, const hf_bf16 *k, long d, float *out) {
-    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-    for (long c = 0; c < d; c += 16) {
-        __m512 kv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(k + c))), 16));
-        a0 = _mm512_fmadd_ps(_mm512_loadu_ps(q[0] + c), kv, a0);
-        a1 = _mm512_fmadd_ps(_mm512_loadu_ps(q[1] + c), kv, a1);
-        a2 = _mm512_fmadd_ps(_mm512_loadu_ps(q[2] + c), kv, a2);
-        a3 = _mm512_fmadd_ps(_mm512_loadu_ps(q[3] + c), kv, a3);
-    }
-    out[0] = _mm512_reduce_add_ps(a0), out[1] = _mm512_reduce_add_ps(a1);
-    out[2] = _mm512_reduce_add_ps(a2), out[3] = _mm512_reduce_add_ps(a3);
-}
-
-/* pv_quad_f32 on bf16 V rows with pv_block_bf16's fused multiply-add per product (a weight of 0 adds an exact 0) */
-static inline __attribute__((always_inline)) void pv_quad_bf16(float *const *o, float *const *pr, const float *iz,
-                                                               const hf_bf16 *vc, const hf_bf16 *vnew, long s, long d,
-                                                               long c0, int nv, int nu) {
-    __m512 acc[4][4];
-    for (int u = 0; u < nu; u++)
-        for (int b = 0; b < nv; b++) acc[u][b] = _mm512_setzero_ps();
-    for (long t = 0; t <= s; t++) {
-        float w[4];
-        int any = 0;
-        for (int u = 0; u < nu; u++) w[u] = pr[u][t] * iz[u], any |= w[u] != 0.f;
-        if (!any) continue;
-        const hf_bf16 *vr = (t < s ? vc + t * d : vnew) + c0;
-        for (int b = 0; b < nv; b++) {
-            __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(
-                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(vr + 16 * b))), 16));
-            for (int u = 0; u < nu; u++) acc[u][b] = _mm512_fmadd_ps(_mm512_set1_ps(w[u]), v, acc[u][b]);
-        }
-    }
-    for (int u = 0; u < nu; u++)
-        for (int b = 0; b < nv; b++) _mm512_storeu_ps(o[u] + c0 + 16 * b, acc[u][b]);
-}
-
-#endif
 
 /* att_quad for bf16_att_head: up to four query heads of one K/V head as one task, with bf16_att_head's bits. */
 static void bf16_att_quad(void *p, long c) {
@@ -3088,7 +3047,7 @@ static void bf16_att_quad(void *p, long c) {
     long c0 = 0;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
     if (d % 16 == 0)
-        PV_QUAD_SWITCH(pv_quad_bf16, nu, vn)
+        PV_QUAD_SWITCH(nu, vn, 1)
 #endif
     for (int u = 0; u < nu; u++) {
         if (c0 < d) { /* bf16_att_head's generic loop */

@@ -8,8 +8,8 @@ selected row's path, and selects the row of the first value that is also read el
 its K/V projections read) or that an operation it does not know produced (an MoE block's output). In the last layer
 the attention then runs for the one query row, against all keys (the causal mask becomes a mask of the keys up to
 ``last``), and the products after it run on one row. For a decoder of L layers that is roughly ``9 / (12 L)`` (a fused
-q/k/v product) to ``10 / (12 L)`` of the prefill's product FLOPs not done (llama.cpp skips the same rows of its last
-layer).
+q/k/v product) to ``10 / (12 L)`` of the prefill's product FLOPs not done (llama.cpp's graphs select the output rows in
+their last layer after the attention: ``// skip computing output for unused tokens``).
 
 Row-wise operations it moves through: elementwise add / sub / mul and ``hetforge::rotary`` (an operand that broadcasts
 over the rows, such as one position's cos/sin, is read as it is; a cos/sin with a row per position has its row
@@ -24,6 +24,7 @@ layers (``runtime.stamp``); pruning that layer first would make it differ from l
 
 from __future__ import annotations
 
+import heapq
 import math
 from typing import Any
 
@@ -92,33 +93,33 @@ def _row_input_dim(n: Node, d: int) -> dict[int, int] | None:
     return None
 
 
-def _pruned_set(root: Node, d0: int) -> dict[Node, int] | None:
-    """The nodes whose every use lies on the selected row's path (value: their row dimension), from the node
-    ``root`` selects from; None when that node itself is read elsewhere."""
+def _pruned_set(root: Node, d0: int) -> dict[Node, tuple[int, dict[int, int]]] | None:
+    """The nodes whose every use lies on the selected row's path, from the node ``root`` selects from (row dimension
+    ``d0``), each with its row dimension and :func:`_row_input_dim`'s map; empty when that node is read elsewhere,
+    None when some value is read with its rows along two different dimensions."""
     x0 = root.args[0]
-    row: dict[Node, int] = {}
+    row: dict[Node, tuple[int, dict[int, int]]] = {}
     want: dict[Node, int] = {x0: d0}
     order = {n: i for i, n in enumerate(root.graph.nodes)}
-    # walk producers latest first: a node joins once all its users are the root or joined nodes
-    pending = [x0]
+    # producers latest first (a heap on -position): a node joins once all its users are the root or joined nodes
+    pending = [(-order[x0], x0)]
     while pending:
-        pending.sort(key=lambda n: order[n])
-        n = pending.pop()  # the latest node not yet decided
+        n = heapq.heappop(pending)[1]
         d = want[n]
         if any(u is not root and u not in row for u in n.users):
             continue
         dims = _row_input_dim(n, d)
         if dims is None:
             continue
-        row[n] = d
+        row[n] = (d, dims)
         for i, ad in dims.items():
             a = n.args[i]
             if isinstance(a, Node):
-                if a in want and want[a] != ad:  # read with its rows in two places: leave this root alone
+                if a in want and want[a] != ad:
                     return None
+                if a not in want:
+                    heapq.heappush(pending, (-order[a], a))
                 want[a] = ad
-                if a not in pending:
-                    pending.append(a)
     return row
 
 
@@ -130,15 +131,16 @@ def _mask_upto(gm: GraphModule, before: Node, idx: Node, keys: int, fake: Any) -
     return new_call(gm, before, aten.view.default, (le, [1, 1, 1, keys]), fake_mode=fake)
 
 
-def _rewrite(gm: GraphModule, row: dict[Node, int], idx: Node, fake: Any) -> dict[Node, Node]:
+def _rewrite(gm: GraphModule, row: dict[Node, tuple[int, dict[int, int]]], idx: Node, fake: Any) \
+        -> dict[Node, Node]:
     """Each node of ``row`` computed for the selected row only, right after the node it copies; its operands are
     their copies, or an ``index_select`` of the operand where the operand stays whole. Returns node -> copy."""
     made: dict[Node, Node] = {}
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     for n in sorted(row, key=order.__getitem__):
-        d, after = row[n], n.next
+        (d, dims), after = row[n], n.next
         args, kwargs = list(n.args), dict(n.kwargs)
-        for i, ad in _row_input_dim(n, d).items():
+        for i, ad in dims.items():
             a = n.args[i]
             args[i] = made[a] if a in made else new_call(gm, after, aten.index_select.default, (a, ad, idx),
                                                          like=a, fake_mode=fake)
