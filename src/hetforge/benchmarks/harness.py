@@ -28,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from hetforge.benchmarks.side import run_side, verdict
 from hetforge.benchmarks.systems import (
     PEER_KEYS_FOR_PREP_TARGET,
     SYSTEMS,
@@ -69,6 +70,9 @@ class SuiteConfig:
     # how first calls are counted (recorded so a page says which rule its figures follow): "above-hot" = every
     # system's first call of each shape, minus the best of its next two, where positive (benchmarks.worker)
     first_calls: str = "above-hot"
+    # rounds of the side-by-side phase (benchmarks.side: hetforge and its closest peers loaded at once, timed in
+    # turns); 0: none. It needs isolated workers (isolate=True)
+    side_rounds: int = 5
 
     def validate(self) -> None:
         unknown = [s for s in self.systems if s not in SYSTEMS]
@@ -84,6 +88,8 @@ class SuiteConfig:
             raise UsageError(f"--seq must be in 1..4096, got {self.seq}")
         if not 1 <= self.decode_tokens <= 4096:
             raise UsageError(f"--decode-tokens must be in 1..4096, got {self.decode_tokens}")
+        if not 0 <= self.side_rounds <= 50:
+            raise UsageError(f"--side-rounds must be in 0..50, got {self.side_rounds}")
 
     def worker_spec(self, system: str, model: str, mode: str, workdir: Path, cache_dir: Path, ref: Path
                     ) -> WorkerSpec:
@@ -157,6 +163,7 @@ class SuiteResult:
     comparisons: list[dict]
     skipped: list[str] = field(default_factory=list)
     isolated: bool = True
+    side: list[dict] = field(default_factory=list)  # benchmarks.side.SideGroup.to_dict() per group timed side by side
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -186,15 +193,21 @@ def machine_info(threads: int) -> dict:
     }
 
 
+def worker_env(spec: WorkerSpec, env_extra: dict[str, str]) -> dict[str, str]:
+    """The environment of a worker process: this one's, the thread counts, offline Hugging Face, ``env_extra``."""
+    env = dict(os.environ)
+    env.update({"OMP_NUM_THREADS": str(spec.threads), "MKL_NUM_THREADS": str(spec.threads),
+                "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error", "TOKENIZERS_PARALLELISM": "false",
+                "PYTHONWARNINGS": "ignore"})
+    env.update(env_extra)
+    return env
+
+
 def _run_isolated(spec: WorkerSpec, timeout_s: float, env_extra: dict[str, str]) -> RunResult:
     with tempfile.TemporaryDirectory(prefix="hf-bench-") as td:
         spec_path, out_path = Path(td) / "spec.json", Path(td) / "result.json"
         spec_path.write_text(json.dumps(asdict(spec)))
-        env = dict(os.environ)
-        env.update({"OMP_NUM_THREADS": str(spec.threads), "MKL_NUM_THREADS": str(spec.threads),
-                    "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error", "TOKENIZERS_PARALLELISM": "false",
-                    "PYTHONWARNINGS": "ignore"})
-        env.update(env_extra)
+        env = worker_env(spec, env_extra)
         cmd = [sys.executable, "-m", "hetforge.benchmarks.worker", str(spec_path), str(out_path)]
         t0 = time.perf_counter()
         try:
@@ -269,16 +282,22 @@ def run_suite(cfg: SuiteConfig, progress: Callable[[str], None] | None = None, c
                                "spent)")
                 continue
             _run_block(cfg, model, r, reps, active[model], root, runs, say, t_suite)
+    rows = aggregate(runs, cfg.models, systems)
+    side: list[dict] = []
+    if cfg.side_rounds and cfg.isolate:
+        deadline = t_suite + cfg.limit_s if cfg.limit_s is not None else None
+        groups, side_notes = run_side(cfg, rows, root, say, deadline, worker_env, _env_for)
+        side = [g.to_dict() for g in groups]
+        skipped += side_notes
     if cfg.limit_s is not None and time.perf_counter() - t_suite > cfg.limit_s:
         skipped.append(f"suite time limit {cfg.limit_s:.0f} s reached: processes after it were not started")
     if own_root:
         shutil.rmtree(root, ignore_errors=True)
     machine["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
-    rows = aggregate(runs, cfg.models, systems)
     return SuiteResult(
         config=asdict(cfg), machine=machine, command=with_env(command or _default_command()), started=started,
         seconds=time.perf_counter() - t_suite, rows=rows, runs=[r.to_dict() for r in runs],
-        comparisons=compare(rows, runs), skipped=skipped, isolated=cfg.isolate,
+        comparisons=compare(rows, runs, side), skipped=skipped, isolated=cfg.isolate, side=side,
     )
 
 
@@ -411,10 +430,22 @@ def paired(runs: list | None, model: str, mine: str, peer: str, metric: str) -> 
     return [x / y for x, y in zip(a, b, strict=False) if x is not None and y]
 
 
-def compare(rows: list[Row], runs: list | None = None) -> list[dict]:
+def _judged(serial: dict, side: dict | None) -> dict:
+    """A target's entry: judged on its side-by-side figures where they exist (:func:`hetforge.benchmarks.side.verdict`:
+    timed in turns, so the machine's drift between the suite's processes stays out of the ratio), with the serial
+    medians kept under ``serial``; else the serial medians."""
+    if side is None:
+        return {**serial, "judged": "serial"}
+    return {**serial, **side, "judged": "side by side",
+            "serial": {k: serial[k] for k in ("best_peer", "peer", "hetforge", "ratio", "met", "paired")}}
+
+
+def compare(rows: list[Row], runs: list | None = None, side: list[dict] | None = None) -> list[dict]:
     """Per model: hetforge ÷ each peer (median ÷ median) and the issue's targets, met or not (judged on the medians);
     with ``runs``, each target also lists the ratio repeat by repeat (:func:`paired`), which shows whether the
-    verdict held in every round."""
+    verdict held in every round. With ``side`` (groups timed side by side, :mod:`hetforge.benchmarks.side`), the
+    prefill and one-token targets are judged on those rounds (:func:`_judged`)."""
+
     out: list[dict] = []
     for model in dict.fromkeys(r.model for r in rows):
         mine = next((r for r in rows if r.model == model and r.system == "hetforge" and r.runs_ok), None)
@@ -452,9 +483,10 @@ def compare(rows: list[Row], runs: list | None = None) -> list[dict]:
                 best = min(cands, key=lambda p: getattr(p, metric).median)
                 bv = getattr(best, metric).median
                 mark = TARGET_MARKS.get(metric, 1.0)
-                entry["targets"][f"{metric}_at_or_below_best_f32_peer"] = {
-                    "best_peer": best.system, "peer": bv, "hetforge": mv, "ratio": mv / bv, "mark": mark,
-                    "met": mv <= mark * bv, "paired": paired(runs, model, "hetforge", best.system, metric)}
+                entry["targets"][f"{metric}_at_or_below_best_f32_peer"] = _judged(
+                    {"best_peer": best.system, "peer": bv, "hetforge": mv, "ratio": mv / bv, "mark": mark,
+                     "met": mv <= mark * bv, "paired": paired(runs, model, "hetforge", best.system, metric)},
+                    verdict(side, model, "hetforge", metric, mark))
         w8 = next((r for r in rows if r.model == model and r.system == "hetforge-w8" and r.runs_ok), None)
         q8 = next((r for r in rows if r.model == model and r.system == "llamacpp-q8" and r.runs_ok), None)
         if w8 is not None and q8 is not None and w8.decode_ms_per_token and q8.decode_ms_per_token:
@@ -464,12 +496,12 @@ def compare(rows: list[Row], runs: list | None = None) -> list[dict]:
                 "paired": paired(runs, model, "hetforge-w8", "llamacpp-q8", "decode_ms_per_token")}
         if mine.kl_max is not None:
             entry["targets"]["kl_le_1e-8"] = {"kl_max": mine.kl_max, "met": mine.kl_max <= 1e-8}
-        entry["targets"].update(_bf16_targets(rows, model, runs))
+        entry["targets"].update(_bf16_targets(rows, model, runs, side))
         out.append(entry)
     return out
 
 
-def _bf16_targets(rows: list[Row], model: str, runs: list | None = None) -> dict:
+def _bf16_targets(rows: list[Row], model: str, runs: list | None = None, side: list[dict] | None = None) -> dict:
     """hetforge at ``--precision bf16`` against the OpenVINO rows that ran in bf16 (median ÷ median), per metric,
     with hetforge-bf16's KL against fp32 eager reported beside (issue: at or below OpenVINO's bf16)."""
     mine = next((r for r in rows if r.model == model and r.system == "hetforge-bf16" and r.runs_ok), None)
@@ -484,9 +516,10 @@ def _bf16_targets(rows: list[Row], model: str, runs: list | None = None) -> dict
         if cands and mv is not None:
             best = min(cands, key=lambda p: getattr(p, metric).median)
             bv = getattr(best, metric).median
-            out[f"{metric}_bf16_at_or_below_openvino_bf16"] = {
-                "best_peer": best.system, "peer": bv, "hetforge": mv, "ratio": mv / bv, "met": mv <= bv,
-                "kl_max": mine.kl_max, "paired": paired(runs, model, "hetforge-bf16", best.system, metric)}
+            out[f"{metric}_bf16_at_or_below_openvino_bf16"] = _judged(
+                {"best_peer": best.system, "peer": bv, "hetforge": mv, "ratio": mv / bv, "met": mv <= bv,
+                 "kl_max": mine.kl_max, "paired": paired(runs, model, "hetforge-bf16", best.system, metric)},
+                verdict(side, model, "hetforge-bf16", metric))
     return out
 
 

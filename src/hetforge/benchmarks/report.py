@@ -7,6 +7,7 @@ The page is regenerated on every run; the hand-written analysis between ``<!-- n
 from __future__ import annotations
 
 import re
+import statistics
 from pathlib import Path
 
 from hetforge.benchmarks.harness import Row, Stat, SuiteResult
@@ -102,6 +103,53 @@ def _per_repeat(x: dict) -> str:
     return f"; per repeat {', '.join(f'{v:.2f}' for v in p)}" if len(p) > 1 else ""
 
 
+def _side_text(x: dict) -> str:
+    """How a target judged on side-by-side rounds reads (the serial medians after it), or ``""``."""
+    if x.get("judged") != "side by side":
+        return ""
+    se = x["serial"]
+    rounds = ", ".join(f"{v:.2f}" for v in x["per_round"])
+    return (f" side by side over {x['rounds']} rounds (per round {rounds}); in the suite's serial rows "
+            f"{se['hetforge']:.1f} ms against {se['best_peer']} {se['peer']:.1f} ms ({se['ratio']:.2f}×)")
+
+
+def side_lines(side: list[dict], model: str, labels: dict[str, str]) -> list[str]:
+    """The side-by-side groups of ``model`` (:mod:`hetforge.benchmarks.side`) as tables: per system the median
+    over rounds of its batch medians (min–max over rounds), and hetforge ÷ it per round (median, min–max)."""
+    from hetforge.benchmarks.side import per_round
+
+    out: list[str] = []
+    for g in (g for g in side if g.get("model") == model):
+        mine = g["mine"]
+        head = (f"Side by side ({labels.get(mine, mine)} and its closest peers, each in its own process, all loaded; "
+                f"{g['rounds']} rounds, in each every system in turn timed {g['calls']['prefill']} prefill calls and "
+                f"{g['calls']['step']} one-token calls after untimed warm-up calls while the others waited; load "
+                f"average {g.get('loadavg')} at the start; measured):")
+        out += ["", head, ""]
+        if not g.get("rounds"):
+            out += [f"- not timed: {'; '.join(g.get('notes') or ['fewer than two systems were ready'])}"]
+            continue
+        out += ["| system | prefill ms | one token ms | hetforge ÷ it, prefill (per round) | hetforge ÷ it, one "
+                "token (per round) |", "|---|---|---|---|---|"]
+        for s in g["systems"]:
+            cells = []
+            for metric in ("prefill_ms", "step_ms"):
+                xs = g[metric].get(s) or []
+                cells.append(_spread(xs, 1))
+            for metric in ("prefill_ms", "step_ms"):
+                cells.append("—" if s == mine else _spread(per_round(g, metric, mine, s), 2, "×"))
+            out.append(f"| {labels.get(s, s)} | " + " | ".join(cells) + " |")
+        out += [f"- {n}" for n in g.get("notes") or []]
+    return out
+
+
+def _spread(xs: list[float], digits: int, unit: str = "") -> str:
+    """``median (min–max)`` of ``xs``, or — when empty."""
+    if not xs:
+        return "—"
+    return f"{statistics.median(xs):.{digits}f}{unit} ({min(xs):.{digits}f}–{max(xs):.{digits}f})"
+
+
 def target_lines(cmp: dict) -> list[str]:
     t = cmp.get("targets", {})
     out = []
@@ -121,8 +169,10 @@ def target_lines(cmp: dict) -> list[str]:
         if key in t:
             x = t[key]
             at = "" if x.get("mark", 1.0) == 1.0 else f"{x['mark']:.2f}× "
+            side = _side_text(x)
+            per = "" if side else _per_repeat(x)
             out.append(f"- {name} at or below {at}the best f32 peer ({x['best_peer']}, {x['peer']:.1f} ms): hetforge "
-                       f"{x['hetforge']:.1f} ms ({x['ratio']:.2f}×{_per_repeat(x)}) — {mark(x['met'])}")
+                       f"{x['hetforge']:.1f} ms ({x['ratio']:.2f}×{per}){side and ';' + side} — {mark(x['met'])}")
     if "w8_decode_at_or_below_llamacpp_q8" in t:
         x = t["w8_decode_at_or_below_llamacpp_q8"]
         out.append(f"- decode per token with 8-bit weights at or below llama.cpp Q8_0 ({x['peer']:.1f} ms): hetforge "
@@ -135,9 +185,10 @@ def target_lines(cmp: dict) -> list[str]:
         if key in t:
             x = t[key]
             kl = "—" if x["kl_max"] is None else f"{x['kl_max']:.1e}"
+            side = _side_text(x)
             out.append(f"- bf16 {name} at or below OpenVINO in bf16 ({x['best_peer']}, {x['peer']:.1f} ms): hetforge "
-                       f"--precision bf16 {x['hetforge']:.1f} ms ({x['ratio']:.2f}×{_per_repeat(x)}; "
-                       f"KL vs fp32 eager {kl}) — {mark(x['met'])}")
+                       f"--precision bf16 {x['hetforge']:.1f} ms ({x['ratio']:.2f}×{'' if side else _per_repeat(x)}; "
+                       f"KL vs fp32 eager {kl}){side and ';' + side} — {mark(x['met'])}")
     return out or ["- no hetforge figures to check against the targets"]
 
 
@@ -188,8 +239,10 @@ def render_markdown(res: SuiteResult, png_name: str | None, notes: str | None = 
     for model in dict.fromkeys(r.model for r in res.rows):
         mrows = [r for r in res.rows if r.model == model]
         cmp = next((c for c in res.comparisons if c["model"] == model), {})
-        lines += ["", f"## {model}", "", *model_table(mrows, cfg["seq"]), "", *ratio_table(cmp, mrows), "",
-                  "Targets (from the issue; publishing what we got):", "", *target_lines(cmp)]
+        lines += ["", f"## {model}", "", *model_table(mrows, cfg["seq"]), "", *ratio_table(cmp, mrows),
+                  *side_lines(res.side, model, {r.system: r.label for r in mrows}), "",
+                  "Targets (from the issue; publishing what we got; the prefill and one-token targets are judged "
+                  "side by side where a group ran, else on the serial medians):", "", *target_lines(cmp)]
     notes_rows = [(r, n) for r in res.rows for n in r.notes]
     fails = [r for r in res.rows if r.error]
     if fails or notes_rows:
@@ -292,7 +345,7 @@ def rerender(path: Path, option: str = "--from-json") -> dict[str, Path]:
         raise UsageError(f"{option} {path}: no such file (give a JSON written by `hetforge bench peers --out-dir`)")
     try:
         res = load_json(path)
-        res.comparisons = compare(res.rows, res.runs)
+        res.comparisons = compare(res.rows, res.runs, res.side)
     except (ValueError, KeyError, TypeError, AttributeError) as e:  # JSON of another shape (rows not objects, ...)
         first = str(e).splitlines()[0][:200] if str(e) else ""
         raise UsageError(f"{option} {path}: not a peers JSON ({type(e).__name__}: {first})") from None

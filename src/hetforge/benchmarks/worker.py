@@ -5,6 +5,9 @@ model (seeded, so every process gets the same weights), prepares the system (tim
 prefill and one-token forwards, decode where the system has a KV-cache path, compares the prefill
 logits with eager's, and writes a :class:`RunResult` as JSON. Any exception becomes a failed result
 carrying the error's first line; the worker itself never crashes the suite.
+
+``python -m hetforge.benchmarks.worker --serve SPEC.json`` prepares the system and then times batches of calls
+on request (:func:`serve`), for the side-by-side phase (:mod:`hetforge.benchmarks.side`).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import statistics
 import sys
 import time
 import traceback
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -113,9 +117,23 @@ def _load_reference(spec: WorkerSpec, loaded, prefill_inputs, step_inputs) -> di
     return ref
 
 
+def _context(spec: WorkerSpec):
+    """The seeded model, its example inputs and the folders, as every system's ``prepare`` gets them."""
+    from hetforge.benchmarks.systems import PrepContext
+    from hetforge.models.zoo import example_inputs, load_model
+
+    torch.set_num_threads(spec.threads)
+    loaded = load_model(spec.model)
+    workdir = Path(spec.workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    Path(spec.cache_dir).mkdir(parents=True, exist_ok=True)
+    return PrepContext(loaded, loaded.logits_module().eval(), example_inputs(loaded, seq=spec.seq),
+                       example_inputs(loaded, seq=1, seed=1), workdir, Path(spec.cache_dir), spec.threads)
+
+
 def run_worker(spec: WorkerSpec) -> RunResult:
     """Run one measurement in this process; never raises."""
-    from hetforge.benchmarks.systems import SYSTEMS, PrepContext, missing_requirement
+    from hetforge.benchmarks.systems import SYSTEMS, missing_requirement
 
     t_start = time.perf_counter()
     res = RunResult(system=spec.system, model=spec.model, mode=spec.mode, status="failed")
@@ -129,19 +147,10 @@ def run_worker(spec: WorkerSpec) -> RunResult:
         res.status, res.error = "not installed", missing
         return res
     try:
-        torch.set_num_threads(spec.threads)
-        from hetforge.models.zoo import example_inputs, load_model
-
-        loaded = load_model(spec.model)
-        prefill_inputs = example_inputs(loaded, seq=spec.seq)
-        step_inputs = example_inputs(loaded, seq=1, seed=1)
+        ctx = _context(spec)
+        loaded, prefill_inputs, step_inputs = ctx.loaded, ctx.prefill_inputs, ctx.step_inputs
         res.rss_model_mb = _rss_mb()
         ref = _load_reference(spec, loaded, prefill_inputs, step_inputs) if spec.mode == "cold" else None
-        workdir = Path(spec.workdir)
-        workdir.mkdir(parents=True, exist_ok=True)
-        Path(spec.cache_dir).mkdir(parents=True, exist_ok=True)
-        ctx = PrepContext(loaded, loaded.logits_module().eval(), prefill_inputs, step_inputs, workdir,
-                          Path(spec.cache_dir), spec.threads)
         prepared = system.prepare(ctx)
         res.stages = dict(prepared.stages)
         res.label = prepared.label or system.label
@@ -231,8 +240,56 @@ def median(xs: list[float]) -> float | None:
     return statistics.median(xs) if xs else None
 
 
+def serve(spec: WorkerSpec, commands: Iterable[str], reply: Callable[[dict], None]) -> int:
+    """Side-by-side mode (:mod:`hetforge.benchmarks.side`): prepare the system, warm both shapes up, ``reply``
+    ``{"ready": true}`` (or ``{"ready": false, "error": ...}`` and return 1), then time one batch of calls per
+    command line, ``{"shape": "prefill" | "step", "warmup": w, "calls": n, "max_s": s}`` → ``{"ms": [...]}`` (as
+    :func:`time_calls`), until ``{"quit": true}`` or the end of ``commands``. Nothing else runs between the
+    batches: the coordinator keeps every other system's process waiting while one times its calls."""
+    from hetforge.benchmarks.systems import SYSTEMS, missing_requirement
+
+    try:
+        system = SYSTEMS[spec.system]
+        missing = missing_requirement(system)
+        if missing:
+            raise RuntimeError(missing)
+        ctx = _context(spec)
+        prepared = system.prepare(ctx)
+        first_calls(prepared, ctx.prefill_inputs, ctx.step_inputs)
+    except Exception as e:  # a peer that cannot be prepared is reported, not raised
+        reply({"ready": False, "error": first_line(e)})
+        return 1
+    reply({"ready": True, "label": prepared.label or system.label, "precision": prepared.precision})
+    shapes = {"prefill": (prepared.forward, ctx.prefill_inputs),
+              "step": (prepared.step_forward or prepared.forward, ctx.step_inputs)}
+    for line in commands:
+        cmd = json.loads(line)
+        if cmd.get("quit"):
+            break
+        fn, args = shapes[cmd["shape"]]
+        reply({"ms": time_calls(fn, args, int(cmd.get("warmup", 1)), int(cmd["calls"]),
+                                float(cmd.get("max_s", 3.0)))})
+    return 0
+
+
+def _serve_main(spec_path: str) -> int:
+    """``--serve SPEC.json``: replies on what was stdout, one JSON line each; stdout itself goes to stderr, so
+    that nothing a library prints can be taken for a reply."""
+    out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+
+    def reply(d: dict) -> None:
+        out.write(json.dumps(d) + "\n")
+        out.flush()
+
+    return serve(WorkerSpec(**json.loads(Path(spec_path).read_text())), sys.stdin, reply)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "--serve":
+        return _serve_main(argv[1])
     spec = WorkerSpec(**json.loads(Path(argv[0]).read_text()))
     res = run_worker(spec)
     Path(argv[1]).write_text(json.dumps(res.to_dict()))

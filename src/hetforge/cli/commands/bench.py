@@ -32,6 +32,7 @@ def _command_line(cfg, out_dir: Path | None, json_out: bool, in_process: bool, n
     parts += ["--budget-s", f"{cfg.budget_s:g}"] if cfg.budget_s is not None else []
     parts += ["--limit-s", f"{cfg.limit_s:g}"] if cfg.limit_s is not None else []
     parts += ["--timeout-s", f"{cfg.timeout_s:g}"] if cfg.timeout_s != 600.0 else []
+    parts += ["--side-rounds", str(cfg.side_rounds)] if cfg.side_rounds != 5 else []
     parts += ["--in-process"] if in_process else []
     parts += ["--out-dir", str(out_dir)] if out_dir is not None else []
     parts += ["--name", name] if name != "peers" else []
@@ -62,6 +63,10 @@ def peers(
     limit_s: float | None = typer.Option(None, "--limit-s",
                                          help="start no process at all after this many seconds (rows say 'not run')"),
     timeout_s: float = typer.Option(600.0, "--timeout-s", help="per-process time limit"),
+    side_rounds: int = typer.Option(5, "--side-rounds",
+                                    help="rounds of the side-by-side phase after the suite: hetforge and its closest "
+                                         "peers loaded at once, their prefill and one-token calls timed in turns "
+                                         "(0: none; not with --in-process)"),
     in_process: bool = typer.Option(False, "--in-process", help="run systems in this process (RSS not per system)"),
     out_dir: Path | None = typer.Option(None, "--out-dir", help="write peers.md, peers.png and peers.json here"),
     name: str = typer.Option("peers", "--name", help="file stem of the page, chart and JSON in --out-dir "
@@ -96,7 +101,8 @@ def peers(
     cfg = SuiteConfig(models=model_list, systems=_split(systems) or list(SYSTEMS), repeats=1 if quick else repeats,
                       quick=quick, seq=seq, decode_tokens=decode_tokens, threads=threads, isolate=not in_process,
                       warm=not (no_warm or quick),
-                      timeout_s=timeout_s, budget_s=budget_s, limit_s=limit_s, max_repeats={"mixtral-small": 1})
+                      timeout_s=timeout_s, budget_s=budget_s, limit_s=limit_s, max_repeats={"mixtral-small": 1},
+                      side_rounds=side_rounds)
     if not name or not all(c.isalnum() or c in "-_" for c in name):
         from hetforge.errors import UsageError
 
