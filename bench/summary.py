@@ -732,14 +732,24 @@ def peers_cold(d: J) -> Row:
                link("peers.md"))
 
 
+def _side(x: J) -> str:
+    """`` (side by side, per round a–b)`` where a target was judged on the suite's side-by-side rounds
+    (hetforge.benchmarks.side), else ``""`` (the serial medians of older runs)."""
+    if not x.has("judged") or x.s("judged") != "side by side":
+        return ""
+    return f" (side by side, per round {span([v.f() for v in x['per_round']], lambda v: num(v, 2))})"
+
+
 @row("peers.json")
 def peers_prefill_step(d: J) -> Row:
     t = _targets(d)
     cmp = {c.s("model"): c for c in d["comparisons"]}
     pre = ", ".join(f"{m} {times(x['prefill_ms_at_or_below_best_f32_peer'].f('ratio'))} of "
-                    f"{x['prefill_ms_at_or_below_best_f32_peer'].s('best_peer')}" for m, x in t)
+                    f"{x['prefill_ms_at_or_below_best_f32_peer'].s('best_peer')}"
+                    f"{_side(x['prefill_ms_at_or_below_best_f32_peer'])}" for m, x in t)
     step = ", ".join(f"{m} {times(x['step_ms_at_or_below_best_f32_peer'].f('ratio'))} of "
-                     f"{x['step_ms_at_or_below_best_f32_peer'].s('best_peer')}" for m, x in t)
+                     f"{x['step_ms_at_or_below_best_f32_peer'].s('best_peer')}"
+                     f"{_side(x['step_ms_at_or_below_best_f32_peer'])}" for m, x in t)
     slow = []
     for m, x in t:
         if x["prefill_ms_at_or_below_best_f32_peer"].s("best_peer") == "eager":

@@ -72,7 +72,7 @@ class SuiteConfig:
     first_calls: str = "above-hot"
     # rounds of the side-by-side phase (benchmarks.side: hetforge and its closest peers loaded at once, timed in
     # turns); 0: none. It needs isolated workers (isolate=True)
-    side_rounds: int = 5
+    side_rounds: int = 15
 
     def validate(self) -> None:
         unknown = [s for s in self.systems if s not in SYSTEMS]

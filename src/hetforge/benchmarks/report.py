@@ -122,8 +122,9 @@ def side_lines(side: list[dict], model: str, labels: dict[str, str]) -> list[str
     for g in (g for g in side if g.get("model") == model):
         mine = g["mine"]
         head = (f"Side by side ({labels.get(mine, mine)} and its closest peers, each in its own process, all loaded; "
-                f"{g['rounds']} rounds, in each every system in turn timed {g['calls']['prefill']} prefill calls and "
-                f"{g['calls']['step']} one-token calls after untimed warm-up calls while the others waited; load "
+                f"{g['rounds']} rounds; in each, every system in turn timed a batch of {g['calls']['prefill']} prefill "
+                f"calls, then every system in turn a batch of {g['calls']['step']} one-token calls, each batch after "
+                f"untimed calls, while the others waited; a cell is the median over rounds of the batch medians; load "
                 f"average {g.get('loadavg')} at the start; measured):")
         out += ["", head, ""]
         if not g.get("rounds"):

@@ -4,10 +4,13 @@ Why: the suite's rows time each system in its own process, one after the other, 
 machine's speed drifts over those minutes: the same pair's per-repeat ratios spread from 0.7 to 1.2 on the pages
 of sessions 38–40, as wide as the gaps the targets judge. Here each chosen system is prepared in a process of its own
 (``python -m hetforge.benchmarks.worker --serve``, as in the suite, so no two share a thread pool) and then waits.
-Round after round, each in turn times one batch of prefill calls and one batch of one-token calls (after a pause
-in which the previous batch's spinning threads go to sleep, and a few untimed calls: its caches and threads were
-idle while the others ran) while the others wait; no two run at once. The
-order rotates every round. A ratio is taken within one round, so drift slower than a round cancels out of it.
+Round after round, each in turn times a short batch of prefill calls, then each in turn a short batch of one-token
+calls (every batch after a pause in which the previous batch's spinning threads go to sleep, and after untimed
+calls: its caches and threads were idle while the others ran) while the others wait; no two run at once. The order
+rotates every round. A ratio is taken within one round, so drift slower than a round cancels out of it. The
+batches are short (two prefill calls, five one-token calls) and the rounds many, because this host's memory speed
+was seen to change within seconds (a one-off in session 41: the same weight stream at 35 and at 46 GB/s a few
+seconds apart).
 
 Who: for hetforge (fp32), the two fastest f32 peers of the suite's rows per metric (prefill, one token), at most
 three peers; for ``hetforge-bf16``, the fastest OpenVINO row that ran in bf16 per metric. A group is cut to fewer
@@ -40,7 +43,7 @@ METRICS = ("prefill_ms", "step_ms")
 SHAPE = {"prefill_ms": "prefill", "step_ms": "step"}
 PEERS_PER_METRIC = 2  # the fastest f32 peers per metric that join hetforge
 MAX_PEERS = 3
-PAUSE_S = 0.1  # before each batch: the thread pools of the process that ran before stop spinning and sleep
+PAUSE_S = 0.05  # before each batch: the thread pools of the process that ran before stop spinning and sleep
 MEMORY_HEADROOM = 1.25  # the suite's peak RSS of a group's systems times this must fit in the available memory
 
 
@@ -158,7 +161,7 @@ def run_group(cfg: Any, model: str, mine: str, peers: list[str], root: Path, say
     """Prepare ``mine`` and ``peers`` on ``model`` in serving workers, one after the other, then time
     ``cfg.side_rounds`` rounds in turns; a worker that fails to prepare is left out (noted), and rounds stop at
     ``deadline`` (``time.perf_counter()`` seconds; noted)."""
-    prefill_calls, step_calls = (2, 5) if cfg.quick else (5, 20)
+    prefill_calls, step_calls = (1, 3) if cfg.quick else (2, 5)
     group = SideGroup(model, mine, [], calls={"prefill": prefill_calls, "step": step_calls})
     served: list[_Served] = []
     folder = Path(tempfile.mkdtemp(prefix=f"side-{model}-", dir=root))
@@ -192,8 +195,8 @@ def run_group(cfg: Any, model: str, mine: str, peers: list[str], root: Path, say
                                    "time limit)")
                 break
             k = r % len(served)
-            for w in served[k:] + served[:k]:
-                for metric, calls, warm in (("prefill_ms", prefill_calls, 1), ("step_ms", step_calls, 2)):
+            for metric, calls, warm in (("prefill_ms", prefill_calls, 1), ("step_ms", step_calls, 2)):
+                for w in served[k:] + served[:k]:
                     time.sleep(PAUSE_S)
                     got = w.ask({"shape": SHAPE[metric], "warmup": warm, "calls": calls, "max_s": 3.0},
                                 cfg.timeout_s)

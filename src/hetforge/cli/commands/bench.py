@@ -32,7 +32,7 @@ def _command_line(cfg, out_dir: Path | None, json_out: bool, in_process: bool, n
     parts += ["--budget-s", f"{cfg.budget_s:g}"] if cfg.budget_s is not None else []
     parts += ["--limit-s", f"{cfg.limit_s:g}"] if cfg.limit_s is not None else []
     parts += ["--timeout-s", f"{cfg.timeout_s:g}"] if cfg.timeout_s != 600.0 else []
-    parts += ["--side-rounds", str(cfg.side_rounds)] if cfg.side_rounds != 5 else []
+    parts += ["--side-rounds", str(cfg.side_rounds)] if cfg.side_rounds != 15 else []
     parts += ["--in-process"] if in_process else []
     parts += ["--out-dir", str(out_dir)] if out_dir is not None else []
     parts += ["--name", name] if name != "peers" else []
@@ -63,7 +63,7 @@ def peers(
     limit_s: float | None = typer.Option(None, "--limit-s",
                                          help="start no process at all after this many seconds (rows say 'not run')"),
     timeout_s: float = typer.Option(600.0, "--timeout-s", help="per-process time limit"),
-    side_rounds: int = typer.Option(5, "--side-rounds",
+    side_rounds: int = typer.Option(15, "--side-rounds",
                                     help="rounds of the side-by-side phase after the suite: hetforge and its closest "
                                          "peers loaded at once, their prefill and one-token calls timed in turns "
                                          "(0: none; not with --in-process)"),
