@@ -366,3 +366,21 @@ def test_forward_writes_attention_into_the_slice_of_its_copying_transpose_with_t
         got, ref = res.executable(*inputs), dense.executable(*inputs)
     for a, b in zip(torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(ref), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_bf16_without_a_mask_runs_bf16_products_where_the_cpu_has_them(monkeypatch):
+    """Where the CPU has AMX or AVX512-BF16, a bf16 attention without a mask multiplies in bf16 (p rounded to bf16
+    before p·v): not the widened FMA path's bits, and as close to float64 SDPA as it; the switch turns it off."""
+    path = native.prefill_attention_bf16_products()
+    expected = "amx" if native.amx_bf16_available() else "avx512-bf16" if native.bf16_panel_available() \
+        else "fp32-fma"
+    assert path == expected
+    torch.manual_seed(3)
+    q, k, v = (torch.randn(1, 4, 96, 64).bfloat16() for _ in range(3))
+    got = native.prefill_attention(q, k, v, None, 0.125, True)
+    monkeypatch.setenv(native.AMX_ATTENTION_ENV, "0")
+    fma = native.prefill_attention(q, k, v, None, 0.125, True)
+    ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=True)
+    for out in (got, fma):
+        assert (out.double() - ref).abs().max().item() <= 2 ** -6
+    assert torch.equal(got, fma) == (path == "fp32-fma")

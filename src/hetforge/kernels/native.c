@@ -3608,7 +3608,12 @@ static void pa_small(const pa_ctx *a, long b) {
 #ifndef PAM_ONE_THREAD
 #define PAM_ONE_THREAD (1L << 22) /* products (b·h·l·s·(d + dv)) below which the AMX attention runs on one thread */
 #endif
-#ifdef HF_AMX
+/* The same arithmetic on AVX512-BF16 where the CPU has no AMX (e.g. AMD Zen 4): vdpbf16ps does 16 lanes x 2 bf16
+ * products per instruction, twice the widened fp32 FMAs' rate, on the packing above read as vectors (pad_task). */
+#if defined(__AVX512BF16__) && defined(HF_BF16X16)
+#define HF_PA_DPBF16 1
+#endif
+#if defined(HF_AMX) || defined(HF_PA_DPBF16)
 typedef struct {
     const hf_bf16 *q, *k, *v;
     hf_bf16 *out;
@@ -3653,37 +3658,11 @@ static void pam_pack(void *p, long t) {
         }
 }
 
-static void pam_task(void *p, long t) {
-    const pam_ctx *a = p;
-    long bh = t / a->nqb, qblk = a->nqb - 1 - t % a->nqb; /* the largest causal blocks first */
-    long bi = bh / a->h, hi = bh % a->h, kh = hi / (a->h / a->hkv), d = a->d, dv = a->dv, kd = d / 32, vd = dv / 16;
-    long i0 = qblk * 16, ni = a->l - i0 < 16 ? a->l - i0 : 16;
-    long nk = a->causal ? (i0 + ni < a->s ? i0 + ni : a->s) : a->s; /* keys any row of the block sees */
-    long ng = (nk + 15) / 16, n32 = (nk + 31) / 32 * 32;
-    const uint32_t *kp = a->kp + (size_t)(bi * a->hkv + kh) * a->sg * kd * 256;
-    const uint32_t *vp = a->vp + (size_t)(bi * a->hkv + kh) * (a->s32 / 32) * vd * 256;
-    /* this thread's scratch: q tile rows [16][d] bf16, scores [16][ng * 16] fp32, p [16][n32] bf16 */
-    hf_bf16 *qt = (hf_bf16 *)(a->ts + (size_t)omp_get_thread_num() * a->tsz);
-    float *sc = (float *)(qt + 16 * d);
-    hf_bf16 *pb = (hf_bf16 *)(sc + 16 * ng * 16);
-    float ob[16 * 64] __attribute__((aligned(64)));
-    float zs[16];
-    const hf_bf16 *Q = a->q + bi * a->qs[0] + hi * a->qs[1];
-    for (long r = 0; r < 16; r++) {
-        if (r < ni) memcpy(qt + r * d, Q + (i0 + r) * a->qs[2], sizeof(hf_bf16) * d);
-        else memset(qt + r * d, 0, sizeof(hf_bf16) * d);
-    }
-    amx_config();
-    long ls = ng * 16; /* floats per score row */
-    for (long g = 0; g < ng; g++) {
-        _tile_zero(0);
-        for (long c = 0; c < kd; c++) {
-            _tile_loadd(4, qt + 32 * c, d * 2);
-            _tile_loadd(5, kp + (g * kd + c) * 256, 64);
-            _tile_dpbf16ps(0, 4, 5);
-        }
-        _tile_stored(0, sc + 16 * g, ls * 4);
-    }
+/* Rows [0, 16) of a task's scores sc (ls floats a row; row r sees cnt(r) keys): scaled, max-subtracted
+ * exponentials rounded to bf16 into pb (n32 a row, zero past cnt), their fp32 sums into zs (0 for a row that sees
+ * nothing: rows past ni). */
+static void pam_softmax(const pam_ctx *a, float *sc, long ls, hf_bf16 *pb, long n32, long i0, long ni, long nk,
+                        float *zs) {
     const __m512 vsc = _mm512_set1_ps(a->scale), ninf = _mm512_set1_ps(-INFINITY);
     for (long r = 0; r < 16; r++) {
         float *sr = sc + r * ls;
@@ -3709,6 +3688,57 @@ static void pam_task(void *p, long t) {
         }
         zs[r] = cnt ? _mm512_reduce_add_ps(vs) : 0.f;
     }
+}
+
+/* A task's q rows [i0, i0 + ni) into the zero-padded 16-row bf16 tile qt. */
+static void pam_qtile(const pam_ctx *a, hf_bf16 *qt, long bi, long hi, long i0, long ni) {
+    const hf_bf16 *Q = a->q + bi * a->qs[0] + hi * a->qs[1];
+    for (long r = 0; r < 16; r++) {
+        if (r < ni) memcpy(qt + r * a->d, Q + (i0 + r) * a->qs[2], sizeof(hf_bf16) * a->d);
+        else memset(qt + r * a->d, 0, sizeof(hf_bf16) * a->d);
+    }
+}
+
+/* Output rows [0, ni) of a task, columns [16·u0, 16·(u0 + nu)): the sums ob (64 floats a row) over zs, rounded. */
+static void pam_store(const pam_ctx *a, const float *ob, const float *zs, hf_bf16 *O, long ni, long u0, long nu) {
+    for (long r = 0; r < ni; r++) {
+        __m512 iz = _mm512_set1_ps(zs[r] > 0.f ? 1.f / zs[r] : 0.f);
+        for (long u = 0; u < nu; u++)
+            store_bf16x16(O + r * a->os[2] + 16 * (u0 + u), 0xFFFF,
+                          round_bf16x16(_mm512_mul_ps(_mm512_loadu_ps(ob + r * 64 + 16 * u), iz)));
+    }
+}
+#endif
+
+#ifdef HF_AMX
+static void pam_task(void *p, long t) {
+    const pam_ctx *a = p;
+    long bh = t / a->nqb, qblk = a->nqb - 1 - t % a->nqb; /* the largest causal blocks first */
+    long bi = bh / a->h, hi = bh % a->h, kh = hi / (a->h / a->hkv), d = a->d, dv = a->dv, kd = d / 32, vd = dv / 16;
+    long i0 = qblk * 16, ni = a->l - i0 < 16 ? a->l - i0 : 16;
+    long nk = a->causal ? (i0 + ni < a->s ? i0 + ni : a->s) : a->s; /* keys any row of the block sees */
+    long ng = (nk + 15) / 16, n32 = (nk + 31) / 32 * 32;
+    const uint32_t *kp = a->kp + (size_t)(bi * a->hkv + kh) * a->sg * kd * 256;
+    const uint32_t *vp = a->vp + (size_t)(bi * a->hkv + kh) * (a->s32 / 32) * vd * 256;
+    /* this thread's scratch: q tile rows [16][d] bf16, scores [16][ng * 16] fp32, p [16][n32] bf16 */
+    hf_bf16 *qt = (hf_bf16 *)(a->ts + (size_t)omp_get_thread_num() * a->tsz);
+    float *sc = (float *)(qt + 16 * d);
+    hf_bf16 *pb = (hf_bf16 *)(sc + 16 * ng * 16);
+    float ob[16 * 64] __attribute__((aligned(64)));
+    float zs[16];
+    pam_qtile(a, qt, bi, hi, i0, ni);
+    amx_config();
+    long ls = ng * 16; /* floats per score row */
+    for (long g = 0; g < ng; g++) {
+        _tile_zero(0);
+        for (long c = 0; c < kd; c++) {
+            _tile_loadd(4, qt + 32 * c, d * 2);
+            _tile_loadd(5, kp + (g * kd + c) * 256, 64);
+            _tile_dpbf16ps(0, 4, 5);
+        }
+        _tile_stored(0, sc + 16 * g, ls * 4);
+    }
+    pam_softmax(a, sc, ls, pb, n32, i0, ni, nk, zs);
     hf_bf16 *O = a->out + bi * a->os[0] + hi * a->os[1] + i0 * a->os[2];
     for (long u0 = 0; u0 < vd; u0 += 4) {
         long nu = vd - u0 < 4 ? vd - u0 : 4;
@@ -3729,14 +3759,88 @@ static void pam_task(void *p, long t) {
         if (nu > 1) _tile_stored(1, ob + 16, 256);
         if (nu > 2) _tile_stored(2, ob + 32, 256);
         if (nu > 3) _tile_stored(3, ob + 48, 256);
-        for (long r = 0; r < ni; r++) {
-            __m512 iz = _mm512_set1_ps(zs[r] > 0.f ? 1.f / zs[r] : 0.f);
-            for (long u = 0; u < nu; u++)
-                store_bf16x16(O + r * a->os[2] + 16 * (u0 + u), 0xFFFF,
-                              round_bf16x16(_mm512_mul_ps(_mm512_loadu_ps(ob + r * 64 + 16 * u), iz)));
-        }
+        pam_store(a, ob, zs, O, ni, u0, nu);
     }
     _tile_release();
+}
+#endif
+
+#ifdef HF_PA_DPBF16
+/* c[r][x] += the dword pairs of rows a[r * astride] (as bf16 pairs, broadcast) · vectors b[x * bstride] for r < 4,
+ * x < g (g = 1..4, a constant where it is inlined): the 4 x 64 block of both products of pad_task, one pair of the
+ * reduction dimension per call. */
+static inline __attribute__((always_inline)) void pad_step(__m512 c[4][4], const uint32_t *a, long astride,
+                                                           const uint32_t *b, long bstride, const int g) {
+    __m512i b0 = _mm512_loadu_si512(b), b1 = g > 1 ? _mm512_loadu_si512(b + bstride) : b0,
+            b2 = g > 2 ? _mm512_loadu_si512(b + 2 * bstride) : b0, b3 = g > 3 ? _mm512_loadu_si512(b + 3 * bstride) : b0;
+    __asm__("" : "+v"(b0), "+v"(b1), "+v"(b2), "+v"(b3)); /* one load each (see pa_fma4x64) */
+    for (int r = 0; r < 4; r++) {
+        __m512bh av = (__m512bh)_mm512_set1_epi32((int)a[r * astride]);
+        c[r][0] = _mm512_dpbf16_ps(c[r][0], av, (__m512bh)b0);
+        if (g > 1) c[r][1] = _mm512_dpbf16_ps(c[r][1], av, (__m512bh)b1);
+        if (g > 2) c[r][2] = _mm512_dpbf16_ps(c[r][2], av, (__m512bh)b2);
+        if (g > 3) c[r][3] = _mm512_dpbf16_ps(c[r][3], av, (__m512bh)b3);
+    }
+}
+
+/* out[r][16x + 0..16) for rows r < 16 (4 at a time), x < g: the sum over the np pairs of a (rows ap dwords apart)
+ * times the packed vectors b (pair i of vector x at b + i_off(i) + x * bstride: i_off(i) = (i / 16) * bblk +
+ * (i % 16) * 16 dwords, the packing's 16-pair tiles). Stored to out (ldo floats a row). */
+static inline __attribute__((always_inline)) void pad_block(const uint32_t *a, long ap, const uint32_t *b,
+                                                            long bstride, long bblk, long np, float *out, long ldo,
+                                                            const int g) {
+    for (long r0 = 0; r0 < 16; r0 += 4) {
+        __m512 c[4][4];
+        for (int r = 0; r < 4; r++)
+            for (int x = 0; x < 4; x++) c[r][x] = _mm512_setzero_ps();
+        for (long i = 0; i < np; i++)
+            pad_step(c, a + r0 * ap + i, ap, b + (i / 16) * bblk + (i % 16) * 16, bstride, g);
+        for (int r = 0; r < 4; r++)
+            for (int x = 0; x < g; x++) _mm512_storeu_ps(out + (r0 + r) * ldo + 16 * x, c[r][x]);
+    }
+}
+
+#define PAD_BLOCK_SWITCH(gx, ...)                                                                                  \
+    switch (gx) {                                                                                                  \
+    case 1: pad_block(__VA_ARGS__, 1); break;                                                                      \
+    case 2: pad_block(__VA_ARGS__, 2); break;                                                                      \
+    case 3: pad_block(__VA_ARGS__, 3); break;                                                                      \
+    default: pad_block(__VA_ARGS__, 4); break;                                                                     \
+    }
+
+/* pam_task with vdpbf16ps for the tile products: the scores of 64 keys (four 16-key groups) for 4 rows at a time,
+ * then p·v for 64 value columns, from the same packing (a key group's pairs and a value tile's rows are the 16-lane
+ * vectors vdpbf16ps reads), the same softmax and the same rounding of p and of the output. */
+static void pad_task(void *p, long t) {
+    const pam_ctx *a = p;
+    long bh = t / a->nqb, qblk = a->nqb - 1 - t % a->nqb; /* the largest causal blocks first */
+    long bi = bh / a->h, hi = bh % a->h, kh = hi / (a->h / a->hkv), d = a->d, dv = a->dv, kd = d / 32, vd = dv / 16;
+    long i0 = qblk * 16, ni = a->l - i0 < 16 ? a->l - i0 : 16;
+    long nk = a->causal ? (i0 + ni < a->s ? i0 + ni : a->s) : a->s; /* keys any row of the block sees */
+    long ng = (nk + 15) / 16, n32 = (nk + 31) / 32 * 32;
+    const uint32_t *kp = a->kp + (size_t)(bi * a->hkv + kh) * a->sg * kd * 256;
+    const uint32_t *vp = a->vp + (size_t)(bi * a->hkv + kh) * (a->s32 / 32) * vd * 256;
+    hf_bf16 *qt = (hf_bf16 *)(a->ts + (size_t)omp_get_thread_num() * a->tsz);
+    float *sc = (float *)(qt + 16 * d);
+    hf_bf16 *pb = (hf_bf16 *)(sc + 16 * ng * 16);
+    float ob[16 * 64] __attribute__((aligned(64)));
+    float zs[16];
+    pam_qtile(a, qt, bi, hi, i0, ni);
+    long ls = ng * 16; /* floats per score row */
+    /* scores: key group g's pair i (dims 2i, 2i + 1) is row i % 16 of tile (g, i / 16): kp + (g * kd + i / 16) * 256 */
+    for (long g = 0; g < ng; g += 4) {
+        long gx = ng - g < 4 ? ng - g : 4;
+        PAD_BLOCK_SWITCH(gx, (const uint32_t *)qt, d / 2, kp + g * kd * 256, kd * 256, 256, d / 2, sc + 16 * g, ls)
+    }
+    pam_softmax(a, sc, ls, pb, n32, i0, ni, nk, zs);
+    hf_bf16 *O = a->out + bi * a->os[0] + hi * a->os[1] + i0 * a->os[2];
+    /* p·v: key pair i (keys 2i, 2i + 1) of column block u is row i % 16 of tile (i / 16, u): vp + ((i / 16) * vd
+     * + u) * 256 */
+    for (long u0 = 0; u0 < vd; u0 += 4) {
+        long nu = vd - u0 < 4 ? vd - u0 : 4;
+        PAD_BLOCK_SWITCH(nu, (const uint32_t *)pb, n32 / 2, vp + u0 * 256, 256, vd * 256, n32 / 2, ob, 64)
+        pam_store(a, ob, zs, O, ni, u0, nu);
+    }
 }
 #endif
 
@@ -3744,9 +3848,14 @@ static void pam_task(void *p, long t) {
  * head dims not multiples of 32 / 16), -1 no scratch memory. Same arguments as hf_prefill_attention's. */
 static int hf_prefill_attention_amx(const void *q, const void *k, const void *v, const long *dims,
                                     const long *strides, int causal, float scale, int threads, void *out) {
-#ifdef HF_AMX
+#if defined(HF_AMX) || defined(HF_PA_DPBF16)
     long b = dims[0], d = dims[5], dv = dims[6];
-    if (!amx_ok() || d % 32 || dv % 16 || d > PA_DMAX || dv > PA_DMAX) return -3;
+    int tiles = amx_ok();
+#ifndef HF_PA_DPBF16
+    if (!tiles) return -3;
+#endif
+    (void)tiles;
+    if (d % 32 || dv % 16 || d > PA_DMAX || dv > PA_DMAX) return -3;
     pam_ctx a = {q, k, v, out, NULL, NULL, NULL, 0, dims[1], dims[2], dims[3], dims[4], d, dv, 0, 0, 0,
                  {strides[0], strides[1], strides[2]}, {strides[3], strides[4], strides[5]},
                  {strides[6], strides[7], strides[8]}, {strides[13], strides[14], strides[15]}, causal, scale};
@@ -3764,7 +3873,13 @@ static int hf_prefill_attention_amx(const void *q, const void *k, const void *v,
     if (!buf) return -1;
     a.kp = (uint32_t *)buf, a.vp = a.kp + b * a.hkv * kw, a.ts = buf + (packed + 63) / 64 * 64;
     hf_run_team(pam_pack, &a, b * a.hkv, threads);
+#if defined(HF_AMX) && defined(HF_PA_DPBF16)
+    hf_run_team(tiles ? pam_task : pad_task, &a, b * a.h * a.nqb, threads);
+#elif defined(HF_AMX)
     hf_run_team(pam_task, &a, b * a.h * a.nqb, threads);
+#else
+    hf_run_team(pad_task, &a, b * a.h * a.nqb, threads);
+#endif
     free(buf);
     return 0;
 #else
@@ -3773,13 +3888,27 @@ static int hf_prefill_attention_amx(const void *q, const void *k, const void *v,
 #endif
 }
 
+/* Which bf16 products hf_prefill_attention's bf16 path without a mask (bf16 == 2) runs here: 2 AMX tiles, 1
+ * AVX512-BF16 dot products (pad_task), 0 neither (the widened fp32 FMAs). */
+int hf_prefill_attention_bf16_products(void) {
+#ifdef HF_AMX
+    if (amx_ok()) return 2;
+#endif
+#ifdef HF_PA_DPBF16
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 /* Attention of l query rows over s keys for b x h heads (see the banner above). q [b, h, l, d], k [b, hkv, s, d],
  * v [b, hkv, s, dv] at element strides qs/ks/vs (batch, head, row; the last dim dense); mask NULL or [b, h, l, s]
  * at element strides ms (0 where broadcast), bool (mask_kind 1) or float (2); out [b, h, l, dv] at element strides
  * os (batch, head, row; the last dim dense): dense, or e.g. [b, l, h, dv] memory that a transpose makes dense.
  * strides: qs, ks, vs, ms, os (16 longs).
- * d, dv <= 256 (PA_DMAX); h a multiple of hkv. bf16: 0 fp32, 1 bf16, 2 bf16 and the AMX path allowed (taken
- * without a mask where AMX runs and d % 32 == dv % 16 == 0). Returns 0, -1 when the key/value scratch cannot be allocated,
+ * d, dv <= 256 (PA_DMAX); h a multiple of hkv. bf16: 0 fp32, 1 bf16, 2 bf16 and the bf16-product path allowed
+ * (taken without a mask where d % 32 == dv % 16 == 0: on AMX tiles where AMX runs, else on AVX512-BF16 dot products
+ * where the build has them; hf_prefill_attention_bf16_products). Returns 0, -1 when the key/value scratch cannot be allocated,
  * -2 for shapes outside those limits (the output is then not written). */
 int hf_prefill_attention(const void *q, const void *k, const void *v, const void *mask, void *out,
                          const long *dims, const long *strides, int mask_kind, int causal, float scale,

@@ -100,12 +100,14 @@ SIGNATURES = {
     "hf_copy": [_P, _P, _L],
     "hf_rows_write": [_P, _L, _L],
     "hf_call_count": [],
+    "hf_prefill_attention_bf16_products": [],
     "hf_call_name": [_I],
     "hf_call_sig": [_I],
     "hf_run_calls": [_P, ctypes.c_int64, _I, _P],
 }
 RESTYPES = {  # the functions that return a value (every other one returns void)
     "hf_read_stream": _F, "hf_q8a_path": _I, "hf_bf16_path": _I, "hf_prefill_attention": _I, "hf_gemv_nk_multi": _I,
+    "hf_prefill_attention_bf16_products": _I,
     "hf_gemv_q8a": _I, "hf_gemm_q8a": _I,  # 0, or -1: scratch not allocated
     "hf_gemv_q4a": _I, "hf_gemm_q4a": _I, "hf_q4a_path": _I, "hf_quantize_i8_chunks": _L, "hf_quantize_i8": _I,
     "hf_transpose": _I, "hf_gemm_few": _I, "hf_gemm_few_kn": _I, "hf_gated_mlp_few": _I, "hf_panel_simd": _I,
@@ -1105,7 +1107,8 @@ def prefill_attention_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ma
 # hf_prefill_attention (absent: the native kernel at every count): where SDPA was faster on every calibration head
 # layout at that count and every larger one (bench/prefill_attention.py, docs/bench/prefill_attention.md). Empty
 # since the bf16 products run on AMX tiles (session 29; before, the native kernel widened bf16 to fp32 FMAs and
-# SDPA's flash kernel, multiplying in bf16, ran bf16 prompts from 128 rows).
+# SDPA's flash kernel, multiplying in bf16, ran bf16 prompts from 128 rows), and on AVX512-BF16 dot products where
+# the CPU has no AMX (session 41).
 SDPA_MIN_ROWS: dict[str, int] = {}
 
 
@@ -1123,10 +1126,19 @@ AMX_ATTENTION_ENV = "HETFORGE_PREFILL_ATTENTION_AMX"
 
 
 def amx_attention() -> bool:
-    """Whether a bf16 prefill attention without a mask may run its products on AMX tiles (``hf_prefill_attention``
-    takes that path where AMX runs and the head dims are multiples of 32 / 16; p is rounded to bf16 before p·v, as
-    SDPA's bf16 kernel does); ``HETFORGE_PREFILL_ATTENTION_AMX=0`` keeps the widened fp32 FMA path."""
+    """Whether a bf16 prefill attention without a mask may run its products in bf16 (``hf_prefill_attention`` takes
+    that path where the head dims are multiples of 32 / 16: AMX tiles where AMX runs, else AVX512-BF16 dot products
+    where the CPU has them, :func:`prefill_attention_bf16_products`; p is rounded to bf16 before p·v, as SDPA's bf16
+    kernel does); ``HETFORGE_PREFILL_ATTENTION_AMX=0`` keeps the widened fp32 FMA path."""
     return os.environ.get(AMX_ATTENTION_ENV, "1").strip() != "0"
+
+
+def prefill_attention_bf16_products() -> str:
+    """The products a bf16 prefill attention without a mask runs on here (when :func:`amx_attention` allows them):
+    ``amx``, ``avx512-bf16`` or ``fp32-fma`` (widened; also without the library)."""
+    lib = library()
+    got = lib.hf_prefill_attention_bf16_products() if lib is not None else 0
+    return {2: "amx", 1: "avx512-bf16"}.get(got, "fp32-fma")
 
 
 def _dense_rows(t: torch.Tensor) -> torch.Tensor:
