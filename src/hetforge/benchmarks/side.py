@@ -1,8 +1,8 @@
 """Side by side: hetforge's forward latencies and its closest peers', timed in turns while all of them are loaded.
 
 Why: the suite's rows time each system in its own process, one after the other, minutes apart. On a shared host the
-machine's speed drifts over those minutes: the same pair's per-repeat ratios spread from 0.7 to 1.2 on the pages
-of sessions 38–40, as wide as the gaps the targets judge. Here each chosen system is prepared in a process of its own
+machine's speed drifts over those minutes: the same pair's per-repeat ratios spread up to 0.71–1.16 on session
+40's pages, as wide as the gaps the targets judge. Here each chosen system is prepared in a process of its own
 (``python -m hetforge.benchmarks.worker --serve``, as in the suite, so no two share a thread pool) and then waits.
 Round after round, each in turn times a short batch of prefill calls, then each in turn a short batch of one-token
 calls (every batch after a pause in which the previous batch's spinning threads go to sleep, and after untimed
