@@ -445,7 +445,6 @@ def compare(rows: list[Row], runs: list | None = None, side: list[dict] | None =
     with ``runs``, each target also lists the ratio repeat by repeat (:func:`paired`), which shows whether the
     verdict held in every round. With ``side`` (groups timed side by side, :mod:`hetforge.benchmarks.side`), the
     prefill and one-token targets are judged on those rounds (:func:`_judged`)."""
-
     out: list[dict] = []
     for model in dict.fromkeys(r.model for r in rows):
         mine = next((r for r in rows if r.model == model and r.system == "hetforge" and r.runs_ok), None)

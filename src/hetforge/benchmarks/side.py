@@ -114,9 +114,13 @@ class _Served:
     def __init__(self, system: str, spec_path: Path, env: dict[str, str], log: Path) -> None:
         self.system = system
         self.log = log.open("w")
-        self.proc = subprocess.Popen([sys.executable, "-m", "hetforge.benchmarks.worker", "--serve", str(spec_path)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
-                                     env=env)
+        try:
+            self.proc = subprocess.Popen([sys.executable, "-m", "hetforge.benchmarks.worker", "--serve",
+                                          str(spec_path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                         stderr=self.log, text=True, env=env)
+        except OSError as e:  # reported like a worker that could not prepare
+            self.log.close()
+            raise RuntimeError(f"{system}: cannot start its worker ({e.strerror or e})") from None
 
     def reply(self, timeout_s: float) -> dict:
         """The worker's next reply line; a RuntimeError when it does not come within ``timeout_s`` or it died."""
@@ -171,14 +175,16 @@ def run_group(cfg: Any, model: str, mine: str, peers: list[str], root: Path, say
             path = folder / f"{s}.json"
             path.write_text(json.dumps(asdict(spec)))
             say(f"        side by side on {model}: preparing {s}")
-            w = _Served(s, path, worker_env(spec, env_for(s, folder / f"cache-{s}")), folder / f"{s}.log")
+            w = None
             try:
+                w = _Served(s, path, worker_env(spec, env_for(s, folder / f"cache-{s}")), folder / f"{s}.log")
                 got = w.reply(cfg.timeout_s)
             except RuntimeError as e:
                 got = {"ready": False, "error": str(e)}
             if not got.get("ready"):
                 group.notes.append(f"{s} left out of the side-by-side group on {model}: {got.get('error')}")
-                w.close()
+                if w is not None:
+                    w.close()
                 if s == mine:
                     return group
                 continue

@@ -3699,6 +3699,33 @@ static void pam_qtile(const pam_ctx *a, hf_bf16 *qt, long bi, long hi, long i0, 
     }
 }
 
+/* One task of the bf16-product attention (see pam_task): (batch, head, 16 query rows), the keys its rows see, where
+ * its kv head's packing lies, and this thread's scratch: q tile rows [16][d] bf16, scores [16][ng * 16] fp32 (ls
+ * floats a row), p [16][n32] bf16. */
+typedef struct {
+    long bi, hi, i0, ni, nk, ng, n32, ls;
+    const uint32_t *kp, *vp;
+    hf_bf16 *qt, *pb;
+    float *sc;
+} pam_at;
+
+/* Task t's pam_at, its q tile filled (pam_qtile). */
+static pam_at pam_begin(const pam_ctx *a, long t) {
+    pam_at k;
+    long bh = t / a->nqb, qblk = a->nqb - 1 - t % a->nqb; /* the largest causal blocks first */
+    long kh = (bh % a->h) / (a->h / a->hkv), kd = a->d / 32, vd = a->dv / 16;
+    k.bi = bh / a->h, k.hi = bh % a->h, k.i0 = qblk * 16, k.ni = a->l - k.i0 < 16 ? a->l - k.i0 : 16;
+    k.nk = a->causal ? (k.i0 + k.ni < a->s ? k.i0 + k.ni : a->s) : a->s; /* keys any row of the block sees */
+    k.ng = (k.nk + 15) / 16, k.n32 = (k.nk + 31) / 32 * 32, k.ls = k.ng * 16;
+    k.kp = a->kp + (size_t)(k.bi * a->hkv + kh) * a->sg * kd * 256;
+    k.vp = a->vp + (size_t)(k.bi * a->hkv + kh) * (a->s32 / 32) * vd * 256;
+    k.qt = (hf_bf16 *)(a->ts + (size_t)omp_get_thread_num() * a->tsz);
+    k.sc = (float *)(k.qt + 16 * a->d);
+    k.pb = (hf_bf16 *)(k.sc + 16 * k.ls);
+    pam_qtile(a, k.qt, k.bi, k.hi, k.i0, k.ni);
+    return k;
+}
+
 /* Output rows [0, ni) of a task, columns [16·u0, 16·(u0 + nu)): the sums ob (64 floats a row) over zs, rounded. */
 static void pam_store(const pam_ctx *a, const float *ob, const float *zs, hf_bf16 *O, long ni, long u0, long nu) {
     for (long r = 0; r < ni; r++) {
@@ -3713,22 +3740,14 @@ static void pam_store(const pam_ctx *a, const float *ob, const float *zs, hf_bf1
 #ifdef HF_AMX
 static void pam_task(void *p, long t) {
     const pam_ctx *a = p;
-    long bh = t / a->nqb, qblk = a->nqb - 1 - t % a->nqb; /* the largest causal blocks first */
-    long bi = bh / a->h, hi = bh % a->h, kh = hi / (a->h / a->hkv), d = a->d, dv = a->dv, kd = d / 32, vd = dv / 16;
-    long i0 = qblk * 16, ni = a->l - i0 < 16 ? a->l - i0 : 16;
-    long nk = a->causal ? (i0 + ni < a->s ? i0 + ni : a->s) : a->s; /* keys any row of the block sees */
-    long ng = (nk + 15) / 16, n32 = (nk + 31) / 32 * 32;
-    const uint32_t *kp = a->kp + (size_t)(bi * a->hkv + kh) * a->sg * kd * 256;
-    const uint32_t *vp = a->vp + (size_t)(bi * a->hkv + kh) * (a->s32 / 32) * vd * 256;
-    /* this thread's scratch: q tile rows [16][d] bf16, scores [16][ng * 16] fp32, p [16][n32] bf16 */
-    hf_bf16 *qt = (hf_bf16 *)(a->ts + (size_t)omp_get_thread_num() * a->tsz);
-    float *sc = (float *)(qt + 16 * d);
-    hf_bf16 *pb = (hf_bf16 *)(sc + 16 * ng * 16);
+    const pam_at k = pam_begin(a, t);
+    long d = a->d, kd = d / 32, vd = a->dv / 16, ng = k.ng, n32 = k.n32, ls = k.ls;
+    const uint32_t *kp = k.kp, *vp = k.vp;
+    hf_bf16 *qt = k.qt, *pb = k.pb;
+    float *sc = k.sc;
     float ob[16 * 64] __attribute__((aligned(64)));
     float zs[16];
-    pam_qtile(a, qt, bi, hi, i0, ni);
     amx_config();
-    long ls = ng * 16; /* floats per score row */
     for (long g = 0; g < ng; g++) {
         _tile_zero(0);
         for (long c = 0; c < kd; c++) {
@@ -3738,8 +3757,8 @@ static void pam_task(void *p, long t) {
         }
         _tile_stored(0, sc + 16 * g, ls * 4);
     }
-    pam_softmax(a, sc, ls, pb, n32, i0, ni, nk, zs);
-    hf_bf16 *O = a->out + bi * a->os[0] + hi * a->os[1] + i0 * a->os[2];
+    pam_softmax(a, sc, ls, pb, n32, k.i0, k.ni, k.nk, zs);
+    hf_bf16 *O = a->out + k.bi * a->os[0] + k.hi * a->os[1] + k.i0 * a->os[2];
     for (long u0 = 0; u0 < vd; u0 += 4) {
         long nu = vd - u0 < 4 ? vd - u0 : 4;
         _tile_zero(0);
@@ -3759,7 +3778,7 @@ static void pam_task(void *p, long t) {
         if (nu > 1) _tile_stored(1, ob + 16, 256);
         if (nu > 2) _tile_stored(2, ob + 32, 256);
         if (nu > 3) _tile_stored(3, ob + 48, 256);
-        pam_store(a, ob, zs, O, ni, u0, nu);
+        pam_store(a, ob, zs, O, k.ni, u0, nu);
     }
     _tile_release();
 }
@@ -3813,33 +3832,24 @@ static inline __attribute__((always_inline)) void pad_block(const uint32_t *a, l
  * vectors vdpbf16ps reads), the same softmax and the same rounding of p and of the output. */
 static void pad_task(void *p, long t) {
     const pam_ctx *a = p;
-    long bh = t / a->nqb, qblk = a->nqb - 1 - t % a->nqb; /* the largest causal blocks first */
-    long bi = bh / a->h, hi = bh % a->h, kh = hi / (a->h / a->hkv), d = a->d, dv = a->dv, kd = d / 32, vd = dv / 16;
-    long i0 = qblk * 16, ni = a->l - i0 < 16 ? a->l - i0 : 16;
-    long nk = a->causal ? (i0 + ni < a->s ? i0 + ni : a->s) : a->s; /* keys any row of the block sees */
-    long ng = (nk + 15) / 16, n32 = (nk + 31) / 32 * 32;
-    const uint32_t *kp = a->kp + (size_t)(bi * a->hkv + kh) * a->sg * kd * 256;
-    const uint32_t *vp = a->vp + (size_t)(bi * a->hkv + kh) * (a->s32 / 32) * vd * 256;
-    hf_bf16 *qt = (hf_bf16 *)(a->ts + (size_t)omp_get_thread_num() * a->tsz);
-    float *sc = (float *)(qt + 16 * d);
-    hf_bf16 *pb = (hf_bf16 *)(sc + 16 * ng * 16);
+    const pam_at k = pam_begin(a, t);
+    long d = a->d, kd = d / 32, vd = a->dv / 16, ng = k.ng, n32 = k.n32, ls = k.ls;
     float ob[16 * 64] __attribute__((aligned(64)));
     float zs[16];
-    pam_qtile(a, qt, bi, hi, i0, ni);
-    long ls = ng * 16; /* floats per score row */
     /* scores: key group g's pair i (dims 2i, 2i + 1) is row i % 16 of tile (g, i / 16): kp + (g * kd + i / 16) * 256 */
     for (long g = 0; g < ng; g += 4) {
         long gx = ng - g < 4 ? ng - g : 4;
-        PAD_BLOCK_SWITCH(gx, (const uint32_t *)qt, d / 2, kp + g * kd * 256, kd * 256, 256, d / 2, sc + 16 * g, ls)
+        PAD_BLOCK_SWITCH(gx, (const uint32_t *)k.qt, d / 2, k.kp + g * kd * 256, kd * 256, 256, d / 2, k.sc + 16 * g,
+                         ls)
     }
-    pam_softmax(a, sc, ls, pb, n32, i0, ni, nk, zs);
-    hf_bf16 *O = a->out + bi * a->os[0] + hi * a->os[1] + i0 * a->os[2];
+    pam_softmax(a, k.sc, ls, k.pb, n32, k.i0, k.ni, k.nk, zs);
+    hf_bf16 *O = a->out + k.bi * a->os[0] + k.hi * a->os[1] + k.i0 * a->os[2];
     /* p·v: key pair i (keys 2i, 2i + 1) of column block u is row i % 16 of tile (i / 16, u): vp + ((i / 16) * vd
      * + u) * 256 */
     for (long u0 = 0; u0 < vd; u0 += 4) {
         long nu = vd - u0 < 4 ? vd - u0 : 4;
-        PAD_BLOCK_SWITCH(nu, (const uint32_t *)pb, n32 / 2, vp + u0 * 256, 256, vd * 256, n32 / 2, ob, 64)
-        pam_store(a, ob, zs, O, ni, u0, nu);
+        PAD_BLOCK_SWITCH(nu, (const uint32_t *)k.pb, n32 / 2, k.vp + u0 * 256, 256, vd * 256, n32 / 2, ob, 64)
+        pam_store(a, ob, zs, O, k.ni, u0, nu);
     }
 }
 #endif
