@@ -18,6 +18,14 @@ step is clearly slower. Medians, not a moving average, so that one descheduled s
 blocks one; each request's first decode step is left out, and the spike rule waits for a
 few steps. The tuner lives on the engine: a request's prefill runs with the count its decode steps last found
 faster. Off with ``HETFORGE_ADAPT_THREADS=0``; torch's thread count is restored when the request ends.
+
+A probe of the requested count from one thread costs slow steps whenever the other process still holds its core,
+and under a sustained load those probes were what was left of the adaptive count's cost (session 40's contention
+page: 0.5–1% above one thread on every round, gpt2). So with ``others`` (the engine passes :func:`others_running`:
+the machine's runnable tasks besides the caller, read from ``/proc/loadavg``), such a probe is not run while too few
+cores are free for the requested count (others + requested > usable cores); it counts as a lost probe (the interval
+doubles) and the core is looked at again at the next one. On one thread the caller is this process's only running
+thread (no pool is woken), so what the count shows is other work.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ from __future__ import annotations
 import os
 import statistics
 from collections import deque
+from collections.abc import Callable
 
 import torch
 
@@ -33,7 +42,8 @@ class ThreadTuner:
     """Pick the thread count of each decode step from measured step times."""
 
     def __init__(self, threads: int | None = None, explore_every: int = 16, probe_steps: int = 5,
-                 spike: float = 1.3, margin: float = 0.03, window: int = 8):
+                 spike: float = 1.3, margin: float = 0.03, window: int = 8,
+                 others: Callable[[], int | None] | None = None):
         self.base = torch.get_num_threads()
         self.max = max(1, threads or self.base)
         self.enabled = self.max > 1 and os.environ.get("HETFORGE_ADAPT_THREADS", "1") != "0"
@@ -53,6 +63,9 @@ class ThreadTuner:
         self.slow_run = 0
         self.switches = 0
         self.probes = 0
+        self.others = others
+        self.cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        self.postponed = 0  # probes of the requested count not run: its cores were taken (see the module docstring)
 
     def other(self, n: int) -> int:
         return 1 if n == self.max else self.max
@@ -67,7 +80,10 @@ class ThreadTuner:
             return self.base
         n = self.cur
         due = self.since_probe >= (self.interval if self.probes else self.first_probe)
-        if self.probing is None and due:
+        if self.probing is None and due and self._cores_taken(self.other(n)):
+            self.postponed += 1
+            self.since_probe, self.interval = 0, min(2 * self.interval, 4 * self.explore_every)
+        elif self.probing is None and due:
             self.probing, self.probe_times = self.other(n), []
             self.probes += 1
         if self.probing is not None:
@@ -75,6 +91,14 @@ class ThreadTuner:
         if torch.get_num_threads() != n:
             torch.set_num_threads(n)
         return n
+
+    def _cores_taken(self, target: int) -> bool:
+        """Whether a probe of ``target`` threads from one thread would find too few free cores: other runnable
+        tasks (``others``) plus ``target`` above the usable cores. False without ``others`` or a reading."""
+        if self.others is None or self.cur != 1 or target <= 1:
+            return False
+        busy = self.others()
+        return busy is not None and busy + target > self.cores
 
     def before_prefill(self) -> int:
         """Set the thread count for a prefill: the count decode steps found faster (the requested one at first).
@@ -134,4 +158,15 @@ class ThreadTuner:
     def summary(self) -> dict:
         return {"adaptive": self.enabled, "threads_requested": self.max, "steps_by_threads": dict(self.counts),
                 "median_step_s_by_threads": {k: round(statistics.median(v), 6) for k, v in self.recent.items() if v},
-                "probes": self.probes, "switches": self.switches}
+                "probes": self.probes, "switches": self.switches, "probes_postponed": self.postponed}
+
+
+def others_running() -> int | None:
+    """Runnable tasks on this machine besides the calling thread: ``/proc/loadavg``'s fourth field (running/total;
+    the running count includes the caller) minus one; None where it cannot be read (not Linux)."""
+    try:
+        with open("/proc/loadavg") as f:
+            running = int(f.read().split()[3].split("/")[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return max(0, running - 1)
