@@ -75,3 +75,13 @@ def first_line(err: BaseException | str) -> str:
     else:
         line = next((ln.strip() for ln in err.splitlines() if ln.strip()), "")
     return line[:240]
+
+
+def is_f32(precision: str | None) -> bool:
+    """Whether a row's recorded precision is fp32 (an empty one is: systems that do not report it run fp32)."""
+    return (precision or "").lower() in ("f32", "float32", "fp32", "")
+
+
+def is_bf16(precision: str | None) -> bool:
+    """Whether a row's recorded precision is bf16 (OpenVINO reports its hint as "bfloat16")."""
+    return (precision or "").lower() in ("bf16", "bfloat16")

@@ -28,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from hetforge.benchmarks.base import is_bf16, is_f32
 from hetforge.benchmarks.side import run_side, verdict
 from hetforge.benchmarks.systems import (
     PEER_KEYS_FOR_PREP_TARGET,
@@ -474,7 +475,7 @@ def compare(rows: list[Row], runs: list | None = None, side: list[dict] | None =
                 "fastest_peer": fastest.system, "peer_s": fastest.prep_s.median, "hetforge_s": hs,
                 "hetforge_forward_pair_s": fwd, "hetforge_runtime_pair_s": rt,
                 "speedup": speedup, "met": speedup is not None and speedup >= 5.0}
-        f32 = [p for p in peers if _is_f32(p)]
+        f32 = [p for p in peers if is_f32(p.precision)]
         for metric in ("prefill_ms", "step_ms", "decode_ms_per_token"):
             cands = [p for p in f32 if getattr(p, metric) is not None]
             mv = _med(getattr(mine, metric))
@@ -505,7 +506,7 @@ def _bf16_targets(rows: list[Row], model: str, runs: list | None = None, side: l
     with hetforge-bf16's KL against fp32 eager reported beside (issue: at or below OpenVINO's bf16)."""
     mine = next((r for r in rows if r.model == model and r.system == "hetforge-bf16" and r.runs_ok), None)
     ov = [r for r in rows if r.model == model and r.system.startswith("ov") and r.runs_ok
-          and (r.precision or "").lower() in ("bf16", "bfloat16")]  # OpenVINO reports its hint as "bfloat16"
+          and is_bf16(r.precision)]
     out: dict = {}
     if mine is None or not ov:
         return out
@@ -520,11 +521,6 @@ def _bf16_targets(rows: list[Row], model: str, runs: list | None = None, side: l
                  "kl_max": mine.kl_max, "paired": paired(runs, model, "hetforge-bf16", best.system, metric)},
                 verdict(side, model, "hetforge-bf16", metric))
     return out
-
-
-def _is_f32(row: Row) -> bool:
-    p = (row.precision or "").lower()
-    return p in ("f32", "float32", "fp32", "")
 
 
 def save_json(result: SuiteResult, path: Path) -> None:

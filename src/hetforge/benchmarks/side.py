@@ -39,6 +39,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hetforge.benchmarks.base import is_bf16, is_f32
+
 METRICS = ("prefill_ms", "step_ms")
 SHAPE = {"prefill_ms": "prefill", "step_ms": "step"}
 PEERS_PER_METRIC = 2  # the fastest f32 peers per metric that join hetforge
@@ -74,11 +76,10 @@ def pick_groups(rows: list, model: str) -> list[tuple[str, list[str]]]:
     ok = {r.system: r for r in rows if r.model == model and r.runs_ok}
     out = []
     if "hetforge" in ok:
-        f32 = [r for s, r in ok.items() if not s.startswith("hetforge")
-               and (r.precision or "").lower() in ("f32", "float32", "fp32", "")]
+        f32 = [r for s, r in ok.items() if not s.startswith("hetforge") and is_f32(r.precision)]
         out.append(("hetforge", _fastest(f32, PEERS_PER_METRIC)))
     if "hetforge-bf16" in ok:
-        bf16 = [r for s, r in ok.items() if s.startswith("ov") and (r.precision or "").lower() in ("bf16", "bfloat16")]
+        bf16 = [r for s, r in ok.items() if s.startswith("ov") and is_bf16(r.precision)]
         out.append(("hetforge-bf16", _fastest(bf16, 1)))
     return [(m, p) for m, p in out if p]
 
