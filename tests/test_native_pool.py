@@ -99,6 +99,50 @@ def test_a_call_finishes_when_no_helper_ever_takes_work():
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
 
 
+STALL_CHILD = """
+import time, torch
+from hetforge.kernels import native
+x, w = torch.randn(768), torch.randn(3072, 768)
+ref = native.gemv(x, w, None, torch.empty(3072), False, threads=1)
+native.gemv(x, w, None, torch.empty(3072), False, threads=2)  # start the helper
+
+def calls(seconds):
+    t0, n = time.monotonic(), 0
+    while time.monotonic() - t0 < seconds:
+        assert torch.equal(native.gemv(x, w, None, torch.empty(3072), False, threads=2), ref)
+        n += 1
+    return n
+
+# stall threshold 0: the pool never goes solo, however long a helper holds a chunk
+native.pool_config(hold="stall", stall_us=0)
+a = native.pool_info(); n = calls(0.3); b = native.pool_info()
+assert b.stalls == a.stalls and b.solo_jobs == a.solo_jobs and b.jobs - a.jobs == n, (a, b)
+# a helper that holds each chunk it claims (as if descheduled): the caller goes solo, for longer and longer
+native.pool_config(hold="stall")
+a = native.pool_info(); n = calls(1.5); b = native.pool_info()
+stalls, solo = b.stalls - a.stalls, b.solo_jobs - a.solo_jobs
+assert stalls >= 1 and solo >= 1 and b.jobs - a.jobs == n, (a, b)
+assert stalls <= 40 and solo > 5 * stalls, (stalls, solo, n)  # a fixed 2 ms backoff: one stall per ~3 ms
+# the hook off (which ends the solo period): helpers run chunks again
+native.pool_config()
+a = native.pool_info(); t0 = time.monotonic()
+while native.pool_info().chunks_by_helpers == a.chunks_by_helpers and time.monotonic() - t0 < 20:
+    calls(0.01)
+b = native.pool_info()
+assert b.chunks_by_helpers > a.chunks_by_helpers and b.stall_us == native.STALL_US, (a, b)
+print("ok", stalls, solo, n)
+"""
+
+
+def test_a_helper_that_stalls_holding_a_chunk_sends_the_caller_solo_for_doubling_periods_with_the_same_bits():
+    """A helper descheduled while it holds a chunk (the test hook ``hold="stall"``) makes the caller wait; after
+    such a wait the caller runs the next jobs alone, for periods that double while the helper keeps stalling, so
+    a busy neighbour costs a few waits a second, not one per job. Results stay bit-equal to one thread.
+    A subprocess: the hook and the solo state are the process's pool's."""
+    r = subprocess.run([sys.executable, "-c", STALL_CHILD], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.startswith("ok"), r.stderr[-2000:]
+
+
 # Windows has no fork(); the pool re-creates its helpers only after a fork, so there is nothing to check there.
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="os.fork is POSIX-only; the pool's fork handling is too")
 def test_a_forked_child_computes_with_its_own_helpers():

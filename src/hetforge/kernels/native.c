@@ -59,7 +59,17 @@ static void scratch_done(const hf_scratch *slot, void *p) {
  * the caller, waiting for a claimed chunk, yields after the same spin. Chunks are fixed by the problem (not
  * by the thread count or by who ran them), so a result does not depend on the thread count or on timing.
  * One job at a time: a second concurrent caller (another Python thread) runs its job inline. After fork()
- * the child has no helpers; the caller then does every chunk itself (still correct). */
+ * the child has no helpers; the caller then does every chunk itself (still correct).
+ *
+ * What chunks cannot hide is a helper descheduled while it holds a chunk: the caller then waits for it for the
+ * rest of the busy neighbour's time slice (milliseconds; a chunk takes microseconds). So a wait longer than
+ * ``stall_us`` (HF_STALL_US) is a stall, and after one the caller runs the next jobs alone (``solo``) for a
+ * backoff period: HF_SOLO_FIRST_US after an isolated stall, doubled (up to HF_SOLO_MAX_US) when the helpers
+ * stall again within HF_PROBE_US of their first job after the last solo period (not of its end: a process that
+ * made no pooled call meanwhile probes late), which is what a neighbour that keeps a core busy does.
+ * With a busy neighbour a helper that shares its core gains about as much as its stalls lose (measured,
+ * bench/contention.py), so running alone is the better choice there; on an idle host a rare stall (a kernel
+ * daemon) costs one short solo period. Solo jobs run the same chunks, so the same bits. */
 #include <limits.h>
 #include <linux/futex.h>
 #include <pthread.h>
@@ -70,6 +80,10 @@ static void scratch_done(const hf_scratch *slot, void *p) {
 #include <unistd.h>
 
 #define HF_SPIN_US 50 /* the pool's default spin, µs (kernels.native.SPIN_US) */
+#define HF_STALL_US 300          /* a longer wait for a helper's claimed chunk is a stall (kernels.native.STALL_US) */
+#define HF_SOLO_FIRST_US 2000.0  /* solo period after an isolated stall */
+#define HF_SOLO_MAX_US 1000000.0 /* longest solo period (helpers that keep stalling are let back in this often) */
+#define HF_PROBE_US 20000.0      /* a stall this soon after a solo period ends doubles the next one */
 
 typedef void (*hf_chunk_fn)(void *ctx, long chunk);
 #define HF_MAX_HELPERS 63
@@ -87,13 +101,18 @@ static struct {
     _Atomic int width;    /* helpers with an id below this may join the current job */
     _Atomic int sleepers; /* helpers asleep (or about to sleep) on seq */
     _Atomic int spin_us;  /* how long an idle helper / a waiting caller spins before sleeping / yielding */
-    _Atomic int hold;     /* test hook: helpers claim nothing (as if all were descheduled) */
+    _Atomic int hold;     /* test hook: 1 helpers claim nothing (as if descheduled); 2 a helper holds each
+                           * chunk it claims for 2 * stall_us before running it (descheduled while holding it) */
+    _Atomic int stall_us; /* a longer wait for a claimed chunk is a stall; 0: never go solo */
+    double solo_until, backoff, probe_from; /* solo state, owned by the holder of lock: jobs run alone until
+                                             * solo_until; helpers were let back in at probe_from */
     _Atomic int team;     /* 1: jobs run on torch's OpenMP team instead (hf_pool_team) */
     _Atomic unsigned live; /* the job whose chunks may be claimed (0 while the next one is being set up) */
     _Atomic int regions;   /* runs of consecutive chunks, one per thread of the job (see run_chunks) */
     _Atomic unsigned long long next[HF_MAX_HELPERS + 1]; /* per run: (job << 32) | chunks of it claimed */
-    _Atomic long jobs, chunks_total, chunks_by_helpers, helper_sleeps, chunks_taken_over;
-} pool = {.lock = PTHREAD_MUTEX_INITIALIZER, .grow = PTHREAD_MUTEX_INITIALIZER, .spin_us = HF_SPIN_US};
+    _Atomic long jobs, chunks_total, chunks_by_helpers, helper_sleeps, chunks_taken_over, stalls, solo_jobs;
+} pool = {.lock = PTHREAD_MUTEX_INITIALIZER, .grow = PTHREAD_MUTEX_INITIALIZER, .spin_us = HF_SPIN_US,
+          .stall_us = HF_STALL_US};
 
 static double now_us(void) {
     struct timespec ts;
@@ -129,6 +148,8 @@ static long run_chunks(unsigned job, int self) {
             if ((unsigned)(st >> 32) != job) return ran;
             if ((long)(st & 0xffffffffu) >= len) break;
             if (!atomic_compare_exchange_weak(&pool.next[r], &st, st + 1)) continue;
+            if (self != 0 && atomic_load_explicit(&pool.hold, memory_order_relaxed) == 2)
+                usleep(2 * (unsigned)atomic_load_explicit(&pool.stall_us, memory_order_relaxed) + 100);
             fn(ctx, lo + (long)(st & 0xffffffffu));
             ran++;
             if (r != self) atomic_fetch_add_explicit(&pool.chunks_taken_over, 1, memory_order_relaxed);
@@ -156,7 +177,7 @@ static void *helper_main(void *arg) {
             }
         }
         seen = atomic_load_explicit(&pool.seq, memory_order_acquire);
-        if (id < atomic_load(&pool.width) && !atomic_load(&pool.hold)) {
+        if (id < atomic_load(&pool.width) && atomic_load(&pool.hold) != 1) {
             long ran = run_chunks(seen, id + 1);
             if (ran) atomic_fetch_add_explicit(&pool.chunks_by_helpers, ran, memory_order_relaxed);
         }
@@ -197,6 +218,19 @@ static void hf_run(hf_chunk_fn fn, void *ctx, long n, int threads) {
         for (long i = 0; i < n; i++) fn(ctx, i);
         return;
     }
+    int stall_us = atomic_load_explicit(&pool.stall_us, memory_order_relaxed);
+    if (stall_us > 0 && pool.solo_until > 0) { /* backing off after a stall */
+        double t = now_us();
+        if (t < pool.solo_until) {
+            for (long i = 0; i < n; i++) fn(ctx, i);
+            atomic_fetch_add_explicit(&pool.solo_jobs, 1, memory_order_relaxed);
+            atomic_fetch_add_explicit(&pool.jobs, 1, memory_order_relaxed);
+            atomic_fetch_add_explicit(&pool.chunks_total, n, memory_order_relaxed);
+            pthread_mutex_unlock(&pool.lock);
+            return;
+        }
+        pool.solo_until = 0, pool.probe_from = t; /* helpers let back in: the probe starts with this job */
+    }
     int helpers = ensure_helpers(threads - 1), width = helpers < threads - 1 ? helpers : threads - 1;
     unsigned job = atomic_load(&pool.seq) + 1;
     if (job == 0) job = 1; /* 0 means "no job" in pool.live */
@@ -220,6 +254,16 @@ static void hf_run(hf_chunk_fn fn, void *ctx, long n, int threads) {
         if (++spins % 64 == 0) {
             if (t0 == 0) t0 = now_us();
             else if (now_us() - t0 > atomic_load_explicit(&pool.spin_us, memory_order_relaxed)) sched_yield();
+        }
+    }
+    if (t0 > 0 && stall_us > 0) { /* waited at least 64 pauses: was it a stall? */
+        double t1 = now_us();
+        if (t1 - t0 > stall_us) {
+            atomic_fetch_add_explicit(&pool.stalls, 1, memory_order_relaxed);
+            int again = pool.backoff > 0 && t0 - pool.probe_from < HF_PROBE_US;
+            pool.backoff = !again ? HF_SOLO_FIRST_US : pool.backoff * 2 < HF_SOLO_MAX_US ? pool.backoff * 2
+                                                                                          : HF_SOLO_MAX_US;
+            pool.solo_until = t1 + pool.backoff;
         }
     }
     atomic_fetch_add_explicit(&pool.jobs, 1, memory_order_relaxed);
@@ -251,9 +295,10 @@ static void hf_run_team(hf_chunk_fn fn, void *ctx, long n, int threads) {
     for (long i = 0; i < n; i++) fn(ctx, i);
 }
 
-/* Read back the pool: out[0..7] = helpers started, spin_us, jobs run by the pool, their chunks, chunks run
- * by helpers, helper sleeps (futex waits), chunks a thread ran from another thread's run (taken over), and
- * whether jobs run on the OpenMP team (hf_pool_team). */
+/* Read back the pool: out[0..10] = helpers started, spin_us, jobs run by the pool, their chunks, chunks run
+ * by helpers, helper sleeps (futex waits), chunks a thread ran from another thread's run (taken over),
+ * whether jobs run on the OpenMP team (hf_pool_team), stall_us, stalls, and jobs the caller ran alone (solo)
+ * because the pool was backing off after a stall. */
 void hf_pool_info(long *out) {
     out[0] = pool.owner == getpid() ? pool.helpers : 0;
     out[1] = atomic_load(&pool.spin_us);
@@ -263,6 +308,9 @@ void hf_pool_info(long *out) {
     out[5] = atomic_load(&pool.helper_sleeps);
     out[6] = atomic_load(&pool.chunks_taken_over);
     out[7] = atomic_load(&pool.team);
+    out[8] = atomic_load(&pool.stall_us);
+    out[9] = atomic_load(&pool.stalls);
+    out[10] = atomic_load(&pool.solo_jobs);
 }
 
 /* team = 1: the pool's jobs run on torch's OpenMP team (hf_run_team) until team = 0. */
@@ -278,10 +326,15 @@ __attribute__((constructor)) static void pool_register_fork_handler(void) {
     pthread_atfork(NULL, NULL, pool_team_off_in_child);
 }
 
-/* Set the spin time (µs, >= 0) and the test hook ``hold`` (1: helpers claim nothing, as if descheduled). */
-void hf_pool_config(int spin_us, int hold) {
+/* Set the spin time (µs, >= 0), the stall threshold (µs; 0: never go solo), and the test hook ``hold`` (see
+ * the pool); ends any solo period. */
+void hf_pool_config(int spin_us, int hold, int stall_us) {
+    pthread_mutex_lock(&pool.lock);
     atomic_store(&pool.spin_us, spin_us < 0 ? 0 : spin_us);
+    atomic_store(&pool.stall_us, stall_us < 0 ? 0 : stall_us);
     atomic_store(&pool.hold, hold);
+    pool.solo_until = pool.backoff = pool.probe_from = 0;
+    pthread_mutex_unlock(&pool.lock);
 }
 
 static inline float dot(const float *restrict a, const float *restrict b, long k) {

@@ -75,7 +75,7 @@ SIGNATURES = {
     "hf_gemm_q4a": [_P, _P, _P, _P, _P, _L, _L, _L, _L, _I, _I],
     "hf_q4a_path": [_I],
     "hf_pool_info": [_P],
-    "hf_pool_config": [_I, _I],
+    "hf_pool_config": [_I, _I, _I],
     "hf_pool_team": [_I],
     "hf_quantize_i8_chunks": [_L],
     "hf_quantize_i8": [_P, _L, _L, _I, _P, _P, _P, _P, _I],
@@ -355,6 +355,9 @@ class PoolInfo:
     helper_sleeps: int  # times an idle helper went to sleep on its futex
     chunks_taken_over: int  # chunks a thread ran from another thread's run (its own run was done)
     team: bool  # pooled kernels run on torch's OpenMP team instead (set by pool_team)
+    stall_us: int  # a longer wait for a chunk a helper claimed is a stall (0: the pool never goes solo)
+    stalls: int  # such waits
+    solo_jobs: int  # jobs (counted in ``jobs``) the caller ran alone: the pool was backing off after a stall
 
 
 SPIN_US = 50  # the pool's default spin (native.c HF_SPIN_US): idle helpers stay awake this long between kernels.
@@ -364,16 +367,25 @@ SPIN_US = 50  # the pool's default spin (native.c HF_SPIN_US): idle helpers stay
 # ms/token on gpt2, 28.1 -> 32.5 on llama-110m: no better than 1 thread), so 50 µs stays.
 
 
+STALL_US = 300  # native.c HF_STALL_US: a caller that waits longer than this for a chunk a helper claimed (a
+# chunk takes microseconds) saw the helper descheduled while holding it, and runs the next jobs alone for a while.
+HOLDS = {"none": 0, "idle": 1, "stall": 2}  # pool_config's test hook
+
+
 def pool_info() -> PoolInfo:
     """Read back the pool's state and counters; check :func:`library` first."""
-    out = (ctypes.c_long * 8)()
+    out = (ctypes.c_long * 11)()
     library().hf_pool_info(out)
-    return PoolInfo(*out[:7], bool(out[7]))
+    return PoolInfo(*out[:7], bool(out[7]), *out[8:11])
 
 
-def pool_config(spin_us: int = SPIN_US, hold: bool = False) -> None:
-    """Set the pool's spin time (µs) and its test hook ``hold`` (helpers claim no work, as if descheduled)."""
-    library().hf_pool_config(spin_us, int(hold))
+def pool_config(spin_us: int = SPIN_US, hold: bool | str = False, stall_us: int = STALL_US) -> None:
+    """Set the pool's spin time (µs), its stall threshold (µs; 0: never run jobs alone after a stall), and its
+    test hook ``hold``: ``True`` / ``"idle"`` helpers claim no work (as if descheduled), ``"stall"`` a helper
+    holds each chunk it claims for twice the stall threshold before running it (as if descheduled while holding
+    it). Ends any solo period."""
+    code = HOLDS[hold] if isinstance(hold, str) else int(bool(hold))
+    library().hf_pool_config(spin_us, code, stall_us)
 
 
 def pool_team(on: bool) -> None:
