@@ -1,5 +1,6 @@
-"""Decode under contention: 1 thread vs 2 threads (fixed) vs 2 threads (adaptive), with and without a busy
-background process, for the native kernels' own thread pool and (optionally) the OpenMP kernels they replaced.
+"""Decode under contention: 1 thread vs 2 threads (fixed) vs 2 threads (adaptive), plus a second 1-thread engine as
+an A/A control, with and without a busy background process, for the native kernels' own thread pool and
+(optionally) the OpenMP kernels they replaced.
 Writes docs/bench/contention.json and generates docs/bench/contention.md from it.
 
     .venv/bin/python bench/contention.py [--models gpt2,llama-110m] [--rounds 3] [--tokens 32]
@@ -9,7 +10,8 @@ How each configuration runs (as a user would run it): every (model, kernels) pai
 holds one fresh Engine per configuration, each made and warmed under its own settings — ``torch`` threads 1
 or 2, ``HETFORGE_ADAPT_THREADS`` 0 (fixed) or 1 (adaptive: ``hetforge.runtime.threads``) — so a tuner is
 never made under another configuration's settings. The parent sends one request at a time to the workers,
-round-robin (model × kernels × configuration per round: interleaved), and starts and stops the background
+round-robin (model × kernels × configuration per round: interleaved, the configurations' order rotated each
+round), and starts and stops the background
 load: ``pinned`` is one process spinning (``while True: pass``) pinned to the host's last CPU with
 ``sched_setaffinity``; ``unpinned`` is the same process left to the scheduler; ``none`` is no process of
 ours (other users of the host may still load it: the load average is recorded before and after each phase).
@@ -37,7 +39,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs" / "bench"
-CONFIGS = {"1 thread": (1, "0"), "2 threads, fixed": (2, "0"), "2 threads, adaptive": (2, "1")}
+CONFIGS = {"1 thread": (1, "0"), "2 threads, fixed": (2, "0"), "2 threads, adaptive": (2, "1"),
+           "1 thread, again": (1, "0")}  # the last: an A/A control, the same-round noise of a ratio to 1 thread
 def defines(source: str, name: str) -> bool:
     """Whether the C file ``source`` defines (or declares) function ``name`` (a baseline has fewer)."""
     return re.search(rf"\b{name}\s*\(", Path(source).read_text()) is not None
@@ -73,10 +76,15 @@ def worker(model: str, source: str | None, tokens: int) -> None:
         threads, adapt = CONFIGS[name]
         torch.set_num_threads(threads)
         os.environ["HETFORGE_ADAPT_THREADS"] = adapt
+        before = vars(native.pool_info()) if not source else {}
         gen = engines[name].stream(list(range(1, 17)), SamplingParams(max_new_tokens=n, ignore_eos=True))
         for _ in gen:
             pass
-        return {"decode_ms": gen.result.decode_ms_per_token, "tuner": gen.tuner.summary() if gen.tuner else None}
+        r = {"decode_ms": gen.result.decode_ms_per_token, "tuner": gen.tuner.summary() if gen.tuner else None}
+        if before:  # this request's pool jobs, the caller's waits over stall_us, and the jobs it ran alone after one
+            after = vars(native.pool_info())
+            r["pool_request"] = {k: after[k] - before[k] for k in ("jobs", "stalls", "solo_jobs")}
+        return r
 
     for name in CONFIGS:
         engines[name] = Engine(loaded, executor="auto")
@@ -203,9 +211,14 @@ def summarize(rows: list[dict]) -> list[dict]:
         one = sel["1 thread"]["decode_ms"]
         s = {"model": model, "kernels": kernels, "load": load,
              "median_ms": {c: round(statistics.median(r["decode_ms"]), 2) for c, r in sel.items()}}
-        for c in ("2 threads, fixed", "2 threads, adaptive"):
-            per_round = [a / b for a, b in zip(sel[c]["decode_ms"], one, strict=True)]
-            s[f"ratio {c} / 1 thread"] = round(statistics.median(per_round), 3)
+        for c in ("2 threads, fixed", "2 threads, adaptive", "1 thread, again"):
+            if c in sel:  # older pages have no A/A control
+                per_round = [a / b for a, b in zip(sel[c]["decode_ms"], one, strict=True)]
+                s[f"ratio {c} / 1 thread"] = round(statistics.median(per_round), 3)
+        pr = [p for p in sel["2 threads, fixed"].get("pool_request", []) if p]
+        if pr:  # the fixed 2-thread requests on the pool: stalls per request, share of jobs run alone
+            s["fixed_stalls_per_request"] = statistics.median(p["stalls"] for p in pr)
+            s["fixed_solo_share"] = round(sum(p["solo_jobs"] for p in pr) / max(1, sum(p["jobs"] for p in pr)), 3)
         out.append(s)
     return out
 
@@ -223,12 +236,16 @@ def render(doc: dict) -> str:
           "Kernels: " + "; ".join(f"`{k}`: {v}" for k, v in doc["kernels"].items()) + ".", "",
           "## Ratios (median over rounds of the per-round ratio to the 1-thread request of the same round)", "",
           "| model | kernels | background load | 1 thread ms/token | 2 fixed ms/token | 2 adaptive ms/token | "
-          "2 fixed ÷ 1 | 2 adaptive ÷ 1 |", "|---|---|---|---|---|---|---|---|"]
+          "2 fixed ÷ 1 | 2 adaptive ÷ 1 | 1 again ÷ 1 (A/A) | 2 fixed: stalls per request, jobs run alone |",
+          "|---|---|---|---|---|---|---|---|---|---|"]
     for s in doc["summary"]:
         m = s["median_ms"]
+        stalls = (f"{s['fixed_stalls_per_request']:g}, {s['fixed_solo_share']:.1%}" if "fixed_solo_share" in s
+                  else "—")
         md.append(f"| {s['model']} | {s['kernels']} | {s['load']} | {m['1 thread']} | {m['2 threads, fixed']} | "
                   f"{m['2 threads, adaptive']} | {s['ratio 2 threads, fixed / 1 thread']} | "
-                  f"{s['ratio 2 threads, adaptive / 1 thread']} |")
+                  f"{s['ratio 2 threads, adaptive / 1 thread']} | {s.get('ratio 1 thread, again / 1 thread', '—')} | "
+                  f"{stalls} |")
     if doc.get("kernel_ratios"):
         md += ["", "## Pool ÷ OpenMP kernels, same configuration, same round (median of per-round ratios)", "",
                "| model | background load | config | pool ÷ omp |", "|---|---|---|---|"]
@@ -252,7 +269,11 @@ def render(doc: dict) -> str:
                   f"{r['loadavg_before']} → {r['loadavg_after']} |")
     md += ["", "Adaptive: the decode loop probes 1 thread against the requested count and keeps the faster "
            "(`hetforge.runtime.threads`). Fixed: `HETFORGE_ADAPT_THREADS=0`. A ratio ≤ 1 means two threads "
-           "were no slower than one in the same round."]
+           "were no slower than one in the same round. `1 thread, again` is a second 1-thread engine in the same "
+           "rounds (an A/A control): its ratio shows how far two identical configurations drift apart here. The "
+           "configurations run in a rotated order (round r starts with configuration r mod 4). Stalls: the pool "
+           "caller's waits over `stall_us` for a chunk a helper had claimed; after one it runs the next jobs alone "
+           "for a while (`hetforge.kernels.native`, `pool_info()`)."]
     return "\n".join(md) + "\n"
 
 
@@ -304,15 +325,19 @@ def main() -> None:
             busy = start_busy(load)
             before = loadavg()
             try:
-                for _ in range(a.rounds):
+                for rnd in range(a.rounds):
                     for w in workers:
-                        for c in CONFIGS:
+                        order = list(CONFIGS)
+                        order = order[rnd % len(order):] + order[:rnd % len(order)]  # no configuration always first
+                        for c in order:
                             r = w.ask(c)
-                            row = raw.setdefault((*w.key, load, c), {"decode_ms": [], "tuner": [], "pool": []})
+                            row = raw.setdefault((*w.key, load, c), {"decode_ms": [], "tuner": [], "pool": [],
+                                                                     "pool_request": []})
                             row["decode_ms"].append(round(r["decode_ms"], 2))
                             row["tuner"].append(r["tuner"])
                             if "pool" in r:
                                 row["pool"].append(r["pool"])
+                                row["pool_request"].append(r["pool_request"])
                             print(w.key, load, c, round(r["decode_ms"], 2), flush=True)
             finally:
                 if busy is not None:

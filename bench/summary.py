@@ -794,8 +794,11 @@ def peers_decode(d: J) -> Row:
         if "llamacpp-f32" in mine:
             kl.append(f"{num(mine['llamacpp-f32'].f('kl_max') * 1e8, 1)}e-8 ({model})")
     t = _targets(d)
-    f32 = ", ".join(f"{m} {times(x['decode_ms_per_token_at_or_below_best_f32_peer'].f('ratio'))}" for m, x in t)
-    w8 = ", ".join(f"{m} {times(x['w8_decode_at_or_below_llamacpp_q8'].f('ratio'))}" for m, x in t)
+    f32 = ", ".join(f"{m} {times(x['decode_ms_per_token_at_or_below_best_f32_peer'].f('ratio'))} of "
+                    f"{x['decode_ms_per_token_at_or_below_best_f32_peer'].s('best_peer')}"
+                    f"{_side(x['decode_ms_per_token_at_or_below_best_f32_peer'])}" for m, x in t)
+    w8 = ", ".join(f"{m} {times(x['w8_decode_at_or_below_llamacpp_q8'].f('ratio'))}"
+                   f"{_side(x['w8_decode_at_or_below_llamacpp_q8'])}" for m, x in t)
     m = d["machine"]
     reps = min(r["decode_ms_per_token"].f("n") for r in rows)
     # the 1-minute load average at the end of a run of several minutes is the run's own; at the start it still
@@ -1257,6 +1260,7 @@ def compile_cache(d: J) -> Row:
 
 
 CONTENTION_FIXED, CONTENTION_ADAPTIVE = "ratio 2 threads, fixed / 1 thread", "ratio 2 threads, adaptive / 1 thread"
+CONTENTION_AA = "ratio 1 thread, again / 1 thread"  # the A/A control (pages from session 42 on)
 
 
 def _contention_met(d: J) -> bool:
@@ -1274,11 +1278,14 @@ def contention(d: J) -> Row:
         return " / ".join(num(r.f(key), 3) for r in s if r.s("load") == load)
 
     models = " / ".join(dict.fromkeys(r.s("model") for r in s))
+    aa = CONTENTION_AA if all(r.has(CONTENTION_AA) for r in s) else ""
+    control = (f"; a second 1-thread engine ÷ the first (A/A, the same rounds' noise): idle {pick('none', aa)}, "
+               f"pinned {pick('pinned', aa)}") if aa else ""
     result = (f"{d.s('note')} (load average {load_avg(d['loadavg_start'])} at start): idle, 2 fixed ÷ 1 thread "
               f"{pick('none', fx)} ({models}); one core busy, 2 fixed ÷ 1 thread {pick('pinned', fx)}, adaptive "
-              f"{pick('pinned', ad)} — ≤ 1 with a core busy is **{met(_contention_met(d))}**")
-    what = (f"`bench/contention.py`: decode ms/token after a {d.f('tokens'):.0f}-token prompt, 1 thread vs 2 fixed "
-            f"vs 2 adaptive, a fresh engine per configuration, {d.f('rounds'):.0f} interleaved rounds, with no "
+              f"{pick('pinned', ad)}{control} — ≤ 1 with a core busy is **{met(_contention_met(d))}**")
+    what = (f"`bench/contention.py`: decode ms/token of {d.f('tokens'):.0f} new tokens after a 16-token prompt, 1 "
+            f"thread vs 2 fixed vs 2 adaptive, a fresh engine per configuration, {d.f('rounds'):.0f} interleaved rounds, with no "
             "process of ours and with one `while True` process pinned to the last CPU; the native decode kernels on "
             f"their own pool ({d.s('timing')})")
     return Row("contention", what, result, "", link("contention.md"))

@@ -65,8 +65,9 @@ static void scratch_done(const hf_scratch *slot, void *p) {
  * rest of the busy neighbour's time slice (milliseconds; a chunk takes microseconds). So a wait longer than
  * ``stall_us`` (HF_STALL_US) is a stall, and after one the caller runs the next jobs alone (``solo``) for a
  * backoff period: HF_SOLO_FIRST_US after an isolated stall, doubled (up to HF_SOLO_MAX_US) when the helpers
- * stall again within HF_PROBE_US of their first job after the last solo period (not of its end: a process that
- * made no pooled call meanwhile probes late), which is what a neighbour that keeps a core busy does.
+ * stall again within HF_PROBE_US, or within the last period's length, of their first job after it (not of its
+ * end: a process that made no pooled call meanwhile probes late), which is what a neighbour that keeps a core
+ * busy does (a helper moved onto the caller's core may stall only after a while).
  * With a busy neighbour a helper that shares its core gains about as much as its stalls lose (measured,
  * bench/contention.py), so running alone is the better choice there; on an idle host a rare stall (a kernel
  * daemon) costs one short solo period. Solo jobs run the same chunks, so the same bits. */
@@ -83,7 +84,8 @@ static void scratch_done(const hf_scratch *slot, void *p) {
 #define HF_STALL_US 300          /* a longer wait for a helper's claimed chunk is a stall (kernels.native.STALL_US) */
 #define HF_SOLO_FIRST_US 2000.0  /* solo period after an isolated stall */
 #define HF_SOLO_MAX_US 1000000.0 /* longest solo period (helpers that keep stalling are let back in this often) */
-#define HF_PROBE_US 20000.0      /* a stall this soon after a solo period ends doubles the next one */
+#define HF_PROBE_US 20000.0      /* a stall this soon (or within the last solo period's length) after the helpers
+                                  * are let back in doubles the next solo period */
 
 typedef void (*hf_chunk_fn)(void *ctx, long chunk);
 #define HF_MAX_HELPERS 63
@@ -260,7 +262,8 @@ static void hf_run(hf_chunk_fn fn, void *ctx, long n, int threads) {
         double t1 = now_us();
         if (t1 - t0 > stall_us) {
             atomic_fetch_add_explicit(&pool.stalls, 1, memory_order_relaxed);
-            int again = pool.backoff > 0 && t0 - pool.probe_from < HF_PROBE_US;
+            double window = pool.backoff > HF_PROBE_US ? pool.backoff : HF_PROBE_US;
+            int again = pool.backoff > 0 && t0 - pool.probe_from < window;
             pool.backoff = !again ? HF_SOLO_FIRST_US : pool.backoff * 2 < HF_SOLO_MAX_US ? pool.backoff * 2
                                                                                           : HF_SOLO_MAX_US;
             pool.solo_until = t1 + pool.backoff;
