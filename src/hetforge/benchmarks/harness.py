@@ -445,7 +445,7 @@ def compare(rows: list[Row], runs: list | None = None, side: list[dict] | None =
     """Per model: hetforge ÷ each peer (median ÷ median) and the issue's targets, met or not (judged on the medians);
     with ``runs``, each target also lists the ratio repeat by repeat (:func:`paired`), which shows whether the
     verdict held in every round. With ``side`` (groups timed side by side, :mod:`hetforge.benchmarks.side`), the
-    prefill and one-token targets are judged on those rounds (:func:`_judged`)."""
+    prefill, one-token and decode targets are judged on those rounds where a group timed them (:func:`_judged`)."""
     out: list[dict] = []
     for model in dict.fromkeys(r.model for r in rows):
         mine = next((r for r in rows if r.model == model and r.system == "hetforge" and r.runs_ok), None)
@@ -491,9 +491,10 @@ def compare(rows: list[Row], runs: list | None = None, side: list[dict] | None =
         q8 = next((r for r in rows if r.model == model and r.system == "llamacpp-q8" and r.runs_ok), None)
         if w8 is not None and q8 is not None and w8.decode_ms_per_token and q8.decode_ms_per_token:
             mv, bv = w8.decode_ms_per_token.median, q8.decode_ms_per_token.median
-            entry["targets"]["w8_decode_at_or_below_llamacpp_q8"] = {
-                "peer": bv, "hetforge": mv, "ratio": mv / bv, "met": mv <= bv,
-                "paired": paired(runs, model, "hetforge-w8", "llamacpp-q8", "decode_ms_per_token")}
+            entry["targets"]["w8_decode_at_or_below_llamacpp_q8"] = _judged(
+                {"best_peer": "llamacpp-q8", "peer": bv, "hetforge": mv, "ratio": mv / bv, "met": mv <= bv,
+                 "paired": paired(runs, model, "hetforge-w8", "llamacpp-q8", "decode_ms_per_token")},
+                verdict(side, model, "hetforge-w8", "decode_ms_per_token"))
         if mine.kl_max is not None:
             entry["targets"]["kl_le_1e-8"] = {"kl_max": mine.kl_max, "met": mine.kl_max <= 1e-8}
         entry["targets"].update(_bf16_targets(rows, model, runs, side))

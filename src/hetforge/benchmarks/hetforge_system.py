@@ -56,12 +56,25 @@ def _compiled_forward(ctx: PrepContext, stages: dict[str, float], notes: list[st
 
 
 def _runtime_decode(ctx: PrepContext, notes: list[str], quantize: str = "none"):
-    """A decode callable over ``hetforge.runtime.Engine``."""
-    def decode(inputs: tuple[torch.Tensor, torch.Tensor], n: int) -> DecodeTiming:
-        from hetforge.runtime import Engine, SamplingParams
+    """A decode callable over ``hetforge.runtime.Engine``: the first call makes the engine (its compilation is the
+    pair's preparation) and keeps the better of ``tries`` requests after it; later calls (the side-by-side rounds,
+    :mod:`hetforge.benchmarks.side`) reuse the engine and its compiled programs."""
+    made: dict = {}
+
+    def decode(inputs: tuple[torch.Tensor, torch.Tensor], n: int, tries: int = 2) -> DecodeTiming:
+        from hetforge.runtime import SamplingParams
 
         prompt = [int(t) for t in inputs[0][0].tolist()]
         params = SamplingParams(max_new_tokens=n + 1, ignore_eos=True)
+        if "engine" in made:
+            best = min((made["engine"].generate(prompt, params) for _ in range(tries)),
+                       key=lambda r: r.decode_ms_per_token or float("inf"))
+            return DecodeTiming(best.ttft_s * 1e3, best.decode_ms_per_token or float("nan"), len(best.decode_s))
+        return first_decode(prompt, params, tries)
+
+    def first_decode(prompt: list[int], params, tries: int) -> DecodeTiming:
+        from hetforge.runtime import Engine
+
         try:
             engine = Engine(ctx.loaded, executor="auto", quantize=quantize)
             first = engine.generate(prompt, params)  # compiles the prefill and decode programs
@@ -69,8 +82,9 @@ def _runtime_decode(ctx: PrepContext, notes: list[str], quantize: str = "none"):
             notes.append(f"runtime executor 'auto' failed ({first_line(e)}); decode measured with executor 'fx'")
             engine = Engine(ctx.loaded, executor="fx", quantize=quantize)
             first = engine.generate(prompt, params)
+        made["engine"] = engine
         # programs cached: ttft/decode without compilation; the better of two requests, as every peer keeps
-        best = min((engine.generate(prompt, params) for _ in range(2)),
+        best = min((engine.generate(prompt, params) for _ in range(tries)),
                    key=lambda r: r.decode_ms_per_token or float("inf"))
         notes.append(f"decode: hetforge.runtime executor '{best.executor}', prefill tier {best.prefill_tier}, "
                      f"KV cache {best.cache_length} positions")

@@ -84,10 +84,10 @@ def prepare_llamacpp(ctx: PrepContext, qtype: str) -> Prepared:
         llm.eval(toks)
         return torch.from_numpy(np.array(llm.scores[: len(toks), :vocab], dtype=np.float32)).unsqueeze(0)
 
-    def decode(inputs: tuple[torch.Tensor, torch.Tensor], n: int) -> DecodeTiming:
+    def decode(inputs: tuple[torch.Tensor, torch.Tensor], n: int, tries: int = 2) -> DecodeTiming:
         prompt = [int(t) for t in inputs[0][0].tolist()]
         best = None
-        for _ in range(2):  # the first request warms llama.cpp's buffers; keep the better one
+        for _ in range(tries):  # the first request warms llama.cpp's buffers; keep the better one
             llm.reset()
             t0 = time.perf_counter()
             llm.eval(prompt)

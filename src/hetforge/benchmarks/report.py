@@ -121,23 +121,31 @@ def side_lines(side: list[dict], model: str, labels: dict[str, str]) -> list[str
     out: list[str] = []
     for g in (g for g in side if g.get("model") == model):
         mine = g["mine"]
+        metrics = g.get("metrics") or ["prefill_ms", "step_ms"]
+        steps = {"prefill_ms": f"a batch of {g['calls']['prefill']} prefill calls",
+                 "step_ms": f"a batch of {g['calls']['step']} one-token calls",
+                 "decode_ms_per_token": f"one decode request of {g['calls'].get('decode')} new tokens (its mean ms "
+                                        "per token; systems that decode)"}
         head = (f"Side by side ({labels.get(mine, mine)} and its closest peers, each in its own process, all loaded; "
-                f"{g['rounds']} rounds; in each, every system in turn timed a batch of {g['calls']['prefill']} prefill "
-                f"calls, then every system in turn a batch of {g['calls']['step']} one-token calls, each batch after "
-                f"untimed calls, while the others waited; a cell is the median over rounds of the batch medians; load "
-                f"average {g.get('loadavg')} at the start; measured):")
+                f"{g['rounds']} rounds; in each, every system in turn timed "
+                + ", then every system in turn ".join(steps[m] for m in metrics)
+                + ", each after untimed calls (batches), while the others waited; a cell is the median over rounds of "
+                f"the batch medians; load average {g.get('loadavg')} at the start; measured):")
         out += ["", head, ""]
         if not g.get("rounds"):
             out += [f"- not timed: {'; '.join(g.get('notes') or ['fewer than two systems were ready'])}"]
             continue
-        out += ["| system | prefill ms | one token ms | hetforge ÷ it, prefill (per round) | hetforge ÷ it, one "
-                "token (per round) |", "|---|---|---|---|---|"]
+        names = {"prefill_ms": "prefill ms", "step_ms": "one token ms", "decode_ms_per_token": "decode ms/token"}
+        short = {"prefill_ms": "prefill", "step_ms": "one token", "decode_ms_per_token": "decode"}
+        out += ["| system | " + " | ".join(names[m] for m in metrics) + " | "
+                + " | ".join(f"hetforge ÷ it, {short[m]} (per round)" for m in metrics) + " |",
+                "|---|" + "---|" * (2 * len(metrics))]
         for s in g["systems"]:
             cells = []
-            for metric in ("prefill_ms", "step_ms"):
-                xs = g[metric].get(s) or []
+            for metric in metrics:
+                xs = (g.get(metric) or {}).get(s) or []
                 cells.append(_spread(xs, 1))
-            for metric in ("prefill_ms", "step_ms"):
+            for metric in metrics:
                 cells.append("—" if s == mine else _spread(per_round(g, metric, mine, s), 2, "×"))
             out.append(f"| {labels.get(s, s)} | " + " | ".join(cells) + " |")
         out += [f"- {n}" for n in g.get("notes") or []]
@@ -176,8 +184,10 @@ def target_lines(cmp: dict) -> list[str]:
                        f"{x['hetforge']:.1f} ms ({x['ratio']:.2f}×{per}){side and ';' + side} — {mark(x['met'])}")
     if "w8_decode_at_or_below_llamacpp_q8" in t:
         x = t["w8_decode_at_or_below_llamacpp_q8"]
+        side = _side_text(x)
         out.append(f"- decode per token with 8-bit weights at or below llama.cpp Q8_0 ({x['peer']:.1f} ms): hetforge "
-                   f"--quantize w8 {x['hetforge']:.1f} ms ({x['ratio']:.2f}×{_per_repeat(x)}) — {mark(x['met'])}")
+                   f"--quantize w8 {x['hetforge']:.1f} ms ({x['ratio']:.2f}×{'' if side else _per_repeat(x)})"
+                   f"{side and ';' + side} — {mark(x['met'])}")
     if "kl_le_1e-8" in t:
         x = t["kl_le_1e-8"]
         out.append(f"- fidelity KL ≤ 1e-8 at fp32: hetforge KL max {x['kl_max']:.1e} — {mark(x['met'])}")

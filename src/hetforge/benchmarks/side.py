@@ -12,15 +12,21 @@ batches are short (two prefill calls, five one-token calls) and the rounds many,
 was seen to change within seconds (a one-off in session 41: the same weight stream at 35 and at 46 GB/s a few
 seconds apart).
 
-Who: for hetforge (fp32), the two fastest f32 peers of the suite's rows per metric (prefill, one token), at most
-three peers; for ``hetforge-bf16``, the fastest OpenVINO row that ran in bf16 per metric. A group is cut to fewer
-peers (slowest first) when the peak RSS the suite measured for its systems does not fit in the memory available
-now, and the group's notes say so. Decode is not timed here: its figures come from whole requests in the suite's
-rows.
+Decode: where the suite ran decode peers (systems with a KV-cache pipeline users pick for CPU decoding: OpenVINO's
+stateful model, llama.cpp; :data:`DECODE_PEERS`), each round also runs one whole decode request of the suite's
+``--decode-tokens`` per system that decodes (prompt, then greedy tokens; its mean ms per new token), in turns like
+the batches. Each serving worker runs one untimed request before the rounds (hetforge compiles its runtime programs
+there). Requests, not batches: a decode step's time depends on the cache filling up, so a request is the unit the
+suite's rows time too.
 
-The targets for the forward latencies are judged on these ratios where a group ran (the median over rounds of
-hetforge's batch median ÷ the peer's in the same round, against the peer with the lowest median over rounds);
-the suite's serial medians stay on the page beside them (:func:`hetforge.benchmarks.harness.compare`).
+Who: for hetforge (fp32), the two fastest f32 peers of the suite's rows per metric (prefill, one token; decode among
+the decode peers), at most three peers; for ``hetforge-bf16``, the fastest OpenVINO row that ran in bf16 per metric;
+for ``hetforge-w8``, llama.cpp's Q8_0 row (decode only). A group is cut to fewer peers (slowest first) when the
+peak RSS the suite measured for its systems does not fit in the memory available now, and the group's notes say so.
+
+The targets are judged on these ratios where a group ran (the median over rounds of hetforge's batch median, or
+request, ÷ the peer's in the same round, against the peer with the lowest median over rounds); the suite's serial
+medians stay on the page beside them (:func:`hetforge.benchmarks.harness.compare`).
 """
 
 from __future__ import annotations
@@ -35,14 +41,15 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from hetforge.benchmarks.base import is_bf16, is_f32
 
-METRICS = ("prefill_ms", "step_ms")
-SHAPE = {"prefill_ms": "prefill", "step_ms": "step"}
+METRICS = ("prefill_ms", "step_ms", "decode_ms_per_token")
+SHAPE = {"prefill_ms": "prefill", "step_ms": "step", "decode_ms_per_token": "decode"}
+DECODE_PEERS = ("llamacpp", "ov-stateful")  # system name prefixes whose decode rounds are timed side by side
 PEERS_PER_METRIC = 2  # the fastest f32 peers per metric that join hetforge
 MAX_PEERS = 3
 PAUSE_S = 0.05  # before each batch: the thread pools of the process that ran before stop spinning and sleep
@@ -54,12 +61,14 @@ class SideGroup:
     """One group timed side by side on one model: per system, its batch median in each round (ms, measured)."""
 
     model: str
-    mine: str  # "hetforge" or "hetforge-bf16"
+    mine: str  # "hetforge", "hetforge-bf16" or "hetforge-w8"
     systems: list[str]  # mine first, then its peers
     rounds: int = 0  # rounds every system completed
+    metrics: list[str] = field(default_factory=lambda: list(METRICS[:2]))  # what the rounds time
     prefill_ms: dict[str, list[float]] = field(default_factory=dict)
     step_ms: dict[str, list[float]] = field(default_factory=dict)
-    calls: dict[str, int] = field(default_factory=dict)  # timed calls per batch, per shape
+    decode_ms_per_token: dict[str, list[float]] = field(default_factory=dict)  # one request per round
+    calls: dict[str, int] = field(default_factory=dict)  # timed calls per batch, per shape (decode: new tokens)
     loadavg: list[float] = field(default_factory=list)  # at the start of the rounds
     notes: list[str] = field(default_factory=list)
 
@@ -71,8 +80,13 @@ def _median(st: Any) -> float | None:
     return getattr(st, "median", None)
 
 
-def pick_groups(rows: list, model: str) -> list[tuple[str, list[str]]]:
-    """(hetforge system, its peers) for ``model`` from the suite's aggregated rows: see the module docstring."""
+def is_decode_peer(system: str) -> bool:
+    return system.startswith(DECODE_PEERS)
+
+
+def pick_groups(rows: list, model: str) -> list[tuple[str, list[str], list[str]]]:
+    """(hetforge system, its peers, the metrics timed) for ``model`` from the suite's aggregated rows: see the
+    module docstring. Decode is timed where the group has a decode peer whose row has a decode figure."""
     ok = {r.system: r for r in rows if r.model == model and r.runs_ok}
     out = []
     if "hetforge" in ok:
@@ -81,14 +95,25 @@ def pick_groups(rows: list, model: str) -> list[tuple[str, list[str]]]:
     if "hetforge-bf16" in ok:
         bf16 = [r for s, r in ok.items() if s.startswith("ov") and is_bf16(r.precision)]
         out.append(("hetforge-bf16", _fastest(bf16, 1)))
-    return [(m, p) for m, p in out if p]
+    groups = []
+    for mine, peers in out:
+        decodes = _median(ok[mine].decode_ms_per_token) is not None and any(
+            is_decode_peer(p) and _median(ok[p].decode_ms_per_token) is not None for p in peers)
+        if peers:
+            groups.append((mine, peers, list(METRICS if decodes else METRICS[:2])))
+    w8, q8 = ok.get("hetforge-w8"), ok.get("llamacpp-q8")
+    if w8 is not None and q8 is not None and _median(w8.decode_ms_per_token) and _median(q8.decode_ms_per_token):
+        groups.append(("hetforge-w8", ["llamacpp-q8"], ["decode_ms_per_token"]))
+    return groups
 
 
 def _fastest(cands: list, per_metric: int) -> list[str]:
-    """The ``per_metric`` fastest of ``cands`` by median, per metric, fastest first, at most :data:`MAX_PEERS`."""
+    """The ``per_metric`` fastest of ``cands`` by median, per metric (decode: decode peers only), fastest first, at
+    most :data:`MAX_PEERS`."""
     chosen: list[str] = []
     for metric in METRICS:
-        have = sorted((r for r in cands if _median(getattr(r, metric)) is not None),
+        have = sorted((r for r in cands if _median(getattr(r, metric)) is not None
+                       and (metric != "decode_ms_per_token" or is_decode_peer(r.system))),
                       key=lambda r: _median(getattr(r, metric)))
         chosen += [r.system for r in have[:per_metric]]
     return list(dict.fromkeys(chosen))[:MAX_PEERS]
@@ -162,17 +187,24 @@ class _Served:
 
 def run_group(cfg: Any, model: str, mine: str, peers: list[str], root: Path, say: Callable[[str], None],
               deadline: float | None, worker_env: Callable[[Any, dict[str, str]], dict[str, str]],
-              env_for: Callable[[str, Path], dict[str, str]]) -> SideGroup:
+              env_for: Callable[[str, Path], dict[str, str]], metrics: list[str] | None = None) -> SideGroup:
     """Prepare ``mine`` and ``peers`` on ``model`` in serving workers, one after the other, then time
-    ``cfg.side_rounds`` rounds in turns; a worker that fails to prepare is left out (noted), and rounds stop at
-    ``deadline`` (``time.perf_counter()`` seconds; noted)."""
+    ``cfg.side_rounds`` rounds of ``metrics`` (default: prefill and one token) in turns; a worker that fails to
+    prepare is left out (noted), and rounds stop at ``deadline`` (``time.perf_counter()`` seconds; noted)."""
     prefill_calls, step_calls = (1, 3) if cfg.quick else (2, 5)
-    group = SideGroup(model, mine, [], calls={"prefill": prefill_calls, "step": step_calls})
+    metrics = list(metrics or METRICS[:2])
+    group = SideGroup(model, mine, [], metrics=metrics, calls={"prefill": prefill_calls, "step": step_calls})
+    decoding = "decode_ms_per_token" in metrics
+    if decoding:
+        group.calls["decode"] = cfg.worker_spec(mine, model, "side", root, root, root).decode_tokens
     served: list[_Served] = []
+    decoders: set[str] = set()  # served systems whose decode path is ready
     folder = Path(tempfile.mkdtemp(prefix=f"side-{model}-", dir=root))
     try:
         for s in [mine, *peers]:
             spec = cfg.worker_spec(s, model, "side", folder / f"work-{s}", folder / f"cache-{s}", folder / "ref.pt")
+            # only a group that times decode warms (compiles) a decode path: hetforge's and the decode peers'
+            spec = replace(spec, decode=decoding and (s == mine or is_decode_peer(s)))
             path = folder / f"{s}.json"
             path.write_text(json.dumps(asdict(spec)))
             say(f"        side by side on {model}: preparing {s}")
@@ -190,11 +222,15 @@ def run_group(cfg: Any, model: str, mine: str, peers: list[str], root: Path, say
                     return group
                 continue
             served.append(w)
+            if got.get("decode"):
+                decoders.add(s)
         group.systems = [w.system for w in served]
         if len(served) < 2:
             return group
         for w in served:
-            group.prefill_ms[w.system], group.step_ms[w.system] = [], []
+            for metric in metrics:
+                if metric != "decode_ms_per_token" or w.system in decoders:
+                    getattr(group, metric)[w.system] = []
         group.loadavg = [round(x, 2) for x in os.getloadavg()]
         for r in range(cfg.side_rounds):
             if deadline is not None and time.perf_counter() > deadline:
@@ -202,11 +238,20 @@ def run_group(cfg: Any, model: str, mine: str, peers: list[str], root: Path, say
                                    "time limit)")
                 break
             k = r % len(served)
-            for metric, calls, warm in (("prefill_ms", prefill_calls, 1), ("step_ms", step_calls, 2)):
+            for metric in metrics:
                 for w in served[k:] + served[:k]:
+                    if w.system not in getattr(group, metric):
+                        continue
                     time.sleep(PAUSE_S)
-                    got = w.ask({"shape": SHAPE[metric], "warmup": warm, "calls": calls, "max_s": 3.0},
-                                cfg.timeout_s)
+                    if metric == "decode_ms_per_token":
+                        cmd = {"shape": "decode", "tokens": group.calls["decode"]}
+                    else:
+                        calls = prefill_calls if metric == "prefill_ms" else step_calls
+                        cmd = {"shape": SHAPE[metric], "warmup": 1 if metric == "prefill_ms" else 2, "calls": calls,
+                               "max_s": 3.0}
+                    got = w.ask(cmd, cfg.timeout_s)
+                    if "ms" not in got:
+                        raise RuntimeError(f"{w.system}: {got.get('error', 'no timing in its reply')}")
                     getattr(group, metric)[w.system].append(statistics.median(got["ms"]))
             group.rounds = r + 1
         say(f"        side by side on {model}: {group.rounds} rounds of {', '.join(group.systems)}")
@@ -231,7 +276,7 @@ def run_side(cfg: Any, rows: list, root: Path, say: Callable[[str], None], deadl
     groups: list[SideGroup] = []
     notes: list[str] = []
     for model in cfg.models:
-        for mine, peers in pick_groups(rows, model):
+        for mine, peers, metrics in pick_groups(rows, model):
             if deadline is not None and time.perf_counter() > deadline:
                 notes.append(f"{model}: side by side for {mine} not started (suite time limit)")
                 continue
@@ -239,7 +284,8 @@ def run_side(cfg: Any, rows: list, root: Path, say: Callable[[str], None], deadl
             if why:
                 notes.append(why)
             if systems:
-                groups.append(run_group(cfg, model, mine, systems[1:], root, say, deadline, worker_env, env_for))
+                groups.append(run_group(cfg, model, mine, systems[1:], root, say, deadline, worker_env, env_for,
+                                        metrics))
     return groups, notes
 
 

@@ -103,8 +103,8 @@ def _prepare_eager(ctx: PrepContext) -> Prepared:
         except Exception as e:  # keep the zoo's path, and say so
             notes.append(f"experts: kept '{current}' (default could not be set: {str(e).splitlines()[0][:120]})")
 
-    def decode(inputs, n):
-        return hf_decode(hf, inputs, n)
+    def decode(inputs, n, tries: int = 1):
+        return hf_decode(hf, inputs, n, reps=tries)
 
     return Prepared(forward=module, stages={}, notes=notes,
                     decode=decode if ctx.loaded.kind == "causal-lm" else None)

@@ -241,11 +241,13 @@ def median(xs: list[float]) -> float | None:
 
 
 def serve(spec: WorkerSpec, commands: Iterable[str], reply: Callable[[dict], None]) -> int:
-    """Side-by-side mode (:mod:`hetforge.benchmarks.side`): prepare the system, warm both shapes up, ``reply``
-    ``{"ready": true}`` (or ``{"ready": false, "error": ...}`` and return 1), then time one batch of calls per
+    """Side-by-side mode (:mod:`hetforge.benchmarks.side`): prepare the system, warm both shapes up (and, where the
+    system decodes, run one untimed decode request of ``spec.decode_tokens`` tokens), ``reply`` ``{"ready": true,
+    "decode": bool}`` (or ``{"ready": false, "error": ...}`` and return 1), then time one batch of calls per
     command line, ``{"shape": "prefill" | "step", "warmup": w, "calls": n, "max_s": s}`` → ``{"ms": [...]}`` (as
-    :func:`time_calls`), until ``{"quit": true}`` or the end of ``commands``. Nothing else runs between the
-    batches: the coordinator keeps every other system's process waiting while one times its calls."""
+    :func:`time_calls`), or one decode request, ``{"shape": "decode", "tokens": n}`` → ``{"ms": [ms per token],
+    "ttft_ms": t}``, until ``{"quit": true}`` or the end of ``commands``. Nothing else runs between the batches:
+    the coordinator keeps every other system's process waiting while one times its calls."""
     from hetforge.benchmarks.systems import SYSTEMS, missing_requirement
 
     try:
@@ -256,16 +258,27 @@ def serve(spec: WorkerSpec, commands: Iterable[str], reply: Callable[[dict], Non
         ctx = _context(spec)
         prepared = system.prepare(ctx)
         first_calls(prepared, ctx.prefill_inputs, ctx.step_inputs)
+        decodes = spec.decode and prepared.decode is not None
+        if decodes:  # compiles (hetforge) or warms the decode path; untimed
+            prepared.decode(ctx.prefill_inputs, spec.decode_tokens, tries=1)
     except Exception as e:  # a peer that cannot be prepared is reported, not raised
         reply({"ready": False, "error": first_line(e)})
         return 1
-    reply({"ready": True, "label": prepared.label or system.label, "precision": prepared.precision})
+    reply({"ready": True, "label": prepared.label or system.label, "precision": prepared.precision,
+           "decode": decodes})
     shapes = {"prefill": (prepared.forward, ctx.prefill_inputs),
               "step": (prepared.step_forward or prepared.forward, ctx.step_inputs)}
     for line in commands:
         cmd = json.loads(line)
         if cmd.get("quit"):
             break
+        if cmd["shape"] == "decode":
+            if not decodes:
+                reply({"error": f"{spec.system} has no decode path here"})
+                continue
+            d = prepared.decode(ctx.prefill_inputs, int(cmd["tokens"]), tries=1)
+            reply({"ms": [d.decode_ms_per_token], "ttft_ms": d.ttft_ms})
+            continue
         fn, args = shapes[cmd["shape"]]
         reply({"ms": time_calls(fn, args, int(cmd.get("warmup", 1)), int(cmd["calls"]),
                                 float(cmd.get("max_s", 3.0)))})
