@@ -44,6 +44,11 @@ SHAPES = [  # (kind, N, K, dtype): calibration widths, no zoo model has them
 
 
 def _in_code() -> int:
+    """The distance the project's build uses on this host: a ``-DHF_PF_BYTES`` of its flags
+    (``native.host_defines``), else native.c's default."""
+    for flag in native.FLAG_SETS[0]:
+        if flag.startswith("-DHF_PF_BYTES="):
+            return int(flag.split("=", 1)[1])
     m = re.search(r"#define HF_PF_BYTES (\d+)", native.SOURCE.read_text())
     return int(m.group(1)) if m else -1
 
@@ -56,7 +61,8 @@ def _builds(distances: list[int], folder: Path) -> dict[int, ctypes.CDLL]:
     libs = {}
     for d in distances:
         out = folder / f"native_pf{d}.so"
-        err = native._build(cc, [*native.FLAG_SETS[0], f"-DHF_PF_BYTES={d}"], out)
+        flags = [f for f in native.FLAG_SETS[0] if not f.startswith("-DHF_PF_BYTES=")]
+        err = native._build(cc, [*flags, f"-DHF_PF_BYTES={d}"], out)
         if err:
             raise SystemExit(f"error: building the native library with HF_PF_BYTES={d} failed: {err}")
         lib = ctypes.CDLL(str(out))

@@ -37,7 +37,37 @@ from torch._subclasses.fake_tensor import is_fake
 SOURCE = Path(__file__).with_name("native.c")
 # -ffp-contract=off: no fused multiply-adds where the C has a*b + c*d, so elementwise kernels round like the
 # separate ATen ops they replace (bit-equal); the memory-bound GEMVs do not need FMA for speed.
-FLAG_SETS = (["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"], ["-O3", "-fopenmp", "-ffp-contract=off"])
+_BASE_FLAGS = (["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"], ["-O3", "-fopenmp", "-ffp-contract=off"])
+
+
+def _cpu_fields() -> dict[str, str]:
+    """The first CPU's ``/proc/cpuinfo`` fields (empty where there is none)."""
+    out: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for ln in f:
+                if not ln.strip():
+                    break
+                k, _, v = ln.partition(":")
+                out[k.strip()] = v.strip()
+    except OSError:
+        pass
+    return out
+
+
+def host_defines(fields: dict[str, str] | None = None) -> list[str]:
+    """Compile-time choices measured per kind of CPU on its own calibration page. ``HF_PF_BYTES``, the one-row
+    products' weight-stream prefetch distance (``bench/prefetch.py``, calibration shapes no evaluated model has):
+    native.c's default, 2048 bytes, was the best on an Intel Xeon; on AMD Zen 4 (x86 family 25 with AVX-512) two
+    runs of the page found no prefetch best (2048 bytes at 1.025x and 1.060x its time), so there it is 0."""
+    f = _cpu_fields() if fields is None else fields
+    if (f.get("vendor_id") == "AuthenticAMD" and f.get("cpu family") == "25"
+            and "avx512f" in f.get("flags", "").split()):
+        return ["-DHF_PF_BYTES=0"]
+    return []
+
+
+FLAG_SETS = tuple([*flags, *host_defines()] for flags in _BASE_FLAGS)
 
 _P, _L, _I, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
 SIGNATURES = {
