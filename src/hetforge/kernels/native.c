@@ -320,10 +320,14 @@ void hf_pool_info(long *out) {
 void hf_pool_team(int team) { atomic_store_explicit(&pool.team, team != 0, memory_order_relaxed); }
 
 /* A forked child never runs the pool's jobs on the OpenMP team: libgomp's team does not survive fork() (a
- * two-thread region in the child hangs), while the pool starts the child's own helpers. */
+ * two-thread region in the child hangs), while the pool starts the child's own helpers. The child has only the
+ * forking thread, so the pool's locks start free there: a copy held by another parent thread at fork() would
+ * otherwise stay held (every job inline, hf_pool_config and ensure_helpers blocked for good). */
 static void pool_team_off_in_child(void) {
     atomic_store(&pool.team, 0);
     atomic_store(&forked_child, 1);
+    pthread_mutex_init(&pool.lock, NULL);
+    pthread_mutex_init(&pool.grow, NULL);
 }
 __attribute__((constructor)) static void pool_register_fork_handler(void) {
     pthread_atfork(NULL, NULL, pool_team_off_in_child);
