@@ -382,7 +382,7 @@ def test_the_prefetch_distance_is_the_calibration_pages_choice_for_the_kind_of_c
     zen4 = {"vendor_id": "AuthenticAMD", "cpu family": "25", "flags": "fpu sse avx2 avx512f avx512_bf16"}
     assert native.host_defines(zen4) == ["-DHF_PF_BYTES=0"]
     assert native.host_defines({**zen4, "flags": "fpu sse avx2"}) == []  # Zen 3: same family, no AVX-512
-    assert native.host_defines({**zen4, "cpu family": "26"}) == []  # Zen 5: not measured slower with it
+    assert native.host_defines({**zen4, "cpu family": "26"}) == []  # Zen 5: no page run that chose otherwise
     assert native.host_defines({"vendor_id": "GenuineIntel", "cpu family": "6", "flags": "avx512f"}) == []
     assert native.host_defines({}) == []  # no /proc/cpuinfo
     assert all(native.host_defines() == flags[len(flags) - len(native.host_defines()):] for flags in native.FLAG_SETS)

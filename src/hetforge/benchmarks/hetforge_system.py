@@ -57,35 +57,31 @@ def _compiled_forward(ctx: PrepContext, stages: dict[str, float], notes: list[st
 
 def _runtime_decode(ctx: PrepContext, notes: list[str], quantize: str = "none"):
     """A decode callable over ``hetforge.runtime.Engine``: the first call makes the engine (its compilation is the
-    pair's preparation) and keeps the better of ``tries`` requests after it; later calls (the side-by-side rounds,
-    :mod:`hetforge.benchmarks.side`) reuse the engine and its compiled programs."""
+    pair's preparation); every call keeps the better of ``tries`` requests on it. Later calls (the side-by-side
+    rounds, :mod:`hetforge.benchmarks.side`) reuse the engine and its compiled programs."""
     made: dict = {}
 
     def decode(inputs: tuple[torch.Tensor, torch.Tensor], n: int, tries: int = 2) -> DecodeTiming:
-        from hetforge.runtime import SamplingParams
+        from hetforge.runtime import Engine, SamplingParams
 
         prompt = [int(t) for t in inputs[0][0].tolist()]
         params = SamplingParams(max_new_tokens=n + 1, ignore_eos=True)
-        if "engine" in made:
-            best = min((made["engine"].generate(prompt, params) for _ in range(tries)),
-                       key=lambda r: r.decode_ms_per_token or float("inf"))
-            return DecodeTiming(best.ttft_s * 1e3, best.decode_ms_per_token or float("nan"), len(best.decode_s))
-        return first_decode(prompt, params, tries)
-
-    def first_decode(prompt: list[int], params, tries: int) -> DecodeTiming:
-        from hetforge.runtime import Engine
-
-        try:
-            engine = Engine(ctx.loaded, executor="auto", quantize=quantize)
-            first = engine.generate(prompt, params)  # compiles the prefill and decode programs
-        except Exception as e:  # the backend executor may not take every graph yet: fall back, and say so
-            notes.append(f"runtime executor 'auto' failed ({first_line(e)}); decode measured with executor 'fx'")
-            engine = Engine(ctx.loaded, executor="fx", quantize=quantize)
-            first = engine.generate(prompt, params)
-        made["engine"] = engine
-        # programs cached: ttft/decode without compilation; the better of two requests, as every peer keeps
+        first = None
+        if "engine" not in made:
+            try:
+                made["engine"] = Engine(ctx.loaded, executor="auto", quantize=quantize)
+                first = made["engine"].generate(prompt, params)  # compiles the prefill and decode programs
+            except Exception as e:  # the backend executor may not take every graph yet: fall back, and say so
+                notes.append(f"runtime executor 'auto' failed ({first_line(e)}); decode measured with executor 'fx'")
+                made["engine"] = Engine(ctx.loaded, executor="fx", quantize=quantize)
+                first = made["engine"].generate(prompt, params)
+        engine = made["engine"]
+        # programs cached: ttft/decode without compilation; the better of the requests, as every peer keeps
         best = min((engine.generate(prompt, params) for _ in range(tries)),
                    key=lambda r: r.decode_ms_per_token or float("inf"))
+        timing = DecodeTiming(best.ttft_s * 1e3, best.decode_ms_per_token or float("nan"), len(best.decode_s))
+        if first is None:
+            return timing
         notes.append(f"decode: hetforge.runtime executor '{best.executor}', prefill tier {best.prefill_tier}, "
                      f"KV cache {best.cache_length} positions")
         dec = engine.programs.programs.get(("decode", best.cache_length))
@@ -99,8 +95,8 @@ def _runtime_decode(ctx: PrepContext, notes: list[str], quantize: str = "none"):
             over += max(0.0, first.decode_s[0] - best.decode_s[0])
         notes.append(f"runtime pair: compile {sum(first.compile_s.values()):.3f} s, first calls above hot "
                      f"{over * 1e3:.1f} ms (measured, counted)")
-        return DecodeTiming(best.ttft_s * 1e3, best.decode_ms_per_token or float("nan"), len(best.decode_s),
-                            prep_s=sum(first.compile_s.values()) + over)
+        timing.prep_s = sum(first.compile_s.values()) + over
+        return timing
 
     return decode
 

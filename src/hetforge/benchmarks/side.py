@@ -195,8 +195,6 @@ def run_group(cfg: Any, model: str, mine: str, peers: list[str], root: Path, say
     metrics = list(metrics or METRICS[:2])
     group = SideGroup(model, mine, [], metrics=metrics, calls={"prefill": prefill_calls, "step": step_calls})
     decoding = "decode_ms_per_token" in metrics
-    if decoding:
-        group.calls["decode"] = cfg.worker_spec(mine, model, "side", root, root, root).decode_tokens
     served: list[_Served] = []
     decoders: set[str] = set()  # served systems whose decode path is ready
     folder = Path(tempfile.mkdtemp(prefix=f"side-{model}-", dir=root))
@@ -205,6 +203,8 @@ def run_group(cfg: Any, model: str, mine: str, peers: list[str], root: Path, say
             spec = cfg.worker_spec(s, model, "side", folder / f"work-{s}", folder / f"cache-{s}", folder / "ref.pt")
             # only a group that times decode warms (compiles) a decode path: hetforge's and the decode peers'
             spec = replace(spec, decode=decoding and (s == mine or is_decode_peer(s)))
+            if decoding and s == mine:
+                group.calls["decode"] = spec.decode_tokens  # the suite's --decode-tokens (quick mode: fewer)
             path = folder / f"{s}.json"
             path.write_text(json.dumps(asdict(spec)))
             say(f"        side by side on {model}: preparing {s}")

@@ -67,10 +67,10 @@ static void scratch_done(const hf_scratch *slot, void *p) {
  * backoff period: HF_SOLO_FIRST_US after an isolated stall, doubled (up to HF_SOLO_MAX_US) when the helpers
  * stall again within HF_PROBE_US, or within the last period's length, of their first job after it (not of its
  * end: a process that made no pooled call meanwhile probes late), which is what a neighbour that keeps a core
- * busy does (a helper moved onto the caller's core may stall only after a while).
- * With a busy neighbour a helper that shares its core gains about as much as its stalls lose (measured,
- * bench/contention.py), so running alone is the better choice there; on an idle host a rare stall (a kernel
- * daemon) costs one short solo period. Solo jobs run the same chunks, so the same bits. */
+ * busy does (the window is that long because some stalls came only after a while; why, not traced).
+ * Without this, two threads took 1.13-1.19x one thread's decode time beside a busy process (session 42's one-offs,
+ * docs/arch/runtime.md), so running alone is the better choice there; on an idle host a rare stall (cause not
+ * traced) costs one short solo period. Solo jobs run the same chunks, so the same bits. */
 #include <limits.h>
 #include <linux/futex.h>
 #include <pthread.h>

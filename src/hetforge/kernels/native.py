@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import hashlib
 import math
 import mmap
@@ -40,8 +41,10 @@ SOURCE = Path(__file__).with_name("native.c")
 _BASE_FLAGS = (["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"], ["-O3", "-fopenmp", "-ffp-contract=off"])
 
 
+@functools.cache
 def _cpu_fields() -> dict[str, str]:
-    """The first CPU's ``/proc/cpuinfo`` fields (empty where there is none)."""
+    """The first CPU's ``/proc/cpuinfo`` fields (empty where there is none), read once per process. (hardware/host.py
+    parses the same block for ``cpu_name``; kernels do not import hardware, whose calibration imports them.)"""
     out: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo") as f:
@@ -199,13 +202,8 @@ def cache_dir() -> Path:
 
 def _cpu_tag() -> str:
     """What ``-march=native`` depends on: the machine and its CPU flags (so a shared cache stays correct)."""
-    flags = ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((ln for ln in f if ln.startswith(("flags", "Features"))), "")
-    except OSError:
-        pass
-    return platform.machine() + flags
+    f = _cpu_fields()
+    return platform.machine() + (f.get("flags") or f.get("Features") or "")
 
 
 def _build(cc: str, flags: list[str], out: Path, source: Path = SOURCE) -> str | None:
