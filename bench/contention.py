@@ -81,9 +81,11 @@ def worker(model: str, source: str | None, tokens: int) -> None:
         for _ in gen:
             pass
         r = {"decode_ms": gen.result.decode_ms_per_token, "tuner": gen.tuner.summary() if gen.tuner else None}
-        if before:  # this request's pool jobs, the caller's waits over stall_us, and the jobs it ran alone after one
+        if before:  # this request's pool jobs, the caller's waits over stall_us, the jobs it ran alone after one, and
+            # the chunks it took over from a helper (and of those, the ones whose helper did not answer: descheduled)
             after = vars(native.pool_info())
-            r["pool_request"] = {k: after[k] - before[k] for k in ("jobs", "stalls", "solo_jobs")}
+            r["pool_request"] = {k: after[k] - before[k] for k in ("jobs", "stalls", "solo_jobs", "steals",
+                                                                   "steals_unanswered") if k in after}
         return r
 
     for name in CONFIGS:
@@ -219,6 +221,8 @@ def summarize(rows: list[dict]) -> list[dict]:
         if pr:  # the fixed 2-thread requests on the pool: stalls per request, share of jobs run alone
             s["fixed_stalls_per_request"] = statistics.median(p["stalls"] for p in pr)
             s["fixed_solo_share"] = round(sum(p["solo_jobs"] for p in pr) / max(1, sum(p["jobs"] for p in pr)), 3)
+            if all("steals" in p for p in pr):  # pages from session 43 on: chunks taken over from a helper
+                s["fixed_steals_per_request"] = statistics.median(p["steals"] for p in pr)
         out.append(s)
     return out
 
@@ -236,12 +240,14 @@ def render(doc: dict) -> str:
           "Kernels: " + "; ".join(f"`{k}`: {v}" for k, v in doc["kernels"].items()) + ".", "",
           "## Ratios (median over rounds of the per-round ratio to the 1-thread request of the same round)", "",
           "| model | kernels | background load | 1 thread ms/token | 2 fixed ms/token | 2 adaptive ms/token | "
-          "2 fixed ÷ 1 | 2 adaptive ÷ 1 | 1 again ÷ 1 (A/A) | 2 fixed: stalls per request, jobs run alone |",
+          "2 fixed ÷ 1 | 2 adaptive ÷ 1 | 1 again ÷ 1 (A/A) | 2 fixed: stalls per request, jobs run alone, chunks "
+          "taken over per request |",
           "|---|---|---|---|---|---|---|---|---|---|"]
     for s in doc["summary"]:
         m = s["median_ms"]
-        stalls = (f"{s['fixed_stalls_per_request']:g}, {s['fixed_solo_share']:.1%}" if "fixed_solo_share" in s
-                  else "—")
+        stalls = (f"{s['fixed_stalls_per_request']:g}, {s['fixed_solo_share']:.1%}, "
+                  f"{s['fixed_steals_per_request'] if 'fixed_steals_per_request' in s else '—'}"
+                  if "fixed_solo_share" in s else "—")
         md.append(f"| {s['model']} | {s['kernels']} | {s['load']} | {m['1 thread']} | {m['2 threads, fixed']} | "
                   f"{m['2 threads, adaptive']} | {s['ratio 2 threads, fixed / 1 thread']} | "
                   f"{s['ratio 2 threads, adaptive / 1 thread']} | {s.get('ratio 1 thread, again / 1 thread', '—')} | "
@@ -304,7 +310,8 @@ def main() -> None:
 
     models, loads = a.models.split(","), a.load.split(",")
     kernels = {"pool": "the working tree's native.c: the decode kernels' own pool (chunks claimed by whoever "
-                       "runs; idle helpers spin 50 µs, then sleep)"}
+                       "runs; idle helpers spin 50 µs, then sleep; a chunk a helper holds for over 100 µs is taken "
+                       "over by the caller; a wait over 300 µs sends the caller solo for a while)"}
     sources: dict[str, str | None] = {"pool": None}
     if a.baseline_rev:
         rev = subprocess.run(["git", "rev-parse", "--short", a.baseline_rev], cwd=ROOT, check=True,

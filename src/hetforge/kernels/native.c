@@ -61,20 +61,31 @@ static void scratch_done(const hf_scratch *slot, void *p) {
  * One job at a time: a second concurrent caller (another Python thread) runs its job inline. After fork()
  * the child has no helpers; the caller then does every chunk itself (still correct).
  *
- * What chunks cannot hide is a helper descheduled while it holds a chunk: the caller then waits for it for the
- * rest of the busy neighbour's time slice (milliseconds; a chunk takes microseconds). So a wait longer than
- * ``stall_us`` (HF_STALL_US) is a stall, and after one the caller runs the next jobs alone (``solo``) for a
- * backoff period: HF_SOLO_FIRST_US after an isolated stall, doubled (up to HF_SOLO_MAX_US) when the helpers
+ * What chunks alone cannot hide is a helper descheduled while it holds a chunk: the caller would wait for it for
+ * the rest of the busy neighbour's time slice (milliseconds; a chunk takes microseconds). So a caller that has
+ * waited ``steal_us`` (HF_STEAL_US) for a claimed chunk takes it over (steal_chunks): it marks the chunk taken,
+ * sends the helper a signal whose handler leaves the chunk by siglongjmp (a descheduled thread runs a pending
+ * handler before any code of its own), and runs the chunk itself: the same chunk, so the same bits. The helper
+ * then keeps the share of its core that the neighbour leaves it, where going solo (below) gave it up: with a busy
+ * process beside it, a two-thread decode took 0.88-0.98x one thread's time this way against 1.02-1.04x solo
+ * (session 43's one-offs, docs/arch/runtime.md). Chunk functions may therefore be left at any point: they take no
+ * lock and allocate nothing (their entry functions do, around hf_run).
+ * A wait that still runs longer than ``stall_us`` (HF_STALL_US; a helper that had claimed a chunk but not yet
+ * published it, or taking over switched off) is a stall, and after one the caller runs the next jobs alone
+ * (``solo``) for a backoff period: HF_SOLO_FIRST_US after an isolated stall, doubled (up to HF_SOLO_MAX_US) when the helpers
  * stall again within HF_PROBE_US, or within the last period's length, of their first job after it (not of its
  * end: a process that made no pooled call meanwhile probes late), which is what a neighbour that keeps a core
  * busy does (the window is that long because some stalls came only after a while; why, not traced).
  * Without this, two threads took 1.13-1.19x one thread's decode time beside a busy process (session 42's one-offs,
  * docs/arch/runtime.md), so running alone is the better choice there; on an idle host a rare stall (cause not
  * traced) costs one short solo period. Solo jobs run the same chunks, so the same bits. */
+#include <errno.h>
 #include <limits.h>
 #include <linux/futex.h>
 #include <pthread.h>
 #include <sched.h>
+#include <setjmp.h>
+#include <signal.h>
 #include <stdatomic.h>
 #include <sys/syscall.h>
 #include <time.h>
@@ -86,6 +97,9 @@ static void scratch_done(const hf_scratch *slot, void *p) {
 #define HF_SOLO_MAX_US 1000000.0 /* longest solo period (helpers that keep stalling are let back in this often) */
 #define HF_PROBE_US 20000.0      /* a stall this soon (or within the last solo period's length) after the helpers
                                   * are let back in doubles the next solo period */
+#define HF_STEAL_US 100 /* a longer wait for a helper's claimed chunk: the caller takes the chunk over (steal) */
+#define HF_ACK_US 50    /* how long a thief waits for the helper to answer its signal (see steal_chunks) */
+#define HF_STOLEN (~0ull) /* pool.cur[t] of a chunk taken over from thread t */
 
 typedef void (*hf_chunk_fn)(void *ctx, long chunk);
 #define HF_MAX_HELPERS 63
@@ -104,7 +118,8 @@ static struct {
     _Atomic int sleepers; /* helpers asleep (or about to sleep) on seq */
     _Atomic int spin_us;  /* how long an idle helper / a waiting caller spins before sleeping / yielding */
     _Atomic int hold;     /* test hook: 1 helpers claim nothing (as if descheduled); 2 a helper holds each
-                           * chunk it claims for 2 * stall_us before running it (descheduled while holding it) */
+                           * chunk it claims for 2 * stall_us before running it (descheduled while holding it);
+                           * 3 as 2 with the thieves' signal blocked meanwhile (it lands when the hold ends) */
     _Atomic int stall_us; /* a longer wait for a claimed chunk is a stall; 0: never go solo */
     double solo_until, backoff, probe_from; /* solo state, owned by the holder of lock: jobs run alone until
                                              * solo_until; helpers were let back in at probe_from */
@@ -113,8 +128,19 @@ static struct {
     _Atomic int regions;   /* runs of consecutive chunks, one per thread of the job (see run_chunks) */
     _Atomic unsigned long long next[HF_MAX_HELPERS + 1]; /* per run: (job << 32) | chunks of it claimed */
     _Atomic long jobs, chunks_total, chunks_by_helpers, helper_sleeps, chunks_taken_over, stalls, solo_jobs;
+    /* taking over a descheduled helper's chunk (steal_chunks) */
+    _Atomic int steal_us;   /* a longer wait for a claimed chunk: take it over (0: never) */
+    _Atomic int steal_sig;  /* the signal that stops a helper's taken-over chunk (0: none could be installed) */
+    pthread_t tid[HF_MAX_HELPERS];
+    _Atomic unsigned long long cur[HF_MAX_HELPERS + 1]; /* per thread: (job << 32) | (chunk + 1) while it runs that
+                                                         * chunk, HF_STOLEN once a thief took it over, else 0 */
+    _Atomic unsigned want[HF_MAX_HELPERS + 1], ack[HF_MAX_HELPERS + 1]; /* per helper: a thief's token, and the
+                                                                          * last token its handler answered */
+    sigjmp_buf jb[HF_MAX_HELPERS + 1];                  /* per helper: where a taken-over chunk is left */
+    _Atomic long steals, steals_unanswered;
 } pool = {.lock = PTHREAD_MUTEX_INITIALIZER, .grow = PTHREAD_MUTEX_INITIALIZER, .spin_us = HF_SPIN_US,
-          .stall_us = HF_STALL_US};
+          .stall_us = HF_STALL_US, .steal_us = HF_STEAL_US};
+static __thread int hf_self; /* a helper's thread index (1..); 0 on every other thread */
 
 static double now_us(void) {
     struct timespec ts;
@@ -150,9 +176,26 @@ static long run_chunks(unsigned job, int self) {
             if ((unsigned)(st >> 32) != job) return ran;
             if ((long)(st & 0xffffffffu) >= len) break;
             if (!atomic_compare_exchange_weak(&pool.next[r], &st, st + 1)) continue;
-            if (self != 0 && atomic_load_explicit(&pool.hold, memory_order_relaxed) == 2)
-                usleep(2 * (unsigned)atomic_load_explicit(&pool.stall_us, memory_order_relaxed) + 100);
-            fn(ctx, lo + (long)(st & 0xffffffffu));
+            long idx = lo + (long)(st & 0xffffffffu);
+            if (self != 0) { /* a helper: published while it runs, so that a waiting caller can take it over */
+                unsigned long long mine = ((unsigned long long)job << 32) | (unsigned long long)(idx + 1);
+                atomic_store(&pool.cur[self], mine);
+                int hold = atomic_load_explicit(&pool.hold, memory_order_relaxed);
+                if (hold == 2 || hold == 3) { /* test hooks: held for 2 * stall_us; 3: deaf to the thief meanwhile */
+                    sigset_t ss;
+                    sigemptyset(&ss);
+                    if (hold == 3) sigaddset(&ss, atomic_load(&pool.steal_sig)), pthread_sigmask(SIG_BLOCK, &ss, NULL);
+                    usleep(2 * (unsigned)atomic_load_explicit(&pool.stall_us, memory_order_relaxed) + 100);
+                    if (hold == 3) pthread_sigmask(SIG_UNBLOCK, &ss, NULL); /* a thief's signal lands here */
+                }
+                fn(ctx, idx);
+                if (!atomic_compare_exchange_strong(&pool.cur[self], &mine, 0)) { /* taken over: the thief counts it */
+                    atomic_store(&pool.cur[self], 0);
+                    st = atomic_load(&pool.next[r]);
+                    continue;
+                }
+            } else
+                fn(ctx, idx);
             ran++;
             if (r != self) atomic_fetch_add_explicit(&pool.chunks_taken_over, 1, memory_order_relaxed);
             atomic_fetch_add_explicit(&pool.done, 1, memory_order_release);
@@ -162,9 +205,24 @@ static long run_chunks(unsigned job, int self) {
     return ran;
 }
 
+/* A thief's signal on a helper (steal_chunks): leave a chunk that was taken over at once (back to helper_main);
+ * otherwise (the chunk was finished, or the signal came to another thread) only answer. */
+static void steal_handler(int sig) {
+    (void)sig;
+    int self = hf_self, err = errno;
+    if (self <= 0) return;
+    unsigned tok = atomic_load(&pool.want[self]);
+    unsigned long long c = atomic_load(&pool.cur[self]);
+    if (c == HF_STOLEN) atomic_store(&pool.cur[self], 0);
+    atomic_store(&pool.ack[self], tok);
+    errno = err;
+    if (c == HF_STOLEN) siglongjmp(pool.jb[self], 1);
+}
+
 static void *helper_main(void *arg) {
     int id = (int)(intptr_t)arg;
-    unsigned seen = atomic_load(&pool.seq);
+    hf_self = id + 1; /* touched here first: the handler reads it */
+    volatile unsigned seen = atomic_load(&pool.seq);
     for (;;) {
         double t0 = now_us();
         int spins = 0;
@@ -180,6 +238,7 @@ static void *helper_main(void *arg) {
         }
         seen = atomic_load_explicit(&pool.seq, memory_order_acquire);
         if (id < atomic_load(&pool.width) && atomic_load(&pool.hold) != 1) {
+            if (sigsetjmp(pool.jb[id + 1], 0)) continue; /* left a chunk a thief took over: this job is done */
             long ran = run_chunks(seen, id + 1);
             if (ran) atomic_fetch_add_explicit(&pool.chunks_by_helpers, ran, memory_order_relaxed);
         }
@@ -187,11 +246,28 @@ static void *helper_main(void *arg) {
     return NULL;
 }
 
+/* The thieves' signal: a real-time signal with no handler yet (another library's is left alone), from the top;
+ * 0 when there is none (then nothing is taken over). SA_NODEFER: a handler that leaves by siglongjmp leaves the
+ * signal unblocked without saving the mask at every job (sigsetjmp(.., 0)). */
+static int install_steal_signal(void) {
+    for (int sig = SIGRTMAX - 1; sig > SIGRTMIN + 2; sig--) {
+        struct sigaction old;
+        if (sigaction(sig, NULL, &old) != 0 || old.sa_handler != SIG_DFL || (old.sa_flags & SA_SIGINFO)) continue;
+        struct sigaction sa = {0};
+        sa.sa_handler = steal_handler;
+        sa.sa_flags = SA_NODEFER | SA_RESTART;
+        sigemptyset(&sa.sa_mask);
+        if (sigaction(sig, &sa, NULL) == 0) return sig;
+    }
+    return 0;
+}
+
 /* Start helpers until there are ``want`` (fewer if thread creation fails: the caller covers for them). */
 static int ensure_helpers(int want) {
     if (want > HF_MAX_HELPERS) want = HF_MAX_HELPERS;
     pthread_mutex_lock(&pool.grow);
     if (pool.owner != getpid()) pool.helpers = 0, pool.owner = getpid(); /* a forked child inherits no threads */
+    if (pool.helpers < want && atomic_load(&pool.steal_sig) == 0) atomic_store(&pool.steal_sig, install_steal_signal());
     while (pool.helpers < want) {
         pthread_t t;
         pthread_attr_t a;
@@ -200,6 +276,8 @@ static int ensure_helpers(int want) {
         int err = pthread_create(&t, &a, helper_main, (void *)(intptr_t)pool.helpers);
         pthread_attr_destroy(&a);
         if (err) break;
+        pool.tid[pool.helpers] = t;
+        atomic_store(&pool.cur[pool.helpers + 1], 0);
         pool.helpers++;
     }
     int have = pool.helpers;
@@ -208,6 +286,39 @@ static int ensure_helpers(int want) {
 }
 
 static void hf_run_team(hf_chunk_fn fn, void *ctx, long n, int threads);
+
+/* Take over the chunks of job ``job`` that helpers 1..width are running (the caller has waited steal_us for them):
+ * mark each one taken (pool.cur), signal its helper, and run it here. Safe because the helper runs none of that
+ * chunk's code after the signal: a descheduled helper runs the handler (which leaves the chunk by siglongjmp)
+ * before any code of its own when it is scheduled again, and a running one answers within microseconds (the wait
+ * below; if it had already finished the chunk, its own check sees the mark and it does not count it). The caller
+ * then writes the chunk's outputs itself: the same chunk, so the same bits. Returns the chunks taken over. */
+static long steal_chunks(unsigned job, hf_chunk_fn fn, void *ctx, int width) {
+    static _Atomic unsigned token;
+    int sig = atomic_load(&pool.steal_sig);
+    long got = 0;
+    if (!sig) return 0;
+    for (int t = 1; t <= width; t++) {
+        unsigned long long c = atomic_load(&pool.cur[t]);
+        if (c == 0 || c == HF_STOLEN || (unsigned)(c >> 32) != job) continue;
+        if (!atomic_compare_exchange_strong(&pool.cur[t], &c, HF_STOLEN)) continue; /* it has just finished it */
+        unsigned tok = atomic_fetch_add(&token, 1) + 1;
+        atomic_store(&pool.want[t], tok); /* after the mark: a handler that reads tok sees the mark (or 0) */
+        if (pthread_kill(pool.tid[t - 1], sig) != 0) {
+            while (atomic_load(&pool.cur[t]) == HF_STOLEN) cpu_relax(); /* no signal: wait until it left the chunk */
+        } else {
+            double t0 = now_us();
+            while (atomic_load(&pool.ack[t]) != tok && now_us() - t0 < HF_ACK_US) cpu_relax();
+            if (atomic_load(&pool.ack[t]) != tok) /* descheduled: it runs the handler before anything else */
+                atomic_fetch_add_explicit(&pool.steals_unanswered, 1, memory_order_relaxed);
+        }
+        fn(ctx, (long)(c & 0xffffffffu) - 1);
+        atomic_fetch_add_explicit(&pool.done, 1, memory_order_release);
+        atomic_fetch_add_explicit(&pool.steals, 1, memory_order_relaxed);
+        got++;
+    }
+    return got;
+}
 
 /* Run fn(ctx, 0..n-1) on the caller and up to ``threads - 1`` helpers; returns when all chunks are done. In team
  * mode (hf_pool_team) on torch's OpenMP team instead: same chunks, so the same bits. */
@@ -250,12 +361,19 @@ static void hf_run(hf_chunk_fn fn, void *ctx, long n, int threads) {
     if (atomic_load(&pool.sleepers) > 0) syscall(SYS_futex, &pool.seq, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
     run_chunks(job, 0);
     double t0 = 0;
-    int spins = 0;
+    int spins = 0, steal_us = atomic_load_explicit(&pool.steal_us, memory_order_relaxed);
     while (atomic_load_explicit(&pool.done, memory_order_acquire) < n) { /* chunks a helper claimed */
         cpu_relax();
         if (++spins % 64 == 0) {
             if (t0 == 0) t0 = now_us();
-            else if (now_us() - t0 > atomic_load_explicit(&pool.spin_us, memory_order_relaxed)) sched_yield();
+            else {
+                double w = now_us() - t0;
+                if (steal_us > 0 && w > steal_us && steal_chunks(job, fn, ctx, width) > 0) {
+                    t0 = 0; /* a stall only if the wait goes on after this */
+                    continue;
+                }
+                if (w > atomic_load_explicit(&pool.spin_us, memory_order_relaxed)) sched_yield();
+            }
         }
     }
     if (t0 > 0 && stall_us > 0) { /* waited at least 64 pauses: was it a stall? */
@@ -298,10 +416,11 @@ static void hf_run_team(hf_chunk_fn fn, void *ctx, long n, int threads) {
     for (long i = 0; i < n; i++) fn(ctx, i);
 }
 
-/* Read back the pool: out[0..10] = helpers started, spin_us, jobs run by the pool, their chunks, chunks run
+/* Read back the pool: out[0..14] = helpers started, spin_us, jobs run by the pool, their chunks, chunks run
  * by helpers, helper sleeps (futex waits), chunks a thread ran from another thread's run (taken over),
- * whether jobs run on the OpenMP team (hf_pool_team), stall_us, stalls, and jobs the caller ran alone (solo)
- * because the pool was backing off after a stall. */
+ * whether jobs run on the OpenMP team (hf_pool_team), stall_us, stalls, jobs the caller ran alone (solo)
+ * because the pool was backing off after a stall, steal_us, chunks taken over from a helper (steal_chunks), the
+ * thieves' signal (0: none), and the steals whose helper had not answered within HF_ACK_US. */
 void hf_pool_info(long *out) {
     out[0] = pool.owner == getpid() ? pool.helpers : 0;
     out[1] = atomic_load(&pool.spin_us);
@@ -314,6 +433,10 @@ void hf_pool_info(long *out) {
     out[8] = atomic_load(&pool.stall_us);
     out[9] = atomic_load(&pool.stalls);
     out[10] = atomic_load(&pool.solo_jobs);
+    out[11] = atomic_load(&pool.steal_us);
+    out[12] = atomic_load(&pool.steals);
+    out[13] = atomic_load(&pool.steal_sig);
+    out[14] = atomic_load(&pool.steals_unanswered);
 }
 
 /* team = 1: the pool's jobs run on torch's OpenMP team (hf_run_team) until team = 0. */
@@ -333,12 +456,13 @@ __attribute__((constructor)) static void pool_register_fork_handler(void) {
     pthread_atfork(NULL, NULL, pool_team_off_in_child);
 }
 
-/* Set the spin time (µs, >= 0), the stall threshold (µs; 0: never go solo), and the test hook ``hold`` (see
- * the pool); ends any solo period. */
-void hf_pool_config(int spin_us, int hold, int stall_us) {
+/* Set the spin time (µs, >= 0), the stall threshold (µs; 0: never go solo), the wait after which a claimed chunk
+ * is taken over (µs; 0: never), and the test hook ``hold`` (see the pool); ends any solo period. */
+void hf_pool_config(int spin_us, int hold, int stall_us, int steal_us) {
     pthread_mutex_lock(&pool.lock);
     atomic_store(&pool.spin_us, spin_us < 0 ? 0 : spin_us);
     atomic_store(&pool.stall_us, stall_us < 0 ? 0 : stall_us);
+    atomic_store(&pool.steal_us, steal_us < 0 ? 0 : steal_us);
     atomic_store(&pool.hold, hold);
     pool.solo_until = pool.backoff = pool.probe_from = 0;
     pthread_mutex_unlock(&pool.lock);

@@ -108,7 +108,7 @@ SIGNATURES = {
     "hf_gemm_q4a": [_P, _P, _P, _P, _P, _L, _L, _L, _L, _I, _I],
     "hf_q4a_path": [_I],
     "hf_pool_info": [_P],
-    "hf_pool_config": [_I, _I, _I],
+    "hf_pool_config": [_I, _I, _I, _I],
     "hf_pool_team": [_I],
     "hf_quantize_i8_chunks": [_L],
     "hf_quantize_i8": [_P, _L, _L, _I, _P, _P, _P, _P, _I],
@@ -386,6 +386,11 @@ class PoolInfo:
     stall_us: int  # a longer wait for a chunk a helper claimed is a stall (0: the pool never goes solo)
     stalls: int  # such waits
     solo_jobs: int  # jobs (counted in ``jobs``) the caller ran alone: the pool was backing off after a stall
+    steal_us: int  # a longer wait for a chunk a helper claimed: the caller takes the chunk over (0: never)
+    steals: int  # chunks taken over from a helper (run by the caller; the helper left them)
+    steal_signal: int  # the signal that stops a helper's taken-over chunk (0: none could be installed: no steals)
+    steals_unanswered: int  # of those, the helper had not answered the signal in time (descheduled): it left the
+    # chunk when it next ran, before running anything else
 
 
 SPIN_US = 50  # the pool's default spin (native.c HF_SPIN_US): idle helpers stay awake this long between kernels.
@@ -397,23 +402,29 @@ SPIN_US = 50  # the pool's default spin (native.c HF_SPIN_US): idle helpers stay
 
 STALL_US = 300  # native.c HF_STALL_US: a caller that waits longer than this for a chunk a helper claimed (a
 # chunk takes microseconds) saw the helper descheduled while holding it, and runs the next jobs alone for a while.
-HOLDS = {"none": 0, "idle": 1, "stall": 2}  # pool_config's test hook
+STEAL_US = 100  # native.c HF_STEAL_US: a caller that waits longer than this for a chunk a helper claimed takes it
+# over (the helper, signalled, leaves it), so a helper descheduled mid-chunk costs the caller this wait, not the rest
+# of the busy neighbour's time slice.
+HOLDS = {"none": 0, "idle": 1, "stall": 2, "deaf": 3}  # pool_config's test hook
 
 
 def pool_info() -> PoolInfo:
     """Read back the pool's state and counters; check :func:`library` first."""
-    out = (ctypes.c_long * 11)()
+    out = (ctypes.c_long * 15)()
     library().hf_pool_info(out)
-    return PoolInfo(*out[:7], bool(out[7]), *out[8:11])
+    return PoolInfo(*out[:7], bool(out[7]), *out[8:15])
 
 
-def pool_config(spin_us: int = SPIN_US, hold: bool | str = False, stall_us: int = STALL_US) -> None:
-    """Set the pool's spin time (µs), its stall threshold (µs; 0: never run jobs alone after a stall), and its
+def pool_config(spin_us: int = SPIN_US, hold: bool | str = False, stall_us: int = STALL_US,
+                steal_us: int = STEAL_US) -> None:
+    """Set the pool's spin time (µs), its stall threshold (µs; 0: never run jobs alone after a stall), how long a
+    caller waits for a helper's claimed chunk before it takes the chunk over (µs; 0: never), and its
     test hook ``hold``: ``True`` / ``"idle"`` helpers claim no work (as if descheduled), ``"stall"`` a helper
     holds each chunk it claims for twice the stall threshold before running it (as if descheduled while holding
-    it). Ends any solo period."""
+    it), ``"deaf"`` as ``"stall"`` with the thief's signal blocked while it holds the chunk (as a descheduled
+    helper, which takes the signal only when it runs again). Ends any solo period."""
     code = HOLDS[hold] if isinstance(hold, str) else int(bool(hold))
-    library().hf_pool_config(spin_us, code, stall_us)
+    library().hf_pool_config(spin_us, code, stall_us, steal_us)
 
 
 def pool_team(on: bool) -> None:
