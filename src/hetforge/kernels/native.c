@@ -222,6 +222,13 @@ static void steal_handler(int sig) {
 static void *helper_main(void *arg) {
     int id = (int)(intptr_t)arg;
     hf_self = id + 1; /* touched here first: the handler reads it */
+    int sig = atomic_load(&pool.steal_sig);
+    if (sig) { /* a thread inherits its creator's mask: a blocked signal would leave a taken-over chunk running */
+        sigset_t ss;
+        sigemptyset(&ss);
+        sigaddset(&ss, sig);
+        pthread_sigmask(SIG_UNBLOCK, &ss, NULL);
+    }
     volatile unsigned seen = atomic_load(&pool.seq);
     for (;;) {
         double t0 = now_us();
@@ -298,6 +305,11 @@ static long steal_chunks(unsigned job, hf_chunk_fn fn, void *ctx, int width) {
     int sig = atomic_load(&pool.steal_sig);
     long got = 0;
     if (!sig) return 0;
+    struct sigaction now;
+    if (sigaction(sig, NULL, &now) != 0 || now.sa_handler != steal_handler) { /* replaced since: never again */
+        atomic_store(&pool.steal_sig, 0);
+        return 0;
+    }
     for (int t = 1; t <= width; t++) {
         unsigned long long c = atomic_load(&pool.cur[t]);
         if (c == 0 || c == HF_STOLEN || (unsigned)(c >> 32) != job) continue;
