@@ -153,7 +153,9 @@ ref = _kernels(1)
 _kernels(2)  # start the helpers
 assert native.pool_info().steal_signal > 0 and native.pool_info().steal_us == native.STEAL_US
 for hold in ("stall", "deaf"):
-    native.pool_config(hold=hold)
+    # each held chunk held ~10 ms (twice stall_us): a thief (at steal_us = 100 µs) always comes first, even on a
+    # loaded machine; no wait gets near 5 ms, so none is a stall
+    native.pool_config(hold=hold, stall_us=5000)
     a = native.pool_info(); t0 = time.monotonic(); n = 0
     while time.monotonic() - t0 < 1.0:
         got = _kernels(2)
@@ -168,6 +170,8 @@ for hold in ("stall", "deaf"):
     # takes the chunk on the promise that the helper leaves it when it next runs
     assert (unanswered < steals) if hold == "stall" else (unanswered == steals), (hold, steals, unanswered)
     assert b.chunks_by_helpers == a.chunks_by_helpers, (hold, a, b)  # every held chunk was taken over
+    # steals within 50 ms of each other (a busy neighbour) begin quiet periods: idle helpers stop spinning a while
+    assert b.quiet_periods > a.quiet_periods, (hold, a, b)
     print(hold, n, steals, unanswered)
 native.pool_config()
 print("ok")
@@ -181,7 +185,8 @@ def test_a_chunk_a_descheduled_helper_holds_is_taken_over_by_the_caller_with_the
     (the signal wakes it and it answers) and one deaf to the signal until its hold ends (the thief goes on without
     an answer; the helper, when it runs on, leaves the chunk instead of writing it). Every pooled kernel's result
     stays bit-equal to one thread's, no call waits long enough to count as a stall, and no held chunk is finished
-    by its helper. A subprocess: the hooks are the process's pool's."""
+    by its helper. Taken-over chunks in quick succession start quiet periods (idle helpers sleep at once instead of
+    spinning). A subprocess: the hooks are the process's pool's."""
     child = STEAL_CHILD % os.path.dirname(os.path.abspath(__file__))
     r = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout[-1000:] + r.stderr[-2000:]

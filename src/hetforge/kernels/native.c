@@ -66,10 +66,11 @@ static void scratch_done(const hf_scratch *slot, void *p) {
  * waited ``steal_us`` (HF_STEAL_US) for a claimed chunk takes it over (steal_chunks): it marks the chunk taken,
  * sends the helper a signal whose handler leaves the chunk by siglongjmp (a descheduled thread runs a pending
  * handler before any code of its own), and runs the chunk itself: the same chunk, so the same bits. The helper
- * then keeps the share of its core that the neighbour leaves it, where going solo (below) gave it up: with a busy
- * process beside it, a two-thread decode took 0.88-0.98x one thread's time this way against 1.02-1.04x solo
- * (session 43's one-offs, docs/arch/runtime.md). Chunk functions may therefore be left at any point: they take no
- * lock and allocate nothing (their entry functions do, around hf_run).
+ * then keeps the share of its core that the neighbour leaves it, where going solo (below) gave it up. Two steals
+ * within HF_QUIET_PAIR_US start a quiet period (HF_QUIET_US) in which idle helpers sleep at once instead of
+ * spinning: a helper spinning on the neighbour's core burns the share it gets there. Both measured in session 43's
+ * one-offs and on docs/bench/contention.md (figures in docs/arch/runtime.md). Chunk functions may be left at any
+ * point: they take no lock and allocate nothing (their entry functions do, around hf_run).
  * A wait that still runs longer than ``stall_us`` (HF_STALL_US; a helper that had claimed a chunk but not yet
  * published it, or taking over switched off) is a stall, and after one the caller runs the next jobs alone
  * (``solo``) for a backoff period: HF_SOLO_FIRST_US after an isolated stall, doubled (up to HF_SOLO_MAX_US) when the helpers
@@ -100,6 +101,8 @@ static void scratch_done(const hf_scratch *slot, void *p) {
 #define HF_STEAL_US 100 /* a longer wait for a helper's claimed chunk: the caller takes the chunk over (steal) */
 #define HF_ACK_US 50    /* how long a thief waits for the helper to answer its signal (see steal_chunks) */
 #define HF_STOLEN (~0ull) /* pool.cur[t] of a chunk taken over from thread t */
+#define HF_QUIET_PAIR_US 50000.0 /* a steal this soon after the previous one: a busy neighbour, so ... */
+#define HF_QUIET_US 200000.0     /* ... for this long idle helpers do not spin (they sleep at once) */
 
 typedef void (*hf_chunk_fn)(void *ctx, long chunk);
 #define HF_MAX_HELPERS 63
@@ -137,7 +140,9 @@ static struct {
     _Atomic unsigned want[HF_MAX_HELPERS + 1], ack[HF_MAX_HELPERS + 1]; /* per helper: a thief's token, and the
                                                                           * last token its handler answered */
     sigjmp_buf jb[HF_MAX_HELPERS + 1];                  /* per helper: where a taken-over chunk is left */
-    _Atomic long steals, steals_unanswered;
+    _Atomic long steals, steals_unanswered, quiet_periods;
+    double last_steal;            /* owned by the holder of lock */
+    _Atomic long long quiet_until; /* µs (now_us): until then the effective spin is 0 (spin_now) */
 } pool = {.lock = PTHREAD_MUTEX_INITIALIZER, .grow = PTHREAD_MUTEX_INITIALIZER, .spin_us = HF_SPIN_US,
           .stall_us = HF_STALL_US, .steal_us = HF_STEAL_US};
 static __thread int hf_self; /* a helper's thread index (1..); 0 on every other thread */
@@ -146,6 +151,15 @@ static double now_us(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return ts.tv_sec * 1e6 + ts.tv_nsec * 1e-3;
+}
+
+/* An idle helper's spin at time t (µs): spin_us, or 0 in a quiet period (after steals in quick succession: a busy
+ * neighbour shares a core with a helper, and a spinning helper burns the share of that core it gets, so it is
+ * preempted more often holding a chunk; measured in docs/arch/runtime.md, session 43). A waiting caller keeps
+ * spin_us before it yields: yielding at once gave its core to the neighbour (more stalls with an unpinned one). */
+static inline int spin_now(double t) {
+    return t < (double)atomic_load_explicit(&pool.quiet_until, memory_order_relaxed)
+               ? 0 : atomic_load_explicit(&pool.spin_us, memory_order_relaxed);
 }
 
 static inline void cpu_relax(void) {
@@ -235,7 +249,8 @@ static void *helper_main(void *arg) {
         int spins = 0;
         while (atomic_load_explicit(&pool.seq, memory_order_acquire) == seen) {
             cpu_relax();
-            if (++spins % 64 == 0 && now_us() - t0 > atomic_load_explicit(&pool.spin_us, memory_order_relaxed)) {
+            double t;
+            if (++spins % 64 == 0 && (t = now_us()) - t0 > spin_now(t)) {
                 atomic_fetch_add(&pool.sleepers, 1);
                 atomic_fetch_add_explicit(&pool.helper_sleeps, 1, memory_order_relaxed);
                 if (atomic_load(&pool.seq) == seen) syscall(SYS_futex, &pool.seq, FUTEX_WAIT_PRIVATE, seen, NULL, NULL, 0);
@@ -379,8 +394,14 @@ static void hf_run(hf_chunk_fn fn, void *ctx, long n, int threads) {
         if (++spins % 64 == 0) {
             if (t0 == 0) t0 = now_us();
             else {
-                double w = now_us() - t0;
+                double t = now_us(), w = t - t0;
                 if (steal_us > 0 && w > steal_us && steal_chunks(job, fn, ctx, width) > 0) {
+                    if (t - pool.last_steal < HF_QUIET_PAIR_US) {
+                        if (t >= (double)atomic_load(&pool.quiet_until))
+                            atomic_fetch_add_explicit(&pool.quiet_periods, 1, memory_order_relaxed);
+                        atomic_store(&pool.quiet_until, (long long)(t + HF_QUIET_US));
+                    }
+                    pool.last_steal = t;
                     t0 = 0; /* a stall only if the wait goes on after this */
                     continue;
                 }
@@ -432,7 +453,8 @@ static void hf_run_team(hf_chunk_fn fn, void *ctx, long n, int threads) {
  * by helpers, helper sleeps (futex waits), chunks a thread ran from another thread's run (taken over),
  * whether jobs run on the OpenMP team (hf_pool_team), stall_us, stalls, jobs the caller ran alone (solo)
  * because the pool was backing off after a stall, steal_us, chunks taken over from a helper (steal_chunks), the
- * thieves' signal (0: none), and the steals whose helper had not answered within HF_ACK_US. */
+ * thieves' signal (0: none), the steals whose helper had not answered within HF_ACK_US, and the quiet periods
+ * begun (spin_now). */
 void hf_pool_info(long *out) {
     out[0] = pool.owner == getpid() ? pool.helpers : 0;
     out[1] = atomic_load(&pool.spin_us);
@@ -449,6 +471,7 @@ void hf_pool_info(long *out) {
     out[12] = atomic_load(&pool.steals);
     out[13] = atomic_load(&pool.steal_sig);
     out[14] = atomic_load(&pool.steals_unanswered);
+    out[15] = atomic_load(&pool.quiet_periods);
 }
 
 /* team = 1: the pool's jobs run on torch's OpenMP team (hf_run_team) until team = 0. */
@@ -469,14 +492,15 @@ __attribute__((constructor)) static void pool_register_fork_handler(void) {
 }
 
 /* Set the spin time (µs, >= 0), the stall threshold (µs; 0: never go solo), the wait after which a claimed chunk
- * is taken over (µs; 0: never), and the test hook ``hold`` (see the pool); ends any solo period. */
+ * is taken over (µs; 0: never), and the test hook ``hold`` (see the pool); ends any solo or quiet period. */
 void hf_pool_config(int spin_us, int hold, int stall_us, int steal_us) {
     pthread_mutex_lock(&pool.lock);
     atomic_store(&pool.spin_us, spin_us < 0 ? 0 : spin_us);
     atomic_store(&pool.stall_us, stall_us < 0 ? 0 : stall_us);
     atomic_store(&pool.steal_us, steal_us < 0 ? 0 : steal_us);
     atomic_store(&pool.hold, hold);
-    pool.solo_until = pool.backoff = pool.probe_from = 0;
+    pool.solo_until = pool.backoff = pool.probe_from = pool.last_steal = 0;
+    atomic_store(&pool.quiet_until, 0);
     pthread_mutex_unlock(&pool.lock);
 }
 

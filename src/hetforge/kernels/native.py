@@ -391,6 +391,7 @@ class PoolInfo:
     steal_signal: int  # the signal that stops a helper's taken-over chunk (0: none could be installed: no steals)
     steals_unanswered: int  # of those, the helper had not answered the signal in time (descheduled): it left the
     # chunk when it next ran, before running anything else
+    quiet_periods: int  # periods begun in which nobody spins (two steals within 50 ms: a busy neighbour)
 
 
 SPIN_US = 50  # the pool's default spin (native.c HF_SPIN_US): idle helpers stay awake this long between kernels.
@@ -410,9 +411,9 @@ HOLDS = {"none": 0, "idle": 1, "stall": 2, "deaf": 3}  # pool_config's test hook
 
 def pool_info() -> PoolInfo:
     """Read back the pool's state and counters; check :func:`library` first."""
-    out = (ctypes.c_long * 15)()
+    out = (ctypes.c_long * 16)()
     library().hf_pool_info(out)
-    return PoolInfo(*out[:7], bool(out[7]), *out[8:15])
+    return PoolInfo(*out[:7], bool(out[7]), *out[8:16])
 
 
 def pool_config(spin_us: int = SPIN_US, hold: bool | str = False, stall_us: int = STALL_US,
@@ -422,7 +423,7 @@ def pool_config(spin_us: int = SPIN_US, hold: bool | str = False, stall_us: int 
     test hook ``hold``: ``True`` / ``"idle"`` helpers claim no work (as if descheduled), ``"stall"`` a helper
     holds each chunk it claims for twice the stall threshold before running it (as if descheduled while holding
     it), ``"deaf"`` as ``"stall"`` with the thief's signal blocked while it holds the chunk (as a descheduled
-    helper, which takes the signal only when it runs again). Ends any solo period."""
+    helper, which takes the signal only when it runs again). Ends any solo or quiet period."""
     code = HOLDS[hold] if isinstance(hold, str) else int(bool(hold))
     library().hf_pool_config(spin_us, code, stall_us, steal_us)
 
