@@ -85,7 +85,8 @@ def worker(model: str, source: str | None, tokens: int) -> None:
             # the chunks it took over from a helper (and of those, the ones whose helper did not answer: descheduled)
             after = vars(native.pool_info())
             r["pool_request"] = {k: after[k] - before[k] for k in ("jobs", "stalls", "solo_jobs", "steals",
-                                                                   "steals_unanswered") if k in after}
+                                                                   "steals_unanswered", "quiet_periods")
+                                  if k in after}
         return r
 
     for name in CONFIGS:
@@ -311,7 +312,8 @@ def main() -> None:
     models, loads = a.models.split(","), a.load.split(",")
     kernels = {"pool": "the working tree's native.c: the decode kernels' own pool (chunks claimed by whoever "
                        "runs; idle helpers spin 50 µs, then sleep; a chunk a helper holds for over 100 µs is taken "
-                       "over by the caller; a wait over 300 µs sends the caller solo for a while)"}
+                       "over by the caller, and two take-overs within 50 ms stop idle helpers spinning for 200 ms; "
+                       "a wait over 300 µs sends the caller solo for a while)"}
     sources: dict[str, str | None] = {"pool": None}
     if a.baseline_rev:
         rev = subprocess.run(["git", "rev-parse", "--short", a.baseline_rev], cwd=ROOT, check=True,
