@@ -85,7 +85,7 @@ def worker(model: str, source: str | None, tokens: int) -> None:
             # the chunks it took over from a helper (and of those, the ones whose helper did not answer: descheduled)
             after = vars(native.pool_info())
             r["pool_request"] = {k: after[k] - before[k] for k in ("jobs", "stalls", "solo_jobs", "steals",
-                                                                   "steals_unanswered", "quiet_periods")
+                                                                   "steals_unanswered", "quiet_periods", "moves")
                                   if k in after}
         return r
 
@@ -312,7 +312,8 @@ def main() -> None:
     models, loads = a.models.split(","), a.load.split(",")
     kernels = {"pool": "the working tree's native.c: the decode kernels' own pool (chunks claimed by whoever "
                        "runs; idle helpers spin 50 µs, then sleep; a chunk a helper holds for over 100 µs is taken "
-                       "over by the caller, and two take-overs within 50 ms stop idle helpers spinning for 200 ms; "
+                       "over by the caller, and two take-overs within 50 ms stop idle helpers spinning for 200 ms; a "
+                       "helper that joins a job on the caller's CPU moves to the other CPUs; "
                        "a wait over 300 µs sends the caller solo for a while)"}
     sources: dict[str, str | None] = {"pool": None}
     if a.baseline_rev:

@@ -229,6 +229,49 @@ def test_pooled_kernels_beside_busy_processes_give_one_threads_bits():
     print(r.stdout.strip())
 
 
+MOVE_CHILD = """
+import os, threading, time, torch
+from hetforge.kernels import native
+x, w = torch.randn(768), torch.randn(3072, 768)
+ref = native.gemv(x, w, None, torch.empty(3072), False, threads=1)
+native.gemv(x, w, None, torch.empty(3072), False, threads=2)  # start the helper
+main = threading.get_native_id()
+out = {}
+
+def caller():
+    me = threading.get_native_id()
+    os.sched_setaffinity(0, {0})  # this thread calls the kernels, on CPU 0
+    others = [int(t) for t in os.listdir("/proc/self/task") if int(t) not in (me, main)]
+    for t in others:  # the helper (and any other thread of ours but main) put next to it
+        os.sched_setaffinity(t, {0})
+    a = native.pool_info(); t0 = time.monotonic()
+    while native.pool_info().moves == a.moves and time.monotonic() - t0 < 10:
+        assert torch.equal(native.gemv(x, w, None, torch.empty(3072), False, threads=2), ref)
+    out["moves"] = native.pool_info().moves - a.moves
+    out["away"] = sum(0 not in os.sched_getaffinity(t) for t in others)
+
+th = threading.Thread(target=caller); th.start(); th.join()
+assert out["moves"] >= 1 and out["away"] >= 1, out
+print("ok", out)
+"""
+
+
+def test_a_helper_woken_on_the_callers_cpu_moves_to_the_processs_other_cpus():
+    """A helper pinned next to the caller (both on CPU 0, the process allowed more) moves off the caller's CPU when
+    it joins a job (its affinity loses CPU 0: back to the main thread's set without it), and the results stay
+    bit-equal. With a single CPU allowed there is nowhere to go: nothing moves. A subprocess: the affinities are
+    the process's threads'."""
+    cpus = sorted(os.sched_getaffinity(0))
+    child = MOVE_CHILD
+    if cpus != [0] and 0 not in cpus:  # the child pins to CPU 0: use the first allowed CPU instead
+        child = child.replace("{0}", f"{{{cpus[0]}}}").replace("0 not in", f"{cpus[0]} not in")
+    if len(cpus) == 1:  # nowhere to move to: the child checks that nothing moved
+        child = child.replace("< 10:", "< 1:").replace('out["moves"] >= 1 and out["away"] >= 1',
+                                                        'out["moves"] == 0 and out["away"] == 0')
+    r = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.startswith("ok"), r.stdout[-1000:] + r.stderr[-2000:]
+
+
 # Windows has no fork(); the pool re-creates its helpers only after a fork, so there is nothing to check there.
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="os.fork is POSIX-only; the pool's fork handling is too")
 def test_a_forked_child_computes_with_its_own_helpers():

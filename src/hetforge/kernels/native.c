@@ -68,7 +68,8 @@ static void scratch_done(const hf_scratch *slot, void *p) {
  * handler before any code of its own), and runs the chunk itself: the same chunk, so the same bits. The helper
  * then keeps the share of its core that the neighbour leaves it, where going solo (below) gave it up. Two steals
  * within HF_QUIET_PAIR_US start a quiet period (HF_QUIET_US) in which idle helpers sleep at once instead of
- * spinning: a helper spinning on the neighbour's core burns the share it gets there. Both measured in session 43's
+ * spinning: a helper spinning on the neighbour's core burns the share it gets there. And a helper that joins a job
+ * on the caller's CPU moves to the process's other CPUs (avoid_cpu). All measured in session 43's
  * one-offs and on docs/bench/contention.md (figures in docs/arch/runtime.md). Chunk functions may be left at any
  * point: they take no lock and allocate nothing (their entry functions do, around hf_run).
  * A wait that still runs longer than ``stall_us`` (HF_STALL_US; a helper that had claimed a chunk but not yet
@@ -141,6 +142,8 @@ static struct {
                                                                           * last token its handler answered */
     sigjmp_buf jb[HF_MAX_HELPERS + 1];                  /* per helper: where a taken-over chunk is left */
     _Atomic long steals, steals_unanswered, quiet_periods;
+    _Atomic int caller_cpu; /* the CPU the caller set the current job up on (sched_getcpu) */
+    _Atomic long moves;     /* times a helper found itself on the caller's CPU and moved off it (avoid_cpu) */
     double last_steal;            /* owned by the holder of lock */
     _Atomic long long quiet_until; /* µs (now_us): until then the effective spin is 0 (spin_now) */
 } pool = {.lock = PTHREAD_MUTEX_INITIALIZER, .grow = PTHREAD_MUTEX_INITIALIZER, .spin_us = HF_SPIN_US,
@@ -233,6 +236,22 @@ static void steal_handler(int sig) {
     if (c == HF_STOLEN) siglongjmp(pool.jb[self], 1);
 }
 
+/* A helper that finds itself on the caller's CPU ``cpu`` competes with the caller for that core: a busy neighbour
+ * on the other core leaves the scheduler no idle CPU to wake it on, so it often woke next to the caller (13-37% of
+ * its joins in a one-off with a pinned neighbour) and took the caller's time. It moves to the process's other CPUs
+ * instead (its own affinity without ``cpu``; when it is down to ``cpu`` alone, after an earlier move, the main
+ * thread's set without ``cpu``), so it takes its share from the neighbour. Nothing moves where only one CPU is
+ * allowed. Returns 1 when it moved. */
+static int avoid_cpu(int cpu) {
+    cpu_set_t set;
+    if (cpu < 0 || cpu >= CPU_SETSIZE || sched_getaffinity(0, sizeof set, &set) != 0) return 0;
+    if (CPU_COUNT(&set) == 1 && (!CPU_ISSET(cpu, &set) || sched_getaffinity(getpid(), sizeof set, &set) != 0))
+        return 0;
+    if (!CPU_ISSET(cpu, &set) || CPU_COUNT(&set) < 2) return 0;
+    CPU_CLR(cpu, &set);
+    return sched_setaffinity(0, sizeof set, &set) == 0;
+}
+
 static void *helper_main(void *arg) {
     int id = (int)(intptr_t)arg;
     hf_self = id + 1; /* touched here first: the handler reads it */
@@ -260,6 +279,8 @@ static void *helper_main(void *arg) {
         }
         seen = atomic_load_explicit(&pool.seq, memory_order_acquire);
         if (id < atomic_load(&pool.width) && atomic_load(&pool.hold) != 1) {
+            int cc = atomic_load(&pool.caller_cpu);
+            if (sched_getcpu() == cc && avoid_cpu(cc)) atomic_fetch_add_explicit(&pool.moves, 1, memory_order_relaxed);
             if (sigsetjmp(pool.jb[id + 1], 0)) continue; /* left a chunk a thief took over: this job is done */
             long ran = run_chunks(seen, id + 1);
             if (ran) atomic_fetch_add_explicit(&pool.chunks_by_helpers, ran, memory_order_relaxed);
@@ -383,6 +404,7 @@ static void hf_run(hf_chunk_fn fn, void *ctx, long n, int threads) {
     atomic_store(&pool.width, width);
     atomic_store(&pool.done, 0);
     for (int r = 0; r < regions; r++) atomic_store(&pool.next[r], (unsigned long long)job << 32);
+    atomic_store(&pool.caller_cpu, sched_getcpu());
     atomic_store(&pool.live, job);
     atomic_store(&pool.seq, job);
     if (atomic_load(&pool.sleepers) > 0) syscall(SYS_futex, &pool.seq, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
@@ -453,8 +475,8 @@ static void hf_run_team(hf_chunk_fn fn, void *ctx, long n, int threads) {
  * by helpers, helper sleeps (futex waits), chunks a thread ran from another thread's run (taken over),
  * whether jobs run on the OpenMP team (hf_pool_team), stall_us, stalls, jobs the caller ran alone (solo)
  * because the pool was backing off after a stall, steal_us, chunks taken over from a helper (steal_chunks), the
- * thieves' signal (0: none), the steals whose helper had not answered within HF_ACK_US, and the quiet periods
- * begun (spin_now). */
+ * thieves' signal (0: none), the steals whose helper had not answered within HF_ACK_US, the quiet periods
+ * begun (spin_now), and the helpers' moves off the caller's CPU (avoid_cpu). */
 void hf_pool_info(long *out) {
     out[0] = pool.owner == getpid() ? pool.helpers : 0;
     out[1] = atomic_load(&pool.spin_us);
@@ -472,6 +494,7 @@ void hf_pool_info(long *out) {
     out[13] = atomic_load(&pool.steal_sig);
     out[14] = atomic_load(&pool.steals_unanswered);
     out[15] = atomic_load(&pool.quiet_periods);
+    out[16] = atomic_load(&pool.moves);
 }
 
 /* team = 1: the pool's jobs run on torch's OpenMP team (hf_run_team) until team = 0. */

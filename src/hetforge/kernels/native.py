@@ -391,7 +391,8 @@ class PoolInfo:
     steal_signal: int  # the signal that stops a helper's taken-over chunk (0: none could be installed: no steals)
     steals_unanswered: int  # of those, the helper had not answered the signal in time (descheduled): it left the
     # chunk when it next ran, before running anything else
-    quiet_periods: int  # periods begun in which nobody spins (two steals within 50 ms: a busy neighbour)
+    quiet_periods: int  # periods begun in which idle helpers do not spin (two steals within 50 ms: a busy neighbour)
+    moves: int  # times a helper found itself on the caller's CPU and moved to the process's other CPUs
 
 
 SPIN_US = 50  # the pool's default spin (native.c HF_SPIN_US): idle helpers stay awake this long between kernels.
@@ -411,9 +412,9 @@ HOLDS = {"none": 0, "idle": 1, "stall": 2, "deaf": 3}  # pool_config's test hook
 
 def pool_info() -> PoolInfo:
     """Read back the pool's state and counters; check :func:`library` first."""
-    out = (ctypes.c_long * 16)()
+    out = (ctypes.c_long * 17)()
     library().hf_pool_info(out)
-    return PoolInfo(*out[:7], bool(out[7]), *out[8:16])
+    return PoolInfo(*out[:7], bool(out[7]), *out[8:17])
 
 
 def pool_config(spin_us: int = SPIN_US, hold: bool | str = False, stall_us: int = STALL_US,
