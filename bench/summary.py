@@ -1279,11 +1279,13 @@ def contention(d: J) -> Row:
 
     models = " / ".join(dict.fromkeys(r.s("model") for r in s))
     aa = CONTENTION_AA if all(r.has(CONTENTION_AA) for r in s) else ""
+    unpinned = (f"; a busy process the scheduler moves between the cores, 2 fixed ÷ 1 thread {pick('unpinned', fx)}"
+                if any(r.s("load") == "unpinned" for r in s) else "")
     control = (f"; a second 1-thread engine ÷ the first (A/A, the same rounds' noise): idle {pick('none', aa)}, "
                f"pinned {pick('pinned', aa)}") if aa else ""
     result = (f"{d.s('note')} (load average {load_avg(d['loadavg_start'])} at start): idle, 2 fixed ÷ 1 thread "
               f"{pick('none', fx)} ({models}); one core busy, 2 fixed ÷ 1 thread {pick('pinned', fx)}, adaptive "
-              f"{pick('pinned', ad)}{control} — ≤ 1 with a core busy is **{met(_contention_met(d))}**")
+              f"{pick('pinned', ad)}{unpinned}{control} — ≤ 1 with a core busy is **{met(_contention_met(d))}**")
     what = (f"`bench/contention.py`: decode ms/token of {d.f('tokens'):.0f} new tokens after a 16-token prompt, 1 "
             f"thread vs 2 fixed vs 2 adaptive, a fresh engine per configuration, {d.f('rounds'):.0f} interleaved "
             "rounds, with no process of ours and with one `while True` process pinned to the last CPU; the native "
