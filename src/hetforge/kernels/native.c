@@ -74,10 +74,10 @@ static void scratch_done(const hf_scratch *slot, void *p) {
  * point: they take no lock and allocate nothing (their entry functions do, around hf_run).
  * A wait that still runs longer than ``stall_us`` (HF_STALL_US; a helper that had claimed a chunk but not yet
  * published it, or taking over switched off) is a stall, and after one the caller runs the next jobs alone
- * (``solo``) for a backoff period: HF_SOLO_FIRST_US after an isolated stall, doubled (up to HF_SOLO_MAX_US) when the helpers
- * stall again within HF_PROBE_US, or within the last period's length, of their first job after it (not of its
- * end: a process that made no pooled call meanwhile probes late), which is what a neighbour that keeps a core
- * busy does (the window is that long because some stalls came only after a while; why, not traced).
+ * (``solo``) for a backoff period: HF_SOLO_FIRST_US after an isolated stall, doubled (up to HF_SOLO_MAX_US) when
+ * the helpers stall again within HF_PROBE_US, or within the last period's length, of their first job after it
+ * (not of its end: a process that made no pooled call meanwhile probes late), which is what a neighbour that keeps
+ * a core busy does (the window is that long because some stalls came only after a while; why, not traced).
  * Without this, two threads took 1.13-1.19x one thread's decode time beside a busy process (session 42's one-offs,
  * docs/arch/runtime.md), so running alone is the better choice there; on an idle host a rare stall (cause not
  * traced) costs one short solo period. Solo jobs run the same chunks, so the same bits. */
@@ -341,14 +341,14 @@ static long steal_chunks(unsigned job, hf_chunk_fn fn, void *ctx, int width) {
     int sig = atomic_load(&pool.steal_sig);
     long got = 0;
     if (!sig) return 0;
-    struct sigaction now;
-    if (sigaction(sig, NULL, &now) != 0 || now.sa_handler != steal_handler) { /* replaced since: never again */
-        atomic_store(&pool.steal_sig, 0);
-        return 0;
-    }
     for (int t = 1; t <= width; t++) {
         unsigned long long c = atomic_load(&pool.cur[t]);
         if (c == 0 || c == HF_STOLEN || (unsigned)(c >> 32) != job) continue;
+        struct sigaction now;
+        if (sigaction(sig, NULL, &now) != 0 || now.sa_handler != steal_handler) { /* replaced since: never again */
+            atomic_store(&pool.steal_sig, 0);
+            return got;
+        }
         if (!atomic_compare_exchange_strong(&pool.cur[t], &c, HF_STOLEN)) continue; /* it has just finished it */
         unsigned tok = atomic_fetch_add(&token, 1) + 1;
         atomic_store(&pool.want[t], tok); /* after the mark: a handler that reads tok sees the mark (or 0) */
@@ -471,7 +471,7 @@ static void hf_run_team(hf_chunk_fn fn, void *ctx, long n, int threads) {
     for (long i = 0; i < n; i++) fn(ctx, i);
 }
 
-/* Read back the pool: out[0..14] = helpers started, spin_us, jobs run by the pool, their chunks, chunks run
+/* Read back the pool: out[0..16] = helpers started, spin_us, jobs run by the pool, their chunks, chunks run
  * by helpers, helper sleeps (futex waits), chunks a thread ran from another thread's run (taken over),
  * whether jobs run on the OpenMP team (hf_pool_team), stall_us, stalls, jobs the caller ran alone (solo)
  * because the pool was backing off after a stall, steal_us, chunks taken over from a helper (steal_chunks), the
