@@ -1288,7 +1288,8 @@ def contention(d: J) -> Row:
               f"{pick('pinned', ad)}{unpinned}{control} — ≤ 1 with a core busy is **{met(_contention_met(d))}**")
     what = (f"`bench/contention.py`: decode ms/token of {d.f('tokens'):.0f} new tokens after a 16-token prompt, 1 "
             f"thread vs 2 fixed vs 2 adaptive, a fresh engine per configuration, {d.f('rounds'):.0f} interleaved "
-            "rounds, with no process of ours and with one `while True` process pinned to the last CPU; the native "
+            "rounds, with no process of ours, with one `while True` process pinned to the last CPU and, where the page "
+            "ran it, with one the scheduler moves; the native "
             f"decode kernels on their own pool ({d.s('timing')})")
     return Row("contention", what, result, "", link("contention.md"))
 

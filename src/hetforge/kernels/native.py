@@ -403,7 +403,7 @@ SPIN_US = 50  # the pool's default spin (native.c HF_SPIN_US): idle helpers stay
 
 
 STALL_US = 300  # native.c HF_STALL_US: a caller that waits longer than this for a chunk a helper claimed (a
-# chunk takes microseconds) saw the helper descheduled while holding it, and runs the next jobs alone for a while.
+# chunk takes microseconds), a wait no take-over (STEAL_US) ended, runs the next jobs alone for a while.
 STEAL_US = 100  # native.c HF_STEAL_US: a caller that waits longer than this for a chunk a helper claimed takes it
 # over (the helper, signalled, leaves it), so a helper descheduled mid-chunk costs the caller this wait, not the rest
 # of the busy neighbour's time slice.
