@@ -239,14 +239,12 @@ static void steal_handler(int sig) {
 /* A helper that finds itself on the caller's CPU ``cpu`` competes with the caller for that core: a busy neighbour
  * on the other core leaves the scheduler no idle CPU to wake it on, so it often woke next to the caller (13-37% of
  * its joins in a one-off with a pinned neighbour) and took the caller's time. It moves to the process's other CPUs
- * instead (its own affinity without ``cpu``; when it is down to ``cpu`` alone, after an earlier move, the main
- * thread's set without ``cpu``), so it takes its share from the neighbour. Nothing moves where only one CPU is
+ * instead (the main thread's set without ``cpu``: taken afresh each time, so a caller that wanders does not shrink
+ * a helper's set move by move), so it takes its share from the neighbour. Nothing moves where only one CPU is
  * allowed. Returns 1 when it moved. */
 static int avoid_cpu(int cpu) {
     cpu_set_t set;
-    if (cpu < 0 || cpu >= CPU_SETSIZE || sched_getaffinity(0, sizeof set, &set) != 0) return 0;
-    if (CPU_COUNT(&set) == 1 && (!CPU_ISSET(cpu, &set) || sched_getaffinity(getpid(), sizeof set, &set) != 0))
-        return 0;
+    if (cpu < 0 || cpu >= CPU_SETSIZE || sched_getaffinity(getpid(), sizeof set, &set) != 0) return 0;
     if (!CPU_ISSET(cpu, &set) || CPU_COUNT(&set) < 2) return 0;
     CPU_CLR(cpu, &set);
     return sched_setaffinity(0, sizeof set, &set) == 0;
