@@ -85,8 +85,7 @@ def worker(model: str, source: str | None, tokens: int) -> None:
             # the chunks it took over from a helper (and of those, the ones whose helper did not answer: descheduled)
             after = vars(native.pool_info())
             r["pool_request"] = {k: after[k] - before[k] for k in ("jobs", "stalls", "solo_jobs", "steals",
-                                                                   "steals_unanswered", "quiet_periods", "moves")
-                                  if k in after}
+                                                                   "steals_unanswered", "quiet_periods", "moves")}
         return r
 
     for name in CONFIGS:
@@ -222,8 +221,7 @@ def summarize(rows: list[dict]) -> list[dict]:
         if pr:  # the fixed 2-thread requests on the pool: stalls per request, share of jobs run alone
             s["fixed_stalls_per_request"] = statistics.median(p["stalls"] for p in pr)
             s["fixed_solo_share"] = round(sum(p["solo_jobs"] for p in pr) / max(1, sum(p["jobs"] for p in pr)), 3)
-            if all("steals" in p for p in pr):  # pages from session 43 on: chunks taken over from a helper
-                s["fixed_steals_per_request"] = statistics.median(p["steals"] for p in pr)
+            s["fixed_steals_per_request"] = statistics.median(p["steals"] for p in pr)  # chunks taken over
         out.append(s)
     return out
 
@@ -246,8 +244,7 @@ def render(doc: dict) -> str:
           "|---|---|---|---|---|---|---|---|---|---|"]
     for s in doc["summary"]:
         m = s["median_ms"]
-        stalls = (f"{s['fixed_stalls_per_request']:g}, {s['fixed_solo_share']:.1%}, "
-                  f"{s['fixed_steals_per_request'] if 'fixed_steals_per_request' in s else '—'}"
+        stalls = (f"{s['fixed_stalls_per_request']:g}, {s['fixed_solo_share']:.1%}, {s['fixed_steals_per_request']}"
                   if "fixed_solo_share" in s else "—")
         md.append(f"| {s['model']} | {s['kernels']} | {s['load']} | {m['1 thread']} | {m['2 threads, fixed']} | "
                   f"{m['2 threads, adaptive']} | {s['ratio 2 threads, fixed / 1 thread']} | "

@@ -366,6 +366,17 @@ static long steal_chunks(unsigned job, hf_chunk_fn fn, void *ctx, int width) {
     return got;
 }
 
+/* A take-over at time t: a second one within HF_QUIET_PAIR_US (a busy neighbour) starts or extends a quiet period
+ * (spin_now). Called with pool.lock held. */
+static void after_steal(double t) {
+    if (t - pool.last_steal < HF_QUIET_PAIR_US) {
+        if (t >= (double)atomic_load(&pool.quiet_until))
+            atomic_fetch_add_explicit(&pool.quiet_periods, 1, memory_order_relaxed);
+        atomic_store(&pool.quiet_until, (long long)(t + HF_QUIET_US));
+    }
+    pool.last_steal = t;
+}
+
 /* Run fn(ctx, 0..n-1) on the caller and up to ``threads - 1`` helpers; returns when all chunks are done. In team
  * mode (hf_pool_team) on torch's OpenMP team instead: same chunks, so the same bits. */
 static void hf_run(hf_chunk_fn fn, void *ctx, long n, int threads) {
@@ -416,12 +427,7 @@ static void hf_run(hf_chunk_fn fn, void *ctx, long n, int threads) {
             else {
                 double t = now_us(), w = t - t0;
                 if (steal_us > 0 && w > steal_us && steal_chunks(job, fn, ctx, width) > 0) {
-                    if (t - pool.last_steal < HF_QUIET_PAIR_US) {
-                        if (t >= (double)atomic_load(&pool.quiet_until))
-                            atomic_fetch_add_explicit(&pool.quiet_periods, 1, memory_order_relaxed);
-                        atomic_store(&pool.quiet_until, (long long)(t + HF_QUIET_US));
-                    }
-                    pool.last_steal = t;
+                    after_steal(t);
                     t0 = 0; /* a stall only if the wait goes on after this */
                     continue;
                 }

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import functools
 import hashlib
 import math
@@ -412,9 +413,10 @@ HOLDS = {"none": 0, "idle": 1, "stall": 2, "deaf": 3}  # pool_config's test hook
 
 def pool_info() -> PoolInfo:
     """Read back the pool's state and counters; check :func:`library` first."""
-    out = (ctypes.c_long * 17)()
+    n = len(dataclasses.fields(PoolInfo))  # hf_pool_info fills one long per field, in field order
+    out = (ctypes.c_long * n)()
     library().hf_pool_info(out)
-    return PoolInfo(*out[:7], bool(out[7]), *out[8:17])
+    return PoolInfo(*out[:7], bool(out[7]), *out[8:n])
 
 
 def pool_config(spin_us: int = SPIN_US, hold: bool | str = False, stall_us: int = STALL_US,
