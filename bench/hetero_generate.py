@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -288,8 +287,9 @@ def main() -> None:
         Path(a.render).with_suffix(".md").write_text(render(d))
         return
     torch.set_num_threads(a.threads)
-    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                if ln.startswith("model name")), platform.processor())
+    from hetforge.hardware.host import cpu_name
+
+    cpu = cpu_name()  # with its family, model and stepping, as every other page records it
     meta = {"date": time.strftime("%Y-%m-%d"), "cpu": cpu, "threads": a.threads, "torch": torch.__version__,
             "load": round(os.getloadavg()[0], 2), "command": "python " + " ".join(sys.argv),
             "prompt_tokens": a.prompt_tokens, "new_tokens": a.new_tokens}

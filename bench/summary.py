@@ -1518,6 +1518,22 @@ def _still_open() -> list[str]:
     return open_
 
 
+CPU_KEYS = (("host", "cpu"), ("meta", "host", "cpu"), ("machine", "cpu"), ("meta", "cpu"))
+
+
+def page_cpu(files: tuple[str, ...]) -> str:
+    """The CPU the row's first page ran on, as its JSON records it (the pages of one table ran on different hosts:
+    a cell is judged on its own page's CPU)."""
+    doc = json.loads((BENCH / files[0]).read_text())
+    for path in CPU_KEYS:
+        node = doc
+        for k in path:
+            node = node.get(k) if isinstance(node, dict) else None
+        if isinstance(node, str):
+            return node
+    raise SummaryError(f"docs/bench/{files[0]}: no CPU record at any of {['.'.join(k) for k in CPU_KEYS]}")
+
+
 def render() -> str:
     """The whole of docs/benchmarks.md."""
     head = load("peers.json")["machine"]
@@ -1543,10 +1559,10 @@ def render() -> str:
             "## CPU speed against the CPU peers (issue 24, first pass)", "",
             "Every page records the CPU model and its ISA flags; rows measured under load say so (only ratios "
             "between interleaved rows mean anything there).", "",
-            "| area | what was measured | result | page |", "|---|---|---|---|"]
+            "| area | what was measured | result | CPU | page |", "|---|---|---|---|---|"]
     for ex in CPU:
         r = build(ex)
-        out.append(f"| {cell(r.area)} | {cell(r.target)} | {cell(r.result)} | {r.link} |")
+        out.append(f"| {cell(r.area)} | {cell(r.target)} | {cell(r.result)} | {cell(page_cpu(ex.files))} | {r.link} |")
     out += ["", "Still open (issue 24; the rows above say where): " + "; ".join(_still_open()) + ". The read-bandwidth "
             "bound is defined once in [arch/hardware-cost.md](arch/hardware-cost.md#read-bandwidth) (`β_read`).", ""]
     return "\n".join(out)

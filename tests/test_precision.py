@@ -75,3 +75,20 @@ def test_cpu_name_carries_the_x86_family_model_and_stepping_of_the_first_process
 
     assert cpu_name(block(0, 17) + block(1, 99)) == "AMD EPYC (family 25, model 17, stepping 1)"
     assert cpu_name(CPUINFO_X86) == "Test CPU"  # no family/model/stepping lines (e.g. ARM): the name alone
+
+
+def test_one_cpuinfo_parser_serves_the_name_the_flags_and_the_kernels_per_cpu_choices():
+    """hardware (name, flags) and kernels (HF_PF_BYTES by CPU family) read the same first-processor block."""
+    from hetforge import cpuinfo
+    from hetforge.hardware.host import cpu_name
+    from hetforge.kernels import native
+
+    text = ("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel\t\t: 17\nmodel name\t: AMD EPYC\n"
+            "stepping\t: 1\nflags\t\t: fpu avx2 avx512f avx512_bf16\n\nprocessor\t: 1\ncpu family\t: 26\n")
+    f = cpuinfo.parse(text)
+    assert f["cpu family"] == "25" and "processor" in f and f.get("flags", "").split()[-1] == "avx512_bf16"
+    assert cpu_name(text) == "AMD EPYC (family 25, model 17, stepping 1)"
+    assert cpu_flags(text) == {"fpu", "avx2", "avx512f", "avx512_bf16"}
+    assert native.host_defines(f) == ["-DHF_PF_BYTES=0"]
+    assert native.host_defines(cpuinfo.parse(text.replace(": 25", ": 26"))) == []  # Zen 5: the default distance
+    assert cpuinfo.parse("") == {}

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import os
 import platform
-from pathlib import Path
 
+from hetforge.cpuinfo import fields as cpu_fields
+from hetforge.cpuinfo import parse as parse_cpuinfo
 from hetforge.hardware.host import cpu_count, cpu_name
 
 # flags worth recording for CPU inference (vector widths, FMA, dot products, bf16/fp16/int8 matrix units)
@@ -23,16 +24,8 @@ def cpu_flags(cpuinfo: str | None = None) -> set[str]:
     env = os.environ.get("HETFORGE_CPU_FLAGS")
     if cpuinfo is None and env is not None:
         return set(env.split())
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            return set()
-    for line in cpuinfo.splitlines():
-        key, _, val = line.partition(":")
-        if key.strip() in ("flags", "Features"):
-            return set(val.split())
-    return set()
+    fields = cpu_fields() if cpuinfo is None else parse_cpuinfo(cpuinfo)
+    return set((fields.get("flags") or fields.get("Features") or "").split())
 
 
 def isa_flags(flags: set[str] | None = None) -> list[str]:

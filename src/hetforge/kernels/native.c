@@ -377,6 +377,13 @@ static void after_steal(double t) {
     pool.last_steal = t;
 }
 
+/* A pooled job of n chunks is over (run with the helpers or solo): count it and let the next caller in. */
+static void job_done(long n) {
+    atomic_fetch_add_explicit(&pool.jobs, 1, memory_order_relaxed);
+    atomic_fetch_add_explicit(&pool.chunks_total, n, memory_order_relaxed);
+    pthread_mutex_unlock(&pool.lock);
+}
+
 /* Run fn(ctx, 0..n-1) on the caller and up to ``threads - 1`` helpers; returns when all chunks are done. In team
  * mode (hf_pool_team) on torch's OpenMP team instead: same chunks, so the same bits. */
 static void hf_run(hf_chunk_fn fn, void *ctx, long n, int threads) {
@@ -394,9 +401,7 @@ static void hf_run(hf_chunk_fn fn, void *ctx, long n, int threads) {
         if (t < pool.solo_until) {
             for (long i = 0; i < n; i++) fn(ctx, i);
             atomic_fetch_add_explicit(&pool.solo_jobs, 1, memory_order_relaxed);
-            atomic_fetch_add_explicit(&pool.jobs, 1, memory_order_relaxed);
-            atomic_fetch_add_explicit(&pool.chunks_total, n, memory_order_relaxed);
-            pthread_mutex_unlock(&pool.lock);
+            job_done(n);
             return;
         }
         pool.solo_until = 0, pool.probe_from = t; /* helpers let back in: the probe starts with this job */
@@ -446,9 +451,7 @@ static void hf_run(hf_chunk_fn fn, void *ctx, long n, int threads) {
             pool.solo_until = t1 + pool.backoff;
         }
     }
-    atomic_fetch_add_explicit(&pool.jobs, 1, memory_order_relaxed);
-    atomic_fetch_add_explicit(&pool.chunks_total, n, memory_order_relaxed);
-    pthread_mutex_unlock(&pool.lock);
+    job_done(n);
 }
 
 /* Run fn(ctx, 0..n-1) on torch's OpenMP team (this library's libgomp is the copy torch loaded), chunks handed

@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
-import functools
 import hashlib
 import math
 import mmap
@@ -36,35 +35,21 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
+from hetforge import cpuinfo
+
 SOURCE = Path(__file__).with_name("native.c")
 # -ffp-contract=off: no fused multiply-adds where the C has a*b + c*d, so elementwise kernels round like the
 # separate ATen ops they replace (bit-equal); the memory-bound GEMVs do not need FMA for speed.
 _BASE_FLAGS = (["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"], ["-O3", "-fopenmp", "-ffp-contract=off"])
 
 
-@functools.cache
-def _cpu_fields() -> dict[str, str]:
-    """The first CPU's ``/proc/cpuinfo`` fields (empty where there is none), read once per process. (hardware/host.py
-    parses the same block for ``cpu_name``; kernels do not import hardware, whose calibration imports them.)"""
-    out: dict[str, str] = {}
-    try:
-        with open("/proc/cpuinfo") as f:
-            for ln in f:
-                if not ln.strip():
-                    break
-                k, _, v = ln.partition(":")
-                out[k.strip()] = v.strip()
-    except OSError:
-        pass
-    return out
-
-
 def host_defines(fields: dict[str, str] | None = None) -> list[str]:
     """Compile-time choices measured per kind of CPU on its own calibration page. ``HF_PF_BYTES``, the one-row
     products' weight-stream prefetch distance (``bench/prefetch.py``, calibration shapes no evaluated model has):
     native.c's default, 2048 bytes, was the best on an Intel Xeon; on AMD Zen 4 (x86 family 25 with AVX-512) two
-    runs of the page found no prefetch best (2048 bytes at 1.025x and 1.060x its time), so there it is 0."""
-    f = _cpu_fields() if fields is None else fields
+    runs of the page found no prefetch best, so there it is 0; on AMD Zen 5 (family 26) 1024 and 2048 bytes were
+    level and ahead of none, so the default stands (docs/arch/runtime.md, "Weight-stream prefetch")."""
+    f = cpuinfo.fields() if fields is None else fields
     if (f.get("vendor_id") == "AuthenticAMD" and f.get("cpu family") == "25"
             and "avx512f" in f.get("flags", "").split()):
         return ["-DHF_PF_BYTES=0"]
@@ -203,7 +188,7 @@ def cache_dir() -> Path:
 
 def _cpu_tag() -> str:
     """What ``-march=native`` depends on: the machine and its CPU flags (so a shared cache stays correct)."""
-    f = _cpu_fields()
+    f = cpuinfo.fields()
     return platform.machine() + (f.get("flags") or f.get("Features") or "")
 
 

@@ -1,0 +1,35 @@
+"""The first processor's ``/proc/cpuinfo`` block, parsed in one place for every layer that needs it.
+
+Why a module of its own at the bottom of the layers: the CPU's name and family (recorded with every benchmark),
+its flags (checked before ``--precision bf16``) and the native kernels' per-CPU compile-time choices all come from
+that block, and the kernels sit below ``hetforge.hardware``, so neither could import the other's parser."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+PATH = Path("/proc/cpuinfo")
+
+
+def parse(text: str) -> dict[str, str]:
+    """The first processor's ``key: value`` fields of cpuinfo ``text`` (the first value of a repeated key; the block
+    ends at the first line without a colon once a field was read)."""
+    fields: dict[str, str] = {}
+    for line in text.splitlines():
+        key, sep, val = line.partition(":")
+        if not sep:
+            if fields:
+                break
+            continue
+        fields.setdefault(key.strip(), val.strip())
+    return fields
+
+
+@functools.cache
+def fields() -> dict[str, str]:
+    """This host's first-processor fields, read once per process; empty where /proc/cpuinfo cannot be read."""
+    try:
+        return parse(PATH.read_text())
+    except OSError:
+        return {}
