@@ -47,8 +47,9 @@ def host_defines(fields: dict[str, str] | None = None) -> list[str]:
     """Compile-time choices measured per kind of CPU on its own calibration page. ``HF_PF_BYTES``, the one-row
     products' weight-stream prefetch distance (``bench/prefetch.py``, calibration shapes no evaluated model has):
     native.c's default, 2048 bytes, was the best on an Intel Xeon; on AMD Zen 4 (x86 family 25 with AVX-512) two
-    runs of the page found no prefetch best, so there it is 0; on AMD Zen 5 (family 26) 1024 and 2048 bytes were
-    level and ahead of none, so the default stands (docs/arch/runtime.md, "Weight-stream prefetch")."""
+    runs of the page found no prefetch best, so there it is 0; on AMD Zen 5 (family 26) two runs put 1024 and 2048
+    bytes within 2% of none, one ahead and one behind, so the default stands (docs/arch/runtime.md, "Weight-stream
+    prefetch")."""
     f = cpuinfo.fields() if fields is None else fields
     if (f.get("vendor_id") == "AuthenticAMD" and f.get("cpu family") == "25"
             and "avx512f" in f.get("flags", "").split()):
