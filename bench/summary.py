@@ -1399,9 +1399,10 @@ def why_we_lose(peers: J, kf: J, pg: J) -> str:
   at 87–92% of that CPU's FMA peak, about what the kernel reaches alone from memory
   ([arch/runtime.md](arch/runtime.md) "fp32 prefill at 128 rows against the FMA peak"). Issue 24's GEMM-bound
   target (1.15×) is {'missed' if missed else 'met'} on the latest run, the page: {span(over, times)}, {missed} of
-  {len(over)} shapes over 1.15×. The bound's peak is the fastest kernel's on square products ({peak:.0f} GFLOP/s there); on two threads
-  every kernel on the Zen 5, oneDNN's included, runs a prefill's products from memory at 83–89% of it, so 1.15×
-  needs the products at about 93% of it inside the program ([arch/runtime.md](arch/runtime.md) "Back on a Zen 5").
+  {len(over)} shapes over 1.15×. The bound's peak is the fastest kernel's on square products
+  ({peak:.0f} GFLOP/s there); on two threads every kernel on the Zen 5, oneDNN's included, runs a prefill's products
+  from memory at 83–89% of it, so 1.15× needs the products at about 93% of it inside the program
+  ([arch/runtime.md](arch/runtime.md) "Back on a Zen 5").
   Earlier runs moved with the host: on the Zen 4 session 38's page missed it at 512 rows (1.16–1.18×), session 39's
   second run met it everywhere (1.11–1.14×), session 41 ran it once in a slow host state (1.16–1.22×) and did not
   commit that run. The bound counts the linear and LM-head FLOPs only; attention's own products are left out, and
