@@ -11,7 +11,8 @@ The shapes are a **calibration** set no evaluated model has (1024- and 4096-wide
 ``bench/panel_gemm.py``): fp32 ``[N, K]`` (``hf_gemv_nk``) and ``[K, N]`` (``hf_gemv_kn``, split-K) products and
 the bf16 ones (``hf_gemv_bf16``). Per build and shape: the best pass over the pool (GB/s = pool bytes ÷ time),
 and the median over rounds of the per-round ratio to the build without prefetch. The distance in native.c is the
-one with the best geometric mean of those ratios.
+one with the best geometric mean of those ratios; where the fp32 and bf16 rows disagree run after run, the fp32
+streams take their own (``HF_PF_BYTES_F32``, per CPU family in ``native.host_defines``).
 
     python bench/prefetch.py [--distances 0,1024,2048,4096] [--rounds 3] [--threads 2] [--gb 1.0] \\
         --out docs/bench/prefetch.json --md docs/bench/prefetch.md
@@ -43,12 +44,15 @@ SHAPES = [  # (kind, N, K, dtype): calibration widths, no zoo model has them
 ]
 
 
-def _in_code() -> int:
-    """The distance the project's build uses on this host: a ``-DHF_PF_BYTES`` of its flags
-    (``native.host_defines``), else native.c's default."""
+def _in_code(macro: str = "HF_PF_BYTES") -> int:
+    """The distance the project's build uses on this host for ``macro`` (``HF_PF_BYTES``: every stream;
+    ``HF_PF_BYTES_F32``: the fp32 ones, else ``HF_PF_BYTES``'s): a ``-D`` of its flags (``native.host_defines``),
+    else native.c's default."""
     for flag in native.FLAG_SETS[0]:
-        if flag.startswith("-DHF_PF_BYTES="):
+        if flag.startswith(f"-D{macro}="):
             return int(flag.split("=", 1)[1])
+    if macro != "HF_PF_BYTES":
+        return _in_code()
     m = re.search(r"#define HF_PF_BYTES (\d+)", native.SOURCE.read_text())
     return int(m.group(1)) if m else -1
 
@@ -61,7 +65,7 @@ def _builds(distances: list[int], folder: Path) -> dict[int, ctypes.CDLL]:
     libs = {}
     for d in distances:
         out = folder / f"native_pf{d}.so"
-        flags = [f for f in native.FLAG_SETS[0] if not f.startswith("-DHF_PF_BYTES=")]
+        flags = [f for f in native.FLAG_SETS[0] if not f.startswith(("-DHF_PF_BYTES=", "-DHF_PF_BYTES_F32="))]
         err = native._build(cc, [*flags, f"-DHF_PF_BYTES={d}"], out)
         if err:
             raise SystemExit(f"error: building the native library with HF_PF_BYTES={d} failed: {err}")
@@ -139,7 +143,21 @@ def render(res: dict) -> str:
     best = min(ds, key=lambda d: gm[d])
     lines += ["", "Geometric mean of the ratios: " + ", ".join(f"{d} B {gm[d]:.3f}" for d in ds)
               + f". Best: **{best} bytes**; `HF_PF_BYTES` in the code this ran: {res['in_code']}.", ""]
+    per = by_dtype(rows)
+    lines += ["By dtype (the fp32 streams have their own distance, `HF_PF_BYTES_F32`): " + "; ".join(
+        f"{dt} " + ", ".join(f"{d} B {g:.3f}" for d, g in gms.items()) + f" (best {min(gms, key=gms.get)} B)"
+        for dt, gms in per.items()) + f". In the code this ran: fp32 {res.get('in_code_fp32', res['in_code'])} B, "
+        f"the others {res['in_code']} B.", ""]
     return "\n".join(lines)
+
+
+def by_dtype(rows: list[dict]) -> dict[str, dict[str, float]]:
+    """Per dtype, the geometric mean over its shapes of the per-distance time ratios to no prefetch."""
+    out: dict[str, dict[str, float]] = {}
+    for dt in dict.fromkeys(r["dtype"] for r in rows):
+        mine = [r for r in rows if r["dtype"] == dt]
+        out[dt] = {d: statistics.geometric_mean(r["ratio_to_none"][d] for r in mine) for d in mine[0]["ratio_to_none"]}
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -160,7 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="hetforge-prefetch-") as tmp:
         libs = _builds(ds, Path(tmp))
         rows = measure(libs, a.rounds, a.threads, a.gb)
-    res = {"gb": a.gb, "in_code": _in_code(), "rows": rows, "meta": end_meta(meta)}
+    res = {"gb": a.gb, "in_code": _in_code(), "in_code_fp32": _in_code("HF_PF_BYTES_F32"), "rows": rows,
+           "meta": end_meta(meta)}
     write_result(res, a.out, a.md, render)
     return 0
 

@@ -377,12 +377,14 @@ def test_vectorized_tanh_gelu_of_a_split_k_product_matches_aten_over_the_whole_r
 
 
 def test_the_prefetch_distance_is_the_calibration_pages_choice_for_the_kind_of_cpu():
-    """bench/prefetch.py chose no prefetch on AMD Zen 4 (family 25 with AVX-512) and native.c's 2048 bytes on an
-    Intel Xeon; other CPUs keep native.c's default (no -D flag)."""
+    """bench/prefetch.py chose no prefetch on AMD Zen 4 (family 25 with AVX-512), none for the fp32 streams alone on
+    AMD Zen 5 (family 26) and native.c's 2048 bytes on an Intel Xeon; other CPUs keep native.c's default (no -D
+    flag)."""
     zen4 = {"vendor_id": "AuthenticAMD", "cpu family": "25", "flags": "fpu sse avx2 avx512f avx512_bf16"}
     assert native.host_defines(zen4) == ["-DHF_PF_BYTES=0"]
     assert native.host_defines({**zen4, "flags": "fpu sse avx2"}) == []  # Zen 3: same family, no AVX-512
-    assert native.host_defines({**zen4, "cpu family": "26"}) == []  # Zen 5: no page run that chose otherwise
+    assert native.host_defines({**zen4, "cpu family": "26"}) == ["-DHF_PF_BYTES_F32=0"]  # Zen 5: fp32 streams only
+    assert native.host_defines({**zen4, "cpu family": "26", "flags": "avx2"}) == []
     assert native.host_defines({"vendor_id": "GenuineIntel", "cpu family": "6", "flags": "avx512f"}) == []
     assert native.host_defines({}) == []  # no /proc/cpuinfo
     assert all(native.host_defines() == flags[len(flags) - len(native.host_defines()):] for flags in native.FLAG_SETS)

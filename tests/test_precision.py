@@ -90,5 +90,5 @@ def test_one_cpuinfo_parser_serves_the_name_the_flags_and_the_kernels_per_cpu_ch
     assert cpu_name(text) == "AMD EPYC (family 25, model 17, stepping 1)"
     assert cpu_flags(text) == {"fpu", "avx2", "avx512f", "avx512_bf16"}
     assert native.host_defines(f) == ["-DHF_PF_BYTES=0"]
-    assert native.host_defines(cpuinfo.parse(text.replace(": 25", ": 26"))) == []  # Zen 5: the default distance
+    assert native.host_defines(cpuinfo.parse(text.replace(": 25", ": 26"))) == ["-DHF_PF_BYTES_F32=0"]  # Zen 5
     assert cpuinfo.parse("") == {}

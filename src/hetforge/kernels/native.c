@@ -561,11 +561,23 @@ static inline __mmask16 mask16(long left) { return left >= 16 ? (__mmask16)0xFFF
 #ifndef HF_PF_BYTES
 #define HF_PF_BYTES 2048
 #endif
-#if HF_PF_BYTES > 0 && (defined(__x86_64__) || defined(__i386__))
+/* The fp32 streams' own distance (dot4, kn_partial; the bf16 and int8 ones keep HF_PF_BYTES): on a Zen 5 the fp32
+ * products ran fastest without the prefetch and the bf16 ones with it (same page, two runs). Default: HF_PF_BYTES. */
+#ifndef HF_PF_BYTES_F32
+#define HF_PF_BYTES_F32 HF_PF_BYTES
+#endif
+#if (HF_PF_BYTES > 0 || HF_PF_BYTES_F32 > 0) && (defined(__x86_64__) || defined(__i386__))
 #include <xmmintrin.h>
+#endif
+#if HF_PF_BYTES > 0 && (defined(__x86_64__) || defined(__i386__))
 #define HF_PREFETCH(p) _mm_prefetch((const char *)(p) + HF_PF_BYTES, _MM_HINT_T0)
 #else
 #define HF_PREFETCH(p) ((void)0)
+#endif
+#if HF_PF_BYTES_F32 > 0 && (defined(__x86_64__) || defined(__i386__))
+#define HF_PREFETCH_F32(p) _mm_prefetch((const char *)(p) + HF_PF_BYTES_F32, _MM_HINT_T0)
+#else
+#define HF_PREFETCH_F32(p) ((void)0)
 #endif
 
 #if defined(__AVX512F__) || defined(__AVX2__)
@@ -594,7 +606,7 @@ static void dot4(const float *restrict a0, const float *restrict a1, const float
     __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
     for (; i + HF_LANES <= k; i += HF_LANES) {
         __m512 xv = _mm512_loadu_ps(b + i);
-        HF_PREFETCH(a0 + i), HF_PREFETCH(a1 + i), HF_PREFETCH(a2 + i), HF_PREFETCH(a3 + i);
+        HF_PREFETCH_F32(a0 + i), HF_PREFETCH_F32(a1 + i), HF_PREFETCH_F32(a2 + i), HF_PREFETCH_F32(a3 + i);
         s0 = _mm512_add_ps(s0, _mm512_mul_ps(_mm512_loadu_ps(a0 + i), xv));
         s1 = _mm512_add_ps(s1, _mm512_mul_ps(_mm512_loadu_ps(a1 + i), xv));
         s2 = _mm512_add_ps(s2, _mm512_mul_ps(_mm512_loadu_ps(a2 + i), xv));
@@ -915,7 +927,7 @@ static void kn_partial(void *p, long c) {
 #if defined(__AVX512F__) /* the loop below by hand (same roundings): the compiler's version was slower */
         const __m512 v0 = _mm512_set1_ps(x0), v1 = _mm512_set1_ps(x1), v2 = _mm512_set1_ps(x2), v3 = _mm512_set1_ps(x3);
         for (; j + HF_LANES <= n; j += HF_LANES) {
-            HF_PREFETCH(w0 + j), HF_PREFETCH(w1 + j), HF_PREFETCH(w2 + j), HF_PREFETCH(w3 + j);
+            HF_PREFETCH_F32(w0 + j), HF_PREFETCH_F32(w1 + j), HF_PREFETCH_F32(w2 + j), HF_PREFETCH_F32(w3 + j);
             __m512 s01 = _mm512_add_ps(_mm512_mul_ps(v0, _mm512_loadu_ps(w0 + j)),
                                        _mm512_mul_ps(v1, _mm512_loadu_ps(w1 + j)));
             __m512 s23 = _mm512_add_ps(_mm512_mul_ps(v2, _mm512_loadu_ps(w2 + j)),

@@ -44,17 +44,16 @@ _BASE_FLAGS = (["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"], ["-O3"
 
 
 def host_defines(fields: dict[str, str] | None = None) -> list[str]:
-    """Compile-time choices measured per kind of CPU on its own calibration page. ``HF_PF_BYTES``, the one-row
-    products' weight-stream prefetch distance (``bench/prefetch.py``, calibration shapes no evaluated model has):
-    native.c's default, 2048 bytes, was the best on an Intel Xeon; on AMD Zen 4 (x86 family 25 with AVX-512) two
-    runs of the page found no prefetch best, so there it is 0; on AMD Zen 5 (family 26) two runs put 1024 and 2048
-    bytes within 2% of none, one ahead and one behind, so the default stands (docs/arch/runtime.md, "Weight-stream
-    prefetch")."""
+    """Compile-time choices measured per kind of CPU on its own calibration page. The one-row products' weight-stream
+    prefetch distance (``bench/prefetch.py``, calibration shapes no evaluated model has): ``HF_PF_BYTES`` for every
+    stream, ``HF_PF_BYTES_F32`` for the fp32 ones alone. native.c's default, 2048 bytes, was the best on an Intel
+    Xeon; on AMD Zen 4 (x86 family 25 with AVX-512) two runs of the page found no prefetch best, so there it is 0;
+    on AMD Zen 5 (family 26) two runs found the fp32 products fastest without it and the bf16 ones with it, so there
+    only the fp32 streams go without (docs/arch/runtime.md, "Weight-stream prefetch")."""
     f = cpuinfo.fields() if fields is None else fields
-    if (f.get("vendor_id") == "AuthenticAMD" and f.get("cpu family") == "25"
-            and "avx512f" in f.get("flags", "").split()):
-        return ["-DHF_PF_BYTES=0"]
-    return []
+    if f.get("vendor_id") != "AuthenticAMD" or "avx512f" not in f.get("flags", "").split():
+        return []
+    return {"25": ["-DHF_PF_BYTES=0"], "26": ["-DHF_PF_BYTES_F32=0"]}.get(f.get("cpu family", ""), [])
 
 
 FLAG_SETS = tuple([*flags, *host_defines()] for flags in _BASE_FLAGS)
