@@ -77,8 +77,9 @@ def test_cpu_name_carries_the_x86_family_model_and_stepping_of_the_first_process
     assert cpu_name(CPUINFO_X86) == "Test CPU"  # no family/model/stepping lines (e.g. ARM): the name alone
 
 
-def test_one_cpuinfo_parser_serves_the_name_the_flags_and_the_kernels_per_cpu_choices():
-    """hardware (name, flags) and kernels (HF_PF_BYTES by CPU family) read the same first-processor block."""
+def test_the_cpu_name_flags_and_kernel_build_choices_read_the_same_first_processor_block():
+    """hardware (name, flags) and kernels (the prefetch distances by CPU family) read one block through
+    hetforge.cpuinfo; the host's cached fields come back as a fresh dict each call."""
     from hetforge import cpuinfo
     from hetforge.hardware.host import cpu_name
     from hetforge.kernels import native
@@ -92,3 +93,6 @@ def test_one_cpuinfo_parser_serves_the_name_the_flags_and_the_kernels_per_cpu_ch
     assert native.host_defines(f) == ["-DHF_PF_BYTES=0"]
     assert native.host_defines(cpuinfo.parse(text.replace(": 25", ": 26"))) == ["-DHF_PF_BYTES_F32=0"]  # Zen 5
     assert cpuinfo.parse("") == {}
+    mine = cpuinfo.fields()
+    mine["cpu family"] = "edited"
+    assert cpuinfo.fields().get("cpu family") != "edited"

@@ -27,9 +27,14 @@ def parse(text: str) -> dict[str, str]:
 
 
 @functools.cache
-def fields() -> dict[str, str]:
-    """This host's first-processor fields, read once per process; empty where /proc/cpuinfo cannot be read."""
+def _host() -> tuple[tuple[str, str], ...]:
     try:
-        return parse(PATH.read_text())
+        return tuple(parse(PATH.read_text()).items())
     except OSError:
-        return {}
+        return ()
+
+
+def fields() -> dict[str, str]:
+    """This host's first-processor fields (read once per process; each call a fresh dict, so a caller that edits
+    its copy changes nothing for the others); empty where /proc/cpuinfo cannot be read."""
+    return dict(_host())

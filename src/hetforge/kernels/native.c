@@ -561,8 +561,9 @@ static inline __mmask16 mask16(long left) { return left >= 16 ? (__mmask16)0xFFF
 #ifndef HF_PF_BYTES
 #define HF_PF_BYTES 2048
 #endif
-/* The fp32 streams' own distance (dot4, kn_partial; the bf16 and int8 ones keep HF_PF_BYTES): on a Zen 5 the fp32
- * products ran fastest without the prefetch and the bf16 ones with it (same page, two runs). Default: HF_PF_BYTES. */
+/* The fp32 streams' own distance (dot4, kn_partial; the bf16 and int8 ones keep HF_PF_BYTES): on some CPUs the fp32
+ * and bf16 products are fastest at different distances (native.host_defines; docs/arch/runtime.md). Default:
+ * HF_PF_BYTES. */
 #ifndef HF_PF_BYTES_F32
 #define HF_PF_BYTES_F32 HF_PF_BYTES
 #endif
