@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -120,3 +121,10 @@ def faster_through(ratios: dict[int, list[float]]) -> int | None:
             break
         best = r
     return best
+
+
+def ratio_means(rows: list[dict], dtype: str | None = None) -> dict[str, float]:
+    """bench/prefetch.py's rows (of one ``dtype``, or all): per distance, the geometric mean over the shapes of the
+    time ratio to no prefetch. The page and docs/benchmarks.md's row both read it from here."""
+    mine = [r for r in rows if dtype is None or r["dtype"] == dtype]
+    return {d: statistics.geometric_mean(r["ratio_to_none"][d] for r in mine) for d in mine[0]["ratio_to_none"]}

@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 import torch
-from _pages import add_page_args, end_meta, from_json_done, int_list, meta_lines, run_meta, write_result
+from _pages import add_page_args, end_meta, from_json_done, int_list, meta_lines, ratio_means, run_meta, write_result
 
 from hetforge.kernels import native
 
@@ -139,25 +139,16 @@ def render(res: dict) -> str:
         name = {"nk": "`[N, K]`", "kn": "`[K, N]` split-K"}[r["kind"]]
         lines.append(f"| {name} | {shape} | {r['dtype']} | " + " | ".join(
             f"{r['pool_bytes'] / min(r['times_s'][d]) / 1e9:.1f} ({r['ratio_to_none'][d]:.3f})" for d in ds) + " |")
-    gm = {d: statistics.geometric_mean(r["ratio_to_none"][d] for r in rows) for d in ds}
+    gm = ratio_means(rows)
     best = min(ds, key=lambda d: gm[d])
     lines += ["", "Geometric mean of the ratios: " + ", ".join(f"{d} B {gm[d]:.3f}" for d in ds)
               + f". Best: **{best} bytes**; `HF_PF_BYTES` in the code this ran: {res['in_code']}.", ""]
-    per = by_dtype(rows)
+    per = {dt: ratio_means(rows, dt) for dt in dict.fromkeys(r["dtype"] for r in rows)}
     lines += ["By dtype (the fp32 streams have their own distance, `HF_PF_BYTES_F32`): " + "; ".join(
         f"{dt} " + ", ".join(f"{d} B {g:.3f}" for d, g in gms.items()) + f" (best {min(gms, key=gms.get)} B)"
         for dt, gms in per.items()) + f". In the code this ran: fp32 {res.get('in_code_fp32', res['in_code'])} B, "
         f"the others {res['in_code']} B.", ""]
     return "\n".join(lines)
-
-
-def by_dtype(rows: list[dict]) -> dict[str, dict[str, float]]:
-    """Per dtype, the geometric mean over its shapes of the per-distance time ratios to no prefetch."""
-    out: dict[str, dict[str, float]] = {}
-    for dt in dict.fromkeys(r["dtype"] for r in rows):
-        mine = [r for r in rows if r["dtype"] == dt]
-        out[dt] = {d: statistics.geometric_mean(r["ratio_to_none"][d] for r in mine) for d in mine[0]["ratio_to_none"]}
-    return out
 
 
 def main(argv: list[str] | None = None) -> int:

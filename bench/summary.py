@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _pages import faster_through
+from _pages import faster_through, ratio_means
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "docs" / "bench"
@@ -1124,12 +1124,15 @@ def cpu_row(*files: str) -> Callable[[Callable[..., Row]], Callable[..., Row]]:
 
 
 def _prefetch_row(d: J, page: str, area: str) -> Row:
-    rows = list(d["rows"])
-    ds = list(rows[0]["ratio_to_none"].value)
-    gm = {k: statistics.geometric_mean(r["ratio_to_none"].f(k) for r in rows) for k in ds}
-    best = min(ds, key=lambda k: gm[k])
-    result = ("time ÷ no prefetch, geometric mean over the shapes: " + ", ".join(f"{k} B {times(gm[k])}" for k in ds)
-              + f"; best {best} B, in the code: {int(d.f('in_code'))} B")
+    rows = d["rows"].value
+    gm = ratio_means(rows)
+    best = min(gm, key=gm.get)
+    dts = {dt: ratio_means(rows, dt) for dt in dict.fromkeys(r["dtype"] for r in rows)}
+    fp32 = int(d.f("in_code_fp32") if d.has("in_code_fp32") else d.f("in_code"))
+    result = ("time ÷ no prefetch, geometric mean over the shapes: "
+              + ", ".join(f"{k} B {times(v)}" for k, v in gm.items())
+              + f"; best {best} B; by dtype, best " + ", ".join(f"{dt} {min(g, key=g.get)} B" for dt, g in dts.items())
+              + f"; in the code that ran: fp32 {fp32} B, the others {int(d.f('in_code'))} B")
     what = ("the one-row products' software prefetch distance, one native build per distance, interleaved over "
             f"≥ {d.f('gb')} GB weight pools, calibration shapes no evaluated model has (load average "
             f"{load_avg(d['meta']['loadavg_before'])} at start)")
@@ -1400,8 +1403,8 @@ def why_we_lose(peers: J, kf: J, pg: J) -> str:
   ([arch/runtime.md](arch/runtime.md) "fp32 prefill at 128 rows against the FMA peak"). Issue 24's GEMM-bound
   target (1.15×) is {'missed' if missed else 'met'} on the latest run, the page: {span(over, times)}, {missed} of
   {len(over)} shapes over 1.15×. The bound's peak is the fastest kernel's on square products
-  ({peak:.0f} GFLOP/s there); on two threads every kernel on the Zen 5, oneDNN's included, runs a prefill's products
-  from memory at 83–89% of it, so 1.15× needs the products at about 93% of it inside the program
+  ({peak:.0f} GFLOP/s there); on two threads with the weights from memory the kernels on the Zen 5, oneDNN's
+  included, ran at 83–89% of it at 128 rows and at most 90% at 512, so 1.15× needs about 93% inside the program
   ([arch/runtime.md](arch/runtime.md) "Back on a Zen 5").
   Earlier runs moved with the host: on the Zen 4 session 38's page missed it at 512 rows (1.16–1.18×), session 39's
   second run met it everywhere (1.11–1.14×), session 41 ran it once in a slow host state (1.16–1.22×) and did not

@@ -34,7 +34,13 @@ def _host() -> tuple[tuple[str, str], ...]:
         return ()
 
 
-def fields() -> dict[str, str]:
-    """This host's first-processor fields (read once per process; each call a fresh dict, so a caller that edits
-    its copy changes nothing for the others); empty where /proc/cpuinfo cannot be read."""
-    return dict(_host())
+def fields(text: str | None = None) -> dict[str, str]:
+    """The first-processor fields of cpuinfo ``text``, or of this host's (read once per process; each call a fresh
+    dict, so a caller that edits its copy changes nothing for the others; empty where /proc/cpuinfo cannot be
+    read)."""
+    return parse(text) if text is not None else dict(_host())
+
+
+def flag_text(f: dict[str, str]) -> str:
+    """The CPU's feature flags as cpuinfo lists them: ``flags`` on x86, ``Features`` on ARM ("" where neither)."""
+    return f.get("flags") or f.get("Features") or ""

@@ -13,7 +13,6 @@ import platform
 import psutil
 
 from hetforge.cpuinfo import fields as cpu_fields
-from hetforge.cpuinfo import parse as parse_cpuinfo
 from hetforge.hardware.schema import DeviceSpec, Figure, PositiveFigure, SocSpec
 
 NOT_CAL = "built-in default, NOT calibrated (run `hetforge calibrate`): "
@@ -35,7 +34,7 @@ def cpu_name(cpuinfo: str | None = None) -> str:
     """The CPU's model name from /proc/cpuinfo, with its x86 family, model and stepping where it has them: a VM
     often shows only a generic name ("AMD EPYC" for Zen 4 and Zen 5 alike), and results from two CPU generations
     must not read as one machine's."""
-    fields = cpu_fields() if cpuinfo is None else parse_cpuinfo(cpuinfo)
+    fields = cpu_fields(cpuinfo)
     name = fields.get("model name") or platform.processor() or platform.machine()
     if all(fields.get(k) for k in ("cpu family", "model", "stepping")):
         name += f" (family {fields['cpu family']}, model {fields['model']}, stepping {fields['stepping']})"

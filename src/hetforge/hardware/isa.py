@@ -7,7 +7,7 @@ import os
 import platform
 
 from hetforge.cpuinfo import fields as cpu_fields
-from hetforge.cpuinfo import parse as parse_cpuinfo
+from hetforge.cpuinfo import flag_text
 from hetforge.hardware.host import cpu_count, cpu_name
 
 # flags worth recording for CPU inference (vector widths, FMA, dot products, bf16/fp16/int8 matrix units)
@@ -24,8 +24,7 @@ def cpu_flags(cpuinfo: str | None = None) -> set[str]:
     env = os.environ.get("HETFORGE_CPU_FLAGS")
     if cpuinfo is None and env is not None:
         return set(env.split())
-    fields = cpu_fields() if cpuinfo is None else parse_cpuinfo(cpuinfo)
-    return set((fields.get("flags") or fields.get("Features") or "").split())
+    return set(flag_text(cpu_fields(cpuinfo)).split())
 
 
 def isa_flags(flags: set[str] | None = None) -> list[str]:

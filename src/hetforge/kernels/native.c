@@ -266,8 +266,9 @@ static void *helper_main(void *arg) {
         int spins = 0;
         while (atomic_load_explicit(&pool.seq, memory_order_acquire) == seen) {
             cpu_relax();
-            double t;
-            if (++spins % 64 == 0 && (t = now_us()) - t0 > spin_now(t)) {
+            if (++spins % 64 != 0) continue;
+            double t = now_us(); /* read before spin_now(t): one expression left their order unspecified */
+            if (t - t0 > spin_now(t)) {
                 atomic_fetch_add(&pool.sleepers, 1);
                 atomic_fetch_add_explicit(&pool.helper_sleeps, 1, memory_order_relaxed);
                 if (atomic_load(&pool.seq) == seen) syscall(SYS_futex, &pool.seq, FUTEX_WAIT_PRIVATE, seen, NULL, NULL, 0);
@@ -567,19 +568,15 @@ static inline __mmask16 mask16(long left) { return left >= 16 ? (__mmask16)0xFFF
 #ifndef HF_PF_BYTES_F32
 #define HF_PF_BYTES_F32 HF_PF_BYTES
 #endif
-#if (HF_PF_BYTES > 0 || HF_PF_BYTES_F32 > 0) && (defined(__x86_64__) || defined(__i386__))
+#if defined(__x86_64__) || defined(__i386__)
 #include <xmmintrin.h>
-#endif
-#if HF_PF_BYTES > 0 && (defined(__x86_64__) || defined(__i386__))
-#define HF_PREFETCH(p) _mm_prefetch((const char *)(p) + HF_PF_BYTES, _MM_HINT_T0)
+/* A prefetch d bytes past p into L1; none for d = 0 (a constant: the compiler drops the branch). */
+#define HF_PREFETCH_AT(p, d) ((d) > 0 ? _mm_prefetch((const char *)(p) + (d), _MM_HINT_T0) : (void)0)
 #else
-#define HF_PREFETCH(p) ((void)0)
+#define HF_PREFETCH_AT(p, d) ((void)0)
 #endif
-#if HF_PF_BYTES_F32 > 0 && (defined(__x86_64__) || defined(__i386__))
-#define HF_PREFETCH_F32(p) _mm_prefetch((const char *)(p) + HF_PF_BYTES_F32, _MM_HINT_T0)
-#else
-#define HF_PREFETCH_F32(p) ((void)0)
-#endif
+#define HF_PREFETCH(p) HF_PREFETCH_AT(p, HF_PF_BYTES)
+#define HF_PREFETCH_F32(p) HF_PREFETCH_AT(p, HF_PF_BYTES_F32)
 
 #if defined(__AVX512F__) || defined(__AVX2__)
 static inline float hsum_halves128(__m128 v) { /* lanes 0..3 of a sum already halved from 16 to 4 */

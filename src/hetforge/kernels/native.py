@@ -51,7 +51,7 @@ def host_defines(fields: dict[str, str] | None = None) -> list[str]:
     on AMD Zen 5 (family 26) two runs found the fp32 products fastest without it and the bf16 ones with it, so there
     only the fp32 streams go without (docs/arch/runtime.md, "Weight-stream prefetch")."""
     f = cpuinfo.fields() if fields is None else fields
-    if f.get("vendor_id") != "AuthenticAMD" or "avx512f" not in f.get("flags", "").split():
+    if f.get("vendor_id") != "AuthenticAMD" or "avx512f" not in cpuinfo.flag_text(f).split():
         return []
     return {"25": ["-DHF_PF_BYTES=0"], "26": ["-DHF_PF_BYTES_F32=0"]}.get(f.get("cpu family", ""), [])
 
@@ -188,8 +188,7 @@ def cache_dir() -> Path:
 
 def _cpu_tag() -> str:
     """What ``-march=native`` depends on: the machine and its CPU flags (so a shared cache stays correct)."""
-    f = cpuinfo.fields()
-    return platform.machine() + (f.get("flags") or f.get("Features") or "")
+    return platform.machine() + cpuinfo.flag_text(cpuinfo.fields())
 
 
 def _build(cc: str, flags: list[str], out: Path, source: Path = SOURCE) -> str | None:
