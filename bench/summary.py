@@ -1150,7 +1150,7 @@ def prefetch_zen5(d: J) -> Row:
     return _prefetch_row(d, "prefetch_zen5.md", "weight-stream prefetch (Zen 5)")
 
 
-def _bf16_rows_row(d: J, kernel: str, lo: int, page: str) -> Row:
+def _bf16_rows_row(d: J, kernel: str, lo: int, page: str, label: str = "") -> Row:
     """A bf16_rows.py page's row: the native kernel ÷ oneDNN per row count and the rule's range in the code."""
     rows = list(d["rows"])
     counts = sorted({int(r.f("rows")) for r in rows})
@@ -1158,12 +1158,12 @@ def _bf16_rows_row(d: J, kernel: str, lo: int, page: str) -> Row:
     rule = faster_through(per)  # bench/bf16_rows.py's rule
     result = (f"{kernel} ÷ oneDNN time, range over the shapes: " + ", ".join(
         f"{c} rows {min(v):.2f}–{max(v):.2f}" for c, v in per.items())
-        + f"; the page's rule: {f'{lo}..{rule}' if rule else 'none'} rows (the code when it ran: "
+        + f"; the page's rule: {f'{lo}..{rule} rows' if rule else 'no row count'} (the code when it ran: "
         f"{lo}..{int(d.f('in_code'))})")
     what = (f"bf16 products of a few rows, the native {kernel} kernel vs oneDNN's packed GEMM, weights from memory "
             f"(≥ {d.f('gb')} GB pools), calibration shapes no evaluated model has (load average "
             f"{load_avg(d['meta']['loadavg_before'])} at start)")
-    return Row(f"bf16 prompt GEMMs ({kernel})", what, result, "", link(page))
+    return Row(f"bf16 prompt GEMMs ({kernel}){label}", what, result, "", link(page))
 
 
 @cpu_row("bf16_rows.json")
@@ -1174,6 +1174,12 @@ def bf16_rows(d: J) -> Row:
 @cpu_row("bf16_panel_rows.json")
 def bf16_panel_rows(d: J) -> Row:
     return _bf16_rows_row(d, "AVX512-BF16", int(d.f("in_code_min")), "bf16_panel_rows.md")
+
+
+@cpu_row("bf16_panel_rows_zen5.json")
+def bf16_panel_rows_zen5(d: J) -> Row:
+    """The same page on a Zen 5 (bf16_panel_rows.md ran on a Zen 4, where the code's rule was measured)."""
+    return _bf16_rows_row(d, "AVX512-BF16", int(d.f("in_code_min")), "bf16_panel_rows_zen5.md", " (Zen 5)")
 
 
 @cpu_row("prefill_attention.json")
@@ -1217,8 +1223,8 @@ def prefill_gemm(d: J) -> Row:
     return Row("prefill GEMMs", what, result, "", link("prefill_gemm.md"))
 
 
-@cpu_row("panel_gemm.json")
-def panel_gemm(d: J) -> Row:
+def _panel_gemm_row(d: J, page: str, label: str) -> Row:
+    """A panel_gemm.py page's row: the panel GEMM ÷ the fastest other kernel at 16..64 rows, and the code's range."""
     fams = d["families"]
     cells = []
     for name in fams.value:
@@ -1231,7 +1237,18 @@ def panel_gemm(d: J) -> Row:
     what = ("a short prompt's products with every weight read from memory (pools ≥ "
             f"{int(d.f('factor'))} last-level caches), on calibration shapes no evaluated model has, interleaved "
             f"rounds (load average {load_avg(d['meta']['loadavg_before'])} at start)")
-    return Row("short-prompt GEMMs", what, result, "", link("panel_gemm.md"))
+    return Row(label, what, result, "", link(page))
+
+
+@cpu_row("panel_gemm.json")
+def panel_gemm(d: J) -> Row:
+    return _panel_gemm_row(d, "panel_gemm.md", "short-prompt GEMMs")
+
+
+@cpu_row("panel_gemm_zen5.json")
+def panel_gemm_zen5(d: J) -> Row:
+    """The same page on a Zen 5 (panel_gemm.md ran on a Zen 4)."""
+    return _panel_gemm_row(d, "panel_gemm_zen5.md", "short-prompt GEMMs (Zen 5)")
 
 
 @cpu_row("prefill_gemm.json")
@@ -1468,11 +1485,13 @@ COMMAND_KEYS: list[tuple[str, tuple[str | int, ...]]] = [
     ("ttft.json", ("command",)),
     ("prefill_gemm.json", ("command",)),
     ("panel_gemm.json", ("meta", "command")),
+    ("panel_gemm_zen5.json", ("meta", "command")),
     ("prefetch.json", ("meta", "command")),
     ("prefetch_zen5.json", ("meta", "command")),
     ("prefill_attention.json", ("meta", "command")),
     ("bf16_rows.json", ("meta", "command")),
     ("bf16_panel_rows.json", ("meta", "command")),
+    ("bf16_panel_rows_zen5.json", ("meta", "command")),
 ]
 
 

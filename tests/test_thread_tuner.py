@@ -135,34 +135,23 @@ def test_a_probe_weighs_four_steps_so_one_fast_step_in_four_does_not_flip_it():
     assert t.cur == 1 and t.switches == 1
 
 
-def test_no_probe_of_two_threads_while_another_task_holds_the_core_and_back_once_it_is_free():
-    """On one thread, a probe of the requested count is not run while the other runnable tasks leave too few cores
-    for it (it counts as lost: the interval doubles); once they are gone, a probe finds two threads faster again."""
-    busy = {"n": 1}
-    t = ThreadTuner(threads=2, explore_every=8, others=lambda: busy["n"])
-    t.cores = 2  # the host under test: two usable cores
-    used = _drive(t, {1: 0.010, 2: 0.250}, 12)  # the first probe (of one thread) finds two threads collapsed
+def test_after_a_spike_under_a_busy_neighbour_it_returns_to_two_threads():
+    """A busy neighbour makes two-thread steps uneven (a run of slow ones now and then) but faster than one thread
+    over all: a run of slow steps may send the tuner to one thread, and the probe that confirms the switch brings it
+    back. (An earlier version skipped probes of two threads while another task was runnable and stayed on one.)"""
+    t = ThreadTuner(threads=2, explore_every=8)
+    k = {"i": 0}
+
+    def step(n, prev):
+        if n == 1:
+            return 0.0140
+        k["i"] += 1
+        return 0.0250 if k["i"] % 20 in (10, 11, 12) else 0.0100  # three slow steps in twenty: a spike each time
+    for _ in range(60):  # until a run of slow steps has sent it to one thread
+        _drive(t, step, 1)
+        if t.cur == 1:
+            break
     assert t.cur == 1
-    used = _drive(t, {1: 0.010, 2: 0.250}, 120)
-    assert used.count(2) == 0 and t.summary()["probes_postponed"] >= 2  # no slow two-thread step at all
-    busy["n"] = 0
-    used = _drive(t, {1: 0.010, 2: 0.004}, 80)
+    used = _drive(t, step, 100)
     t.restore()
-    assert t.cur == 2 and used[-10:].count(2) >= 8
-
-
-def test_a_free_core_beside_the_busy_task_still_lets_the_probe_run():
-    """With more usable cores than the requested count plus the other tasks, probes run as without the reading."""
-    t = ThreadTuner(threads=2, explore_every=8, others=lambda: 1)
-    t.cores = 4
-    _drive(t, {1: 0.010, 2: 0.250}, 12)
-    used = _drive(t, {1: 0.010, 2: 0.250}, 120)
-    t.restore()
-    assert used.count(2) > 0 and t.summary()["probes_postponed"] == 0
-
-
-def test_others_running_reads_the_machine():
-    from hetforge.runtime.threads import others_running
-
-    got = others_running()
-    assert got is None or got >= 0
+    assert t.switches >= 2 and used.count(2) > 50  # switched back, and most later steps ran on two threads

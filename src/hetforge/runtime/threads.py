@@ -19,13 +19,12 @@ blocks one; each request's first decode step is left out, and the spike rule wai
 few steps. The tuner lives on the engine: a request's prefill runs with the count its decode steps last found
 faster. Off with ``HETFORGE_ADAPT_THREADS=0``; torch's thread count is restored when the request ends.
 
-A probe of the requested count from one thread costs slow steps whenever the other process still holds its core,
-and under a sustained load those probes were what was left of the adaptive count's cost (session 40's contention
-page: 0.5–1% above one thread on every round, gpt2). So with ``others`` (the engine passes :func:`others_running`:
-the machine's runnable tasks besides the caller, read from ``/proc/loadavg``), such a probe is not run while too few
-cores are free for the requested count (others + requested > usable cores); it counts as a lost probe (the interval
-doubles) and the core is looked at again at the next one. On one thread the caller is this process's only running
-thread (no pool is woken), so what the count shows is other work.
+Probes run whatever else the machine is running. An earlier version postponed a probe of the requested count from
+one thread while ``/proc/loadavg`` showed another runnable task on the core it needs, to save the few slow steps of a
+losing probe. Once the native pool took a descheduled helper's chunks over, two threads beat one under a busy
+neighbour, and the postponement held the tuner on one thread for as long as the load lasted: the probe that would
+have undone a noisy switch never ran (docs/arch/runtime.md, "Adaptive decode threads", has the figures). A losing
+probe costs a few steps and backs off; a missed switch costs every step.
 """
 
 from __future__ import annotations
@@ -33,7 +32,6 @@ from __future__ import annotations
 import os
 import statistics
 from collections import deque
-from collections.abc import Callable
 
 import torch
 
@@ -42,8 +40,7 @@ class ThreadTuner:
     """Pick the thread count of each decode step from measured step times."""
 
     def __init__(self, threads: int | None = None, explore_every: int = 16, probe_steps: int = 5,
-                 spike: float = 1.3, margin: float = 0.03, window: int = 8,
-                 others: Callable[[], int | None] | None = None):
+                 spike: float = 1.3, margin: float = 0.03, window: int = 8):
         self.base = torch.get_num_threads()
         self.max = max(1, threads or self.base)
         self.enabled = self.max > 1 and os.environ.get("HETFORGE_ADAPT_THREADS", "1") != "0"
@@ -63,9 +60,6 @@ class ThreadTuner:
         self.slow_run = 0
         self.switches = 0
         self.probes = 0
-        self.others = others
-        self.cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        self.postponed = 0  # probes of the requested count not run: its cores were taken (see the module docstring)
 
     def other(self, n: int) -> int:
         return 1 if n == self.max else self.max
@@ -80,10 +74,7 @@ class ThreadTuner:
             return self.base
         n = self.cur
         due = self.since_probe >= (self.interval if self.probes else self.first_probe)
-        if self.probing is None and due and self._cores_taken(self.other(n)):
-            self.postponed += 1
-            self.since_probe, self.interval = 0, min(2 * self.interval, 4 * self.explore_every)
-        elif self.probing is None and due:
+        if self.probing is None and due:
             self.probing, self.probe_times = self.other(n), []
             self.probes += 1
         if self.probing is not None:
@@ -91,14 +82,6 @@ class ThreadTuner:
         if torch.get_num_threads() != n:
             torch.set_num_threads(n)
         return n
-
-    def _cores_taken(self, target: int) -> bool:
-        """Whether a probe of ``target`` threads from one thread would find too few free cores: other runnable
-        tasks (``others``) plus ``target`` above the usable cores. False without ``others`` or a reading."""
-        if self.others is None or self.cur != 1 or target <= 1:
-            return False
-        busy = self.others()
-        return busy is not None and busy + target > self.cores
 
     def before_prefill(self) -> int:
         """Set the thread count for a prefill: the count decode steps found faster (the requested one at first).
@@ -158,15 +141,5 @@ class ThreadTuner:
     def summary(self) -> dict:
         return {"adaptive": self.enabled, "threads_requested": self.max, "steps_by_threads": dict(self.counts),
                 "median_step_s_by_threads": {k: round(statistics.median(v), 6) for k, v in self.recent.items() if v},
-                "probes": self.probes, "switches": self.switches, "probes_postponed": self.postponed}
+                "probes": self.probes, "switches": self.switches}
 
-
-def others_running() -> int | None:
-    """Runnable tasks on this machine besides the calling thread: ``/proc/loadavg``'s fourth field (running/total;
-    the running count includes the caller) minus one; None where it cannot be read (not Linux)."""
-    try:
-        with open("/proc/loadavg") as f:
-            running = int(f.read().split()[3].split("/")[0])
-    except (OSError, ValueError, IndexError):
-        return None
-    return max(0, running - 1)
