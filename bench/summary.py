@@ -1123,6 +1123,21 @@ def cpu_row(*files: str) -> Callable[[Callable[..., Row]], Callable[..., Row]]:
     return row(*files, table=CPU)
 
 
+# calibration pages run again on another kind of CPU, each beside the first: (suffix of the page's name, of the row's)
+RERUNS = (("", ""), ("_zen5", " (Zen 5)"))
+
+
+def per_cpu_rows(stem: str, make: Callable[[J, str, str], Row]) -> None:
+    """A CPU-table row for each run of one calibration page: ``stem.md`` (the CPU the code's rule was measured on)
+    and ``stem_zen5.md`` (the same script on a Zen 5); ``make(json, page, label suffix)`` builds the row."""
+    for suffix, label in RERUNS:
+        def fn(d: J, page: str = f"{stem}{suffix}.md", label: str = label) -> Row:
+            return make(d, page, label)
+
+        fn.__name__ = f"{stem}{suffix}"
+        cpu_row(f"{stem}{suffix}.json")(fn)
+
+
 def _prefetch_row(d: J, page: str, area: str) -> Row:
     rows = d["rows"].value
     gm = ratio_means(rows)
@@ -1139,15 +1154,7 @@ def _prefetch_row(d: J, page: str, area: str) -> Row:
     return Row(area, what, result, "", link(page))
 
 
-@cpu_row("prefetch.json")
-def prefetch(d: J) -> Row:
-    return _prefetch_row(d, "prefetch.md", "weight-stream prefetch")
-
-
-@cpu_row("prefetch_zen5.json")
-def prefetch_zen5(d: J) -> Row:
-    """The same page on a Zen 5 (prefetch.md ran on a Zen 4; native.host_defines chooses per CPU family)."""
-    return _prefetch_row(d, "prefetch_zen5.md", "weight-stream prefetch (Zen 5)")
+per_cpu_rows("prefetch", lambda d, page, label: _prefetch_row(d, page, "weight-stream prefetch" + label))
 
 
 def _bf16_rows_row(d: J, kernel: str, lo: int, page: str, label: str = "") -> Row:
@@ -1171,15 +1178,8 @@ def bf16_rows(d: J) -> Row:
     return _bf16_rows_row(d, "AMX", 2, "bf16_rows.md")
 
 
-@cpu_row("bf16_panel_rows.json")
-def bf16_panel_rows(d: J) -> Row:
-    return _bf16_rows_row(d, "AVX512-BF16", int(d.f("in_code_min")), "bf16_panel_rows.md")
-
-
-@cpu_row("bf16_panel_rows_zen5.json")
-def bf16_panel_rows_zen5(d: J) -> Row:
-    """The same page on a Zen 5 (bf16_panel_rows.md ran on a Zen 4, where the code's rule was measured)."""
-    return _bf16_rows_row(d, "AVX512-BF16", int(d.f("in_code_min")), "bf16_panel_rows_zen5.md", " (Zen 5)")
+per_cpu_rows("bf16_panel_rows",
+             lambda d, page, label: _bf16_rows_row(d, "AVX512-BF16", int(d.f("in_code_min")), page, label))
 
 
 @cpu_row("prefill_attention.json")
@@ -1240,15 +1240,7 @@ def _panel_gemm_row(d: J, page: str, label: str) -> Row:
     return Row(label, what, result, "", link(page))
 
 
-@cpu_row("panel_gemm.json")
-def panel_gemm(d: J) -> Row:
-    return _panel_gemm_row(d, "panel_gemm.md", "short-prompt GEMMs")
-
-
-@cpu_row("panel_gemm_zen5.json")
-def panel_gemm_zen5(d: J) -> Row:
-    """The same page on a Zen 5 (panel_gemm.md ran on a Zen 4)."""
-    return _panel_gemm_row(d, "panel_gemm_zen5.md", "short-prompt GEMMs (Zen 5)")
+per_cpu_rows("panel_gemm", lambda d, page, label: _panel_gemm_row(d, page, "short-prompt GEMMs" + label))
 
 
 @cpu_row("prefill_gemm.json")

@@ -1,5 +1,7 @@
 """The adaptive decode thread count (runtime/threads.py): it probes, keeps the faster count, restores torch's."""
 
+from collections.abc import Callable
+
 import torch
 
 from hetforge.runtime.threads import ThreadTuner
@@ -15,6 +17,18 @@ def _drive(tuner: ThreadTuner, step_s, steps: int) -> list[int]:
         tuner.after(n, t)
         used.append(n)
     return used
+
+
+def _uneven(one: float, two: Callable[[int], float]) -> Callable[[int, int], float]:
+    """Step times: ``one`` for a one-thread step, ``two(i)`` for the i-th two-thread step (1, 2, ...)."""
+    k = {"i": 0}
+
+    def step(n: int, prev: int) -> float:
+        if n == 1:
+            return one
+        k["i"] += 1
+        return two(k["i"])
+    return step
 
 
 def test_keeps_the_requested_count_when_it_is_faster():
@@ -124,14 +138,8 @@ def test_a_probe_cut_short_by_a_clearly_slower_step_is_lost_even_if_one_step_was
 
 def test_a_probe_weighs_four_steps_so_one_fast_step_in_four_does_not_flip_it():
     t = ThreadTuner(threads=2, explore_every=8)
-    k = {"i": 0}
-
-    def step(n, prev):
-        if n == 1:
-            return 0.0145
-        k["i"] += 1
-        return 0.009 if k["i"] % 4 == 0 else 0.016  # one lucky 2-thread step in four, within the early-exit margin
-    _drive(t, step, 120)
+    # one lucky 2-thread step in four, within the early-exit margin
+    _drive(t, _uneven(0.0145, lambda i: 0.009 if i % 4 == 0 else 0.016), 120)
     assert t.cur == 1 and t.switches == 1
 
 
@@ -140,13 +148,7 @@ def test_after_a_spike_under_a_busy_neighbour_it_returns_to_two_threads():
     over all: a run of slow steps may send the tuner to one thread, and the probe that confirms the switch brings it
     back. (An earlier version skipped probes of two threads while another task was runnable and stayed on one.)"""
     t = ThreadTuner(threads=2, explore_every=8)
-    k = {"i": 0}
-
-    def step(n, prev):
-        if n == 1:
-            return 0.0140
-        k["i"] += 1
-        return 0.0250 if k["i"] % 20 in (10, 11, 12) else 0.0100  # three slow steps in twenty: a spike each time
+    step = _uneven(0.0140, lambda i: 0.0250 if i % 20 in (10, 11, 12) else 0.0100)  # three slow steps in twenty
     for _ in range(60):  # until a run of slow steps has sent it to one thread
         _drive(t, step, 1)
         if t.cur == 1:
