@@ -21,7 +21,9 @@ helper threads that spin briefly, then sleep: ``hetforge.kernels.native``); ``--
 ``omp`` — the same file at git revision REV (its one-row kernels ran on OpenMP teams that end in barriers),
 built into the kernel cache like any other source.
 
-Measured: decode ms/token of one request (mean of its steps, wall clock) with a 16-token prompt.
+Measured: decode ms/token of one request (mean of its steps, wall clock) with a 16-token prompt, and (pages from
+session 45 on) its time to first token: the prompt's prefill and first sample, on the count the tuner picks for a
+prefill (one thread while other tasks hold the cores, ``ThreadTuner.before_prefill``) or the fixed count.
 """
 
 from __future__ import annotations
@@ -80,7 +82,8 @@ def worker(model: str, source: str | None, tokens: int) -> None:
         gen = engines[name].stream(list(range(1, 17)), SamplingParams(max_new_tokens=n, ignore_eos=True))
         for _ in gen:
             pass
-        r = {"decode_ms": gen.result.decode_ms_per_token, "tuner": gen.tuner.summary() if gen.tuner else None}
+        r = {"decode_ms": gen.result.decode_ms_per_token, "ttft_ms": gen.result.ttft_s * 1e3,
+             "tuner": gen.tuner.summary() if gen.tuner else None}
         if before:  # this request's pool jobs, the caller's waits over stall_us, the jobs it ran alone after one, and
             # the chunks it took over from a helper (and of those, the ones whose helper did not answer: descheduled)
             after = vars(native.pool_info())
@@ -217,6 +220,12 @@ def summarize(rows: list[dict]) -> list[dict]:
             if c in sel:  # older pages have no A/A control
                 per_round = [a / b for a, b in zip(sel[c]["decode_ms"], one, strict=True)]
                 s[f"ratio {c} / 1 thread"] = round(statistics.median(per_round), 3)
+        if all(r.get("ttft_ms") for r in sel.values()):  # pages from session 45 on: each request's prefill too
+            s["ttft_median_ms"] = {c: round(statistics.median(r["ttft_ms"]), 2) for c, r in sel.items()}
+            for c in ("2 threads, fixed", "2 threads, adaptive", "1 thread, again"):
+                if c in sel:
+                    per_round = [a / b for a, b in zip(sel[c]["ttft_ms"], sel["1 thread"]["ttft_ms"], strict=True)]
+                    s[f"ttft ratio {c} / 1 thread"] = round(statistics.median(per_round), 3)
         pr = [p for p in sel["2 threads, fixed"].get("pool_request", []) if p]
         if pr:  # the fixed 2-thread requests on the pool: stalls per request, share of jobs run alone
             s["fixed_stalls_per_request"] = statistics.median(p["stalls"] for p in pr)
@@ -250,6 +259,17 @@ def render(doc: dict) -> str:
                   f"{m['2 threads, adaptive']} | {s['ratio 2 threads, fixed / 1 thread']} | "
                   f"{s['ratio 2 threads, adaptive / 1 thread']} | {s.get('ratio 1 thread, again / 1 thread', '—')} | "
                   f"{stalls} |")
+    if all("ttft_median_ms" in s for s in doc["summary"]):
+        md += ["", "## Time to first token (the 16-token prompt's prefill and first sample; median over rounds, ratios "
+               "as above)", "",
+               "| model | kernels | background load | 1 thread ms | 2 fixed ms | 2 adaptive ms | 2 fixed ÷ 1 | "
+               "2 adaptive ÷ 1 | 1 again ÷ 1 (A/A) |", "|---|---|---|---|---|---|---|---|---|"]
+        for s in doc["summary"]:
+            t = s["ttft_median_ms"]
+            md.append(f"| {s['model']} | {s['kernels']} | {s['load']} | {t['1 thread']} | {t['2 threads, fixed']} | "
+                      f"{t['2 threads, adaptive']} | {s['ttft ratio 2 threads, fixed / 1 thread']} | "
+                      f"{s['ttft ratio 2 threads, adaptive / 1 thread']} | "
+                      f"{s.get('ttft ratio 1 thread, again / 1 thread', '—')} |")
     if doc.get("kernel_ratios"):
         md += ["", "## Pool ÷ OpenMP kernels, same configuration, same round (median of per-round ratios)", "",
                "| model | background load | config | pool ÷ omp |", "|---|---|---|---|"]
@@ -338,9 +358,10 @@ def main() -> None:
                         order = order[rnd % len(order):] + order[:rnd % len(order)]  # no configuration always first
                         for c in order:
                             r = w.ask(c)
-                            row = raw.setdefault((*w.key, load, c), {"decode_ms": [], "tuner": [], "pool": [],
-                                                                     "pool_request": []})
+                            row = raw.setdefault((*w.key, load, c), {"decode_ms": [], "ttft_ms": [], "tuner": [],
+                                                                     "pool": [], "pool_request": []})
                             row["decode_ms"].append(round(r["decode_ms"], 2))
+                            row["ttft_ms"].append(round(r["ttft_ms"], 2))
                             row["tuner"].append(r["tuner"])
                             if "pool" in r:
                                 row["pool"].append(r["pool"])

@@ -1305,9 +1305,18 @@ def contention(d: J) -> Row:
                 if any(r.s("load") == "unpinned" for r in s) else "")
     control = (f"; a second 1-thread engine ÷ the first (A/A, the same rounds' noise): idle {pick('none', aa)}, "
                f"pinned {pick('pinned', aa)}") if aa else ""
+    ttft = ""
+    if all(r.has(f"ttft {fx}") for r in s):  # pages from session 45 on: each request's time to first token too
+        ttft = (f". Time to first token (the prompt's prefill), 2 ÷ 1 thread: idle fixed {pick('none', 'ttft ' + fx)}, "
+                f"adaptive {pick('none', 'ttft ' + ad)}; pinned fixed {pick('pinned', 'ttft ' + fx)}, adaptive "
+                f"{pick('pinned', 'ttft ' + ad)}"
+                + (f"; unpinned fixed {pick('unpinned', 'ttft ' + fx)}, adaptive {pick('unpinned', 'ttft ' + ad)}"
+                   if unpinned else "")
+                + " (the adaptive count runs a prefill on one thread while other tasks hold the cores)")
     result = (f"{d.s('note')} (load average {load_avg(d['loadavg_start'])} at start): idle, 2 fixed ÷ 1 thread "
               f"{pick('none', fx)} ({models}); one core busy, 2 fixed ÷ 1 thread {pick('pinned', fx)}, adaptive "
-              f"{pick('pinned', ad)}{unpinned}{control} — ≤ 1 with a core busy is **{met(_contention_met(d))}**")
+              f"{pick('pinned', ad)}{unpinned}{control} — ≤ 1 with a core busy is **{met(_contention_met(d))}**"
+              f"{ttft}")
     what = (f"`bench/contention.py`: decode ms/token of {d.f('tokens'):.0f} new tokens after a 16-token prompt, 1 "
             f"thread vs 2 fixed vs 2 adaptive, a fresh engine per configuration, {d.f('rounds'):.0f} interleaved "
             "rounds, with no process of ours, with one `while True` process pinned to the last CPU and, where the page "

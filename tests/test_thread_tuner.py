@@ -2,6 +2,7 @@
 
 from collections.abc import Callable
 
+import pytest
 import torch
 
 from hetforge.runtime.threads import ThreadTuner
@@ -157,3 +158,66 @@ def test_after_a_spike_under_a_busy_neighbour_it_returns_to_two_threads():
     used = _drive(t, step, 100)
     t.restore()
     assert t.switches >= 2 and used.count(2) > 50  # switched back, and most later steps ran on two threads
+
+
+def test_a_prefill_runs_on_one_thread_while_other_tasks_hold_the_cores():
+    busy = {"n": 1}
+    t = ThreadTuner(threads=2, explore_every=8, others=lambda: busy["n"])
+    t.cores = 2
+    assert t.before_prefill() == 1 and torch.get_num_threads() == 1  # one neighbour, two cores: one thread
+    busy["n"] = 0
+    assert t.before_prefill() == 2  # the core is free again: the count the decode steps chose
+    t.cores = 4
+    busy["n"] = 2
+    assert t.before_prefill() == 2  # a neighbour on each of two other cores still leaves two free
+    t.restore()
+    assert t.summary()["prefills_alone"] == 1
+
+
+def test_a_fixed_count_prefill_ignores_the_neighbours(monkeypatch):
+    monkeypatch.setenv("HETFORGE_ADAPT_THREADS", "0")
+    old = torch.get_num_threads()
+    t = ThreadTuner(threads=2, others=lambda: 5)
+    assert t.before_prefill() == old
+    t.restore()
+
+
+def test_others_running_counts_another_process_but_not_this_ones_threads():
+    import statistics
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    from hetforge.runtime.threads import others_running
+
+    def reads() -> float:
+        got = [others_running() for _ in range(15)]
+        if any(g is None for g in got):
+            pytest.skip("/proc/loadavg or /proc/self/task cannot be read here")
+        time.sleep(0.01)
+        return statistics.median(got)
+
+    idle = reads()
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.3)
+        with_neighbour = reads()
+    finally:
+        busy.kill()
+        busy.wait()
+    a = torch.randn(800, 800)
+    stop = threading.Event()
+
+    def work() -> None:  # a thread of this process, busy in ATen (the GIL released)
+        while not stop.is_set():
+            a @ a
+    th = threading.Thread(target=work)
+    th.start()
+    try:
+        time.sleep(0.2)
+        with_own_thread = reads()
+    finally:
+        stop.set()
+        th.join()
+    assert with_neighbour >= idle + 1 and with_own_thread <= idle

@@ -20,7 +20,7 @@ from hetforge.runtime.executors import Executor, make_executor
 from hetforge.runtime.ledger import Ledger
 from hetforge.runtime.programs import Piece, ProgramCache, check_prefill_mode, pick_tier, prefill_pieces
 from hetforge.runtime.sampling import Sampler, SamplingParams
-from hetforge.runtime.threads import ThreadTuner
+from hetforge.runtime.threads import ThreadTuner, others_running
 from hetforge.tokenizers import StreamDecoder, Tokenizer, for_model
 
 
@@ -98,7 +98,7 @@ class Engine:
 
         t = getattr(self, "_tuner", None)
         if t is None or t.base != torch.get_num_threads():
-            t = self._tuner = ThreadTuner()
+            t = self._tuner = ThreadTuner(others=others_running)
         return t
 
     def encode(self, prompt: str | list[int]) -> list[int]:

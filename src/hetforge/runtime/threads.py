@@ -25,6 +25,12 @@ losing probe. Once the native pool took a descheduled helper's chunks over, two 
 neighbour, and the postponement held the tuner on one thread for as long as the load lasted: the probe that would
 have undone a noisy switch never ran (docs/arch/runtime.md, "Adaptive decode threads", has the figures). A losing
 probe costs a few steps and backs off; a missed switch costs every step.
+
+A prefill is different: its multi-row kernels (and oneDNN's) run on torch's OpenMP team, and every parallel region
+ends at a barrier that waits for a descheduled thread, so under a busy neighbour two threads ran a prefill no faster
+than one and sometimes much slower (docs/arch/runtime.md). A prefill is one call per request, too few to probe. So
+with ``others`` (the engine passes :func:`others_running`: runnable tasks outside this process), a prefill runs on one
+thread while the other tasks leave fewer free cores than the count the decode steps chose.
 """
 
 from __future__ import annotations
@@ -32,6 +38,8 @@ from __future__ import annotations
 import os
 import statistics
 from collections import deque
+from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -40,7 +48,8 @@ class ThreadTuner:
     """Pick the thread count of each decode step from measured step times."""
 
     def __init__(self, threads: int | None = None, explore_every: int = 16, probe_steps: int = 5,
-                 spike: float = 1.3, margin: float = 0.03, window: int = 8):
+                 spike: float = 1.3, margin: float = 0.03, window: int = 8,
+                 others: Callable[[], int | None] | None = None):
         self.base = torch.get_num_threads()
         self.max = max(1, threads or self.base)
         self.enabled = self.max > 1 and os.environ.get("HETFORGE_ADAPT_THREADS", "1") != "0"
@@ -60,6 +69,9 @@ class ThreadTuner:
         self.slow_run = 0
         self.switches = 0
         self.probes = 0
+        self.others = others
+        self.cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        self.prefills_alone = 0  # prefills run on one thread because other tasks held the cores (before_prefill)
 
     def other(self, n: int) -> int:
         return 1 if n == self.max else self.max
@@ -84,11 +96,16 @@ class ThreadTuner:
         return n
 
     def before_prefill(self) -> int:
-        """Set the thread count for a prefill: the count decode steps found faster (the requested one at first).
-        The request's first decode step is then left out of the statistics (it runs after the prefill evicted
-        the weights from the caches, and after a compilation its first calls allocate)."""
+        """Set the thread count for a prefill: the count decode steps found faster (the requested one at first), or
+        one thread while other runnable tasks leave too few free cores for it (see the module docstring). The
+        request's first decode step is then left out of the statistics (it runs after the prefill evicted the
+        weights from the caches, and after a compilation its first calls allocate)."""
         self.skip_next = True
         n = self.cur if self.enabled else self.base
+        if self.enabled and n > 1 and self.others is not None:
+            busy = self.others()
+            if busy is not None and busy + n > self.cores:
+                n, self.prefills_alone = 1, self.prefills_alone + 1
         if torch.get_num_threads() != n:
             torch.set_num_threads(n)
         return n
@@ -141,5 +158,23 @@ class ThreadTuner:
     def summary(self) -> dict:
         return {"adaptive": self.enabled, "threads_requested": self.max, "steps_by_threads": dict(self.counts),
                 "median_step_s_by_threads": {k: round(statistics.median(v), 6) for k, v in self.recent.items() if v},
-                "probes": self.probes, "switches": self.switches}
+                "probes": self.probes, "switches": self.switches,
+                "prefills_alone": self.prefills_alone}
 
+
+def others_running() -> int | None:
+    """Runnable tasks on this machine outside this process: ``/proc/loadavg``'s running count (which counts the
+    reader) less this process's threads in state R (``/proc/self/task/*/stat``: OpenMP's workers spin a while after
+    each region, and our pool's helpers after each job, and those are no neighbour); None where either cannot be
+    read (not Linux)."""
+    try:
+        running = int(Path("/proc/loadavg").read_text().split()[3].split("/")[0])
+        own = 0
+        for task in Path("/proc/self/task").iterdir():
+            try:
+                own += (task / "stat").read_text().rsplit(")", 1)[1].split()[0] == "R"
+            except (OSError, IndexError):  # a thread that ended meanwhile
+                continue
+    except (OSError, ValueError, IndexError):
+        return None
+    return max(0, running - max(own, 1))
