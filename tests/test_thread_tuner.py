@@ -221,3 +221,16 @@ def test_others_running_counts_another_process_but_not_this_ones_threads():
         stop.set()
         th.join()
     assert with_neighbour >= idle + 1 and with_own_thread <= idle
+
+
+def test_others_running_gives_no_reading_on_a_subset_of_the_cpus(monkeypatch):
+    """On a cpuset (a container's CPUs, or taskset) the machine-wide running count would count tasks on CPUs this
+    process cannot use as neighbours: no reading, so a prefill keeps the decode steps' count."""
+    import os
+
+    from hetforge.runtime import threads
+
+    if not hasattr(os, "sched_getaffinity"):
+        pytest.skip("no CPU affinity on this platform")
+    monkeypatch.setattr(threads.os, "cpu_count", lambda: len(os.sched_getaffinity(0)) + 8)
+    assert threads.others_running() is None

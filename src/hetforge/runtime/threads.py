@@ -165,8 +165,11 @@ class ThreadTuner:
 def others_running() -> int | None:
     """Runnable tasks on this machine outside this process: ``/proc/loadavg``'s running count (which counts the
     reader) less this process's threads in state R (``/proc/self/task/*/stat``: OpenMP's workers spin a while after
-    each region, and our pool's helpers after each job, and those are no neighbour); None where either cannot be
-    read (not Linux)."""
+    each region, and our pool's helpers after each job, and those are no neighbour). None where either cannot be
+    read (not Linux), and where this process may run on only some of the machine's CPUs (a cpuset, as a container
+    often has): the count is machine-wide, so tasks on CPUs we cannot use would read as neighbours."""
+    if hasattr(os, "sched_getaffinity") and len(os.sched_getaffinity(0)) < (os.cpu_count() or 0):
+        return None
     try:
         running = int(Path("/proc/loadavg").read_text().split()[3].split("/")[0])
         own = 0
