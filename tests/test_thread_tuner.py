@@ -234,3 +234,19 @@ def test_others_running_gives_no_reading_on_a_subset_of_the_cpus(monkeypatch):
         pytest.skip("no CPU affinity on this platform")
     monkeypatch.setattr(threads.os, "cpu_count", lambda: len(os.sched_getaffinity(0)) + 8)
     assert threads.others_running() is None
+
+
+def test_others_running_takes_the_least_of_its_readings(monkeypatch):
+    """A task that runs for a moment shows in one reading, a busy neighbour in every one; a reading of the reader
+    alone ends the sampling at 0."""
+    import os
+
+    from hetforge.runtime import threads
+
+    if hasattr(os, "sched_getaffinity"):
+        monkeypatch.setattr(threads.os, "cpu_count", lambda: len(os.sched_getaffinity(0)))
+    monkeypatch.setattr(threads, "_own_running", lambda: 1)
+    for counts, want in (([3, 2, 2], 1), ([3, 1, 3], 0), ([2, 2, 2], 1), ([4, 4, 3], 2)):
+        seq = iter(counts)
+        monkeypatch.setattr(threads, "_machine_running", lambda seq=seq: next(seq))
+        assert threads.others_running() == want, counts

@@ -15,9 +15,10 @@ and a switch is confirmed by another probe a few steps later (a switch made on a
 probe that loses doubles the interval to the next (up to 8× on the requested count, whose slowdowns the spike rule
 catches; 4× on one thread, where only a probe sees the core come free) and ends early, as lost, once a counted
 step is clearly slower. Medians, not a moving average, so that one descheduled step neither triggers a switch nor
-blocks one; each request's first decode step is left out, and the spike rule waits for a
-few steps. The tuner lives on the engine: a request's prefill runs with the count its decode steps last found
-faster (one thread while other tasks hold the cores: below). Off with ``HETFORGE_ADAPT_THREADS=0``; torch's thread count is restored when the request ends.
+blocks one; each request's first decode step is left out, and the spike rule waits for a few steps. The tuner
+lives on the engine: a request's prefill runs with the count its decode steps last found faster (one thread while
+other tasks hold the cores: below). Off with ``HETFORGE_ADAPT_THREADS=0``; torch's thread count is restored when the
+request ends.
 
 Probes run whatever else the machine is running. An earlier version postponed a probe of the requested count from
 one thread while ``/proc/loadavg`` showed another runnable task on the core it needs, to save the few slow steps of a
@@ -162,22 +163,43 @@ class ThreadTuner:
                 "prefills_alone": self.prefills_alone}
 
 
-def others_running() -> int | None:
+def others_running(samples: int = 3) -> int | None:
     """Runnable tasks on this machine outside this process: ``/proc/loadavg``'s running count (which counts the
     reader) less this process's threads in state R (``/proc/self/task/*/stat``: OpenMP's workers spin a while after
-    each region, and our pool's helpers after each job, and those are no neighbour). None where either cannot be
-    read (not Linux), and where this process may run on only some of the machine's CPUs (a cpuset, as a container
-    often has): the count is machine-wide, so tasks on CPUs we cannot use would read as neighbours."""
+    each region, and our pool's helpers after each job, and those are no neighbour); the least of up to ``samples``
+    readings, so a task that runs for a moment (a daemon's tick) does not read as a busy neighbour, while a busy one
+    shows in every reading. A running count of one (the reader alone) answers 0 at once, so an idle machine costs one
+    read of ``/proc/loadavg``. None where either file cannot be read (not Linux), and where this process may run on
+    only some of the machine's CPUs (a cpuset, as a container often has): the count is machine-wide, so tasks on CPUs
+    we cannot use would read as neighbours."""
     if hasattr(os, "sched_getaffinity") and len(os.sched_getaffinity(0)) < (os.cpu_count() or 0):
         return None
+    least: int | None = None
     try:
-        running = int(Path("/proc/loadavg").read_text().split()[3].split("/")[0])
-        own = 0
-        for task in Path("/proc/self/task").iterdir():
-            try:
-                own += (task / "stat").read_text().rsplit(")", 1)[1].split()[0] == "R"
-            except (OSError, IndexError):  # a thread that ended meanwhile
-                continue
+        for _ in range(max(1, samples)):
+            running = _machine_running()
+            if running <= 1:
+                return 0
+            n = max(0, running - max(_own_running(), 1))
+            least = n if least is None else min(least, n)
+            if least == 0:
+                return 0
     except (OSError, ValueError, IndexError):
         return None
-    return max(0, running - max(own, 1))
+    return least
+
+
+def _machine_running() -> int:
+    """The machine's running tasks now (``/proc/loadavg``'s fourth field, running/total; the reader among them)."""
+    return int(Path("/proc/loadavg").read_text().split()[3].split("/")[0])
+
+
+def _own_running() -> int:
+    """This process's threads in state R now (``/proc/self/task/*/stat``)."""
+    own = 0
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            own += (task / "stat").read_text().rsplit(")", 1)[1].split()[0] == "R"
+        except (OSError, IndexError):  # a thread that ended meanwhile
+            continue
+    return own
