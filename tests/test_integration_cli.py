@@ -66,3 +66,18 @@ def test_run_error_mid_stream_starts_its_own_line(monkeypatch):
     assert r.exit_code == 2, r.output
     assert r.stdout.endswith(" there\n"), repr(r.stdout)
     assert r.stderr.strip().startswith("error: the KV cache is full")
+
+
+def test_run_says_which_thread_counts_the_request_ran_on():
+    """The text output names the prefill's thread count and why, and the decode steps per count; --json carries the
+    same under ``threads_used`` (its top-level ``threads`` stays torch's count)."""
+    r = runner.invoke(app, ["run", "gpt2-tiny", "-p", "hi", "-n", "5"])
+    assert r.exit_code == 0, r.output
+    line = next(ln for ln in r.stdout.splitlines() if ln.startswith("threads: prefill on "))
+    assert "decode steps on " in line
+    r = runner.invoke(app, ["run", "gpt2-tiny", "-p", "hi", "-n", "5", "--json"])
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.stdout)
+    used = d["threads_used"]
+    assert used["prefill"] >= 1 and used["prefill_reason"]
+    assert sum(used["decode_steps"].values()) == len(d["tokens"]) - 1  # every decode step, once

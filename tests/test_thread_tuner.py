@@ -250,3 +250,22 @@ def test_others_running_takes_the_least_of_its_readings(monkeypatch):
         seq = iter(counts)
         monkeypatch.setattr(threads, "_machine_running", lambda seq=seq: next(seq))
         assert threads.others_running() == want, counts
+
+
+def test_the_prefill_says_why_it_runs_on_its_count(monkeypatch):
+    busy = {"n": 0}
+    t = ThreadTuner(threads=2, explore_every=4, others=lambda: busy["n"])
+    t.cores = 2
+    t.before_prefill()
+    assert t.prefill_reason == "requested"
+    _drive(t, {1: 0.010, 2: 0.006}, 12)  # a probe has run
+    t.before_prefill()
+    assert t.prefill_reason == "the count the decode steps found faster"
+    busy["n"] = 1
+    assert t.before_prefill() == 1 and t.prefill_reason == "1 other running task on 2 cores"
+    t.restore()
+    monkeypatch.setenv("HETFORGE_ADAPT_THREADS", "0")
+    f = ThreadTuner(threads=2, others=lambda: 1)
+    f.before_prefill()
+    assert f.prefill_reason == "fixed"
+    f.restore()

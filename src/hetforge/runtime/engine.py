@@ -42,6 +42,9 @@ class GenerationResult:
     placed: dict | None = None  # Ledger.summary(): modeled SoC figures and measured runner overheads
     prefill_pieces: list[str] = field(default_factory=list)  # the program calls of the prefill, e.g. prefill-64
     built_alongside: dict[str, float] = field(default_factory=dict)  # program → its own seconds in a forked child
+    # the thread counts this request ran on: the prefill's and why (ThreadTuner.before_prefill), and its decode
+    # steps per count (the adaptive tuner's probes and switches)
+    threads_used: dict = field(default_factory=dict)
 
     @property
     def decode_ms_per_token(self) -> float | None:
@@ -60,7 +63,7 @@ class GenerationResult:
             "kv_cache_length": self.cache_length, "kv_cache_bytes": self.kv_cache_bytes,
             "compile_s": self.compile_s, "stop_reason": self.stop_reason, "executor": self.executor,
             "timing": "measured", "placed": self.placed, "prefill_pieces": self.prefill_pieces,
-            "built_alongside_s": self.built_alongside,
+            "built_alongside_s": self.built_alongside, "threads_used": self.threads_used,
         }
 
 
@@ -250,8 +253,15 @@ class Generation:
         except BaseException:
             self.engine.programs.cancel_ahead()
             raise
-        self.tuner = self.engine.thread_tuner()  # adaptive thread count (runtime/threads.py), kept per engine
-        self.tuner.before_prefill()
+        self._start_threads()
+
+    def _start_threads(self) -> None:
+        """Take the engine's adaptive thread count (runtime/threads.py, kept per engine), set it for the prefill
+        and note the count and why in the result."""
+        self.tuner = self.engine.thread_tuner()
+        n = self.tuner.before_prefill()
+        self._steps_before = dict(self.tuner.counts)
+        self.result.threads_used = {"prefill": n, "prefill_reason": self.tuner.prefill_reason}
 
     def _programs(self) -> None:
         r = self.result
@@ -325,9 +335,15 @@ class Generation:
         self.tuner.after(step, self.result.decode_s[-1])
 
     def finish(self) -> None:
-        """Settle ``result.text`` (also after an interruption): shown text plus any held-back text."""
+        """Settle ``result.text`` (also after an interruption): shown text plus any held-back text, and this
+        request's decode steps per thread count."""
         self.result.text = self._shown + self._pending
         self.result.placed = self.ledger.summary()
+        if self.tuner is not None and self.result.threads_used:
+            before = getattr(self, "_steps_before", {})
+            counts = sorted(self.tuner.counts.items(), reverse=True)  # the requested count first
+            self.result.threads_used["decode_steps"] = {n: c - before.get(n, 0) for n, c in counts
+                                                        if c > before.get(n, 0)}
 
 
 def _piece_name(p: Piece) -> str:

@@ -339,8 +339,7 @@ class AdaptiveGeneration(Generation):
         a.last_tier = r.prefill_tier
         self._reasons = a._apply_changes(1)
         a.prepare(r.prefill_tier, r.cache_length, self.max_new > 1)
-        self.tuner = self.engine.thread_tuner()  # the engine's adaptive thread count, as a plain request uses
-        self.tuner.before_prefill()
+        self._start_threads()  # the engine's adaptive thread count, as a plain request uses
 
     def _prefill(self, ids: torch.Tensor, last: torch.Tensor) -> tuple[Any, Any]:
         """Prefill on the program placed for the current situation (failing over where it must)."""

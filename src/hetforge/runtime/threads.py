@@ -73,6 +73,7 @@ class ThreadTuner:
         self.others = others
         self.cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         self.prefills_alone = 0  # prefills run on one thread because other tasks held the cores (before_prefill)
+        self.prefill_reason = ""  # why the last prefill ran on its count (before_prefill)
 
     def other(self, n: int) -> int:
         return 1 if n == self.max else self.max
@@ -103,10 +104,14 @@ class ThreadTuner:
         weights from the caches, and after a compilation its first calls allocate)."""
         self.skip_next = True
         n = self.cur if self.enabled else self.base
+        self.prefill_reason = ("fixed" if not self.enabled
+                               else "the count the decode steps found faster" if self.probes else "requested")
         if self.enabled and n > 1 and self.others is not None:
             busy = self.others()
             if busy is not None and busy + n > self.cores:
                 n, self.prefills_alone = 1, self.prefills_alone + 1
+                self.prefill_reason = (f"{busy} other running task{'s' if busy > 1 else ''} on {self.cores} "
+                                       f"core{'s' if self.cores > 1 else ''}")
         if torch.get_num_threads() != n:
             torch.set_num_threads(n)
         return n

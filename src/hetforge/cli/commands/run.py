@@ -39,6 +39,16 @@ def placed_lines(r) -> list[str]:
     return out
 
 
+def threads_line(r) -> str | None:
+    """The thread counts a request ran on (measured choices of the adaptive tuner), or None where none were noted."""
+    t = getattr(r, "threads_used", None) or {}
+    if "prefill" not in t:
+        return None
+    steps = ", ".join(f"{n} thread{'s' if n > 1 else ''} × {c}" for n, c in t.get("decode_steps", {}).items())
+    return (f"threads: prefill on {t['prefill']} ({t['prefill_reason']})"
+            + (f"; decode steps on {steps}" if steps else ""))
+
+
 def summary_line(r) -> str:
     """One line of measured figures for a finished (or interrupted) generation."""
     dec = f"{r.decode_ms_per_token:.2f} ms/token" if r.decode_ms_per_token is not None else "n/a (1 token)"
@@ -253,7 +263,8 @@ def run(
     else:
         sys.stdout.write("\n")
         console.print(summary_line(r), style="dim", highlight=False, soft_wrap=True)
-        for line in placed_lines(r) + moe_lines(engine):
+        tl = threads_line(r)
+        for line in placed_lines(r) + moe_lines(engine) + ([tl] if tl else []):
             console.print(line, style="dim", highlight=False, soft_wrap=True)
         if trace_path:
             console.print(f"trace: {trace_path} (open in ui.perfetto.dev)", style="dim", highlight=False)
