@@ -1,6 +1,7 @@
 """The adaptive decode thread count (runtime/threads.py): it probes, keeps the faster count, restores torch's."""
 
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -198,28 +199,30 @@ def test_others_running_counts_another_process_but_not_this_ones_threads():
         time.sleep(0.01)
         return statistics.median(got)
 
+    def beside(start: Callable[[], Any], end: Callable[[Any], Any]) -> float:
+        """``reads()`` while what ``start`` began runs (ended by ``end`` whatever happens)."""
+        handle = start()
+        try:
+            time.sleep(0.3)
+            return reads()
+        finally:
+            end(handle)
+
     idle = reads()
-    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
-    try:
-        time.sleep(0.3)
-        with_neighbour = reads()
-    finally:
-        busy.kill()
-        busy.wait()
+    with_neighbour = beside(lambda: subprocess.Popen([sys.executable, "-c", "while True: pass"]),
+                            lambda p: (p.kill(), p.wait()))
     a = torch.randn(800, 800)
     stop = threading.Event()
 
     def work() -> None:  # a thread of this process, busy in ATen (the GIL released)
         while not stop.is_set():
             a @ a
-    th = threading.Thread(target=work)
-    th.start()
-    try:
-        time.sleep(0.2)
-        with_own_thread = reads()
-    finally:
-        stop.set()
-        th.join()
+
+    def own_thread() -> threading.Thread:
+        th = threading.Thread(target=work)
+        th.start()
+        return th
+    with_own_thread = beside(own_thread, lambda th: (stop.set(), th.join()))
     assert with_neighbour >= idle + 1 and with_own_thread <= idle
 
 
