@@ -23,7 +23,7 @@ built into the kernel cache like any other source.
 
 Measured: decode ms/token of one request (mean of its steps, wall clock) with a 16-token prompt, and (pages from
 session 45 on) its time to first token: the prompt's prefill and first sample, on the count the tuner picks for a
-prefill (one thread while other tasks hold the cores, ``ThreadTuner.before_prefill``) or the fixed count.
+prefill (the cores other tasks leave free, ``ThreadTuner.before_prefill``) or the fixed count.
 """
 
 from __future__ import annotations

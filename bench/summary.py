@@ -1312,7 +1312,7 @@ def contention(d: J) -> Row:
                 f"{pick('pinned', 'ttft ' + ad)}"
                 + (f"; unpinned fixed {pick('unpinned', 'ttft ' + fx)}, adaptive {pick('unpinned', 'ttft ' + ad)}"
                    if unpinned else "")
-                + " (the adaptive count runs a prefill on one thread while other tasks hold the cores)")
+                + " (the adaptive count runs a prefill on the cores other tasks leave free: one thread here)")
     result = (f"{d.s('note')} (load average {load_avg(d['loadavg_start'])} at start): idle, 2 fixed ÷ 1 thread "
               f"{pick('none', fx)} ({models}); one core busy, 2 fixed ÷ 1 thread {pick('pinned', fx)}, adaptive "
               f"{pick('pinned', ad)}{unpinned}{control} — ≤ 1 with a core busy is **{met(_contention_met(d))}**"

@@ -172,7 +172,22 @@ def test_a_prefill_runs_on_one_thread_while_other_tasks_hold_the_cores():
     busy["n"] = 2
     assert t.before_prefill() == 2  # a neighbour on each of two other cores still leaves two free
     t.restore()
-    assert t.summary()["prefills_alone"] == 1
+    assert t.summary()["prefills_reduced"] == 1
+
+
+def test_a_prefill_takes_the_cores_the_neighbours_leave_free():
+    """Eight threads requested on eight cores: one busy neighbour leaves seven for the prefill (not one), seven
+    leave one, and more than eight still leave it one thread."""
+    busy = {"n": 1}
+    t = ThreadTuner(threads=8, explore_every=8, others=lambda: busy["n"])
+    t.cores = 8
+    assert t.before_prefill() == 7
+    busy["n"] = 7
+    assert t.before_prefill() == 1
+    busy["n"] = 12
+    assert t.before_prefill() == 1
+    t.restore()
+    assert t.summary()["prefills_reduced"] == 3
 
 
 def test_a_fixed_count_prefill_ignores_the_neighbours(monkeypatch):

@@ -31,7 +31,8 @@ A prefill is different: its multi-row kernels (and oneDNN's) run on torch's Open
 ends at a barrier that waits for a descheduled thread, so under a busy neighbour two threads ran a prefill no faster
 than one and sometimes much slower (docs/arch/runtime.md). A prefill is one call per request, too few to probe. So
 with ``others`` (the engine passes :func:`others_running`: runnable tasks outside this process), a prefill runs on one
-thread while the other tasks leave fewer free cores than the count the decode steps chose.
+thread per core the other tasks leave free, where that is fewer than the count the decode steps chose (on two
+cores with one busy neighbour: one thread).
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ class ThreadTuner:
         self.probes = 0
         self.others = others
         self.cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        self.prefills_alone = 0  # prefills run on one thread because other tasks held the cores (before_prefill)
+        self.prefills_reduced = 0  # prefills run on fewer threads because other tasks held cores (before_prefill)
         self.prefill_reason = ""  # why the last prefill ran on its count (before_prefill)
 
     def other(self, n: int) -> int:
@@ -99,7 +100,7 @@ class ThreadTuner:
 
     def before_prefill(self) -> int:
         """Set the thread count for a prefill: the count decode steps found faster (the requested one at first), or
-        one thread while other runnable tasks leave too few free cores for it (see the module docstring). The
+        the cores other runnable tasks leave free where that is fewer (at least one; see the module docstring). The
         request's first decode step is then left out of the statistics (it runs after the prefill evicted the
         weights from the caches, and after a compilation its first calls allocate)."""
         self.skip_next = True
@@ -108,8 +109,8 @@ class ThreadTuner:
                                else "the count the decode steps found faster" if self.probes else "requested")
         if self.enabled and n > 1 and self.others is not None:
             busy = self.others()
-            if busy is not None and busy + n > self.cores:
-                n, self.prefills_alone = 1, self.prefills_alone + 1
+            if busy is not None and busy + n > self.cores:  # only the cores the other tasks leave free
+                n, self.prefills_reduced = max(1, min(n, self.cores - busy)), self.prefills_reduced + 1
                 self.prefill_reason = (f"{busy} other running task{'s' if busy > 1 else ''} on {self.cores} "
                                        f"core{'s' if self.cores > 1 else ''}")
         if torch.get_num_threads() != n:
@@ -165,7 +166,7 @@ class ThreadTuner:
         return {"adaptive": self.enabled, "threads_requested": self.max, "steps_by_threads": dict(self.counts),
                 "median_step_s_by_threads": {k: round(statistics.median(v), 6) for k, v in self.recent.items() if v},
                 "probes": self.probes, "switches": self.switches,
-                "prefills_alone": self.prefills_alone}
+                "prefills_reduced": self.prefills_reduced}
 
 
 def others_running(samples: int = 3) -> int | None:
