@@ -159,6 +159,7 @@ class Generation:
         self.ledger = Ledger(engine.soc_name)
         self.decoder = StreamDecoder(engine.tokenizer)
         self.tuner: ThreadTuner | None = None
+        self._steps_before: dict[int, int] = {}  # the tuner's decode steps per count when this request began
         self._prompt_rows: tuple[Any, int] | None = None  # the prompt's K/V rows not yet in the cache
         self._pending = ""  # decoded text not shown yet (may start a stop string)
         self._shown = ""
@@ -340,7 +341,7 @@ class Generation:
         self.result.text = self._shown + self._pending
         self.result.placed = self.ledger.summary()
         if self.tuner is not None and self.result.threads_used:
-            before = getattr(self, "_steps_before", {})
+            before = self._steps_before
             counts = sorted(self.tuner.counts.items(), reverse=True)  # the requested count first
             self.result.threads_used["decode_steps"] = {n: c - before.get(n, 0) for n, c in counts
                                                         if c > before.get(n, 0)}

@@ -171,22 +171,25 @@ class ThreadTuner:
 
 def others_running(samples: int = 3) -> int | None:
     """Runnable tasks on this machine outside this process: ``/proc/loadavg``'s running count (which counts the
-    reader) less this process's threads in state R (``/proc/self/task/*/stat``: OpenMP's workers spin a while after
-    each region, and our pool's helpers after each job, and those are no neighbour); the least of up to ``samples``
-    readings, so a task that runs for a moment (a daemon's tick) does not read as a busy neighbour, while a busy one
-    shows in every reading. A running count of one (the reader alone) answers 0 at once, so an idle machine costs one
-    read of ``/proc/loadavg``. None where either file cannot be read (not Linux), and where this process may run on
-    only some of the machine's CPUs (a cpuset, as a container often has): the count is machine-wide, so tasks on CPUs
-    we cannot use would read as neighbours."""
+    reader) less this process's threads in state R just before or just after it (``/proc/self/task/*/stat``:
+    OpenMP's workers spin a while after each region, and our pool's helpers after each job, and those are no
+    neighbour); the least of up to ``samples`` readings, so a task that runs for a moment (a daemon's tick) does not
+    read as a busy neighbour, while a busy one shows in every reading. A running count of one (the reader alone)
+    answers 0 at once, so an idle machine costs one read of ``/proc/loadavg``. None where either file cannot be read
+    (not Linux), and where this process may run on only some of the machine's CPUs (a cpuset, as a container often
+    has): the count is machine-wide, so tasks on CPUs we cannot use would read as neighbours."""
     if hasattr(os, "sched_getaffinity") and len(os.sched_getaffinity(0)) < (os.cpu_count() or 0):
         return None
     least: int | None = None
     try:
         for _ in range(max(1, samples)):
-            running = _machine_running()
-            if running <= 1:
+            if _machine_running() <= 1:
                 return 0
-            n = max(0, running - max(_own_running(), 1))
+            # our threads just before and just after the count: one that ran at either moment may be in it (OpenMP's
+            # workers go from spinning to sleeping within microseconds), and none of ours is a neighbour
+            own = _own_running()
+            running = _machine_running()
+            n = max(0, running - max(own, _own_running(), 1))
             least = n if least is None else min(least, n)
             if least == 0:
                 return 0
