@@ -3553,6 +3553,34 @@ static int pa_mask_block(const pa_ctx *a, const char *base, long i0, long ni, lo
     return any;
 }
 
+#if defined(__AVX512F__)
+/* r[c] = column c of the 16 x 16 block whose rows are r[0..16) (a transpose in registers: 64 shuffles). */
+static inline void pa_tr16(__m512 r[16]) {
+    __m512 t[16], u[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) { /* u[4i + k], 128-bit lane L: column 4L + k of rows 4i..4i+3 */
+        __m512d a0 = _mm512_castps_pd(t[4 * i]), a1 = _mm512_castps_pd(t[4 * i + 1]);
+        __m512d b0 = _mm512_castps_pd(t[4 * i + 2]), b1 = _mm512_castps_pd(t[4 * i + 3]);
+        u[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a0, b0));
+        u[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a0, b0));
+        u[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(a1, b1));
+        u[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(a1, b1));
+    }
+    for (int k = 0; k < 4; k++) {
+        __m512 lo01 = _mm512_shuffle_f32x4(u[k], u[4 + k], 0x44), hi01 = _mm512_shuffle_f32x4(u[k], u[4 + k], 0xEE);
+        __m512 lo23 = _mm512_shuffle_f32x4(u[8 + k], u[12 + k], 0x44);
+        __m512 hi23 = _mm512_shuffle_f32x4(u[8 + k], u[12 + k], 0xEE);
+        r[k] = _mm512_shuffle_f32x4(lo01, lo23, 0x88);
+        r[4 + k] = _mm512_shuffle_f32x4(lo01, lo23, 0xDD);
+        r[8 + k] = _mm512_shuffle_f32x4(hi01, hi23, 0x88);
+        r[12 + k] = _mm512_shuffle_f32x4(hi01, hi23, 0xDD);
+    }
+}
+#endif
+
 /* Keys of kv head (batch, head) = t transposed into kt, one dense [d][PA_KB] tile per key block (zeros past s; a
  * tile, not rows sp apart: rows of a power-of-two stride would fall into a few L1 sets): once per call, shared by
  * every query block. */
@@ -3562,12 +3590,9 @@ static void pa_transpose(void *p, long t) {
     const char *K = (const char *)a->k + ((t / a->hkv) * a->ks[0] + (t % a->hkv) * a->ks[1]) * esz;
     float *kt = a->kt + t * a->d * a->sp;
 #if defined(__AVX512F__)
-    /* 16 keys x 16 dims at a time: the keys' rows (widened from bf16, zero past s) into a dense 16 x 16 block, then
-     * each dim's 16 keys gathered from it into the tile row (the plain loop below stores one float per step, a
-     * whole tile row apart) */
-    float blk[256] __attribute__((aligned(64)));
-    const __m512i col = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                           _mm512_set1_epi32(16));
+    /* 16 keys x 16 dims at a time: the keys' rows (widened from bf16, zero past s) into 16 registers, transposed
+     * there (pa_tr16), each dim's 16 keys stored into its tile row (the plain loop below stores one float per step,
+     * a whole tile row apart; gathering each dim's keys from a dense block in memory took twice the shuffles' time) */
     /* up to the 16-key group of the last key: the products read a block's keys in groups of 16 up to the last one
      * some row sees (pa_task's nv), never the zero groups past s */
     for (long j0 = 0; j0 < a->s; j0 += 16) {
@@ -3582,6 +3607,7 @@ static void pa_transpose(void *p, long t) {
         for (long c0 = 0; c0 < a->d; c0 += 16) {
             long nc = a->d - c0 < 16 ? a->d - c0 : 16;
             __mmask16 mk = (__mmask16)(nc == 16 ? 0xFFFF : (1u << nc) - 1);
+            __m512 rows[16];
             for (long r = 0; r < 16; r++) {
                 long j = j0 + r;
                 __m512 v = _mm512_setzero_ps();
@@ -3591,10 +3617,10 @@ static void pa_transpose(void *p, long t) {
                                       _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mk, (const void *)kr)), 16))
                                 : _mm512_maskz_loadu_ps(mk, (const float *)kr);
                 }
-                _mm512_store_ps(blk + 16 * r, v);
+                rows[r] = v;
             }
-            for (long c = 0; c < nc; c++)
-                _mm512_storeu_ps(tile + (c0 + c) * PA_KB, _mm512_i32gather_ps(col, blk + c, 4));
+            pa_tr16(rows);
+            for (long c = 0; c < nc; c++) _mm512_storeu_ps(tile + (c0 + c) * PA_KB, rows[c]);
         }
     }
 #else
@@ -3622,58 +3648,102 @@ static inline __mmask16 pa_below(long cnt, int c) {
     return n >= 16 ? (__mmask16)0xffff : n <= 0 ? (__mmask16)0 : (__mmask16)((1u << n) - 1);
 }
 
-/* One row's scores of one key block: columns past cnt (the block's end, or the diagonal) and those the mask hides
- * set to -inf (a float mask added), then the online-softmax step; *cr: the factor the row's output sums are to be
- * scaled by (pa_pv applies it); returns 0 when nothing is visible yet. */
-static int pa_row_avx(const pa_ctx *a, float *restrict sr, const char *mrow, long j0, long cnt, int apply,
-                      float *m, float *z, float *cr) {
+#endif
+
+#if defined(__AVX512F__)
+/* Lane r of the result = the sum (add != 0) or max of v[r]'s 16 lanes, for 16 vectors at once: a transposing
+ * reduction (four folding stages of shuffles, then one permute into row order). The sums fold in the order
+ * _mm512_reduce_add_ps folds one vector (halves, quarters, then within a 128-bit lane), so a row's sum has the bits
+ * that reduction gives it. Why: reduced one at a time, each row's vector is a chain of dependent shuffles, sixteen
+ * chains per block of rows; folded together, the shuffles of different rows share each stage. */
+_Static_assert(PA_QB == 16, "pa_fold16 folds one vector per query row of a task");
+static inline __m512 pa_fold16(const __m512 v[PA_QB], int add) {
+    __m512 w[8], u[4], s2[2];
+#define PA_OP(x, y) (add ? _mm512_add_ps(x, y) : _mm512_max_ps(x, y))
+    for (int i = 0; i < 8; i++)
+        w[i] = PA_OP(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                     _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+    for (int i = 0; i < 4; i++)
+        u[i] = PA_OP(_mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0x88),
+                     _mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0xDD));
+    for (int i = 0; i < 2; i++)
+        s2[i] = PA_OP(_mm512_shuffle_ps(u[2 * i], u[2 * i + 1], 0x44), _mm512_shuffle_ps(u[2 * i], u[2 * i + 1], 0xEE));
+    __m512 f = PA_OP(_mm512_shuffle_ps(s2[0], s2[1], 0x88), _mm512_shuffle_ps(s2[0], s2[1], 0xDD));
+#undef PA_OP
+    /* f's element 4L + e holds row L + 4e */
+    return _mm512_permutexvar_ps(_mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0), f);
+}
+
+/* The online-softmax step of a block of rows over one key block, all rows at once: each
+ * row's scores past cnt (its diagonal or the block's end) and those the mask hides set to -inf (a float mask
+ * added), the rows' maxima folded into one vector, the rescale factors exp(m - m_new) as one vector exponential,
+ * then each row's exponentials and their sums folded likewise; m, z and cr (PA_QB floats each) updated. A row
+ * that sees nothing yet gets zeros, factor 0 and keeps m = -inf and z = 0 (its sums are zero). Why not row by
+ * row (as before session 46): each row paid two horizontal reductions and a scalar expf for its factor
+ * (kernel_ab before/after in docs/arch/runtime.md). */
+static void pa_softmax_rows(const pa_ctx *a, float *restrict sb, const char *mbase, long i0, long ni, long j0,
+                            long nv, int apply, float *m, float *z, float *cr) {
     const __m512 ninf = _mm512_set1_ps(-INFINITY);
-    __m512 x[4], vmax = ninf;
-    for (int c = 0; c < 4; c++) {
-        __mmask16 keep = pa_below(cnt, c);
-        x[c] = _mm512_mask_mov_ps(ninf, keep, _mm512_loadu_ps(sr + 16 * c));
-        if (apply && keep) {
-            if (a->ms[3] == 1 && keep == 0xffff) {
-                if (a->mask_kind == 1) {
-                    __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(mrow + j0 + 16 * c)));
-                    x[c] = _mm512_mask_mov_ps(ninf, _mm512_test_epi32_mask(b, b), x[c]);
-                } else {
-                    x[c] = _mm512_add_ps(x[c], _mm512_loadu_ps((const float *)mrow + j0 + 16 * c));
-                }
-            } else {
-                float t[16];
-                _mm512_storeu_ps(t, x[c]);
-                for (int e = 0; e < 16; e++) {
-                    if (!(keep >> e & 1)) continue;
-                    long off = (j0 + 16 * c + e) * a->ms[3];
+    long esz = a->mask_kind == 1 ? 1 : 4;
+    __m512 part[PA_QB];
+    for (long ii = 0; ii < PA_QB; ii++) {
+        part[ii] = ninf;
+        if (ii >= ni) continue;
+        float *sr = sb + ii * PA_KB;
+        long i = i0 + ii, cnt = a->causal && i - j0 + 1 < nv ? i - j0 + 1 : nv;
+        const char *mrow = mbase ? mbase + i * a->ms[2] * esz : NULL;
+        __m512 vmax = ninf;
+        for (int c = 0; c < 4; c++) {
+            __mmask16 keep = pa_below(cnt, c);
+            __m512 x = _mm512_mask_mov_ps(ninf, keep, _mm512_loadu_ps(sr + 16 * c));
+            if (apply && keep) {
+                if (a->ms[3] == 1 && keep == 0xffff) {
                     if (a->mask_kind == 1) {
-                        if (!((const uint8_t *)mrow)[off]) t[e] = -INFINITY;
+                        __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(mrow + j0 + 16 * c)));
+                        x = _mm512_mask_mov_ps(ninf, _mm512_test_epi32_mask(b, b), x);
                     } else {
-                        t[e] += ((const float *)mrow)[off];
+                        x = _mm512_add_ps(x, _mm512_loadu_ps((const float *)mrow + j0 + 16 * c));
                     }
+                } else {
+                    float t[16];
+                    _mm512_storeu_ps(t, x);
+                    for (int e = 0; e < 16; e++) {
+                        if (!(keep >> e & 1)) continue;
+                        long off = (j0 + 16 * c + e) * a->ms[3];
+                        if (a->mask_kind == 1) {
+                            if (!((const uint8_t *)mrow)[off]) t[e] = -INFINITY;
+                        } else {
+                            t[e] += ((const float *)mrow)[off];
+                        }
+                    }
+                    x = _mm512_loadu_ps(t);
                 }
-                x[c] = _mm512_loadu_ps(t);
             }
+            _mm512_storeu_ps(sr + 16 * c, x);
+            vmax = _mm512_max_ps(vmax, x);
         }
-        vmax = _mm512_max_ps(vmax, x[c]);
+        part[ii] = vmax;
     }
-    float mx = _mm512_reduce_max_ps(vmax), mn = mx > *m ? mx : *m;
-    *cr = 1.f;
-    if (mn == -INFINITY) {
-        for (int c = 0; c < 4; c++) _mm512_storeu_ps(sr + 16 * c, _mm512_setzero_ps());
-        return 0;
+    __m512 mold = _mm512_loadu_ps(m), mn = _mm512_max_ps(mold, pa_fold16(part, 0));
+    /* exp(m - m_new): 1 where the maximum stayed, 0 where m was -inf (-inf - x, and -inf - -inf = NaN, give 0) */
+    __m512 corr = pa_exp16(_mm512_sub_ps(mold, mn));
+    float mv[PA_QB] __attribute__((aligned(64)));
+    _mm512_store_ps(mv, mn);
+    for (long ii = 0; ii < PA_QB; ii++) {
+        part[ii] = _mm512_setzero_ps();
+        if (ii >= ni) continue;
+        float *sr = sb + ii * PA_KB;
+        __m512 vm = _mm512_set1_ps(mv[ii]), vs = _mm512_setzero_ps();
+        for (int c = 0; c < 4; c++) { /* a row with m_new = -inf: every x - m_new is NaN, every exponential 0 */
+            __m512 e = pa_exp16(_mm512_sub_ps(_mm512_loadu_ps(sr + 16 * c), vm));
+            _mm512_storeu_ps(sr + 16 * c, e);
+            vs = _mm512_add_ps(vs, e);
+        }
+        part[ii] = vs;
     }
-    float corr = *m == -INFINITY ? 0.f : mn == *m ? 1.f : expf(*m - mn); /* expf(0) is 1: no call */
-    __m512 vm = _mm512_set1_ps(mn), vs = _mm512_setzero_ps();
-    for (int c = 0; c < 4; c++) {
-        __m512 e = pa_exp16(_mm512_sub_ps(x[c], vm));
-        _mm512_storeu_ps(sr + 16 * c, e);
-        vs = _mm512_add_ps(vs, e);
-    }
-    *z = *z * corr + _mm512_reduce_add_ps(vs);
-    *m = mn;
-    *cr = corr;
-    return 1;
+    _mm512_storeu_ps(z, _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(z), corr), pa_fold16(part, 1)));
+    _mm512_storeu_ps(m, mn);
+    _mm512_storeu_ps(cr, corr);
 }
 #endif
 
@@ -3693,6 +3763,7 @@ static void pa_task(void *p, long t) {
     float sb[PA_QB * PA_KB] __attribute__((aligned(64)));
     float acc[PA_QB * PA_DMAX] __attribute__((aligned(64)));
     float m[PA_QB], z[PA_QB], cr[PA_QB]; /* cr: each row's rescale for this key block (pa_pv applies it) */
+    for (long ii = 0; ii < PA_QB; ii++) m[ii] = -INFINITY, z[ii] = 0.f, cr[ii] = 1.f;
     for (long ii = 0; ii < ni; ii++) {
         const float *qr = (const float *)(Q + (i0 + ii) * a->qs[2] * qsz);
         long c = 0;
@@ -3720,15 +3791,12 @@ static void pa_task(void *p, long t) {
         long nv = a->causal && i0 + ni - j0 < nj ? i0 + ni - j0 : nj;
         nv = ext < nv ? ext : nv;
         pa_scores(qb, KT + j0 * d, PA_KB, sb, ni, d, (nv + 15) / 16); /* tile j0 / PA_KB at (j0 / PA_KB) * d * PA_KB */
+#if defined(__AVX512F__)
+        pa_softmax_rows(a, sb, mbase, i0, ni, j0, nv, mbase && !(a->mask_kind == 1 && all), m, z, cr);
+#else
         for (long ii = 0; ii < ni; ii++) {
             float *sr = sb + ii * PA_KB;
             long i = i0 + ii;
-#if defined(__AVX512F__)
-            long cnt = a->causal && i - j0 + 1 < nv ? i - j0 + 1 : nv; /* past nv: not computed, hidden */
-            pa_row_avx(a, sr, mbase ? mbase + i * a->ms[2] * esz : NULL, j0, cnt,
-                       mbase && !(a->mask_kind == 1 && all), m + ii, z + ii, cr + ii);
-            continue;
-#endif
             cr[ii] = 1.f; /* the plain path below rescales the row itself */
             for (long jj = nv; jj < PA_KB; jj++) sr[jj] = -INFINITY; /* past nv: not computed, hidden */
             if (a->causal && j0 + nj - 1 > i)
@@ -3750,21 +3818,11 @@ static void pa_task(void *p, long t) {
                 continue;
             }
             float corr = m[ii] == -INFINITY ? 0.f : expf(m[ii] - mn), sum = 0.f;
-#if defined(__AVX512F__)
-            __m512 vm = _mm512_set1_ps(mn), vs = _mm512_setzero_ps();
-            for (long jj = 0; jj < PA_KB; jj += 16) {
-                __m512 e = pa_exp16(_mm512_sub_ps(_mm512_loadu_ps(sr + jj), vm));
-                _mm512_storeu_ps(sr + jj, e);
-                vs = _mm512_add_ps(vs, e);
-            }
-            sum = _mm512_reduce_add_ps(vs);
-#else
             for (long jj = 0; jj < PA_KB; jj++) {
                 float e = expf(sr[jj] - mn);
                 sr[jj] = e;
                 sum += e;
             }
-#endif
             z[ii] = z[ii] * corr + sum;
             m[ii] = mn;
             if (corr != 1.f) {
@@ -3772,6 +3830,7 @@ static void pa_task(void *p, long t) {
                 for (long c = 0; c < dv; c++) ar[c] *= corr;
             }
         }
+#endif
         pa_pv(sb, V + j0 * dv, dv, acc, ni, nv, dv, cr); /* keys past nv have probability 0 in every row */
     }
     for (long ii = 0; ii < ni; ii++) {
