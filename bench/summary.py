@@ -1406,6 +1406,12 @@ def why_we_lose(peers: J, kf: J, pg: J) -> str:
     over = [r["over_bound_best"].f("fp32") for r in pg["rows"] if r.has("over_bound_best")]
     missed = sum(v > 1.15 for v in over)
     peak = pg["peak"]["fp32"].f("gflops")
+    fma_text = ""
+    if pg.has("fma") and pg["fma"].value:
+        fma = pg["fma"].f("gflops")
+        fma_text = (f" That peak is {peak / fma:.0%} of the FMA units' ceiling measured in the same run ({fma:.0f} "
+                    "GFLOP/s: register-only FMAs on both threads, no loads), so 1.15× asks the whole prefill to run "
+                    f"its GEMM FLOPs at ≥ {peak / fma / 1.15:.0%} of what the FMA units do with nothing but FMAs.")
     return f"""## Why hetforge loses where it loses
 
 - **Prefill vs OpenVINO / ONNX Runtime:** the multi-row products run packed GEMMs chosen at build time (fp32: the
@@ -1423,7 +1429,7 @@ def why_we_lose(peers: J, kf: J, pg: J) -> str:
   {len(over)} shapes over 1.15×. The bound's peak is the fastest kernel's on square products
   ({peak:.0f} GFLOP/s there); on two threads with the weights from memory the kernels on the Zen 5, oneDNN's
   included, ran at 83–89% of it at 128 rows and at most 90% at 512, so 1.15× needs about 93% inside the program
-  ([arch/runtime.md](arch/runtime.md) "Back on a Zen 5").
+  ([arch/runtime.md](arch/runtime.md) "Back on a Zen 5").{fma_text}
   Earlier runs moved with the host: on the Zen 4 session 38's page missed it at 512 rows (1.16–1.18×), session 39's
   second run met it everywhere (1.11–1.14×), session 41 ran it once in a slow host state (1.16–1.22×) and did not
   commit that run. The bound counts the linear and LM-head FLOPs only; attention's own products are left out, and

@@ -130,6 +130,22 @@ def test_read_stream_reads_everything():
         assert native.library().hf_read_stream(x.data_ptr(), x.numel(), threads) == pytest.approx(float(x.sum()))
 
 
+def test_fma_peak_is_a_rate_where_the_build_has_fma_and_none_elsewhere():
+    """``native.fma_peak``: GFLOP/s of register-only FMAs where the library was built for a CPU with AVX-512F or
+    AVX2 + FMA, None without the library or without those instructions; two runs of the probe each give a rate."""
+    from hetforge import cpuinfo
+
+    lib = native.library()
+    got = native.fma_peak(1, seconds=0.005, repeats=2)
+    flags = set(cpuinfo.flag_text(cpuinfo.fields()).split())
+    has_fma = "-march=native" in native.status().flags and ("avx512f" in flags or {"avx2", "fma"} <= flags)
+    if lib is None or not has_fma:
+        assert got is None
+        return
+    assert got is not None and 0 < got < float("inf")
+    assert lib.hf_fma_peak(1, 10) > 0  # a short run times something too
+
+
 def test_an_unwritable_cache_is_a_reason_not_a_crash(fresh_state, monkeypatch, tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("")

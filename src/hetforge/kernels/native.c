@@ -1026,6 +1026,58 @@ float hf_read_stream(const float *a, long n, int threads) {
     return total;
 }
 
+/* ---------------------------------------------------------------- FMA peak probe
+ * The arithmetic ceiling a GEMM bound can be held against: ``threads`` threads at once (torch's OpenMP team) each
+ * run ``iters`` rounds of 16 independent fused multiply-adds on registers only (no loads: nothing but the FMA
+ * units), 512-bit where the build has AVX-512F, else 256-bit with FMA3. Returns the GFLOP/s of all threads
+ * together (2 FLOPs per lane per FMA; wall time between two barriers), or -1 where the build has neither. */
+#if defined(__AVX512F__)
+#define FMA_LANES 16
+#define FMA_REG(n) "%%zmm" #n
+#elif defined(__AVX2__) && defined(__FMA__)
+#define FMA_LANES 8
+#define FMA_REG(n) "%%ymm" #n
+#endif
+double hf_fma_peak(int threads, long iters) {
+#ifdef FMA_LANES
+    threads = clamp_threads(threads);
+    double t0 = 0., t1 = 0.;
+#pragma omp parallel num_threads(threads)
+    {
+#pragma omp barrier
+#pragma omp master
+        t0 = omp_get_wtime();
+        long n = iters;
+#define FMA4(a, b, c, d) "vfmadd231ps " FMA_REG(14) ", " FMA_REG(15) ", " FMA_REG(a) "\n\t"                     \
+                         "vfmadd231ps " FMA_REG(14) ", " FMA_REG(15) ", " FMA_REG(b) "\n\t"                     \
+                         "vfmadd231ps " FMA_REG(14) ", " FMA_REG(15) ", " FMA_REG(c) "\n\t"                     \
+                         "vfmadd231ps " FMA_REG(14) ", " FMA_REG(15) ", " FMA_REG(d) "\n\t"
+#define FMA_ZERO(a) "vxorps " FMA_REG(a) ", " FMA_REG(a) ", " FMA_REG(a) "\n\t"
+        /* every register zeroed first: whatever a register held could be a denormal, which some CPUs multiply
+         * slowly */
+        __asm__ volatile(FMA_ZERO(0) FMA_ZERO(1) FMA_ZERO(2) FMA_ZERO(3) FMA_ZERO(4) FMA_ZERO(5) FMA_ZERO(6)
+                         FMA_ZERO(7) FMA_ZERO(8) FMA_ZERO(9) FMA_ZERO(10) FMA_ZERO(11) FMA_ZERO(12) FMA_ZERO(13)
+                         FMA_ZERO(14) FMA_ZERO(15)
+                         "1:\n\t" FMA4(0, 1, 2, 3) FMA4(4, 5, 6, 7) FMA4(8, 9, 10, 11) FMA4(12, 13, 0, 1)
+                         "dec %0\n\t"
+                         "jnz 1b\n\t"
+                         : "+r"(n)
+                         :
+                         : "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10",
+                           "xmm11", "xmm12", "xmm13", "xmm14", "xmm15", "cc");
+#undef FMA4
+#undef FMA_ZERO
+#pragma omp barrier
+#pragma omp master
+        t1 = omp_get_wtime();
+    }
+    return t1 > t0 ? (double)threads * (double)iters * 16. * FMA_LANES * 2. / (t1 - t0) / 1e9 : -1.;
+#else
+    (void)threads, (void)iters;
+    return -1.;
+#endif
+}
+
 /* ---------------------------------------------------------------- decode-step row ops
  * The small per-token ops between the GEMVs. In ATen each is 3-6 kernel calls of ~3 µs dispatch on a
  * 768-float row; here each is one call. Elementwise ones are bit-equal to ATen's chains (the library is

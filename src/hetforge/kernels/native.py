@@ -83,6 +83,7 @@ SIGNATURES = {
     "hf_decode_attention": [_P, _P, _P, _P, _P, _P, _P, _P, _P, _L, _L, _L, _L, _F, _I],
     "hf_prefill_attention": [_P, _P, _P, _P, _P, _P, _P, _I, _I, _F, _I, _I],
     "hf_read_stream": [_P, _L, _I],
+    "hf_fma_peak": [_I, _L],
     "hf_linear_act": [_P, _P, _P, _P, _L, _L, _I, _I, _I, _P, _I],
     "hf_gated_mlp": [_P, _P, _P, _P, _P, _P, _L, _L, _I, _I],
     "hf_gemv_q8": [_P, _P, _P, _P, _P, _L, _L, _I, _I],
@@ -125,6 +126,7 @@ SIGNATURES = {
     "hf_run_calls": [_P, ctypes.c_int64, _I, _P],
 }
 RESTYPES = {  # the functions that return a value (every other one returns void)
+    "hf_fma_peak": ctypes.c_double,
     "hf_read_stream": _F, "hf_q8a_path": _I, "hf_bf16_path": _I, "hf_prefill_attention": _I, "hf_gemv_nk_multi": _I,
     "hf_prefill_attention_bf16_products": _I,
     "hf_gemv_q8a": _I, "hf_gemm_q8a": _I,  # 0, or -1: scratch not allocated
@@ -470,6 +472,31 @@ def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: torch
         n, k = w.shape
         lib.hf_gemv_nk(w.data_ptr(), x.data_ptr(), _ptr(bias), out.data_ptr(), n, k, threads)
     return out
+
+
+def fma_peak(threads: int | None = None, seconds: float = 0.05, repeats: int = 5) -> float | None:
+    """The FMA units' ceiling in GFLOP/s (measured): ``threads`` threads at once (torch's count by default), each
+    running independent fused multiply-adds on registers only (``hf_fma_peak``: 512-bit with AVX-512, else 256-bit
+    FMA3), best of ``repeats`` runs of about ``seconds`` each. A GEMM can at most reach it, so it tells how close
+    a measured GEMM peak (the bound ``hetforge calibrate`` uses) sits to the hardware. None without the library
+    or a build with neither instruction set."""
+    lib = library()
+    if lib is None:
+        return None
+    n = max(1, torch.get_num_threads() if threads is None else threads)
+    iters = 1000
+    first = lib.hf_fma_peak(n, iters)
+    if first <= 0:
+        return None
+    while True:  # iterations for about ``seconds`` a run
+        t0 = time.perf_counter()
+        lib.hf_fma_peak(n, iters)
+        took = time.perf_counter() - t0
+        if took >= seconds / 4 or iters > 1 << 34:
+            break
+        iters *= 4
+    iters = max(1, int(iters * seconds / max(took, 1e-6)))
+    return max(lib.hf_fma_peak(n, iters) for _ in range(max(1, repeats)))
 
 
 def panel_available() -> bool:
