@@ -164,6 +164,11 @@ def test_calibrate_quick_writes_valid_profile(tmp_path, monkeypatch):
         assert key in cpu.efficiency, key
     assert {"seq:first", "seq:first-tau", "matmul:per-row"} <= set(cpu.overhead_s)
     assert cpu.cache_bytes > 0 and "sysfs" in cpu.sources["cache_bytes"]["source"]
+    # the fp32 peak names the FMA units' ceiling where the native probe runs, and the share of it reached
+    from hetforge.kernels import native
+
+    fp32_src = cpu.sources["peak_flops.fp32"]["source"]
+    assert ("FMA units' ceiling" in fp32_src) == (native.fma_peak(1, seconds=0.002, repeats=1) is not None)
     assert "measured" in cpu.sources["mem_bandwidth"]["source"]
     monkeypatch.setenv("HETFORGE_HOST_PROFILE", str(out))
     assert load_soc("host").calibrated

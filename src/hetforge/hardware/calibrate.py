@@ -5,7 +5,9 @@ Micro-benchmarks (each timed as the best of several runs after a warm-up, on the
 processes only adds time):
 
 * GEMM throughput per dtype — ``2·M·N·K / t`` for square fp32 and bf16 ``torch.mm`` at several sizes, int8 via
-  ``torch._int_mm`` and ``aten._weight_int8pack_mm`` (best of both); the peak is the best size.
+  ``torch._int_mm`` and ``aten._weight_int8pack_mm`` (best of both); the peak is the best size. The fp32 peak's
+  source also names the FMA units' ceiling (:func:`hetforge.kernels.native.fma_peak`: register-only FMAs on every
+  thread) and the share of it the peak reached, so a GEMM bound can be read against the hardware.
 * memory bandwidth — the profile's ``mem_bandwidth`` is the read bandwidth β_read, measured by the one
   documented method of :mod:`hetforge.hardware.bandwidth` (distinct buffers totalling ≥ 8× the last-level
   cache, read in turn as the GEMVs read, per buffer the best of the passes). Copy (``b.copy_(a)``, ``2·n·s``
@@ -85,6 +87,7 @@ class Measured:
     clock: str = "wall"
     bw_read: float = 0.0  # β_read (hetforge.hardware.bandwidth): the profile's mem_bandwidth
     read: ReadBandwidth | None = None  # how β_read was measured (method, buffers, passes, threads)
+    fma_flops: float = 0.0  # the FMA units' ceiling (native.fma_peak, FLOP/s; 0: not measured)
 
 
 def _best_time(fn: Callable[[], object], min_reps: int, budget_s: float,
@@ -925,6 +928,7 @@ def _measure(quick: bool, tick: Progress) -> Measured:
     disp = _dispatch(budget)
     tick("dispatch overhead")
     peak = max(gemm["fp32"].values())
+    fma = native.fma_peak(seconds=0.01 if quick else 0.05, repeats=3 if quick else 5)
     try:
         eff, over, samples = _fit_efficiency(peak, read.bytes_per_s, disp, quick, budget / 2, tick)
     finally:
@@ -947,7 +951,7 @@ def _measure(quick: bool, tick: Progress) -> Measured:
     over.update(_native_act_costs(quick))
     tick("native activations")
     return Measured(gemm, bw_copy, bw_triad, disp, eff, samples, time.perf_counter() - t0, torch.get_num_threads(),
-                    over, bw_read=read.bytes_per_s, read=read)
+                    over, bw_read=read.bytes_per_s, read=read, fma_flops=(fma or 0.0) * 1e9)
 
 
 def n_steps(quick: bool) -> int:
@@ -972,8 +976,12 @@ def host_spec(m: Measured, quick: bool) -> SocSpec:
     def meas(v: float, what: str) -> PositiveFigure:
         return PositiveFigure(value=v, source=f"{tag}: {what}")
 
+    fma = (f"; the FMA units' ceiling (register-only FMAs on every thread, native.fma_peak) {m.fma_flops / 1e9:.1f} "
+           f"GFLOP/s, this peak {max(m.gemm['fp32'].values()) / m.fma_flops:.0%} of it"
+           if m.fma_flops > 0 and "fp32" in m.gemm else "")
     peak = {dt: meas(max(r.values()), "fastest kernel (ATen; oneDNN prepacked for fp32/bf16) per n×n×n, "
-                     "best of " + ", ".join(f"{k}: {v / 1e9:.1f} GFLOP/s" for k, v in r.items()))
+                     "best of " + ", ".join(f"{k}: {v / 1e9:.1f} GFLOP/s" for k, v in r.items())
+                     + (fma if dt == "fp32" else ""))
             for dt, r in m.gemm.items()}
     dev = DeviceSpec(
         name="cpu", kind="cpu", peak_flops=peak,
