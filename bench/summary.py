@@ -1409,9 +1409,9 @@ def why_we_lose(peers: J, kf: J, pg: J) -> str:
     fma_text = ""
     if pg.has("fma") and pg["fma"].value:
         fma = pg["fma"].f("gflops")
-        fma_text = (f" That peak is {peak / fma:.0%} of the FMA units' ceiling measured in the same run ({fma:.0f} "
-                    "GFLOP/s: register-only FMAs on both threads, no loads), so 1.15× asks the whole prefill to run "
-                    f"its GEMM FLOPs at ≥ {peak / fma / 1.15:.0%} of what the FMA units do with nothing but FMAs.")
+        fma_text = (f"\n  That peak is {peak / fma:.0%} of the FMA units' ceiling measured in the same run ({fma:.0f} "
+                    "GFLOP/s: register-only FMAs\n  on both threads, no loads), so 1.15× asks the whole prefill to run "
+                    f"its GEMM FLOPs at ≥ {peak / fma / 1.15:.0%} of\n  what the FMA units do with nothing but FMAs.")
     return f"""## Why hetforge loses where it loses
 
 - **Prefill vs OpenVINO / ONNX Runtime:** the multi-row products run packed GEMMs chosen at build time (fp32: the
