@@ -1029,8 +1029,9 @@ float hf_read_stream(const float *a, long n, int threads) {
 /* ---------------------------------------------------------------- FMA peak probe
  * The arithmetic ceiling a GEMM bound can be held against: ``threads`` threads at once (torch's OpenMP team) each
  * run ``iters`` rounds of 16 independent fused multiply-adds on registers only (no loads: nothing but the FMA
- * units), 512-bit where the build has AVX-512F, else 256-bit with FMA3. Returns the GFLOP/s of all threads
- * together (2 FLOPs per lane per FMA; wall time between two barriers), or -1 where the build has neither. */
+ * units), 512-bit where the build has AVX-512F, else 256-bit with FMA3 (one thread in a forked child, as
+ * hf_run_team). Returns the GFLOP/s of all threads together (2 FLOPs per lane per FMA; wall time between two
+ * barriers), or -1 where the build has neither. */
 #if defined(__AVX512F__)
 #define FMA_LANES 16
 #define FMA_REG(n) "%%zmm" #n
@@ -1040,7 +1041,8 @@ float hf_read_stream(const float *a, long n, int threads) {
 #endif
 double hf_fma_peak(int threads, long iters) {
 #ifdef FMA_LANES
-    threads = clamp_threads(threads);
+    /* one thread in a forked child: a region of two threads there hangs once the parent had started the team */
+    threads = atomic_load_explicit(&forked_child, memory_order_relaxed) ? 1 : clamp_threads(threads);
     double t0 = 0., t1 = 0.;
 #pragma omp parallel num_threads(threads)
     {
