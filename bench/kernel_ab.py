@@ -10,7 +10,8 @@ bits, so no test saw it. This script builds both sources with the project's own 
   model has them) of at least 3 last-level caches, each library on weights packed by its own ``hf_pack_panels``;
 - the one-row products ``hf_gemv_nk`` and ``hf_gemv_kn`` over pools of the same size;
 - the prefill attention (``hf_prefill_attention``, causal: ``is_causal`` and the same pattern as a bool mask) on two
-  calibration head layouts at 16, 128 and 512 rows;
+  calibration head layouts at 16, 128 and 512 rows, and in bf16 (``is_causal``, its bf16-product path: AMX or
+  AVX512-BF16 where the CPU has them);
 - the decode attention (``hf_decode_attention``, fp32, and ``hf_decode_attention_bf16``) of one new row on the same
   layouts, over caches of 256 and 1024 positions with the first three quarters written (the rest hidden by the
   mask, as in a decode step), each call on the next cache of a pool of at least 3 last-level caches: in a decode
@@ -172,7 +173,30 @@ def attention_cases(libs: dict[str, ctypes.CDLL], threads: int) -> list[dict]:
                 how = "bool causal mask" if masked else "is_causal"
                 cases.append({"case": f"prefill attention {h}/{hkv}x{d}, {rows} rows, {how}", "call": call,
                               "outs": outs})
+            cases.append(_bf16_attention_case(libs, threads, g, h, hkv, d, rows))
     return cases
+
+
+def _bf16_attention_case(libs: dict[str, ctypes.CDLL], threads: int, g: torch.Generator, h: int, hkv: int, d: int,
+                         rows: int) -> dict:
+    """The same layout in bf16, ``is_causal``, its bf16-product path allowed (AMX tiles or AVX512-BF16 dot products
+    where the CPU has them, else the widened FMAs: the case name says which)."""
+    qkv = torch.randn(1, rows, (h + 2 * hkv) * d, generator=g).to(torch.bfloat16)
+    q = qkv[..., : h * d].view(1, rows, h, d).transpose(1, 2)
+    k = qkv[..., h * d: (h + hkv) * d].view(1, rows, hkv, d).transpose(1, 2)
+    v = qkv[..., (h + hkv) * d:].view(1, rows, hkv, d).transpose(1, 2)
+    q, k, v, _, dims, strides, kind = native._prefill_attention_args(q, k, v, None, True)
+    outs = {name: [torch.empty(1, h, rows, d, dtype=torch.bfloat16)] for name in libs}
+
+    def call(name: str) -> None:
+        rc = libs[name].hf_prefill_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), None, outs[name][0].data_ptr(),
+                                             dims, strides, kind, 1, d ** -0.5, threads, 2)
+        if rc:
+            raise SystemExit(f"error: hf_prefill_attention (bf16) returned {rc} in the {name} build")
+
+    path = native.prefill_attention_bf16_products()
+    return {"case": f"prefill attention bf16 ({path}) {h}/{hkv}x{d}, {rows} rows, is_causal", "call": call,
+            "outs": outs}
 
 
 def decode_cases(libs: dict[str, ctypes.CDLL], threads: int) -> list[dict]:

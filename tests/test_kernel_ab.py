@@ -37,8 +37,9 @@ def test_kernel_ab_builds_both_sources_and_times_every_case_with_the_bits_compar
     assert any(c.startswith("panel GEMM, 8 rows") for c in cases)
     assert any(c.startswith("one-row nk") for c in cases) and any(c.startswith("one-row split-K") for c in cases)
     att = [c for c in cases if c.startswith("prefill attention")]
-    assert len(att) == 12  # 2 layouts x 16/128/512 rows x (is_causal, a causal bool mask)
-    assert sum(c.endswith("bool causal mask") for c in att) == 6 and sum(c.endswith("is_causal") for c in att) == 6
+    assert len(att) == 18  # 2 layouts x 16/128/512 rows x (fp32 is_causal, fp32 causal bool mask, bf16 is_causal)
+    assert sum(c.endswith("bool causal mask") for c in att) == 6 and sum(c.endswith("is_causal") for c in att) == 12
+    assert sum(c.startswith("prefill attention bf16 (") for c in att) == 6
     dec = [c for c in cases if c.startswith("decode attention")]
     assert len(dec) == 8  # fp32 and bf16 x 2 layouts x caches of 256 and 1024 positions
     assert sum(" bf16 " in c for c in dec) == 4 and sum(c.endswith("cache 1024") for c in dec) == 4

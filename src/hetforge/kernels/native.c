@@ -3969,9 +3969,9 @@ static void pa_small(const pa_ctx *a, long b) {
  * product does 16 x 16 x 32 per instruction, so at a prompt's sizes the attention is dominated by the packing and
  * the softmax instead of the products (docs/arch/runtime.md has the figures).
  * How: a first pass packs each kv head's keys into B tiles in the VNNI layout tdpbf16ps reads (per 16 keys and 32
- * dims: 16 rows of 16 (key, dim pair) dwords, gathered from the strided rows; zero past s) and its values likewise
- * (per 32 keys and 16 value columns: 16 rows of 16 (key pair, column) dwords: two value rows interleaved; zero
- * past s). A task is (batch, head, 16 query rows): its q rows are copied into a zero-padded tile; the scores of
+ * dims: 16 rows of 16 (key, dim pair) dwords, transposed in registers from the strided rows; zero past s) and its
+ * values likewise (per 32 keys and 16 value columns: 16 rows of 16 (key pair, column) dwords: two value rows
+ * interleaved; zero past s). A task is (batch, head, 16 query rows): its q rows are copied into a zero-padded tile; the scores of
  * every visible key (up to the diagonal for is_causal) go to fp32 scratch, scaled; each row's softmax is computed
  * exactly (the row's max, exponentials, their fp32 sum); the exponentials are rounded to bf16 (the p operand, as
  * SDPA's bf16 CPU kernel rounds its p before its p·v product) and multiplied with the values into fp32
@@ -4004,17 +4004,20 @@ static void pam_pack(void *p, long t) {
     long bi = t / a->hkv, kh = t % a->hkv, kd = a->d / 32, vd = a->dv / 16;
     const hf_bf16 *K = a->k + bi * a->ks[0] + kh * a->ks[1], *V = a->v + bi * a->vs[0] + kh * a->vs[1];
     uint32_t *kp = a->kp + (size_t)t * a->sg * kd * 256, *vp = a->vp + (size_t)t * (a->s32 / 32) * vd * 256;
-    /* keys: tile (g, c) row r = the dword (dims 32c + 2r, 32c + 2r + 1) of keys 16g .. 16g + 15 */
-    const __m512i kidx = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                            _mm512_set1_epi32((int)a->ks[2]));
+    /* keys: tile (g, c) row r = the dword (dims 32c + 2r, 32c + 2r + 1) of keys 16g .. 16g + 15: the 16 keys' 64
+     * bytes of dims 32c.. as 16 dwords each, a 16 x 16 dword transpose in registers (pa_tr16 moves the bits as
+     * floats; zeros for keys past s). Gathering each row's 16 dwords from the strided keys took longer. */
     for (long g = 0; g < a->sg; g++) {
-        __mmask16 km = mask16(a->s - 16 * g);
+        long live = a->s - 16 * g < 16 ? a->s - 16 * g : 16;
         for (long c = 0; c < kd; c++) {
             const hf_bf16 *base = K + 16 * g * a->ks[2] + 32 * c;
             uint32_t *tile = kp + (g * kd + c) * 256;
-            for (int r = 0; r < 16; r++) /* scale 2: the key stride in bf16 elements, any parity */
-                _mm512_storeu_si512(tile + 16 * r, _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), km, kidx,
-                                                                               base + 2 * r, 2));
+            __m512 rows[16];
+            for (long r = 0; r < 16; r++)
+                rows[r] = r < live ? _mm512_castsi512_ps(_mm512_loadu_si512((const void *)(base + r * a->ks[2])))
+                                   : _mm512_setzero_ps();
+            pa_tr16(rows);
+            for (int r = 0; r < 16; r++) _mm512_storeu_si512(tile + 16 * r, _mm512_castps_si512(rows[r]));
         }
     }
     /* values: tile (j, u) row r = (v[32j + 2r][16u + c], v[32j + 2r + 1][16u + c]) for c < 16 */
@@ -4242,7 +4245,6 @@ static int hf_prefill_attention_amx(const void *q, const void *k, const void *v,
     pam_ctx a = {q, k, v, out, NULL, NULL, NULL, 0, dims[1], dims[2], dims[3], dims[4], d, dv, 0, 0, 0,
                  {strides[0], strides[1], strides[2]}, {strides[3], strides[4], strides[5]},
                  {strides[6], strides[7], strides[8]}, {strides[13], strides[14], strides[15]}, causal, scale};
-    if (a.ks[2] > INT_MAX / 16) return -3; /* the key gather's offsets are int32 */
     a.nqb = (a.l + 15) / 16;
     a.sg = (a.s + 15) / 16;
     a.s32 = (a.s + 31) / 32 * 32;
