@@ -3968,16 +3968,16 @@ static void pa_small(const pa_ctx *a, long b) {
  * Why: the FMA kernel widens every bf16 operand and multiplies in fp32 at 16 products per instruction; a tile
  * product does 16 x 16 x 32 per instruction, so at a prompt's sizes the attention is dominated by the packing and
  * the softmax instead of the products (docs/arch/runtime.md has the figures).
- * How: a first pass packs each kv head's keys into B tiles in the VNNI layout tdpbf16ps reads (per 16 keys and 32
- * dims: 16 rows of 16 (key, dim pair) dwords, transposed in registers from the strided rows; zero past s) and its
- * values likewise (per 32 keys and 16 value columns: 16 rows of 16 (key pair, column) dwords: two value rows
- * interleaved; zero past s). A task is (batch, head, 16 query rows): its q rows are copied into a zero-padded tile; the scores of
- * every visible key (up to the diagonal for is_causal) go to fp32 scratch, scaled; each row's softmax is computed
- * exactly (the row's max, exponentials, their fp32 sum); the exponentials are rounded to bf16 (the p operand, as
- * SDPA's bf16 CPU kernel rounds its p before its p·v product) and multiplied with the values into fp32
- * accumulator tiles, four value column blocks at a time; the output is that sum over the fp32 sum of
- * exponentials, rounded once to bf16. Scratch: the packed keys/values per call, the scores and p per thread
- * (kept between calls). Returns -3 where AMX is not usable (the caller runs the FMA path). */
+ * How: a first pass packs each kv head's keys into B tiles in the VNNI layout tdpbf16ps reads (per 16 keys and 32 dims:
+ * 16 rows of 16 (key, dim pair) dwords, transposed in registers from the strided rows; zero past s) and its values
+ * likewise (per 32 keys and 16 value columns: 16 rows of 16 (key pair, column) dwords: two value rows interleaved; zero
+ * past s). A task is (batch, head, 16 query rows): its q rows are copied into a zero-padded tile; the scores of every
+ * visible key (up to the diagonal for is_causal) go to fp32 scratch, scaled; each row's softmax is computed exactly
+ * (the row's max, exponentials, their fp32 sum); the exponentials are rounded to bf16 (the p operand, as SDPA's bf16
+ * CPU kernel rounds its p before its p·v product) and multiplied with the values into fp32 accumulator tiles, four
+ * value column blocks at a time; the output is that sum over the fp32 sum of exponentials, rounded once to bf16.
+ * Scratch: the packed keys/values per call, the scores and p per thread (kept between calls). Returns -3 where AMX is
+ * not usable (the caller runs the FMA path). */
 #ifndef PAM_ONE_THREAD
 #define PAM_ONE_THREAD (1L << 22) /* products (b·h·l·s·(d + dv)) below which the AMX attention runs on one thread */
 #endif
