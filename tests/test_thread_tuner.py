@@ -3,7 +3,6 @@
 from collections.abc import Callable
 from typing import Any
 
-import pytest
 import torch
 
 from hetforge.runtime.threads import ThreadTuner
@@ -208,11 +207,15 @@ def test_others_running_counts_another_process_but_not_this_ones_threads():
     from hetforge.runtime.threads import others_running
 
     if others_running() is None:
-        # others_running answers None by design in two places, and then there is no count to compare: without
-        # Linux's /proc/loadavg and /proc/self/task, and on a cpuset narrower than the machine (a container), where
-        # the machine-wide count would include other tenants' CPUs (that answer has its own test below)
-        pytest.skip("others_running gives no reading here by design: no Linux /proc, or this process is on a "
-                    "cpuset narrower than the machine (tested by ..._no_reading_on_a_subset_of_the_cpus)")
+        # no count to compare: others_running answers None by design in two places only, and one must hold here
+        # (without Linux's /proc/loadavg and /proc/self/task; on a cpuset narrower than the machine, a container,
+        # where the machine-wide count would include other tenants' CPUs: its own test below)
+        import os
+        from pathlib import Path
+
+        narrow = hasattr(os, "sched_getaffinity") and len(os.sched_getaffinity(0)) < (os.cpu_count() or 0)
+        assert narrow or not (Path("/proc/loadavg").is_file() and Path("/proc/self/task").is_dir())
+        return
 
     def reads() -> float:
         got = [others_running() for _ in range(15)]
@@ -250,15 +253,12 @@ def test_others_running_counts_another_process_but_not_this_ones_threads():
 def test_others_running_gives_no_reading_on_a_subset_of_the_cpus(monkeypatch):
     """On a cpuset (a container's CPUs, or taskset) the machine-wide running count would count tasks on CPUs this
     process cannot use as neighbours: no reading, so a prefill keeps the decode steps' count."""
-    import os
 
     from hetforge.runtime import threads
 
-    if not hasattr(os, "sched_getaffinity"):
-        # without os.sched_getaffinity (not Linux) there is no cpuset to find, and others_running never takes the
-        # branch this test checks (it answers None there for want of /proc anyway)
-        pytest.skip("os.sched_getaffinity is missing on this platform (not Linux): there is no cpuset to detect")
-    monkeypatch.setattr(threads.os, "cpu_count", lambda: len(os.sched_getaffinity(0)) + 8)
+    # a process allowed CPU 0 of a machine of 8 (os.sched_getaffinity is set here too: absent off Linux)
+    monkeypatch.setattr(threads.os, "sched_getaffinity", lambda pid: {0}, raising=False)
+    monkeypatch.setattr(threads.os, "cpu_count", lambda: 8)
     assert threads.others_running() is None
 
 
