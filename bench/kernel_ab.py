@@ -145,6 +145,14 @@ def gemv_cases(libs: dict[str, ctypes.CDLL], threads: int) -> list[dict]:
     return cases
 
 
+def _qkv_views(qkv: torch.Tensor, h: int, hkv: int, d: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v as a program hands them over: transposed views ``[1, heads, rows, d]`` of one fused projection."""
+    rows = qkv.shape[1]
+    q = qkv[..., : h * d].view(1, rows, h, d).transpose(1, 2)
+    k = qkv[..., h * d: (h + hkv) * d].view(1, rows, hkv, d).transpose(1, 2)
+    return q, k, qkv[..., (h + hkv) * d:].view(1, rows, hkv, d).transpose(1, 2)
+
+
 def attention_cases(libs: dict[str, ctypes.CDLL], threads: int) -> list[dict]:
     """Causal attention on each calibration layout and row count, once with ``is_causal`` and once with the causal
     pattern as a bool mask (as GPT-2's graphs pass it)."""
@@ -153,10 +161,7 @@ def attention_cases(libs: dict[str, ctypes.CDLL], threads: int) -> list[dict]:
     for h, hkv, d in ATTENTION:
         for rows in ATTENTION_ROWS:
             for masked in (False, True):
-                qkv = torch.randn(1, rows, (h + 2 * hkv) * d, generator=g)
-                q = qkv[..., : h * d].view(1, rows, h, d).transpose(1, 2)
-                k = qkv[..., h * d: (h + hkv) * d].view(1, rows, hkv, d).transpose(1, 2)
-                v = qkv[..., (h + hkv) * d:].view(1, rows, hkv, d).transpose(1, 2)
+                q, k, v = _qkv_views(torch.randn(1, rows, (h + 2 * hkv) * d, generator=g), h, hkv, d)
                 mask = torch.ones(rows, rows, dtype=torch.bool).tril().view(1, 1, rows, rows) if masked else None
                 q, k, v, mask, dims, strides, kind = native._prefill_attention_args(q, k, v, mask, not masked)
                 outs = {name: [torch.empty(1, h, rows, d)] for name in libs}
@@ -181,10 +186,7 @@ def _bf16_attention_case(libs: dict[str, ctypes.CDLL], threads: int, g: torch.Ge
                          rows: int) -> dict:
     """The same layout in bf16, ``is_causal``, its bf16-product path allowed (AMX tiles or AVX512-BF16 dot products
     where the CPU has them, else the widened FMAs: the case name says which)."""
-    qkv = torch.randn(1, rows, (h + 2 * hkv) * d, generator=g).to(torch.bfloat16)
-    q = qkv[..., : h * d].view(1, rows, h, d).transpose(1, 2)
-    k = qkv[..., h * d: (h + hkv) * d].view(1, rows, hkv, d).transpose(1, 2)
-    v = qkv[..., (h + hkv) * d:].view(1, rows, hkv, d).transpose(1, 2)
+    q, k, v = _qkv_views(torch.randn(1, rows, (h + 2 * hkv) * d, generator=g).to(torch.bfloat16), h, hkv, d)
     q, k, v, _, dims, strides, kind = native._prefill_attention_args(q, k, v, None, True)
     outs = {name: [torch.empty(1, h, rows, d, dtype=torch.bfloat16)] for name in libs}
 

@@ -16,8 +16,8 @@ probe that loses doubles the interval to the next (up to 8× on the requested co
 catches; 4× on one thread, where only a probe sees the core come free) and ends early, as lost, once a counted
 step is clearly slower. Medians, not a moving average, so that one descheduled step neither triggers a switch nor
 blocks one; each request's first decode step is left out, and the spike rule waits for a few steps. The tuner
-lives on the engine: a request's prefill runs with the count its decode steps last found faster (one thread while
-other tasks hold the cores: below). Off with ``HETFORGE_ADAPT_THREADS=0``; torch's thread count is restored when the
+lives on the engine: a request's prefill runs with the count its decode steps last found faster (or on the cores
+other tasks leave free: below). Off with ``HETFORGE_ADAPT_THREADS=0``; torch's thread count is restored when the
 request ends.
 
 Probes run whatever else the machine is running. An earlier version postponed a probe of the requested count from
