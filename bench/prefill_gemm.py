@@ -12,7 +12,17 @@ fused ``hetforge::linear_act``/``gated_mlp``, each instruction's registered FLOP
 products, best over n — measured here in the same process at the bench's thread count; a prefill below 1.0×
 of it would mean the peak is wrong. It leaves out attention, norms and elementwise ops, so it is a lower bound.
 The FMA units' ceiling (``native.fma_peak``: register-only fused multiply-adds on every thread at once) is
-measured before and after the rest, to show how close that GEMM peak sits to the hardware.
+probed at the start, after each n of the peaks and at the end (best of the probes), to show how close that GEMM
+peak sits to the hardware; probing next to the peak's own measurements keeps a swing in the host's speed from
+putting the peak above the ceiling.
+
+Where the time goes (``--perf SECONDS``, on by default where Linux ``perf`` may sample this process: bench/_perf.py):
+the measured-choice program is called in a loop for that long while ``perf record`` samples its threads, and the
+samples are sorted into GEMM code (oneDNN's JIT products, the native product kernels) and everything else (X
+packing, attention, norms, OpenMP waits, Python, ATen, oneDNN's driver code). With g the GEMM code's share and r the
+prefill ÷ bound, two figures follow (derived, assuming the best call had the sampled window's shares): the GEMM
+code's own rate, 1/(g·r) of the bound's peak, and the ratio left if every GEMM ran at that peak with the rest
+unchanged, 1 + (1 − g)·r: the part of the distance to the bound that no GEMM kernel can remove.
 
     .venv/bin/python bench/prefill_gemm.py [--models gpt2,llama-110m] [--seqs 128,512] [--rounds 7] [--threads 2]
 """
@@ -26,6 +36,7 @@ import shlex
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -57,23 +68,34 @@ def gemm_flops(program) -> float:
     return total
 
 
-def peak_flops(dtype: str) -> dict:
-    """``hetforge calibrate``'s GEMM peak for ``dtype``: best 2·n³/t over its kernels and n (measured)."""
+def peak_flops(dtype: str, between: Callable[[], object] = lambda: None) -> dict:
+    """``hetforge calibrate``'s GEMM peak for ``dtype``: best 2·n³/t over its kernels and n (measured); ``between``
+    runs after each n (the FMA ceiling's probe, so that it samples the host's speed where the peak does)."""
     from hetforge.hardware.calibrate import _gemm
 
-    by_n = {n: _gemm(dtype, n, 2.0) for n in PEAK_SIZES}
+    by_n = {}
+    for n in PEAK_SIZES:
+        by_n[n] = _gemm(dtype, n, 2.0)
+        between()
     return {"gflops": round(max(by_n.values()) / 1e9, 1), "by_n": {n: round(v / 1e9, 1) for n, v in by_n.items()}}
 
 
-def run(models: list[str], seqs: list[int], rounds: int, threads: int, bf16: bool) -> dict:
+def run(models: list[str], seqs: list[int], rounds: int, threads: int, bf16: bool, perf_s: float = 0.0) -> dict:
     from hetforge.compile import compile_graph
     from hetforge.frontend import capture
     from hetforge.kernels import native, onednn
     from hetforge.models.zoo import example_inputs, load_model
 
     torch.set_num_threads(threads)
-    fma_before = native.fma_peak(threads)
-    peaks = {"fp32": peak_flops("fp32"), **({"bf16": peak_flops("bf16")} if bf16 else {})}
+    fma_probes: list[float] = []
+
+    def fma_probe() -> None:
+        got = native.fma_peak(threads)
+        if got is not None:
+            fma_probes.append(got)
+
+    fma_probe()
+    peaks = {"fp32": peak_flops("fp32", fma_probe), **({"bf16": peak_flops("bf16", fma_probe)} if bf16 else {})}
     rows = []
     for name in models:
         loaded = load_model(name)
@@ -124,12 +146,16 @@ def run(models: list[str], seqs: list[int], rounds: int, threads: int, bf16: boo
             if bf16:
                 row["bound_ms"]["bf16"] = round(gflop_bf16 / peaks["bf16"]["gflops"] * 1e3, 2)
                 row["over_bound_best"]["bf16"] = round(row["best_ms"]["hetforge-bf16"] / row["bound_ms"]["bf16"], 3)
+            if perf_s > 0:
+                from _perf import perf_shares
+
+                with torch.no_grad():
+                    row["perf"] = perf_shares(lambda e=exes["auto"][0], x=inputs: e(*x), perf_s)
             rows.append(row)
             print(json.dumps(row))
-    fma_after = native.fma_peak(threads)
-    fma = None if fma_before is None or fma_after is None else {
-        "gflops": round(max(fma_before, fma_after), 1), "before": round(fma_before, 1),
-        "after": round(fma_after, 1), "threads": threads}
+    fma_probe()
+    fma = None if not fma_probes else {
+        "gflops": round(max(fma_probes), 1), "probes": [round(v, 1) for v in fma_probes], "threads": threads}
     return {"rows": rows, "choices": onednn.measured_choices(), "peak": peaks, "fma": fma,
             "mkl_margin": onednn.margin_record() if onednn.mkl_available() else None}
 
@@ -172,12 +198,18 @@ def render(doc: dict) -> str:
     fma = doc.get("fma")
     if pk and fma and "fp32" in pk:
         share = pk["fp32"]["gflops"] / fma["gflops"]
-        out += ["", f"FMA ceiling (measured in the same run, before and after everything else: {fma['before']} and "
-                f"{fma['after']} GFLOP/s): {fma['threads']} threads at once running independent fused multiply-adds "
-                f"on registers only (`native.fma_peak`), no loads. The fp32 bound's peak is {share:.1%} of the better "
-                f"of the two, {fma['gflops']} GFLOP/s. A prefill within 1.15× of the bound therefore runs its "
-                f"GEMM FLOPs, with everything else included, at ≥ {share / 1.15:.1%} of what the FMA units can do "
-                "with nothing but FMAs."]
+        when = (f"before and after everything else: {fma['before']} and {fma['after']} GFLOP/s" if "probes" not in fma
+                else "at the start, after each n of the peaks and at the end: "
+                + ", ".join(f"{v:g}" for v in fma["probes"]) + " GFLOP/s")
+        out += ["", f"FMA ceiling (measured in the same run, {when}): {fma['threads']} threads at once running "
+                "independent fused multiply-adds on registers only (`native.fma_peak`), no loads. "
+                + (f"The fp32 bound's peak is {share:.1%} of the best probe, {fma['gflops']} GFLOP/s. A prefill within "
+                   f"1.15× of the bound therefore runs its GEMM FLOPs, with everything else included, at ≥ "
+                   f"{share / 1.15:.1%} of what the FMA units can do with nothing but FMAs." if share <= 1 else
+                   f"The fp32 bound's peak came out above the best probe ({share:.1%} of {fma['gflops']} GFLOP/s): "
+                   "the host's speed moved between the measurements (a GEMM cannot outrun the FMA units), so this "
+                   "run gives no ceiling to compare with.")]
+    out += _render_perf(doc)
     bf = [r for r in doc["rows"] if "hetforge-bf16" in r["best_ms"]]
     if bf:
         out += ["", "bf16 (same weights cast to bfloat16; KL against fp32 eager):", "",
@@ -213,6 +245,41 @@ def render(doc: dict) -> str:
     return "\n".join(out) + "\n"
 
 
+def _render_perf(doc: dict) -> list[str]:
+    """The page's section on where the measured-choice program's time goes (rows with a ``perf`` record)."""
+    from _perf import GEMM_CATEGORIES, gemm_share
+
+    rows = [r for r in doc["rows"] if "perf" in r]
+    if not rows:
+        return []
+    errors = sorted({r["perf"]["error"] for r in rows if "error" in r["perf"]})
+    rows = [r for r in rows if "shares" in r["perf"]]
+    out = ["", "## Where the time goes (measured: perf sampling; two columns derived)", ""]
+    if errors:
+        out += ["Not sampled: " + "; ".join(errors) + "."]
+    if not rows:
+        return out
+    cats = list(GEMM_CATEGORIES) + sorted({c for r in rows for c in r["perf"]["shares"]} - set(GEMM_CATEGORIES),
+                                          key=lambda c: -max(r["perf"]["shares"].get(c, 0.0) for r in rows))
+    p0 = rows[0]["perf"]
+    out += [f"The measured-choice program called in a loop for {p0['seconds']:g} s while `perf record -F {p0['freq']}` "
+            "sampled this process's threads (bench/_perf.py); each cell is the share of the samples. The OpenMP "
+            "runtime's samples are threads spinning at a barrier or between parallel regions (time without work). "
+            "`GEMM code` = the first two columns. `GEMM code's rate` = 1/(g·r) of the bound's peak and `ratio with "
+            "GEMMs at the peak` = 1 + (1 − g)·r, with g the GEMM code's share and r the prefill ÷ bound above: "
+            "derived, assuming the best call had the sampled window's shares.", "",
+            "| model | seq | ms per call while sampled | samples | " + " | ".join(cats)
+            + " | GEMM code | GEMM code's rate (of the peak) | ratio with GEMMs at the peak |",
+            "|" + "---|" * (7 + len(cats))]
+    for r in rows:
+        p, g = r["perf"], gemm_share(r["perf"])
+        ratio = r.get("over_bound_best", {}).get("fp32")
+        derived = (f"{1 / (g * ratio):.1%} | {1 + (1 - g) * ratio:.3f}" if ratio and g > 0 else "— | —")
+        out.append(f"| {r['model']} | {r['seq']} | {p['ms_per_call']} | {p['samples']} | "
+                   + " | ".join(f"{p['shares'].get(c, 0.0):.1%}" for c in cats) + f" | {g:.1%} | {derived} |")
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="gpt2,llama-110m")
@@ -220,6 +287,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--bf16", action="store_true", help="add bf16 rows (eager and hetforge), KL against fp32 eager")
+    ap.add_argument("--perf", type=float, default=4.0,
+                    help="seconds of perf sampling per model and length (0: none; skipped with a note where perf "
+                         "cannot sample)")
     ap.add_argument("--note", default="")
     ap.add_argument("--out", default=str(DOCS / "prefill_gemm.json"))
     ap.add_argument("--from-json", default="", help="regenerate the page from this JSON, measuring nothing")
@@ -229,7 +299,9 @@ def main() -> None:
         Path(a.from_json).with_suffix(".md").write_text(render(doc))
         return
     load_start = [round(x, 2) for x in os.getloadavg()]
-    doc = run(a.models.split(","), [int(s) for s in a.seqs.split(",")], a.rounds, a.threads, a.bf16)
+    if a.perf < 0:
+        raise SystemExit("error: --perf takes seconds of sampling, 0 or more")
+    doc = run(a.models.split(","), [int(s) for s in a.seqs.split(",")], a.rounds, a.threads, a.bf16, a.perf)
     from hetforge.hardware.isa import host_record
 
     doc["host"] = host_record()
