@@ -4723,6 +4723,7 @@ int hf_gemm_few_kn(const float *w, const float *x, const float *bias, float *y, 
 #define HF_PKB_FEW 16 /* k-steps per block for one or two row groups (panel_block) */
 #define HF_PPF 2048
 #define HF_PSUP 128
+#define HF_PSLICE_ROWS 32 /* the fewest rows of a row slice of a panel (panel_span) */
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -4737,7 +4738,9 @@ typedef struct {
     long n[HF_PSEG], j0[HF_PSEG + 1];
     int act;                /* ACT_* applied to each sum (hf_epilogue_act), then */
     const float *mul, *res; /* times mul[r, c], then plus res[r, c] ([m, n] dense; NULL: none; one segment only) */
-    long nc;                /* chunks: chunk c runs global panels [c * np / nc, (c + 1) * np / nc) */
+    long nc;                /* chunks: panel_span gives each one's panels and rows */
+    long ncm, npm;          /* the first ncm chunks: the first npm panels, HF_PCHUNK each, every row */
+    int slices;             /* then each of the last np - npm panels in this many row slices, a chunk apiece */
     int gated;              /* one segment, no mul: Y = act(X Wg^T + bg) * (X Wu^T + bu) (+ res), p[0] / bias[0] the */
     const float *pu, *bu;   /* gate's panels and bias, pu / bu the up product's (panel_chunk_gated) */
 } panel_ctx;
@@ -4929,6 +4932,25 @@ static void panel_store(const panel_ctx *a, int sg, const float *acc, long c0, l
     }
 }
 
+/* Chunk c's span: global panels [*j0, *j1) over rows [*ra, *rb). The team takes chunks dynamically (hf_run_team),
+ * so the first ncm chunks are runs of HF_PCHUNK panels over every row, as many as divide evenly among the threads
+ * (npm panels: a multiple of threads x HF_PCHUNK), and each panel left over is split into ``slices`` (the thread
+ * count) ranges of whole row groups, one chunk apiece, taken last. Why: with chunks of 3 and 4 panels (43 panels of
+ * a 2048-wide product in 12 near-equal runs) one thread was left a panel behind in most calls, and the other waited
+ * at the region's end: 5% of the two threads' time in llama-110m's gated products at 128 rows (one-off trace of
+ * the team's regions, docs/arch/runtime.md). Which rows run together does not change any output's chain of
+ * multiply-adds, so the bits do not change. */
+static inline void panel_span(const panel_ctx *a, long c, long *j0, long *j1, long *ra, long *rb) {
+    if (c < a->ncm) {
+        *j0 = c * a->npm / a->ncm, *j1 = (c + 1) * a->npm / a->ncm, *ra = 0, *rb = a->m;
+        return;
+    }
+    long t = c - a->ncm, sl = t % a->slices, groups = (a->m + HF_PMR - 1) / HF_PMR;
+    *j0 = a->npm + t / a->slices, *j1 = *j0 + 1;
+    *ra = sl * groups / a->slices * HF_PMR, *rb = (sl + 1) * groups / a->slices * HF_PMR;
+    if (*rb > a->m) *rb = a->m;
+}
+
 /* Chunk c's panels of a gated product (see panel_ctx): per row block, the gate's panel through all k-blocks into
  * gs, then the up product's into us (each sum the chain panel_chunk makes for it), then both through
  * panel_store. Why one call: the gate's result no longer goes to memory and back, and X is packed once.
@@ -4936,8 +4958,9 @@ static void panel_store(const panel_ctx *a, int sg, const float *acc, long c0, l
  * line, and plain products ran 5-9% slower (measured: docs/arch/runtime.md, session 35). */
 __attribute__((flatten)) static void panel_chunk_gated(void *ctx, long c) {
     const panel_ctx *a = ctx;
-    long k = a->k, m = a->m, q = (k + HF_PSTREAMS - 1) / HF_PSTREAMS, n = a->n[0];
-    long j0 = c * a->np / a->nc, j1 = (c + 1) * a->np / a->nc;
+    long k = a->k, q = (k + HF_PSTREAMS - 1) / HF_PSTREAMS, n = a->n[0];
+    long j0, j1, ra, rb;
+    panel_span(a, c, &j0, &j1, &ra, &rb);
     float gs[HF_PSUP * HF_PNB] __attribute__((aligned(64)));
     float us[HF_PSUP * HF_PNB] __attribute__((aligned(64)));
     for (long j = j0; j < j1; j++) {
@@ -4948,8 +4971,8 @@ __attribute__((flatten)) static void panel_chunk_gated(void *ctx, long c) {
         float binit[2][HF_PNB];
         for (int w = 0; w < 2; w++)
             for (long cc = 0; cc < HF_PNB; cc++) binit[w][cc] = bs[w] && cc < nv ? bs[w][c0 + cc] : 0.f;
-        for (long s0 = 0; s0 < m; s0 += HF_PSUP) {
-            long ms = m - s0 < HF_PSUP ? m - s0 : HF_PSUP;
+        for (long s0 = ra; s0 < rb; s0 += HF_PSUP) {
+            long ms = rb - s0 < HF_PSUP ? rb - s0 : HF_PSUP;
             int ng = (int)((ms + HF_PMR - 1) / HF_PMR);
             long kb = ng <= 2 ? HF_PKB_FEW : HF_PKB; /* see panel_block */
             for (int w = 0; w < 2; w++)
@@ -4972,8 +4995,9 @@ __attribute__((flatten)) static void panel_chunk_gated(void *ctx, long c) {
  * same few L1 sets (evicted to L2 between blocks) and made the last, partial panel need a scratch of its own. */
 __attribute__((flatten)) static void panel_chunk(void *ctx, long c) { /* flattened: see panel_chunk_gated */
     const panel_ctx *a = ctx;
-    long k = a->k, m = a->m, q = (k + HF_PSTREAMS - 1) / HF_PSTREAMS;
-    long j0 = c * a->np / a->nc, j1 = (c + 1) * a->np / a->nc;
+    long k = a->k, q = (k + HF_PSTREAMS - 1) / HF_PSTREAMS;
+    long j0, j1, ra, rb;
+    panel_span(a, c, &j0, &j1, &ra, &rb);
     float tmp[HF_PSUP * HF_PNB] __attribute__((aligned(64)));
     int sg = 0;
     for (long j = j0; j < j1; j++) {
@@ -4983,8 +5007,8 @@ __attribute__((flatten)) static void panel_chunk(void *ctx, long c) { /* flatten
         long c0 = jl * HF_PNB, nv = n - c0 < HF_PNB ? n - c0 : HF_PNB;
         float binit[HF_PNB];
         for (long cc = 0; cc < HF_PNB; cc++) binit[cc] = bias && cc < nv ? bias[c0 + cc] : 0.f;
-        for (long s0 = 0; s0 < m; s0 += HF_PSUP) {
-            long ms = m - s0 < HF_PSUP ? m - s0 : HF_PSUP;
+        for (long s0 = ra; s0 < rb; s0 += HF_PSUP) {
+            long ms = rb - s0 < HF_PSUP ? rb - s0 : HF_PSUP;
             int ng = (int)((ms + HF_PMR - 1) / HF_PMR);
             long kb = ng <= 2 ? HF_PKB_FEW : HF_PKB; /* see panel_block */
             for (long i0 = 0; i0 == 0 || i0 < q; i0 += kb) { /* once with no steps when k is 0: the bias */
@@ -5040,8 +5064,18 @@ static int panel_run(panel_ctx *a, const float *x, int threads) {
     if (!xp) return -1;
     threads = clamp_threads(threads);
     panel_pack_x(x, xp, m, k, threads);
-    long np = a->j0[a->nseg], nc = threads * ((np + threads * HF_PCHUNK - 1) / (threads * HF_PCHUNK));
-    a->x = xp, a->np = np, a->nc = nc < np ? nc : np;
+    /* the chunks (panel_span): runs of HF_PCHUNK panels that divide evenly, the panels left over in row slices;
+     * with one thread, too few panels or too few rows for two slices of HF_PSLICE_ROWS, near-equal runs of about
+     * HF_PCHUNK panels as before (a multiple of the thread count) */
+    long np = a->j0[a->nseg], unit = (long)threads * HF_PCHUNK, npm = np / unit * unit;
+    a->x = xp, a->np = np;
+    if (threads > 1 && npm > 0 && npm < np && m >= HF_PSLICE_ROWS * threads) {
+        a->npm = npm, a->ncm = npm / HF_PCHUNK, a->slices = threads;
+    } else {
+        long nc = threads * ((np + unit - 1) / unit);
+        a->npm = np, a->ncm = nc < np ? nc : np, a->slices = 1;
+    }
+    a->nc = a->ncm + (np - a->npm) * a->slices;
     hf_run_team(a->gated ? panel_chunk_gated : panel_chunk, a, a->nc, threads);
     free(xp);
     return 0;
