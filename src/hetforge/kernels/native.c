@@ -4712,9 +4712,10 @@ int hf_gemm_few_kn(const float *w, const float *x, const float *bias, float *y, 
  * group takes its epilogue (act, mul, res) right after its last block, while its sums are still in L1, and the
  * panel's three k-row vectors are held in registers (left to itself the compiler re-read them from L1 in every
  * row's multiply-add, 32 loads per 24 multiply-adds, which made the loop load-bound). The panels are split into
+ * chunks run on torch's OpenMP team (as the other multi-row kernels, hf_run_team): runs of HF_PCHUNK panels that
+ * divide evenly among the threads, then each panel left over in row slices (panel_span); where that does not apply,
  * nc contiguous ranges of near-equal length (nc a multiple of the thread count, about HF_PCHUNK panels each; fixed
- * chunks of HF_PCHUNK left one thread 24 panels and the other 19 for N = 2048) run on torch's OpenMP team (as the
- * other multi-row kernels, hf_run_team). */
+ * chunks of HF_PCHUNK left one thread 24 panels and the other 19 for N = 2048). */
 #define HF_PNB 48
 #define HF_PMR 8
 #define HF_PCHUNK 4
