@@ -44,7 +44,7 @@ def category(sym: str, dso: str) -> str:
         return "other native code"
     if base.startswith("libgomp"):
         return "OpenMP runtime (waits, fork/join)"
-    if base.startswith(("libpython", "python")) or base.endswith((".cpython-311-x86_64-linux-gnu.so",)):
+    if base.startswith(("libpython", "python")) or ".cpython-" in base:  # the interpreter and extension modules
         return "Python"
     if base.startswith(("libtorch", "libc10")):  # oneDNN is linked into libtorch_cpu: its C++ driver code lies there
         if any(t in sym for t in ("dnnl", "brgemm", "Xbyak", "ideep")):

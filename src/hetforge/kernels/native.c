@@ -4938,7 +4938,7 @@ static void panel_store(const panel_ctx *a, int sg, const float *acc, long c0, l
  * (npm panels: a multiple of threads x HF_PCHUNK), and each panel left over is split into ``slices`` (the thread
  * count) ranges of whole row groups, one chunk apiece, taken last. Why: with chunks of 3 and 4 panels (43 panels of
  * a 2048-wide product in 12 near-equal runs) one thread was left a panel behind in most calls, and the other waited
- * at the region's end: 5% of the two threads' time in llama-110m's gated products at 128 rows (one-off trace of
+ * at the region's end: idle for about 5% of the time of llama-110m's gated products at 128 rows (one-off trace of
  * the team's regions, docs/arch/runtime.md). Which rows run together does not change any output's chain of
  * multiply-adds, so the bits do not change. */
 static inline void panel_span(const panel_ctx *a, long c, long *j0, long *j1, long *ra, long *rb) {
