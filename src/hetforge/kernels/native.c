@@ -4698,7 +4698,10 @@ int hf_gemm_few_kn(const float *w, const float *x, const float *bias, float *y, 
  *    over this block, so the next block's reads overlap all the groups' arithmetic, not only the first group's
  *    (which alone prefetched before, so the later groups ran from L1 with memory idle: the same products took
  *    1.12-1.20x the time at 16-32 rows over 1024/4096-wide weights read from memory, a one-off in
- *    docs/arch/runtime.md);
+ *    docs/arch/runtime.md). In a panel's last block the prefetches go to the first block of the panel the chunk
+ *    runs next, every stream of it (panel_block's pnext): before, they ran past each stream's end into k-rows
+ *    already read, and three of the next panel's four streams started unprefetched (bench/kernel_ab.py --groups
+ *    panel: 0.98 of the time at 32 rows, 0.99 at 64, level at 128; session 47);
  *  - once from memory for every row count: the k-rows are taken in blocks of HF_PKB steps (24 KiB of panel), and
  *    every HF_PMR-row group of X runs over a block while it is in L1 (8 x 48 accumulators in registers, saved to
  *    a contiguous scratch between blocks: panel_chunk), so a second row group no longer re-reads the panel after
@@ -4825,9 +4828,13 @@ static inline __attribute__((always_inline)) void panel_step(__m512 a[HF_PMR][3]
 #endif
 
 static void panel_block(const float *xp, long k, long q, const float *pan, long i0, long i1, int mr, float *acc,
-                        long ldo, int g, int ng, const float *init, long kb) {
+                        long ldo, int g, int ng, const float *init, long kb, const float *pnext) {
 #if defined(__AVX512F__)
     __m512 a[HF_PMR][3];
+    /* what the block prefetches for step i of stream s: pfb + (s * q + i) k-rows: the same k-row of the next block;
+     * in a panel's last block, when the caller names the panel it runs next (pnext), that panel's first block */
+    const int last = i1 >= q && pnext;
+    const char *pfb = (const char *)(last ? pnext - i0 * HF_PNB : pan + kb * HF_PNB);
     if (init) {
         __m512 i0v = _mm512_loadu_ps(init), i1v = _mm512_loadu_ps(init + 16), i2v = _mm512_loadu_ps(init + 32);
         for (int r = 0; r < HF_PMR; r++) a[r][0] = i0v, a[r][1] = i1v, a[r][2] = i2v;
@@ -4850,7 +4857,8 @@ static void panel_block(const float *xp, long k, long q, const float *pan, long 
                 if (kk >= k) break;
                 const float *b = pan + kk * HF_PNB;
                 if (turn == g) { /* one group: HF_PPF bytes ahead; two: this stream's k-row of the next block */
-                    panel_prefetch(ng == 1 ? (const char *)b + HF_PPF : (const char *)(b + kb * HF_PNB));
+                    panel_prefetch(ng == 1 && !last ? (const char *)b + HF_PPF
+                                                    : pfb + kk * HF_PNB * (long)sizeof(float));
                 }
                 turn = turn + 1 == ng ? 0 : turn + 1;
                 panel_step(a, b, xp + kk * HF_PMR);
@@ -4861,7 +4869,6 @@ static void panel_block(const float *xp, long k, long q, const float *pan, long 
          * across the streams (a counter carried from stream to stream lived on the stack: a store and a reload each
          * step; 1-2% of the time at 128 rows). */
         long pfi = i0 + g;
-        const long pfo = kb * HF_PNB * (long)sizeof(float);
         const long sb = q * HF_PNB, sx = q * HF_PMR; /* one stream's k-rows to the next's, in floats */
         const long full = k - (HF_PSTREAMS - 1) * q; /* steps i < full have a k-row in every stream */
         for (long i = i0; i < i1; i++) {
@@ -4870,7 +4877,7 @@ static void panel_block(const float *xp, long k, long q, const float *pan, long 
             if (i >= full)
                 for (ns = 0; ns < HF_PSTREAMS && ns * q + i < k; ns++) {}
             if (i == pfi) {
-                for (int s = 0; s < ns; s++) panel_prefetch((const char *)(b + s * sb) + pfo);
+                for (int s = 0; s < ns; s++) panel_prefetch(pfb + (s * sb + i * HF_PNB) * (long)sizeof(float));
                 pfi += ng;
             }
 #pragma GCC unroll 4
@@ -4887,7 +4894,7 @@ static void panel_block(const float *xp, long k, long q, const float *pan, long 
             _mm512_storeu_ps(acc + r * ldo + 32, a[r][2]);
         }
 #else
-    (void)g, (void)ng, (void)kb;
+    (void)g, (void)ng, (void)kb, (void)pnext;
     for (int r = 0; r < mr; r++)
         for (int c = 0; c < HF_PNB; c++) {
             float v = init ? init[c] : acc[r * ldo + c];
@@ -4967,6 +4974,7 @@ __attribute__((flatten)) static void panel_chunk_gated(void *ctx, long c) {
     for (long j = j0; j < j1; j++) {
         long c0 = j * HF_PNB, nv = n - c0 < HF_PNB ? n - c0 : HF_PNB;
         const float *pans[2] = {a->p[0] + (size_t)j * k * HF_PNB, a->pu + (size_t)j * k * HF_PNB};
+        const float *pnext = j + 1 < j1 ? pans[0] + (size_t)k * HF_PNB : NULL; /* the gate's next panel */
         const float *bs[2] = {a->bias[0], a->bu};
         float *outs[2] = {gs, us};
         float binit[2][HF_PNB];
@@ -4982,7 +4990,8 @@ __attribute__((flatten)) static void panel_chunk_gated(void *ctx, long c) {
                     for (long r0 = 0; r0 < ms; r0 += HF_PMR) {
                         int mr = ms - r0 < HF_PMR ? (int)(ms - r0) : HF_PMR;
                         panel_block(a->x + (s0 + r0) * k, k, q, pans[w], i0, i1, mr, outs[w] + r0 * HF_PNB,
-                                    HF_PNB, (int)(r0 / HF_PMR), ng, i0 == 0 ? binit[w] : 0, kb);
+                                    HF_PNB, (int)(r0 / HF_PMR), ng, i0 == 0 ? binit[w] : 0, kb,
+                                    w == 0 ? pans[1] : s0 + ms >= rb ? pnext : NULL);
                     }
                 }
             panel_store(a, 0, gs, c0, nv, s0, s0 + ms, us);
@@ -5005,6 +5014,8 @@ __attribute__((flatten)) static void panel_chunk(void *ctx, long c) { /* flatten
         while (j >= a->j0[sg + 1]) sg++; /* the segment (weight) global panel j belongs to */
         long jl = j - a->j0[sg], n = a->n[sg];
         const float *pan = a->p[sg] + (size_t)jl * k * HF_PNB, *bias = a->bias[sg];
+        int sn = j + 1 < a->j0[sg + 1] ? sg : sg + 1; /* the next panel's segment */
+        const float *pnext = j + 1 < j1 ? a->p[sn] + (size_t)(j + 1 - a->j0[sn]) * k * HF_PNB : NULL;
         long c0 = jl * HF_PNB, nv = n - c0 < HF_PNB ? n - c0 : HF_PNB;
         float binit[HF_PNB];
         for (long cc = 0; cc < HF_PNB; cc++) binit[cc] = bias && cc < nv ? bias[c0 + cc] : 0.f;
@@ -5017,7 +5028,7 @@ __attribute__((flatten)) static void panel_chunk(void *ctx, long c) { /* flatten
                 for (long r0 = 0; r0 < ms; r0 += HF_PMR) {
                     int mr = ms - r0 < HF_PMR ? (int)(ms - r0) : HF_PMR;
                     panel_block(a->x + (s0 + r0) * k, k, q, pan, i0, i1, mr, tmp + r0 * HF_PNB, HF_PNB,
-                                (int)(r0 / HF_PMR), ng, i0 == 0 ? binit : 0, kb);
+                                (int)(r0 / HF_PMR), ng, i0 == 0 ? binit : 0, kb, s0 + ms >= rb ? pnext : NULL);
                     if (i1 == q) /* the group's final sums, still in L1: through the epilogue into Y now */
                         panel_store(a, sg, tmp + r0 * HF_PNB, c0, nv, s0 + r0, s0 + r0 + mr, NULL);
                 }
