@@ -300,7 +300,7 @@ def main() -> None:
         return
     load_start = [round(x, 2) for x in os.getloadavg()]
     if a.perf < 0:
-        raise SystemExit("error: --perf takes seconds of sampling, 0 or more")
+        ap.error(f"--perf takes seconds of sampling, 0 or more (got {a.perf:g})")
     doc = run(a.models.split(","), [int(s) for s in a.seqs.split(",")], a.rounds, a.threads, a.bf16, a.perf)
     from hetforge.hardware.isa import host_record
 
