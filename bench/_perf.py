@@ -91,3 +91,11 @@ def perf_shares(fn: Callable[[], object], seconds: float = 4.0, freq: int = 999)
 def gemm_share(perf: dict) -> float:
     """The share of the samples in GEMM code (oneDNN's JIT products and the native product kernels; not packing)."""
     return sum(perf["shares"].get(k, 0.0) for k in GEMM_CATEGORIES)
+
+
+def derived(perf: dict, ratio: float) -> tuple[float, float, float]:
+    """(g, rate, floor) from a sampled record and the prefill ÷ bound ``ratio``: g the GEMM code's share, rate = 1/(g·r)
+    the GEMM code's speed as a share of the bound's peak, floor = 1 + (1 − g)·r the ratio left if every GEMM ran at the
+    peak with the rest unchanged (both assume the timed call had the sampled window's shares)."""
+    g = gemm_share(perf)
+    return g, (1 / (g * ratio) if g > 0 and ratio > 0 else float("nan")), 1 + (1 - g) * ratio

@@ -247,7 +247,7 @@ def render(doc: dict) -> str:
 
 def _render_perf(doc: dict) -> list[str]:
     """The page's section on where the measured-choice program's time goes (rows with a ``perf`` record)."""
-    from _perf import GEMM_CATEGORIES, gemm_share
+    from _perf import GEMM_CATEGORIES, derived
 
     rows = [r for r in doc["rows"] if "perf" in r]
     if not rows:
@@ -272,11 +272,11 @@ def _render_perf(doc: dict) -> list[str]:
             + " | GEMM code | GEMM code's rate (of the peak) | ratio with GEMMs at the peak |",
             "|" + "---|" * (7 + len(cats))]
     for r in rows:
-        p, g = r["perf"], gemm_share(r["perf"])
-        ratio = r.get("over_bound_best", {}).get("fp32")
-        derived = (f"{1 / (g * ratio):.1%} | {1 + (1 - g) * ratio:.3f}" if ratio and g > 0 else "— | —")
+        p, ratio = r["perf"], r.get("over_bound_best", {}).get("fp32")
+        g, rate, floor = derived(p, ratio or 0.0)
+        cols = f"{rate:.1%} | {floor:.3f}" if ratio and g > 0 else "— | —"
         out.append(f"| {r['model']} | {r['seq']} | {p['ms_per_call']} | {p['samples']} | "
-                   + " | ".join(f"{p['shares'].get(c, 0.0):.1%}" for c in cats) + f" | {g:.1%} | {derived} |")
+                   + " | ".join(f"{p['shares'].get(c, 0.0):.1%}" for c in cats) + f" | {g:.1%} | {cols} |")
     return out
 
 

@@ -1418,14 +1418,10 @@ def why_we_lose(peers: J, kf: J, pg: J) -> str:
     sampled = [r for r in pg["rows"] if r.has("perf") and r["perf"].has("shares") and r.has("over_bound_best")]
     perf_text = ""
     if sampled:
-        gemm_cats = ("GEMM: oneDNN JIT code", "GEMM: native kernels")
+        from _perf import derived  # the page's own derivation (bench/_perf.py)
 
-        def share(r: J) -> float:
-            return sum(r["perf"]["shares"].f(c) for c in gemm_cats if r["perf"]["shares"].has(c))
-
-        rates = [1 / (share(r) * r["over_bound_best"].f("fp32")) for r in sampled]
-        floors = [1 + (1 - share(r)) * r["over_bound_best"].f("fp32") for r in sampled]
-        outside = [1 - share(r) for r in sampled]
+        got = [derived(r["perf"].value, r["over_bound_best"].f("fp32")) for r in sampled]
+        outside, rates, floors = [1 - g for g, _, _ in got], [v for _, v, _ in got], [v for _, _, v in got]
         perf_text = (f"\n  Sampled with perf in the same run, {span(outside, pct)} of the prefill's time lay outside "
                      "GEMM code (attention,\n  OpenMP waits, X packing, norms, Python); the GEMM code ran at "
                      f"{span(rates, pct)} of the peak; with every GEMM\n  at the peak and the rest unchanged the "

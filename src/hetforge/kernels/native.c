@@ -3831,7 +3831,6 @@ static void pa_task(void *p, long t) {
         }
 #endif
         for (; c < d; c++) qb[ii * d + c] = pa_in(a, qr, c) * a->scale;
-        m[ii] = -INFINITY, z[ii] = 0.f;
     }
     memset(acc, 0, sizeof(float) * ni * dv);
     for (long j0 = 0; j0 < a->s; j0 += PA_KB) {
@@ -4735,7 +4734,7 @@ int hf_gemm_few_kn(const float *w, const float *x, const float *bias, float *y, 
 #define HF_PSEG 4 /* products of one input in one call at most (hf_gemm_panel_multi) */
 typedef struct {
     const float *x;         /* X packed (panel_pack_x) */
-    long m, k, np;          /* np: the panels of all the segments */
+    long m, k;
     int nseg;               /* segment s: a weight's panels p[s] (global panels [j0[s], j0[s + 1])), its bias and Y */
     const float *p[HF_PSEG], *bias[HF_PSEG];
     float *y[HF_PSEG];
@@ -5080,7 +5079,7 @@ static int panel_run(panel_ctx *a, const float *x, int threads) {
      * with one thread, too few panels or too few rows for two slices of HF_PSLICE_ROWS, near-equal runs of about
      * HF_PCHUNK panels as before (a multiple of the thread count) */
     long np = a->j0[a->nseg], unit = (long)threads * HF_PCHUNK, npm = np / unit * unit;
-    a->x = xp, a->np = np;
+    a->x = xp;
     if (threads > 1 && npm > 0 && npm < np && m >= HF_PSLICE_ROWS * threads) {
         a->npm = npm, a->ncm = npm / HF_PCHUNK, a->slices = threads;
     } else {
