@@ -24,6 +24,11 @@ prefill ÷ bound, two figures follow (derived, assuming the best call had the sa
 code's own rate, 1/(g·r) of the bound's peak, and the ratio left if every GEMM ran at that peak with the rest
 unchanged, 1 + (1 − g)·r: the part of the distance to the bound that no GEMM kernel can remove.
 
+Per op (always): the measured-choice program is also called through ``Executable.profile`` (a clock read around
+every instruction), best of three calls by total; its instructions' times are summed by op. The GEMM ops' FLOPs
+(the bound's own formulas) ÷ their summed time is their rate inside the program, each call's dispatch and its
+threads' fork and join included; the profiled call ÷ bound splits into GEMM ops, attention and the rest.
+
     .venv/bin/python bench/prefill_gemm.py [--models gpt2,llama-110m] [--seqs 128,512] [--rounds 7] [--threads 2]
 """
 
@@ -40,6 +45,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from _ops import GEMM_OPS, op_split
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "bench"
 
@@ -50,8 +56,6 @@ def kl(ref: torch.Tensor, got: torch.Tensor) -> float:
     return float((p.exp() * (p - q)).sum(-1).mean())
 
 
-GEMM_OPS = ("aten.linear.default", "aten.addmm.default", "aten.mm.default", "hetforge.linear_act.default",
-            "hetforge.gated_mlp.default")
 PEAK_SIZES = (512, 1024, 2048)
 
 
@@ -66,6 +70,33 @@ def gemm_flops(program) -> float:
         if info is not None:
             total += float(info.flops(op_call_from_instr(ins, program)))
     return total
+
+
+OP_PROFILE_CALLS = 3  # profiled calls per shape (the one with the least total is kept)
+
+
+def op_profile(exe, inputs: tuple, calls: int = OP_PROFILE_CALLS) -> dict:
+    """Per-op time of one profiled call of ``exe`` (measured, the best of ``calls`` by total): each op's calls,
+    summed ms, and for the GEMM ops their FLOPs (registered formulas, as :func:`gemm_flops`)."""
+    from hetforge.cost.instr import op_call_from_instr
+    from hetforge.ops import lookup
+
+    best = None
+    for i in range(calls):
+        rep = exe.profile(*inputs, warmup=1 if i == 0 else 0, repeat=1)
+        if best is None or rep.total_seconds < best.total_seconds:
+            best = rep
+    by_op: dict[str, dict] = {}
+    for t, ins in zip(best.times, exe.program.instrs, strict=True):
+        a = by_op.setdefault(t.op, {"op": t.op, "calls": 0, "ms": 0.0, "gflop": 0.0})
+        a["calls"] += 1
+        a["ms"] += t.seconds * 1e3
+        if ins.op in GEMM_OPS:
+            a["gflop"] += float(lookup(ins.op).flops(op_call_from_instr(ins, exe.program))) / 1e9
+    ops = sorted(by_op.values(), key=lambda a: -a["ms"])
+    for a in ops:
+        a["ms"], a["gflop"] = round(a["ms"], 3), round(a["gflop"], 6)
+    return {"total_ms": round(best.total_seconds * 1e3, 2), "calls": calls, "ops": ops}
 
 
 def peak_flops(dtype: str, between: Callable[[], object] = lambda: None) -> dict:
@@ -146,6 +177,7 @@ def run(models: list[str], seqs: list[int], rounds: int, threads: int, bf16: boo
             if bf16:
                 row["bound_ms"]["bf16"] = round(gflop_bf16 / peaks["bf16"]["gflops"] * 1e3, 2)
                 row["over_bound_best"]["bf16"] = round(row["best_ms"]["hetforge-bf16"] / row["bound_ms"]["bf16"], 3)
+            row["ops"] = op_profile(exes["auto"][0], inputs)
             if perf_s > 0:
                 from _perf import perf_shares
 
@@ -210,6 +242,7 @@ def render(doc: dict) -> str:
                    "the host's speed moved between the measurements (a GEMM cannot outrun the FMA units), so this "
                    "run gives no ceiling to compare with.")]
     out += _render_perf(doc)
+    out += _render_ops(doc)
     bf = [r for r in doc["rows"] if "hetforge-bf16" in r["best_ms"]]
     if bf:
         out += ["", "bf16 (same weights cast to bfloat16; KL against fp32 eager):", "",
@@ -277,6 +310,42 @@ def _render_perf(doc: dict) -> list[str]:
         cols = f"{rate:.1%} | {floor:.3f}" if ratio and g > 0 else "— | —"
         out.append(f"| {r['model']} | {r['seq']} | {p['ms_per_call']} | {p['samples']} | "
                    + " | ".join(f"{p['shares'].get(c, 0.0):.1%}" for c in cats) + f" | {g:.1%} | {cols} |")
+    return out
+
+
+def _render_ops(doc: dict) -> list[str]:
+    """The page's per-op section (rows with an ``ops`` record)."""
+    peak = doc.get("peak", {}).get("fp32", {}).get("gflops")
+    rows = [(r, op_split(r, peak)) for r in doc["rows"] if peak]
+    rows = [(r, sp) for r, sp in rows if sp]
+    if not rows:
+        return []
+    out = ["", "## Per op in the program (measured: each instruction timed)", "",
+           f"The measured-choice program called through `Executable.profile` (a clock read around every "
+           f"instruction), the best of {rows[0][0]['ops']['calls']} calls by total; the instructions' times summed "
+           "by op. `GEMM ops` are the bound's products (linear, addmm, mm, linear_act, gated_mlp); their rate is "
+           "their FLOPs (the bound's formulas) ÷ their summed time, each call's dispatch and its threads' fork and "
+           "join included: the rate inside the program, not of a kernel alone. `Everything else` is the other ops "
+           "and the code between instructions, so the three `÷ bound` columns add up to the profiled call ÷ bound "
+           "(a profiled call reads the clock twice per instruction, so it can run a little longer than the best "
+           "call above). Attention's products are not in the bound.", "",
+           "| model | seq | profiled call ms | GEMM ops ms | GEMM ops GFLOP/s | of the peak | attention ms "
+           "| everything else ms | GEMM ops ÷ bound | attention ÷ bound | everything else ÷ bound "
+           "| profiled call ÷ bound |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r, sp in rows:
+        out.append(f"| {r['model']} | {r['seq']} | {sp['total_ms']} | {sp['gemm_ms']:.2f} | {sp['gemm_gflops']:.0f} | "
+                   f"{sp['gemm_of_peak']:.1%} | {sp['attention_ms']:.2f} | {sp['rest_ms']:.2f} | "
+                   f"{sp['gemm_over_bound']:.3f} | {sp['attention_over_bound']:.3f} | {sp['rest_over_bound']:.3f} | "
+                   f"{sp['total_over_bound']:.3f} |")
+    out += ["", "The GEMM ops by kind:", "", "| model | seq | op | calls | ms | GFLOP | GFLOP/s | of the peak |",
+            "|---|---|---|---|---|---|---|---|"]
+    for r, _ in rows:
+        for a in r["ops"]["ops"]:
+            if a["op"] in GEMM_OPS and a["ms"] > 0:
+                rate = a["gflop"] / a["ms"] * 1e3
+                out.append(f"| {r['model']} | {r['seq']} | `{a['op']}` | {a['calls']} | {a['ms']:.2f} | "
+                           f"{a['gflop']:.2f} | {rate:.0f} | {rate / peak:.1%} |")
     return out
 
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from _ops import op_split
 from _pages import faster_through, ratio_means
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -1426,6 +1427,15 @@ def why_we_lose(peers: J, kf: J, pg: J) -> str:
                      "GEMM code (attention,\n  OpenMP waits, X packing, norms, Python); the GEMM code ran at "
                      f"{span(rates, pct)} of the peak; with every GEMM\n  at the peak and the rest unchanged the "
                      f"prefill would still be at {span(floors, times)} of the bound (derived).")
+    split = [op_split(r.value, peak) for r in pg["rows"] if r.has("ops")]
+    split = [sp for sp in split if sp]
+    if split:
+        perf_text += ("\n  Timed per instruction in the same run, the GEMM ops ran at "
+                      f"{span([sp['gemm_of_peak'] for sp in split], pct)} of the peak inside the program (dispatch "
+                      "and fork/join\n  included: "
+                      f"{span([sp['gemm_over_bound'] for sp in split], times)} of the bound by themselves), and "
+                      f"attention, whose products the bound\n  leaves out, took "
+                      f"{span([sp['attention_over_bound'] for sp in split], times)} of the bound.")
     return f"""## Why hetforge loses where it loses
 
 - **Prefill vs OpenVINO / ONNX Runtime:** the multi-row products run packed GEMMs chosen at build time (fp32: the

@@ -1,4 +1,5 @@
-"""bench/_perf.py's sorting of perf samples and prefill_gemm's page section built from it (no perf run here)."""
+"""bench/_perf.py's sorting of perf samples and prefill_gemm's page sections built from it and from its per-op profile
+(no perf run here)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
+import _ops  # noqa: E402
 import _perf  # noqa: E402
 import prefill_gemm  # noqa: E402
 
@@ -76,3 +78,80 @@ def test_a_peak_above_the_fma_probes_is_called_a_moved_host_not_a_share_over_100
     page = prefill_gemm.render(doc)
     assert "the host's speed moved between the measurements" in page
     assert "of what the FMA units can do" not in page
+
+
+def _ops_row(doc: dict) -> dict:
+    """The first row with a constructed per-op record: bound 100 ms, a 130 ms profiled call of 100 GFLOP of GEMM
+    ops in 110 ms, 12 ms of attention, 6 ms of other ops (2 ms between instructions)."""
+    row = doc["rows"][0]
+    row["bound_ms"]["fp32"] = 100.0
+    row["ops"] = {"total_ms": 130.0, "calls": 3, "ops": [
+        {"op": "hetforge.gated_mlp.default", "calls": 12, "ms": 60.0, "gflop": 50.0},
+        {"op": "aten.linear.default", "calls": 49, "ms": 50.0, "gflop": 50.0},
+        {"op": "hetforge.attention.default", "calls": 12, "ms": 12.0, "gflop": 0.0},
+        {"op": "hetforge.rms_norm.default", "calls": 25, "ms": 6.0, "gflop": 0.0}]}
+    return row
+
+
+def test_op_split_adds_gemm_ops_attention_and_the_rest_up_to_the_profiled_call():
+    doc = copy.deepcopy(_doc())
+    sp = _ops.op_split(_ops_row(doc), 1000.0)
+    assert sp["gemm_ms"] == pytest.approx(110.0)
+    assert sp["gemm_gflops"] == pytest.approx(100.0 / 0.110)  # 909 GFLOP/s
+    assert sp["gemm_of_peak"] == pytest.approx(100.0 / 0.110 / 1000.0)
+    assert sp["attention_ms"] == pytest.approx(12.0)
+    assert sp["rest_ms"] == pytest.approx(8.0)  # 6 ms of norms and 2 ms between instructions
+    parts = sp["gemm_over_bound"] + sp["attention_over_bound"] + sp["rest_over_bound"]
+    assert parts == pytest.approx(sp["total_over_bound"]) and sp["total_over_bound"] == pytest.approx(1.3)
+
+
+def test_op_split_is_none_without_a_record_or_a_bound():
+    doc = copy.deepcopy(_doc())
+    row = doc["rows"][0]
+    row.pop("ops", None)
+    assert _ops.op_split(row, 1000.0) is None
+    row = _ops_row(doc)
+    row.pop("bound_ms")
+    assert _ops.op_split(row, 1000.0) is None
+
+
+def test_prefill_gemm_page_shows_each_gemm_op_kind_at_its_rate_inside_the_program():
+    doc = copy.deepcopy(_doc())
+    row = _ops_row(doc)
+    peak = doc["peak"]["fp32"]["gflops"]
+    lines = prefill_gemm.render(doc).splitlines()
+    split = next(ln for ln in lines if ln.startswith(f"| {row['model']} | {row['seq']} | 130.0 |"))
+    assert split.endswith("| 1.100 | 0.120 | 0.080 | 1.300 |")
+    gated = next(ln for ln in lines if "`hetforge.gated_mlp.default`" in ln and ln.startswith(f"| {row['model']} "))
+    assert f"| 60.00 | 50.00 | 833 | {833.33 / peak:.1%} |" in gated  # 50 GFLOP in 60 ms
+    assert not any("`hetforge.rms_norm.default`" in ln for ln in lines)  # not a GEMM op: not in the by-kind table
+
+
+def test_op_profile_sums_a_real_program_by_op_with_the_bounds_gemm_flops(tmp_path):
+    from hetforge.compile import compile_graph
+    from hetforge.frontend import capture
+    from hetforge.models.zoo import example_inputs, load_model
+
+    loaded = load_model("llama-tiny")
+    module = loaded.logits_module()
+    inputs = example_inputs(loaded, seq=16)
+    exe = compile_graph(capture(module, inputs, name="llama-tiny").gm, soc="host", example_inputs=inputs,
+                        name="llama-tiny").executable
+    rec = prefill_gemm.op_profile(exe, inputs, calls=2)
+    assert sum(a["calls"] for a in rec["ops"]) == len(exe.program.instrs)
+    gemm = sum(a["gflop"] for a in rec["ops"] if a["op"] in _ops.GEMM_OPS)
+    assert gemm == pytest.approx(prefill_gemm.gemm_flops(exe.program) / 1e9, abs=1e-5)  # rounded to 1 kFLOP per op
+    assert gemm > 0 and any(a["op"] == _ops.ATTENTION_OP for a in rec["ops"])
+    assert 0 < sum(a["ms"] for a in rec["ops"]) <= rec["total_ms"] + 1e-2
+
+
+def test_summary_why_we_lose_quotes_the_gemm_ops_rate_and_attention_from_the_per_op_record():
+    import summary
+
+    doc = copy.deepcopy(_doc())
+    _ops_row(doc)
+    text = summary.why_we_lose(summary.load("peers.json"), summary.load("kforge.json"),
+                               summary.J("prefill_gemm.json", doc))
+    rate = f"{100 * (100.0 / 0.110) / doc['peak']['fp32']['gflops']:.1f}%"  # 100 GFLOP in 110 ms
+    assert f"the GEMM ops ran at {rate} of the peak inside the program" in text
+    assert "1.10× of the bound by themselves" in text and "took 0.12× of the bound" in text
