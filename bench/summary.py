@@ -1431,10 +1431,9 @@ def why_we_lose(peers: J, kf: J, pg: J) -> str:
     split = [sp for sp in split if sp]
     if split:
         perf_text += ("\n  Timed per instruction in the same run, the GEMM ops ran at "
-                      f"{span([sp['gemm_of_peak'] for sp in split], pct)} of the peak inside the program (dispatch "
-                      "and fork/join\n  included: "
-                      f"{span([sp['gemm_over_bound'] for sp in split], times)} of the bound by themselves), and "
-                      f"attention, whose products the bound\n  leaves out, took "
+                      f"{span([sp['gemm_of_peak'] for sp in split], pct)} of the peak inside the\n  program "
+                      f"(dispatch and fork/join included: {span([sp['gemm_over_bound'] for sp in split], times)} "
+                      "of the bound by themselves), and attention,\n  whose products the bound leaves out, took "
                       f"{span([sp['attention_over_bound'] for sp in split], times)} of the bound.")
     return f"""## Why hetforge loses where it loses
 
