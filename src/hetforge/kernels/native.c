@@ -3426,8 +3426,9 @@ void hf_rotary_pos_bf16(const hf_bf16 *x, const hf_bf16 *cos_, const hf_bf16 *si
  * fused projection lie a large power-of-two-ish stride apart and would crowd a few L1 sets). The output is dense
  * [b, h, l, dv]. Grouped-query heads: query head i reads kv head i / (h / hkv). The products
  * use AVX-512 FMAs (4 rows x 64 columns of accumulators) where the build has AVX-512F, else plain C loops;
- * the exponentials use a polynomial (Cephes' expf, ~1 ulp) there and expf() otherwise. Tasks are the pool's
- * chunks, the largest causal blocks first. */
+ * the exponentials use a polynomial (Cephes' expf, ~1 ulp) there and expf() otherwise. Where the threads divide
+ * the kv heads evenly, a thread transposes a kv head and runs its query heads' tasks itself (pa_unit); else the
+ * transposition is one region and the tasks, the largest causal blocks first, are the pool's chunks. */
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -3996,6 +3997,7 @@ typedef struct {
     long qs[3], ks[3], vs[3], os[3];
     int causal;
     float scale;
+    void (*task)(void *, long); /* pam_task (AMX tiles) or pad_task (AVX512-BF16), for pam_unit */
 } pam_ctx;
 
 static void pam_pack(void *p, long t) {
@@ -4231,6 +4233,16 @@ static void pad_task(void *p, long t) {
 
 /* The AMX path of hf_prefill_attention (see above): 0 done, -3 not usable here (AMX absent or refused, a mask,
  * head dims not multiples of 32 / 16), -1 no scratch memory. Same arguments as hf_prefill_attention's. */
+/* pa_unit for the bf16-product path: (batch, kv head) u's keys and values packed (pam_pack), then every query block
+ * of the query heads that read them (a->task), all by one thread; same tasks, same bits. */
+static void pam_unit(void *p, long u) {
+    const pam_ctx *a = p;
+    long g = a->h / a->hkv, bi = u / a->hkv, kh = u % a->hkv;
+    pam_pack((void *)a, u);
+    for (long hq = kh * g; hq < (kh + 1) * g; hq++)
+        for (long qb = 0; qb < a->nqb; qb++) a->task((void *)a, (bi * a->h + hq) * a->nqb + qb);
+}
+
 static int hf_prefill_attention_amx(const void *q, const void *k, const void *v, const long *dims,
                                     const long *strides, int causal, float scale, int threads, void *out) {
 #if defined(HF_AMX) || defined(HF_PA_DPBF16)
@@ -4256,14 +4268,19 @@ static int hf_prefill_attention_amx(const void *q, const void *k, const void *v,
     char *buf = aligned_alloc(64, (packed + a.tsz * threads + 63) / 64 * 64);
     if (!buf) return -1;
     a.kp = (uint32_t *)buf, a.vp = a.kp + b * a.hkv * kw, a.ts = buf + (packed + 63) / 64 * 64;
-    hf_run_team(pam_pack, &a, b * a.hkv, threads);
 #if defined(HF_AMX) && defined(HF_PA_DPBF16)
-    hf_run_team(tiles ? pam_task : pad_task, &a, b * a.h * a.nqb, threads);
+    a.task = tiles ? pam_task : pad_task;
 #elif defined(HF_AMX)
-    hf_run_team(pam_task, &a, b * a.h * a.nqb, threads);
+    a.task = pam_task;
 #else
-    hf_run_team(pad_task, &a, b * a.h * a.nqb, threads);
+    a.task = pad_task;
 #endif
+    if (b * a.hkv % threads == 0) { /* as hf_prefill_attention: one unit per kv head where the threads divide them */
+        hf_run_team(pam_unit, &a, b * a.hkv, threads);
+    } else {
+        hf_run_team(pam_pack, &a, b * a.hkv, threads);
+        hf_run_team(a.task, &a, b * a.h * a.nqb, threads);
+    }
     free(buf);
     return 0;
 #else
@@ -4294,6 +4311,20 @@ int hf_prefill_attention_bf16_products(void) {
  * (taken without a mask where d % 32 == dv % 16 == 0: on AMX tiles where AMX runs, else on AVX512-BF16 dot products
  * where the build has them; hf_prefill_attention_bf16_products). Returns 0, -1 when the key/value scratch cannot be allocated,
  * -2 for shapes outside those limits (the output is then not written). */
+/* Unit u of the head-affine schedule (hf_prefill_attention): (batch, kv head) u's keys and values transposed
+ * (pa_transpose), then every query block of the query heads that read them (pa_task), all by one thread. Why: with
+ * the transposition as a region of its own and the tasks handed out one by one, a thread's tasks read keys and
+ * values that the other thread had transposed (from the other core's cache), and every call paid two forks of the
+ * team; here each kv head's scratch is made and read in one thread's cache, in one region. The tasks are the same,
+ * so the bits are too (the before/after is in docs/arch/runtime.md, session 48). */
+static void pa_unit(void *p, long u) {
+    const pa_ctx *a = p;
+    long g = a->h / a->hkv, bi = u / a->hkv, kh = u % a->hkv;
+    pa_transpose((void *)a, u);
+    for (long hq = kh * g; hq < (kh + 1) * g; hq++)
+        for (long qb = 0; qb < a->nqb; qb++) pa_task((void *)a, (bi * a->h + hq) * a->nqb + qb);
+}
+
 int hf_prefill_attention(const void *q, const void *k, const void *v, const void *mask, void *out,
                          const long *dims, const long *strides, int mask_kind, int causal, float scale,
                          int threads, int bf16) {
@@ -4322,8 +4353,14 @@ int hf_prefill_attention(const void *q, const void *k, const void *v, const void
     a.vp = a.kt + dims[0] * a.hkv * a.d * a.sp;
     /* a few thousand products (a one-token forward, a short chunk): waking the team costs more than they do */
     if (dims[0] * a.h * a.l * a.s * (a.d + a.dv) < (1L << 20)) threads = 1;
-    hf_run_team(pa_transpose, &a, dims[0] * a.hkv, clamp_threads(threads));
-    hf_run_team(pa_task, &a, dims[0] * a.h * a.nqb, clamp_threads(threads));
+    threads = clamp_threads(threads);
+    long units = dims[0] * a.hkv;
+    if (units % threads == 0) { /* every thread the same number of kv heads: one unit each at a time (pa_unit) */
+        hf_run_team(pa_unit, &a, units, threads);
+    } else { /* else (fewer kv heads than threads, or a remainder): transpose, then the tasks one by one */
+        hf_run_team(pa_transpose, &a, units, threads);
+        hf_run_team(pa_task, &a, dims[0] * a.h * a.nqb, threads);
+    }
     scratch_done(&kept, a.kt);
     return 0;
 }
