@@ -4233,6 +4233,7 @@ static void pad_task(void *p, long t) {
 
 /* The AMX path of hf_prefill_attention (see above): 0 done, -3 not usable here (AMX absent or refused, a mask,
  * head dims not multiples of 32 / 16), -1 no scratch memory. Same arguments as hf_prefill_attention's. */
+#if defined(HF_AMX) || defined(HF_PA_DPBF16)
 /* pa_unit for the bf16-product path: (batch, kv head) u's keys and values packed (pam_pack), then every query block
  * of the query heads that read them (a->task), all by one thread; same tasks, same bits. */
 static void pam_unit(void *p, long u) {
@@ -4242,6 +4243,7 @@ static void pam_unit(void *p, long u) {
     for (long hq = kh * g; hq < (kh + 1) * g; hq++)
         for (long qb = 0; qb < a->nqb; qb++) a->task((void *)a, (bi * a->h + hq) * a->nqb + qb);
 }
+#endif
 
 static int hf_prefill_attention_amx(const void *q, const void *k, const void *v, const long *dims,
                                     const long *strides, int causal, float scale, int threads, void *out) {
