@@ -157,3 +157,26 @@ def test_summary_why_we_lose_quotes_the_gemm_ops_rate_and_attention_from_the_per
     rate = f"{100 * (100.0 / 0.110) / doc['peak']['fp32']['gflops']:.1f}%"  # 100 GFLOP in 110 ms
     assert f"the GEMM ops ran at {rate} of the peak inside the\n  program" in text
     assert "1.10× of the bound by themselves" in text and "took 0.12× of the bound" in text
+
+
+def test_the_bound_takes_the_best_peak_of_the_whole_run_for_every_row(monkeypatch):
+    """reprobe_peak keeps each measurement and raises the peak to the best; apply_bound sets bound and ratio from the
+    peak as it stands (the bench applies it to every row again at the end). The measurement is replaced here by
+    fixed figures: what is tested is the bookkeeping."""
+    from hetforge.hardware import calibrate
+
+    got = iter([520e9, 510e9])
+    monkeypatch.setattr(calibrate, "_gemm", lambda dtype, n, budget: next(got))
+    peaks = {"fp32": {"gflops": 500.0, "by_n": {512: 480.0, 1024: 500.0, 2048: 490.0}}}
+    row = {"gemm_gflop": 52.0, "best_ms": {"hetforge-auto": 115.0}}
+    prefill_gemm.apply_bound(row, peaks)
+    assert row["bound_ms"] == {"fp32": 104.0} and row["over_bound_best"] == {"fp32": pytest.approx(1.106, abs=1e-3)}
+    prefill_gemm.reprobe_peak(peaks)
+    prefill_gemm.reprobe_peak(peaks)
+    assert peaks["fp32"]["reprobes"] == [520.0, 510.0] and peaks["fp32"]["gflops"] == 520.0
+    prefill_gemm.apply_bound(row, peaks)
+    assert row["bound_ms"] == {"fp32": 100.0} and row["over_bound_best"] == {"fp32": 1.15}
+    doc = copy.deepcopy(_doc())
+    doc["peak"]["fp32"] = peaks["fp32"]
+    assert "fp32 520.0 GFLOP/s (by n: 512: 480.0, 1024: 500.0, 2048: 490.0; n = 1024 again after each model and " \
+           "length: 520, 510)" in prefill_gemm.render(doc)
