@@ -180,3 +180,17 @@ def test_the_bound_takes_the_best_peak_of_the_whole_run_for_every_row(monkeypatc
     doc["peak"]["fp32"] = peaks["fp32"]
     assert "fp32 520.0 GFLOP/s (by n: 512: 480.0, 1024: 500.0, 2048: 490.0; n = 1024 again after each model and " \
            "length: 520, 510)" in prefill_gemm.render(doc)
+
+
+def test_the_page_divides_by_the_peak_measured_next_to_a_shape_in_its_own_column():
+    doc = copy.deepcopy(_doc())
+    row = doc["rows"][0]
+    row["gemm_gflop"], row["local_peak_fp32"] = 50.0, 500.0  # local bound 100 ms
+    row["best_ms"]["hetforge-auto"] = 112.0
+    lines = prefill_gemm.render(doc).splitlines()
+    head = next(ln for ln in lines if ln.startswith("| model | seq | threads |"))
+    assert "| choice ÷ bound | choice ÷ bound at the peak measured next to it | KL ATen |" in head
+    line = next(ln for ln in lines if ln.startswith(f"| {row['model']} | {row['seq']} | {row['threads']} |"))
+    assert f"| {row['over_bound_best']['fp32']} | 1.120 |" in line
+    other = next(ln for ln in lines if ln.startswith(f"| {doc['rows'][1]['model']} | {doc['rows'][1]['seq']} |"))
+    assert other.count("|") == line.count("|") and "| — |" in other  # a row without the measurement: a dash
