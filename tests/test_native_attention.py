@@ -386,6 +386,22 @@ def test_bf16_without_a_mask_runs_bf16_products_where_the_cpu_has_them(monkeypat
     assert torch.equal(got, fma) == (path == "fp32-fma")
 
 
+def _on_1_2_3_threads(q, k, v, mask, causal: bool, ref: torch.Tensor, tol: float) -> dict[int, torch.Tensor]:
+    """The kernel's output on 1, 2 and 3 threads, each into a NaN-filled buffer of q's dtype (a row a schedule skipped
+    stays NaN), each within ``tol`` of ``ref``; the thread count restored after."""
+    before = torch.get_num_threads()
+    outs = {}
+    try:
+        for t in (1, 2, 3):
+            torch.set_num_threads(t)
+            outs[t] = torch.full(ref.shape, float("nan"), dtype=q.dtype)
+            native.prefill_attention_into(q, k, v, mask, outs[t].data_ptr(), 0.125, causal)
+            assert (outs[t].float() - ref).abs().max().item() <= tol
+    finally:
+        torch.set_num_threads(before)
+    return outs
+
+
 @pytest.mark.parametrize("hkv", [3, 4])
 @pytest.mark.parametrize("masked", [False, True])
 def test_head_units_and_the_two_pass_schedule_give_the_same_bits(hkv, masked):
@@ -396,16 +412,7 @@ def test_head_units_and_the_two_pass_schedule_give_the_same_bits(hkv, masked):
     mask = torch.ones(150, 150, dtype=torch.bool).tril().view(1, 1, 150, 150) if masked else None
     ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=not masked, scale=0.125,
                                          enable_gqa=True)
-    before = torch.get_num_threads()
-    outs = {}
-    try:
-        for t in (1, 2, 3):
-            torch.set_num_threads(t)
-            outs[t] = torch.full(ref.shape, float("nan"))  # a row the schedule skipped stays NaN
-            native.prefill_attention_into(q, k, v, mask, outs[t].data_ptr(), 0.125, not masked)
-            assert (outs[t] - ref).abs().max().item() <= TOL
-    finally:
-        torch.set_num_threads(before)
+    outs = _on_1_2_3_threads(q, k, v, mask, not masked, ref, TOL)
     assert torch.equal(outs[1], outs[2]) and torch.equal(outs[1], outs[3])
 
 
@@ -416,14 +423,5 @@ def test_bf16_product_path_gives_the_same_bits_on_head_units_and_on_two_passes(h
     q, k, v = (t.bfloat16() for t in _qkv(2, 2 * hkv, hkv, 150, 150, 64, seed=10 + hkv))
     ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True, scale=0.125,
                                          enable_gqa=True)
-    before = torch.get_num_threads()
-    outs = {}
-    try:
-        for t in (1, 2, 3):
-            torch.set_num_threads(t)
-            outs[t] = torch.full(ref.shape, float("nan"), dtype=torch.bfloat16)
-            native.prefill_attention_into(q, k, v, None, outs[t].data_ptr(), 0.125, True)
-            assert (outs[t].float() - ref).abs().max().item() <= 3e-2  # bf16 p and output roundings
-    finally:
-        torch.set_num_threads(before)
+    outs = _on_1_2_3_threads(q, k, v, None, True, ref, 3e-2)  # bf16 p and output roundings
     assert torch.equal(outs[1], outs[2]) and torch.equal(outs[1], outs[3])
