@@ -4231,8 +4231,6 @@ static void pad_task(void *p, long t) {
 }
 #endif
 
-/* The AMX path of hf_prefill_attention (see above): 0 done, -3 not usable here (AMX absent or refused, a mask,
- * head dims not multiples of 32 / 16), -1 no scratch memory. Same arguments as hf_prefill_attention's. */
 #if defined(HF_AMX) || defined(HF_PA_DPBF16)
 /* pa_unit for the bf16-product path: (batch, kv head) u's keys and values packed (pam_pack), then every query block
  * of the query heads that read them (a->task), all by one thread; same tasks, same bits. */
@@ -4245,6 +4243,8 @@ static void pam_unit(void *p, long u) {
 }
 #endif
 
+/* The AMX path of hf_prefill_attention (see above): 0 done, -3 not usable here (AMX absent or refused, a mask,
+ * head dims not multiples of 32 / 16), -1 no scratch memory. Same arguments as hf_prefill_attention's. */
 static int hf_prefill_attention_amx(const void *q, const void *k, const void *v, const long *dims,
                                     const long *strides, int causal, float scale, int threads, void *out) {
 #if defined(HF_AMX) || defined(HF_PA_DPBF16)
@@ -4304,15 +4304,6 @@ int hf_prefill_attention_bf16_products(void) {
 #endif
 }
 
-/* Attention of l query rows over s keys for b x h heads (see the banner above). q [b, h, l, d], k [b, hkv, s, d],
- * v [b, hkv, s, dv] at element strides qs/ks/vs (batch, head, row; the last dim dense); mask NULL or [b, h, l, s]
- * at element strides ms (0 where broadcast), bool (mask_kind 1) or float (2); out [b, h, l, dv] at element strides
- * os (batch, head, row; the last dim dense): dense, or e.g. [b, l, h, dv] memory that a transpose makes dense.
- * strides: qs, ks, vs, ms, os (16 longs).
- * d, dv <= 256 (PA_DMAX); h a multiple of hkv. bf16: 0 fp32, 1 bf16, 2 bf16 and the bf16-product path allowed
- * (taken without a mask where d % 32 == dv % 16 == 0: on AMX tiles where AMX runs, else on AVX512-BF16 dot products
- * where the build has them; hf_prefill_attention_bf16_products). Returns 0, -1 when the key/value scratch cannot be allocated,
- * -2 for shapes outside those limits (the output is then not written). */
 /* Unit u of the head-affine schedule (hf_prefill_attention): (batch, kv head) u's keys and values transposed
  * (pa_transpose), then every query block of the query heads that read them (pa_task), all by one thread. Why: with
  * the transposition as a region of its own and the tasks handed out one by one, a thread's tasks read keys and
@@ -4327,6 +4318,15 @@ static void pa_unit(void *p, long u) {
         for (long qb = 0; qb < a->nqb; qb++) pa_task((void *)a, (bi * a->h + hq) * a->nqb + qb);
 }
 
+/* Attention of l query rows over s keys for b x h heads (see the banner above). q [b, h, l, d], k [b, hkv, s, d],
+ * v [b, hkv, s, dv] at element strides qs/ks/vs (batch, head, row; the last dim dense); mask NULL or [b, h, l, s]
+ * at element strides ms (0 where broadcast), bool (mask_kind 1) or float (2); out [b, h, l, dv] at element strides
+ * os (batch, head, row; the last dim dense): dense, or e.g. [b, l, h, dv] memory that a transpose makes dense.
+ * strides: qs, ks, vs, ms, os (16 longs).
+ * d, dv <= 256 (PA_DMAX); h a multiple of hkv. bf16: 0 fp32, 1 bf16, 2 bf16 and the bf16-product path allowed
+ * (taken without a mask where d % 32 == dv % 16 == 0: on AMX tiles where AMX runs, else on AVX512-BF16 dot products
+ * where the build has them; hf_prefill_attention_bf16_products). Returns 0, -1 when the key/value scratch cannot be allocated,
+ * -2 for shapes outside those limits (the output is then not written). */
 int hf_prefill_attention(const void *q, const void *k, const void *v, const void *mask, void *out,
                          const long *dims, const long *strides, int mask_kind, int causal, float scale,
                          int threads, int bf16) {
