@@ -334,7 +334,7 @@ def _render_perf(doc: dict) -> list[str]:
     if not rows:
         return out
     cats = list(GEMM_CATEGORIES) + sorted({c for r in rows for c in r["perf"]["shares"]} - set(GEMM_CATEGORIES),
-                                          key=lambda c: -max(r["perf"]["shares"].get(c, 0.0) for r in rows))
+                                          key=lambda c: (-max(r["perf"]["shares"].get(c, 0.0) for r in rows), c))
     p0 = rows[0]["perf"]
     out += [f"The measured-choice program called in a loop for {p0['seconds']:g} s while `perf record -F {p0['freq']}` "
             "sampled this process's threads (bench/_perf.py); each cell is the share of the samples. The OpenMP "

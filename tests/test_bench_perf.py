@@ -196,3 +196,24 @@ def test_the_page_divides_by_the_peak_measured_next_to_a_shape_in_its_own_column
     assert f"| {row['over_bound_best']['fp32']} | 1.120 |" in line
     other = next(ln for ln in lines if ln.startswith(f"| {doc['rows'][1]['model']} | {doc['rows'][1]['seq']} |"))
     assert other.count("|") == line.count("|") and "| — |" in other  # a row without the measurement: a dash
+
+
+def test_the_sampled_categories_come_in_the_same_order_whatever_the_hash_seed(tmp_path):
+    """Categories with equal largest shares are ordered by name: the page must render the same bytes in any process
+    (a set's order of strings moves with PYTHONHASHSEED, and the page test regenerates it in another process)."""
+    import os
+    import subprocess
+
+    doc = copy.deepcopy(_doc())
+    tied = ("Python", "OS kernel", "ATen / torch dispatch", "other native code", "attention (native)")
+    for r in doc["rows"]:
+        r["perf"] = {"shares": {"GEMM: oneDNN JIT code": 0.9, **dict.fromkeys(tied, 0.02)}, "samples": 100,
+                     "calls": 3, "ms_per_call": 70.0, "seconds": 4.0, "freq": 999}
+    src = tmp_path / "pg.json"
+    src.write_text(json.dumps(doc))
+    code = ("import json, sys; sys.path.insert(0, 'bench'); import prefill_gemm; "
+            f"print(prefill_gemm._render_perf(json.loads(open({str(src)!r}).read()))[5])")
+    heads = {subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True,
+                            env={**os.environ, "PYTHONHASHSEED": str(seed)}).stdout for seed in range(6)}
+    assert len(heads) == 1
+    assert "| ATen / torch dispatch | OS kernel | Python | attention (native) | other native code |" in heads.pop()
