@@ -10,8 +10,9 @@ The GEMM compute bound (issue 24): the FLOPs of the program's products (``aten.l
 fused ``hetforge::linear_act``/``gated_mlp``, each instruction's registered FLOP formula) ÷ the peak that
 ``hetforge calibrate`` measures — the fastest kernel on the host (ATen, oneDNN or MKL packed) on square n×n×n
 products, best over n — measured here in the same process at the bench's thread count, at the start and again at
-n = 1024 after each model and length (the bound takes the best of them all, so the prefills' best calls and the
-peak sample the same stretch of the host's speed); a prefill below 1.0× of it would mean the peak is wrong. It
+n = 1024 after each model and length (the bound takes the best of them all, so the peak samples the whole stretch
+of the host's speed that the prefills' best calls come from; a second column divides by the better of the
+measurements just before and after each shape's rounds); a prefill below 1.0× of it would mean the peak is wrong. It
 leaves out attention, norms and elementwise ops, so it is a lower bound. The FMA units' ceiling
 (``native.fma_peak``: register-only fused multiply-adds on every thread at once) is probed at the start, after each
 measurement of the peaks and at the end (best of the probes), to show how close that GEMM peak sits to the
