@@ -48,7 +48,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from _ops import GEMM_OPS, op_split
+from _ops import op_split
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "bench"
 
@@ -64,15 +64,19 @@ PEAK_SIZES = (512, 1024, 2048)
 
 def gemm_flops(program) -> float:
     """FLOPs of the program's products (registered formulas; the cost model's own)."""
+    return sum(instr_gflop(ins, program) for ins in program.instrs) * 1e9
+
+
+def instr_gflop(ins, program) -> float:
+    """GFLOP of one instruction if it is one of the bound's products (``kernel_choice.ONEDNN_OPS``: linear, addmm, mm,
+    linear_act, gated_mlp; the registered formula, the cost model's own), else 0."""
     from hetforge.cost.instr import op_call_from_instr
+    from hetforge.ir.kernel_choice import ONEDNN_OPS
     from hetforge.ops import lookup
 
-    total = 0.0
-    for ins in program.instrs:
-        info = lookup(ins.op) if ins.op in GEMM_OPS else None
-        if info is not None:
-            total += float(info.flops(op_call_from_instr(ins, program)))
-    return total
+    if ins.op not in ONEDNN_OPS:
+        return 0.0
+    return float(lookup(ins.op).flops(op_call_from_instr(ins, program))) / 1e9
 
 
 OP_PROFILE_CALLS = 3  # profiled calls per shape (the one with the least total is kept)
@@ -81,9 +85,6 @@ OP_PROFILE_CALLS = 3  # profiled calls per shape (the one with the least total i
 def op_profile(exe, inputs: tuple, calls: int = OP_PROFILE_CALLS) -> dict:
     """Per-op time of one profiled call of ``exe`` (measured, the best of ``calls`` by total): each op's calls,
     summed ms, and for the GEMM ops their FLOPs (registered formulas, as :func:`gemm_flops`)."""
-    from hetforge.cost.instr import op_call_from_instr
-    from hetforge.ops import lookup
-
     best = None
     for i in range(calls):
         rep = exe.profile(*inputs, warmup=1 if i == 0 else 0, repeat=1)
@@ -94,8 +95,7 @@ def op_profile(exe, inputs: tuple, calls: int = OP_PROFILE_CALLS) -> dict:
         a = by_op.setdefault(t.op, {"op": t.op, "calls": 0, "ms": 0.0, "gflop": 0.0})
         a["calls"] += 1
         a["ms"] += t.seconds * 1e3
-        if ins.op in GEMM_OPS:
-            a["gflop"] += float(lookup(ins.op).flops(op_call_from_instr(ins, exe.program))) / 1e9
+        a["gflop"] += instr_gflop(ins, exe.program)
     ops = sorted(by_op.values(), key=lambda a: -a["ms"])
     for a in ops:
         a["ms"], a["gflop"] = round(a["ms"], 3), round(a["gflop"], 6)
@@ -201,9 +201,9 @@ def run(models: list[str], seqs: list[int], rounds: int, threads: int, bf16: boo
                 row["gemm_gflop_bf16"] = round(gflop_bf16, 3)
             reprobe_peak(peaks)
             fma_probe()
-            # the peak measured next to this shape's rounds: the better of the measurements just before and after
-            row["local_peak_fp32"], before = max(before, peaks["fp32"]["reprobes"][-1]), peaks["fp32"]["reprobes"][-1]
-            apply_bound(row, peaks)  # again for every row at the end, with the best peak of the whole run
+            after = peaks["fp32"]["reprobes"][-1]
+            row["local_peak_fp32"] = max(before, after)  # the better of the peaks measured just before and after
+            before = after
             row["ops"] = op_profile(exes["auto"][0], inputs)
             if perf_s > 0:
                 from _perf import perf_shares
@@ -212,7 +212,7 @@ def run(models: list[str], seqs: list[int], rounds: int, threads: int, bf16: boo
                     row["perf"] = perf_shares(lambda e=exes["auto"][0], x=inputs: e(*x), perf_s)
             rows.append(row)
             print(json.dumps(row))
-    for row in rows:
+    for row in rows:  # the bound from the best peak of the whole run (reprobe_peak)
         apply_bound(row, peaks)
     fma_probe()
     fma = None if not fma_probes else {
@@ -384,7 +384,7 @@ def _render_ops(doc: dict) -> list[str]:
             "|---|---|---|---|---|---|---|---|"]
     for r, _ in rows:
         for a in r["ops"]["ops"]:
-            if a["op"] in GEMM_OPS and a["ms"] > 0:
+            if a["gflop"] > 0 and a["ms"] > 0:
                 rate = a["gflop"] / a["ms"] * 1e3
                 out.append(f"| {r['model']} | {r['seq']} | `{a['op']}` | {a['calls']} | {a['ms']:.2f} | "
                            f"{a['gflop']:.2f} | {rate:.0f} | {rate / peak:.1%} |")

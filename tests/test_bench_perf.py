@@ -130,6 +130,7 @@ def test_prefill_gemm_page_shows_each_gemm_op_kind_at_its_rate_inside_the_progra
 def test_op_profile_sums_a_real_program_by_op_with_the_bounds_gemm_flops(tmp_path):
     from hetforge.compile import compile_graph
     from hetforge.frontend import capture
+    from hetforge.ir.kernel_choice import ONEDNN_OPS
     from hetforge.models.zoo import example_inputs, load_model
 
     loaded = load_model("llama-tiny")
@@ -139,7 +140,7 @@ def test_op_profile_sums_a_real_program_by_op_with_the_bounds_gemm_flops(tmp_pat
                         name="llama-tiny").executable
     rec = prefill_gemm.op_profile(exe, inputs, calls=2)
     assert sum(a["calls"] for a in rec["ops"]) == len(exe.program.instrs)
-    gemm = sum(a["gflop"] for a in rec["ops"] if a["op"] in _ops.GEMM_OPS)
+    gemm = sum(a["gflop"] for a in rec["ops"] if a["op"] in ONEDNN_OPS)
     assert gemm == pytest.approx(prefill_gemm.gemm_flops(exe.program) / 1e9, abs=1e-5)  # rounded to 1 kFLOP per op
     assert gemm > 0 and any(a["op"] == _ops.ATTENTION_OP for a in rec["ops"])
     assert 0 < sum(a["ms"] for a in rec["ops"]) <= rec["total_ms"] + 1e-2

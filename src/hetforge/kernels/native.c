@@ -4231,15 +4231,35 @@ static void pad_task(void *p, long t) {
 }
 #endif
 
-#if defined(HF_AMX) || defined(HF_PA_DPBF16)
-/* pa_unit for the bf16-product path: (batch, kv head) u's keys and values packed (pam_pack), then every query block
- * of the query heads that read them (a->task), all by one thread; same tasks, same bits. */
-static void pam_unit(void *p, long u) {
-    const pam_ctx *a = p;
-    long g = a->h / a->hkv, bi = u / a->hkv, kh = u % a->hkv;
-    pam_pack((void *)a, u);
+/* Unit u of the head-affine schedule (pa_schedule): (batch, kv head) u's keys and values prepared by prep (transposed
+ * or packed), then every query block of the query heads that read them by task, all by one thread. Why: with the
+ * preparation as a region of its own and the tasks handed out one by one, every call paid two forks of the team, and
+ * a thread's tasks could read keys and values the other thread had prepared, from the other core's cache (a reading:
+ * not traced); here each kv head's scratch is made and read by one thread, in one region. The tasks are the same, so
+ * the bits are too (the before/after is in docs/arch/runtime.md, session 48). */
+static inline void pa_unit_run(void *ctx, long u, long h, long hkv, long nqb, hf_chunk_fn prep, hf_chunk_fn task) {
+    long g = h / hkv, bi = u / hkv, kh = u % hkv;
+    prep(ctx, u);
     for (long hq = kh * g; hq < (kh + 1) * g; hq++)
-        for (long qb = 0; qb < a->nqb; qb++) a->task((void *)a, (bi * a->h + hq) * a->nqb + qb);
+        for (long qb = 0; qb < nqb; qb++) task(ctx, (bi * h + hq) * nqb + qb);
+}
+
+/* The prefill attention's schedule: one unit per (batch, kv head) where the threads divide them (unit runs
+ * pa_unit_run), else the preparation as one region and then the tasks one by one, the largest causal blocks first. */
+static void pa_schedule(void *ctx, long units, long tasks, int threads, hf_chunk_fn unit, hf_chunk_fn prep,
+                        hf_chunk_fn task) {
+    if (units % threads == 0) {
+        hf_run_team(unit, ctx, units, threads);
+    } else {
+        hf_run_team(prep, ctx, units, threads);
+        hf_run_team(task, ctx, tasks, threads);
+    }
+}
+
+#if defined(HF_AMX) || defined(HF_PA_DPBF16)
+static void pam_unit(void *p, long u) { /* pa_unit_run for the bf16-product path: pam_pack, then a->task */
+    const pam_ctx *a = p;
+    pa_unit_run(p, u, a->h, a->hkv, a->nqb, pam_pack, a->task);
 }
 #endif
 
@@ -4277,12 +4297,7 @@ static int hf_prefill_attention_amx(const void *q, const void *k, const void *v,
 #else
     a.task = pad_task;
 #endif
-    if (b * a.hkv % threads == 0) { /* as hf_prefill_attention: one unit per kv head where the threads divide them */
-        hf_run_team(pam_unit, &a, b * a.hkv, threads);
-    } else {
-        hf_run_team(pam_pack, &a, b * a.hkv, threads);
-        hf_run_team(a.task, &a, b * a.h * a.nqb, threads);
-    }
+    pa_schedule(&a, b * a.hkv, b * a.h * a.nqb, threads, pam_unit, pam_pack, a.task);
     free(buf);
     return 0;
 #else
@@ -4304,18 +4319,9 @@ int hf_prefill_attention_bf16_products(void) {
 #endif
 }
 
-/* Unit u of the head-affine schedule (hf_prefill_attention): (batch, kv head) u's keys and values transposed
- * (pa_transpose), then every query block of the query heads that read them (pa_task), all by one thread. Why: with
- * the transposition as a region of its own and the tasks handed out one by one, a thread's tasks read keys and
- * values that the other thread had transposed (from the other core's cache), and every call paid two forks of the
- * team; here each kv head's scratch is made and read in one thread's cache, in one region. The tasks are the same,
- * so the bits are too (the before/after is in docs/arch/runtime.md, session 48). */
-static void pa_unit(void *p, long u) {
+static void pa_unit(void *p, long u) { /* pa_unit_run: pa_transpose, then pa_task */
     const pa_ctx *a = p;
-    long g = a->h / a->hkv, bi = u / a->hkv, kh = u % a->hkv;
-    pa_transpose((void *)a, u);
-    for (long hq = kh * g; hq < (kh + 1) * g; hq++)
-        for (long qb = 0; qb < a->nqb; qb++) pa_task((void *)a, (bi * a->h + hq) * a->nqb + qb);
+    pa_unit_run(p, u, a->h, a->hkv, a->nqb, pa_transpose, pa_task);
 }
 
 /* Attention of l query rows over s keys for b x h heads (see the banner above). q [b, h, l, d], k [b, hkv, s, d],
@@ -4355,14 +4361,7 @@ int hf_prefill_attention(const void *q, const void *k, const void *v, const void
     a.vp = a.kt + dims[0] * a.hkv * a.d * a.sp;
     /* a few thousand products (a one-token forward, a short chunk): waking the team costs more than they do */
     if (dims[0] * a.h * a.l * a.s * (a.d + a.dv) < (1L << 20)) threads = 1;
-    threads = clamp_threads(threads);
-    long units = dims[0] * a.hkv;
-    if (units % threads == 0) { /* every thread the same number of kv heads: one unit each at a time (pa_unit) */
-        hf_run_team(pa_unit, &a, units, threads);
-    } else { /* else (fewer kv heads than threads, or a remainder): transpose, then the tasks one by one */
-        hf_run_team(pa_transpose, &a, units, threads);
-        hf_run_team(pa_task, &a, dims[0] * a.h * a.nqb, threads);
-    }
+    pa_schedule(&a, dims[0] * a.hkv, dims[0] * a.h * a.nqb, clamp_threads(threads), pa_unit, pa_transpose, pa_task);
     scratch_done(&kept, a.kt);
     return 0;
 }
