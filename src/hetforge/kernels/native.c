@@ -3729,7 +3729,9 @@ static inline __m512 pa_fold16(const __m512 v[PA_QB], int add) {
     return _mm512_permutexvar_ps(_mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0), f);
 }
 
-/* The online-softmax step of a block of rows over one key block, all rows at once: each
+/* The online-softmax step of a block of rows over one key block, all rows at once, over the block's 16-key groups
+ * up to nv (the groups past it are hidden from every row: neither computed nor read, so skipped here too; a causal
+ * diagonal block of PA_QB rows has 1 to 4 of its 4 groups visible; same bits as visiting all 4): each
  * row's scores past cnt (its diagonal or the block's end) and those the mask hides set to -inf (a float mask
  * added), the rows' maxima folded into one vector, the rescale factors exp(m - m_new) as one vector exponential,
  * then each row's exponentials and their sums folded likewise; m, z and cr (PA_QB floats each) updated. A row
@@ -3740,6 +3742,8 @@ static void pa_softmax_rows(const pa_ctx *a, float *restrict sb, const char *mba
                             long nv, int apply, float *m, float *z, float *cr) {
     const __m512 ninf = _mm512_set1_ps(-INFINITY);
     long esz = a->mask_kind == 1 ? 1 : 4;
+    /* only the 16-key groups up to nv: the products computed no more (pa_scores), and pa_pv reads no more */
+    const int ngv = (int)((nv + 15) / 16);
     __m512 part[PA_QB];
     for (long ii = 0; ii < PA_QB; ii++) {
         part[ii] = ninf;
@@ -3748,7 +3752,7 @@ static void pa_softmax_rows(const pa_ctx *a, float *restrict sb, const char *mba
         long i = i0 + ii, cnt = a->causal && i - j0 + 1 < nv ? i - j0 + 1 : nv;
         const char *mrow = mbase ? mbase + i * a->ms[2] * esz : NULL;
         __m512 vmax = ninf;
-        for (int c = 0; c < 4; c++) {
+        for (int c = 0; c < ngv; c++) {
             __mmask16 keep = pa_below(cnt, c);
             __m512 x = _mm512_mask_mov_ps(ninf, keep, _mm512_loadu_ps(sr + 16 * c));
             if (apply && keep) {
@@ -3789,7 +3793,7 @@ static void pa_softmax_rows(const pa_ctx *a, float *restrict sb, const char *mba
         if (ii >= ni) continue;
         float *sr = sb + ii * PA_KB;
         __m512 vm = _mm512_set1_ps(mv[ii]), vs = _mm512_setzero_ps();
-        for (int c = 0; c < 4; c++) { /* a row with m_new = -inf: every x - m_new is NaN, every exponential 0 */
+        for (int c = 0; c < ngv; c++) { /* a row with m_new = -inf: every x - m_new is NaN, every exponential 0 */
             __m512 e = pa_exp16(_mm512_sub_ps(_mm512_loadu_ps(sr + 16 * c), vm));
             _mm512_storeu_ps(sr + 16 * c, e);
             vs = _mm512_add_ps(vs, e);
