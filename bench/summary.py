@@ -1435,6 +1435,13 @@ def why_we_lose(peers: J, kf: J, pg: J) -> str:
                       f"(dispatch and fork/join included: {span([sp['gemm_over_bound'] for sp in split], times)} "
                       "of the bound by themselves), and attention,\n  whose products the bound leaves out, took "
                       f"{span([sp['attention_over_bound'] for sp in split], times)} of the bound.")
+        if all("hot_ms" in sp for sp in split):
+            perf_text += ("\n  Each product run again right after itself (inputs and weights in cache, as the kernel "
+                          "alone) took\n  "
+                          f"{span([sp['hot_over_bound'] for sp in split], times)} of the bound all together "
+                          f"({span([sp['hot_of_peak'] for sp in split], pct)} of the peak: the kernels' own rate "
+                          "on these\n  shapes); inside the program the same calls took "
+                          f"{span([sp['program_over_hot'] for sp in split], times)} of their hot time.")
     return f"""## Why hetforge loses where it loses
 
 - **Prefill vs OpenVINO / ONNX Runtime:** the multi-row products run packed GEMMs chosen at build time (fp32: the

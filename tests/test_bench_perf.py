@@ -105,6 +105,42 @@ def test_op_split_adds_gemm_ops_attention_and_the_rest_up_to_the_profiled_call()
     assert parts == pytest.approx(sp["total_over_bound"]) and sp["total_over_bound"] == pytest.approx(1.3)
 
 
+def _hot(row: dict) -> dict:
+    """The constructed record's GEMM ops hot: gated 60 ms in the program (again 62) and 50 hot; linear 50 (again 48)
+    and 40 hot."""
+    for a in row["ops"]["ops"]:
+        if a["op"] == "hetforge.gated_mlp.default":
+            a["again_ms"], a["hot_ms"] = 62.0, 50.0
+        elif a["op"] == "aten.linear.default":
+            a["again_ms"], a["hot_ms"] = 48.0, 40.0
+    row["ops"]["hot_calls"], row["ops"]["hot_again"] = 2, 3
+    return row
+
+
+def test_op_split_splits_the_gemm_ops_into_their_hot_time_and_the_programs_share():
+    doc = copy.deepcopy(_doc())
+    sp = _ops.op_split(_hot(_ops_row(doc)), 1000.0)
+    assert sp["hot_ms"] == pytest.approx(90.0)
+    assert sp["hot_over_bound"] == pytest.approx(0.9)
+    assert sp["hot_of_peak"] == pytest.approx(100.0 / 0.090 / 1000.0)  # 100 GFLOP hot in 90 ms
+    assert sp["program_over_hot"] == pytest.approx(110.0 / 90.0)  # their own runs in those calls: 62 + 48
+    assert "hot_ms" not in _ops.op_split(_ops_row(copy.deepcopy(_doc())), 1000.0)  # a record without them
+
+
+def test_prefill_gemm_page_shows_the_gemm_ops_hot_next_to_their_time_in_the_program():
+    doc = copy.deepcopy(_doc())
+    for r in doc["rows"][1:]:
+        r.pop("ops", None)  # the constructed row alone (the hot columns show where every row has them)
+    row = _hot(_ops_row(doc))
+    peak = doc["peak"]["fp32"]["gflops"]
+    lines = prefill_gemm.render(doc).splitlines()
+    split = next(ln for ln in lines if ln.startswith(f"| {row['model']} | {row['seq']} | 130.0 |"))
+    assert split.endswith(f"| 1.300 | 0.900 | {100.0 / 0.090 / peak:.1%} | 1.222 |")
+    gated = next(ln for ln in lines if "`hetforge.gated_mlp.default`" in ln and ln.startswith(f"| {row['model']} "))
+    assert gated.endswith(f"| 50.00 | {1000.0 / peak:.1%} | 1.240 |")  # 50 GFLOP hot in 50 ms; 62 / 50
+    assert any("3 more times right after its own run" in ln for ln in lines)
+
+
 def test_op_split_is_none_without_a_record_or_a_bound():
     doc = copy.deepcopy(_doc())
     row = doc["rows"][0]
@@ -144,6 +180,9 @@ def test_op_profile_sums_a_real_program_by_op_with_the_bounds_gemm_flops(tmp_pat
     assert gemm == pytest.approx(prefill_gemm.gemm_flops(exe.program) / 1e9, abs=1e-5)  # rounded to 1 kFLOP per op
     assert gemm > 0 and any(a["op"] == _ops.ATTENTION_OP for a in rec["ops"])
     assert 0 < sum(a["ms"] for a in rec["ops"]) <= rec["total_ms"] + 1e-2
+    hot = [a for a in rec["ops"] if "hot_ms" in a]  # every GEMM op timed hot, nothing else
+    assert {a["op"] for a in hot} == {a["op"] for a in rec["ops"] if a["op"] in ONEDNN_OPS}
+    assert all(a["hot_ms"] > 0 and a["again_ms"] > 0 for a in hot)
 
 
 def test_summary_why_we_lose_quotes_the_gemm_ops_rate_and_attention_from_the_per_op_record():
@@ -158,6 +197,20 @@ def test_summary_why_we_lose_quotes_the_gemm_ops_rate_and_attention_from_the_per
     rate = f"{100 * (100.0 / 0.110) / doc['peak']['fp32']['gflops']:.1f}%"  # 100 GFLOP in 110 ms
     assert f"the GEMM ops ran at {rate} of the peak inside the\n  program" in text
     assert "1.10× of the bound by themselves" in text and "took 0.12× of the bound" in text
+    assert "Each product run again" not in text  # a record without the hot times
+
+
+def test_summary_why_we_lose_splits_the_gemm_ops_into_the_kernels_hot_and_the_programs_share():
+    import summary
+
+    doc = copy.deepcopy(_doc())
+    for r in doc["rows"][1:]:
+        r.pop("ops", None)
+    _hot(_ops_row(doc))
+    text = summary.why_we_lose(summary.load("peers.json"), summary.load("kforge.json"),
+                               summary.J("prefill_gemm.json", doc))
+    assert "took\n  0.90× of the bound all together" in text  # 90 ms hot against a 100 ms bound
+    assert "the same calls took 1.22× of their hot time" in text  # (62 + 48) / 90
 
 
 def test_the_bound_takes_the_best_peak_of_the_whole_run_for_every_row(monkeypatch):

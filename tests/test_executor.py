@@ -68,6 +68,27 @@ def test_profile_times_every_instruction():
     assert [t.seconds for t in one.times] == [1.0] * len(exe.program.instrs)
 
 
+def test_profile_again_reruns_each_product_and_reports_its_best_repeat_as_hot():
+    from hetforge.ir.kernel_choice import ONEDNN_OPS
+
+    _, inputs, cg = captured("llama-tiny")
+    exe = compile_graph(cg.gm, soc="host", example_inputs=inputs).executable
+    with torch.no_grad():
+        ref = exe(*inputs)
+    plain = exe.profile(*inputs, warmup=0, repeat=1)
+    assert all(t.hot_seconds is None for t in plain.times)
+    ticks = iter(range(10**6))  # one unit per clock reading: each run of an instruction, first or repeated, takes 1
+    rep = exe.profile(*inputs, warmup=0, repeat=1, clock=lambda: float(next(ticks)), again=2, again_ops=ONEDNN_OPS)
+    assert [t.seconds for t in rep.times] == [1.0] * len(exe.program.instrs)
+    hot = [t for t in rep.times if t.hot_seconds is not None]
+    assert hot and all(t.op in ONEDNN_OPS and t.hot_seconds == 1.0 for t in hot)
+    # a grouped call's last member only picks its part of the group's result (released there): never repeated
+    assert "_pg" in exe.source and len(hot) < sum(t.op in ONEDNN_OPS for t in rep.times)
+    with torch.no_grad():
+        assert torch.equal(exe(*inputs), ref)  # the repeats only recomputed the same outputs
+    assert all(t.hot_seconds is None for t in exe.profile(*inputs, warmup=0, repeat=1).times)
+
+
 def test_bad_inputs_are_usage_errors():
     _, inputs, cg = captured("gpt2-tiny")
     exe = compile_graph(cg.gm, soc="host", example_inputs=inputs).executable

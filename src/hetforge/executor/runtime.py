@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 import os
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,6 +65,9 @@ class InstrTime:
     device: str
     kind: str
     seconds: float  # measured with the profile's clock, mean over repeats (repeat=1 for per-run values)
+    # with Executable.profile's ``again``: the best of that many further runs of the instruction right after its own
+    # (its inputs and weights then in cache: the call hot, as a kernel alone), measured; else None
+    hot_seconds: float | None = None
 
 
 @dataclass
@@ -1002,7 +1006,7 @@ class _Codegen:
                     return True
         return False
 
-    def build(self, profile: bool) -> str:
+    def build(self, profile: bool, again: int = 0, again_ops: frozenset[str] = frozenset()) -> str:
         p = self.p
         self.need_views = self.needed_views()
         composed = self.composed_reads()  # a composed view reads its root, not its inputs (some never made)
@@ -1018,11 +1022,20 @@ class _Codegen:
         if profile:
             body.append("_t = _pc()")
         for k, ins in enumerate(p.instrs):
-            body.extend(self.emit(ins))
+            lines = self.emit(ins)
+            body.extend(lines)
             if profile:
                 if sync:
                     body.append("_sync()")
                 body.append(f"_T[{k}] += _pc() - _t; _t = _pc()")
+                # the same code again: the call hot; not where the code releases a grouped call's shared result
+                # (the group's last member: its code only picks its part, and a repeat would find it released)
+                rerun = ins.op in again_ops and not any(" = None" in ln for ln in lines)
+                for _ in range(again if rerun else 0):
+                    body.extend(lines)
+                    if sync:
+                        body.append("_sync()")
+                    body.append(f"_H[{k}] = min(_H[{k}], _pc() - _t); _t = _pc()")
             dead = [r for r in reads[ins.id] if last_use.get(r) == k and r not in keep
                     and p.values[r].kind != WEIGHT]
             dead += [o for o in ins.outputs if o not in last_use and o not in keep]
@@ -1107,6 +1120,7 @@ class Executable:
         self._fn = self._compile(self.source, cg.g, "run")
         self._globals = cg.g
         self._profile_fn = None
+        self._profile_key: tuple = (0, frozenset())
         self._inputs = [program.values[v] for v in program.inputs]
         spec = program.attrs.get("out_spec")
         self._out_spec = torch.utils._pytree.treespec_loads(spec) if spec else None
@@ -1171,33 +1185,42 @@ class Executable:
         return out[0] if len(out) == 1 else out
 
     def profile(self, *inputs: torch.Tensor, warmup: int = 1, repeat: int = 3,
-                clock: Any = time.perf_counter) -> ProfileReport:
+                clock: Any = time.perf_counter, again: int = 0,
+                again_ops: Collection[str] = ()) -> ProfileReport:
         """Run ``repeat`` times with a timer around every instruction (measured; synchronizes CUDA).
 
         ``clock`` times the instructions: wall time by default, or e.g. ``time.thread_time`` (the calling
-        thread's CPU time, which leaves out time the thread spent preempted). The total is always wall time."""
+        thread's CPU time, which leaves out time the thread spent preempted). The total is always wall time.
+        ``again`` > 0 runs each instruction whose op is in ``again_ops`` that many more times right after its own
+        run and reports the best of those as its ``hot_seconds``: the same call with its inputs and weights in
+        cache, as a kernel timed alone would be (the program's own time, ``seconds``, is the first run's). The
+        repeats recompute the same outputs, so they suit ops that only write their results (the products);
+        the total then includes them. A grouped call's last member (whose code only picks its part of the
+        group's result, which the first member computed) is not repeated: its ``hot_seconds`` stays None."""
         self.check_inputs(inputs)
         n = len(self.program.instrs)
-        if self._profile_fn is None:
+        key = (again, frozenset(again_ops) if again > 0 else frozenset())
+        if self._profile_fn is None or self._profile_key != key:
             cg = _Codegen(self.program, self.run_plan, self.device_map, self.mode, self.arenas, self.pinned,
                           self._unpinned)
-            src = cg.build(profile=True)
+            src = cg.build(profile=True, again=key[0], again_ops=key[1])
             cg.g.update({"_pc": time.perf_counter, "_sync": torch.cuda.synchronize if torch.cuda.is_available()
-                         else (lambda: None), "_T": [0.0] * n})
+                         else (lambda: None), "_T": [0.0] * n, "_H": [math.inf] * n})
             self._profile_fn = self._compile(src, cg.g, "profile")
-            self._profile_globals = cg.g
+            self._profile_globals, self._profile_key = cg.g, key
         self._profile_globals["_pc"] = clock
-        times = self._profile_globals["_T"]
+        times, hot = self._profile_globals["_T"], self._profile_globals["_H"]
         with torch.no_grad():
             for _ in range(warmup):
                 self._profile_fn(*inputs)
             for k in range(n):
-                times[k] = 0.0
+                times[k], hot[k] = 0.0, math.inf
             t0 = time.perf_counter()
             for _ in range(repeat):
                 self._profile_fn(*inputs)
             total = (time.perf_counter() - t0) / repeat
-        return ProfileReport([InstrTime(ins.id, ins.op, ins.device, ins.kind, times[k] / repeat)
+        return ProfileReport([InstrTime(ins.id, ins.op, ins.device, ins.kind, times[k] / repeat,
+                                        None if math.isinf(hot[k]) else hot[k])
                               for k, ins in enumerate(self.program.instrs)], total, repeat)
 
     def arena_bytes(self) -> dict[str, int]:
