@@ -333,7 +333,9 @@ def render(doc: dict) -> str:
         out += ["", "The measured kernel choices (median per-round ratio of the other side's time ÷ oneDNN's over "
                 f"interleaved rounds; above 1 ({rule}): "
                 "oneDNN runs; the other side is MKL's packed sgemm for fp32 where this torch has it, else ATen's "
-                "`linear`):", "",
+                "`linear`; for a gated MLP's gate and up products, activation `gated:…`, it is the native gated "
+                "panel kernel, `panel-gated`, timed against oneDNN's two calls, and `runs` names the side that "
+                "runs them):", "",
                 "| rows | K | N | dtype | threads | activation | other side | ratio | runs |",
                 "|---|---|---|---|---|---|---|---|---|"]
         for c in ch:

@@ -426,3 +426,61 @@ def test_mkl_packs_for_at_least_pack_rows_whatever_row_count_asks_first(monkeypa
     torch.testing.assert_close(onednn.mkl_linear(x, small, w, None, 16), F.linear(x, w), rtol=1e-5, atol=1e-5)
     x = torch.randn(2 * onednn.PACK_ROWS, 64)
     torch.testing.assert_close(onednn.mkl_linear(x, big, w, None, x.shape[0]), F.linear(x, w), rtol=1e-5, atol=1e-5)
+
+
+def test_a_gated_mlps_gate_and_up_choice_is_measured_once_kept_seeded_and_refused_when_pinned(monkeypatch):
+    """gated_pick times the native gated panel call against oneDNN's two calls (the activation post-op, then the
+    ``mul`` post-op) once per shape and keeps the answer with pick's choices (activation ``gated:`` + act), so a
+    compile-cache entry seeds it; bf16 and a forced policy take oneDNN's without measuring; a pinned process
+    refuses to measure."""
+    monkeypatch.delenv("HETFORGE_GEMM", raising=False)
+    if not native.panel_available():
+        pytest.skip("the library has no vectorized panel GEMM here: gated_pick answers oneDNN without measuring")
+    rows, k, n = native.PANEL_MAX + 11, 48, 80  # a shape no other test uses
+    got = onednn.gated_pick(rows, k, n, torch.float32, "silu")
+    assert got in ("panel", "onednn")
+    rec = [c for c in onednn.measured_choices() if (c["rows"], c["k"], c["n"], c["act"]) == (rows, k, n, "gated:silu")]
+    assert len(rec) == 1 and rec[0]["kernel"] == got and rec[0]["aten_side"] == "panel-gated"
+    assert (rec[0]["ratio"] > 1.0) == (got == "onednn") and rec[0]["aten_s"] > 0 and rec[0]["onednn_s"] > 0
+
+    def no_measuring(*a, **kw):
+        raise AssertionError("measured again")
+
+    monkeypatch.setattr(onednn, "_bench_pair", no_measuring)
+    assert onednn.gated_pick(rows, k, n, torch.float32, "silu") == got  # kept
+    assert onednn.gated_pick(rows, k, n, torch.bfloat16, "silu") == "onednn"
+    monkeypatch.setenv("HETFORGE_GEMM", "onednn")
+    assert onednn.gated_pick(rows + 1, k, n, torch.float32, "silu") == "onednn"
+    monkeypatch.delenv("HETFORGE_GEMM")
+    other = "onednn" if got == "panel" else "panel"
+    onednn.seed_choices([{**rec[0], "rows": rows + 2, "kernel": other, "onednn": other == "onednn"}])
+    assert onednn.gated_pick(rows + 2, k, n, torch.float32, "silu") == other  # from an earlier process
+    monkeypatch.setattr(onednn, "_pinned", [torch.get_num_threads()])
+    with pytest.raises(onednn.ChoiceRefused, match="gated-MLP choice"):
+        onednn.gated_pick(rows + 3, k, n, torch.float32, "silu")
+
+
+@pytest.mark.parametrize("kernel", ["panel", "onednn"])
+def test_a_gated_mlp_on_onednns_rows_runs_gate_and_up_as_the_chosen_kernel_within_kl_1e8(kernel, monkeypatch):
+    """Above the panel GEMM's rows a gated MLP's products run on oneDNN; its gate and up run as one native gated call
+    where gated_pick says ``panel`` (forced here either way), the down product on oneDNN with the residual add,
+    and the logits match eager (KL ≤ 1e-8) and each other (1e-5). (The policy is forced to oneDNN for the products,
+    and gated_pick's answer by hand: under a forced policy it answers oneDNN itself.)"""
+    import hetforge.executor.onednn as exec_onednn
+
+    monkeypatch.setenv("HETFORGE_GEMM", "onednn")  # every product on oneDNN (a measured pick may take MKL here)
+    if kernel == "panel" and not native.panel_available():
+        pytest.skip("the library has no vectorized panel GEMM here: gated_pick never answers panel")
+    monkeypatch.setattr(exec_onednn, "gated_pick", lambda *a, **kw: kernel)
+    module, inputs, cg = captured("llama-tiny", seq=native.PANEL_MAX + 8)
+    exe = compile_graph(cg.gm, soc="host", example_inputs=inputs, name=f"llama-tiny-gated-{kernel}").executable
+    from hetforge.models.zoo import load_model
+
+    layers = load_model("llama-tiny").config.num_hidden_layers
+    assert exe.stats.onednn_gemm > 0
+    assert exe.stats.panel_gated == (layers if kernel == "panel" else 0)  # one gated MLP a layer
+    assert verify(module, exe, inputs, kl_threshold=1e-8).passed
+    monkeypatch.setenv("HETFORGE_PANEL_GATED", "0")  # oneDNN's two calls, whatever gated_pick says
+    apart = compile_graph(cg.gm, soc="host", example_inputs=inputs, name="llama-tiny-gated-off").executable
+    assert apart.stats.panel_gated == 0
+    torch.testing.assert_close(exe(*inputs), apart(*inputs), rtol=1e-5, atol=1e-5)

@@ -12,16 +12,25 @@ import torch
 from hetforge.ir.kernel_choice import ONEDNN_ATTR, onednn_operands, plain_add, reshape_view
 from hetforge.ir.program import INPLACE, Reg
 from hetforge.kernels import native
-from hetforge.kernels.onednn import ACT_ATTR, MKL_ACT, LazyPacked, choose, pick
+from hetforge.kernels.onednn import ACT_ATTR, MKL_ACT, LazyPacked, choose, gated_pick, pick
 
 
 def chosen(cg, ins) -> bool:
     """Whether the candidate ``ins`` runs on oneDNN: measured (:func:`hetforge.kernels.onednn.choose`, once per
     shape and process) when the executable is built. ``cg``: the executor's code generator."""
     rows, k, n = ins.attrs[ONEDNN_ATTR]
-    x, w, _, wt, act, _ = onednn_operands(ins)
-    dev = cg.dm[ins.device]
-    return choose(rows, k, n, cg.p.values[x.id].dtype, cg.g[cg.weight(w.id, dev)], wt, act)
+    x, w, _, wt, act, gate = onednn_operands(ins)
+    dev, dtype = cg.dm[ins.device], cg.p.values[x.id].dtype
+    wten = cg.g[cg.weight(w.id, dev)]
+    if not choose(rows, k, n, dtype, wten, wt, act):
+        return False
+    if gate is not None and pick(rows, k, n, dtype, act=act) == "onednn" and _panel_gated_allowed():
+        gated_pick(rows, k, n, dtype, act, cg.g[cg.weight(gate[0].id, dev)], wten)  # measured here, not in codegen
+    return True
+
+
+def _panel_gated_allowed() -> bool:
+    return os.environ.get(PANEL_GATED_ENV, "1") != "0"
 
 
 RESIDUAL_ENV = "HETFORGE_RESIDUAL_FUSION"  # "0": every residual add runs as its own instruction
@@ -88,7 +97,9 @@ def residual_adds(cg, takes, fits=None) -> tuple[dict[int, Reg], dict[int, int]]
 
 
 PANEL_MULTI_ENV = "HETFORGE_PANEL_MULTI"  # "0": every panel-GEMM product runs as its own call
-PANEL_GATED_ENV = "HETFORGE_PANEL_GATED"  # "0": a gated MLP's gate and up products run as two panel-GEMM calls
+# "0": a gated MLP's gate and up products run as two panel-GEMM calls, and where oneDNN runs its products as oneDNN's
+# two calls (no measured gated_pick)
+PANEL_GATED_ENV = "HETFORGE_PANEL_GATED"
 
 
 def panel_groups(cg) -> dict[int, tuple[int, int, list]]:
@@ -188,9 +199,17 @@ def codegen_line(cg, ins, o: int, dev: torch.device) -> str:
                 f"r{o} = {binary}({xs}, {res}, {pk}, {bs}, 'add')")
     else:  # gated MLP: act(x·Wgᵀ+bg) as one call, times (x·Wuᵀ+bu) fused into the up GEMM, then down
         wg, bg, wd, bd = gate
-        pg = cg.const(LazyPacked(weight(wg), False, rows), "pk") + ".get()"
-        pu = cg.const(LazyPacked(wten, False, rows), "pk") + ".get()"
-        h = f"{binary}({xs}, {call}({xs}, {pg}, {bias(bg)}, {attr!r}, {sc!r}, {algo!r}), {pu}, {bs}, 'mul')"
+        if _panel_gated_allowed() and gated_pick(rows, k, n, cg.p.values[x.id].dtype, act) == "panel":
+            # gate and up as one native gated call (a measured choice, kernels.onednn.gated_pick); down on oneDNN
+            gated = cg.const(native.gemm_panel_gated, "gemm")
+            qg = cg.const(LazyPacked(weight(wg), False, rows, "panel"), "pk") + ".get()"
+            qu = cg.const(LazyPacked(wten, False, rows, "panel"), "pk") + ".get()"
+            h = f"{gated}({xs}, {qg}, {qu}, {bias(bg)}, {bs}, {wten.shape[0]}, {act!r})"
+            cg.stats.panel_gated += 1
+        else:
+            pg = cg.const(LazyPacked(weight(wg), False, rows), "pk") + ".get()"
+            pu = cg.const(LazyPacked(wten, False, rows), "pk") + ".get()"
+            h = f"{binary}({xs}, {call}({xs}, {pg}, {bias(bg)}, {attr!r}, {sc!r}, {algo!r}), {pu}, {bs}, 'mul')"
         if wd is None:
             line = f"r{o} = {h}"
         else:
@@ -236,7 +255,7 @@ def _unfused_line(cg, kind: str, o: int, rows: int, xs: str, wten: torch.Tensor,
         else:  # gated MLP: act(x·Wgᵀ+bg) into the up product's store, then the down product
             wg, bg, wd, bd = gate
             r_up = res if wd is None else None
-            if kind == "panel" and native.epilogue_act(act) and os.environ.get(PANEL_GATED_ENV, "1") != "0":
+            if kind == "panel" and native.epilogue_act(act) and _panel_gated_allowed():
                 # gate and up as one call (native.gemm_panel_gated): the same bits
                 gated = cg.const(native.gemm_panel_gated, "gemm")
                 y = f"{gated}({xs}, {packed(weight(wg), False)}, {packed(wten, False)}, {bias(bg)}, {bs}, " \

@@ -104,6 +104,7 @@ class ExecStats:
     mkl_gemm: int = 0  # multi-row linears on MKL's packed sgemm (the other side of the oneDNN choice)
     panel_gemm: int = 0  # multi-row linears on the native panel GEMM (a short prompt's row counts)
     panel_groups: int = 0  # groups of panel-GEMM products of one input run as one gemm_panel_multi call (q, k, v)
+    panel_gated: int = 0  # oneDNN gated MLPs whose gate and up run as one native gated call (onednn.gated_pick)
     amx_gemm: int = 0  # multi-row bf16 linears on the native AMX kernel (hf_gemm_amx_bf16)
     bf16_panel_gemm: int = 0  # multi-row bf16 linears on the native AVX512-BF16 kernel (hf_gemm_bf16_panel)
     composed_views: int = 0  # views of oneDNN results made in one as_strided step (or not at all) per call

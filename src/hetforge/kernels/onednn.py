@@ -31,6 +31,8 @@ times, which an earlier version compared, flipped choices on a loaded 2-core hos
 for a third of the shapes). fp32 products of :func:`panel_rows` rows (a short prompt's) run on the native panel
 GEMM by rule instead (from memory it was faster there; the timing above reads one weight from cache).
 ``HETFORGE_GEMM=aten``, ``=onednn``, ``=mkl`` or ``=panel`` forces one kernel (``auto``, the default, measures).
+Where a gated MLP's products run on oneDNN, its gate and up products run either as oneDNN's two calls or as one
+native gated panel call, a second measured choice (:func:`gated_pick`) kept with these.
 """
 
 from __future__ import annotations
@@ -460,6 +462,45 @@ def pick(rows: int, k: int, n: int, dtype: torch.dtype, w: torch.Tensor | None =
         t_side, t_dnn, ratio = _bench_pair(side, lambda: fn(x), decide=1.0)
         _choice_times[key] = (t_side, t_dnn, ratio, "mkl-packed" if other == "mkl" else "aten")
         _choices[key] = _decide(ratio, other)
+    return _choices[key]
+
+
+GATED = "gated:"  # the activation slot of a gated MLP's gate-and-up choice: GATED + its activation (gated_pick)
+
+
+def gated_pick(rows: int, k: int, n: int, dtype: torch.dtype, act: str, wg: torch.Tensor | None = None,
+               wu: torch.Tensor | None = None) -> str:
+    """How a gated MLP's gate and up products, ``act(x·Wgᵀ) * (x·Wuᵀ)`` over ``[rows, k]`` × ``[k, n]``, run where
+    :func:`pick` put its products on oneDNN: ``onednn`` (the gate with the activation as a post-op, then the up
+    product with the gate's result as a ``mul`` post-op: two calls) or ``panel`` (the native panel GEMM's gated
+    kernel, :func:`hetforge.kernels.native.gemm_panel_gated`: both products in one call, the activation and the
+    product applied as the sums are stored). Measured as :func:`pick` measures, once per shape, activation and
+    thread count (interleaved rounds, the median per-round ratio panel ÷ oneDNN, above 1: oneDNN), and kept with
+    :func:`pick`'s choices under the activation ``GATED + act`` (so a compile-cache entry carries it,
+    :func:`seed_choices`). fp32 only, where the library's panel kernel runs and its epilogue has ``act``; the
+    down product stays on oneDNN either way. Why: oneDNN's ``mul`` post-op reads the gate's whole result back
+    while the up product runs, where the gated kernel multiplies the two sums while both are in registers."""
+    if dtype != torch.float32 or policy() != "auto" or not native.panel_available() \
+            or not native.epilogue_act(act) or act not in ACT_ATTR:
+        return "onednn"
+    key = (rows, k, n, dtype, threads(), GATED + act)
+    if key not in _choices and _pinned:
+        raise ChoiceRefused(f"the gated-MLP choice for [{rows}, {k}] x [{k}, {n}] at {threads()} threads is not "
+                            "measured in this process, and measuring here is refused")
+    if key not in _choices:
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(rows, k, generator=g)
+        m = min(n, PROBE_N)
+        ws = [torch.randn(m, k, generator=g) if w is None else w[:m].contiguous() for w in (wg, wu)]
+        pg, pu = (torch.ops.mkldnn._reorder_linear_weight(w, rows) for w in ws)
+        qg, qu = (native.pack_panels(w) for w in ws)
+        lp, lb = torch.ops.mkldnn._linear_pointwise.default, torch.ops.mkldnn._linear_pointwise.binary
+        attr, sc, algo = ACT_ATTR[act]
+        t_side, t_dnn, ratio = _bench_pair(lambda: native.gemm_panel_gated(x, qg, qu, None, None, m, act),
+                                           lambda: lb(x, lp(x, pg, None, attr, sc, algo), pu, None, "mul"),
+                                           decide=1.0)
+        _choice_times[key] = (t_side, t_dnn, ratio, "panel-gated")
+        _choices[key] = "onednn" if ratio > 1.0 else "panel"
     return _choices[key]
 
 
