@@ -17,7 +17,9 @@ from hetforge.kernels.onednn import ACT_ATTR, MKL_ACT, LazyPacked, choose, gated
 
 def chosen(cg, ins) -> bool:
     """Whether the candidate ``ins`` runs on oneDNN: measured (:func:`hetforge.kernels.onednn.choose`, once per
-    shape and process) when the executable is built. ``cg``: the executor's code generator."""
+    shape and process) when the executable is built; for a gated MLP on oneDNN, how its gate and up run is measured
+    here too (:func:`hetforge.kernels.onednn.gated_pick`), so that code generation only reads the answers. ``cg``:
+    the executor's code generator."""
     rows, k, n = ins.attrs[ONEDNN_ATTR]
     x, w, _, wt, act, gate = onednn_operands(ins)
     dev, dtype = cg.dm[ins.device], cg.p.values[x.id].dtype
@@ -30,6 +32,7 @@ def chosen(cg, ins) -> bool:
 
 
 def _panel_gated_allowed() -> bool:
+    """Whether a gated MLP's gate and up may run as one native gated call (``HETFORGE_PANEL_GATED`` not "0")."""
     return os.environ.get(PANEL_GATED_ENV, "1") != "0"
 
 
