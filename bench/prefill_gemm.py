@@ -106,18 +106,18 @@ def op_profile(exe, inputs: tuple, calls: int = OP_PROFILE_CALLS) -> dict:
         a["calls"] += 1
         a["ms"] += t.seconds * 1e3
         a["gflop"] += instr_gflop(ins, exe.program)
-    n = len(exe.program.instrs)
-    own, hot = [float("inf")] * n, [float("inf")] * n
+    gemm = [k for k, ins in enumerate(exe.program.instrs) if ins.op in ONEDNN_OPS]
+    own, hot = dict.fromkeys(gemm, float("inf")), dict.fromkeys(gemm, float("inf"))
     for _ in range(HOT_CALLS):
         rep = exe.profile(*inputs, warmup=0, repeat=1, again=HOT_AGAIN, again_ops=ONEDNN_OPS)
-        for k, t in enumerate(rep.times):
+        for k in gemm:
+            t = rep.times[k]
             own[k] = min(own[k], t.seconds)
             hot[k] = min(hot[k], t.seconds if t.hot_seconds is None else t.hot_seconds)
-    for k, ins in enumerate(exe.program.instrs):
-        if ins.op in ONEDNN_OPS:
-            a = by_op[ins.op]
-            a["again_ms"] = a.get("again_ms", 0.0) + own[k] * 1e3
-            a["hot_ms"] = a.get("hot_ms", 0.0) + hot[k] * 1e3
+    for k in gemm:
+        a = by_op[exe.program.instrs[k].op]
+        a["again_ms"] = a.get("again_ms", 0.0) + own[k] * 1e3
+        a["hot_ms"] = a.get("hot_ms", 0.0) + hot[k] * 1e3
     ops = sorted(by_op.values(), key=lambda a: -a["ms"])
     for a in ops:
         for f in ("ms", "again_ms", "hot_ms"):

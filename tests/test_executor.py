@@ -83,8 +83,8 @@ def test_profile_again_reruns_each_product_and_reports_its_best_repeat_as_hot():
     assert [t.seconds for t in rep.times] == [1.0] * len(exe.program.instrs)
     hot = [t for t in rep.times if t.hot_seconds is not None]
     assert hot and all(t.op in ONEDNN_OPS and t.hot_seconds == 1.0 for t in hot)
-    # a grouped call's last member only picks its part of the group's result (released there): never repeated (the
-    # q, k and v products are grouped where the panel GEMM runs them)
+    # a panel group's later members only pick their part of the group's result: never repeated (the q, k and v
+    # products are grouped where the panel GEMM runs them)
     if native.panel_available():
         assert "_pg" in exe.source and len(hot) < sum(t.op in ONEDNN_OPS for t in rep.times)
     with torch.no_grad():

@@ -12,23 +12,23 @@ import torch
 from hetforge.ir.kernel_choice import ONEDNN_ATTR, onednn_operands, plain_add, reshape_view
 from hetforge.ir.program import INPLACE, Reg
 from hetforge.kernels import native
-from hetforge.kernels.onednn import ACT_ATTR, MKL_ACT, LazyPacked, choose, gated_pick, pick
+from hetforge.kernels.onednn import ACT_ATTR, MKL_ACT, LazyPacked, gated_pick, pick
 
 
 def chosen(cg, ins) -> bool:
-    """Whether the candidate ``ins`` runs on oneDNN: measured (:func:`hetforge.kernels.onednn.choose`, once per
-    shape and process) when the executable is built; for a gated MLP on oneDNN, how its gate and up run is measured
-    here too (:func:`hetforge.kernels.onednn.gated_pick`), so that code generation only reads the answers. ``cg``:
-    the executor's code generator."""
+    """Whether the candidate ``ins`` runs on a packed kernel rather than ATen's ``linear`` (oneDNN, MKL or a native
+    one: :func:`hetforge.kernels.onednn.pick`, measured once per shape and process) when the executable is built;
+    for a gated MLP on oneDNN, how its gate and up run is measured here too
+    (:func:`hetforge.kernels.onednn.gated_pick`), so that code generation only reads the answers. ``cg``: the
+    executor's code generator."""
     rows, k, n = ins.attrs[ONEDNN_ATTR]
     x, w, _, wt, act, gate = onednn_operands(ins)
     dev, dtype = cg.dm[ins.device], cg.p.values[x.id].dtype
     wten = cg.g[cg.weight(w.id, dev)]
-    if not choose(rows, k, n, dtype, wten, wt, act):
-        return False
-    if gate is not None and pick(rows, k, n, dtype, act=act) == "onednn" and _panel_gated_allowed():
+    kind = pick(rows, k, n, dtype, wten, wt, act)
+    if kind == "onednn" and gate is not None and _panel_gated_allowed():
         gated_pick(rows, k, n, dtype, act, cg.g[cg.weight(gate[0].id, dev)], wten)  # measured here, not in codegen
-    return True
+    return kind != "aten"
 
 
 def _panel_gated_allowed() -> bool:

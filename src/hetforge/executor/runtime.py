@@ -1029,9 +1029,9 @@ class _Codegen:
                 if sync:
                     body.append("_sync()")
                 body.append(f"_T[{k}] += _pc() - _t; _t = _pc()")
-                # the same code again: the call hot; not where the code releases a grouped call's shared result
-                # (the group's last member: its code only picks its part, and a repeat would find it released)
-                rerun = ins.op in again_ops and not any(" = None" in ln for ln in lines)
+                # the same code again: the call hot; not for a panel group's later members, whose code only picks
+                # its part of the group's result (which the first member computed; the last releases it)
+                rerun = ins.op in again_ops and self.panel_group_of.get(ins.id, (None, 0))[1] == 0
                 for _ in range(again if rerun else 0):
                     body.extend(lines)
                     if sync:
@@ -1196,8 +1196,8 @@ class Executable:
         run and reports the best of those as its ``hot_seconds``: the same call with its inputs and weights in
         cache, as a kernel timed alone would be (the program's own time, ``seconds``, is the first run's). The
         repeats recompute the same outputs, so they suit ops that only write their results (the products);
-        the total then includes them. A grouped call's last member (whose code only picks its part of the
-        group's result, which the first member computed) is not repeated: its ``hot_seconds`` stays None."""
+        the total then includes them. A panel group's later members (whose code only picks a part of the
+        group's result, which the first member computed) are not repeated: their ``hot_seconds`` stay None."""
         self.check_inputs(inputs)
         n = len(self.program.instrs)
         key = (again, frozenset(again_ops) if again > 0 else frozenset())

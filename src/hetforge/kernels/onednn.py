@@ -440,16 +440,10 @@ def pick(rows: int, k: int, n: int, dtype: torch.dtype, w: torch.Tensor | None =
         return "amx"
     if bf16_panel_rows(rows, k, dtype):
         return "bf16panel"
-    key = (rows, k, n, dtype, threads(), act)
-    if key not in _choices and _pinned:
-        raise ChoiceRefused(f"the kernel choice for [{rows}, {k}] x [{k}, {n}] {dtype} at {threads()} threads is "
-                            "not measured in this process, and measuring here is refused")
-    if key not in _choices:
-        g = torch.Generator().manual_seed(0)
-        x = torch.randn(rows, k, generator=g).to(dtype)
-        m = min(n, PROBE_N)  # a wide product (an LM head) is timed on its first PROBE_N outputs: same kernel
-        wt = torch.randn(m, k, generator=g).to(dtype) if w is None else (w.t() if weight_t else w)[:m]
-        wc = wt.contiguous()
+
+    def measure() -> tuple[str, tuple[float, float, float, str]]:
+        x, (wt,) = _probe(rows, k, n, dtype, [None if w is None else w.t() if weight_t else w])
+        wc, m = wt.contiguous(), wt.shape[0]
         b = torch.zeros(m, dtype=dtype)
         pk = torch.ops.mkldnn._reorder_linear_weight(wc, rows)
         fn = linear_fn(pk, b, act if act in ACT_ATTR else "none")
@@ -460,9 +454,35 @@ def pick(rows: int, k: int, n: int, dtype: torch.dtype, w: torch.Tensor | None =
             post = ATEN_ACT.get(act, ATEN_ACT["none"])
             side = lambda: post(F.linear(x, wt, b))  # noqa: E731
         t_side, t_dnn, ratio = _bench_pair(side, lambda: fn(x), decide=1.0)
-        _choice_times[key] = (t_side, t_dnn, ratio, "mkl-packed" if other == "mkl" else "aten")
-        _choices[key] = _decide(ratio, other)
+        return _decide(ratio, other), (t_side, t_dnn, ratio, "mkl-packed" if other == "mkl" else "aten")
+
+    return _measured((rows, k, n, dtype, threads(), act),
+                     f"the kernel choice for [{rows}, {k}] x [{k}, {n}] {dtype}", measure)
+
+
+def _measured(key: tuple, what: str, measure: Callable[[], tuple[str, tuple[float, float, float, str]]]) -> str:
+    """The kernel choice ``key`` names (:func:`pick`'s and :func:`gated_pick`'s): measured once per process by
+    ``measure`` (the kernel, and the timing :func:`measured_choices` reports: the other side's and oneDNN's median
+    seconds, the median ratio and the other side's name), taken from an earlier process (:func:`seed_choices`), or
+    refused where this process builds for another (:func:`pin_threads`: :class:`ChoiceRefused`, ``what`` naming
+    it)."""
+    if key not in _choices:
+        if _pinned:
+            raise ChoiceRefused(f"{what} at {threads()} threads is not measured in this process, and measuring here "
+                                "is refused")
+        _choices[key], _choice_times[key] = measure()
     return _choices[key]
+
+
+def _probe(rows: int, k: int, n: int, dtype: torch.dtype,
+           weights: list[torch.Tensor | None]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """A choice's timing operands: a seeded random X ``[rows, k]`` in ``dtype`` and each ``[n, k]`` weight's first
+    :data:`PROBE_N` rows (a seeded random one in its place where None): a wide product (an LM head) is timed on its
+    first PROBE_N outputs, the same kernel."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, k, generator=g).to(dtype)
+    m = min(n, PROBE_N)
+    return x, [torch.randn(m, k, generator=g).to(dtype) if w is None else w[:m] for w in weights]
 
 
 GATED = "gated:"  # the activation slot of a gated MLP's gate-and-up choice: GATED + its activation (gated_pick)
@@ -483,25 +503,21 @@ def gated_pick(rows: int, k: int, n: int, dtype: torch.dtype, act: str, wg: torc
     if dtype != torch.float32 or policy() != "auto" or not native.panel_available() \
             or not native.epilogue_act(act) or act not in ACT_ATTR:
         return "onednn"
-    key = (rows, k, n, dtype, threads(), GATED + act)
-    if key not in _choices and _pinned:
-        raise ChoiceRefused(f"the gated-MLP choice for [{rows}, {k}] x [{k}, {n}] at {threads()} threads is not "
-                            "measured in this process, and measuring here is refused")
-    if key not in _choices:
-        g = torch.Generator().manual_seed(0)
-        x = torch.randn(rows, k, generator=g)
-        m = min(n, PROBE_N)
-        ws = [torch.randn(m, k, generator=g) if w is None else w[:m].contiguous() for w in (wg, wu)]
+
+    def measure() -> tuple[str, tuple[float, float, float, str]]:
+        x, ws = _probe(rows, k, n, dtype, [wg, wu])
+        ws = [w.contiguous() for w in ws]
         pg, pu = (torch.ops.mkldnn._reorder_linear_weight(w, rows) for w in ws)
         qg, qu = (native.pack_panels(w) for w in ws)
         lp, lb = torch.ops.mkldnn._linear_pointwise.default, torch.ops.mkldnn._linear_pointwise.binary
         attr, sc, algo = ACT_ATTR[act]
-        t_side, t_dnn, ratio = _bench_pair(lambda: native.gemm_panel_gated(x, qg, qu, None, None, m, act),
+        t_side, t_dnn, ratio = _bench_pair(lambda: native.gemm_panel_gated(x, qg, qu, None, None, len(ws[0]), act),
                                            lambda: lb(x, lp(x, pg, None, attr, sc, algo), pu, None, "mul"),
                                            decide=1.0)
-        _choice_times[key] = (t_side, t_dnn, ratio, "panel-gated")
-        _choices[key] = "onednn" if ratio > 1.0 else "panel"
-    return _choices[key]
+        return ("onednn" if ratio > 1.0 else "panel"), (t_side, t_dnn, ratio, "panel-gated")
+
+    return _measured((rows, k, n, dtype, threads(), GATED + act),
+                     f"the gated-MLP choice for [{rows}, {k}] x [{k}, {n}]", measure)
 
 
 def panel_rows(rows: int, dtype: torch.dtype) -> bool:
