@@ -425,3 +425,40 @@ def test_bf16_product_path_gives_the_same_bits_on_head_units_and_on_two_passes(h
                                          enable_gqa=True)
     outs = _on_1_2_3_threads(q, k, v, None, True, ref, 3e-2)  # bf16 p and output roundings
     assert torch.equal(outs[1], outs[2]) and torch.equal(outs[1], outs[3])
+
+
+@settings(max_examples=60, deadline=None)
+@given(ell=st.integers(1, 150), extra=st.integers(0, 70), flip=st.one_of(st.none(), st.tuples(st.integers(0, 10**6),
+                                                                                           st.integers(0, 10**6))))
+def test_mask_is_causal_finds_exactly_the_causal_pattern(ell, extra, flip):
+    """``hf_mask_is_causal`` (which lets a bool causal mask shared by every head run as is_causal) says yes exactly
+    when the mask is ``j <= i``: any one entry flipped, above or below the diagonal, in the vector part or the tail
+    of a row, makes it say no; a mask with rows padded to a wider stride is read by its stride."""
+    s = ell + extra
+    mask = torch.ones(ell, s, dtype=torch.bool).tril()
+    if flip is not None:
+        i, j = flip[0] % ell, flip[1] % s
+        mask[i, j] = not mask[i, j]
+    want = bool(torch.equal(mask, torch.ones(ell, s, dtype=torch.bool).tril()))
+    assert native.mask_is_causal(mask) == want
+    wide = torch.zeros(ell, s + 13, dtype=torch.bool)
+    wide[:, :s] = mask
+    wide[:, s:] = True  # past the mask's columns: not read
+    assert native.mask_is_causal(wide[:, :s]) == want
+
+
+@pytest.mark.parametrize("ell,s", [(17, 17), (130, 130), (513, 513), (40, 100)])
+def test_bool_causal_mask_shared_by_the_heads_gives_the_bits_of_is_causal(ell, s):
+    """A bool mask of the causal pattern shared by every head (2-D, 4-D broadcast, a batch dim expanded) runs as
+    is_causal: the same bits; with one entry of the diagonal hidden it is a mask again, equal to SDPA and not to
+    the is_causal result."""
+    q, k, v = _qkv(2, 4, 2, ell, s, 64, seed=20 + ell)
+    causal = native.prefill_attention(q, k, v, None, 0.125, True)
+    tri = torch.ones(ell, s, dtype=torch.bool).tril()
+    for mask in (tri, tri.view(1, 1, ell, s), tri.expand(2, 1, ell, s)):
+        got, _ = _check(q, k, v, mask)
+        assert torch.equal(got, causal)
+    off = tri.clone()
+    off[ell - 1, ell - 1] = False  # the last row's own key hidden: not the causal pattern
+    got, _ = _check(q, k, v, off)
+    assert not torch.equal(got, causal)

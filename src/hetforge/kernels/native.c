@@ -4323,6 +4323,31 @@ int hf_prefill_attention_bf16_products(void) {
 #endif
 }
 
+/* Whether a bool mask [l, s] (rows ``rs`` bytes apart, columns dense) shows key j to query i exactly when j <= i:
+ * is_causal's pattern. Why: GPT-2's and Llama's exported graphs pass the causal mask as a bool tensor, shared by
+ * every head, and the mask path reads it again in every head's blocks (pa_mask_block for each block, the bytes of
+ * each diagonal block in pa_softmax_rows); is_causal finds the same keys from the row and column numbers. The
+ * tasks then compute what they computed with the mask (the same visible keys, the same blocks skipped, the same
+ * last key per block), so the bits do not change. One pass over the mask, stopping at the first difference. */
+int hf_mask_is_causal(const void *mask, long l, long s, long rs) {
+    const uint8_t *m = mask;
+    for (long i = 0; i < l; i++, m += rs) {
+        long j = 0;
+#if defined(__AVX512BW__)
+        for (; j + 64 <= s; j += 64) {
+            __m512i row = _mm512_loadu_si512((const void *)(m + j));
+            __mmask64 vis = _mm512_test_epi8_mask(row, row);
+            long n = i - j + 1; /* keys of this run the row sees: j..i */
+            __mmask64 want = n >= 64 ? ~(__mmask64)0 : n <= 0 ? (__mmask64)0 : (((__mmask64)1 << n) - 1);
+            if (vis != want) return 0;
+        }
+#endif
+        for (; j < s; j++)
+            if ((m[j] != 0) != (j <= i)) return 0;
+    }
+    return 1;
+}
+
 static void pa_unit(void *p, long u) { /* pa_unit_run: pa_transpose, then pa_task */
     const pa_ctx *a = p;
     pa_unit_run(p, u, a->h, a->hkv, a->nqb, pa_transpose, pa_task);
@@ -4356,6 +4381,9 @@ int hf_prefill_attention(const void *q, const void *k, const void *v, const void
         int rc = hf_prefill_attention_amx(q, k, v, dims, strides, causal, scale, threads, out);
         if (rc != -3) return rc;
     }
+    if (a.mask_kind == 1 && a.ms[3] == 1 && (dims[0] == 1 || a.ms[0] == 0) && (a.h == 1 || a.ms[1] == 0) && !causal
+        && hf_mask_is_causal(a.mask, a.l, a.s, a.ms[2]))
+        a.mask = NULL, a.mask_kind = 0, a.causal = 1; /* the same visible keys, found by position (hf_mask_is_causal) */
     /* the key/value scratch: kept per calling thread up to PA_KEEP bytes (a fresh block of that size is an mmap
      * and its page faults on every call, which a short prefill or one-token forward notices), else per call */
     size_t need = sizeof(float) * dims[0] * a.hkv * (a.d * a.sp + a.s * a.dv);

@@ -82,6 +82,7 @@ SIGNATURES = {
     "hf_layer_norm": [_P, _P, _P, _P, _L, _L, _F, _I],
     "hf_decode_attention": [_P, _P, _P, _P, _P, _P, _P, _P, _P, _L, _L, _L, _L, _F, _I],
     "hf_prefill_attention": [_P, _P, _P, _P, _P, _P, _P, _I, _I, _F, _I, _I],
+    "hf_mask_is_causal": [_P, _L, _L, _L],
     "hf_read_stream": [_P, _L, _I],
     "hf_fma_peak": [_I, _L],
     "hf_linear_act": [_P, _P, _P, _P, _L, _L, _I, _I, _I, _P, _I],
@@ -128,7 +129,7 @@ SIGNATURES = {
 RESTYPES = {  # the functions that return a value (every other one returns void)
     "hf_fma_peak": ctypes.c_double,
     "hf_read_stream": _F, "hf_q8a_path": _I, "hf_bf16_path": _I, "hf_prefill_attention": _I, "hf_gemv_nk_multi": _I,
-    "hf_prefill_attention_bf16_products": _I,
+    "hf_prefill_attention_bf16_products": _I, "hf_mask_is_causal": _I,
     "hf_gemv_q8a": _I, "hf_gemm_q8a": _I,  # 0, or -1: scratch not allocated
     "hf_gemv_q4a": _I, "hf_gemm_q4a": _I, "hf_q4a_path": _I, "hf_quantize_i8_chunks": _L, "hf_quantize_i8": _I,
     "hf_transpose": _I, "hf_gemm_few": _I, "hf_gemm_few_kn": _I, "hf_gated_mlp_few": _I, "hf_panel_simd": _I,
@@ -1255,6 +1256,19 @@ def prefill_attention_into(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ma
     time): what :func:`prefill_attention_fits` refuses raises ValueError."""
     q, k, v, mask, dims, strides, kind = _prefill_attention_args(q, k, v, mask, is_causal)
     _prefill_attention_call(q, k, v, mask, y_ptr, dims, strides, kind, scale, is_causal)
+
+
+def mask_is_causal(mask: torch.Tensor) -> bool:
+    """Whether a 2-D bool mask ``[l, s]`` (dense columns) shows key j to query i exactly when j <= i, as
+    ``hf_prefill_attention`` checks it (``hf_mask_is_causal``) before running a bool mask shared by every head as
+    ``is_causal``."""
+    lib = library()
+    if lib is None:
+        raise RuntimeError("the native library is not built")
+    if mask.dtype != torch.bool or mask.dim() != 2 or mask.stride(1) != 1:
+        raise ValueError(f"mask_is_causal takes a 2-D bool mask with dense columns, not {mask.dtype} "
+                         f"{tuple(mask.shape)} strides {mask.stride()}")
+    return bool(lib.hf_mask_is_causal(mask.data_ptr(), mask.shape[0], mask.shape[1], mask.stride(0)))
 
 
 class PrefillAttention:
