@@ -1450,7 +1450,7 @@ def why_we_lose(peers: J, kf: J, pg: J) -> str:
   is GEMM time ([bench/prefill_gemm.md](bench/prefill_gemm.md)). Against
   OpenVINO f32 it is {span(ov, times)} on the latest peers run ([bench/peers.md](bench/peers.md), whose header names
   the host). hetforge's products run close to the host's FMA peak, and so must the peers', so the lead moves with
-  the CPU: on the Zen 5 VMs (x86 family 26: sessions 30–35 and 44) the panel GEMM reads a short prompt's weights
+  the CPU: on the Zen 5 VMs (x86 family 26: sessions 30–35 and 44–50) the panel GEMM reads a short prompt's weights
   faster than oneDNN; on the Zen 4 VM of sessions 36–43 (family 25) hetforge's [1,128] prefill took 0.97–0.98×
   OpenVINO f32's time (session 38 in one process, interleaved; session 41's peers page side by side), its products
   at 87–92% of that CPU's FMA peak, about what the kernel reaches alone from memory
@@ -1616,7 +1616,8 @@ def render() -> str:
            f"The latest peers run's machine: {head.s('cpu')}, {head.f('logical_cpus'):.0f} logical CPUs, "
            f"{num(head.f('memory_gib'), 1)} GiB, no GPU/NPU/power meter; torch {vers.s('torch')}, transformers "
            f"{vers.s('transformers')}. Pages measured on other hosts say so in their headers (the host changed "
-           "between sessions: an AMD EPYC with AVX512-BF16, then an Intel Xeon with AMX). Models have seeded random "
+           "between sessions: AMD EPYCs with AVX512-BF16 (Zen 4 and Zen 5) and, for some sessions, an Intel Xeon with "
+           "AMX). Models have seeded random "
            "weights except the trained ones named in a row. "
            "Many runs shared the cores with other build jobs; each row gives the load average its JSON recorded. "
            "Ratios from interleaved runs are the figures to read; absolute times under load are inflated.", "",
