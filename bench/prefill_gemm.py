@@ -335,7 +335,9 @@ def render(doc: dict) -> str:
                 "oneDNN runs; the other side is MKL's packed sgemm for fp32 where this torch has it, else ATen's "
                 "`linear`; for a gated MLP's gate and up products, activation `gated:…`, it is the native gated "
                 "panel kernel, `panel-gated`, timed against oneDNN's two calls, and `runs` names the side that "
-                "runs them):", "",
+                "runs them; for the residual add after a product on oneDNN, activation `residual:bias|none`, it is "
+                "the product alone then ATen's add, `aten-add`, timed against oneDNN's `add` post-op, and `runs` "
+                "names who adds):", "",
                 "| rows | K | N | dtype | threads | activation | other side | ratio | runs |",
                 "|---|---|---|---|---|---|---|---|---|"]
         for c in ch:

@@ -135,6 +135,54 @@ def test_residual_adds_ride_on_the_product_before_them_with_the_same_bits(name, 
     assert verify(module, exe, inputs, kl_threshold=1e-8).passed
 
 
+@pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny"])
+def test_a_residual_add_residual_pick_gives_to_aten_stays_its_own_instruction_with_the_same_bits(name, monkeypatch):
+    """Where residual_pick answers ``aten`` (forced here; it measures under the auto policy), the residual add after a
+    product on oneDNN runs as its own instruction (no ``add`` post-op in the program), with the logits of the
+    program whose products take it as the post-op, bit for bit."""
+    import hetforge.executor.onednn as exec_onednn
+
+    monkeypatch.setenv("HETFORGE_GEMM", "onednn")
+    module, inputs, cg = captured(name)
+    got = {}
+    for who in ("aten", "onednn"):
+        monkeypatch.setattr(exec_onednn, "residual_pick", lambda *a, who=who, **kw: who)
+        exe = compile_graph(cg.gm, soc="host", example_inputs=inputs, name=f"{name}-res-{who}").executable
+        got[who] = (exe.stats.onednn_residual, exe.source.count("'add')"), exe(*inputs))
+    assert got["aten"][:2] == (0, 0) and got["onednn"][0] == got["onednn"][1] == 4  # two adds a layer, two layers
+    torch.testing.assert_close(got["aten"][2], got["onednn"][2], rtol=0, atol=0)
+
+
+def test_the_residual_add_choice_is_measured_once_kept_seeded_and_refused_when_pinned(monkeypatch):
+    """residual_pick times the product then ATen's add against oneDNN's ``add`` post-op once per shape and bias,
+    keeps the answer with pick's choices (activation ``residual:bias`` / ``residual:none``, other side ``aten-add``),
+    takes one seeded from an earlier process, answers the post-op without measuring under a forced policy, and
+    refuses to measure in a pinned process."""
+    monkeypatch.delenv("HETFORGE_GEMM", raising=False)
+    rows, k, n = 37, 56, 72  # a shape no other test uses
+    got = onednn.residual_pick(rows, k, n, torch.float32, True)
+    assert got in ("onednn", "aten")
+    rec = [c for c in onednn.measured_choices()
+           if (c["rows"], c["k"], c["n"], c["act"]) == (rows, k, n, "residual:bias")]
+    assert len(rec) == 1 and rec[0]["kernel"] == got and rec[0]["aten_side"] == "aten-add"
+    assert (rec[0]["ratio"] > 1.0) == (got == "onednn") and rec[0]["aten_s"] > 0 and rec[0]["onednn_s"] > 0
+
+    def no_measuring(*a, **kw):
+        raise AssertionError("measured again")
+
+    monkeypatch.setattr(onednn, "_bench_pair", no_measuring)
+    assert onednn.residual_pick(rows, k, n, torch.float32, True) == got  # kept
+    monkeypatch.setenv("HETFORGE_GEMM", "onednn")
+    assert onednn.residual_pick(rows + 1, k, n, torch.float32, True) == "onednn"
+    monkeypatch.delenv("HETFORGE_GEMM")
+    other = "onednn" if got == "aten" else "aten"
+    onednn.seed_choices([{**rec[0], "rows": rows + 2, "kernel": other, "onednn": other == "onednn"}])
+    assert onednn.residual_pick(rows + 2, k, n, torch.float32, True) == other  # from an earlier process
+    monkeypatch.setattr(onednn, "_pinned", [torch.get_num_threads()])
+    with pytest.raises(onednn.ChoiceRefused, match="residual-add choice"):
+        onednn.residual_pick(rows, k, n, torch.float32, False)  # no bias: another choice, not measured yet
+
+
 @pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny", "qwen2-tiny"])
 def test_views_of_a_onednn_result_are_made_in_one_step_with_the_same_bits(name, monkeypatch):
     """The chains of views over oneDNN's results (a fused projection's split into heads, GPT-2's 3-D/2-D round

@@ -12,7 +12,7 @@ import torch
 from hetforge.ir.kernel_choice import ONEDNN_ATTR, onednn_operands, plain_add, reshape_view
 from hetforge.ir.program import INPLACE, Reg
 from hetforge.kernels import native
-from hetforge.kernels.onednn import ACT_ATTR, MKL_ACT, LazyPacked, gated_pick, pick
+from hetforge.kernels.onednn import ACT_ATTR, MKL_ACT, LazyPacked, gated_pick, pick, residual_pick
 
 
 def chosen(cg, ins) -> bool:
@@ -42,11 +42,25 @@ RESIDUAL_ENV = "HETFORGE_RESIDUAL_FUSION"  # "0": every residual add runs as its
 def takes_residual(cg, g) -> bool:
     """Whether oneDNN's product ``g`` can take the residual add after it as its ``add`` post-op
     (``_linear_pointwise.binary``): a plain product (no activation, or the down product of a gated MLP). fp32: the
-    same bits as the add after the product (oneDNN rounds the product, then adds)."""
+    same bits as the add after the product (oneDNN rounds the product, then adds). Where the product runs on
+    oneDNN itself (not on a kernel :func:`hetforge.kernels.onednn.pick` chose instead, whose store or in-place add
+    takes the residual), only where that was measured faster than the add after it
+    (:func:`hetforge.kernels.onednn.residual_pick`)."""
     if cg.kernels.get(g.id) != "onednn":
         return False
     ops = onednn_operands(g)
-    return not (ops is None or (ops[5] is None and ops[4] != "none") or (ops[5] is not None and ops[5][2] is None))
+    if ops is None or (ops[5] is None and ops[4] != "none") or (ops[5] is not None and ops[5][2] is None):
+        return False
+    x, w, b, wt, act, gate = ops
+    rows, k, n = g.attrs[ONEDNN_ATTR]
+    dev, dtype = cg.dm[g.device], cg.p.values[x.id].dtype
+    if pick(rows, k, n, dtype, act=act) != "onednn":
+        return True
+    if gate is not None:  # the residual is the down product's: [rows, F] x [F, N]
+        wd = cg.g[cg.weight(gate[2].id, dev)]
+        return residual_pick(rows, int(wd.shape[1]), int(wd.shape[0]), dtype, gate[3] is not None, wd) == "onednn"
+    wten = cg.g[cg.weight(w.id, dev)]
+    return residual_pick(rows, k, n, dtype, b is not None, wten.t() if wt else wten) == "onednn"
 
 
 def residual_adds(cg, takes, fits=None) -> tuple[dict[int, Reg], dict[int, int]]:
@@ -72,7 +86,7 @@ def residual_adds(cg, takes, fits=None) -> tuple[dict[int, Reg], dict[int, int]]
 
     product, fused = {}, {}
     for gi, g in enumerate(p.instrs):
-        if len(g.outputs) != 1 or not takes(g):
+        if len(g.outputs) != 1:
             continue
         y = src = g.outputs[0]
         ai = only_user(y)
@@ -93,7 +107,7 @@ def residual_adds(cg, takes, fits=None) -> tuple[dict[int, Reg], dict[int, int]]
                 and cg.dm[vr.device] == dev == cg.dm[add.device]
                 and made.get(other.id, -1) < gi and not any(gi < i < ai for i in inplace)):
             continue
-        if fits is not None and not fits(g, add, other):
+        if fits is not None and not fits(g, add, other) or not takes(g):  # takes last: it may measure a choice
             continue
         product[g.id], fused[add.id] = other, src
     return product, fused

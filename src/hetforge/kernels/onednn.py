@@ -567,6 +567,45 @@ def decided(rows: int, k: int, n: int, dtype: torch.dtype, act: str = "none") ->
     return pick(rows, k, n, dtype, act=act) != "aten"  # answered without measuring: forced, no candidate, or known
 
 
+RESIDUAL = "residual:"  # the activation slot of a residual-add choice: RESIDUAL + "bias" or "none" (residual_pick)
+
+
+def residual_pick(rows: int, k: int, n: int, dtype: torch.dtype, bias: bool, w: torch.Tensor | None = None) -> str:
+    """Who adds the residual after a oneDNN product ``x·Wᵀ (+ b)`` of ``[rows, k]`` × ``[k, n]``: ``onednn`` (its
+    ``add`` post-op, ``_linear_pointwise.binary``, one call) or ``aten`` (the product alone, then ATen's add of the
+    residual: the program's own add instruction). The same bits either way (oneDNN rounds the product, then adds).
+    Measured as :func:`pick` measures (interleaved rounds, the median per-round ratio separate ÷ post-op, above 1:
+    the post-op), once per shape, bias or not, dtype and thread count, and kept with :func:`pick`'s choices under
+    the activation ``RESIDUAL + "bias" | "none"``; each round reads another of four residuals, so the add reads
+    one the previous call did not. Outside ``auto`` (:func:`policy`): the post-op, as before this choice. Why:
+    on a Zen 5 host the post-op cost more than the separate add on several layer shapes (the post-op reads the
+    residual's tiles as each block of the product is stored; docs/arch/runtime.md, session 50)."""
+    if policy() != "auto":
+        return "onednn"
+
+    def measure() -> tuple[str, tuple[float, float, float, str]]:
+        x, (wp,) = _probe(rows, k, n, dtype, [w])
+        m = wp.shape[0]
+        pk = torch.ops.mkldnn._reorder_linear_weight(wp.contiguous(), rows)
+        g = torch.Generator().manual_seed(1)
+        b = torch.randn(m, generator=g).to(dtype) if bias else None
+        res = [torch.randn(rows, m, generator=g).to(dtype) for _ in range(4)]
+        out = torch.empty(rows, m, dtype=dtype)
+        lp, lb = torch.ops.mkldnn._linear_pointwise.default, torch.ops.mkldnn._linear_pointwise.binary
+        turn = [0]
+
+        def nxt() -> torch.Tensor:
+            turn[0] += 1
+            return res[turn[0] % len(res)]
+
+        t_side, t_dnn, ratio = _bench_pair(lambda: torch.add(lp(x, pk, b, "none", [], ""), nxt(), out=out),
+                                           lambda: lb(x, nxt(), pk, b, "add"), decide=1.0)
+        return ("onednn" if ratio > 1.0 else "aten"), (t_side, t_dnn, ratio, "aten-add")
+
+    return _measured((rows, k, n, dtype, threads(), RESIDUAL + ("bias" if bias else "none")),
+                     f"the residual-add choice for [{rows}, {k}] x [{k}, {n}]", measure)
+
+
 def measured_choices() -> list[dict]:
     """The choices :func:`pick` measured in this process: rows, K, N, dtype, threads, activation, median seconds
     of each side (``aten_s``: the side oneDNN is timed against, ``aten_side`` names it: MKL's packed sgemm or
