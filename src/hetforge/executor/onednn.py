@@ -107,7 +107,7 @@ def residual_adds(cg, takes, fits=None) -> tuple[dict[int, Reg], dict[int, int]]
                 and cg.dm[vr.device] == dev == cg.dm[add.device]
                 and made.get(other.id, -1) < gi and not any(gi < i < ai for i in inplace)):
             continue
-        if fits is not None and not fits(g, add, other) or not takes(g):  # takes last: it may measure a choice
+        if (fits is not None and not fits(g, add, other)) or not takes(g):  # takes last: it may measure a choice
             continue
         product[g.id], fused[add.id] = other, src
     return product, fused
