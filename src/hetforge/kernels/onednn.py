@@ -578,8 +578,8 @@ def residual_pick(rows: int, k: int, n: int, dtype: torch.dtype, bias: bool, w: 
     the post-op), once per shape, bias or not, dtype and thread count, and kept with :func:`pick`'s choices under
     the activation ``RESIDUAL + "bias" | "none"``; each round reads another of four residuals, so the add reads
     one the previous call did not. Outside ``auto`` (:func:`policy`): the post-op, as before this choice. Why:
-    on a Zen 5 host the post-op cost more than the separate add on several layer shapes (the post-op reads the
-    residual's tiles as each block of the product is stored; docs/arch/runtime.md, session 50)."""
+    the post-op reads the residual's tiles as each block of the product is stored, and which of the two is faster
+    differs by shape and host (the measurements are in docs/arch/runtime.md, session 50)."""
     if policy() != "auto":
         return "onednn"
 
