@@ -19,8 +19,9 @@ def chosen(cg, ins) -> bool:
     """Whether the candidate ``ins`` runs on a packed kernel rather than ATen's ``linear`` (oneDNN, MKL or a native
     one: :func:`hetforge.kernels.onednn.pick`, measured once per shape and process) when the executable is built;
     for a gated MLP on oneDNN, how its gate and up run is measured here too
-    (:func:`hetforge.kernels.onednn.gated_pick`), so that code generation only reads the answers. ``cg``: the
-    executor's code generator."""
+    (:func:`hetforge.kernels.onednn.gated_pick`), so that code generation only reads those answers. (Who adds a
+    residual after a oneDNN product is measured in :func:`takes_residual`, the one place that knows an add
+    follows.) ``cg``: the executor's code generator."""
     rows, k, n = ins.attrs[ONEDNN_ATTR]
     x, w, _, wt, act, gate = onednn_operands(ins)
     dev, dtype = cg.dm[ins.device], cg.p.values[x.id].dtype
@@ -49,9 +50,11 @@ def takes_residual(cg, g) -> bool:
     if cg.kernels.get(g.id) != "onednn":
         return False
     ops = onednn_operands(g)
-    if ops is None or (ops[5] is None and ops[4] != "none") or (ops[5] is not None and ops[5][2] is None):
+    if ops is None:
         return False
     x, w, b, wt, act, gate = ops
+    if (gate is None and act != "none") or (gate is not None and gate[2] is None):
+        return False
     rows, k, n = g.attrs[ONEDNN_ATTR]
     dev, dtype = cg.dm[g.device], cg.p.values[x.id].dtype
     if pick(rows, k, n, dtype, act=act) != "onednn":
@@ -218,10 +221,7 @@ def codegen_line(cg, ins, o: int, dev: torch.device) -> str:
         wg, bg, wd, bd = gate
         if _panel_gated_allowed() and gated_pick(rows, k, n, cg.p.values[x.id].dtype, act) == "panel":
             # gate and up as one native gated call (a measured choice, kernels.onednn.gated_pick); down on oneDNN
-            gated = cg.const(native.gemm_panel_gated, "gemm")
-            qg = cg.const(LazyPacked(weight(wg), False, rows, "panel"), "pk") + ".get()"
-            qu = cg.const(LazyPacked(wten, False, rows, "panel"), "pk") + ".get()"
-            h = f"{gated}({xs}, {qg}, {qu}, {bias(bg)}, {bs}, {wten.shape[0]}, {act!r})"
+            h = _panel_gated_call(cg, rows, xs, weight(wg), wten, bias(bg), bs, act)
             cg.stats.panel_gated += 1
         else:
             pg = cg.const(LazyPacked(weight(wg), False, rows), "pk") + ".get()"
@@ -235,6 +235,16 @@ def codegen_line(cg, ins, o: int, dev: torch.device) -> str:
                     f"r{o} = {binary}({h}, {res}, {pd}, {bias(bd)}, 'add')")
     cg.stats.onednn_gemm += 1
     return line
+
+
+def _panel_gated_call(cg, rows: int, xs: str, wg: torch.Tensor, wu: torch.Tensor, bg: str, bu: str, act: str,
+                      res: str | None = None) -> str:
+    """The expression of a gated MLP's gate and up products as one native gated panel call
+    (:func:`hetforge.kernels.native.gemm_panel_gated`) on their ``[n, k]`` weights packed into panels, plus ``res``
+    where given."""
+    gated = cg.const(native.gemm_panel_gated, "gemm")
+    qg, qu = (cg.const(LazyPacked(w, False, rows, "panel"), "pk") + ".get()" for w in (wg, wu))
+    return f"{gated}({xs}, {qg}, {qu}, {bg}, {bu}, {wu.shape[0]}, {act!r}" + (f", res={res})" if res else ")")
 
 
 def _unfused_line(cg, kind: str, o: int, rows: int, xs: str, wten: torch.Tensor, wt: bool, bs: str, act: str, gate,
@@ -274,9 +284,7 @@ def _unfused_line(cg, kind: str, o: int, rows: int, xs: str, wten: torch.Tensor,
             r_up = res if wd is None else None
             if kind == "panel" and native.epilogue_act(act) and _panel_gated_allowed():
                 # gate and up as one call (native.gemm_panel_gated): the same bits
-                gated = cg.const(native.gemm_panel_gated, "gemm")
-                y = f"{gated}({xs}, {packed(weight(wg), False)}, {packed(wten, False)}, {bias(bg)}, {bs}, " \
-                    f"{wten.shape[0]}, {act!r}" + (f", res={r_up})" if r_up else ")")
+                y = _panel_gated_call(cg, rows, xs, weight(wg), wten, bias(bg), bs, act, r_up)
             else:
                 g = product(xs, weight(wg), False, bias(bg), act)
                 y = product(xs, wten, False, bs, mul=g, r=r_up)

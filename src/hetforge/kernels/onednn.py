@@ -40,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -590,16 +591,10 @@ def residual_pick(rows: int, k: int, n: int, dtype: torch.dtype, bias: bool, w: 
         g = torch.Generator().manual_seed(1)
         b = torch.randn(m, generator=g).to(dtype) if bias else None
         res = [torch.randn(rows, m, generator=g).to(dtype) for _ in range(4)]
-        out = torch.empty(rows, m, dtype=dtype)
+        out, turn = torch.empty(rows, m, dtype=dtype), itertools.cycle(res)
         lp, lb = torch.ops.mkldnn._linear_pointwise.default, torch.ops.mkldnn._linear_pointwise.binary
-        turn = [0]
-
-        def nxt() -> torch.Tensor:
-            turn[0] += 1
-            return res[turn[0] % len(res)]
-
-        t_side, t_dnn, ratio = _bench_pair(lambda: torch.add(lp(x, pk, b, "none", [], ""), nxt(), out=out),
-                                           lambda: lb(x, nxt(), pk, b, "add"), decide=1.0)
+        t_side, t_dnn, ratio = _bench_pair(lambda: torch.add(lp(x, pk, b, "none", [], ""), next(turn), out=out),
+                                           lambda: lb(x, next(turn), pk, b, "add"), decide=1.0)
         return ("onednn" if ratio > 1.0 else "aten"), (t_side, t_dnn, ratio, "aten-add")
 
     return _measured((rows, k, n, dtype, threads(), RESIDUAL + ("bias" if bias else "none")),
