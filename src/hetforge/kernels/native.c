@@ -4846,9 +4846,9 @@ static void panel_pack_chunk(void *ctx, long j) {
             for (long c = nv; c < HF_PNB; c++) dst[kk * HF_PNB + c] = 0.f;
         }
     } else {
-        long c = 0, kb = 0;
+        long c = 0;
 #if defined(__AVX2__)
-        kb = k - k % 8; /* k-rows [0, kb) of 8-column blocks by register transposes, the rest one by one below */
+        long kb = k - k % 8; /* k-rows [0, kb) of 8-column blocks by register transposes, the rest one by one below */
         for (; c + 8 <= nv; c += 8)
             for (long kk = 0; kk < kb; kk += 8) tr8x8(a->w + (size_t)(c0 + c) * k + kk, k, dst + kk * HF_PNB + c, HF_PNB);
         for (long cb = 0; cb < c; cb++)
