@@ -97,9 +97,10 @@ def _packing_note(doc: dict) -> str:
     before session 21 made a warm-up call per program; later code packs the weights and makes none (unquantized)."""
     parts = [r.get("cold_parts", [{}])[0].get("prefill", {}) for r in doc["rows"]]
     if any("pack weights (no warm-up call)" in p for p in parts):
-        return ("A warm hit packs no weights, so its first TTFT includes that one-time kernel work (oneDNN weight "
-                "packing); the cold figure includes the packing (`pack weights`; a quantized program's warm-up call, "
-                "which also pays FBGEMM's prepacking), and an unquantized program makes no warm-up call, so the "
+        return ("A warm hit packs no weights, so its first TTFT includes that one-time kernel work (packing the "
+                "weights into the GEMM kernels' layouts: the panel GEMM's, oneDNN's); the cold figure includes the "
+                "packing (`pack weights`; a quantized program's warm-up call, which also pays FBGEMM's prepacking), "
+                "and an unquantized program makes no warm-up call, so the "
                 "first request's TTFT after cold includes its first touch of memory. The passes run on two layers "
                 "and the rest is stamped after them, inside `place+lower+schedule+plan+build` "
                 "(`runtime/stamp.py` `Deferred`).")

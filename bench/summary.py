@@ -1273,8 +1273,9 @@ def compile_cache(d: J) -> Row:
            "kernel choice again)" if ok else "a hit still loads, binds and builds each program")
     result = (f"cold {cold} s, warm {warm} s ({models}; load average {span(loads, lambda x: num(x, 1))}; warm "
               f"main-thread CPU {cpu} s). The warm target (≤ 0.2 s) is **{met(ok)}**: {why} "
-              f"({span(hits, lambda x: num(x, 3))} s per program under this load). A warm hit's first token still "
-              f"pays oneDNN weight packing (TTFT after warm {span(ttft, lambda x: num(x / 1e3, 1))} s)")
+              f"({span(hits, lambda x: num(x, 3))} s per program under this load). A warm hit's first request still "
+              f"packs the weights into the GEMM kernels' layouts (TTFT after warm "
+              f"{span(ttft, lambda x: num(x / 1e3, 1))} s)")
     thr = sorted({int(r.f("threads")) for r in rs})
     what = (f"time to a runnable prefill-{int(rs[0].f('tier'))} + decode-{int(rs[0].f('cache'))} pair, fresh process, "
             f"cold vs warm (cache hit), parts per program, warm main-thread CPU time, {'/'.join(map(str, thr))} "
@@ -1465,8 +1466,9 @@ def why_we_lose(peers: J, kf: J, pg: J) -> str:
   commit that run. The bound counts the linear and LM-head FLOPs only; attention's own products are left out, and
   at 512 rows attention costs about 6% of the prefill.
 - **Cold preparation:** hetforge exports two layers, runs the passes on them and stamps out the rest
-  (`runtime/stamp.py`), builds the second program of a pair in a forked child, and packs the oneDNN weights
-  while the child runs; an unquantized program has no warm-up call. What is left on the critical path is the
+  (`runtime/stamp.py`), builds the second program of a pair in a forked child, and packs the weights into the
+  GEMM kernels' layouts (the panel GEMM's, oneDNN's) while the child runs; an unquantized program has no warm-up
+  call. What is left on the critical path is the
   import of torch's export machinery (~0.3–0.4 s on the Intel host, once per process), the two-layer
   `torch.export` (~0.5 s for gpt2 there), the measured ATen/oneDNN choice per GEMM shape and the packing itself
   ([bench/compile_cache.md](bench/compile_cache.md); docs/arch/runtime.md has the parts). One dynamic capture per module

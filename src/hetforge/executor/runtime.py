@@ -1134,9 +1134,10 @@ class Executable:
         return ns["run"]
 
     def prepack(self) -> int:
-        """Pack every oneDNN weight of the program now instead of in its first call (:class:`LazyPacked`), and the
-        weights ops pack for themselves (:data:`hetforge.ir.kernel_choice.PREPACK`: a prefill's MoE experts);
-        returns how many were packed. It writes only the new packed copies, no arena or weight page."""
+        """Pack every weight of the program into its GEMM kernel's layout (the panel GEMM's, oneDNN's, MKL's:
+        :class:`LazyPacked`) now instead of in its first call, and the weights ops pack for themselves
+        (:data:`hetforge.ir.kernel_choice.PREPACK`: a prefill's MoE experts); returns how many were packed. It writes
+        only the new packed copies, no arena or weight page."""
         from hetforge.kernels.onednn import LazyPacked, packing
 
         lazy = [v for v in self._globals.values() if isinstance(v, LazyPacked) and v.packed is None]

@@ -174,9 +174,9 @@ class Program:
 
 
 def _prepack(placed: Any) -> bool:
-    """Pack the oneDNN weights of every host partition of a placed program (:meth:`Executable.prepack`); returns
-    whether every partition is such a generated executable (then no one-time work is left for the first call:
-    its packing is done, and nothing else in it runs only once)."""
+    """Pack the weights into the GEMM kernels' layouts for every host partition of a placed program
+    (:meth:`Executable.prepack`); returns whether every partition is such a generated executable (then no one-time
+    work is left for the first call: its packing is done, and nothing else in it runs only once)."""
     comps = list(getattr(getattr(placed, "exe", None), "compiled", ()))
     done = [c for c in comps if getattr(c, "executable", None) is not None]
     for comp in done:
