@@ -297,6 +297,25 @@ def test_warm_hit_builds_from_the_stored_partitions_and_generates_the_same_token
     assert str(part.gm.graph) == str(cold_part.gm.graph) and part.nodes == cold_part.nodes
 
 
+def test_a_warm_w8a8_engine_packs_each_int8_weight_for_fbgemm_once(cache, loaded):
+    """A w8a8 prefill and decode program bound from their own entries share the int8 weights but hold their own
+    copies of the small scales and biases: after the first request, later requests use the packings already made
+    (before, the two programs took turns evicting each other's and every call packed every linear again)."""
+    from hetforge.ops import quant
+
+    _greedy(loaded, quantize="w8a8")  # cold: stores both entries
+    warm_eng, warm_first = _greedy(loaded, quantize="w8a8")
+    assert all("compile cache: hit" in "\n".join(p.notes) for p in warm_eng.programs.programs.values())
+    packs = {i: e.packed for i, e in quant._FBGEMM_PACKS.items()}
+    assert packs
+    from hetforge.runtime import SamplingParams
+
+    r = warm_eng.generate(list(range(1, TIER + 1)), SamplingParams(max_new_tokens=6, ignore_eos=True))
+    assert r.tokens == warm_first
+    now = quant._FBGEMM_PACKS
+    assert now.keys() == packs.keys() and all(now[i].packed is p for i, p in packs.items())  # none packed again
+
+
 def test_entry_for_another_backend_hits_through_the_whole_program(cache, loaded):
     """Partitions on a backend that compiles from the graph (here the eager ``torch-cpu:fx``) are not stored
     built: the hit rebuilds them from the whole program, as before."""

@@ -331,3 +331,28 @@ def test_weight_only_several_rows_dequantize_and_equal_the_int_kernel(scheme, ro
     ran = {e.name for e in prof.events()}
     assert "aten::linear" in ran and KERNELS[scheme] not in ran
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
+
+
+def test_fbgemm_packing_serves_equal_scales_and_bias_held_as_separate_tensors_and_repacks_a_changed_value():
+    """One int8 weight, two callers holding equal scales and biases as separate tensors (a prefill and a decode
+    program bound from two compile-cache entries): one FBGEMM packing serves both, in turns, with the same result;
+    a caller whose bias values differ gets a packing of its own values."""
+    from hetforge.ops import quant
+
+    torch.manual_seed(0)
+    q, s = quantize_int8(torch.randn(24, 32))
+    bias = torch.randn(24)
+    x = torch.randn(3, 32)
+    first = quant._fbgemm_packed(q, s, bias)
+    want = torch.ops.hetforge.linear_w8a8(x, q, s, bias)
+    s2, b2 = s.clone(), bias.clone()
+    for _ in range(3):  # the two callers take turns: no packing again
+        assert quant._fbgemm_packed(q, s2, b2) is first
+        assert quant._fbgemm_packed(q, s, bias) is first
+    torch.testing.assert_close(torch.ops.hetforge.linear_w8a8(x, q, s2, b2), want, rtol=0, atol=0)
+    b3 = bias + 1.0
+    other = quant._fbgemm_packed(q, s, b3)
+    assert other is not first
+    torch.testing.assert_close(torch.ops.hetforge.linear_w8a8(x, q, s, b3), want + 1.0, rtol=1e-5, atol=1e-5)
+    b2.add_(1.0)  # a caller's tensor written in place: its values are compared again
+    assert quant._fbgemm_packed(q, s2, b2) is other

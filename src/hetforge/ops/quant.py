@@ -32,6 +32,7 @@ from __future__ import annotations
 import math
 import warnings
 import weakref
+from dataclasses import dataclass, field
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
@@ -305,15 +306,40 @@ def linear_w4(x, packed, scales_zeros, group_size, bias=None, act="none"):
 # ---------------------------------------------------------------- int8 weights, dynamic int8 activations
 
 
-_FBGEMM_PACKS: dict[int, tuple[weakref.ref, tuple, object]] = {}  # id(qweight) -> (ref, key, packed)
+@dataclass
+class _FbgemmPack:
+    """One FBGEMM packing of an int8 weight, and the scale and bias tensors it serves (see :func:`_fbgemm_packed`)."""
+
+    ref: weakref.ref  # the int8 weight, weakly held (its death drops the entry)
+    version: int  # the weight's version when packed
+    packed: object
+    scales: torch.Tensor  # copies of the values packed in
+    bias: torch.Tensor | None
+    seen: list[tuple[torch.Tensor, int, torch.Tensor | None, int]] = field(default_factory=list)  # (scales,
+    # its version, bias, its version) of each caller's tensors known to hold those values; held, so no id is reused
+
+
+_FBGEMM_PACKS: dict[int, _FbgemmPack] = {}  # id(qweight) -> its packing
 
 
 def _fbgemm_packed(qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None):
-    """FBGEMM's packed weight for ``qweight``: made on first use, cached until the int8 tensor dies or changes."""
-    key = (qweight._version, scales._version, None if bias is None else (id(bias), bias._version))
+    """FBGEMM's packed weight for ``qweight``: made on first use, cached until the int8 tensor dies or changes.
+
+    The scales and bias are matched by value, not by identity: two programs of one model (a prefill and a decode
+    program, each bound from its own compile-cache entry) hold equal scales and biases as separate small tensors
+    with one shared int8 weight, and a cache keyed by their identity re-packed every linear on every call as the
+    programs took turns (a cached w8a8 program's prefill ran about 20 times slower). A caller's tensors are
+    compared with the packed values once, and then known by identity and version; a changed value packs again."""
+    bv = -1 if bias is None else bias._version
     hit = _FBGEMM_PACKS.get(id(qweight))
-    if hit is not None and hit[0]() is qweight and hit[1] == key:
-        return hit[2]
+    if hit is not None and hit.ref() is qweight and hit.version == qweight._version:
+        for s, sv, b, bvs in hit.seen:
+            if s is scales and sv == scales._version and b is bias and bvs == bv:
+                return hit.packed
+        if torch.equal(scales, hit.scales) and (bias is None) == (hit.bias is None) \
+                and (bias is None or torch.equal(bias, hit.bias)):
+            hit.seen.append((scales, scales._version, bias, bv))
+            return hit.packed
     zeros = torch.zeros(qweight.shape[0], dtype=torch.long)
     with warnings.catch_warnings():  # torch deprecates quantized tensors; FBGEMM's prepack still needs one
         warnings.filterwarnings("ignore", message=".*quantized tensor creation functions.*")
@@ -321,10 +347,13 @@ def _fbgemm_packed(qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tens
     packed = torch.ops.quantized.linear_prepack(qw, None if bias is None else bias.float().contiguous())
 
     def forget(ref: weakref.ref, i: int = id(qweight)) -> None:
-        if _FBGEMM_PACKS.get(i, (None,))[0] is ref:
+        got = _FBGEMM_PACKS.get(i)
+        if got is not None and got.ref is ref:
             del _FBGEMM_PACKS[i]
 
-    _FBGEMM_PACKS[id(qweight)] = (weakref.ref(qweight, forget), key, packed)
+    _FBGEMM_PACKS[id(qweight)] = _FbgemmPack(weakref.ref(qweight, forget), qweight._version, packed, scales.clone(),
+                                             None if bias is None else bias.clone(),
+                                             [(scales, scales._version, bias, bv)])
     return packed
 
 
