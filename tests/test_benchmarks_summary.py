@@ -127,7 +127,17 @@ def test_passes_and_generate_verdicts_follow_the_json() -> None:
     g = json.loads((summary.BENCH / "generate.json").read_text())
     g["results"][0]["hetforge"]["none"]["decode_ratio_vs_hf"] = 0.9
     assert summary.runtime_decode_vs_hf(summary.J("generate.json", g)).status == "not met"
-    del g["results"][0]["hetforge"]["none"]["decode_ratio_vs_bound"]
+    o = g["results"][0]["hetforge"]["none"]
+    o["decode_ratio_vs_round_bound"]["median"] = 1.6  # the verdict follows the per-round ratio where it is recorded
+    assert summary.runtime_decode_bound(summary.J("generate.json", g)).status == "not met"
+    o["decode_ratio_vs_round_bound"]["median"] = 1.2
+    assert summary.runtime_decode_bound(summary.J("generate.json", g)).status == "met"
+    for r in g["results"]:  # a run with one β_read reading is judged on it, as before
+        for x in (r["hf"], *r["hetforge"].values()):
+            del x["decode_ratio_vs_round_bound"]
+    o["decode_ratio_vs_bound"] = 1.6
+    assert summary.runtime_decode_bound(summary.J("generate.json", g)).status == "not met"
+    del o["decode_ratio_vs_bound"]
     with pytest.raises(summary.SummaryError, match="generate.json.*decode_ratio_vs_bound"):
         summary.runtime_decode_bound(summary.J("generate.json", g))
 
