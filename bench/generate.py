@@ -16,7 +16,9 @@ seeded prompt (interleaved, so drift hits both). Greedy, end-of-text ignored by 
   unused rows of input-only embedding tables, plus the live KV rows at the mean context) ÷ β_read, the one
   read bandwidth hetforge defines (docs/arch/hardware-cost.md#read-bandwidth;
   ``hetforge.hardware.bandwidth.read_bandwidth``, the figure ``hetforge calibrate`` writes as the profile's
-  bandwidth), measured here at the bench's thread count. A ratio below 1.0 means the bound is wrong.
+  bandwidth), measured here at the bench's thread count: once at the start and again in every round right before
+  hetforge's requests; the target is judged per round (decode ÷ that round's bound, median over rounds), since this
+  host's read bandwidth moves between rounds. A ratio below 1.0 means the bound is wrong.
   For a quantized run the linears' weights count at their quantized size (int8 + fp32 scales).
 * ``--quantize``: one hetforge row per scheme (``none`` = fp32, the same precision as HF). A quantized
   row is *not* the same computation as HF's fp32 one: its tokens are compared with HF's (length of the
@@ -255,7 +257,8 @@ def _bound_reading(fp32: list[tuple[dict, dict]]) -> str:
     """The bandwidth-bound target's line. Where the run measured β_read again next to each round's requests, the
     verdict is the median over rounds of decode ÷ that round's bound: this host's read bandwidth moves by up to 2×
     within a minute, and against one reading for the whole run a fast round came out below 1.0, which a bound must
-    not allow (docs/arch/runtime.md, session 51). Older runs have one reading, judged as they were."""
+    not allow (docs/arch/hardware-cost.md#read-bandwidth, session 51). Older runs have one reading, judged as they
+    were."""
     hf = ", ".join(f"{r['hf']['decode_ratio_vs_bound']:.2f}×" for r, _ in fp32)
     single = "; ".join(
         f"{r['model']} {o['decode_ratio_vs_bound']:.2f}× (fastest round "

@@ -302,14 +302,13 @@ def test_a_warm_w8a8_engine_packs_each_int8_weight_for_fbgemm_once(cache, loaded
     copies of the small scales and biases: after the first request, later requests use the packings already made
     (before, the two programs took turns evicting each other's and every call packed every linear again)."""
     from hetforge.ops import quant
+    from hetforge.runtime import SamplingParams
 
     _greedy(loaded, quantize="w8a8")  # cold: stores both entries
     warm_eng, warm_first = _greedy(loaded, quantize="w8a8")
     assert all("compile cache: hit" in "\n".join(p.notes) for p in warm_eng.programs.programs.values())
     packs = {i: e.packed for i, e in quant._FBGEMM_PACKS.items()}
     assert packs
-    from hetforge.runtime import SamplingParams
-
     r = warm_eng.generate(list(range(1, TIER + 1)), SamplingParams(max_new_tokens=6, ignore_eos=True))
     assert r.tokens == warm_first
     now = quant._FBGEMM_PACKS

@@ -320,6 +320,7 @@ class _FbgemmPack:
 
 
 _FBGEMM_PACKS: dict[int, _FbgemmPack] = {}  # id(qweight) -> its packing
+FBGEMM_CALLERS = 8  # callers' tensors known per packing (a caller passing fresh equal tensors each call is compared)
 
 
 def _fbgemm_packed(qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None):
@@ -338,7 +339,7 @@ def _fbgemm_packed(qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tens
                 return hit.packed
         if torch.equal(scales, hit.scales) and (bias is None) == (hit.bias is None) \
                 and (bias is None or torch.equal(bias, hit.bias)):
-            hit.seen.append((scales, scales._version, bias, bv))
+            hit.seen = [*hit.seen[-(FBGEMM_CALLERS - 1):], (scales, scales._version, bias, bv)]  # the latest few
             return hit.packed
     zeros = torch.zeros(qweight.shape[0], dtype=torch.long)
     with warnings.catch_warnings():  # torch deprecates quantized tensors; FBGEMM's prepack still needs one
