@@ -259,28 +259,27 @@ def _bound_reading(fp32: list[tuple[dict, dict]]) -> str:
     within a minute, and against one reading for the whole run a fast round came out below 1.0, which a bound must
     not allow (docs/arch/hardware-cost.md#read-bandwidth, session 51). Older runs have one reading, judged as they
     were."""
+    def verdict(ratio: float) -> str:
+        return f"**{'met' if ratio <= 1.5 else 'not met'}**"
+
     hf = ", ".join(f"{r['hf']['decode_ratio_vs_bound']:.2f}×" for r, _ in fp32)
-    single = "; ".join(
-        f"{r['model']} {o['decode_ratio_vs_bound']:.2f}× (fastest round "
-        f"{o['decode_s_per_token']['min'] / o['bandwidth_bound_s_per_token']:.2f}×)" for r, o in fp32)
+    fastest = [o["decode_s_per_token"]["min"] / o["bandwidth_bound_s_per_token"] for _, o in fp32]
+    single = [f"{r['model']} {o['decode_ratio_vs_bound']:.2f}× (fastest round {f:.2f}×)"
+              for (r, o), f in zip(fp32, fastest, strict=True)]
     if not all(o.get("decode_ratio_vs_round_bound") for _, o in fp32):
         return ("* **decode ≤ 1.5× the bandwidth bound (fp32, β_read):** " + "; ".join(
-            f"{r['model']} {o['decode_ratio_vs_bound']:.2f}× (fastest round "
-            f"{o['decode_s_per_token']['min'] / o['bandwidth_bound_s_per_token']:.2f}×) — "
-            f"**{'met' if o['decode_ratio_vs_bound'] <= 1.5 else 'not met'}**" for r, o in fp32)
+            f"{one} — {verdict(o['decode_ratio_vs_bound'])}" for one, (_, o) in zip(single, fp32, strict=True))
             + f"; HF eager {hf}.")
     betas = [b for r, _ in fp32 for b in r["round_read_bandwidth_Bps"]]
-    low = min(o["decode_s_per_token"]["min"] / o["bandwidth_bound_s_per_token"] for _, o in fp32)
     return ("* **decode ≤ 1.5× the bandwidth bound (fp32, β_read measured next to each round's requests):** "
-            + "; ".join(f"{r['model']} {_paired(o)} — "
-                        f"**{'met' if o['decode_ratio_vs_round_bound']['median'] <= 1.5 else 'not met'}**"
+            + "; ".join(f"{r['model']} {_paired(o)} — {verdict(o['decode_ratio_vs_round_bound']['median'])}"
                         for r, o in fp32)
             + " (median over rounds of decode ÷ that round's bound; range in parentheses); HF eager "
             + ", ".join(_paired(r["hf"]) for r, _ in fp32)
             + f". The rounds' β_read read {min(betas) / 1e9:.1f}–{max(betas) / 1e9:.1f} GB/s. Against the one "
-            f"reading at the start (the figure above): {single}; HF eager {hf}"
+            f"reading at the start (the figure above): {'; '.join(single)}; HF eager {hf}"
             + (" — a ratio below 1.0, so one reading of β_read for a whole run is not a bound on this host."
-               if low < 1.0 else "."))
+               if min(fastest) < 1.0 else "."))
 
 
 def _spread(results: list[dict]) -> str:
