@@ -5,6 +5,8 @@ import json
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 from typer.testing import CliRunner
 
@@ -14,6 +16,7 @@ from hetforge.errors import UsageError
 from hetforge.frontend import capture, op_counts
 from hetforge.models.zoo import example_inputs, load_model
 from hetforge.passes import PASS_NAMES, cleanup, constant_fold, cse, optimize
+from hetforge.passes.common import _FAKE_OUTS, dead_code, graph_pass, set_val
 from hetforge.verify import compare_logits, verify
 
 _load_commands()
@@ -457,3 +460,119 @@ def test_rotary_with_an_uneven_split_is_left_alone():
     assert res.fused["rotary"] == 0
     for got, want in zip(res.gm(*inputs), _Rope(half=3)(*inputs), strict=True):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------- the pipeline's own costs
+
+
+_DCE_OPS = [  # (target, arity, impure): impure ones must survive without users
+    (torch.ops.aten.add.Tensor, 2, False), (torch.ops.aten.mul.Tensor, 2, False),
+    (torch.ops.aten.relu.default, 1, False), (torch.ops.aten.neg.default, 1, False),
+    (torch.ops.aten.add_.Tensor, 2, True), (torch.ops.aten.rand_like.default, 1, True),
+]
+
+
+def _random_graph(ops: list[tuple[int, list[int]]], outputs: list[int]) -> torch.fx.Graph:
+    g = torch.fx.Graph()
+    nodes = [g.placeholder("x"), g.placeholder("y")]
+    for op, picks in ops:
+        target, arity, _ = _DCE_OPS[op]
+        nodes.append(g.call_function(target, tuple(nodes[p % len(nodes)] for p in picks[:arity])))
+    g.output(tuple(nodes[o % len(nodes)] for o in outputs))
+    return g
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, len(_DCE_OPS) - 1), st.lists(st.integers(0, 40), min_size=2, max_size=2)),
+                max_size=30),
+       st.lists(st.integers(0, 40), min_size=1, max_size=3))
+def test_dead_code_erases_exactly_what_torch_eliminate_dead_code_erases(ops, outputs):
+    ours, theirs = _random_graph(ops, outputs), _random_graph(ops, outputs)
+    assert dead_code(ours) == theirs.eliminate_dead_code()
+    assert [n.name for n in ours.nodes] == [n.name for n in theirs.nodes]
+    kept = {n.name for n in ours.nodes}
+    for n, (op, _) in zip(list(_random_graph(ops, outputs).nodes)[2:], ops, strict=False):
+        if _DCE_OPS[op][2]:
+            assert n.name in kept, n  # an in-place or random op stays even when nothing reads it
+
+
+def test_dead_code_asks_each_call_target_once_per_sweep(monkeypatch):
+    g = _random_graph([(0, [0, 1])] * 20 + [(2, [2, 0])] * 20 + [(4, [0, 1])] * 3, [0])
+    asked: list = []
+    real = torch.fx.Node.is_impure
+    monkeypatch.setattr(torch.fx.Node, "is_impure", lambda self, *a: asked.append(self.target) or real(self, *a))
+    dead_code(g)
+    calls = [t for t in asked if not isinstance(t, str)]
+    assert sorted(map(str, calls)) == sorted(map(str, {torch.ops.aten.add.Tensor, torch.ops.aten.relu.default,
+                                                        torch.ops.aten.add_.Tensor}))
+    assert sum(n.target is torch.ops.aten.add_.Tensor for n in g.nodes) == 3  # impure, kept
+
+
+def test_fused_nodes_get_their_own_fake_values_equal_to_their_fake_kernels_and_real_shapes():
+    """A fused op's fake kernel runs once per argument metadata (set_val's memo); every node still gets its own
+    fake tensors, with the shape, stride and dtype its fake kernel gives when run for that node alone, and the
+    shape and dtype the graph computes on real inputs."""
+    loaded, inputs, _ = _captured("llama-tiny", "eager")
+    cg = capture(loaded.logits_module(), inputs)  # its own fake mode, so the memo starts empty
+    res = optimize(cg.gm, inputs)
+    fused = [n for n in res.gm.graph.nodes if n.op == "call_function" and str(n.target).startswith("hetforge.")]
+    vals = [n.meta["val"] for n in fused]
+    assert len({id(v) for v in vals}) == len(vals) and len(fused) >= 10
+    mode = vals[0].fake_mode
+    assert 0 < len(_FAKE_OUTS[mode]) < len(fused)  # fake kernels run fewer times than there are fused nodes
+    real: dict[str, torch.Tensor] = {}
+
+    class Record(torch.fx.Interpreter):
+        def run_node(self, n):
+            out = super().run_node(n)
+            real[n.name] = out
+            return out
+
+    with torch.no_grad():
+        Record(res.gm).run(*inputs)
+    for n, v in zip(fused, vals, strict=True):
+        args = torch.utils._pytree.tree_map_only(torch.fx.Node, lambda a: a.meta["val"], (n.args, n.kwargs))
+        with mode:
+            alone = n.target(*args[0], **args[1])
+        assert (v.shape, v.stride(), v.dtype) == (alone.shape, alone.stride(), alone.dtype), n
+        assert (v.shape, v.dtype) == (real[n.name].shape, real[n.name].dtype), n
+
+
+def test_set_val_keys_its_memo_by_dtype_and_shape():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode()
+    g = torch.fx.Graph()
+    outs = []
+    for shape, dtype in [((2, 8), torch.float32), ((2, 8), torch.bfloat16), ((3, 8), torch.float32),
+                         ((2, 8), torch.float32)]:
+        x = g.placeholder(f"x{len(outs)}")
+        with mode:
+            x.meta["val"] = torch.empty(shape, dtype=dtype)
+        n = g.call_function(torch.ops.hetforge.rms_norm.default, (x, None, 1e-6))
+        set_val(n, mode)
+        outs.append(n.meta["val"])
+    assert [(tuple(o.shape), o.dtype) for o in outs] == [((2, 8), torch.float32), ((2, 8), torch.bfloat16),
+                                                         ((3, 8), torch.float32), ((2, 8), torch.float32)]
+    assert len(_FAKE_OUTS[mode]) == 3 and outs[3] is not outs[0]
+
+
+def _rename_pass():
+    @graph_pass("cse")
+    def broken(gm, log):  # two nodes of one name: Graph.lint's "redefined name"
+        calls = [n for n in gm.graph.nodes if n.op == "call_function"]
+        calls[1].name = calls[0].name
+
+    return broken
+
+
+def test_a_malformed_graph_fails_the_pipeline_and_names_its_pass_when_verifying(monkeypatch):
+    import hetforge.passes.manager as manager
+
+    loaded, inputs, cg = _captured("gpt2-tiny", "sdpa")
+    monkeypatch.setitem(manager.PASSES, "cse", _rename_pass())
+    with pytest.raises(RuntimeError, match="redefined name"):
+        optimize(cg.gm, inputs)  # linted once, at the end
+    with pytest.raises(Exception, match="'cse' pass") as err:
+        optimize(cg.gm, inputs, verify_each=True)  # linted after each pass
+    assert "redefined name" in str(err.value.__cause__)

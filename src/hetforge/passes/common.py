@@ -14,6 +14,7 @@ import copy
 import functools
 import operator
 import time
+import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -137,9 +138,33 @@ def copy_gm(gm: GraphModule) -> GraphModule:
     return new
 
 
+def dead_code(graph: torch.fx.Graph) -> bool:
+    """Erase every node without users that has no side effect, last node first (so a dead chain goes in one
+    sweep): ``Graph.eliminate_dead_code``'s rule (``Node.is_impure``), with each call target's answer asked once
+    per sweep, and without its lint (the callers lint). Why: torch asks every node again, and the answer (a
+    schema and registry lookup) was about a fifth of the pass pipeline's time. A higher-order operator's answer
+    depends on its arguments, so it is asked per node. Returns whether anything was erased."""
+    impure: dict[Any, bool] = {}
+    changed = False
+    for node in reversed(graph.nodes):
+        if node.users:
+            continue
+        if node.op != "call_function" or isinstance(node.target, torch._ops.HigherOrderOperator):
+            side = node.is_impure()
+        else:
+            side = impure.get(node.target)
+            if side is None:
+                side = impure[node.target] = node.is_impure()
+        if not side:
+            graph.erase_node(node)
+            changed = True
+    return changed
+
+
 def finish(gm: GraphModule, standalone: bool = True) -> GraphModule:
-    """Dead-code elimination, then lint and recompile unless the pass manager does both (``standalone=False``)."""
-    gm.graph.eliminate_dead_code()
+    """Dead-code elimination (:func:`dead_code`), then lint and recompile unless the pass manager does both
+    (``standalone=False``)."""
+    dead_code(gm.graph)
     if standalone:
         gm.graph.lint()
         gm.recompile()
@@ -204,14 +229,77 @@ def fake_mode_of(gm: GraphModule):
     return None
 
 
+class _NoKey(Exception):
+    """An argument :func:`_meta_key` cannot key by value (a symbolic size, an arbitrary object)."""
+
+
+_PLAIN = (bool, int, float, str, torch.dtype, torch.device, torch.layout, torch.memory_format)
+
+
+def _meta_key(a: Any) -> Any:
+    """What a fake kernel can see of ``a``: a tensor's shape, strides, dtype, device and grad flag (never its
+    values: fake tensors have none), plain values as they are. Raises :class:`_NoKey` for anything else."""
+    if isinstance(a, torch.Tensor):
+        shape, stride = tuple(a.shape), a.stride()
+        if not all(type(d) is int for d in (*shape, *stride)):
+            raise _NoKey
+        return ("T", shape, stride, a.dtype, a.device, a.requires_grad)
+    if isinstance(a, (list, tuple)):
+        return (type(a).__name__, *(_meta_key(x) for x in a))
+    if isinstance(a, dict):
+        return ("D", *((k, _meta_key(v)) for k, v in a.items()))
+    if a is None or isinstance(a, _PLAIN):
+        return (type(a).__name__, a)
+    raise _NoKey
+
+
+def _fresh_like(out: Any) -> Any:
+    """New fake tensors with ``out``'s shapes, strides and dtypes (call inside the fake mode)."""
+    if isinstance(out, torch.Tensor):
+        return torch.empty_strided(out.shape, out.stride(), dtype=out.dtype, device=out.device,
+                                   requires_grad=out.requires_grad)
+    if isinstance(out, (list, tuple)):
+        return type(out)(_fresh_like(x) for x in out)
+    return out
+
+
+def _memo_ok(target: Any) -> bool:
+    """A hetforge op whose schema returns fresh tensors (no alias annotations): its outputs' metadata is a
+    function of its arguments' metadata alone, so one fake-kernel run serves every node with equal arguments."""
+    if not isinstance(target, torch._ops.OpOverload) or target.namespace != "hetforge":
+        return False
+    return all(r.alias_info is None for r in target._schema.returns)
+
+
+_FAKE_OUTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # fake mode -> {(target, args' key): output}
+
+
 def set_val(node: Node, fake_mode) -> None:
-    """Compute ``node.meta['val']`` by running its target on its inputs' fake values."""
+    """Compute ``node.meta['val']`` by running its target on its inputs' fake values.
+
+    A hetforge op's fake kernel runs once per distinct argument metadata in a fake mode (:func:`_memo_ok`);
+    a node with the same target and equal argument metadata (the same fused op in the next decoder layer) gets
+    fresh fake tensors of that output's shapes, strides and dtypes. Why: dispatching each new node's fake
+    kernel through the fake mode was about a third of the pass pipeline's time."""
     if fake_mode is None:
         return
     args = pytree.tree_map_only(Node, lambda a: a.meta.get("val"), node.args)
     kwargs = pytree.tree_map_only(Node, lambda a: a.meta.get("val"), node.kwargs)
+    memo = key = None
+    if _memo_ok(node.target):
+        try:
+            key = (node.target, _meta_key(args), _meta_key(kwargs))
+            memo = _FAKE_OUTS.setdefault(fake_mode, {})
+        except (_NoKey, TypeError):
+            memo = None
     with fake_mode:
-        node.meta["val"] = node.target(*args, **kwargs)
+        if memo is not None and key in memo:
+            node.meta["val"] = _fresh_like(memo[key])
+            return
+        out = node.target(*args, **kwargs)
+        node.meta["val"] = out
+    if memo is not None:
+        memo[key] = out
 
 
 def inherit_meta(new: Node, old: Node) -> None:

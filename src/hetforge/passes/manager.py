@@ -125,6 +125,11 @@ def _ensure_meta(gm: GraphModule, inputs: Sequence[torch.Tensor] | None) -> Grap
     return gm
 
 
+def _lint(module: torch.nn.Module) -> None:
+    if isinstance(module, GraphModule):
+        module.graph.lint()
+
+
 class _Step(PassBase):
     """One hetforge pass as a ``torch.fx`` infra pass, recording its result (and check/dump) on the way."""
 
@@ -206,9 +211,17 @@ def optimize(
     pipe = _Pipeline(example_inputs, verify_each, ddir, kl_threshold)
     pipe.start(work)
     fns = {**PASSES, "constant_fold": lambda g, inplace: constant_fold(g, fold_max_bytes, inplace=inplace)}
-    steps = [_Step(n, fns[n], pipe) for n in names]
-    pm = PassManager(passes=steps, steps=1, run_checks_after_each_pass=True)
+    # each step's class is named after its pass: PassManager names a failing step by its class
+    steps = [type(n, (_Step,), {})(n, fns[n], pipe) for n in names]
+    # lint after every pass when verifying or dumping (a malformed graph then names its pass), else once at the
+    # end: eight lints were about a sixth of the pipeline's time (PassManager's own check does nothing)
+    debug = verify_each or ddir is not None
+    pm = PassManager(passes=steps, steps=1, run_checks_after_each_pass=debug)
+    if debug:
+        pm.add_checks(_lint)
     out = pm(work).graph_module
+    if not debug:
+        _lint(out)
     seconds = time.perf_counter() - t0
     return OptimizeResult(out, pipe.results, fused_counts(out), before, num_nodes(out), seconds, pipe.dumped,
                           unknown_ops(out))
