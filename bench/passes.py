@@ -129,8 +129,10 @@ def render(res: dict) -> str:
             f"{r['model']}: optimized {_pct(r['paired']['captured'])} vs the captured graph, "
             f"{_pct(r['paired']['eager'])} vs eager (paired medians)" for r in rows)
         + ". What the passes can save at prefill is graph overhead and elementwise chains: GPT-2's tanh-GELU chain "
-        "of elementwise ops per layer becomes one `F.gelu(approximate=\"tanh\")` inside `linear_act`; the GEMMs "
-        "and attention are the same ATen kernels in all three variants.",
+        "of elementwise ops per layer becomes one `F.gelu(approximate=\"tanh\")` inside `linear_act`, and the fused "
+        "attention runs hetforge's native prefill attention where it fits (else SDPA). The GEMMs are ATen's in all "
+        "three variants: these are graphs run as they are, not the compiled programs (packed GEMMs, arena; "
+        "[prefill_gemm.md](prefill_gemm.md)).",
         "* **Fidelity.** " + "; ".join(
             f"{r['model']}: " + ("logits bit-identical to eager" if r["max_abs_err"] == 0 else
                                  f"max |Δ| {r['max_abs_err']:.1e}, KL ≤ {r['kl_max']:.1e}")
