@@ -88,8 +88,9 @@ def test_captured_module_and_input_shapes_are_in_the_key(cache):
 
 
 @pytest.mark.parametrize("damage", ["truncate", "edit", "stale-key", "garbage-tensors"])
-def test_corrupt_or_stale_entry_is_detected_and_rebuilt(cache, loaded, damage):
+def test_corrupt_or_stale_entry_is_detected_and_rebuilt(cache, loaded, damage, capsys):
     _, ref = _prefill(loaded)
+    compile_cache._warned.clear()
     (entry,) = cache.glob("*.json")
     text = entry.read_text()
     if damage == "truncate":
@@ -108,13 +109,42 @@ def test_corrupt_or_stale_entry_is_detected_and_rebuilt(cache, loaded, damage):
     if damage == "garbage-tensors" and "compile cache: hit" in notes:
         pytest.fail("an entry with a damaged tensor file was used")
     assert "deleted, rebuilt" in notes and "compile cache: stored" in notes, notes
+    assert compile_cache.cache_state(prog.notes) == "rebuilt, stored"
+    err = capsys.readouterr().err.splitlines()
+    (line,) = [ln for ln in err if ln.startswith("warning: compile cache entry")]  # one line on stderr
+    assert entry.stem[:12] in line and "compiled again (never used)" in line, line
     want = "stale" if damage == "stale-key" else "corrupt"
     if damage != "garbage-tensors":  # gpt2-tiny's prefill may hold no pass-made tensors: then the .pt is unread
         assert want in notes
     for a, b in zip(ref, out, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     again, _ = _prefill(loaded)
-    assert "compile cache: hit" in _notes(again)
+    assert "compile cache: hit" in _notes(again) and compile_cache.cache_state(again.notes) == "hit"
+
+
+def test_hetforge_run_says_which_programs_came_from_the_cache_and_warns_of_a_rebuilt_entry(cache):
+    from typer.testing import CliRunner
+
+    from hetforge.cli.common import app
+    from hetforge.cli.main import _load_commands
+
+    _load_commands()
+    args = ["run", "gpt2-tiny", "-p", "hello there", "-n", "4", "--json"]
+    runs = []
+    for _ in range(2):
+        compile_cache._warned.clear()
+        res = CliRunner().invoke(app, args)
+        assert res.exit_code == 0, res.output
+        runs.append(json.loads(res.stdout)["compile_cache"])
+    assert set(runs[0].values()) == {"stored"} and set(runs[1].values()) == {"hit"}, runs
+    assert set(runs[0]) == set(runs[1]) and len(runs[0]) == 2, runs  # the prefill and the decode program
+    for entry in cache.glob("*.json"):
+        entry.write_text(entry.read_text()[:100])  # cut off: corrupt
+    compile_cache._warned.clear()
+    res = CliRunner().invoke(app, args[:-1])
+    assert res.exit_code == 0, res.output
+    assert "(compile cache rebuilt, stored)" in res.stdout, res.stdout
+    assert res.stderr.count("warning: compile cache entry") == 2, res.stderr
 
 
 def test_unwritable_cache_folder_compiles_with_one_warning(tmp_path, monkeypatch, loaded, capsys):

@@ -71,6 +71,18 @@ def warn_once(msg: str) -> None:
         print(f"warning: {msg}", file=sys.stderr)
 
 
+def cache_state(notes: list[str]) -> str | None:
+    """What the compile cache did for a program, from its notes: ``hit``, ``stored``, ``rebuilt`` (a corrupt or
+    stale entry deleted and compiled again; ``rebuilt, stored`` when the new one was stored) or None (not used)."""
+    got = [n for n in notes if n.startswith("compile cache: ")]
+    child = any(n.startswith("built and stored in the compile cache by a forked child") for n in notes)
+    if not child and any(n.startswith("compile cache: hit") for n in got):  # a child's entry: compiled now
+        return "hit"
+    bad = any(n.endswith(": deleted, rebuilt") for n in got)
+    stored = child or any(n.startswith("compile cache: stored") for n in got)
+    return ("rebuilt, stored" if stored else "rebuilt") if bad else "stored" if stored else None
+
+
 def enabled() -> bool:
     return os.environ.get("HETFORGE_COMPILE_CACHE", "1").strip().lower() not in ("0", "off", "no", "false")
 
@@ -706,6 +718,8 @@ def cached_build(programs: Any, kind: str, length: int, module: torch.nn.Module,
     except CacheEntryError as e:
         got = None
         notes.append(f"compile cache: entry {key[:12]}… {e}: deleted, rebuilt")
+        warn_once(f"compile cache entry {key[:12]}… in {cache_dir()} was {e}: deleted, and the {kind} program "
+                  "is compiled again (never used)")
     if got is not None:
         res, meta = got
         b = programs.executor.build_program(res, res.extra.pop("built", None), step=step)

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from hetforge.errors import UsageError
+from hetforge.runtime.compile_cache import cache_state
 from hetforge.runtime.executors import Executor, make_executor
 from hetforge.runtime.ledger import Ledger
 from hetforge.runtime.programs import Piece, ProgramCache, check_prefill_mode, pick_tier, prefill_pieces
@@ -42,6 +43,7 @@ class GenerationResult:
     placed: dict | None = None  # Ledger.summary(): modeled SoC figures and measured runner overheads
     prefill_pieces: list[str] = field(default_factory=list)  # the program calls of the prefill, e.g. prefill-64
     built_alongside: dict[str, float] = field(default_factory=dict)  # program → its own seconds in a forked child
+    compile_cache: dict[str, str] = field(default_factory=dict)  # program → compile_cache.cache_state (when used)
     # the thread counts this request ran on: the prefill's and why (ThreadTuner.before_prefill), and its decode
     # steps per count (the adaptive tuner's probes and switches)
     threads_used: dict = field(default_factory=dict)
@@ -64,6 +66,7 @@ class GenerationResult:
             "compile_s": self.compile_s, "stop_reason": self.stop_reason, "executor": self.executor,
             "timing": "measured", "placed": self.placed, "prefill_pieces": self.prefill_pieces,
             "built_alongside_s": self.built_alongside, "threads_used": self.threads_used,
+            "compile_cache": self.compile_cache,
         }
 
 
@@ -169,6 +172,9 @@ class Generation:
         prog, fresh = get(length)
         if fresh:
             self.result.compile_s[f"{kind}-{length}"] = prog.total_s
+            state = cache_state(prog.notes)
+            if state:
+                self.result.compile_cache[f"{kind}-{length}"] = state
             if prog.child_s is not None:
                 self.result.built_alongside[f"{kind}-{length}"] = prog.child_s
         return prog
@@ -276,6 +282,8 @@ class Generation:
                 prog, fresh = self.engine.programs.chunk(p.size, r.cache_length)
                 if fresh:
                     r.compile_s[f"chunk-{p.size}x{r.cache_length}"] = prog.total_s
+                    if cache_state(prog.notes):
+                        r.compile_cache[f"chunk-{p.size}x{r.cache_length}"] = cache_state(prog.notes)
                 self._chunk_progs[p.size] = prog
         self._decode_prog = self._compile("decode", r.cache_length) if self.max_new > 1 else None
 

@@ -53,9 +53,10 @@ def summary_line(r) -> str:
     """One line of measured figures for a finished (or interrupted) generation."""
     dec = f"{r.decode_ms_per_token:.2f} ms/token" if r.decode_ms_per_token is not None else "n/a (1 token)"
     tps = f"{r.tokens_per_s:.1f} tokens/s" if r.tokens_per_s else "n/a"
-    side = getattr(r, "built_alongside", {})
+    side, cache = getattr(r, "built_alongside", {}), getattr(r, "compile_cache", {})
     comp = ", ".join(f"{k} {v:.2f} s" + (f" (built alongside the prefill program in a forked child: {side[k]:.2f} s of "
                                           "its own)" if k in side else "")
+                     + (f" (compile cache {cache[k]})" if k in cache else "")
                      for k, v in r.compile_s.items()) or "none (programs cached)"
     pre = " + ".join(getattr(r, "prefill_pieces", None) or [f"tier {r.prefill_tier}"])  # e.g. prefill-64 + chunk-32
     return (f"{len(r.tokens)} tokens ({r.stop_reason}) | time to first token {1e3 * r.ttft_s:.1f} ms | decode {dec} | "
