@@ -1,7 +1,9 @@
 """The middle-end passes on the tiny zoo models and on small hand-written modules."""
 
 import functools
+import gc
 import json
+import weakref
 
 import pytest
 import torch
@@ -555,6 +557,10 @@ def test_set_val_keys_its_memo_by_dtype_and_shape():
     assert [(tuple(o.shape), o.dtype) for o in outs] == [((2, 8), torch.float32), ((2, 8), torch.bfloat16),
                                                          ((3, 8), torch.float32), ((2, 8), torch.float32)]
     assert len(_FAKE_OUTS[mode]) == 3 and outs[3] is not outs[0]
+    ref = weakref.ref(mode)
+    del mode, g, outs, x, n
+    gc.collect()
+    assert ref() is None  # the memo keeps metadata, not fake tensors (which would keep their mode alive)
 
 
 def _rename_pass():

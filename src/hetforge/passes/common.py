@@ -253,14 +253,24 @@ def _meta_key(a: Any) -> Any:
     raise _NoKey
 
 
-def _fresh_like(out: Any) -> Any:
-    """New fake tensors with ``out``'s shapes, strides and dtypes (call inside the fake mode)."""
+def _out_meta(out: Any) -> Any:
+    """``out`` with each tensor replaced by its shape, strides, dtype, device and grad flag (what :func:`_fresh`
+    makes new fake tensors from; no tensor kept: a fake tensor holds its fake mode, the memo's weak key)."""
     if isinstance(out, torch.Tensor):
-        return torch.empty_strided(out.shape, out.stride(), dtype=out.dtype, device=out.device,
-                                   requires_grad=out.requires_grad)
+        return ("T", tuple(out.shape), out.stride(), out.dtype, out.device, out.requires_grad)
     if isinstance(out, (list, tuple)):
-        return type(out)(_fresh_like(x) for x in out)
+        return type(out)(_out_meta(x) for x in out)
     return out
+
+
+def _fresh(meta: Any) -> Any:
+    """New fake tensors for :func:`_out_meta`'s record (call inside the fake mode)."""
+    if isinstance(meta, tuple) and len(meta) == 6 and meta[0] == "T":
+        _, shape, stride, dtype, device, grad = meta
+        return torch.empty_strided(shape, stride, dtype=dtype, device=device, requires_grad=grad)
+    if isinstance(meta, (list, tuple)):
+        return type(meta)(_fresh(x) for x in meta)
+    return meta
 
 
 def _memo_ok(target: Any) -> bool:
@@ -271,7 +281,7 @@ def _memo_ok(target: Any) -> bool:
     return all(r.alias_info is None for r in target._schema.returns)
 
 
-_FAKE_OUTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # fake mode -> {(target, args' key): output}
+_FAKE_OUTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # fake mode -> {(target, args' key): _out_meta}
 
 
 def set_val(node: Node, fake_mode) -> None:
@@ -294,12 +304,12 @@ def set_val(node: Node, fake_mode) -> None:
             memo = None
     with fake_mode:
         if memo is not None and key in memo:
-            node.meta["val"] = _fresh_like(memo[key])
+            node.meta["val"] = _fresh(memo[key])
             return
         out = node.target(*args, **kwargs)
         node.meta["val"] = out
     if memo is not None:
-        memo[key] = out
+        memo[key] = _out_meta(out)
 
 
 def inherit_meta(new: Node, old: Node) -> None:
