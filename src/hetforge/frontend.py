@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from torch.export import Dim
 
-from hetforge.errors import CaptureError
+from hetforge.errors import CaptureError, HetforgeError
 from hetforge.models.shapes import shaped_module
 from hetforge.models.zoo import LogitsModule
 
@@ -179,6 +179,8 @@ def capture(
             with torch.no_grad():
                 ep = torch.export.export(model, tuple(example_inputs), dynamic_shapes=dynamic_shapes,
                                          strict=strict)
+        except HetforgeError:  # a refusal of hetforge's own (e.g. a model feature the runtime's modules lack)
+            raise
         except Exception as e:  # torch raises many types here; all mean "this model cannot be captured"
             raise CaptureError(explain_export_failure(e, model)) from None
         finally:

@@ -129,8 +129,9 @@ def kv_attention(q, k, v, k_cache, v_cache, cache_mask, new_mask=None, scale=1.0
     """Attention of new rows over a read-only KV cache plus themselves (the decode step's attention).
 
     ``q [B, H, T, D]``, ``k``/``v [B, Hkv, T, D]`` (new rows), caches ``[B, Hkv, S, D]``, ``cache_mask [1, S]``
-    and ``new_mask [T, T]`` additive. The cache is only read: the two score blocks are joined before one
-    softmax, and grouped-query heads are rows of ``q`` viewed as ``[Hkv, G·T]`` (no K/V repeat)."""
+    (or ``[T, S]``: one row per new row, a sliding window over a chunk) and ``new_mask [T, T]`` additive. The cache
+    is only read: the two score blocks are joined before one softmax, and grouped-query heads are rows of ``q``
+    viewed as ``[Hkv, G·T]`` (no K/V repeat)."""
     if native.decode_attention_fits(q, k, v, k_cache, v_cache, cache_mask, new_mask):
         return native.decode_attention(q, k, v, k_cache, v_cache, cache_mask, new_mask, scale)
     b, h, t, d = q.shape
@@ -139,6 +140,8 @@ def kv_attention(q, k, v, k_cache, v_cache, cache_mask, new_mask=None, scale=1.0
     # 3-D batched products (bmm/baddbmm: no matmul reshape logic per call); head = kv_head * g + i,
     # row = i * t + position
     qg = q.reshape(b * hkv, g * t, d)
+    if cache_mask.dim() == 2 and cache_mask.shape[0] > 1 and g > 1:  # [T, S]: the rows of each group's T rows
+        cache_mask = cache_mask.repeat(g, 1)
     s_cache = torch.baddbmm(cache_mask, qg, k_cache.reshape(b * hkv, n, d).transpose(1, 2), alpha=scale)
     s_new = torch.bmm(qg, k.reshape(b * hkv, t, d).transpose(1, 2)) * scale
     if new_mask is not None:

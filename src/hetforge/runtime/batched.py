@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from hetforge.runtime.kvcache import zeros
-from hetforge.runtime.static_kv import _AttnContext, _Base, _Switch, model_dims
+from hetforge.runtime.static_kv import _AttnContext, _Base, _Switch, cache_mask, model_dims
 
 BATCH_TIERS = (1, 2, 4, 8, 16)  # batch sizes programs are compiled for (rows beyond the live ones are idle)
 
@@ -37,16 +37,18 @@ class BatchedDecodeModule(_Base):
 
     def forward(self, input_ids: torch.Tensor, pos: torch.Tensor, *cache: torch.Tensor) -> tuple[torch.Tensor, ...]:
         dtype = cache[0].dtype
-        b, hkv, s = cache[0].shape[0], cache[0].shape[1], cache[0].shape[2]
-        valid = torch.arange(s, dtype=torch.long).unsqueeze(0) < pos  # [B, S]
-        mask = torch.zeros((b, s), dtype=dtype).masked_fill(~valid, float("-inf"))
-        # kv_attention views q as [B·Hkv, G·T, D]: one [1, S] mask row per (batch row, KV head)
-        cache_mask = mask.unsqueeze(1).repeat_interleave(hkv, dim=0)  # [B·Hkv, 1, S]
+        hkv, s = cache[0].shape[1], cache[0].shape[2]
+        new_mask = torch.zeros((1, 1), dtype=dtype)
+
+        def rows(window: int | None = None) -> torch.Tensor:
+            # kv_attention views q as [B·Hkv, G·T, D]: one [1, S] mask row per (batch row, KV head)
+            return cache_mask(s, pos, dtype, window).unsqueeze(1).repeat_interleave(hkv, dim=0)  # [B·Hkv, 1, S]
+
         pairs = [(cache[2 * i], cache[2 * i + 1]) for i in range(self.layers)]
-        ctx = _AttnContext(new_mask=torch.zeros((1, 1), dtype=dtype), cache=pairs, cache_mask=cache_mask)
+        ctx = _AttnContext(new_mask=new_mask, cache=pairs, cache_mask=rows(), windowed=lambda w: (rows(w), new_mask))
         with _Switch(self.model, ctx):
             hidden = self._hidden(input_ids, pos)
-            logits = self.model.get_output_embeddings()(hidden)[:, 0, :]
+            logits = self._logits(hidden)[:, 0, :]
             return (logits, *self._kv_outputs(ctx))
 
 

@@ -28,6 +28,7 @@ from torch import nn
 from hetforge.frontend import gc_frozen
 from hetforge.runtime.executors import Executor, PlacedExecutor, StepBinding
 from hetforge.runtime.kvcache import KVCache
+from hetforge.runtime.model_check import check_against_model
 from hetforge.runtime.static_kv import ChunkModule, DecodeModule, PrefillModule, model_dims
 
 TIERS = (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
@@ -205,6 +206,7 @@ class ProgramCache:
         self.ahead: dict[tuple[str, int], Any] = {}  # programs being built in a forked child (runtime.ahead)
         self.disk_cache = True  # use the compile cache on disk (off: every program compiled here, e.g. for a report)
         self.joined: dict[tuple[str, int], tuple] = {}  # their children's reports once waited for
+        self.checked = False  # the modules' logits compared with the model's own (model_check.check_against_model)
 
     def cache(self, length: int) -> KVCache:
         """The preallocated KV cache of ``length`` positions (made once, reused by later requests)."""
@@ -367,6 +369,9 @@ class ProgramCache:
                 b = hit
                 return Program(kind, length, b.run, self.executor.name, b.nodes, 0.0, 0.0,
                                time.perf_counter() - t_in, b.notes, b.placed)
+        if not self.checked and kind != "decode":  # once, before the first prompt program is compiled
+            check_against_model(self.model)
+            self.checked = True
         # the passes on two layers, the rest stamped after them, where the executor compiles through compile_graph
         defer = entry is None and isinstance(self.executor, PlacedExecutor)
         cg = self._capture(module, inputs, label, kind, length, defer)

@@ -29,12 +29,14 @@ which the attention pass fuses into ``hetforge::attention``.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 import hetforge.ops  # noqa: F401  (registers hetforge::kv_attention)
+from hetforge.errors import CaptureError
 
 ATTN_NAME = "hetforge_kv"
 _state = threading.local()
@@ -48,20 +50,72 @@ class _AttnContext:
     cache: list[tuple[torch.Tensor, torch.Tensor]] | None = None
     cache_mask: torch.Tensor | None = None  # additive [1, S] over cache positions
     new_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    # (cache_mask, new_mask) for a layer that sees only the last ``window`` positions (a sliding window); None: this
+    # module cannot mask one, so such a layer is refused when its window is shorter than what it attends over
+    windowed: Callable[[int], tuple[torch.Tensor | None, torch.Tensor]] | None = None
+    _windows: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = field(default_factory=dict)
+
+    def masks(self, window: int | None, span: int) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """(cache_mask, new_mask) for a layer with this sliding ``window`` over ``span`` positions (the cache and
+        the new rows): the plain masks when there is no window or it holds the whole span (a query then sees every
+        position before it either way), else the windowed ones, made once per window for all its layers."""
+        if window is None or window >= span:
+            return self.cache_mask, self.new_mask
+        if self.windowed is None:
+            raise CaptureError(f"sliding-window attention (window {window} < {span} positions) is not supported "
+                               "by this hetforge runtime module")
+        if window not in self._windows:
+            self._windows[window] = self.windowed(window)
+        return self._windows[window]
+
+
+def band_mask(t: int, window: int | None, dtype: torch.dtype) -> torch.Tensor:
+    """Additive ``[t, t]`` mask of causal attention over the last ``window`` positions: row ``i`` sees the rows
+    ``j`` with ``i - window < j <= i`` (Hugging Face's sliding window); plain causal when ``window`` is None."""
+    if window is None:
+        return _causal(t, dtype)
+    i, j = torch.arange(t).unsqueeze(1), torch.arange(t).unsqueeze(0)
+    return torch.zeros((t, t), dtype=dtype).masked_fill(~((j <= i) & (j > i - window)), float("-inf"))
+
+
+def cache_mask(s: int, pos: torch.Tensor, dtype: torch.dtype, window: int | None = None) -> torch.Tensor:
+    """Additive mask over ``s`` cache positions for a new row at ``pos`` (``[B, 1]``): the positions ``< pos``
+    are written, and with a sliding ``window`` only those ``> pos - window`` are seen (the new row itself is the
+    window's last position). ``[B, S]``, built in the graph from ``pos``."""
+    ar = torch.arange(s, dtype=torch.long).unsqueeze(0)
+    keep = ar < pos
+    if window is not None:
+        keep = keep & (ar > pos - window)
+    return torch.zeros(keep.shape, dtype=dtype).masked_fill(~keep, float("-inf"))
+
+
+def _softcapped(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """Gemma 2's attention-logit soft cap, as Hugging Face applies it (before the mask): ``tanh(s / c) · c``."""
+    return scores if softcap is None else torch.tanh(scores / softcap) * softcap
+
+
+_UNSUPPORTED_KWARGS = ("s_aux", "sinks")  # attention sinks (gpt-oss): a term these masks and softmaxes do not have
 
 
 def _attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
-               sliding_window: int | None = None, **kwargs) -> tuple[torch.Tensor, None]:
-    """Attention over (read-only cache) + (new rows). Shapes: q [B, H, T, D], k/v [B, Hkv, T, D]."""
+               sliding_window: int | None = None, softcap: float | None = None,
+               **kwargs) -> tuple[torch.Tensor, None]:
+    """Attention over (read-only cache) + (new rows). Shapes: q [B, H, T, D], k/v [B, Hkv, T, D].
+
+    ``sliding_window``: the layer sees its last ``window`` positions (Mistral, Gemma 2's local layers): masked in
+    the graph (:meth:`_AttnContext.masks`); the cache still holds every position. ``softcap``: Gemma 2's
+    ``tanh(s / c) · c`` on the scores before the mask, written out in ATen ops (no fused kernel has it)."""
     ctx: _AttnContext | None = getattr(_state, "ctx", None)
     if ctx is None:
         raise RuntimeError("hetforge_kv attention called outside a hetforge runtime module")
+    for name in _UNSUPPORTED_KWARGS:
+        if kwargs.get(name) is not None:
+            raise CaptureError(f"attention with '{name}' (attention sinks, {type(module).__name__}) is not supported "
+                               "by the hetforge runtime")
     layer = module.layer_idx
     span = key.shape[2] + (ctx.cache[layer][0].shape[2] if ctx.cache is not None else 0)
-    if sliding_window is not None and sliding_window < span:
-        raise NotImplementedError(f"sliding-window attention (window {sliding_window} < {span} positions) "
-                                  "is not supported by the hetforge runtime")
+    cache_mask_, new_mask_ = ctx.masks(sliding_window, span)
     ctx.new_kv[layer] = (key, value)
     b, h, t, d = query.shape
     hkv = key.shape[1]
@@ -69,12 +123,25 @@ def _attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value:
     scale = d**-0.5 if scaling is None else scaling
     if ctx.cache is None:  # prefill: plain attention over the new rows (the attention pass fuses it)
         qg = query.reshape(b, hkv, g * t, d)  # head = kv_head * g + i, row = i * t + position
-        s_new = torch.matmul(qg, key.transpose(-1, -2)) * scale + ctx.new_mask.repeat(g, 1)
+        s_new = _softcapped(torch.matmul(qg, key.transpose(-1, -2)) * scale, softcap) + new_mask_.repeat(g, 1)
         out = torch.matmul(torch.softmax(s_new, dim=-1), value)
+    elif softcap is not None:  # decode with a soft cap: kv_attention's arithmetic with the cap before the masks
+        kc, vc = ctx.cache[layer]
+        n = kc.shape[2]
+        qg = query.reshape(b * hkv, g * t, d)
+        s_cache = _softcapped(torch.bmm(qg, kc.reshape(b * hkv, n, d).transpose(1, 2)) * scale, softcap)
+        s_cache = s_cache + (cache_mask_.repeat(g, 1) if cache_mask_.dim() == 2 and cache_mask_.shape[0] > 1
+                             else cache_mask_)
+        s_new = _softcapped(torch.bmm(qg, key.reshape(b * hkv, t, d).transpose(1, 2)) * scale, softcap)
+        if t > 1:
+            s_new = s_new + new_mask_.repeat(g, 1)
+        p = torch.softmax(torch.cat([s_cache, s_new], dim=-1), dim=-1)
+        new = torch.bmm(p[..., n:], value.reshape(b * hkv, t, -1))
+        out = torch.baddbmm(new, p[..., :n], vc.reshape(b * hkv, n, -1))
     else:  # decode: one hetforge::kv_attention node per layer (ops/fused.py)
         kc, vc = ctx.cache[layer]
-        new_mask = ctx.new_mask if t > 1 else None  # one new row sees itself: nothing to mask
-        out = torch.ops.hetforge.kv_attention(query, key, value, kc, vc, ctx.cache_mask, new_mask, scale)
+        new_mask = new_mask_ if t > 1 else None  # one new row sees itself: nothing to mask
+        out = torch.ops.hetforge.kv_attention(query, key, value, kc, vc, cache_mask_, new_mask, scale)
     out = out.reshape(b, h, t, value.shape[-1]).transpose(1, 2)
     return out, None
 
@@ -120,6 +187,34 @@ def model_dims(model: nn.Module) -> tuple[int, int, int]:
     return layers, kv, head_dim
 
 
+def head_transform(model: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """What ``model``'s causal-LM ``forward`` applies to the LM head's output, as a function of the logits."""
+    c = model.config
+    cap = getattr(c, "final_logit_softcapping", None)
+    div = getattr(c, "logits_scaling", None) if "logits_scaling" in _forward_source(model) else None
+    mul = getattr(model, "logit_scale", None) if "self.logit_scale" in _forward_source(model) else None
+
+    def apply(logits: torch.Tensor) -> torch.Tensor:
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        if div is not None:
+            logits = logits / div
+        if mul is not None:
+            logits = logits * mul
+        return logits
+
+    return apply
+
+
+def _forward_source(model: nn.Module) -> str:
+    import inspect
+
+    try:
+        return inspect.getsource(type(model).forward)
+    except (OSError, TypeError):
+        return ""
+
+
 class _Base(nn.Module):
     LAYER_INPUTS = 2  # inputs per layer, the last among the inputs: its K and V cache (runtime.stamp reads this)
 
@@ -137,6 +232,12 @@ class _Base(nn.Module):
         out = base(input_ids=input_ids, position_ids=position_ids, use_cache=False)
         return out.last_hidden_state
 
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The LM head on ``hidden`` and what the model's own ``forward`` does to its logits after it (Gemma 2 / 3's
+        final soft cap, Granite's division by ``logits_scaling``, Cohere's ``logit_scale``), in the same ops."""
+        logits = self.model.get_output_embeddings()(hidden)
+        return head_transform(self.model)(logits)
+
     def _kv_outputs(self, ctx: _AttnContext) -> list[torch.Tensor]:
         outs: list[torch.Tensor] = []
         for i in range(self.layers):
@@ -153,12 +254,12 @@ class PrefillModule(_Base):
     def forward(self, input_ids: torch.Tensor, last: torch.Tensor) -> tuple[torch.Tensor, ...]:
         t = input_ids.shape[1]
         dtype = self.model.get_input_embeddings().weight.dtype
-        ctx = _AttnContext(new_mask=_causal(t, dtype))
+        ctx = _AttnContext(new_mask=_causal(t, dtype), windowed=lambda w: (None, band_mask(t, w, dtype)))
         with _Switch(self.model, ctx):
             pos = torch.arange(t, dtype=torch.long).unsqueeze(0)
             hidden = self._hidden(input_ids, pos)
             row = hidden.index_select(1, last)
-            logits = self.model.get_output_embeddings()(row)[:, 0, :]
+            logits = self._logits(row)[:, 0, :]
             return (logits, *self._kv_outputs(ctx))
 
 
@@ -168,13 +269,13 @@ class DecodeModule(_Base):
     def forward(self, input_ids: torch.Tensor, pos: torch.Tensor, *cache: torch.Tensor) -> tuple[torch.Tensor, ...]:
         dtype = cache[0].dtype
         s = cache[0].shape[2]
-        valid = torch.arange(s, dtype=torch.long).unsqueeze(0) < pos  # [1, S]
-        cache_mask = torch.zeros((1, s), dtype=dtype).masked_fill(~valid, float("-inf"))
+        new_mask = torch.zeros((1, 1), dtype=dtype)
         pairs = [(cache[2 * i], cache[2 * i + 1]) for i in range(self.layers)]
-        ctx = _AttnContext(new_mask=torch.zeros((1, 1), dtype=dtype), cache=pairs, cache_mask=cache_mask)
+        ctx = _AttnContext(new_mask=new_mask, cache=pairs, cache_mask=cache_mask(s, pos, dtype),  # [1, S]
+                           windowed=lambda w: (cache_mask(s, pos, dtype, w), new_mask))
         with _Switch(self.model, ctx):
             hidden = self._hidden(input_ids, pos)
-            logits = self.model.get_output_embeddings()(hidden)[:, 0, :]
+            logits = self._logits(hidden)[:, 0, :]
             return (logits, *self._kv_outputs(ctx))
 
 
@@ -192,12 +293,17 @@ class ChunkModule(_Base):
                 *cache: torch.Tensor) -> tuple[torch.Tensor, ...]:
         dtype = cache[0].dtype
         s, c = cache[0].shape[2], input_ids.shape[1]
-        valid = torch.arange(s, dtype=torch.long).unsqueeze(0) < pos[:, :1]  # [1, S]: the earlier pieces
-        cache_mask = torch.zeros((1, s), dtype=dtype).masked_fill(~valid, float("-inf"))
         pairs = [(cache[2 * i], cache[2 * i + 1]) for i in range(self.layers)]
-        ctx = _AttnContext(new_mask=_causal(c, dtype), cache=pairs, cache_mask=cache_mask)
+
+        def windowed(w: int) -> tuple[torch.Tensor, torch.Tensor]:  # row r (at pos[0, r]) sees its last w positions
+            ar = torch.arange(s, dtype=torch.long).unsqueeze(0)
+            keep = (ar < pos[:, :1]) & (ar > pos.reshape(c, 1) - w)  # [C, S]
+            return torch.zeros((c, s), dtype=dtype).masked_fill(~keep, float("-inf")), band_mask(c, w, dtype)
+
+        ctx = _AttnContext(new_mask=_causal(c, dtype), cache=pairs, windowed=windowed,
+                           cache_mask=cache_mask(s, pos[:, :1], dtype))  # [1, S]: the earlier pieces
         with _Switch(self.model, ctx):
             hidden = self._hidden(input_ids, pos)
             row = hidden.index_select(1, last)
-            logits = self.model.get_output_embeddings()(row)[:, 0, :]
+            logits = self._logits(row)[:, 0, :]
             return (logits, *self._kv_outputs(ctx))
