@@ -177,3 +177,11 @@ def test_a_chunked_prefill_past_the_sliding_window_gives_the_models_own_logits(t
     assert any(p.startswith("chunk-") for p in pieces), pieces
     ref = _reference(loaded.model, tokens, prompt)
     assert (torch.stack(logits) - ref).abs().max().item() < 1e-4 * max(1.0, ref.abs().max().item())
+
+
+def test_the_first_prompt_program_notes_the_check_and_later_ones_do_not_run_it(monkeypatch):
+    monkeypatch.setenv("HETFORGE_COMPILE_CACHE", "0")
+    programs = Engine(load_model("llama-tiny"), executor="auto").programs
+    first, later = programs.prefill(32)[0], programs.prefill(64)[0]
+    assert any(n.startswith("generation modules checked against LlamaForCausalLM's own forward") for n in first.notes)
+    assert not any("checked against" in n for n in later.notes)

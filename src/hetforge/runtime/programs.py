@@ -369,9 +369,14 @@ class ProgramCache:
                 b = hit
                 return Program(kind, length, b.run, self.executor.name, b.nodes, 0.0, 0.0,
                                time.perf_counter() - t_in, b.notes, b.placed)
+        checked = []
         if not self.checked and kind != "decode":  # once, before the first prompt program is compiled
-            check_against_model(self.model)
+            t_check = time.perf_counter()
+            rel = check_against_model(self.model)
             self.checked = True
+            checked.append(f"generation modules checked against {type(self.model).__name__}'s own forward on a "
+                           f"short prompt: max |Δ| {rel:.1e} of the largest logit, "
+                           f"{time.perf_counter() - t_check:.3f} s (measured)")
         # the passes on two layers, the rest stamped after them, where the executor compiles through compile_graph
         defer = entry is None and isinstance(self.executor, PlacedExecutor)
         cg = self._capture(module, inputs, label, kind, length, defer)
@@ -410,9 +415,9 @@ class ProgramCache:
         head = (f"warm-up call {warm_s:.3f} s (measured, with the packing), counted in compile_s" if call else
                 f"weights packed in {warm_s:.3f} s (measured), counted in compile_s; no warm-up call (nothing else "
                 "runs once)" if warm else "no warm-up call (built for another process)")
-        notes = [*b.notes, head,
-                 f"other compile-path work {rest:.3f} s (measured: compile-cache lookup and store, between the "
-                 "stages), counted in compile_s"]
+        notes = [*b.notes, *checked, head,
+                 f"other compile-path work {rest:.3f} s (measured: compile-cache lookup and store, the check against "
+                 "the model, between the stages), counted in compile_s"]
         return Program(kind, length, b.run, self.executor.name, b.nodes, cg.seconds, b.optimize_s,
                        b.compile_s + warm_s + rest, notes, b.placed)
 
