@@ -185,3 +185,25 @@ def test_the_first_prompt_program_notes_the_check_and_later_ones_do_not_run_it(m
     first, later = programs.prefill(32)[0], programs.prefill(64)[0]
     assert any(n.startswith("generation modules checked against LlamaForCausalLM's own forward") for n in first.notes)
     assert not any("checked against" in n for n in later.notes)
+
+
+@pytest.mark.parametrize("arch", ["bloom", "falcon"])
+def test_an_architecture_whose_attention_bypasses_the_interface_is_refused_in_one_line(tmp_path, monkeypatch, arch):
+    """Bloom's attention (ALiBi in its own code) never reaches the runtime's attention; Falcon's wants a mask the
+    runtime does not build: `hetforge run` says so in one line, exit 1, no traceback."""
+    from typer.testing import CliRunner
+
+    from hetforge.cli.common import app
+    from hetforge.cli.main import _load_commands
+
+    monkeypatch.setenv("HETFORGE_COMPILE_CACHE", "0")
+    torch.manual_seed(0)
+    config = (T.BloomConfig(vocab_size=300, hidden_size=64, n_layer=2, n_head=4) if arch == "bloom" else
+              T.FalconConfig(vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4))
+    T.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / arch)
+    _load_commands()
+    res = CliRunner().invoke(app, ["run", str(tmp_path / arch), "-p", "hello", "-n", "2"])
+    assert res.exit_code == 1, res.output
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip() and not ln.startswith("note: ")]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "not supported for generation" in lines[0], lines
+    assert "Traceback" not in res.output

@@ -37,8 +37,17 @@ def check_against_model(model: nn.Module) -> float:
         cut = _cut(find_stack(model), model, CHECK_LAYERS)
     except StampRefused:  # layers that differ (e.g. local and global attention): all of them
         cut = contextlib.nullcontext()
+    name = type(model).__name__
     with torch.no_grad(), cut:
-        ours = PrefillModule(model)(ids, torch.tensor([t - 1]))[0][0].float()
+        try:
+            ours = PrefillModule(model)(ids, torch.tensor([t - 1]))[0][0].float()
+        except CaptureError:
+            raise
+        except Exception as e:  # the model's code around our attention wants what the runtime does not give it
+            first = (str(e).splitlines() or [""])[0][:200]
+            raise CaptureError(f"hetforge's generation modules cannot run {name} ({type(e).__name__}: {first}): "
+                               "its attention or masks do not go through transformers' attention interface the "
+                               "way the runtime needs; this architecture is not supported for generation") from None
         ref = model(input_ids=ids, use_cache=False, logits_to_keep=1).logits[0, -1].float()
     if not bool(torch.isfinite(ref).all()):  # the model's own logits are not numbers (e.g. NaN weights): nothing
         return float("nan")                  # to compare; generation reports such logits when it samples them
@@ -46,7 +55,7 @@ def check_against_model(model: nn.Module) -> float:
     dtype = model.get_input_embeddings().weight.dtype
     tol = CHECK_TOLERANCE.get(dtype, CHECK_TOLERANCE_LOW)
     if not rel <= tol:
-        raise CaptureError(f"hetforge's generation modules do not reproduce {type(model).__name__}'s logits: "
+        raise CaptureError(f"hetforge's generation modules do not reproduce {name}'s logits: "
                            f"max |Δ| {rel:.2e} of the largest logit on a {t}-token check prompt (allowed {tol:g} "
                            f"at {str(dtype).removeprefix('torch.')}); the architecture does something in its attention "
                            "or after its LM head that the runtime does not implement")

@@ -241,6 +241,10 @@ class _Base(nn.Module):
     def _kv_outputs(self, ctx: _AttnContext) -> list[torch.Tensor]:
         outs: list[torch.Tensor] = []
         for i in range(self.layers):
+            if i not in ctx.new_kv:
+                raise CaptureError(f"{type(self.model).__name__}'s attention (layer {i}) does not go through "
+                                   "transformers' attention interface, where the hetforge runtime puts its KV-cache "
+                                   "attention: this architecture is not supported for generation")
             k, v = ctx.new_kv[i]
             outs += [k, v]
         return outs
