@@ -142,7 +142,7 @@ def dead_code(graph: torch.fx.Graph) -> bool:
     """Erase every node without users that has no side effect, last node first (so a dead chain goes in one
     sweep): ``Graph.eliminate_dead_code``'s rule (``Node.is_impure``), with each call target's answer asked once
     per sweep, and without its lint (the callers lint). Why: torch asks every node again, and the answer (a
-    schema and registry lookup) was about a fifth of the pass pipeline's time. A higher-order operator's answer
+    schema and registry lookup) was about a sixth of the pass pipeline's time. A higher-order operator's answer
     depends on its arguments, so it is asked per node. Returns whether anything was erased."""
     impure: dict[Any, bool] = {}
     changed = False

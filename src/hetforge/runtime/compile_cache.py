@@ -75,8 +75,9 @@ def cache_state(notes: list[str]) -> str | None:
     """What the compile cache did for a program, from its notes: ``hit``, ``stored``, ``rebuilt`` (a corrupt or
     stale entry deleted and compiled again; ``rebuilt, stored`` when the new one was stored) or None (not used)."""
     got = [n for n in notes if n.startswith("compile cache: ")]
+    # a hit on the entry a forked child just built for this request: compiled now, and stored
     child = any(n.startswith("built and stored in the compile cache by a forked child") for n in notes)
-    if not child and any(n.startswith("compile cache: hit") for n in got):  # a child's entry: compiled now
+    if not child and any(n.startswith("compile cache: hit") for n in got):
         return "hit"
     bad = any(n.endswith(": deleted, rebuilt") for n in got)
     stored = child or any(n.startswith("compile cache: stored") for n in got)

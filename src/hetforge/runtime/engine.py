@@ -172,8 +172,7 @@ class Generation:
         prog, fresh = get(length)
         if fresh:
             self.result.compile_s[f"{kind}-{length}"] = prog.total_s
-            state = cache_state(prog.notes)
-            if state:
+            if state := cache_state(prog.notes):
                 self.result.compile_cache[f"{kind}-{length}"] = state
             if prog.child_s is not None:
                 self.result.built_alongside[f"{kind}-{length}"] = prog.child_s
@@ -282,8 +281,8 @@ class Generation:
                 prog, fresh = self.engine.programs.chunk(p.size, r.cache_length)
                 if fresh:
                     r.compile_s[f"chunk-{p.size}x{r.cache_length}"] = prog.total_s
-                    if cache_state(prog.notes):
-                        r.compile_cache[f"chunk-{p.size}x{r.cache_length}"] = cache_state(prog.notes)
+                    if state := cache_state(prog.notes):
+                        r.compile_cache[f"chunk-{p.size}x{r.cache_length}"] = state
                 self._chunk_progs[p.size] = prog
         self._decode_prog = self._compile("decode", r.cache_length) if self.max_new > 1 else None
 

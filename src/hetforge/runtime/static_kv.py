@@ -28,6 +28,7 @@ which the attention pass fuses into ``hetforge::attention``.
 
 from __future__ import annotations
 
+import inspect
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -189,10 +190,10 @@ def model_dims(model: nn.Module) -> tuple[int, int, int]:
 
 def head_transform(model: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
     """What ``model``'s causal-LM ``forward`` applies to the LM head's output, as a function of the logits."""
-    c = model.config
+    c, source = model.config, _forward_source(model)
     cap = getattr(c, "final_logit_softcapping", None)
-    div = getattr(c, "logits_scaling", None) if "logits_scaling" in _forward_source(model) else None
-    mul = getattr(model, "logit_scale", None) if "self.logit_scale" in _forward_source(model) else None
+    div = getattr(c, "logits_scaling", None) if "logits_scaling" in source else None
+    mul = getattr(model, "logit_scale", None) if "self.logit_scale" in source else None
 
     def apply(logits: torch.Tensor) -> torch.Tensor:
         if cap is not None:
@@ -207,8 +208,7 @@ def head_transform(model: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
 
 
 def _forward_source(model: nn.Module) -> str:
-    import inspect
-
+    """The source of the model class's ``forward`` (what it does to the logits is read from it), or ""."""
     try:
         return inspect.getsource(type(model).forward)
     except (OSError, TypeError):
