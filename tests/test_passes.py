@@ -540,7 +540,7 @@ def test_fused_nodes_get_their_own_fake_values_equal_to_their_fake_kernels_and_r
         assert (v.shape, v.dtype) == (real[n.name].shape, real[n.name].dtype), n
 
 
-def test_set_val_keys_its_memo_by_dtype_and_shape():
+def test_set_val_keys_its_memo_by_dtype_and_shape_and_does_not_keep_the_fake_mode_alive():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     mode = FakeTensorMode()
