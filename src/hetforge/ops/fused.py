@@ -134,6 +134,13 @@ def kv_attention(q, k, v, k_cache, v_cache, cache_mask, new_mask=None, scale=1.0
     viewed as ``[Hkv, G·T]`` (no K/V repeat)."""
     if native.decode_attention_fits(q, k, v, k_cache, v_cache, cache_mask, new_mask):
         return native.decode_attention(q, k, v, k_cache, v_cache, cache_mask, new_mask, scale)
+    return kv_attention_aten(q, k, v, k_cache, v_cache, cache_mask, new_mask, scale)
+
+
+def kv_attention_aten(q, k, v, k_cache, v_cache, cache_mask, new_mask=None, scale=1.0, softcap=None):
+    """:func:`kv_attention` in ATen ops, and with Gemma 2's ``softcap`` (``tanh(s / c) · c`` on the scores before
+    the masks, as Hugging Face applies it), which the op and the native kernel do not have: the runtime's decode
+    module writes a soft-capped layer's attention out with this instead of calling the op."""
     b, h, t, d = q.shape
     hkv, n = k.shape[1], k_cache.shape[2]
     g = h // hkv
@@ -142,8 +149,13 @@ def kv_attention(q, k, v, k_cache, v_cache, cache_mask, new_mask=None, scale=1.0
     qg = q.reshape(b * hkv, g * t, d)
     if cache_mask.dim() == 2 and cache_mask.shape[0] > 1 and g > 1:  # [T, S]: the rows of each group's T rows
         cache_mask = cache_mask.repeat(g, 1)
-    s_cache = torch.baddbmm(cache_mask, qg, k_cache.reshape(b * hkv, n, d).transpose(1, 2), alpha=scale)
-    s_new = torch.bmm(qg, k.reshape(b * hkv, t, d).transpose(1, 2)) * scale
+    kt = k_cache.reshape(b * hkv, n, d).transpose(1, 2)
+    if softcap is None:
+        s_cache = torch.baddbmm(cache_mask, qg, kt, alpha=scale)
+        s_new = torch.bmm(qg, k.reshape(b * hkv, t, d).transpose(1, 2)) * scale
+    else:
+        s_cache = torch.tanh(torch.bmm(qg, kt) * scale / softcap) * softcap + cache_mask
+        s_new = torch.tanh(torch.bmm(qg, k.reshape(b * hkv, t, d).transpose(1, 2)) * scale / softcap) * softcap
     if new_mask is not None:
         s_new = s_new + (new_mask if g == 1 else new_mask.repeat(g, 1))
     p = torch.softmax(torch.cat([s_cache, s_new], dim=-1), dim=-1)

@@ -28,6 +28,7 @@ which the attention pass fuses into ``hetforge::attention``.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import threading
 from collections.abc import Callable
@@ -38,6 +39,7 @@ from torch import nn
 
 import hetforge.ops  # noqa: F401  (registers hetforge::kv_attention)
 from hetforge.errors import CaptureError
+from hetforge.ops.fused import kv_attention_aten
 
 ATTN_NAME = "hetforge_kv"
 _state = threading.local()
@@ -70,28 +72,28 @@ class _AttnContext:
         return self._windows[window]
 
 
-def band_mask(t: int, window: int | None, dtype: torch.dtype) -> torch.Tensor:
+def band_mask(t: int, window: int, dtype: torch.dtype) -> torch.Tensor:
     """Additive ``[t, t]`` mask of causal attention over the last ``window`` positions: row ``i`` sees the rows
-    ``j`` with ``i - window < j <= i`` (Hugging Face's sliding window); plain causal when ``window`` is None."""
-    if window is None:
-        return _causal(t, dtype)
+    ``j`` with ``i - window < j <= i`` (Hugging Face's sliding window)."""
     i, j = torch.arange(t).unsqueeze(1), torch.arange(t).unsqueeze(0)
     return torch.zeros((t, t), dtype=dtype).masked_fill(~((j <= i) & (j > i - window)), float("-inf"))
 
 
-def cache_mask(s: int, pos: torch.Tensor, dtype: torch.dtype, window: int | None = None) -> torch.Tensor:
-    """Additive mask over ``s`` cache positions for a new row at ``pos`` (``[B, 1]``): the positions ``< pos``
-    are written, and with a sliding ``window`` only those ``> pos - window`` are seen (the new row itself is the
-    window's last position). ``[B, S]``, built in the graph from ``pos``."""
+def cache_mask(s: int, pos: torch.Tensor, dtype: torch.dtype, window: int | None = None,
+               at: torch.Tensor | None = None) -> torch.Tensor:
+    """Additive mask over ``s`` cache positions: the positions ``< pos`` (``[B, 1]``) are written, and with a
+    sliding ``window`` a new row at position ``at`` (``[R, 1]``; default ``pos``: one new row) sees only those
+    ``> at - window`` (the row itself is the window's last position). ``[B or R, S]``, built in the graph."""
     ar = torch.arange(s, dtype=torch.long).unsqueeze(0)
     keep = ar < pos
     if window is not None:
-        keep = keep & (ar > pos - window)
+        keep = keep & (ar > (pos if at is None else at) - window)
     return torch.zeros(keep.shape, dtype=dtype).masked_fill(~keep, float("-inf"))
 
 
 def _softcapped(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
-    """Gemma 2's attention-logit soft cap, as Hugging Face applies it (before the mask): ``tanh(s / c) · c``."""
+    """Gemma 2's attention-logit soft cap, as Hugging Face applies it (before the mask): ``tanh(s / c) · c``
+    (a decode step's: :func:`hetforge.ops.fused.kv_attention_aten`)."""
     return scores if softcap is None else torch.tanh(scores / softcap) * softcap
 
 
@@ -126,23 +128,13 @@ def _attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value:
         qg = query.reshape(b, hkv, g * t, d)  # head = kv_head * g + i, row = i * t + position
         s_new = _softcapped(torch.matmul(qg, key.transpose(-1, -2)) * scale, softcap) + new_mask_.repeat(g, 1)
         out = torch.matmul(torch.softmax(s_new, dim=-1), value)
-    elif softcap is not None:  # decode with a soft cap: kv_attention's arithmetic with the cap before the masks
-        kc, vc = ctx.cache[layer]
-        n = kc.shape[2]
-        qg = query.reshape(b * hkv, g * t, d)
-        s_cache = _softcapped(torch.bmm(qg, kc.reshape(b * hkv, n, d).transpose(1, 2)) * scale, softcap)
-        s_cache = s_cache + (cache_mask_.repeat(g, 1) if cache_mask_.dim() == 2 and cache_mask_.shape[0] > 1
-                             else cache_mask_)
-        s_new = _softcapped(torch.bmm(qg, key.reshape(b * hkv, t, d).transpose(1, 2)) * scale, softcap)
-        if t > 1:
-            s_new = s_new + new_mask_.repeat(g, 1)
-        p = torch.softmax(torch.cat([s_cache, s_new], dim=-1), dim=-1)
-        new = torch.bmm(p[..., n:], value.reshape(b * hkv, t, -1))
-        out = torch.baddbmm(new, p[..., :n], vc.reshape(b * hkv, n, -1))
-    else:  # decode: one hetforge::kv_attention node per layer (ops/fused.py)
+    else:  # decode: one hetforge::kv_attention node per layer (ops/fused.py); a soft cap written out in ATen ops
         kc, vc = ctx.cache[layer]
         new_mask = new_mask_ if t > 1 else None  # one new row sees itself: nothing to mask
-        out = torch.ops.hetforge.kv_attention(query, key, value, kc, vc, cache_mask_, new_mask, scale)
+        if softcap is None:
+            out = torch.ops.hetforge.kv_attention(query, key, value, kc, vc, cache_mask_, new_mask, scale)
+        else:
+            out = kv_attention_aten(query, key, value, kc, vc, cache_mask_, new_mask, scale, softcap)
     out = out.reshape(b, h, t, value.shape[-1]).transpose(1, 2)
     return out, None
 
@@ -209,8 +201,13 @@ def head_transform(model: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
 
 def _forward_source(model: nn.Module) -> str:
     """The source of the model class's ``forward`` (what it does to the logits is read from it), or ""."""
+    return _class_forward_source(type(model))
+
+
+@functools.cache
+def _class_forward_source(cls: type) -> str:  # read once per class, not in every module's trace
     try:
-        return inspect.getsource(type(model).forward)
+        return inspect.getsource(cls.forward)
     except (OSError, TypeError):
         return ""
 
@@ -299,13 +296,11 @@ class ChunkModule(_Base):
         s, c = cache[0].shape[2], input_ids.shape[1]
         pairs = [(cache[2 * i], cache[2 * i + 1]) for i in range(self.layers)]
 
-        def windowed(w: int) -> tuple[torch.Tensor, torch.Tensor]:  # row r (at pos[0, r]) sees its last w positions
-            ar = torch.arange(s, dtype=torch.long).unsqueeze(0)
-            keep = (ar < pos[:, :1]) & (ar > pos.reshape(c, 1) - w)  # [C, S]
-            return torch.zeros((c, s), dtype=dtype).masked_fill(~keep, float("-inf")), band_mask(c, w, dtype)
-
-        ctx = _AttnContext(new_mask=_causal(c, dtype), cache=pairs, windowed=windowed,
-                           cache_mask=cache_mask(s, pos[:, :1], dtype))  # [1, S]: the earlier pieces
+        ctx = _AttnContext(new_mask=_causal(c, dtype), cache=pairs,
+                           cache_mask=cache_mask(s, pos[:, :1], dtype),  # [1, S]: the earlier pieces
+                           # row r (at pos[0, r]) sees its last w positions: a [C, S] cache mask and a band
+                           windowed=lambda w: (cache_mask(s, pos[:, :1], dtype, w, at=pos.reshape(c, 1)),
+                                               band_mask(c, w, dtype)))
         with _Switch(self.model, ctx):
             hidden = self._hidden(input_ids, pos)
             row = hidden.index_select(1, last)
