@@ -333,26 +333,102 @@ def test_weight_only_several_rows_dequantize_and_equal_the_int_kernel(scheme, ro
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
 
 
-def test_fbgemm_packing_serves_equal_scales_and_bias_held_as_separate_tensors_and_repacks_a_changed_value():
+def test_fbgemm_packing_serves_equal_scales_held_as_separate_tensors_and_repacks_a_changed_value():
     """One int8 weight, two callers holding equal scales and biases as separate tensors (a prefill and a decode
     program bound from two compile-cache entries): one FBGEMM packing serves both, in turns, with the same result;
-    a caller whose bias values differ gets a packing of its own values."""
+    the bias is added after the product, so a caller with another bias shares the packing too; a caller whose
+    scale values differ gets a packing of its own values."""
     from hetforge.ops import quant
 
     torch.manual_seed(0)
     q, s = quantize_int8(torch.randn(24, 32))
     bias = torch.randn(24)
     x = torch.randn(3, 32)
-    first = quant._fbgemm_packed(q, s, bias)
+    first = quant._fbgemm_packed(q, s)
     want = torch.ops.hetforge.linear_w8a8(x, q, s, bias)
     s2, b2 = s.clone(), bias.clone()
     for _ in range(3):  # the two callers take turns: no packing again
-        assert quant._fbgemm_packed(q, s2, b2) is first
-        assert quant._fbgemm_packed(q, s, bias) is first
+        assert quant._fbgemm_packed(q, s2) is first
+        assert quant._fbgemm_packed(q, s) is first
     torch.testing.assert_close(torch.ops.hetforge.linear_w8a8(x, q, s2, b2), want, rtol=0, atol=0)
-    b3 = bias + 1.0
-    other = quant._fbgemm_packed(q, s, b3)
+    torch.testing.assert_close(torch.ops.hetforge.linear_w8a8(x, q, s, bias + 1.0), want + 1.0, rtol=1e-5, atol=1e-5)
+    assert quant._fbgemm_packed(q, s) is first
+    s3 = s * 2.0
+    other = quant._fbgemm_packed(q, s3)
     assert other is not first
-    torch.testing.assert_close(torch.ops.hetforge.linear_w8a8(x, q, s, b3), want + 1.0, rtol=1e-5, atol=1e-5)
-    b2.add_(1.0)  # a caller's tensor written in place: its values are compared again
-    assert quant._fbgemm_packed(q, s2, b2) is other
+    torch.testing.assert_close(torch.ops.hetforge.linear_w8a8(x, q, s3, bias), 2 * want - bias, rtol=1e-5, atol=1e-5)
+    s2.mul_(2.0)  # a caller's tensor written in place: its values are compared again
+    assert quant._fbgemm_packed(q, s2) is other
+
+
+def _w8a8_case(rows: int, k: int = 96, n: int = 40):
+    torch.manual_seed(1)
+    q, s = quantize_int8(torch.randn(n, k) * 0.05)
+    x = torch.randn(rows, k)
+    x[:, 5] *= 20.0  # an outlier channel
+    x[1] *= 10.0  # a row much larger than the others
+    x[2] += 30.0  # a row far from zero
+    return q, s, torch.randn(n) * 0.1, x
+
+
+@pytest.mark.parametrize("native_kernels", [True, False], ids=["native", "aten"])
+def test_w8a8_row_results_do_not_depend_on_the_other_rows(native_kernels, monkeypatch):
+    """FBGEMM measures one activation range over all the rows it is given; w8a8 gives it each row mapped onto
+    its own range, so appending rows of any size (a prompt's pad rows, another request in the batch) or
+    computing a subset leaves every row's result bit for bit the same, on the native kernels and in the ATen
+    form; and the rows agree with the row computed alone (one row goes to FBGEMM as it is) to quantization
+    error."""
+    from hetforge.kernels import native
+
+    if not native_kernels:
+        monkeypatch.setitem(native._state, "lib", None)
+    elif native.library() is None:
+        pytest.skip("native kernels not built on this host")
+    q, s, b, x = _w8a8_case(8)
+    w = torch.ops.hetforge.linear_w8a8
+    y = w(x, q, s, b)
+    padded = w(torch.cat([x, torch.randn(5, x.shape[1]) * 100.0]), q, s, b)
+    assert torch.equal(padded[:8], y)
+    assert torch.equal(w(x[3:6], q, s, b), y[3:6])
+    exact = x @ (q.float() * s[:, None]).T + b
+    for r in range(8):
+        alone = w(x[r:r + 1], q, s, b)
+        step = (x[r].clamp_min(0).max() - x[r].clamp_max(0).min()) / 127  # the row's quantization step
+        bound = float(step * (q.float() * s[:, None]).abs().sum(1).max())  # every element off by one step
+        assert float((alone - y[r]).abs().max()) <= bound
+        assert float((y[r] - exact[r]).abs().max()) <= bound
+
+
+def test_w8a8_per_row_range_beats_one_range_for_all_rows():
+    """With a row ten times larger than the others, one range for all rows (what FBGEMM alone does) quantizes the
+    small rows coarsely; each row by its own range is several times closer to the float product."""
+    from hetforge.ops import quant
+
+    q, s, b, x = _w8a8_case(16)
+    exact = x @ (q.float() * s[:, None]).T + b
+    ours = torch.ops.hetforge.linear_w8a8(x, q, s, b)
+    one_range = torch.ops.quantized.linear_dynamic(x, quant._fbgemm_packed(q, s).packed, True) + b
+    small = [r for r in range(16) if r not in (1, 2)]
+    assert float((ours - exact)[small].abs().mean()) * 3 < float((one_range - exact)[small].abs().mean())
+
+
+@pytest.mark.parametrize("native_kernels", [True, False], ids=["native", "aten"])
+def test_w8a8_keeps_nan_and_constant_rows_to_themselves(native_kernels, monkeypatch):
+    """A row holding NaN or ±Inf gives NaN outputs and leaves the other rows finite and unchanged; a constant
+    row and an all-zero row come out as their float products to quantization error."""
+    from hetforge.kernels import native
+
+    if not native_kernels:
+        monkeypatch.setitem(native._state, "lib", None)
+    elif native.library() is None:
+        pytest.skip("native kernels not built on this host")
+    q, s, b, x = _w8a8_case(6)
+    clean = torch.ops.hetforge.linear_w8a8(x, q, s, b)
+    x[1, 7], x[2, 9] = float("nan"), float("inf")
+    x[3], x[4] = 2.5, 0.0
+    y = torch.ops.hetforge.linear_w8a8(x, q, s, b)
+    assert y[1].isnan().all() and y[2].isnan().all()
+    assert torch.equal(y[[0, 5]], clean[[0, 5]])
+    assert torch.equal(y[4], b)
+    exact3 = x[3] @ (q.float() * s[:, None]).T + b
+    assert float((y[3] - exact3).abs().max()) <= float(2.5 / 127 * (q.float() * s[:, None]).abs().sum(1).max())

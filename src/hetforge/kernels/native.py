@@ -79,6 +79,8 @@ SIGNATURES = {
     "hf_rotary": [_P, _P, _P, _P, _L, _L, _I],
     "hf_rotary_pos": [_P, _P, _P, _P, _L, _L, _L, _L, _L, _L, _L, _L, _I],
     "hf_rms_norm": [_P, _P, _P, _L, _L, _F, _I],
+    "hf_row_span": [_P, _L, _L, _P, _P, _I],
+    "hf_row_unspan": [_P, _P, _P, _P, _L, _L, _I],
     "hf_layer_norm": [_P, _P, _P, _P, _L, _L, _F, _I],
     "hf_decode_attention": [_P, _P, _P, _P, _P, _P, _P, _P, _P, _L, _L, _L, _L, _F, _I],
     "hf_prefill_attention": [_P, _P, _P, _P, _P, _P, _P, _I, _I, _F, _I, _I],
@@ -1089,6 +1091,24 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     d = x.shape[-1]
     library().hf_rms_norm(x.data_ptr(), _ptr(weight), y.data_ptr(), x.numel() // d, d, eps, torch.get_num_threads())
     return y
+
+
+def row_span(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row of the dense fp32 ``[m, k]`` ``x`` (k ≥ 2) as ``c + h·xn`` within [-1, 1], plus a last row
+    ``(1, -1, 0, …)``: ``(xn [m + 1, k], ch [m, 2])`` (``hf_row_span``; the library must be loaded)."""
+    m, k = x.shape
+    xn = torch.empty((m + 1, k), dtype=torch.float32)
+    ch = torch.empty((m, 2), dtype=torch.float32)
+    library().hf_row_span(x.data_ptr(), m, k, xn.data_ptr(), ch.data_ptr(), torch.get_num_threads())
+    return xn, ch
+
+
+def row_unspan_(y: torch.Tensor, ch: torch.Tensor, wsum: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``y[:m] = h·y[:m] + c·wsum + bias`` in place on the dense fp32 product of :func:`row_span`'s ``xn``
+    (``hf_row_unspan``; ``m`` = rows of ``ch``), returning ``y[:m]``."""
+    m, n = ch.shape[0], y.shape[1]
+    library().hf_row_unspan(y.data_ptr(), ch.data_ptr(), wsum.data_ptr(), _ptr(bias), m, n, torch.get_num_threads())
+    return y[:m]
 
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float) -> torch.Tensor:

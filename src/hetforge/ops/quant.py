@@ -16,10 +16,13 @@ int8 GEMM:
   made by ``aten._convert_weight_to_int4pack_for_cpu``. The kernel requires N % 16 == 0, K % G == 0 and
   G in {32, 64, 128, 256}; the pass skips (and reports) layers that do not fit.
 * ``hetforge::linear_w8a8(x, qweight int8 [N,K], scales [N], bias?, act)`` — int8 weights and dynamic int8
-  activations: FBGEMM's ``quantized::linear_dynamic`` (activation range measured per call over the whole
-  input, 7-bit range (``reduce_range``) so AVX2's 16-bit pair sums cannot saturate; int32 accumulation).
-  FBGEMM needs its own packed copy of the weight; it is made on first use and cached against the int8
-  tensor (weakly: it dies with the graph).
+  activations, each row quantized by its own range (7-bit (``reduce_range``) so AVX2's 16-bit pair sums cannot
+  saturate; int32 accumulation) on FBGEMM's ``quantized::linear_dynamic``. FBGEMM measures one range over
+  its whole input, so a row's result would depend on the other rows — a prompt's pad rows, another request in
+  the batch; each row is therefore given to it as ``c + h·xn`` with ``xn`` spanning exactly [-1, 1]
+  (:func:`row_span`) and the product put back as ``h·(xn·Wᵀ) + c·Σ_k W + b``. FBGEMM needs its own packed
+  copy of the weight; it is made on first use and cached against the int8 tensor (weakly: it dies with the
+  graph).
 
 ``act`` is ``none`` or one of :data:`hetforge.ops.fused.ACTIVATIONS`, so fused ``linear_act`` nodes keep their
 activation. Every op's ``attrs`` say ``weight_dtype`` (``int8``/``int4``) and ``group: matmul``, which is what
@@ -312,50 +315,67 @@ class _FbgemmPack:
 
     ref: weakref.ref  # the int8 weight, weakly held (its death drops the entry)
     version: int  # the weight's version when packed
-    packed: object
-    scales: torch.Tensor  # copies of the values packed in
-    bias: torch.Tensor | None
-    seen: list[tuple[torch.Tensor, int, torch.Tensor | None, int]] = field(default_factory=list)  # (scales,
-    # its version, bias, its version) of each caller's tensors known to hold those values; held, so no id is reused
+    packed: object  # packed without the bias (linear_w8a8 adds it after putting each row's range back)
+    wsum: torch.Tensor  # Σ_k of each dequantized weight row [N]: what a row's centre c adds (c·wsum)
+    scales: torch.Tensor  # a copy of the values packed in
+    seen: list[tuple[torch.Tensor, int]] = field(default_factory=list)  # (scales, its version) of each caller's
+    # tensors known to hold those values; held, so no id is reused
 
 
 _FBGEMM_PACKS: dict[int, _FbgemmPack] = {}  # id(qweight) -> its packing
 FBGEMM_CALLERS = 8  # callers' tensors known per packing (a caller passing fresh equal tensors each call is compared)
 
 
-def _fbgemm_packed(qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None):
-    """FBGEMM's packed weight for ``qweight``: made on first use, cached until the int8 tensor dies or changes.
+def _fbgemm_packed(qweight: torch.Tensor, scales: torch.Tensor) -> _FbgemmPack:
+    """FBGEMM's packed weight for ``qweight`` (and its row sums): made on first use, cached until the int8 tensor
+    dies or changes.
 
-    The scales and bias are matched by value, not by identity: two programs of one model (a prefill and a decode
-    program, each bound from its own compile-cache entry) hold equal scales and biases as separate small tensors
-    with one shared int8 weight, and a cache keyed by their identity re-packed every linear on every call as the
-    programs took turns (a cached w8a8 program's prefill ran about 20 times slower). A caller's tensors are
+    The scales are matched by value, not by identity: two programs of one model (a prefill and a decode
+    program, each bound from its own compile-cache entry) hold equal scales as separate small tensors with one
+    shared int8 weight, and a cache keyed by their identity re-packed every linear on every call as the
+    programs took turns (a cached w8a8 program's prefill ran about 20 times slower). A caller's tensor is
     compared with the packed values once, and then known by identity and version; a changed value packs again."""
-    bv = -1 if bias is None else bias._version
     hit = _FBGEMM_PACKS.get(id(qweight))
     if hit is not None and hit.ref() is qweight and hit.version == qweight._version:
-        for s, sv, b, bvs in hit.seen:
-            if s is scales and sv == scales._version and b is bias and bvs == bv:
-                return hit.packed
-        if torch.equal(scales, hit.scales) and (bias is None) == (hit.bias is None) \
-                and (bias is None or torch.equal(bias, hit.bias)):
-            hit.seen = [*hit.seen[-(FBGEMM_CALLERS - 1):], (scales, scales._version, bias, bv)]  # the latest few
-            return hit.packed
+        for s, sv in hit.seen:
+            if s is scales and sv == scales._version:
+                return hit
+        if torch.equal(scales, hit.scales):
+            hit.seen = [*hit.seen[-(FBGEMM_CALLERS - 1):], (scales, scales._version)]  # the latest few
+            return hit
     zeros = torch.zeros(qweight.shape[0], dtype=torch.long)
     with warnings.catch_warnings():  # torch deprecates quantized tensors; FBGEMM's prepack still needs one
         warnings.filterwarnings("ignore", message=".*quantized tensor creation functions.*")
         qw = torch._make_per_channel_quantized_tensor(qweight, scales.double(), zeros, 0)
-    packed = torch.ops.quantized.linear_prepack(qw, None if bias is None else bias.float().contiguous())
+    packed = torch.ops.quantized.linear_prepack(qw, None)
+    wsum = (qweight.sum(1, dtype=torch.float64) * scales.double()).float()
 
     def forget(ref: weakref.ref, i: int = id(qweight)) -> None:
         got = _FBGEMM_PACKS.get(i)
         if got is not None and got.ref is ref:
             del _FBGEMM_PACKS[i]
 
-    _FBGEMM_PACKS[id(qweight)] = _FbgemmPack(weakref.ref(qweight, forget), qweight._version, packed, scales.clone(),
-                                             None if bias is None else bias.clone(),
-                                             [(scales, scales._version, bias, bv)])
-    return packed
+    entry = _FbgemmPack(weakref.ref(qweight, forget), qweight._version, packed, wsum, scales.clone(),
+                        [(scales, scales._version)])
+    _FBGEMM_PACKS[id(qweight)] = entry
+    return entry
+
+
+def row_span(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row of ``x`` [m, k] as ``c + h·xn`` with the range FBGEMM picks for that row alone, ``[min(x, 0),
+    max(x, 0)]``, mapped onto [-1, 1], and a last row ``(1, -1, 0, …)`` that pins the whole ``xn``'s range to
+    exactly [-1, 1]: ``(xn [m + 1, k], ch [m, 2] = (c, h))``. The ATen form of ``hf_row_span`` (same arithmetic,
+    :func:`native.row_span`), for hosts without the native kernels. An all-zero row has ``h = 0``; a row with
+    NaN/±Inf has ``xn = 0``, ``c = h = NaN``."""
+    hi, lo = x.amax(1, keepdim=True).clamp_min(0.0), x.amin(1, keepdim=True).clamp_max(0.0)
+    c, h = hi * 0.5 + lo * 0.5, hi * 0.5 - lo * 0.5
+    bad = ~x.isfinite().all(1, keepdim=True)
+    flat = bad | ~(h > 0)
+    xn = torch.where(flat, 0.0, ((x - c) * (1.0 / torch.where(flat, 1.0, h))).clamp_(-1.0, 1.0))
+    pin = x.new_zeros((1, x.shape[1]))
+    pin[0, :2] = torch.tensor([1.0, -1.0])
+    ch = torch.where(bad, float("nan"), torch.where(flat, 0.0, torch.cat([c, h], 1)))
+    return torch.cat([xn, pin]), ch
 
 
 @register_op(
@@ -365,9 +385,24 @@ def _fbgemm_packed(qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tens
     fake=_w8_fake,  # same output as w8
 )
 def linear_w8a8(x, qweight, scales, bias=None, act="none"):
-    """int8 × int8 → int32 matmul with dynamic activation quantization: FBGEMM ``quantized::linear_dynamic``."""
-    packed = _fbgemm_packed(qweight, scales, bias)
-    y = torch.ops.quantized.linear_dynamic(_flat(x).float(), packed, True)
+    """int8 × int8 → int32 matmul with dynamic int8 activations, each row by its own range: FBGEMM
+    ``quantized::linear_dynamic``; one row as it is (its range is its own), several rows spanned
+    (:func:`row_span`, ``hf_row_span``) and then ``h·y + c·Σ_k W`` per row; the bias added after."""
+    pack = _fbgemm_packed(qweight, scales)
+    xf = _flat(x).float()
+    b = None if bias is None else bias.float().contiguous()
+    if xf.shape[0] == 1:
+        y = torch.ops.quantized.linear_dynamic(xf, pack.packed, True)
+        if b is not None:
+            y = y.add_(b)
+    elif native.library() is not None and native._f32(xf) and xf.shape[1] >= 2:
+        xn, ch = native.row_span(xf)
+        y = native.row_unspan_(torch.ops.quantized.linear_dynamic(xn, pack.packed, True), ch, pack.wsum, b)
+    else:
+        xn, ch = row_span(xf)
+        y = torch.ops.quantized.linear_dynamic(xn, pack.packed, True)
+        y = torch.addcmul(y[:-1] * ch[:, 1:], ch[:, :1], pack.wsum)
+        y = y if b is None else y + b
     return _act(y, act).to(x.dtype).reshape(*x.shape[:-1], qweight.shape[0])
 
 
