@@ -1140,60 +1140,69 @@ void hf_rms_norm(const float *x, const float *w, float *y, long rows, long d, fl
     }
 }
 
-/* w8a8's per-row activation range (ops/quant.py linear_w8a8): each row of x [m, k] as c + h·xn with the range
- * FBGEMM's dynamic quantizer picks for that row alone, [lo, hi] = [min(min x, 0), max(max x, 0)]: c = (hi + lo)/2,
- * h = (hi - lo)/2, xn = clamp((x - c) / h, -1, 1). xn has m + 1 rows: the last is (1, -1, 0, ...), so the range
- * of the whole xn is exactly [-1, 1] and the quantizer, given all rows at once, quantizes each by its own range
- * whatever the other rows are. An all-zero row: xn = 0, h = 0. A row with a NaN or ±Inf: xn = 0, c = h = NaN
- * (its outputs are NaN; the other rows are untouched). ch [m, 2] = (c, h). k >= 2. */
-void hf_row_span(const float *x, long m, long k, float *xn, float *ch, int threads) {
-    threads = clamp_threads(threads);
-#pragma omp parallel for num_threads(threads) if (m * k >= 65536) schedule(static)
-    for (long r = 0; r < m; r++) {
-        const float *xr = x + r * k;
-        float *yr = xn + r * k;
-        float hi = 0.f, lo = 0.f, bad = 0.f;
-#pragma omp simd reduction(max : hi) reduction(min : lo) reduction(+ : bad)
-        for (long i = 0; i < k; i++) {
-            hi = xr[i] > hi ? xr[i] : hi;
-            lo = xr[i] < lo ? xr[i] : lo;
-            bad += xr[i] - xr[i]; /* NaN for a NaN or ±Inf, else 0 */
-        }
-        float c = 0.5f * hi + 0.5f * lo, h = 0.5f * hi - 0.5f * lo; /* halves first: no overflow */
-        if (bad != 0.f || !(h > 0.f)) {
-            memset(yr, 0, (size_t)k * sizeof(float));
-            ch[2 * r] = bad != 0.f ? NAN : 0.f, ch[2 * r + 1] = bad != 0.f ? NAN : 0.f;
-            continue;
-        }
-        float inv = 1.f / h;
-#pragma omp simd
-        for (long i = 0; i < k; i++) {
-            float v = (xr[i] - c) * inv;
-            yr[i] = v > 1.f ? 1.f : v < -1.f ? -1.f : v;
-        }
-        ch[2 * r] = c, ch[2 * r + 1] = h;
+/* w8a8's per-row activation range (ops/quant.py linear_w8a8): each row of x [m, k] (k >= 2) as c + h·xn, with
+ * c = (max + min) / 2, h = (max - min) / 2 and xn = clamp((x - c) / h, -1, 1) holding exactly 1 at the row's
+ * first maximum and exactly -1 at its first minimum, so every row spans [-1, 1] and a per-tensor quantizer
+ * (FBGEMM's dynamic one) given any set of these rows picks the one range [-1, 1]: each row is quantized by its
+ * own range, with the same bits alone or among any others. A constant row: xn = 0 but xn[0] = 1, xn[1] = -1,
+ * h = 0. A row with a NaN or ±Inf: the same xn, c = h = NaN (its outputs are NaN; the other rows are untouched).
+ * ch [m, 2] = (c, h). */
+static void row_span1(const float *xr, long k, float *yr, float *chr) {
+    float mx = -INFINITY, mn = INFINITY, bad = 0.f;
+#pragma omp simd reduction(max : mx) reduction(min : mn) reduction(+ : bad)
+    for (long i = 0; i < k; i++) {
+        mx = xr[i] > mx ? xr[i] : mx;
+        mn = xr[i] < mn ? xr[i] : mn;
+        bad += xr[i] - xr[i]; /* NaN for a NaN or ±Inf, else 0 */
     }
-    float *pin = xn + m * k;
-    memset(pin, 0, (size_t)k * sizeof(float));
-    pin[0] = 1.f, pin[1] = -1.f;
+    float c = 0.5f * mx + 0.5f * mn, h = 0.5f * mx - 0.5f * mn; /* halves first: no overflow */
+    if (bad != 0.f || !(h > 0.f)) {
+        memset(yr, 0, (size_t)k * sizeof(float));
+        yr[0] = 1.f, yr[1] = -1.f;
+        chr[0] = bad != 0.f ? NAN : c, chr[1] = bad != 0.f ? NAN : 0.f;
+        return;
+    }
+    float inv = 1.f / h;
+    long imx = 0, imn = 0;
+    while (xr[imx] != mx) imx++;
+    while (xr[imn] != mn) imn++;
+#pragma omp simd
+    for (long i = 0; i < k; i++) {
+        float v = (xr[i] - c) * inv;
+        yr[i] = v > 1.f ? 1.f : v < -1.f ? -1.f : v;
+    }
+    yr[imx] = 1.f, yr[imn] = -1.f;
+    chr[0] = c, chr[1] = h;
 }
 
-/* The other half of hf_row_span, in place on the first m rows of the product y of its xn: y = h·y + c·wsum + b, with wsum[n]
- * the sums of the weight's rows (so c·wsum is c·1 through the weight) and b the bias (NULL: none). */
-void hf_row_unspan(float *y, const float *ch, const float *wsum, const float *b, long m, long n, int threads) {
-    threads = clamp_threads(threads);
-#pragma omp parallel for num_threads(threads) if (m * n >= 65536) schedule(static)
-    for (long r = 0; r < m; r++) {
-        float *yr = y + r * n;
-        const float c = ch[2 * r], h = ch[2 * r + 1];
-        if (b) {
-#pragma omp simd
-            for (long j = 0; j < n; j++) yr[j] = (h * yr[j] + c * wsum[j]) + b[j];
-        } else {
-#pragma omp simd
-            for (long j = 0; j < n; j++) yr[j] = h * yr[j] + c * wsum[j];
-        }
+void hf_row_span(const float *x, long m, long k, float *xn, float *ch, int threads) {
+    if (m * k < 65536 || threads < 2) { /* no OpenMP region at all for a decode row: its setup cost more than the row */
+        for (long r = 0; r < m; r++) row_span1(x + r * k, k, xn + r * k, ch + 2 * r);
+        return;
     }
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (long r = 0; r < m; r++) row_span1(x + r * k, k, xn + r * k, ch + 2 * r);
+}
+
+/* The other half of hf_row_span, in place on the product y [m, n] of its xn: y = h·y + c·wsum + b, with wsum[n]
+ * the sums of the weight's rows (so c·wsum is c·1 through the weight) and b the bias (NULL: none). */
+static void row_unspan1(float *yr, float c, float h, const float *wsum, const float *b, long n) {
+    if (b) {
+#pragma omp simd
+        for (long j = 0; j < n; j++) yr[j] = (h * yr[j] + c * wsum[j]) + b[j];
+    } else {
+#pragma omp simd
+        for (long j = 0; j < n; j++) yr[j] = h * yr[j] + c * wsum[j];
+    }
+}
+
+void hf_row_unspan(float *y, const float *ch, const float *wsum, const float *b, long m, long n, int threads) {
+    if (m * n < 65536 || threads < 2) {
+        for (long r = 0; r < m; r++) row_unspan1(y + r * n, ch[2 * r], ch[2 * r + 1], wsum, b, n);
+        return;
+    }
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (long r = 0; r < m; r++) row_unspan1(y + r * n, ch[2 * r], ch[2 * r + 1], wsum, b, n);
 }
 
 /* LayerNorm of contiguous rows (biased variance, two passes): y = (x - mean) * rstd * w + b; w, b may be NULL. */

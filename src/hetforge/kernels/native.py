@@ -1094,21 +1094,21 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
 
 
 def row_span(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row of the dense fp32 ``[m, k]`` ``x`` (k ≥ 2) as ``c + h·xn`` within [-1, 1], plus a last row
-    ``(1, -1, 0, …)``: ``(xn [m + 1, k], ch [m, 2])`` (``hf_row_span``; the library must be loaded)."""
+    """Each row of the dense fp32 ``[m, k]`` ``x`` (k ≥ 2) as ``c + h·xn``, ``xn`` spanning exactly [-1, 1]:
+    ``(xn, ch)``, ``ch[:, 0] = c``, ``ch[:, 1] = h`` (``hf_row_span``; the library must be loaded)."""
     m, k = x.shape
-    xn = torch.empty((m + 1, k), dtype=torch.float32)
-    ch = torch.empty((m, 2), dtype=torch.float32)
+    buf = torch.empty(m * (k + 2), dtype=torch.float32)
+    xn, ch = buf[:m * k].view(m, k), buf[m * k:].view(m, 2)
     library().hf_row_span(x.data_ptr(), m, k, xn.data_ptr(), ch.data_ptr(), torch.get_num_threads())
     return xn, ch
 
 
 def row_unspan_(y: torch.Tensor, ch: torch.Tensor, wsum: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``y[:m] = h·y[:m] + c·wsum + bias`` in place on the dense fp32 product of :func:`row_span`'s ``xn``
-    (``hf_row_unspan``; ``m`` = rows of ``ch``), returning ``y[:m]``."""
-    m, n = ch.shape[0], y.shape[1]
+    """``y = h·y + c·wsum + bias`` in place on the dense fp32 ``[m, n]`` product of :func:`row_span`'s ``xn``
+    (``hf_row_unspan``), returning ``y``."""
+    m, n = y.shape
     library().hf_row_unspan(y.data_ptr(), ch.data_ptr(), wsum.data_ptr(), _ptr(bias), m, n, torch.get_num_threads())
-    return y[:m]
+    return y
 
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float) -> torch.Tensor:

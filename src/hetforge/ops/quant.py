@@ -362,20 +362,19 @@ def _fbgemm_packed(qweight: torch.Tensor, scales: torch.Tensor) -> _FbgemmPack:
 
 
 def row_span(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row of ``x`` [m, k] as ``c + h·xn`` with the range FBGEMM picks for that row alone, ``[min(x, 0),
-    max(x, 0)]``, mapped onto [-1, 1], and a last row ``(1, -1, 0, …)`` that pins the whole ``xn``'s range to
-    exactly [-1, 1]: ``(xn [m + 1, k], ch [m, 2] = (c, h))``. The ATen form of ``hf_row_span`` (same arithmetic,
-    :func:`native.row_span`), for hosts without the native kernels. An all-zero row has ``h = 0``; a row with
-    NaN/±Inf has ``xn = 0``, ``c = h = NaN``."""
-    hi, lo = x.amax(1, keepdim=True).clamp_min(0.0), x.amin(1, keepdim=True).clamp_max(0.0)
-    c, h = hi * 0.5 + lo * 0.5, hi * 0.5 - lo * 0.5
+    """Each row of ``x`` [m, k] (k ≥ 2) as ``c + h·xn``, ``xn`` spanning exactly [-1, 1] (1 at the row's first
+    maximum, -1 at its first minimum): ``(xn, ch = [c, h] per row)``. The ATen form of ``hf_row_span`` (same
+    arithmetic, :func:`native.row_span`), for hosts without the native kernels. A constant row has ``h = 0``, a
+    row with NaN/±Inf ``c = h = NaN``; either gets ``xn = 0`` but for ``1, -1`` at its start."""
+    mx, imx = x.max(1, keepdim=True)
+    mn, imn = x.min(1, keepdim=True)
+    c, h = mx * 0.5 + mn * 0.5, mx * 0.5 - mn * 0.5
     bad = ~x.isfinite().all(1, keepdim=True)
     flat = bad | ~(h > 0)
-    xn = torch.where(flat, 0.0, ((x - c) * (1.0 / torch.where(flat, 1.0, h))).clamp_(-1.0, 1.0))
-    pin = x.new_zeros((1, x.shape[1]))
-    pin[0, :2] = torch.tensor([1.0, -1.0])
-    ch = torch.where(bad, float("nan"), torch.where(flat, 0.0, torch.cat([c, h], 1)))
-    return torch.cat([xn, pin]), ch
+    xn = ((x - c) * (1.0 / torch.where(flat, 1.0, h))).clamp_(-1.0, 1.0)
+    xn = xn.scatter_(1, imx, 1.0).scatter_(1, imn, -1.0).masked_fill_(flat, 0.0)
+    xn[:, :2] = torch.where(flat, torch.tensor([1.0, -1.0]), xn[:, :2])
+    return xn, torch.where(bad, float("nan"), torch.cat([c, torch.where(flat, 0.0, h)], 1))
 
 
 @register_op(
@@ -386,22 +385,20 @@ def row_span(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 )
 def linear_w8a8(x, qweight, scales, bias=None, act="none"):
     """int8 × int8 → int32 matmul with dynamic int8 activations, each row by its own range: FBGEMM
-    ``quantized::linear_dynamic``; one row as it is (its range is its own), several rows spanned
-    (:func:`row_span`, ``hf_row_span``) and then ``h·y + c·Σ_k W`` per row; the bias added after."""
+    ``quantized::linear_dynamic`` on the rows spanned onto [-1, 1] (:func:`row_span`, ``hf_row_span``), then
+    ``h·y + c·Σ_k W + b`` per row."""
     pack = _fbgemm_packed(qweight, scales)
     xf = _flat(x).float()
     b = None if bias is None else bias.float().contiguous()
-    if xf.shape[0] == 1:
-        y = torch.ops.quantized.linear_dynamic(xf, pack.packed, True)
-        if b is not None:
-            y = y.add_(b)
-    elif native.library() is not None and native._f32(xf) and xf.shape[1] >= 2:
+    if xf.shape[1] < 2:  # a row of one value cannot hold both ends: FBGEMM gets one row at a time
+        y = torch.cat([torch.ops.quantized.linear_dynamic(r, pack.packed, True) for r in xf.split(1)])
+        y = y if b is None else y + b
+    elif native.library() is not None and not torch._C._len_torch_dispatch_stack():  # xf: dense fp32, real
         xn, ch = native.row_span(xf)
         y = native.row_unspan_(torch.ops.quantized.linear_dynamic(xn, pack.packed, True), ch, pack.wsum, b)
     else:
         xn, ch = row_span(xf)
-        y = torch.ops.quantized.linear_dynamic(xn, pack.packed, True)
-        y = torch.addcmul(y[:-1] * ch[:, 1:], ch[:, :1], pack.wsum)
+        y = torch.addcmul(torch.ops.quantized.linear_dynamic(xn, pack.packed, True) * ch[:, 1:], ch[:, :1], pack.wsum)
         y = y if b is None else y + b
     return _act(y, act).to(x.dtype).reshape(*x.shape[:-1], qweight.shape[0])
 
