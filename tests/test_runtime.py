@@ -225,6 +225,30 @@ def test_quantized_generation_runs_int8_linears_in_every_program(executor, schem
     assert "aten::linear" not in ran  # no float weight product left in the decode step
 
 
+def test_w8a8_first_token_logits_do_not_depend_on_pad_rows_chunks_or_the_executor(monkeypatch):
+    """w8a8 quantizes each activation row by its own range, so the prompt's last row — padded to 40 (fine) or
+    64 (tier) rows, prefilled as 32 + a 16-row chunk (chunked), its last layer computed for that row alone (the
+    placed programs) or for all rows (fx) — gives the first token's logits with the same int8 sums. Before,
+    FBGEMM's one range over all rows made the chunked and fx logits differ from the padded ones by about 0.01."""
+    from hetforge.runtime.sampling import Sampler
+
+    loaded = engine("llama-tiny").loaded
+    seen: list[torch.Tensor] = []
+    real = Sampler.pick
+    monkeypatch.setattr(Sampler, "pick", lambda self, x: seen.append(x.detach().reshape(-1).clone()) or real(self, x))
+    first = {}
+    for executor in ("auto", "fx"):
+        for prefill in ("fine", "tier", "chunked"):
+            seen.clear()
+            Engine(loaded, executor=executor, quantize="w8a8", prefill=prefill).generate(
+                PROMPT, SamplingParams(max_new_tokens=1, ignore_eos=True))
+            first[executor, prefill] = seen[0]
+    base = first["auto", "fine"]
+    assert torch.equal(first["auto", "tier"], base)  # the same program's rows, only the pad rows differ
+    for key, logits in first.items():
+        assert float((logits - base).abs().max()) <= 1e-3, key
+
+
 def test_quantized_programs_share_one_int8_copy_and_prepack_at_compile_time():
     loaded = engine("llama-tiny").loaded
     q = Engine(loaded, executor="fx", quantize="w8")
