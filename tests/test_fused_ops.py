@@ -197,3 +197,22 @@ def test_kv_attention_equals_attention_over_cache_plus_new_rows(hkv, t):
         fake = ops.kv_attention(torch.empty(1, h, t, d), torch.empty(1, hkv, t, d), torch.empty(1, hkv, t, d),
                                 torch.empty(1, hkv, s, d), torch.empty(1, hkv, s, d), torch.empty(1, s))
         assert fake.shape == (1, h, t, d)
+
+
+def test_rotary_aten_path_returns_the_contiguous_layout_its_fake_kernel_promises():
+    """On the ATen path (here: positions in cos that are not one row) the elementwise chain over the transposed
+    view of a fused projection would keep x's permuted strides; the op returns what its fake kernel describes —
+    a contiguous tensor — with the chain's values."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from hetforge.ops import fused
+
+    x = torch.randn(1, 6, 2, 8).transpose(1, 2)  # [b, h, l, d] view of a [b, l, h, d] projection
+    cos, sin = torch.randn(1, 1, 6, 8), torch.randn(1, 1, 6, 8)
+    got = fused.rotary.reference(x, cos, sin)
+    chain = x * cos + torch.cat((-x[..., 4:], x[..., :4]), dim=-1) * sin
+    assert not chain.is_contiguous()  # what the chain alone gives
+    with FakeTensorMode() as mode:
+        fake = torch.ops.hetforge.rotary(mode.from_tensor(x), mode.from_tensor(cos), mode.from_tensor(sin))
+    assert got.stride() == fake.stride() and got.is_contiguous()
+    assert torch.equal(got, chain)

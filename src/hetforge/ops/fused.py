@@ -254,7 +254,9 @@ def rotary(x, cos, sin):
     h = x.shape[-1] // 2
     if x.shape[-1] % 2 == 0 and cos.dim() <= x.dim() and native.row_op_fits(x, cos, sin):
         return native.rotary(x, cos, sin)  # one position for every row: one C loop, same roundings
-    return x * cos + torch.cat((-x[..., h:], x[..., :h]), dim=-1) * sin
+    # contiguous, as the fake kernel (and so the compiled program's metadata) says: on the strided view of a fused
+    # projection the elementwise chain would otherwise keep x's permuted strides
+    return (x * cos + torch.cat((-x[..., h:], x[..., :h]), dim=-1) * sin).contiguous()
 
 
 # ---------------------------------------------------------------- norms
