@@ -693,10 +693,10 @@ def quant_speed(d: J) -> Row:
               "median, "
               f"{mc.f('threads'):.0f} thread, {mc.s('cpu_capability')}: w8a8 (FBGEMM) "
               f"{span(ratio('hetforge w8a8'), times)}; "
-              f"PyTorch weight-only w8 {span(ratio('hetforge w8'), times)}, w4 {span(ratio('hetforge w4'), times)}; "
-              f"OpenVINO int8 weights {span(ratio('openvino int8 weights'), times)} OpenVINO f32 (an early run; the "
-              "native int8 "
-              "GEMV decode is on the generate page)")
+              f"w8 {span(ratio('hetforge w8'), times)}, w4 {span(ratio('hetforge w4'), times)} (the native int8 / "
+              "int4 kernels); "
+              f"OpenVINO int8 weights {span(ratio('openvino int8 weights'), times)} OpenVINO f32 (the captured "
+              "graphs without a KV cache; the runtime's decode is on the generate page)")
     return Row("quantization", "low-bit speed on CPU", result, "measured",
                f"{link('quant.md')}, {link('generate.md')}")
 
