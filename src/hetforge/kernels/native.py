@@ -25,6 +25,7 @@ import shutil
 import struct
 import subprocess
 import tempfile
+import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -1093,13 +1094,27 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     return y
 
 
+SPAN_SCRATCH_ROWS = 16  # row_span's outputs for at most this many rows are per-thread scratch (see there)
+_SPAN_SCRATCH = threading.local()
+
+
 def row_span(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row of the dense fp32 ``[m, k]`` ``x`` (k ≥ 2) as ``c + h·xn``, ``xn`` spanning exactly [-1, 1]:
-    ``(xn, ch)``, ``ch[:, 0] = c``, ``ch[:, 1] = h`` (``hf_row_span``; the library must be loaded)."""
+    ``(xn, ch)``, ``ch[:, 0] = c``, ``ch[:, 1] = h`` (``hf_row_span``; the library must be loaded). For a few rows
+    (a decode step) both are this thread's scratch, valid until its next call: making two tensors cost several
+    times the kernel itself there, once per product of every step."""
     m, k = x.shape
-    buf = torch.empty(m * (k + 2), dtype=torch.float32)
-    xn, ch = buf[:m * k].view(m, k), buf[m * k:].view(m, 2)
-    library().hf_row_span(x.data_ptr(), m, k, xn.data_ptr(), ch.data_ptr(), torch.get_num_threads())
+    if m <= SPAN_SCRATCH_ROWS:
+        scratch = _SPAN_SCRATCH.__dict__.setdefault("bufs", {})
+        hit = scratch.get((m, k))
+        if hit is None:
+            xn, ch = torch.empty((m, k), dtype=torch.float32), torch.empty((m, 2), dtype=torch.float32)
+            hit = scratch[(m, k)] = (xn, ch, xn.data_ptr(), ch.data_ptr())
+        xn, ch, pxn, pch = hit
+    else:
+        xn, ch = torch.empty((m, k), dtype=torch.float32), torch.empty((m, 2), dtype=torch.float32)
+        pxn, pch = xn.data_ptr(), ch.data_ptr()
+    library().hf_row_span(x.data_ptr(), m, k, pxn, pch, torch.get_num_threads())
     return xn, ch
 
 
