@@ -345,6 +345,44 @@ def test_a_warm_w8a8_engine_packs_each_int8_weight_for_fbgemm_once(cache, loaded
     assert now.keys() == packs.keys() and all(now[i].packed is p for i, p in packs.items())  # none packed again
 
 
+def test_a_w8a8_hit_packs_its_fbgemm_weights_before_its_first_call(cache, loaded, monkeypatch):
+    """On a hit nothing has packed the w8a8 weights for FBGEMM; each program is returned with all of them packed
+    (on every thread at once, ``ir.kernel_choice.PREPACK_ALL``) and says so, so no product packs a weight while a
+    request runs."""
+    from hetforge.ir import kernel_choice
+    from hetforge.ops import quant
+    from hetforge.runtime import SamplingParams
+
+    _greedy(loaded, quantize="w8a8")  # cold: stores the entries
+    quant._FBGEMM_PACKS.clear()
+    made = {"prepack": 0, "call": 0}
+    in_prepack = [False]
+    real_pack, op = quant._fbgemm_packed, "hetforge.linear_w8a8.default"
+    real_all = kernel_choice.PREPACK_ALL[op]
+
+    def spy_pack(q, s):
+        new = id(q) not in quant._FBGEMM_PACKS
+        got = real_pack(q, s)
+        made["prepack" if in_prepack[0] else "call"] += new
+        return got
+
+    def spy_all(*args):
+        in_prepack[0] = True
+        try:
+            return real_all(*args)
+        finally:
+            in_prepack[0] = False
+
+    monkeypatch.setattr(quant, "_fbgemm_packed", spy_pack)
+    monkeypatch.setitem(kernel_choice.PREPACK_ALL, op, spy_all)
+    eng = Engine(loaded, executor="auto", quantize="w8a8")
+    eng.generate(list(range(1, TIER + 1)), SamplingParams(max_new_tokens=3, ignore_eos=True))
+    progs = list(eng.programs.programs.values())
+    assert all("compile cache: hit" in "\n".join(p.notes) for p in progs)
+    assert all(any(n.startswith("weights packed in") for n in p.notes) for p in progs)
+    assert made["prepack"] > 0 and made["call"] == 0, made
+
+
 def test_entry_for_another_backend_hits_through_the_whole_program(cache, loaded):
     """Partitions on a backend that compiles from the graph (here the eager ``torch-cpu:fx``) are not stored
     built: the hit rebuilds them from the whole program, as before."""

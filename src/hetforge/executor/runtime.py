@@ -38,6 +38,7 @@ from hetforge.ir.kernel_choice import (  # noqa: F401  (default_device_map, retu
     NATIVE_GEMV,
     ONEDNN_OPS,
     PREPACK,
+    PREPACK_ALL,
     QUANT_LINEAR_OPS,
     bind_args,
     default_device_map,
@@ -1136,19 +1137,27 @@ class Executable:
     def prepack(self) -> int:
         """Pack every weight of the program into its GEMM kernel's layout (the panel GEMM's, oneDNN's, MKL's:
         :class:`LazyPacked`) now instead of in its first call, and the weights ops pack for themselves
-        (:data:`hetforge.ir.kernel_choice.PREPACK`: a prefill's MoE experts); returns how many were packed. It writes
-        only the new packed copies, no arena or weight page."""
+        (:data:`hetforge.ir.kernel_choice.PREPACK`: a prefill's MoE experts; ``PREPACK_ALL``: all of an op's calls
+        at once, on every thread: w8a8's FBGEMM packings); returns how many were packed. It writes only the new
+        packed copies, no arena or weight page."""
         from hetforge.kernels.onednn import LazyPacked, packing
 
         lazy = [v for v in self._globals.values() if isinstance(v, LazyPacked) and v.packed is None]
         own = 0
+        every: dict[str, list[tuple[tuple, dict]]] = {}
         with packing():
             for v in lazy:
                 v.get()
             for ins in self.program.instrs:
+                if self.device_map[ins.device].type != "cpu":
+                    continue
                 fn = PREPACK.get(ins.op)
-                if fn is not None and self.device_map[ins.device].type == "cpu":
+                if fn is not None:
                     own += fn(ins.args, ins.kwargs, self._arg_tensor)
+                if ins.op in PREPACK_ALL:
+                    every.setdefault(ins.op, []).append((ins.args, ins.kwargs))
+            for op, calls in every.items():
+                own += PREPACK_ALL[op](calls, self._arg_tensor, torch.get_num_threads())
         return len(lazy) + own
 
     def _arg_tensor(self, a: Any) -> torch.Tensor | None:

@@ -56,7 +56,7 @@ from torch.utils._pytree import tree_leaves
 from hetforge.errors import UsageError
 from hetforge.ir.program import INPLACE, KERNEL, TRANSFER, VIEW, WEIGHT, Instr, Program, Reg, map_regs
 from hetforge.kernels import native, onednn
-from hetforge.ops import gemv, moe
+from hetforge.ops import gemv, moe, quant
 
 KERNEL_ATTR, ONEDNN_ATTR, CONTEXT_ATTR = "kernel", "onednn", "kernel_context"
 MODES = ("arena", "fast")
@@ -216,6 +216,10 @@ ONEDNN_CANDIDATES: dict[str, Callable[[Lowering, Instr, int, torch.device], list
 # instruction's args and kwargs and a function mapping an argument to its tensor (a weight's, a meta stand-in of
 # another register's shape and dtype, else None); returns how many weights it packed
 PREPACK: dict[str, Callable[[tuple, dict, Callable[[Any], Any]], int]] = {"hetforge.moe.default": moe.prepack_call}
+# op name → what packs the weights of all of a program's calls of that op at once, on several threads (called with
+# the calls' (args, kwargs), the same argument-to-tensor function and the thread count; returns how many it packed)
+PREPACK_ALL: dict[str, Callable[[list, Callable[[Any], Any], int], int]] = {"hetforge.linear_w8a8.default":
+                                                                          quant.prepack_w8a8}
 
 
 def register(table: dict, *ops: str):

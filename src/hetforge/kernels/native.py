@@ -82,6 +82,7 @@ SIGNATURES = {
     "hf_rms_norm": [_P, _P, _P, _L, _L, _F, _I],
     "hf_row_span": [_P, _L, _L, _P, _P, _I],
     "hf_row_unspan": [_P, _P, _P, _P, _L, _L, _I],
+    "hf_i8_row_sums": [_P, _L, _L, _P, _I],
     "hf_layer_norm": [_P, _P, _P, _P, _L, _L, _F, _I],
     "hf_decode_attention": [_P, _P, _P, _P, _P, _P, _P, _P, _P, _L, _L, _L, _L, _F, _I],
     "hf_prefill_attention": [_P, _P, _P, _P, _P, _P, _P, _I, _I, _F, _I, _I],
@@ -1124,6 +1125,14 @@ def row_unspan_(y: torch.Tensor, ch: torch.Tensor, wsum: torch.Tensor, bias: tor
     m, n = y.shape
     library().hf_row_unspan(y.data_ptr(), ch.data_ptr(), wsum.data_ptr(), _ptr(bias), m, n, torch.get_num_threads())
     return y
+
+
+def i8_row_sums(q: torch.Tensor) -> torch.Tensor:
+    """The int32 sums of the rows of a dense int8 ``[n, k]`` ``q`` (``hf_i8_row_sums``; the library must be loaded)."""
+    n, k = q.shape
+    out = torch.empty(n, dtype=torch.int32)
+    library().hf_i8_row_sums(q.data_ptr(), n, k, out.data_ptr(), torch.get_num_threads())
+    return out
 
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
