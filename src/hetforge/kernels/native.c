@@ -1185,7 +1185,7 @@ void hf_row_span(const float *x, long m, long k, float *xn, float *ch, int threa
 }
 
 /* s[r] = the sum of row r of the int8 matrix q [n, k] (int32, exact): what w8a8's row-sum term needs of each packed
- * weight. ATen's int8 reductions ran at about a tenth of the read speed (50-150 ms for a 50257 x 768 LM head). */
+ * weight. ATen's int8 row reductions ran far below the read speed (docs/arch/quant.md). */
 void hf_i8_row_sums(const int8_t *q, long n, long k, int32_t *s, int threads) {
     threads = clamp_threads(threads);
 #pragma omp parallel for num_threads(threads) if (n * k >= 65536) schedule(static)

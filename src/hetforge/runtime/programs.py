@@ -369,8 +369,8 @@ class ProgramCache:
                 b = hit
                 if getattr(self.executor, "quantize", "none") == "w8a8":
                     # FBGEMM packs each w8a8 weight on one thread; on a hit nothing has packed them, and the first
-                    # request would pack them one by one (0.57 s of gpt2's first token on a 2-core Zen 4): here
-                    # they are packed on every thread at once, counted in compile_s (docs/arch/quant.md)
+                    # request would pack them one by one, in its time to first token: here they are packed on
+                    # every thread at once, counted in compile_s (docs/arch/quant.md has the figures)
                     t_pack = time.perf_counter()
                     _prepack(b.placed)
                     b.notes.append(f"weights packed in {time.perf_counter() - t_pack:.3f} s (measured; FBGEMM's "
