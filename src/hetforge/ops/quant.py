@@ -21,7 +21,8 @@ int8 GEMM:
   its whole input, so a row's result would depend on the other rows — a prompt's pad rows, another request in
   the batch; each row is therefore given to it as ``c + h·xn`` with ``xn`` spanning exactly [-1, 1]
   (:func:`row_span`) and the product put back as ``h·(xn·Wᵀ) + c·Σ_k W + b``. FBGEMM needs its own packed
-  copy of the weight; it is made on first use and cached against the int8 tensor (weakly: it dies with the
+  copy of the weight; it is made when a program is built (:func:`prepack_w8a8`, all of a program's weights on
+  every thread at once) or else on first use, and cached against the int8 tensor (weakly: it dies with the
   graph).
 
 ``act`` is ``none`` or one of :data:`hetforge.ops.fused.ACTIVATIONS`, so fused ``linear_act`` nodes keep their
@@ -327,7 +328,7 @@ FBGEMM_CALLERS = 8  # callers' tensors known per packing (a caller passing fresh
 
 
 def _fbgemm_packed(qweight: torch.Tensor, scales: torch.Tensor) -> _FbgemmPack:
-    """FBGEMM's packed weight for ``qweight`` (and its row sums): made on first use, cached until the int8 tensor
+    """FBGEMM's packed weight for ``qweight`` (and its row sums): made on first need, cached until the int8 tensor
     dies or changes.
 
     The scales are matched by value, not by identity: two programs of one model (a prefill and a decode
