@@ -371,18 +371,13 @@ def _w8a8_case(rows: int, k: int = 96, n: int = 40):
     return q, s, torch.randn(n) * 0.1, x
 
 
-@pytest.mark.parametrize("native_kernels", [True, False], ids=["native", "aten"])
-def test_w8a8_row_results_do_not_depend_on_the_other_rows_or_on_being_alone(native_kernels, monkeypatch):
+@pytest.mark.parametrize("kernels", ["with_native", "no_native"])
+def test_w8a8_row_results_do_not_depend_on_the_other_rows_or_on_being_alone(kernels, request):
     """FBGEMM measures one activation range over all the rows it is given; w8a8 gives it each row mapped onto
     its own range, so appending rows of any size (a prompt's pad rows, another request in the batch), computing
     a subset or a row alone leaves every row's result bit for bit the same, on the native kernels and in the
     ATen form; and each row is within one quantization step per element of the float product."""
-    from hetforge.kernels import native
-
-    if not native_kernels:
-        monkeypatch.setitem(native._state, "lib", None)
-    elif native.library() is None:
-        pytest.skip("native kernels not built on this host")
+    request.getfixturevalue(kernels)  # conftest's: the native kernels built here, or the ATen path only
     q, s, b, x = _w8a8_case(8)
     w = torch.ops.hetforge.linear_w8a8
     y = w(x, q, s, b)
@@ -411,16 +406,11 @@ def test_w8a8_per_row_range_beats_one_range_for_all_rows():
     assert float((ours - exact)[small].abs().mean()) * 3 < float((one_range - exact)[small].abs().mean())
 
 
-@pytest.mark.parametrize("native_kernels", [True, False], ids=["native", "aten"])
-def test_w8a8_keeps_nan_and_constant_rows_to_themselves(native_kernels, monkeypatch):
+@pytest.mark.parametrize("kernels", ["with_native", "no_native"])
+def test_w8a8_keeps_nan_and_constant_rows_to_themselves(kernels, request):
     """A row holding NaN or ±Inf gives NaN outputs and leaves the other rows finite and unchanged; a constant
     row and an all-zero row come out as their float products to quantization error."""
-    from hetforge.kernels import native
-
-    if not native_kernels:
-        monkeypatch.setitem(native._state, "lib", None)
-    elif native.library() is None:
-        pytest.skip("native kernels not built on this host")
+    request.getfixturevalue(kernels)  # conftest's: the native kernels built here, or the ATen path only
     q, s, b, x = _w8a8_case(6)
     clean = torch.ops.hetforge.linear_w8a8(x, q, s, b)
     x[1, 7], x[2, 9] = float("nan"), float("inf")

@@ -1176,11 +1176,8 @@ static void row_span1(const float *xr, long k, float *yr, float *chr) {
 }
 
 void hf_row_span(const float *x, long m, long k, float *xn, float *ch, int threads) {
-    if (m * k < 65536 || threads < 2) { /* no OpenMP region at all for a decode row: its setup cost more than the row */
-        for (long r = 0; r < m; r++) row_span1(x + r * k, k, xn + r * k, ch + 2 * r);
-        return;
-    }
-#pragma omp parallel for num_threads(threads) schedule(static)
+    threads = clamp_threads(threads);
+#pragma omp parallel for num_threads(threads) if (m * k >= 65536) schedule(static)
     for (long r = 0; r < m; r++) row_span1(x + r * k, k, xn + r * k, ch + 2 * r);
 }
 
@@ -1211,11 +1208,8 @@ static void row_unspan1(float *yr, float c, float h, const float *wsum, const fl
 }
 
 void hf_row_unspan(float *y, const float *ch, const float *wsum, const float *b, long m, long n, int threads) {
-    if (m * n < 65536 || threads < 2) {
-        for (long r = 0; r < m; r++) row_unspan1(y + r * n, ch[2 * r], ch[2 * r + 1], wsum, b, n);
-        return;
-    }
-#pragma omp parallel for num_threads(threads) schedule(static)
+    threads = clamp_threads(threads);
+#pragma omp parallel for num_threads(threads) if (m * n >= 65536) schedule(static)
     for (long r = 0; r < m; r++) row_unspan1(y + r * n, ch[2 * r], ch[2 * r + 1], wsum, b, n);
 }
 

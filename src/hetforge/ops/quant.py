@@ -368,7 +368,8 @@ def prepack_w8a8(calls: list[tuple[tuple, dict]], tensor, threads: int) -> int:
     """FBGEMM's packings for a program's ``hetforge::linear_w8a8`` calls (``calls``: each call's args and kwargs;
     ``tensor`` maps an argument to its weight tensor, None when it is not one), made now instead of in the first
     request: returns how many were packed. Several weights are packed on ``threads`` threads at once: FBGEMM's
-    prepacking runs on one thread and releases the GIL (docs/arch/quant.md has the figures)."""
+    prepacking of one weight uses one thread, and two Python threads packing at once took less time than one
+    (docs/arch/quant.md has the figures)."""
     todo: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     for args, kwargs in calls:
         q = tensor(args[1] if len(args) > 1 else kwargs.get("qweight"))
