@@ -80,8 +80,34 @@ def test_a_packing_burst_copies_transposed_weights_through_one_buffer_and_packs_
     torch.testing.assert_close(onednn.linear_fn(burst[0], None)(x), x @ big, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_transposed_weights_pack_to_the_same_bytes_through_the_native_transpose_and_aten(dtype):
+def test_dtype_ok_says_exactly_whether_onednn_packs_that_dtype_here_and_pick_keeps_the_rest_on_aten(monkeypatch):
+    """fp32 packs everywhere; bf16 packs only where oneDNN has bf16 kernels (elsewhere packing raises), and
+    :func:`onednn.dtype_ok` says which. Where it says no, :func:`onednn.pick` sends the product to ATen under every
+    policy, so an emulated bf16 model never reaches the packing (the bug: a raw RuntimeError from the reorder)."""
+    monkeypatch.delenv("HETFORGE_GEMM", raising=False)
+    for dtype in onednn.DTYPES:
+        try:
+            onednn._reorder(torch.randn(48, 32).to(dtype), False, 16)
+            packs = True
+        except RuntimeError:
+            packs = False
+        assert onednn.dtype_ok(dtype) == packs, dtype
+    assert onednn.dtype_ok(torch.float32) and not onednn.dtype_ok(torch.float16)
+    monkeypatch.setattr(onednn, "_bf16_kernels", lambda: False)  # as on a CPU without them
+    assert not onednn.dtype_ok(torch.bfloat16)
+    for pol in ("auto", "onednn"):
+        monkeypatch.setenv("HETFORGE_GEMM", pol)
+        assert onednn.pick(200, 96, 112, torch.bfloat16) == "aten"
+        assert onednn.pick(200, 96, 112, torch.float32) != "aten" or pol == "auto"
+
+
+def test_transposed_weights_pack_to_the_same_bytes_through_the_native_transpose_and_aten():
+    """For every dtype oneDNN packs here (:func:`onednn.dtype_ok`: fp32 always, bf16 where it has the kernels)."""
+    for dtype in filter(onednn.dtype_ok, onednn.DTYPES):
+        _same_bytes_both_ways(dtype)
+
+
+def _same_bytes_both_ways(dtype: torch.dtype) -> None:
     g = torch.Generator().manual_seed(5)
     w = torch.randn(72, 40, generator=g).to(dtype)  # [K, N], not a multiple of the native kernel's 32-tiles
     ways = []

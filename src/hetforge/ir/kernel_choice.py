@@ -556,7 +556,7 @@ def _onednn(lw: Lowering, ins: Instr, o: int, dev: torch.device) -> list[int] | 
     vx, vo = lw.p.values[x.id], lw.p.values[o]
     wten = lw.weight(w.id, dev)
     if wten.dim() != 2 or not vx.is_contiguous or lw.dm[vx.device] != dev or vx.dtype != vo.dtype \
-            or vx.dtype not in onednn.DTYPES or wten.dtype != vx.dtype or not vx.shape:
+            or not onednn.dtype_ok(vx.dtype) or wten.dtype != vx.dtype or not vx.shape:
         return None
     k = vx.shape[-1]
     n = wten.shape[1] if wt else wten.shape[0]

@@ -193,6 +193,20 @@ def available() -> bool:
         return False
 
 
+def dtype_ok(dtype: torch.dtype) -> bool:
+    """Whether oneDNN's packed linear runs ``dtype`` on this CPU: fp32 everywhere; bf16 only where oneDNN has its
+    bf16 kernels (x86: AVX512BW/VL/DQ or AVX-NE-CONVERT), since elsewhere packing a bf16 weight raises."""
+    return dtype in DTYPES and available() and (dtype != torch.bfloat16 or _bf16_kernels())
+
+
+@functools.cache
+def _bf16_kernels() -> bool:
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
 def mkl_available() -> bool:
     """Whether this torch has MKL's packed sgemm as an op (``torch.ops.mkl._mkl_linear``; torch built with MKL)."""
     try:
@@ -409,7 +423,7 @@ MKL_ACT: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 
 def _candidate(rows: int, dtype: torch.dtype) -> bool:
     """Whether a product of ``rows`` rows in ``dtype`` may run packed at all (one fp32 row: the native GEMV's)."""
-    return rows >= 1 and not (rows < 2 and dtype == torch.float32) and dtype in DTYPES and available()
+    return rows >= 1 and not (rows < 2 and dtype == torch.float32) and dtype_ok(dtype)
 
 
 def pick(rows: int, k: int, n: int, dtype: torch.dtype, w: torch.Tensor | None = None,

@@ -208,7 +208,7 @@ def packed_experts_on(dtype: torch.dtype, w_gate_up: torch.Tensor, act: str, tra
     in row counts of a few dozen to a few hundred, where the packed kernels ran the whole op faster than ATen's
     ``linear`` on shapes no evaluated model has (docs/bench/moe.md §7); the SwiGLU's product fuses into the up
     projection as in the dense gated MLP."""
-    return (not transposed and w_gate_up.device.type == "cpu" and dtype in onednn.DTYPES
+    return (not transposed and w_gate_up.device.type == "cpu" and onednn.dtype_ok(dtype)
             and dtype == w_gate_up.dtype and act in onednn.ACT_ATTR and act != "none"
             and os.environ.get("HETFORGE_MOE_PACKED", "1") != "0" and onednn.policy() != "aten"
             and onednn.available())
