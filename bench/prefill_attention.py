@@ -48,9 +48,9 @@ def _inputs(t: int, h: int, hkv: int, d: int, dtype: torch.dtype) -> tuple[torch
             v.view(1, t, hkv, d).transpose(1, 2))
 
 
-def measure(rows: list[int], rounds: int) -> list[dict]:
+def measure(rows: list[int], rounds: int, dtypes: tuple[str, ...] = DTYPES) -> list[dict]:
     out = []
-    for dts in DTYPES:
+    for dts in dtypes:
         dt = getattr(torch, dts)
         for h, hkv, d in SHAPES:
             for t in rows:
@@ -125,7 +125,12 @@ def render(res: dict) -> str:
                 f"{cells[t]['sdpa_over_native']:.2f} ({cells[t]['native_us']:.0f})" if t in cells else "—"
                 for t in counts) + " |")
     lines.append("")
-    for dts in DTYPES:
+    if "attention_simd" in res:
+        lines.append("The native kernel's path in this build: " + ("AVX-512 (the rule in the code: "
+                     "`native.SDPA_MIN_ROWS`)." if res["attention_simd"] else "plain C loops and expf, no AVX-512 "
+                     "(the rule in the code: `native.SDPA_MIN_ROWS_PLAIN`)."))
+        lines.append("")
+    for dts in (x for x in DTYPES if any(r["dtype"] == x for r in rows)):
         got = threshold(rows, dts)
         lines.append(f"- {dts}: SDPA faster on every shape from **{got if got is not None else 'no'}** rows on "
                      f"(to the largest count measured); in the code this ran: "
@@ -138,11 +143,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", default="16,32,64,128,256,512,1024")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dtypes", default=",".join(DTYPES), help="of " + ", ".join(DTYPES) + " (a CPU that emulates "
+                    "bf16 in software has no bf16 rule to calibrate)")
     add_page_args(ap)
     a = ap.parse_args(argv)
     if from_json_done(ap, a, render):
         return 0
     rows = int_list(ap, a.rows, "--rows")
+    dtypes = tuple(x.strip() for x in a.dtypes.split(",") if x.strip())
+    if not dtypes or any(x not in DTYPES for x in dtypes):
+        ap.error(f"--dtypes takes a comma-separated list of {', '.join(DTYPES)}; got {a.dtypes!r}")
     if not rows or rows[0] < 2 or a.rounds < 1 or a.threads < 1:
         ap.error("--rows must be >= 2; --rounds, --threads >= 1")
     if native.library() is None:
@@ -150,7 +160,10 @@ def main(argv: list[str] | None = None) -> int:
                          "to compare")
     torch.set_num_threads(a.threads)
     meta = run_meta("bench/prefill_attention.py", argv)
-    res = {"rows": measure(rows, a.rounds), "in_code": dict(native.SDPA_MIN_ROWS), "meta": end_meta(meta)}
+    simd = native.prefill_attention_simd()  # which of the code's two rules applies on this build
+    res = {"rows": measure(rows, a.rounds, dtypes),
+           "in_code": dict(native.SDPA_MIN_ROWS if simd else native.SDPA_MIN_ROWS_PLAIN), "attention_simd": simd,
+           "meta": end_meta(meta)}
     write_result(res, a.out, a.md, render)
     return 0
 

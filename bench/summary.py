@@ -736,15 +736,17 @@ def _peer_load(d: J) -> str:
             f"{load_avg(m['loadavg_end'])} at the end, {m.f('threads'):.0f} threads")
 
 
-@row("peers.json")
-def peers_cold(d: J) -> Row:
+PEERS_PAGES = (("peers", ""), ("peers_avx2", " (AVX2-only host)"))  # the prefill page of record, and its reruns
+
+
+def _peers_cold(d: J, page: str, label: str) -> Row:
     t = _targets(d)
     result = (", ".join(f"{m} {times(x['cold_prep_5x'].f('speedup'))} (fastest peer "
                         f"{x['cold_prep_5x'].s('fastest_peer')})" for m, x in t)
               + f"; {_peer_load(d)}")
     ok = all(x["cold_prep_5x"].b("met") for _, x in t)
-    return Row("peers", "cold prep ≥ 5× faster than fastest of ORT / OpenVINO / torch.compile", result, met(ok),
-               link("peers.md"))
+    return Row("peers" + label, "cold prep ≥ 5× faster than fastest of ORT / OpenVINO / torch.compile", result,
+               met(ok), link(page))
 
 
 def _side(x: J) -> str:
@@ -755,8 +757,7 @@ def _side(x: J) -> str:
     return f" (side by side, per round {span([v.f() for v in x['per_round']], lambda v: num(v, 2))})"
 
 
-@row("peers.json")
-def peers_prefill_step(d: J) -> Row:
+def _peers_prefill_step(d: J, page: str, label: str) -> Row:
     t = _targets(d)
     cmp = {c.s("model"): c for c in d["comparisons"]}
     pre = ", ".join(f"{m} {times(x['prefill_ms_at_or_below_best_f32_peer'].f('ratio'))} of "
@@ -775,7 +776,20 @@ def peers_prefill_step(d: J) -> Row:
     ok_s = [x["step_ms_at_or_below_best_f32_peer"].b("met") for _, x in t]
     result = f"{_peer_load(d)}: prefill {pre}" + (f" ({'; '.join(slow)})" if slow else "") + f"; one token {step}"
     status = (met(all(ok_p + ok_s)) + f" (prefill {count_met(ok_p)} models, one token {count_met(ok_s)})")
-    return Row("peers", "prefill / one-token ≤ best fp32 peer", result, status, link("peers.md"))
+    return Row("peers" + label, "prefill / one-token ≤ best fp32 peer", result, status, link(page))
+
+
+def _peers_rows(stem: str, label: str) -> None:
+    for make in (_peers_cold, _peers_prefill_step):
+        def fn(d: J, make: Callable[[J, str, str], Row] = make) -> Row:
+            return make(d, f"{stem}.md", label)
+
+        fn.__name__ = f"{make.__name__.lstrip('_')}_{stem}"
+        row(f"{stem}.json")(fn)
+
+
+for _stem, _label in PEERS_PAGES:
+    _peers_rows(_stem, _label)
 
 
 @row("peers.json")
@@ -1142,10 +1156,14 @@ def cpu_row(*files: str) -> Callable[[Callable[..., Row]], Callable[..., Row]]:
 RERUNS = (("", ""), ("_zen5", " (Zen 5)"))
 
 
-def per_cpu_rows(stem: str, make: Callable[[J, str, str], Row]) -> None:
+AVX2 = ("_avx2", " (AVX2 only)")  # a run on a CPU exposing AVX2/FMA and no AVX-512 (session 54)
+
+
+def per_cpu_rows(stem: str, make: Callable[[J, str, str], Row], reruns: tuple = RERUNS) -> None:
     """A CPU-table row for each run of one calibration page: ``stem.md`` (the CPU the code's rule was measured on)
-    and ``stem_zen5.md`` (the same script on a Zen 5); ``make(json, page, label suffix)`` builds the row."""
-    for suffix, label in RERUNS:
+    and ``stem_zen5.md`` (the same script on a Zen 5), and those of ``reruns`` past these;
+    ``make(json, page, label suffix)`` builds the row."""
+    for suffix, label in reruns:
         def fn(d: J, page: str = f"{stem}{suffix}.md", label: str = label) -> Row:
             return make(d, page, label)
 
@@ -1197,8 +1215,7 @@ per_cpu_rows("bf16_panel_rows",
              lambda d, page, label: _bf16_rows_row(d, "AVX512-BF16", int(d.f("in_code_min")), page, label))
 
 
-@cpu_row("prefill_attention.json")
-def prefill_attention(d: J) -> Row:
+def _prefill_attention_row(d: J, page: str, label: str) -> Row:
     rows = list(d["rows"])
     parts = []
     for dts in ("float32", "bfloat16"):
@@ -1213,7 +1230,10 @@ def prefill_attention(d: J) -> Row:
     what = ("a prefill's causal attention on the native kernel vs ATen's SDPA, right after its projection GEMM, "
             "calibration head layouts no evaluated model has, interleaved rounds (load average "
             f"{load_avg(d['meta']['loadavg_before'])} at start)")
-    return Row("prefill attention", what, "; ".join(parts), "", link("prefill_attention.md"))
+    return Row("prefill attention" + label, what, "; ".join(parts), "", link(page))
+
+
+per_cpu_rows("prefill_attention", _prefill_attention_row, (("", ""), AVX2))
 
 
 def _prefill_gemm_row(d: J, page: str, label: str) -> Row:
@@ -1242,10 +1262,21 @@ def prefill_gemm(d: J) -> Row:
     return _prefill_gemm_row(d, "prefill_gemm.md", "")
 
 
-@cpu_row("prefill_gemm_zen4.json")
-def prefill_gemm_zen4(d: J) -> Row:
-    """The same script on a Zen 4 host (the bound's target is per CPU; prefill_gemm.md stays the page of record)."""
-    return _prefill_gemm_row(d, "prefill_gemm_zen4.md", " (Zen 4)")
+# the same script on other hosts (the bound's target is per CPU; prefill_gemm.md stays the page of record):
+# (suffix of the page's name, of the row's)
+PREFILL_GEMM_HOSTS = (("_zen4", " (Zen 4)"), AVX2)
+
+
+def _prefill_gemm_host(suffix: str, label: str) -> None:
+    def fn(d: J) -> Row:
+        return _prefill_gemm_row(d, f"prefill_gemm{suffix}.md", label)
+
+    fn.__name__ = f"prefill_gemm{suffix}"
+    cpu_row(f"prefill_gemm{suffix}.json")(fn)
+
+
+for _suffix, _label in PREFILL_GEMM_HOSTS:
+    _prefill_gemm_host(_suffix, _label)
 
 
 def _panel_gemm_row(d: J, page: str, label: str) -> Row:
@@ -1265,7 +1296,8 @@ def _panel_gemm_row(d: J, page: str, label: str) -> Row:
     return Row(label, what, result, "", link(page))
 
 
-per_cpu_rows("panel_gemm", lambda d, page, label: _panel_gemm_row(d, page, "short-prompt GEMMs" + label))
+per_cpu_rows("panel_gemm", lambda d, page, label: _panel_gemm_row(d, page, "short-prompt GEMMs" + label),
+             (*RERUNS, AVX2))
 
 
 @cpu_row("prefill_gemm.json")
@@ -1536,6 +1568,7 @@ COMMAND_KEYS: list[tuple[str, tuple[str | int, ...]]] = [
     ("select.json", ("meta", "command")),
     ("peers.json", ("command",)),
     ("peers_decode.json", ("command",)),
+    ("peers_avx2.json", ("command",)),
     ("props.json", ("command",)),
     ("kforge.json", ("command",)),
     ("moe.json", ("meta", "command")),
@@ -1548,11 +1581,14 @@ COMMAND_KEYS: list[tuple[str, tuple[str | int, ...]]] = [
     ("ttft.json", ("command",)),
     ("prefill_gemm.json", ("command",)),
     ("prefill_gemm_zen4.json", ("command",)),
+    ("prefill_gemm_avx2.json", ("command",)),
     ("panel_gemm.json", ("meta", "command")),
     ("panel_gemm_zen5.json", ("meta", "command")),
+    ("panel_gemm_avx2.json", ("meta", "command")),
     ("prefetch.json", ("meta", "command")),
     ("prefetch_zen5.json", ("meta", "command")),
     ("prefill_attention.json", ("meta", "command")),
+    ("prefill_attention_avx2.json", ("meta", "command")),
     ("bf16_rows.json", ("meta", "command")),
     ("bf16_panel_rows.json", ("meta", "command")),
     ("bf16_panel_rows_zen5.json", ("meta", "command")),
@@ -1600,7 +1636,7 @@ def _still_open() -> list[str]:
              "step_ms_bf16_at_or_below_openvino_bf16": "the bf16 one-token forward at or below OpenVINO bf16",
              "decode_ms_per_token_bf16_at_or_below_openvino_bf16": "bf16 decode at or below OpenVINO bf16"}
     missed: dict[str, list[str]] = {}
-    for page in ("peers.json", "peers_512.json", "peers_decode.json"):
+    for page in ("peers.json", "peers_512.json", "peers_decode.json", "peers_avx2.json"):
         for c in load(page)["comparisons"].value:
             for key, t in (c.get("targets") or {}).items():
                 if isinstance(t, dict) and t.get("met") is False:

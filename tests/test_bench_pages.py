@@ -31,7 +31,8 @@ SCRIPT_OF = {
     "prefill_attention.md": "prefill_attention.py", "bf16_rows.md": "bf16_rows.py",
     "bf16_panel_rows.md": "bf16_rows.py", "bf16_panel_rows_zen5.md": "bf16_rows.py",
     "passes.md": "passes.py", "peers.md": "peers.py", "peers_decode.md": "peers.py",
-    "peers_512.md": "peers.py",
+    "peers_512.md": "peers.py", "peers_avx2.md": "peers.py", "panel_gemm_avx2.md": "panel_gemm.py",
+    "prefill_attention_avx2.md": "prefill_attention.py", "prefill_gemm_avx2.md": "prefill_gemm.py",
     "placement.md": "placement.py", "prefill_gemm.md": "prefill_gemm.py", "prefill_gemm_zen4.md": "prefill_gemm.py",
     "props.md": "props.py",
     "quant.md": "quant.py", "read_bandwidth.md": "read_bandwidth.py", "report.md": "report.py",
@@ -57,6 +58,8 @@ RENDER = {
     "placement.md": _render("markdown"), "report.md": _render("markdown"), "select.md": _render("render"),
     "thermal.md": _render("render"), "ttft.md": _render("render"),
     "prefill_gemm.md": _render("render"), "prefill_gemm_zen4.md": _render("render"),
+    "prefill_gemm_avx2.md": _render("render"), "panel_gemm_avx2.md": _render("render"),
+    "prefill_attention_avx2.md": _render("render"),
     "panel_gemm.md": _render("render"), "prefetch.md": _render("render"),
     "prefetch_zen5.md": _render("render"), "panel_gemm_zen5.md": _render("render"),
     "prefill_attention.md": _render("render"), "bf16_rows.md": _render("render"),
@@ -71,13 +74,14 @@ _PEERS_WHY = ("bench/peers.py --render (as `hetforge bench peers --from-json`) r
               "tests/test_peers.py checks that a re-render keeps the rows and the notes")
 NOT_REGENERATED = {
     "quant.md": "bench/quant.py --from-json prints only the tables; the page wraps them in hand-written prose",
-    "peers.md": _PEERS_WHY, "peers_512.md": _PEERS_WHY, "peers_decode.md": _PEERS_WHY,
+    "peers.md": _PEERS_WHY, "peers_512.md": _PEERS_WHY, "peers_decode.md": _PEERS_WHY, "peers_avx2.md": _PEERS_WHY,
 }
 # generated files that are not Markdown pages, each with why the test does not regenerate them
 NOT_PAGES = {
     "peers.png": "a matplotlib figure: its bytes depend on the matplotlib/freetype build, not only on the JSON",
     "peers_decode.png": "a matplotlib figure (as peers.png)",
     "peers_512.png": "a matplotlib figure (as peers.png)",
+    "peers_avx2.png": "a matplotlib figure (as peers.png)",
     "thermal.png": "a matplotlib figure (as peers.png)",
 }
 

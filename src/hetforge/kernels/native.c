@@ -4385,6 +4385,16 @@ static int hf_prefill_attention_amx(const void *q, const void *k, const void *v,
 
 /* Which bf16 products hf_prefill_attention's bf16 path without a mask (bf16 == 2) runs here: 2 AMX tiles, 1
  * AVX512-BF16 dot products (pad_task), 0 neither (the widened fp32 FMAs). */
+/* Whether hf_prefill_attention's fp32 products, softmax and key transposition run their AVX-512 code (else plain C
+ * loops and expf). */
+int hf_prefill_attention_simd(void) {
+#if defined(__AVX512F__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 int hf_prefill_attention_bf16_products(void) {
 #ifdef HF_AMX
     if (amx_ok()) return 2;
@@ -4874,6 +4884,10 @@ int hf_gemm_few_kn(const float *w, const float *x, const float *bias, float *y, 
 #include <immintrin.h>
 #endif
 
+#if defined(__AVX2__) && !defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 #define HF_PSEG 4 /* products of one input in one call at most (hf_gemm_panel_multi) */
 typedef struct {
     const float *x;         /* X packed (panel_pack_x) */
@@ -4893,7 +4907,7 @@ typedef struct {
 
 /* Whether this build has the vector path (the plain C path is for correctness, not speed). */
 int hf_panel_simd(void) {
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__) && defined(__FMA__)
     return 1;
 #else
     return 0;
@@ -5034,6 +5048,50 @@ static void panel_block(const float *xp, long k, long q, const float *pan, long 
             _mm512_storeu_ps(acc + r * ldo, a[r][0]);
             _mm512_storeu_ps(acc + r * ldo + 16, a[r][1]);
             _mm512_storeu_ps(acc + r * ldo + 32, a[r][2]);
+        }
+#elif defined(__AVX2__) && defined(__FMA__)
+    /* AVX2's 16 registers cannot hold a group's HF_PMR x HF_PNB sums (48 vectors of 8): the block runs in passes of
+     * 4 rows x 24 columns (12 sums, 3 panel vectors and a broadcast), each over the block's steps in the order above
+     * (step, then stream), so every output is the same chain of multiply-adds as the other paths'. The panel block
+     * is read once per pass, from L1 after the first; the first pass fetches the same k-rows of the next block (or
+     * of pnext's first block) as the AVX-512 loop for many groups does, the groups taking turns by step. */
+    const int last = i1 >= q && pnext;
+    const char *pfb = (const char *)(last ? pnext - i0 * HF_PNB : pan + kb * HF_PNB);
+    long pfi = i0 + g;
+    for (int h = 0; h < HF_PNB; h += 24)
+        for (int r0 = 0; r0 < mr; r0 += 4) {
+            __m256 c[4][3];
+            for (int r = 0; r < 4; r++)
+                for (int x = 0; x < 3; x++)
+                    c[r][x] = init ? _mm256_loadu_ps(init + h + 8 * x)
+                              : r0 + r < mr ? _mm256_loadu_ps(acc + (r0 + r) * ldo + h + 8 * x) : _mm256_setzero_ps();
+            const int fetch = h == 0 && r0 == 0;
+            for (long i = i0; i < i1; i++) {
+                if (fetch && i == pfi) {
+                    for (int s = 0; s < HF_PSTREAMS && s * q + i < k; s++) {
+                        const char *f = pfb + (s * q + i) * HF_PNB * (long)sizeof(float);
+                        _mm_prefetch(f, _MM_HINT_T0);
+                        _mm_prefetch(f + 64, _MM_HINT_T0);
+                        _mm_prefetch(f + 128, _MM_HINT_T0);
+                    }
+                    pfi += ng;
+                }
+                for (int s = 0; s < HF_PSTREAMS; s++) {
+                    long kk = s * q + i;
+                    if (kk >= k) break;
+                    const float *b = pan + kk * HF_PNB + h, *xs = xp + kk * HF_PMR + r0;
+                    __m256 b0 = _mm256_loadu_ps(b), b1 = _mm256_loadu_ps(b + 8), b2 = _mm256_loadu_ps(b + 16);
+                    __asm__("" : "+x"(b0), "+x"(b1), "+x"(b2)); /* one load each, as in panel_step */
+                    for (int r = 0; r < 4; r++) {
+                        __m256 xb = _mm256_broadcast_ss(xs + r);
+                        c[r][0] = _mm256_fmadd_ps(xb, b0, c[r][0]);
+                        c[r][1] = _mm256_fmadd_ps(xb, b1, c[r][1]);
+                        c[r][2] = _mm256_fmadd_ps(xb, b2, c[r][2]);
+                    }
+                }
+            }
+            for (int r = 0; r < 4 && r0 + r < mr; r++)
+                for (int x = 0; x < 3; x++) _mm256_storeu_ps(acc + (r0 + r) * ldo + h + 8 * x, c[r][x]);
         }
 #else
     (void)g, (void)ng, (void)kb, (void)pnext;

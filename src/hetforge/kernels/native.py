@@ -126,6 +126,7 @@ SIGNATURES = {
     "hf_rows_write": [_P, _L, _L],
     "hf_call_count": [],
     "hf_prefill_attention_bf16_products": [],
+    "hf_prefill_attention_simd": [],
     "hf_call_name": [_I],
     "hf_call_sig": [_I],
     "hf_run_calls": [_P, ctypes.c_int64, _I, _P],
@@ -133,7 +134,7 @@ SIGNATURES = {
 RESTYPES = {  # the functions that return a value (every other one returns void)
     "hf_fma_peak": ctypes.c_double,
     "hf_read_stream": _F, "hf_q8a_path": _I, "hf_bf16_path": _I, "hf_prefill_attention": _I, "hf_gemv_nk_multi": _I,
-    "hf_prefill_attention_bf16_products": _I, "hf_mask_is_causal": _I,
+    "hf_prefill_attention_bf16_products": _I, "hf_mask_is_causal": _I, "hf_prefill_attention_simd": _I,
     "hf_gemv_q8a": _I, "hf_gemm_q8a": _I,  # 0, or -1: scratch not allocated
     "hf_gemv_q4a": _I, "hf_gemm_q4a": _I, "hf_q4a_path": _I, "hf_quantize_i8_chunks": _L, "hf_quantize_i8": _I,
     "hf_transpose": _I, "hf_gemm_few": _I, "hf_gemm_few_kn": _I, "hf_gated_mlp_few": _I, "hf_panel_simd": _I,
@@ -154,8 +155,11 @@ FEW_MAX = 8
 # (docs/bench/panel_gemm.md; session 34's three runs: 2..192 and 8..192 rows after the contiguous-scratch change,
 # 2..128 after the 16-row fix, which the page holds — 160 rows 0.98-1.00 and 192 rows 1.02-1.04 of oneDNN's time
 # there; session 32's: 4..128; 2-3 rows stay on the few-row kernels, docs/arch/runtime.md says why). The one Intel
-# Xeon run (4..32) was of an earlier kernel.
-PANEL_MIN, PANEL_MAX = 4, 128
+# Xeon run (4..32) was of an earlier kernel. A CPU with AVX2 and FMA but no AVX-512 runs the kernel's AVX2 path
+# (4 x 24 sums per pass): there the same page found 8..16 rows (docs/bench/panel_gemm_avx2.md, session 54).
+PANEL_RANGE_AVX512, PANEL_RANGE_AVX2 = (4, 128), (8, 16)
+PANEL_MIN, PANEL_MAX = PANEL_RANGE_AVX512 if "avx512f" in cpuinfo.flag_text(cpuinfo.fields()).split() \
+    else PANEL_RANGE_AVX2
 # bf16 products of 2..AMX_ROWS_MAX rows run on hf_gemm_amx_bf16 instead of oneDNN (where AMX runs): the row counts at
 # which it was faster on every calibration shape, weights from memory (bench/bf16_rows.py, docs/bench/bf16_rows.md)
 AMX_ROWS_MAX = 16
@@ -1221,6 +1225,11 @@ def prefill_attention_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ma
 # SDPA's flash kernel, multiplying in bf16, ran bf16 prompts from 128 rows), and on AVX512-BF16 dot products where
 # the CPU has no AMX (session 41).
 SDPA_MIN_ROWS: dict[str, int] = {}
+# The same where the library's attention has no AVX-512 path (an AVX2 CPU: plain C products and expf): SDPA from 512
+# fp32 rows, where bench/prefill_attention.py found it faster on every calibration layout at that count and above
+# (docs/bench/prefill_attention_avx2.md, session 54; an earlier run there, stopped before it wrote a page, put it
+# at 256).
+SDPA_MIN_ROWS_PLAIN: dict[str, int] = {"float32": 512}
 
 
 def prefill_attention_native(dtype: torch.dtype, rows: int) -> bool:
@@ -1229,8 +1238,15 @@ def prefill_attention_native(dtype: torch.dtype, rows: int) -> bool:
     pol = os.environ.get("HETFORGE_PREFILL_ATTENTION", "auto").strip().lower()
     if pol in ("native", "sdpa"):
         return pol == "native"
-    start = SDPA_MIN_ROWS.get(str(dtype).removeprefix("torch."))
+    start = (SDPA_MIN_ROWS if prefill_attention_simd() else SDPA_MIN_ROWS_PLAIN).get(str(dtype).removeprefix("torch."))
     return start is None or rows < start
+
+
+def prefill_attention_simd() -> bool:
+    """Whether ``hf_prefill_attention`` runs its AVX-512 path here (else plain C loops: :data:`SDPA_MIN_ROWS_PLAIN`
+    applies instead of :data:`SDPA_MIN_ROWS`)."""
+    lib = library()
+    return lib is not None and bool(lib.hf_prefill_attention_simd())
 
 
 AMX_ATTENTION_ENV = "HETFORGE_PREFILL_ATTENTION_AMX"
