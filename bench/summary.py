@@ -1226,7 +1226,8 @@ def _prefill_attention_row(d: J, page: str, label: str) -> Row:
         hi = max(r.f("sdpa_over_native") for r in mine)
         code = d["in_code"].value.get(dts)
         parts.append(f"{dts}: SDPA ÷ native {lo:.2f}–{hi:.2f}; SDPA from "
-                     + (f"{code} rows on in the code when it ran" if code is not None else "no row count in the code when it ran (native)"))
+                     + (f"{code} rows on in the code when it ran" if code is not None
+                        else "no row count in the code when it ran (native)"))
     what = ("a prefill's causal attention on the native kernel vs ATen's SDPA, right after its projection GEMM, "
             "calibration head layouts no evaluated model has, interleaved rounds (load average "
             f"{load_avg(d['meta']['loadavg_before'])} at start)")
