@@ -31,8 +31,8 @@ pytestmark = pytest.mark.skipif(native.library() is None,
                                        "HETFORGE_NATIVE=0): the panel GEMM is part of them, and products run on "
                                        "torch's kernels instead")
 needs_simd = pytest.mark.skipif(not native.panel_available(),
-                                reason="the native library has no AVX-512 path here, so lowering never picks the "
-                                       "panel GEMM (its plain C path is still tested)")
+                                reason="the native library has no vector path here (AVX-512, or AVX2 with FMA), "
+                                       "so lowering never picks the panel GEMM (its plain C path is still tested)")
 
 
 def _case(m: int, k: int, n: int, weight_t: bool, seed: int):

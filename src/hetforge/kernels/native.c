@@ -4383,8 +4383,6 @@ static int hf_prefill_attention_amx(const void *q, const void *k, const void *v,
 #endif
 }
 
-/* Which bf16 products hf_prefill_attention's bf16 path without a mask (bf16 == 2) runs here: 2 AMX tiles, 1
- * AVX512-BF16 dot products (pad_task), 0 neither (the widened fp32 FMAs). */
 /* Whether hf_prefill_attention's fp32 products, softmax and key transposition run their AVX-512 code (else plain C
  * loops and expf). */
 int hf_prefill_attention_simd(void) {
@@ -4395,6 +4393,8 @@ int hf_prefill_attention_simd(void) {
 #endif
 }
 
+/* Which bf16 products hf_prefill_attention's bf16 path without a mask (bf16 == 2) runs here: 2 AMX tiles, 1
+ * AVX512-BF16 dot products (pad_task), 0 neither (the widened fp32 FMAs). */
 int hf_prefill_attention_bf16_products(void) {
 #ifdef HF_AMX
     if (amx_ok()) return 2;
@@ -4880,11 +4880,7 @@ int hf_gemm_few_kn(const float *w, const float *x, const float *bias, float *y, 
 #define HF_PPF 2048
 #define HF_PSUP 128
 #define HF_PSLICE_ROWS 32 /* the fewest rows of a row slice of a panel (panel_span) */
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-
-#if defined(__AVX2__) && !defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -4905,7 +4901,7 @@ typedef struct {
     const float *pu, *bu;   /* gate's panels and bias, pu / bu the up product's (panel_chunk_gated) */
 } panel_ctx;
 
-/* Whether this build has the vector path (the plain C path is for correctness, not speed). */
+/* Whether this build has a vector path, AVX-512 or AVX2 with FMA (the plain C path is for correctness, not speed). */
 int hf_panel_simd(void) {
 #if defined(__AVX512F__) || defined(__AVX2__) && defined(__FMA__)
     return 1;

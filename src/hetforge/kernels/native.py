@@ -509,8 +509,9 @@ def fma_peak(threads: int | None = None, seconds: float = 0.05, repeats: int = 5
 
 
 def panel_available() -> bool:
-    """Whether the panel GEMM (:func:`gemm_panel`) runs vectorized here (the library built with AVX-512): where it
-    does not, its plain C path is correct but slow, and products stay on the kernels torch ships."""
+    """Whether the panel GEMM (:func:`gemm_panel`) runs vectorized here (the library built with AVX-512, or with AVX2
+    and FMA: :data:`PANEL_MIN`..``PANEL_MAX`` differ between the two): where it does not, its plain C path is correct
+    but slow, and products stay on the kernels torch ships."""
     lib = library()
     return lib is not None and bool(lib.hf_panel_simd())
 
