@@ -1258,26 +1258,8 @@ def _prefill_gemm_row(d: J, page: str, label: str) -> Row:
     return Row("prefill GEMMs" + label, what, result, "", link(page))
 
 
-@cpu_row("prefill_gemm.json")
-def prefill_gemm(d: J) -> Row:
-    return _prefill_gemm_row(d, "prefill_gemm.md", "")
-
-
-# the same script on other hosts (the bound's target is per CPU; prefill_gemm.md stays the page of record):
-# (suffix of the page's name, of the row's)
-PREFILL_GEMM_HOSTS = (("_zen4", " (Zen 4)"), AVX2)
-
-
-def _prefill_gemm_host(suffix: str, label: str) -> None:
-    def fn(d: J) -> Row:
-        return _prefill_gemm_row(d, f"prefill_gemm{suffix}.md", label)
-
-    fn.__name__ = f"prefill_gemm{suffix}"
-    cpu_row(f"prefill_gemm{suffix}.json")(fn)
-
-
-for _suffix, _label in PREFILL_GEMM_HOSTS:
-    _prefill_gemm_host(_suffix, _label)
+# prefill_gemm.md is the page of record; the same script on other hosts beside it (the bound's target is per CPU)
+per_cpu_rows("prefill_gemm", _prefill_gemm_row, (("", ""), ("_zen4", " (Zen 4)"), AVX2))
 
 
 def _panel_gemm_row(d: J, page: str, label: str) -> Row:
@@ -1503,9 +1485,11 @@ def why_we_lose(peers: J, kf: J, pg: J) -> str:
     return f"""## Why hetforge loses where it loses
 
 - **Prefill vs OpenVINO / ONNX Runtime:** the multi-row products run packed GEMMs chosen at build time (fp32: the
-  native panel GEMM for 4..128 rows, else oneDNN's or MKL's packed GEMM by a measured choice; bf16: oneDNN's, AMX's
+  native panel GEMM for 4..128 rows (8..16 on a CPU with AVX2 and no AVX-512), else oneDNN's or MKL's packed GEMM
+  by a measured choice; bf16: oneDNN's, AMX's
   where the CPU has it, the native AVX512-BF16 panel kernel for 8..48 rows where it has no AMX), so most of prefill
-  is GEMM time ([bench/prefill_gemm.md](bench/prefill_gemm.md)). Against
+  is GEMM time ([bench/prefill_gemm.md](bench/prefill_gemm.md); on a CPU with AVX2 and no AVX-512:
+  [bench/prefill_gemm_avx2.md](bench/prefill_gemm_avx2.md) and [bench/peers_avx2.md](bench/peers_avx2.md)). Against
   OpenVINO f32 it is {span(ov, times)} on the latest peers run ([bench/peers.md](bench/peers.md), whose header names
   the host). hetforge's products run close to the host's FMA peak, and so must the peers', so the lead moves with
   the CPU: on the Zen 5 VMs (x86 family 26: sessions 30–35 and 44–50) the panel GEMM reads a short prompt's weights
@@ -1680,8 +1664,8 @@ def render() -> str:
            f"The latest peers run's machine: {head.s('cpu')}, {head.f('logical_cpus'):.0f} logical CPUs, "
            f"{num(head.f('memory_gib'), 1)} GiB, no GPU/NPU/power meter; torch {vers.s('torch')}, transformers "
            f"{vers.s('transformers')}. Pages measured on other hosts say so in their headers (the host changed "
-           "between sessions: AMD EPYCs with AVX512-BF16 (Zen 4 and Zen 5) and, for some sessions, an Intel Xeon with "
-           "AMX). Models have seeded random "
+           "between sessions: AMD EPYCs with AVX512-BF16 (Zen 4 and Zen 5), for some sessions an Intel Xeon with AMX, "
+           "and once a Zen 4 VM exposing AVX2 without AVX-512: the pages named _avx2). Models have seeded random "
            "weights except the trained ones named in a row. "
            "Many runs shared the cores with other build jobs; each row gives the load average its JSON recorded. "
            "Ratios from interleaved runs are the figures to read; absolute times under load are inflated.", "",

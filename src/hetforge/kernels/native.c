@@ -4957,14 +4957,16 @@ void hf_pack_panels(const float *w, float *p, long n, long k, int weight_t, int 
  * only its first mr rows are read and written). ``g``: this group's index among the call's ``ng`` groups, which
  * decides its share of the prefetches (see the header above). The packed rows let every broadcast use a constant
  * offset and keep all 24 accumulators in registers. */
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 /* A panel k-row (HF_PNB floats: three lines) at f into L1. */
 static inline void panel_prefetch(const char *f) {
     _mm_prefetch(f, _MM_HINT_T0);
     _mm_prefetch(f + 64, _MM_HINT_T0);
     _mm_prefetch(f + 128, _MM_HINT_T0);
 }
+#endif
 
+#if defined(__AVX512F__)
 /* One k-row step of a row group: the panel's three k-row vectors times the group's 8 X values into a[8][3]. */
 static inline __attribute__((always_inline)) void panel_step(__m512 a[HF_PMR][3], const float *bs, const float *xs) {
     __m512 b0 = _mm512_loadu_ps(bs), b1 = _mm512_loadu_ps(bs + 16), b2 = _mm512_loadu_ps(bs + 32);
@@ -4981,12 +4983,12 @@ static inline __attribute__((always_inline)) void panel_step(__m512 a[HF_PMR][3]
 
 static void panel_block(const float *xp, long k, long q, const float *pan, long i0, long i1, int mr, float *acc,
                         long ldo, int g, int ng, const float *init, long kb, const float *pnext) {
-#if defined(__AVX512F__)
-    __m512 a[HF_PMR][3];
     /* what the block prefetches for step i of stream s: pfb + (s * q + i) k-rows: the same k-row of the next block;
      * in a panel's last block, when the caller names the panel it runs next (pnext), that panel's first block */
     const int last = i1 >= q && pnext;
     const char *pfb = (const char *)(last ? pnext - i0 * HF_PNB : pan + kb * HF_PNB);
+#if defined(__AVX512F__)
+    __m512 a[HF_PMR][3];
     if (init) {
         __m512 i0v = _mm512_loadu_ps(init), i1v = _mm512_loadu_ps(init + 16), i2v = _mm512_loadu_ps(init + 32);
         for (int r = 0; r < HF_PMR; r++) a[r][0] = i0v, a[r][1] = i1v, a[r][2] = i2v;
@@ -5051,8 +5053,6 @@ static void panel_block(const float *xp, long k, long q, const float *pan, long 
      * (step, then stream), so every output is the same chain of multiply-adds as the other paths'. The panel block
      * is read once per pass, from L1 after the first; the first pass fetches the same k-rows of the next block (or
      * of pnext's first block) as the AVX-512 loop for many groups does, the groups taking turns by step. */
-    const int last = i1 >= q && pnext;
-    const char *pfb = (const char *)(last ? pnext - i0 * HF_PNB : pan + kb * HF_PNB);
     long pfi = i0 + g;
     for (int h = 0; h < HF_PNB; h += 24)
         for (int r0 = 0; r0 < mr; r0 += 4) {
@@ -5064,12 +5064,8 @@ static void panel_block(const float *xp, long k, long q, const float *pan, long 
             const int fetch = h == 0 && r0 == 0;
             for (long i = i0; i < i1; i++) {
                 if (fetch && i == pfi) {
-                    for (int s = 0; s < HF_PSTREAMS && s * q + i < k; s++) {
-                        const char *f = pfb + (s * q + i) * HF_PNB * (long)sizeof(float);
-                        _mm_prefetch(f, _MM_HINT_T0);
-                        _mm_prefetch(f + 64, _MM_HINT_T0);
-                        _mm_prefetch(f + 128, _MM_HINT_T0);
-                    }
+                    for (int s = 0; s < HF_PSTREAMS && s * q + i < k; s++)
+                        panel_prefetch(pfb + (s * q + i) * HF_PNB * (long)sizeof(float));
                     pfi += ng;
                 }
                 for (int s = 0; s < HF_PSTREAMS; s++) {
@@ -5090,7 +5086,7 @@ static void panel_block(const float *xp, long k, long q, const float *pan, long 
                 for (int x = 0; x < 3; x++) _mm256_storeu_ps(acc + (r0 + r) * ldo + h + 8 * x, c[r][x]);
         }
 #else
-    (void)g, (void)ng, (void)kb, (void)pnext;
+    (void)g, (void)ng, (void)pfb;
     for (int r = 0; r < mr; r++)
         for (int c = 0; c < HF_PNB; c++) {
             float v = init ? init[c] : acc[r * ldo + c];

@@ -1243,11 +1243,19 @@ def prefill_attention_native(dtype: torch.dtype, rows: int) -> bool:
     return start is None or rows < start
 
 
+_ATTENTION_SIMD: dict[int, bool] = {}  # id of the loaded library -> its answer (asked once, not per attention call)
+
+
 def prefill_attention_simd() -> bool:
     """Whether ``hf_prefill_attention`` runs its AVX-512 path here (else plain C loops: :data:`SDPA_MIN_ROWS_PLAIN`
     applies instead of :data:`SDPA_MIN_ROWS`)."""
     lib = library()
-    return lib is not None and bool(lib.hf_prefill_attention_simd())
+    if lib is None:
+        return False
+    got = _ATTENTION_SIMD.get(id(lib))
+    if got is None:
+        got = _ATTENTION_SIMD[id(lib)] = bool(lib.hf_prefill_attention_simd())
+    return got
 
 
 AMX_ATTENTION_ENV = "HETFORGE_PREFILL_ATTENTION_AMX"

@@ -210,8 +210,7 @@ def packed_experts_on(dtype: torch.dtype, w_gate_up: torch.Tensor, act: str, tra
     projection as in the dense gated MLP."""
     return (not transposed and w_gate_up.device.type == "cpu" and onednn.dtype_ok(dtype)
             and dtype == w_gate_up.dtype and act in onednn.ACT_ATTR and act != "none"
-            and os.environ.get("HETFORGE_MOE_PACKED", "1") != "0" and onednn.policy() != "aten"
-            and onednn.available())
+            and os.environ.get("HETFORGE_MOE_PACKED", "1") != "0" and onednn.policy() != "aten")
 
 
 def _packed_list(w_gate_up: torch.Tensor, w_down: torch.Tensor) -> list:
