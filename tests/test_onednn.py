@@ -561,3 +561,55 @@ def test_a_gated_mlp_on_onednns_rows_runs_gate_and_up_as_the_chosen_kernel_withi
     apart = compile_graph(cg.gm, soc="host", example_inputs=inputs, name="llama-tiny-gated-off").executable
     assert apart.stats.panel_gated == 0
     torch.testing.assert_close(exe(*inputs), apart(*inputs), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("act,pass_faster", [("silu", True), ("gelu_tanh", False), ("none", True)])
+def test_onednns_side_of_an_activation_is_its_post_op_or_its_plain_product_then_the_native_pass_as_timed(
+        monkeypatch, act, pass_faster):
+    """For an fp32 product with an activation the native epilogue has, pick first times oneDNN's post-op against
+    its plain product followed by the native activation pass (the two give the same values) and takes the faster
+    as oneDNN's side (``dnnact`` where the pass was faster), then times that side against the other kernel; with
+    no activation, or one the library does not apply, there is one timing and no ``dnnact``. The answer is kept in
+    measured_choices and taken from there by seed_choices."""
+    monkeypatch.delenv("HETFORGE_GEMM", raising=False)
+    rows, k, n = native.PANEL_MAX + 11, 40, 56  # a shape no other test uses, above the panel GEMM's rows
+    calls = []
+
+    def fake(fa, fb, rounds=onednn.ROUNDS, decide=None):
+        calls.append((fa, fb))
+        if len(calls) == 1 and two_way:  # the plain product then the pass (fa) against the post-op (fb)
+            torch.testing.assert_close(fa(), fb(), rtol=1e-5, atol=1e-5)
+            return 1.0, 1.0, 0.5 if pass_faster else 2.0
+        return 10.0, 1.0, 10.0  # then oneDNN's side is far faster than the other kernel
+
+    two_way = act != "none" and native.epilogue_act(act)
+    monkeypatch.setattr(onednn, "_bench_pair", fake)
+    got = onednn.pick(rows, k, n, torch.float32, act=act)
+    assert len(calls) == (2 if two_way else 1)
+    assert got == ("dnnact" if two_way and pass_faster else "onednn")
+    row = [c for c in onednn.measured_choices() if (c["rows"], c["k"], c["n"], c["act"]) == (rows, k, n, act)]
+    assert len(row) == 1 and row[0]["kernel"] == got and row[0]["onednn"]
+    onednn.seed_choices([{**row[0], "rows": rows + 2}])
+    assert onednn.pick(rows + 2, k, n, torch.float32, act=act) == got and len(calls) == (2 if two_way else 1)
+
+
+@pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny"])
+def test_products_chosen_as_dnnact_run_onednns_plain_product_then_the_native_pass_within_kl_1e8(name, monkeypatch):
+    """Where pick answers ``dnnact`` for the products with an activation (forced here), the program runs oneDNN's
+    plain product and then the native activation pass (a gated MLP: the pass applies the activation and the product
+    with up), matches eager (KL ≤ 1e-8) and the program with oneDNN's post-ops (1e-5)."""
+    import hetforge.executor.onednn as exec_onednn
+
+    monkeypatch.delenv("HETFORGE_GEMM", raising=False)
+    monkeypatch.setattr(exec_onednn, "pick", lambda rows, k, n, dtype, w=None, weight_t=False, act="none":
+                        "dnnact" if act != "none" else "onednn")
+    module, inputs, cg = captured(name, seq=native.PANEL_MAX + 8)
+    exe = compile_graph(cg.gm, soc="host", example_inputs=inputs, name=f"{name}-dnnact").executable
+    passes = [v for v in exe._globals.values() if v is native.act_inplace or v in onednn.MKL_ACT.values()]
+    assert passes and exe.stats.onednn_gemm > 0 and exe.stats.mkl_gemm == exe.stats.panel_gemm == 0
+    assert verify(module, exe, inputs, kl_threshold=1e-8).passed
+    monkeypatch.setenv("HETFORGE_GEMM", "onednn")  # every product on oneDNN, activations as its post-ops
+    monkeypatch.setattr(exec_onednn, "pick", onednn.pick)
+    post = compile_graph(cg.gm, soc="host", example_inputs=inputs, name=f"{name}-post").executable
+    assert not [v for v in post._globals.values() if v is native.act_inplace or v in onednn.MKL_ACT.values()]
+    torch.testing.assert_close(exe(*inputs), post(*inputs), rtol=1e-5, atol=1e-5)

@@ -208,7 +208,7 @@ def codegen_line(cg, ins, o: int, dev: torch.device) -> str:
         cg.stats.onednn_residual += 1
     _, k, n = ins.attrs[ONEDNN_ATTR]
     kind = pick(rows, k, n, cg.p.values[x.id].dtype, act=act)  # chosen() measured it: no timing here
-    if kind in ("mkl", "panel", "amx", "bf16panel"):
+    if kind in ("mkl", "panel", "amx", "bf16panel", "dnnact"):
         return _unfused_line(cg, kind, o, rows, xs, wten, wt, bs, act, gate, res, weight, bias)
     call = cg.const(torch.ops.mkldnn._linear_pointwise.default, "dnn")
     binary = cg.const(torch.ops.mkldnn._linear_pointwise.binary, "dnn")
@@ -249,10 +249,12 @@ def _panel_gated_call(cg, rows: int, xs: str, wg: torch.Tensor, wu: torch.Tensor
 
 def _unfused_line(cg, kind: str, o: int, rows: int, xs: str, wten: torch.Tensor, wt: bool, bs: str, act: str, gate,
                   res, weight, bias) -> str:
-    """:func:`codegen_line` where MKL's packed sgemm, the native panel GEMM or a native bf16 kernel (AMX, AVX512-BF16)
-    was chosen (``kind``, :func:`hetforge.kernels.onednn.pick`): each product on that kernel's packed weight. After
-    MKL's: the activation in place on its fresh result (a gated MLP's: the activation and the product with up in one
-    pass, :func:`hetforge.kernels.native.act_inplace`), a residual added in place (the graph's ops in its order). The
+    """:func:`codegen_line` where MKL's packed sgemm, oneDNN's plain product followed by the native activation pass
+    (``dnnact``), the native panel GEMM or a native bf16 kernel (AMX, AVX512-BF16) was chosen (``kind``,
+    :func:`hetforge.kernels.onednn.pick`): each product on that kernel's packed weight. After MKL's or oneDNN's
+    plain product: the activation in place on its fresh result (a gated MLP's: the activation and the product with
+    up in one pass, :func:`hetforge.kernels.native.act_inplace`), a residual added in place (the graph's ops in its
+    order). The
     native kernels take them into their store instead (``act``, ``mul``, ``res`` of
     :func:`hetforge.kernels.native.gemm_panel`, same order; what a kernel cannot apply it runs as those in-place
     ops itself): the activation on the product it follows, the gate's result into the up product, the residual
@@ -260,11 +262,12 @@ def _unfused_line(cg, kind: str, o: int, rows: int, xs: str, wten: torch.Tensor,
     native_kind = kind in ("panel", "amx", "bf16panel")
     act_fn = cg.const(MKL_ACT[act], "act") if act != "none" and not native_kind else ""
     call = cg.const({"mkl": torch.ops.mkl._mkl_linear.default, "panel": native.gemm_panel,
-                     "amx": native.gemm_amx_bf16, "bf16panel": native.gemm_bf16_panel}[kind],
-                    "mkl" if kind == "mkl" else "gemm")
+                     "amx": native.gemm_amx_bf16, "bf16panel": native.gemm_bf16_panel,
+                     "dnnact": torch.ops.mkldnn._linear_pointwise.default}[kind],
+                    {"mkl": "mkl", "dnnact": "dnn"}.get(kind, "gemm"))
 
     def packed(w: torch.Tensor, w_t: bool) -> str:
-        return cg.const(LazyPacked(w, w_t, rows, kind), "pk") + ".get()"
+        return cg.const(LazyPacked(w, w_t, rows, "onednn" if kind == "dnnact" else kind), "pk") + ".get()"
 
     def product(x: str, w: torch.Tensor, w_t: bool, b: str, a: str = "none", mul: str | None = None,
                 r: str | None = None) -> str:
@@ -273,6 +276,8 @@ def _unfused_line(cg, kind: str, o: int, rows: int, xs: str, wten: torch.Tensor,
             epi = (f", act={a!r}" if a != "none" else "") + (f", mul={mul}" if mul else "") + \
                 (f", res={r}" if r else "")
             return f"{call}({x}, {pk}, {b}, {w.shape[1] if w_t else w.shape[0]}{epi})"
+        if kind == "dnnact":
+            return f"{call}({x}, {pk}, {b}, 'none', [], '')"
         ori = cg.const(w.t() if w_t else w, "ori")  # [N, K]: MKL's op reads its sizes
         return f"{call}({x}, {pk}, {ori}, {b}, {rows})"
 
@@ -304,6 +309,8 @@ def _unfused_line(cg, kind: str, o: int, rows: int, xs: str, wten: torch.Tensor,
         y = f"{y}.add_({res})"
     if kind == "mkl":
         cg.stats.mkl_gemm += 1
+    elif kind == "dnnact":
+        cg.stats.onednn_gemm += 1
     elif kind == "panel":
         cg.stats.panel_gemm += 1
     elif kind == "bf16panel":

@@ -862,20 +862,85 @@ static inline __m512 act16(__m512 v, int act) {
 }
 #endif
 
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+#define HF_ACT8 1
+/* pa_exp16 on 8 lanes with AVX2's instructions: the same operations in the same order (round to nearest even,
+ * the two-part reduction, the polynomial), and 2^n applied as a multiply by the float whose exponent field is
+ * n + 127 (n >= -126 here, so that float is normal and the product is rounded once, as scalef's). */
+static inline __m256 pa_exp8(__m256 x) {
+    __m256 keep = _mm256_cmp_ps(x, _mm256_set1_ps(-87.3f), _CMP_GE_OQ);
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500E-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507E-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073E-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894E-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459E-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201E-1f));
+    p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_and_ps(keep, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+
+static inline __m256 abs8(__m256 v) { return _mm256_and_ps(v, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff))); }
+
+/* act16 on 8 lanes: the same formulas and operations in the same order (ReLU, the tanh GELU, SiLU). */
+static inline __m256 act8(__m256 v, int act) {
+    const __m256 zero = _mm256_setzero_ps(), one = _mm256_set1_ps(1.f);
+    if (act == ACT_RELU) return _mm256_blendv_ps(v, zero, _mm256_cmp_ps(v, zero, _CMP_LE_OQ));
+    if (act == ACT_GELU_TANH) {
+        const __m256 beta = _mm256_set1_ps((float)(M_SQRT2 * M_2_SQRTPI * 0.5)), kappa = _mm256_set1_ps(0.044715f);
+        const __m256 two = _mm256_set1_ps(2.f);
+        __m256 cube = _mm256_mul_ps(_mm256_mul_ps(v, v), v);
+        __m256 u = _mm256_mul_ps(beta, _mm256_add_ps(v, _mm256_mul_ps(kappa, cube)));
+        __m256 e = pa_exp8(_mm256_mul_ps(_mm256_set1_ps(-2.f), abs8(u)));
+        __m256 neg = _mm256_cmp_ps(u, zero, _CMP_LT_OQ);
+        __m256 onept = _mm256_div_ps(_mm256_blendv_ps(two, _mm256_mul_ps(two, e), neg), _mm256_add_ps(one, e));
+        return _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(0.5f), v), onept);
+    }
+    if (act == ACT_SILU) {
+        __m256 e = pa_exp8(_mm256_sub_ps(zero, abs8(v)));
+        __m256 neg = _mm256_cmp_ps(v, zero, _CMP_LT_OQ);
+        return _mm256_div_ps(_mm256_blendv_ps(v, _mm256_mul_ps(v, e), neg), _mm256_add_ps(one, e));
+    }
+    return v;
+}
+
+/* y[0..n) = act8(y) (* mul) (+ res), n <= 8 (mul, res NULL: none), 8 lanes at a time: the tail through a
+ * zero-padded copy, so every value takes the same operations as a full vector's. */
+static inline void act8_store(float *y, const float *o, long n, int act, const float *mul, const float *res) {
+    if (n == 8) {
+        __m256 v = act8(_mm256_loadu_ps(o), act);
+        if (mul) v = _mm256_mul_ps(v, _mm256_loadu_ps(mul));
+        if (res) v = _mm256_add_ps(v, _mm256_loadu_ps(res));
+        _mm256_storeu_ps(y, v);
+        return;
+    }
+    float t[8] = {0.f}, m8[8] = {0.f}, r8[8] = {0.f};
+    for (long c = 0; c < n; c++) t[c] = o[c], m8[c] = mul ? mul[c] : 0.f, r8[c] = res ? res[c] : 0.f;
+    act8_store(t, t, 8, act, mul ? m8 : 0, res ? r8 : 0);
+    for (long c = 0; c < n; c++) y[c] = t[c];
+}
+#endif
+
 /* Whether a multi-row product's epilogue (hf_gemm_panel, hf_gemm_amx_bf16) applies ``act`` itself: the
- * activations act16 has, where the build has AVX-512 (the others stay a separate pass after the product). */
+ * activations act16 (act8 on AVX2) has, where the build has AVX-512 or AVX2 with FMA (the others stay a separate
+ * pass after the product). */
 int hf_epilogue_act(int act) {
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(HF_ACT8)
     return act == ACT_NONE || act == ACT_RELU || act == ACT_GELU_TANH || act == ACT_SILU;
 #else
     return act == ACT_NONE;
 #endif
 }
 
-/* y = act(y) (* mul) in place over n fp32 values (mul NULL: none), 16 at a time with act16: the activation (and a
+/* y = act(y) (* mul) in place over n fp32 values (mul NULL: none), 16 at a time with act16 (8 with act8): the activation (and a
  * gated MLP's gate × up) after a product whose kernel has no epilogue (MKL's packed sgemm). Why: ATen's in-place
  * tanh GELU over an MLP's product output cost more than the time MKL's product saved over oneDNN's (which fuses
- * it as a post-op). Returns -2 (nothing done) for an act act16 does not have, else 0. */
+ * it as a post-op). Returns -2 (nothing done) for an act the epilogue does not have (hf_epilogue_act), else 0. */
 typedef struct {
     float *y;
     const float *mul;
@@ -894,6 +959,9 @@ static void actip_chunk(void *p, long c) {
         if (a->mul) v = _mm512_mul_ps(v, _mm512_maskz_loadu_ps(mk, a->mul + i));
         _mm512_mask_storeu_ps(a->y + i, mk, v);
     }
+#elif defined(HF_ACT8)
+    for (long i = i0; i < i1; i += 8)
+        act8_store(a->y + i, a->y + i, i1 - i < 8 ? i1 - i : 8, a->act, a->mul ? a->mul + i : 0, 0);
 #else
     for (long i = i0; i < i1; i++) a->y[i] = a->mul ? act_of(a->y[i], a->act) * a->mul[i] : act_of(a->y[i], a->act);
 #endif
@@ -5121,6 +5189,9 @@ static void panel_store(const panel_ctx *a, int sg, const float *acc, long c0, l
             if (re) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mk, re + c));
             _mm512_mask_storeu_ps(y + c, mk, v);
         }
+#elif defined(HF_ACT8)
+        for (long c = 0; c < nv; c += 8)
+            act8_store(y + c, o + c, nv - c < 8 ? nv - c : 8, a->act, mu ? mu + c : 0, re ? re + c : 0);
 #else
         for (long c = 0; c < nv; c++) {
             float v = act_of(o[c], a->act);

@@ -602,7 +602,8 @@ _EPILOGUE_ACTS: dict[str, bool] = {}  # act -> hf_epilogue_act's answer (fixed f
 
 def epilogue_act(act: str) -> bool:
     """Whether the multi-row products' epilogue (:func:`gemm_panel`, :func:`gemm_amx_bf16`) applies ``act`` itself
-    (native.c ``hf_epilogue_act``: none, relu, gelu_tanh, silu where the build has AVX-512); asked once per act."""
+    (native.c ``hf_epilogue_act``: none, relu, gelu_tanh, silu where the build has AVX-512 or AVX2 with FMA);
+    asked once per act."""
     got = _EPILOGUE_ACTS.get(act)
     if got is None:
         lib = library()

@@ -32,7 +32,9 @@ for a third of the shapes). fp32 products of :func:`panel_rows` rows (a short pr
 GEMM by rule instead (from memory it was faster there; the timing above reads one weight from cache).
 ``HETFORGE_GEMM=aten``, ``=onednn``, ``=mkl`` or ``=panel`` forces one kernel (``auto``, the default, measures).
 Where a gated MLP's products run on oneDNN, its gate and up products run either as oneDNN's two calls or as one
-native gated panel call, a second measured choice (:func:`gated_pick`) kept with these.
+native gated panel call, a second measured choice (:func:`gated_pick`) kept with these. For an fp32 product with an
+activation the native epilogue has, oneDNN is timed both ways, its post-op and its plain product followed by the
+native activation pass (``dnnact``), and the faster one is the oneDNN side of the choice.
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ from hetforge.files import write_json
 from hetforge.kernels import native
 
 POLICIES = ("auto", "aten", "onednn", "mkl", "panel")
-KERNELS = ("aten", "onednn", "mkl", "panel", "amx", "bf16panel")  # what a choice names (:func:`pick`)
+KERNELS = ("aten", "onednn", "mkl", "panel", "amx", "bf16panel", "dnnact")  # what a choice names (:func:`pick`)
 # hetforge activation name → (oneDNN post-op attr, scalars, algorithm)
 ACT_ATTR: dict[str, tuple[str, list, str]] = {
     "none": ("none", [], ""), "relu": ("relu", [], ""), "gelu": ("gelu", [], "none"),
@@ -433,7 +435,9 @@ def pick(rows: int, k: int, n: int, dtype: torch.dtype, w: torch.Tensor | None =
     ``panel`` (the native panel GEMM, then the activation: fp32 row counts :func:`panel_rows` takes, by rule),
     ``amx`` (the native AMX bf16 kernel, then the activation: :func:`amx_rows`, by rule), ``bf16panel`` (the
     native AVX512-BF16 kernel where AMX is absent: :func:`bf16_panel_rows`, by rule) or
-    ``aten`` (ATen's ``linear``, then the activation). Otherwise measured once per shape, dtype, activation and
+    ``aten`` (ATen's ``linear``, then the activation), ``dnnact`` (oneDNN's plain product, then the native
+    activation pass :func:`hetforge.kernels.native.act_inplace`: where oneDNN's own post-op for it was the slower of
+    the two in the same timing). Otherwise measured once per shape, dtype, activation and
     thread count (see the module docstring): oneDNN against the other side, which is MKL's packed sgemm for fp32
     where this torch has it (:func:`mkl_available`; not timed against ATen's ``linear``, which takes the weight as
     stored), else ATen. The activation is part of what is timed: in bf16
@@ -462,6 +466,12 @@ def pick(rows: int, k: int, n: int, dtype: torch.dtype, w: torch.Tensor | None =
         b = torch.zeros(m, dtype=dtype)
         pk = torch.ops.mkldnn._reorder_linear_weight(wc, rows)
         fn = linear_fn(pk, b, act if act in ACT_ATTR else "none")
+        dnn = "onednn"
+        if act != "none" and dtype == torch.float32 and native.epilogue_act(act):
+            plain, after = linear_fn(pk, b), MKL_ACT[act]
+            passed = lambda: after(plain(x))  # noqa: E731
+            if _bench_pair(passed, lambda: fn(x), decide=1.0)[2] < 1.0:  # the post-op was the slower
+                fn, dnn = (lambda _x: passed()), "dnnact"
         if other == "mkl":  # as the executor runs it: the activation in place on MKL's result
             mk, post = torch.ops.mkl._mkl_reorder_linear_weight(wc, rows), MKL_ACT.get(act, MKL_ACT["none"])
             side = lambda: post(mkl_linear(x, mk, wc, b, rows))  # noqa: E731
@@ -469,7 +479,8 @@ def pick(rows: int, k: int, n: int, dtype: torch.dtype, w: torch.Tensor | None =
             post = ATEN_ACT.get(act, ATEN_ACT["none"])
             side = lambda: post(F.linear(x, wt, b))  # noqa: E731
         t_side, t_dnn, ratio = _bench_pair(side, lambda: fn(x), decide=1.0)
-        return _decide(ratio, other), (t_side, t_dnn, ratio, "mkl-packed" if other == "mkl" else "aten")
+        won = _decide(ratio, other)
+        return (dnn if won == "onednn" else won), (t_side, t_dnn, ratio, "mkl-packed" if other == "mkl" else "aten")
 
     return _measured((rows, k, n, dtype, threads(), act),
                      f"the kernel choice for [{rows}, {k}] x [{k}, {n}] {dtype}", measure)
@@ -622,7 +633,7 @@ def measured_choices() -> list[dict]:
     runs) and ``onednn`` (whether oneDNN does)."""
     return [{"rows": k[0], "k": k[1], "n": k[2], "dtype": str(k[3]).removeprefix("torch."), "threads": k[4],
              "act": k[5], "aten_s": t[0], "onednn_s": t[1], "ratio": t[2], "kernel": _choices[k],
-             "aten_side": t[3], "onednn": _choices[k] == "onednn"}
+             "aten_side": t[3], "onednn": _choices[k] in ("onednn", "dnnact")}
             for k, t in _choice_times.items()]
 
 
@@ -670,8 +681,14 @@ def seed_choices(rows: list[dict]) -> None:
             if kernel == "mkl" and not mkl_available() or kernel not in KERNELS:
                 continue  # measured where MKL's packed sgemm ran: not a choice this torch can take
             side = str(r.get("aten_side", "aten"))
-            if kernel in ("onednn", "mkl") and side == "mkl-packed" and "ratio" in r:
-                kernel = _decide(float(r["ratio"]), "mkl")  # the rule of this code, not the one that recorded it
+            if kernel in ("onednn", "mkl", "dnnact") and side == "mkl-packed" and "ratio" in r:
+                # the rule of this code, not the one that recorded it (oneDNN's side keeps its recorded way)
+                if _decide(float(r["ratio"]), "mkl") == "mkl":
+                    kernel = "mkl"
+                elif kernel == "mkl":
+                    kernel = "onednn"
+            if kernel == "dnnact" and not native.epilogue_act(str(r["act"])):
+                continue  # oneDNN then the native activation pass: not a choice this library can take
             if key not in _choices and isinstance(key[3], torch.dtype):
                 _choices[key] = kernel
                 t_aten, t_dnn = float(r["aten_s"]), float(r["onednn_s"])
