@@ -371,10 +371,10 @@ def test_native_transpose_refuses_what_it_cannot_read_and_writes_nothing():
 
 @needs_cc
 def test_vectorized_tanh_gelu_of_a_split_k_product_matches_aten_over_the_whole_range():
-    """The ``[K, N]`` product's reduce computes the tanh GELU 16 columns at a time (an exp polynomial, not libm's
-    tanhf): over values from -12 to 12, tiny ones, huge ones (the cube overflows) and NaN it equals ATen's
-    ``gelu(approximate='tanh')`` to a few ulp; the 4097th column (past the last block of 16) takes the scalar
-    path."""
+    """The ``[K, N]`` product's reduce computes the tanh GELU 16 columns at a time with AVX-512, 8 with AVX2 (an exp
+    polynomial, not libm's tanhf): over values from -12 to 12, tiny ones, huge ones (the cube overflows) and NaN it
+    equals ATen's ``gelu(approximate='tanh')`` to a few ulp; the 4097th column (past the last full block) takes the
+    scalar path."""
     vals = torch.cat([torch.linspace(-12, 12, 3001), torch.tensor([0.0, -0.0, 1e-30, -1e-30, 1e-7, -1e-7, 1e13,
                                                                    -1e13, 3e38, float("nan")])])
     vals = torch.cat([vals, torch.linspace(-3, 3, 4097 - vals.numel())])

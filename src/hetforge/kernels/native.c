@@ -1032,6 +1032,13 @@ static void kn_reduce(void *p, long c) {
             if (a->bias) v = _mm512_add_ps(v, _mm512_loadu_ps(a->bias + j));
             _mm512_storeu_ps(a->y + j, gelu_tanh16(v));
         }
+#elif defined(HF_ACT8)
+    if (a->act == ACT_GELU_TANH && !a->res) /* 8 columns at a time with act8 (the scalar loop below for the rest) */
+        for (; j + 8 <= j1; j += 8) {
+            __m256 v = _mm256_loadu_ps(s + (j - j0));
+            if (a->bias) v = _mm256_add_ps(v, _mm256_loadu_ps(a->bias + j));
+            _mm256_storeu_ps(a->y + j, act8(v, ACT_GELU_TANH));
+        }
 #endif
     for (; j < j1; j++)
         a->y[j] = with_res(act_of(a->bias ? s[j - j0] + a->bias[j] : s[j - j0], a->act), a->res, j);
