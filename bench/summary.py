@@ -1489,7 +1489,10 @@ def why_we_lose(peers: J, kf: J, pg: J) -> str:
   by a measured choice; bf16: oneDNN's, AMX's
   where the CPU has it, the native AVX512-BF16 panel kernel for 8..48 rows where it has no AMX), so most of prefill
   is GEMM time ([bench/prefill_gemm.md](bench/prefill_gemm.md); on a CPU with AVX2 and no AVX-512:
-  [bench/prefill_gemm_avx2.md](bench/prefill_gemm_avx2.md) and [bench/peers_avx2.md](bench/peers_avx2.md)). Against
+  [bench/prefill_gemm_avx2.md](bench/prefill_gemm_avx2.md) and [bench/peers_avx2.md](bench/peers_avx2.md), rerun
+  after session 55 gave that CPU vector activations and oneDNN's plain product followed by the native activation
+  pass (`dnnact`): the AVX2 rows above; there the GEMM ops run further below the peak than on the AVX-512 hosts, and
+  at 512 rows attention, on ATen's SDPA, is the largest part outside them, per the page's per-op table). Against
   OpenVINO f32 it is {span(ov, times)} on the latest peers run ([bench/peers.md](bench/peers.md), whose header names
   the host). hetforge's products run close to the host's FMA peak, and so must the peers', so the lead moves with
   the CPU: on the Zen 5 VMs (x86 family 26: sessions 30–35 and 44–50) the panel GEMM reads a short prompt's weights
