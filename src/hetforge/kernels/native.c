@@ -937,8 +937,9 @@ int hf_epilogue_act(int act) {
 #endif
 }
 
-/* y = act(y) (* mul) in place over n fp32 values (mul NULL: none), 16 at a time with act16 (8 with act8): the activation (and a
- * gated MLP's gate × up) after a product whose kernel has no epilogue (MKL's packed sgemm). Why: ATen's in-place
+/* y = act(y) (* mul) in place over n fp32 values (mul NULL: none), 16 at a time with act16 (8 with act8): the
+ * activation (and a gated MLP's gate × up) after a product whose kernel has no epilogue (MKL's packed sgemm, or
+ * oneDNN's plain product where pick chose ``dnnact``). Why: ATen's in-place
  * tanh GELU over an MLP's product output cost more than the time MKL's product saved over oneDNN's (which fuses
  * it as a post-op). Returns -2 (nothing done) for an act the epilogue does not have (hf_epilogue_act), else 0. */
 typedef struct {
