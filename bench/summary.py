@@ -184,6 +184,18 @@ def row(*files: str, table: list[Extractor] = HEADLINE) -> Callable[[Callable[..
     return deco
 
 
+def page_rows(stem: str, make: Callable[[J, str, str], Row], reruns: tuple[tuple[str, str], ...],
+              table: list[Extractor] = HEADLINE, name: str = "") -> None:
+    """A row in ``table`` for each run of one page: ``stem + suffix`` (``.json`` read, ``.md`` linked) for each
+    ``(suffix, label suffix)`` of ``reruns``; ``make(json, page, label suffix)`` builds the row."""
+    for suffix, label in reruns:
+        def fn(d: J, page: str = f"{stem}{suffix}.md", label: str = label) -> Row:
+            return make(d, page, label)
+
+        fn.__name__ = f"{name or stem}{suffix}"
+        row(f"{stem}{suffix}.json", table=table)(fn)
+
+
 def pending(area: str, target: str, page: str, json_name: str) -> None:
     """A row of a page that has no committed JSON yet: the target and a link, no figures."""
 
@@ -736,7 +748,7 @@ def _peer_load(d: J) -> str:
             f"{load_avg(m['loadavg_end'])} at the end, {m.f('threads'):.0f} threads")
 
 
-PEERS_PAGES = (("peers", ""), ("peers_avx2", " (AVX2-only host)"))  # the prefill page of record, and its reruns
+PEERS_RERUNS = (("", ""), ("_avx2", " (AVX2-only host)"))  # peers.md, the page of record, and its reruns
 
 
 def _peers_cold(d: J, page: str, label: str) -> Row:
@@ -779,17 +791,9 @@ def _peers_prefill_step(d: J, page: str, label: str) -> Row:
     return Row("peers" + label, "prefill / one-token ≤ best fp32 peer", result, status, link(page))
 
 
-def _peers_rows(stem: str, label: str) -> None:
-    for make in (_peers_cold, _peers_prefill_step):
-        def fn(d: J, make: Callable[[J, str, str], Row] = make) -> Row:
-            return make(d, f"{stem}.md", label)
-
-        fn.__name__ = f"{make.__name__.lstrip('_')}_{stem}"
-        row(f"{stem}.json")(fn)
-
-
-for _stem, _label in PEERS_PAGES:
-    _peers_rows(_stem, _label)
+for _rerun in PEERS_RERUNS:  # per page: its cold-prep row, then its prefill / one-token row
+    for _make in (_peers_cold, _peers_prefill_step):
+        page_rows("peers", _make, (_rerun,), name=_make.__name__.lstrip("_"))
 
 
 @row("peers.json")
@@ -1160,15 +1164,9 @@ AVX2 = ("_avx2", " (AVX2 only)")  # a run on a CPU exposing AVX2/FMA and no AVX-
 
 
 def per_cpu_rows(stem: str, make: Callable[[J, str, str], Row], reruns: tuple = RERUNS) -> None:
-    """A CPU-table row for each run of one calibration page: ``stem.md`` (the CPU the code's rule was measured on)
-    and ``stem_zen5.md`` (the same script on a Zen 5), and those of ``reruns`` past these;
-    ``make(json, page, label suffix)`` builds the row."""
-    for suffix, label in reruns:
-        def fn(d: J, page: str = f"{stem}{suffix}.md", label: str = label) -> Row:
-            return make(d, page, label)
-
-        fn.__name__ = f"{stem}{suffix}"
-        cpu_row(f"{stem}{suffix}.json")(fn)
+    """A CPU-table row for each run of one calibration page (:func:`page_rows`): ``stem.md`` (the CPU the code's rule
+    was measured on) and ``stem_zen5.md`` (the same script on a Zen 5), or the runs ``reruns`` names."""
+    page_rows(stem, make, reruns, CPU)
 
 
 def _prefetch_row(d: J, page: str, area: str) -> Row:

@@ -597,20 +597,25 @@ def _judge_huge_packing(nbytes: int, seconds: float) -> None:
         h["slow"] = True
 
 
-_EPILOGUE_ACTS: dict[str, bool] = {}  # act -> hf_epilogue_act's answer (fixed for the loaded library)
+_ASKED: dict[tuple, bool] = {}  # (function, args) -> the loaded library's answer (fixed for the library)
+
+
+def _asked(fn: str, *args: int) -> bool:
+    """The library's yes/no answer of ``fn(*args)`` (a question about its build), asked once, not on every call of
+    the caller; False without the library (not kept: a library loaded later is asked)."""
+    lib = library()
+    if lib is None:
+        return False
+    key = (fn, *args)
+    if key not in _ASKED:
+        _ASKED[key] = bool(getattr(lib, fn)(*args))
+    return _ASKED[key]
 
 
 def epilogue_act(act: str) -> bool:
     """Whether the multi-row products' epilogue (:func:`gemm_panel`, :func:`gemm_amx_bf16`) applies ``act`` itself
-    (native.c ``hf_epilogue_act``: none, relu, gelu_tanh, silu where the build has AVX-512 or AVX2 with FMA);
-    asked once per act."""
-    got = _EPILOGUE_ACTS.get(act)
-    if got is None:
-        lib = library()
-        got = lib is not None and act in ACT_CODES and bool(lib.hf_epilogue_act(ACT_CODES[act]))
-        if lib is not None:
-            _EPILOGUE_ACTS[act] = got
-    return got
+    (native.c ``hf_epilogue_act``: none, relu, gelu_tanh, silu where the build has AVX-512 or AVX2 with FMA)."""
+    return act in ACT_CODES and _asked("hf_epilogue_act", ACT_CODES[act])
 
 
 _INPLACE_ACT: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -1244,19 +1249,10 @@ def prefill_attention_native(dtype: torch.dtype, rows: int) -> bool:
     return start is None or rows < start
 
 
-_ATTENTION_SIMD: dict[int, bool] = {}  # id of the loaded library -> its answer (asked once, not per attention call)
-
-
 def prefill_attention_simd() -> bool:
     """Whether ``hf_prefill_attention`` runs its AVX-512 path here (else plain C loops: :data:`SDPA_MIN_ROWS_PLAIN`
-    applies instead of :data:`SDPA_MIN_ROWS`)."""
-    lib = library()
-    if lib is None:
-        return False
-    got = _ATTENTION_SIMD.get(id(lib))
-    if got is None:
-        got = _ATTENTION_SIMD[id(lib)] = bool(lib.hf_prefill_attention_simd())
-    return got
+    applies instead of :data:`SDPA_MIN_ROWS`); asked once (the rule reads it on every prefill attention call)."""
+    return _asked("hf_prefill_attention_simd")
 
 
 AMX_ATTENTION_ENV = "HETFORGE_PREFILL_ATTENTION_AMX"

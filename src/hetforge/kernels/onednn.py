@@ -465,20 +465,20 @@ def pick(rows: int, k: int, n: int, dtype: torch.dtype, w: torch.Tensor | None =
         wc, m = wt.contiguous(), wt.shape[0]
         b = torch.zeros(m, dtype=dtype)
         pk = torch.ops.mkldnn._reorder_linear_weight(wc, rows)
-        fn = linear_fn(pk, b, act if act in ACT_ATTR else "none")
-        dnn = "onednn"
+        fused = linear_fn(pk, b, act if act in ACT_ATTR else "none")
+        dnn, dnn_call = "onednn", lambda: fused(x)
         if act != "none" and dtype == torch.float32 and native.epilogue_act(act):
             plain, after = linear_fn(pk, b), MKL_ACT[act]
             passed = lambda: after(plain(x))  # noqa: E731
-            if _bench_pair(passed, lambda: fn(x), decide=1.0)[2] < 1.0:  # the post-op was the slower
-                fn, dnn = (lambda _x: passed()), "dnnact"
+            if _bench_pair(passed, dnn_call, decide=1.0)[2] < 1.0:  # the post-op was the slower
+                dnn, dnn_call = "dnnact", passed
         if other == "mkl":  # as the executor runs it: the activation in place on MKL's result
             mk, post = torch.ops.mkl._mkl_reorder_linear_weight(wc, rows), MKL_ACT.get(act, MKL_ACT["none"])
             side = lambda: post(mkl_linear(x, mk, wc, b, rows))  # noqa: E731
         else:
             post = ATEN_ACT.get(act, ATEN_ACT["none"])
             side = lambda: post(F.linear(x, wt, b))  # noqa: E731
-        t_side, t_dnn, ratio = _bench_pair(side, lambda: fn(x), decide=1.0)
+        t_side, t_dnn, ratio = _bench_pair(side, dnn_call, decide=1.0)
         won = _decide(ratio, other)
         return (dnn if won == "onednn" else won), (t_side, t_dnn, ratio, "mkl-packed" if other == "mkl" else "aten")
 
