@@ -10,7 +10,7 @@ program; the GEMM alone is timed in the same rounds and taken off), the native k
 SDPA's result copied into one (what the program's ``functional-copy`` does), interleaved in ``--rounds`` rounds.
 
 Per dtype, the smallest row count from which SDPA was faster on every shape at that count and at every larger
-count measured is the rule's threshold (``native.SDPA_MIN_ROWS``; none: the native kernel everywhere); the page
+count measured is the rule's threshold (``native.sdpa_min_rows()``; none: the native kernel everywhere); the page
 shows it next to the value in the code.
 
     python bench/prefill_attention.py [--rows 16,32,64,128,256,512,1024] [--rounds 7] [--threads 2] \\
@@ -126,9 +126,11 @@ def render(res: dict) -> str:
                 for t in counts) + " |")
     lines.append("")
     if "attention_simd" in res:
-        lines.append("The native kernel's path in this build: " + ("AVX-512 (the rule in the code: "
-                     "`native.SDPA_MIN_ROWS`)." if res["attention_simd"] else "plain C loops and expf, no AVX-512 "
-                     "(the rule in the code: `native.SDPA_MIN_ROWS_PLAIN`)."))
+        path = {True: "avx512", False: "plain"}.get(res["attention_simd"], res["attention_simd"])  # older pages: a bool
+        lines.append("The native kernel's path in this build: " + {
+            "avx512": "AVX-512 (the rule in the code: `native.SDPA_MIN_ROWS`).",
+            "avx2": "AVX2 with FMA, no AVX-512 (the rule in the code: `native.SDPA_MIN_ROWS_AVX2`).",
+            "plain": "plain C loops and expf (the rule in the code: `native.SDPA_MIN_ROWS_PLAIN`)."}[path])
         lines.append("")
     for dts in (x for x in DTYPES if any(r["dtype"] == x for r in rows)):
         got = threshold(rows, dts)
@@ -160,9 +162,8 @@ def main(argv: list[str] | None = None) -> int:
                          "to compare")
     torch.set_num_threads(a.threads)
     meta = run_meta("bench/prefill_attention.py", argv)
-    simd = native.prefill_attention_simd()  # which of the code's two rules applies on this build
-    res = {"rows": measure(rows, a.rounds, dtypes),
-           "in_code": dict(native.SDPA_MIN_ROWS if simd else native.SDPA_MIN_ROWS_PLAIN), "attention_simd": simd,
+    res = {"rows": measure(rows, a.rounds, dtypes),  # the rule of this build's attention code, and which code
+           "in_code": dict(native.sdpa_min_rows()), "attention_simd": native.prefill_attention_simd(),
            "meta": end_meta(meta)}
     write_result(res, a.out, a.md, render)
     return 0

@@ -214,8 +214,8 @@ def test_compiled_bf16_prefill_runs_it_and_stays_within_bf16_rounding_of_eager()
 
 @pytest.mark.parametrize("seq", [24, 160])
 def test_bf16_prefill_attention_follows_the_sdpa_rule_and_the_forcing_switch(seq, monkeypatch):
-    """bf16 attention of at least ``SDPA_MIN_ROWS`` query rows (none: no count) is lowered to the general path, whose
-    op runs ATen's SDPA (the native kernel is not called), fewer rows to the native kernel;
+    """bf16 attention of at least ``sdpa_min_rows()``'s count of query rows (none: no count) is lowered to the
+    general path, whose op runs ATen's SDPA (the native kernel is not called), fewer rows to the native kernel;
     ``HETFORGE_PREFILL_ATTENTION`` forces either; every way stays within bf16 rounding of the bf16 eager model."""
     import copy
     import dataclasses
@@ -228,7 +228,7 @@ def test_bf16_prefill_attention_follows_the_sdpa_rule_and_the_forcing_switch(seq
     inputs = example_inputs(loaded, seq=seq)
     module = loaded.logits_module()
     gm = capture(module, inputs, name="llama-tiny-bf16").gm
-    start = native.SDPA_MIN_ROWS.get("bfloat16")
+    start = native.sdpa_min_rows().get("bfloat16")
     many = start is not None and seq >= start
     for forced in ("", "native", "sdpa"):
         if forced:

@@ -3574,8 +3574,9 @@ void hf_rotary_pos_bf16(const hf_bf16 *x, const hf_bf16 *cos_, const hf_bf16 *si
  * its values into dense rows (once per call, shared by all the query heads and blocks that read them; rows of a
  * fused projection lie a large power-of-two-ish stride apart and would crowd a few L1 sets). The output is dense
  * [b, h, l, dv]. Grouped-query heads: query head i reads kv head i / (h / hkv). The products
- * use AVX-512 FMAs (4 rows x 64 columns of accumulators) where the build has AVX-512F, else plain C loops;
- * the exponentials use a polynomial (Cephes' expf, ~1 ulp) there and expf() otherwise. Where the threads divide
+ * use AVX-512 FMAs (4 rows x 64 columns of accumulators) where the build has AVX-512F, AVX2 FMAs (4 rows x 16
+ * columns) where it has AVX2 and FMA only, else plain C loops; the exponentials use a polynomial (Cephes' expf, ~1
+ * ulp) on either vector path and expf() otherwise. Where the threads divide
  * the kv heads evenly, a thread transposes a kv head and runs its query heads' tasks itself (pa_unit); else the
  * transposition is one region and the tasks, the largest causal blocks first, are the pool's chunks. */
 #if defined(__AVX512F__)
@@ -3659,6 +3660,34 @@ static inline __attribute__((always_inline)) void pa_scores_g(const float *restr
 }
 #endif
 
+#if defined(HF_ACT8)
+/* pa_scores' rows [0, R) with AVX2: R rows x 16 keys of accumulators per 16-key group (R = 6: twelve, more than
+ * the eight that keep both FMA units busy through their latency, and with the two key vectors and a broadcast
+ * fifteen of the sixteen registers). */
+static inline __attribute__((always_inline)) void pa_scores8(const float *restrict qb, const float *restrict kt,
+                                                             long kst, float *restrict s, long d, long ng,
+                                                             const int R) {
+    for (long g = 0; g < ng; g++) {
+        __m256 c[6][2];
+        for (int r = 0; r < R; r++) c[r][0] = c[r][1] = _mm256_setzero_ps();
+        const float *kc = kt + 16 * g;
+        for (long t = 0; t < d; t++) {
+            __m256 k0 = _mm256_loadu_ps(kc + t * kst), k1 = _mm256_loadu_ps(kc + t * kst + 8);
+            __asm__("" : "+x"(k0), "+x"(k1)); /* in registers, as pa_fma4x64's (else a load per FMA) */
+            for (int r = 0; r < R; r++) {
+                __m256 qv = _mm256_broadcast_ss(qb + r * d + t);
+                c[r][0] = _mm256_fmadd_ps(qv, k0, c[r][0]);
+                c[r][1] = _mm256_fmadd_ps(qv, k1, c[r][1]);
+            }
+        }
+        for (int r = 0; r < R; r++) {
+            _mm256_storeu_ps(s + r * PA_KB + 16 * g, c[r][0]);
+            _mm256_storeu_ps(s + r * PA_KB + 16 * g + 8, c[r][1]);
+        }
+    }
+}
+#endif
+
 /* s[ii][0..16·ng) = qb[ii] · kt[:, 0..16·ng) for ni rows (kt: the key block transposed, rows kst apart; ng 1..4
  * groups of 16 keys: a block on the causal diagonal needs only the keys its last row sees). */
 static void pa_scores(const float *restrict qb, const float *restrict kt, long kst, float *restrict s, long ni,
@@ -3672,6 +3701,9 @@ static void pa_scores(const float *restrict qb, const float *restrict kt, long k
     default: pa_scores_g(qb, kt, kst, s, ni, d, 4); break;
     }
     ii = ni / 4 * 4;
+#elif defined(HF_ACT8)
+    for (; ii + 6 <= ni; ii += 6) pa_scores8(qb + ii * d, kt, kst, s + ii * PA_KB, d, ng, 6);
+    for (; ii + 4 <= ni; ii += 4) pa_scores8(qb + ii * d, kt, kst, s + ii * PA_KB, d, ng, 4);
 #endif
     for (; ii < ni; ii++) {
         float *sr = s + ii * PA_KB;
@@ -3684,6 +3716,36 @@ static void pa_scores(const float *restrict qb, const float *restrict kt, long k
         }
     }
 }
+
+#if defined(HF_ACT8)
+/* pa_pv's rows [0, R) with AVX2 (dv % 16 == 0): R rows x 16 value columns of accumulators, as pa_scores8's. */
+static inline __attribute__((always_inline)) void pa_pv8(const float *restrict p, const float *restrict V,
+                                                         long vstride, float *restrict acc, long nj, long dv,
+                                                         const float *restrict cr, const int R) {
+    for (long c0 = 0; c0 < dv; c0 += 16) {
+        __m256 c[6][2];
+        for (int r = 0; r < R; r++) {
+            __m256 f = _mm256_set1_ps(cr[r]);
+            c[r][0] = _mm256_mul_ps(_mm256_loadu_ps(acc + r * dv + c0), f);
+            c[r][1] = _mm256_mul_ps(_mm256_loadu_ps(acc + r * dv + c0 + 8), f);
+        }
+        for (long j = 0; j < nj; j++) {
+            const float *vr = V + j * vstride + c0;
+            __m256 v0 = _mm256_loadu_ps(vr), v1 = _mm256_loadu_ps(vr + 8);
+            __asm__("" : "+x"(v0), "+x"(v1)); /* as in pa_scores8 */
+            for (int r = 0; r < R; r++) {
+                __m256 pv = _mm256_broadcast_ss(p + r * PA_KB + j);
+                c[r][0] = _mm256_fmadd_ps(pv, v0, c[r][0]);
+                c[r][1] = _mm256_fmadd_ps(pv, v1, c[r][1]);
+            }
+        }
+        for (int r = 0; r < R; r++) {
+            _mm256_storeu_ps(acc + r * dv + c0, c[r][0]);
+            _mm256_storeu_ps(acc + r * dv + c0 + 8, c[r][1]);
+        }
+    }
+}
+#endif
 
 /* acc[ii][0..dv) = acc[ii][0..dv) · cr[ii] + p[ii][0..nj) · V[0..nj) for ni rows (V rows vstride apart, dense last
  * dim; cr: the online softmax's rescale of each row, applied as the row is loaded, not in a pass of its own). */
@@ -3704,6 +3766,11 @@ static void pa_pv(const float *restrict p, const float *restrict V, long vstride
                 for (int r = 0; r < 4; r++)
                     for (int x = 0; x < 4; x++) _mm512_storeu_ps(acc + (ii + r) * dv + c0 + 16 * x, c[r][x]);
             }
+    }
+#elif defined(HF_ACT8)
+    if (dv % 16 == 0) {
+        for (; ii + 6 <= ni; ii += 6) pa_pv8(p + ii * PA_KB, V, vstride, acc + ii * dv, nj, dv, cr + ii, 6);
+        for (; ii + 4 <= ni; ii += 4) pa_pv8(p + ii * PA_KB, V, vstride, acc + ii * dv, nj, dv, cr + ii, 4);
     }
 #endif
     for (; ii < ni; ii++) {
@@ -3785,6 +3852,27 @@ static inline void pa_tr16(__m512 r[16]) {
 }
 #endif
 
+#if defined(HF_ACT8)
+/* r[c] = column c of the 8 x 8 block whose rows are r[0..8) (a transpose in registers: 24 shuffles). */
+static inline void pa_tr8(__m256 r[8]) {
+    __m256 t[8], u[8];
+    for (int i = 0; i < 4; i++) {
+        t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]); /* a0 b0 a1 b1 | a4 b4 a5 b5 */
+        t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 2; i++) { /* u[4i + k]: column k (low lane) and 4 + k (high lane) of rows 4i..4i+3 */
+        u[4 * i] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+        u[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+        u[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+        u[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+    }
+    for (int k = 0; k < 4; k++) {
+        r[k] = _mm256_permute2f128_ps(u[k], u[4 + k], 0x20);
+        r[4 + k] = _mm256_permute2f128_ps(u[k], u[4 + k], 0x31);
+    }
+}
+#endif
+
 /* Keys of kv head (batch, head) = t transposed into kt, one dense [d][PA_KB] tile per key block (zeros past s; a
  * tile, not rows sp apart: rows of a power-of-two stride would fall into a few L1 sets): once per call, shared by
  * every query block. */
@@ -3828,7 +3916,31 @@ static void pa_transpose(void *p, long t) {
         }
     }
 #else
-    for (long j = 0; j < a->sp; j++) {
+    long j1 = 0; /* the keys from j1 on take the plain loop below */
+#if defined(HF_ACT8)
+    /* fp32 keys 8 x 8 at a time, transposed in registers (pa_tr8) as the AVX-512 path does 16 x 16 (the plain loop
+     * stores one float per step, a tile row apart), up to the 16-key group of the last key (zeros past s) */
+    if (!a->bf16) {
+        long d8 = a->d / 8 * 8;
+        j1 = (a->s + 15) / 16 * 16;
+        for (long j0 = 0; j0 < j1; j0 += 8) {
+            float *tile = kt + (j0 / PA_KB) * a->d * PA_KB + j0 % PA_KB;
+            for (long c0 = 0; c0 < d8; c0 += 8) {
+                __m256 rows[8];
+                for (long r = 0; r < 8; r++)
+                    rows[r] = j0 + r < a->s ? _mm256_loadu_ps((const float *)(K + (j0 + r) * a->ks[2] * esz) + c0)
+                                            : _mm256_setzero_ps();
+                pa_tr8(rows);
+                for (long c = 0; c < 8; c++) _mm256_storeu_ps(tile + (c0 + c) * PA_KB, rows[c]);
+            }
+            for (long j = j0; j < j0 + 8; j++) /* the dims past the last 8 */
+                for (long c = d8; c < a->d; c++)
+                    tile[c * PA_KB + j - j0] = j < a->s ? ((const float *)(K + j * a->ks[2] * esz))[c] : 0.f;
+        }
+        j1 = a->sp; /* the key groups past the last one: never read (pa_task's nv) */
+    }
+#endif
+    for (long j = j1; j < a->sp; j++) {
         float *tile = kt + (j / PA_KB) * a->d * PA_KB + j % PA_KB;
         const float *kr = (const float *)(K + j * a->ks[2] * esz);
         for (long c = 0; c < a->d; c++) tile[c * PA_KB] = j < a->s ? pa_in(a, kr, c) : 0.f;
@@ -3955,6 +4067,81 @@ static void pa_softmax_rows(const pa_ctx *a, float *restrict sb, const char *mba
 }
 #endif
 
+#if defined(HF_ACT8)
+static inline float hmax8(__m256 v) {
+    __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+    return _mm_cvtss_f32(_mm_max_ss(x, _mm_movehdup_ps(x)));
+}
+
+static inline float hsum8(__m256 v) {
+    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+}
+
+/* pa_softmax_rows with AVX2, row by row: each row's scores past cnt (its diagonal or nv) set to -inf, a mask
+ * applied (a bool mask of dense rows 8 entries at a time, else entry by entry), the row's maximum, its rescale
+ * factor exp(m - m_new) (expf: one per row and key block), its exponentials (pa_exp8) and their sum; m, z and cr
+ * updated. A row that sees nothing yet gets zeros and keeps m = -inf and z = 0. Over the 16-key groups up to nv,
+ * as the products computed (pa_scores) and pa_pv reads. */
+static void pa_softmax_rows8(const pa_ctx *a, float *restrict sb, const char *mbase, long i0, long ni, long j0,
+                             long nv, int apply, float *m, float *z, float *cr) {
+    const __m256 ninf = _mm256_set1_ps(-INFINITY);
+    const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    long esz = a->mask_kind == 1 ? 1 : 4;
+    const long nw = (nv + 15) / 16 * 2; /* 8-key vectors up to nv's 16-key group */
+    for (long ii = 0; ii < ni; ii++) {
+        float *sr = sb + ii * PA_KB;
+        long i = i0 + ii, cnt = a->causal && i - j0 + 1 < nv ? i - j0 + 1 : nv;
+        const char *mrow = mbase ? mbase + i * a->ms[2] * esz : NULL;
+        __m256 vmax = ninf;
+        for (long c = 0; c < nw; c++) {
+            __m256 x = _mm256_loadu_ps(sr + 8 * c);
+            long n = cnt - 8 * c;
+            if (n < 8)
+                x = _mm256_blendv_ps(ninf, x, _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32((int)(n < 0 ? 0 : n)), iota)));
+            if (apply && n > 0) {
+                if (a->mask_kind == 1 && a->ms[3] == 1 && n >= 8) {
+                    __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(mrow + j0 + 8 * c)));
+                    x = _mm256_blendv_ps(x, ninf, _mm256_castsi256_ps(_mm256_cmpeq_epi32(b, _mm256_setzero_si256())));
+                } else {
+                    float t[8];
+                    _mm256_storeu_ps(t, x);
+                    for (long e = 0; e < 8 && e < n; e++) {
+                        long off = (j0 + 8 * c + e) * a->ms[3];
+                        if (a->mask_kind == 1) {
+                            if (!((const uint8_t *)mrow)[off]) t[e] = -INFINITY;
+                        } else {
+                            t[e] += ((const float *)mrow)[off];
+                        }
+                    }
+                    x = _mm256_loadu_ps(t);
+                }
+            }
+            _mm256_storeu_ps(sr + 8 * c, x);
+            vmax = _mm256_max_ps(vmax, x);
+        }
+        float mx = hmax8(vmax), mn = mx > m[ii] ? mx : m[ii];
+        if (mn == -INFINITY) { /* nothing visible to this row yet: its output so far is zero */
+            for (long c = 0; c < nw; c++) _mm256_storeu_ps(sr + 8 * c, _mm256_setzero_ps());
+            cr[ii] = 1.f;
+            continue;
+        }
+        float corr = m[ii] == -INFINITY ? 0.f : expf(m[ii] - mn);
+        __m256 vm = _mm256_set1_ps(mn), vs = _mm256_setzero_ps();
+        for (long c = 0; c < nw; c++) { /* -inf - m_new gives exp 0 */
+            __m256 e = pa_exp8(_mm256_sub_ps(_mm256_loadu_ps(sr + 8 * c), vm));
+            _mm256_storeu_ps(sr + 8 * c, e);
+            vs = _mm256_add_ps(vs, e);
+        }
+        z[ii] = z[ii] * corr + hsum8(vs);
+        m[ii] = mn;
+        cr[ii] = corr;
+    }
+}
+#endif
+
 static void pa_task(void *p, long t) {
     const pa_ctx *a = p;
     long bh = t / a->nqb, qblk = a->nqb - 1 - t % a->nqb; /* the largest causal blocks first */
@@ -4000,6 +4187,8 @@ static void pa_task(void *p, long t) {
         pa_scores(qb, KT + j0 * d, PA_KB, sb, ni, d, (nv + 15) / 16); /* tile j0 / PA_KB at (j0 / PA_KB) * d * PA_KB */
 #if defined(__AVX512F__)
         pa_softmax_rows(a, sb, mbase, i0, ni, j0, nv, mbase && !(a->mask_kind == 1 && all), m, z, cr);
+#elif defined(HF_ACT8)
+        pa_softmax_rows8(a, sb, mbase, i0, ni, j0, nv, mbase && !(a->mask_kind == 1 && all), m, z, cr);
 #else
         for (long ii = 0; ii < ni; ii++) {
             float *sr = sb + ii * PA_KB;
@@ -4459,11 +4648,13 @@ static int hf_prefill_attention_amx(const void *q, const void *k, const void *v,
 #endif
 }
 
-/* Whether hf_prefill_attention's fp32 products, softmax and key transposition run their AVX-512 code (else plain C
- * loops and expf). */
+/* Which code hf_prefill_attention's fp32 products, softmax and key transposition run: 1 AVX-512, 2 AVX2 with FMA,
+ * 0 plain C loops and expf. */
 int hf_prefill_attention_simd(void) {
 #if defined(__AVX512F__)
     return 1;
+#elif defined(HF_ACT8)
+    return 2;
 #else
     return 0;
 #endif

@@ -597,19 +597,24 @@ def _judge_huge_packing(nbytes: int, seconds: float) -> None:
         h["slow"] = True
 
 
-_ASKED: dict[tuple, bool] = {}  # (function, args) -> the loaded library's answer (fixed for the library)
+_ASKED: dict[tuple, int] = {}  # (function, args) -> the loaded library's answer (fixed for the library)
+
+
+def _answer(fn: str, *args: int) -> int:
+    """The library's answer of ``fn(*args)`` (a question about its build), asked once, not on every call of the
+    caller; 0 without the library (not kept: a library loaded later is asked)."""
+    lib = library()
+    if lib is None:
+        return 0
+    key = (fn, *args)
+    if key not in _ASKED:
+        _ASKED[key] = int(getattr(lib, fn)(*args))
+    return _ASKED[key]
 
 
 def _asked(fn: str, *args: int) -> bool:
-    """The library's yes/no answer of ``fn(*args)`` (a question about its build), asked once, not on every call of
-    the caller; False without the library (not kept: a library loaded later is asked)."""
-    lib = library()
-    if lib is None:
-        return False
-    key = (fn, *args)
-    if key not in _ASKED:
-        _ASKED[key] = bool(getattr(lib, fn)(*args))
-    return _ASKED[key]
+    """:func:`_answer` as yes or no."""
+    return _answer(fn, *args) != 0
 
 
 def epilogue_act(act: str) -> bool:
@@ -1232,27 +1237,36 @@ def prefill_attention_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ma
 # SDPA's flash kernel, multiplying in bf16, ran bf16 prompts from 128 rows), and on AVX512-BF16 dot products where
 # the CPU has no AMX (session 41).
 SDPA_MIN_ROWS: dict[str, int] = {}
-# The same where the library's attention has no AVX-512 path (an AVX2 CPU: plain C products and expf): SDPA from 512
-# fp32 rows, where bench/prefill_attention.py found it faster on every calibration layout at that count and above
-# (docs/bench/prefill_attention_avx2.md, session 54; an earlier run there, stopped before it wrote a page, put it
-# at 256).
+# The same where the library's attention has AVX2 and FMA but no AVX-512 (its products, softmax and transposition on
+# 8 lanes since session 56): the native kernel at every count, where bench/prefill_attention.py found it faster than
+# SDPA on every calibration layout from 16 to 1024 rows (docs/bench/prefill_attention_avx2.md).
+SDPA_MIN_ROWS_AVX2: dict[str, int] = {}
+# The same where the library's attention has neither (plain C products and expf): SDPA from 512 fp32 rows, where
+# bench/prefill_attention.py found it faster on every calibration layout at that count and above (an AVX2 CPU before
+# session 56 built its attention this way; docs/arch/runtime.md, session 54).
 SDPA_MIN_ROWS_PLAIN: dict[str, int] = {"float32": 512}
 
 
 def prefill_attention_native(dtype: torch.dtype, rows: int) -> bool:
     """Whether a prefill attention of ``rows`` query rows in ``dtype`` runs on ``hf_prefill_attention`` (else on
-    SDPA: :data:`SDPA_MIN_ROWS`); ``HETFORGE_PREFILL_ATTENTION=native`` or ``=sdpa`` forces one."""
+    SDPA: :func:`sdpa_min_rows`); ``HETFORGE_PREFILL_ATTENTION=native`` or ``=sdpa`` forces one."""
     pol = os.environ.get("HETFORGE_PREFILL_ATTENTION", "auto").strip().lower()
     if pol in ("native", "sdpa"):
         return pol == "native"
-    start = (SDPA_MIN_ROWS if prefill_attention_simd() else SDPA_MIN_ROWS_PLAIN).get(str(dtype).removeprefix("torch."))
+    start = sdpa_min_rows().get(str(dtype).removeprefix("torch."))
     return start is None or rows < start
 
 
-def prefill_attention_simd() -> bool:
-    """Whether ``hf_prefill_attention`` runs its AVX-512 path here (else plain C loops: :data:`SDPA_MIN_ROWS_PLAIN`
-    applies instead of :data:`SDPA_MIN_ROWS`); asked once (the rule reads it on every prefill attention call)."""
-    return _asked("hf_prefill_attention_simd")
+def prefill_attention_simd() -> str:
+    """Which code ``hf_prefill_attention``'s fp32 products run here: ``"avx512"``, ``"avx2"`` or ``"plain"`` (C loops
+    and expf); asked once (the rule reads it on every prefill attention call)."""
+    return {1: "avx512", 2: "avx2"}.get(_answer("hf_prefill_attention_simd"), "plain")
+
+
+def sdpa_min_rows() -> dict[str, int]:
+    """The rule of this build's attention code: :data:`SDPA_MIN_ROWS` (AVX-512), :data:`SDPA_MIN_ROWS_AVX2` or
+    :data:`SDPA_MIN_ROWS_PLAIN`."""
+    return {"avx512": SDPA_MIN_ROWS, "avx2": SDPA_MIN_ROWS_AVX2}.get(prefill_attention_simd(), SDPA_MIN_ROWS_PLAIN)
 
 
 AMX_ATTENTION_ENV = "HETFORGE_PREFILL_ATTENTION_AMX"
