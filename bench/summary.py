@@ -748,7 +748,8 @@ def _peer_load(d: J) -> str:
             f"{load_avg(m['loadavg_end'])} at the end, {m.f('threads'):.0f} threads")
 
 
-PEERS_RERUNS = (("", ""), ("_avx2", " (AVX2-only host)"))  # peers.md, the page of record, and its reruns
+PEERS_RERUNS = (("", ""), ("_512", " (Zen 5, 512 tokens)"),  # peers.md, the page of record, and its reruns
+                ("_avx2", " (AVX2-only host)"), ("_avx2_512", " (AVX2-only host, 512 tokens)"))
 
 
 def _peers_cold(d: J, page: str, label: str) -> Row:
@@ -811,8 +812,7 @@ def peers_decode_kv(d: J) -> Row:
 LOADED_NOTE = " (loaded: not a usable comparison until rerun quiet)"
 
 
-@row("peers_decode.json")
-def peers_decode(d: J) -> Row:
+def _peers_decode(d: J, page: str, label: str) -> Row:
     rows = [r for r in d["rows"] if r.s("status") == "ok"]
     names = {"hetforge": "hetforge", "ov-stateful-f32": "OpenVINO stateful f32", "ov-stateful": "OpenVINO stateful "
              "bf16", "llamacpp-f32": "llama.cpp f32", "llamacpp-q8": "llama.cpp Q8_0", "hetforge-w8": "hetforge w8",
@@ -847,8 +847,11 @@ def peers_decode(d: J) -> Row:
     status = ("f32 " + met(all(x["decode_ms_per_token_at_or_below_best_f32_peer"].b("met") for _, x in t))
               + "; w8 " + met(all(x["w8_decode_at_or_below_llamacpp_q8"].b("met") for _, x in t))
               + ("" if quiet else "; not decided: rerun quiet"))
-    return Row("peers (decode)", "fp32 decode ≤ best of llama.cpp / OpenVINO stateful; `--quantize w8` ≤ llama.cpp "
-               "Q8_0", result, status, link("peers_decode.md"))
+    return Row("peers (decode)" + label, "fp32 decode ≤ best of llama.cpp / OpenVINO stateful; `--quantize w8` ≤ "
+               "llama.cpp Q8_0", result, status, link(page))
+
+
+page_rows("peers_decode", _peers_decode, (("", ""), ("_avx2", " (AVX2-only host)")))
 
 
 @row("peers.json")
@@ -1330,8 +1333,7 @@ def _contention_met(d: J) -> bool:
     return all(r.f(CONTENTION_FIXED) <= 1 for r in d["summary"] if r.s("load") != "none")
 
 
-@cpu_row("contention.json")
-def contention(d: J) -> Row:
+def _contention(d: J, page: str, label: str) -> Row:
     s = list(d["summary"])
     fx, ad = CONTENTION_FIXED, CONTENTION_ADAPTIVE
 
@@ -1361,7 +1363,10 @@ def contention(d: J) -> Row:
             "rounds, with no process of ours, with one `while True` process pinned to the last CPU and, where the page "
             "ran it, with one the scheduler moves; the native "
             f"decode kernels on their own pool ({d.s('timing')})")
-    return Row("contention", what, result, "", link("contention.md"))
+    return Row("contention" + label, what, result, "", link(page))
+
+
+per_cpu_rows("contention", _contention, (("", ""), AVX2))
 
 
 def _ttft(d: J) -> dict[str, dict[str, dict[str, float]]]:
@@ -1405,8 +1410,7 @@ def _ttft_ratios(d: J) -> list[tuple[str, tuple[str, ...], list[float]]]:
     return out
 
 
-@cpu_row("ttft.json")
-def ttft(d: J) -> Row:
+def _ttft_row(d: J, page: str, label: str) -> Row:
     lengths = [str(int(v.f())) for v in d["lengths"]]
     mode = _ttft_mode(d)
     rule = d["pieces_rule"]
@@ -1427,7 +1431,10 @@ def ttft(d: J) -> Row:
             f"(f32, Q8_0, Q4_0 where measured); {d.f('threads'):.0f} threads, {d.f('rounds'):.0f} interleaved rounds "
             f"({d.s('timing')})")
     status = met(all(met_all)) + f" ({count_met(met_all)} schemes)"
-    return Row("TTFT (prompts between tiers)", what, result, status, link("ttft.md"))
+    return Row("TTFT (prompts between tiers)" + label, what, result, status, link(page))
+
+
+per_cpu_rows("ttft", _ttft_row, (("", ""), AVX2))
 
 
 # ---------------------------------------------------------------- prose
@@ -1487,10 +1494,12 @@ def why_we_lose(peers: J, kf: J, pg: J) -> str:
   by a measured choice; bf16: oneDNN's, AMX's
   where the CPU has it, the native AVX512-BF16 panel kernel for 8..48 rows where it has no AMX), so most of prefill
   is GEMM time ([bench/prefill_gemm.md](bench/prefill_gemm.md); on a CPU with AVX2 and no AVX-512:
-  [bench/prefill_gemm_avx2.md](bench/prefill_gemm_avx2.md) and [bench/peers_avx2.md](bench/peers_avx2.md), rerun
-  after session 55 gave that CPU vector activations and oneDNN's plain product followed by the native activation
-  pass (`dnnact`): the AVX2 rows above; there the GEMM ops run further below the peak than on the AVX-512 hosts, and
-  at 512 rows attention, on ATen's SDPA, is the largest part outside them, per the page's per-op table). Against
+  [bench/prefill_gemm_avx2.md](bench/prefill_gemm_avx2.md), [bench/peers_avx2.md](bench/peers_avx2.md) and
+  [bench/peers_avx2_512.md](bench/peers_avx2_512.md), rerun after session 56 gave that CPU's prefill attention an
+  8-lane path (session 55: vector activations and oneDNN's plain product followed by the native activation pass):
+  the AVX2 rows above; there the GEMM ops run further below the peak than on the AVX-512 hosts and are nearly all
+  of the time left, per the page's per-op table, so 128 tokens, where the products dominate most, stay level with
+  the peers while 512, where attention weighs more, is ahead). Against
   OpenVINO f32 it is {span(ov, times)} on the latest peers run ([bench/peers.md](bench/peers.md), whose header names
   the host). hetforge's products run close to the host's FMA peak, and so must the peers', so the lead moves with
   the CPU: on the Zen 5 VMs (x86 family 26: sessions 30–35 and 44–50) the panel GEMM reads a short prompt's weights
@@ -1522,6 +1531,13 @@ def why_we_lose(peers: J, kf: J, pg: J) -> str:
   without `-ffast-math` ({slow}). Fusion wins where ATen makes several passes
   (the largest: {', '.join(f"{p.s('name')} {times(p.f('speedup'))}" for p in fast)}).
   See [bench/kforge.md](bench/kforge.md).
+- **Time to first token with int4 weights on a CPU without AVX512-VNNI and VBMI** (the AVX2-only host,
+  [bench/ttft_avx2.md](bench/ttft_avx2.md)): hetforge's int4·int8 kernels (`hf_gemv_q4a`, `hf_gemm_q4a`) have only
+  an AVX512-VNNI + VBMI path besides plain C, so there a w4 product takes ATen's path, and a prompt's several-row
+  products unpack and dequantize the whole int4 weight to fp32 on every call before one float GEMM. A short prompt
+  then costs many times llama.cpp Q4_0's time (and the first compile of each w4 program is slow too); at 500 tokens,
+  where the products dominate, it is level. An AVX2 int4 kernel (u4 × s8 products with `vpmaddubsw`/`vpmaddwd` on
+  the block layout this torch build packs, `ops/quant.py` `_int4_layout`) is what is missing.
 - **Decode vs HF:** the decode step runs every one-row weight product on hetforge's native C GEMV (each thread
   streams one block of the weight as several streams; ATen's one-row GEMM uses one core and one stream here), and
   every norm, rotary, decode attention and MLP block as one native call writing its arena slice
@@ -1554,7 +1570,10 @@ COMMAND_KEYS: list[tuple[str, tuple[str | int, ...]]] = [
     ("select.json", ("meta", "command")),
     ("peers.json", ("command",)),
     ("peers_decode.json", ("command",)),
+    ("peers_decode_avx2.json", ("command",)),
+    ("peers_512.json", ("command",)),
     ("peers_avx2.json", ("command",)),
+    ("peers_avx2_512.json", ("command",)),
     ("props.json", ("command",)),
     ("kforge.json", ("command",)),
     ("moe.json", ("meta", "command")),
@@ -1564,7 +1583,9 @@ COMMAND_KEYS: list[tuple[str, tuple[str | int, ...]]] = [
     ("cluster.json", ("meta", "command")),
     ("compile_cache.json", ("command",)),
     ("contention.json", ("command",)),
+    ("contention_avx2.json", ("command",)),
     ("ttft.json", ("command",)),
+    ("ttft_avx2.json", ("command",)),
     ("prefill_gemm.json", ("command",)),
     ("prefill_gemm_zen4.json", ("command",)),
     ("prefill_gemm_avx2.json", ("command",)),
@@ -1622,7 +1643,8 @@ def _still_open() -> list[str]:
              "step_ms_bf16_at_or_below_openvino_bf16": "the bf16 one-token forward at or below OpenVINO bf16",
              "decode_ms_per_token_bf16_at_or_below_openvino_bf16": "bf16 decode at or below OpenVINO bf16"}
     missed: dict[str, list[str]] = {}
-    for page in ("peers.json", "peers_512.json", "peers_decode.json", "peers_avx2.json"):
+    for page in ("peers.json", "peers_512.json", "peers_decode.json", "peers_avx2.json", "peers_avx2_512.json",
+                 "peers_decode_avx2.json"):
         for c in load(page)["comparisons"].value:
             for key, t in (c.get("targets") or {}).items():
                 if isinstance(t, dict) and t.get("met") is False:
@@ -1630,10 +1652,12 @@ def _still_open() -> list[str]:
     open_ += [f"{what}: not met on {', '.join(where)}" for what, where in missed.items()]
     if not all(r.f("warm_median_s") <= 0.2 for r in load("compile_cache.json")["rows"]):
         open_.append("a warm compile-cache hit ≤ 0.2 s")
-    if not _contention_met(load("contention.json")):
-        open_.append("decode with one core busy: two fixed threads no slower than one (contention.md)")
-    if not all(r <= 1.0 for _, _, ratios in _ttft_ratios(load("ttft.json")) for r in ratios):
-        open_.append("time to first token at or below the best exact-length peer at every prompt length (ttft.md)")
+    for suffix in ("", "_avx2"):
+        if not _contention_met(load(f"contention{suffix}.json")):
+            open_.append(f"decode with one core busy: two fixed threads no slower than one (contention{suffix}.md)")
+        if not all(r <= 1.0 for _, _, ratios in _ttft_ratios(load(f"ttft{suffix}.json")) for r in ratios):
+            open_.append("time to first token at or below the best exact-length peer at every prompt length "
+                         f"(ttft{suffix}.md)")
     return open_
 
 

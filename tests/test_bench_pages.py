@@ -37,6 +37,8 @@ SCRIPT_OF = {
     "props.md": "props.py",
     "quant.md": "quant.py", "read_bandwidth.md": "read_bandwidth.py", "report.md": "report.py",
     "select.md": "selection.py", "thermal.md": "thermal.py", "ttft.md": "ttft.py",
+    "peers_avx2_512.md": "peers.py", "peers_decode_avx2.md": "peers.py", "ttft_avx2.md": "ttft.py",
+    "contention_avx2.md": "contention.py",
 }
 # pages whose JSON does not follow the naming rule
 JSON_OF: dict[str, str] = {}
@@ -65,6 +67,7 @@ RENDER = {
     "prefill_attention.md": _render("render"), "bf16_rows.md": _render("render"),
     "bf16_panel_rows.md": _render("render"), "bf16_panel_rows_zen5.md": _render("render"),
     "compile_cache.md": _render("render"), "contention.md": _render("render"),
+    "contention_avx2.md": _render("render"), "ttft_avx2.md": _render("render"),
     "costmodel.md": _render_with_path("page"), "costmodel_oos.md": _render_with_path("page"),
     "costmodel_ab.md": _render_with_path("page"), "read_bandwidth.md": _render_with_path("page"),
 }
@@ -75,6 +78,7 @@ _PEERS_WHY = ("bench/peers.py --render (as `hetforge bench peers --from-json`) r
 NOT_REGENERATED = {
     "quant.md": "bench/quant.py --from-json prints only the tables; the page wraps them in hand-written prose",
     "peers.md": _PEERS_WHY, "peers_512.md": _PEERS_WHY, "peers_decode.md": _PEERS_WHY, "peers_avx2.md": _PEERS_WHY,
+    "peers_avx2_512.md": _PEERS_WHY, "peers_decode_avx2.md": _PEERS_WHY,
 }
 # generated files that are not Markdown pages, each with why the test does not regenerate them
 NOT_PAGES = {
@@ -82,6 +86,8 @@ NOT_PAGES = {
     "peers_decode.png": "a matplotlib figure (as peers.png)",
     "peers_512.png": "a matplotlib figure (as peers.png)",
     "peers_avx2.png": "a matplotlib figure (as peers.png)",
+    "peers_avx2_512.png": "a matplotlib figure (as peers.png)",
+    "peers_decode_avx2.png": "a matplotlib figure (as peers.png)",
     "thermal.png": "a matplotlib figure (as peers.png)",
 }
 

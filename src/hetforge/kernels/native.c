@@ -3574,8 +3574,8 @@ void hf_rotary_pos_bf16(const hf_bf16 *x, const hf_bf16 *cos_, const hf_bf16 *si
  * its values into dense rows (once per call, shared by all the query heads and blocks that read them; rows of a
  * fused projection lie a large power-of-two-ish stride apart and would crowd a few L1 sets). The output is dense
  * [b, h, l, dv]. Grouped-query heads: query head i reads kv head i / (h / hkv). The products
- * use AVX-512 FMAs (4 rows x 64 columns of accumulators) where the build has AVX-512F, AVX2 FMAs (4 rows x 16
- * columns) where it has AVX2 and FMA only, else plain C loops; the exponentials use a polynomial (Cephes' expf, ~1
+ * use AVX-512 FMAs (4 rows x 64 columns of accumulators) where the build has AVX-512F, AVX2 FMAs (6 or 4 rows x
+ * 16 columns) where it has AVX2 and FMA only, else plain C loops; the exponentials use a polynomial (Cephes' expf, ~1
  * ulp) on either vector path and expf() otherwise. Where the threads divide
  * the kv heads evenly, a thread transposes a kv head and runs its query heads' tasks itself (pa_unit); else the
  * transposition is one region and the tasks, the largest causal blocks first, are the pool's chunks. */
