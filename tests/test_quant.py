@@ -73,6 +73,43 @@ def test_int4_rejects_group_not_dividing_k():
         quantize_weight(torch.randn(32, 96), "w4", 64)
 
 
+def _block_positions(b: int, n: int, k: int) -> torch.Tensor:
+    """What ``_packed_positions`` gives for a torch build that packs blocks of ``b`` rows: slot 2·byte (low
+    nibble) and 2·byte + 1 (high) of byte (block, column, i) hold rows block·b + i and block·b + b/2 + i."""
+    blk, col, i = torch.meshgrid(torch.arange(n // b), torch.arange(k), torch.arange(b // 2), indexing="ij")
+    lo, hi = (blk * b + i) * k + col, (blk * b + b // 2 + i) * k + col
+    return torch.stack([lo, hi], dim=-1).reshape(-1)
+
+
+@pytest.mark.parametrize("block", [64, 32, 16])
+def test_int4_layout_probe_finds_the_block_size_of_the_build_when_a_larger_one_divides_n(block, monkeypatch):
+    """A build packing 32-row blocks (this torch's AVX2 build) on a 128-row weight: the layout probe tries every
+    block size dividing n, largest first, and finds that one (before, it stopped after the largest, 64, and fell
+    back to a gather index of n·k entries, used by every dequantization)."""
+    from hetforge.ops import quant as q
+
+    monkeypatch.setattr(q, "_packed_positions", lambda n, k: _block_positions(block, n, k))
+    monkeypatch.setattr(q, "_INT4_LAYOUT", {})
+    assert q._int4_layout(128, 96) == ("block", block)
+
+
+def test_int4_layout_of_this_torch_build_is_a_block_layout_and_dequantizes_as_its_kernel():
+    """On this machine's torch build (no mock): a weight of 128 rows is found in a block layout, not gathered,
+    and dequantize_w4 gives the weight ATen's int4 kernel multiplies by."""
+    from hetforge.ops import quant as q
+
+    w = torch.randn(128, 256, generator=torch.Generator().manual_seed(5))
+    qv, s = quantize_int4(w, 64)
+    packed, sz = pack_int4(qv, s)
+    kind, b = q._int4_layout(128, 256)
+    assert kind == "block" and b in (16, 32, 64)
+    deq = q.dequantize_w4(packed, sz, 64)
+    assert torch.equal(deq, dequantize_int4(qv, s))
+    x = torch.randn(3, 256)
+    want = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, 64, sz)
+    assert torch.allclose(x @ deq.t(), want, rtol=1e-4, atol=1e-4)
+
+
 # ---------------------------------------------------------------- ops vs dequantized reference
 
 

@@ -125,17 +125,18 @@ def _packed_positions(n: int, k: int) -> torch.Tensor:
 def _int4_layout(n: int, k: int) -> tuple[str, object]:
     """Where each int4 value of an ``[n, k]`` weight sits in the packed bytes of this torch build, once per shape:
     ``("block", B)`` when byte ``(b, k, i)`` holds rows ``b·B+i`` (low nibble) and ``b·B+B/2+i`` (high) of column
-    ``k`` (what AVX2/AVX-512 builds do; found on a ``B``-row probe; :func:`dequantize_w4` checks it against the
+    ``k`` (what AVX2 builds do with ``B`` = 32 and AVX-512 builds with 64; found on a ``B``-row probe, the sizes
+    dividing ``n`` tried from the largest; :func:`dequantize_w4` checks it against the
     kernel on the first weight of each shape), else ``("gather", index)`` from the full shape's positions."""
     key = (n, k)
     if key not in _INT4_LAYOUT:
         found: tuple[str, object] | None = None
-        for b in (64, 32, 16):
+        for b in (64, 32, 16):  # every size that divides n, largest first: a build packs blocks of one size
             if n % b == 0:
                 probe = _packed_positions(b, k)
                 if torch.equal(_block_unpack(probe, b, b, k), torch.arange(b * k).view(b, k)):
                     found = ("block", b)
-                break
+                    break
         if found is None:
             src = _packed_positions(n, k)
             found = ("gather", torch.argsort(src))
