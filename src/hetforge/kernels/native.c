@@ -3787,6 +3787,19 @@ static void pa_pv(const float *restrict p, const float *restrict V, long vstride
     }
 }
 
+/* The mask of row mrow applied to the scores t[0..cnt) of keys j..j+cnt-1: a bool mask hides (-inf) what it does not
+ * show, a float mask is added. */
+static inline void pa_mask_entries(const pa_ctx *a, const char *mrow, long j, float *t, long cnt) {
+    for (long e = 0; e < cnt; e++) {
+        long off = (j + e) * a->ms[3];
+        if (a->mask_kind == 1) {
+            if (!((const uint8_t *)mrow)[off]) t[e] = -INFINITY;
+        } else {
+            t[e] += ((const float *)mrow)[off];
+        }
+    }
+}
+
 /* Whether mask block [i0, i0+ni) x [j0, j0+nj) of (batch, head) base has a visible entry; *all: every one is;
  * *ext: 1 + the last column that some row of the block sees (0 when none does). Why ext: a causal mask passed as a
  * mask (GPT-2's graphs build one) hides the upper part of each diagonal block, and the products need not run past
@@ -4027,15 +4040,7 @@ static void pa_softmax_rows(const pa_ctx *a, float *restrict sb, const char *mba
                 } else {
                     float t[16];
                     _mm512_storeu_ps(t, x);
-                    for (int e = 0; e < 16; e++) {
-                        if (!(keep >> e & 1)) continue;
-                        long off = (j0 + 16 * c + e) * a->ms[3];
-                        if (a->mask_kind == 1) {
-                            if (!((const uint8_t *)mrow)[off]) t[e] = -INFINITY;
-                        } else {
-                            t[e] += ((const float *)mrow)[off];
-                        }
-                    }
+                    pa_mask_entries(a, mrow, j0 + 16 * c, t, __builtin_popcount(keep)); /* keep: the low bits */
                     x = _mm512_loadu_ps(t);
                 }
             }
@@ -4108,14 +4113,7 @@ static void pa_softmax_rows8(const pa_ctx *a, float *restrict sb, const char *mb
                 } else {
                     float t[8];
                     _mm256_storeu_ps(t, x);
-                    for (long e = 0; e < 8 && e < n; e++) {
-                        long off = (j0 + 8 * c + e) * a->ms[3];
-                        if (a->mask_kind == 1) {
-                            if (!((const uint8_t *)mrow)[off]) t[e] = -INFINITY;
-                        } else {
-                            t[e] += ((const float *)mrow)[off];
-                        }
-                    }
+                    pa_mask_entries(a, mrow, j0 + 8 * c, t, n < 8 ? n : 8);
                     x = _mm256_loadu_ps(t);
                 }
             }
@@ -4197,15 +4195,7 @@ static void pa_task(void *p, long t) {
             for (long jj = nv; jj < PA_KB; jj++) sr[jj] = -INFINITY; /* past nv: not computed, hidden */
             if (a->causal && j0 + nj - 1 > i)
                 for (long jj = i - j0 + 1 < 0 ? 0 : i - j0 + 1; jj < nj; jj++) sr[jj] = -INFINITY;
-            if (mbase && !(a->mask_kind == 1 && all)) {
-                const char *row = mbase + i * a->ms[2] * esz;
-                if (a->mask_kind == 1) {
-                    for (long jj = 0; jj < nj; jj++)
-                        if (!((const uint8_t *)row)[(j0 + jj) * a->ms[3]]) sr[jj] = -INFINITY;
-                } else {
-                    for (long jj = 0; jj < nj; jj++) sr[jj] += ((const float *)row)[(j0 + jj) * a->ms[3]];
-                }
-            }
+            if (mbase && !(a->mask_kind == 1 && all)) pa_mask_entries(a, mbase + i * a->ms[2] * esz, j0, sr, nj);
             float mx = -INFINITY;
             for (long jj = 0; jj < PA_KB; jj++) mx = sr[jj] > mx ? sr[jj] : mx;
             float mn = mx > m[ii] ? mx : m[ii];

@@ -1239,7 +1239,8 @@ def prefill_attention_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ma
 SDPA_MIN_ROWS: dict[str, int] = {}
 # The same where the library's attention has AVX2 and FMA but no AVX-512 (its products, softmax and transposition on
 # 8 lanes since session 56): the native kernel at every count, where bench/prefill_attention.py found it faster than
-# SDPA on every calibration layout from 16 to 1024 rows (docs/bench/prefill_attention_avx2.md).
+# SDPA on every calibration layout from 32 to 1024 rows and on two of three at 16 (a call of about 100 µs there;
+# docs/bench/prefill_attention_avx2.md).
 SDPA_MIN_ROWS_AVX2: dict[str, int] = {}
 # The same where the library's attention has neither (plain C products and expf): SDPA from 512 fp32 rows, where
 # bench/prefill_attention.py found it faster on every calibration layout at that count and above (an AVX2 CPU before
