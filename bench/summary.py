@@ -1538,7 +1538,7 @@ def why_we_lose(peers: J, kf: J, pg: J) -> str:
   56 by a reshape of the 32-row block layout that build packs, before through a gather index), and one row runs
   ATen's int4 kernel, which on that build took about as long as dequantizing and a float product (one-off figures
   in [arch/quant.md](arch/quant.md)). On that page (run after the layout fix) a short prompt costs several times
-  llama.cpp Q4_0's time; at 500 tokens, where the products dominate, it is level. An AVX2 int4 kernel (u4 × s8
+  llama.cpp Q4_0's time; at 500 tokens, where the products dominate, it is level or ahead. An AVX2 int4 kernel (u4 × s8
   products with `vpmaddubsw`/`vpmaddwd` on that block layout) is what is missing.
 - **Decode vs HF:** the decode step runs every one-row weight product on hetforge's native C GEMV (each thread
   streams one block of the weight as several streams; ATen's one-row GEMM uses one core and one stream here), and
