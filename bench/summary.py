@@ -851,7 +851,8 @@ def _peers_decode(d: J, page: str, label: str) -> Row:
                "llama.cpp Q8_0", result, status, link(page))
 
 
-page_rows("peers_decode", _peers_decode, (("", ""), ("_avx2", " (AVX2-only host)")))
+PEERS_DECODE_RERUNS = (("", ""), ("_avx2", " (AVX2-only host)"))
+page_rows("peers_decode", _peers_decode, PEERS_DECODE_RERUNS)
 
 
 @row("peers.json")
@@ -1164,6 +1165,7 @@ RERUNS = (("", ""), ("_zen5", " (Zen 5)"))
 
 
 AVX2 = ("_avx2", " (AVX2 only)")  # a run on a CPU exposing AVX2/FMA and no AVX-512 (session 54)
+WITH_AVX2 = (("", ""), AVX2)  # a page of record and its AVX2 run (contention, TTFT)
 
 
 def per_cpu_rows(stem: str, make: Callable[[J, str, str], Row], reruns: tuple = RERUNS) -> None:
@@ -1366,7 +1368,7 @@ def _contention(d: J, page: str, label: str) -> Row:
     return Row("contention" + label, what, result, "", link(page))
 
 
-per_cpu_rows("contention", _contention, (("", ""), AVX2))
+per_cpu_rows("contention", _contention, WITH_AVX2)
 
 
 def _ttft(d: J) -> dict[str, dict[str, dict[str, float]]]:
@@ -1434,7 +1436,7 @@ def _ttft_row(d: J, page: str, label: str) -> Row:
     return Row("TTFT (prompts between tiers)" + label, what, result, status, link(page))
 
 
-per_cpu_rows("ttft", _ttft_row, (("", ""), AVX2))
+per_cpu_rows("ttft", _ttft_row, WITH_AVX2)
 
 
 # ---------------------------------------------------------------- prose
@@ -1498,8 +1500,8 @@ def why_we_lose(peers: J, kf: J, pg: J) -> str:
   [bench/peers_avx2_512.md](bench/peers_avx2_512.md), rerun after session 56 gave that CPU's prefill attention an
   8-lane path (session 55: vector activations and oneDNN's plain product followed by the native activation pass):
   the AVX2 rows above; there the GEMM ops run further below the peak than on the AVX-512 hosts and are nearly all
-  of the time left, per the page's per-op table, so 128 tokens, where the products dominate most, stay level with
-  the peers while 512, where attention weighs more, is ahead). Against
+  of the time left, per the page's per-op table; 128 tokens stay level with the peers while 512, where attention
+  weighs more, is ahead, which hetforge's profile suggests is the attention: the peers were not profiled). Against
   OpenVINO f32 it is {span(ov, times)} on the latest peers run ([bench/peers.md](bench/peers.md), whose header names
   the host). hetforge's products run close to the host's FMA peak, and so must the peers', so the lead moves with
   the CPU: on the Zen 5 VMs (x86 family 26: sessions 30–35 and 44–50) the panel GEMM reads a short prompt's weights
@@ -1645,8 +1647,8 @@ def _still_open() -> list[str]:
              "step_ms_bf16_at_or_below_openvino_bf16": "the bf16 one-token forward at or below OpenVINO bf16",
              "decode_ms_per_token_bf16_at_or_below_openvino_bf16": "bf16 decode at or below OpenVINO bf16"}
     missed: dict[str, list[str]] = {}
-    for page in ("peers.json", "peers_512.json", "peers_decode.json", "peers_avx2.json", "peers_avx2_512.json",
-                 "peers_decode_avx2.json"):
+    for page in ([f"peers{s}.json" for s, _ in PEERS_RERUNS]
+                 + [f"peers_decode{s}.json" for s, _ in PEERS_DECODE_RERUNS]):
         for c in load(page)["comparisons"].value:
             for key, t in (c.get("targets") or {}).items():
                 if isinstance(t, dict) and t.get("met") is False:
@@ -1654,7 +1656,7 @@ def _still_open() -> list[str]:
     open_ += [f"{what}: not met on {', '.join(where)}" for what, where in missed.items()]
     if not all(r.f("warm_median_s") <= 0.2 for r in load("compile_cache.json")["rows"]):
         open_.append("a warm compile-cache hit ≤ 0.2 s")
-    for suffix in ("", "_avx2"):
+    for suffix, _ in WITH_AVX2:
         if not _contention_met(load(f"contention{suffix}.json")):
             open_.append(f"decode with one core busy: two fixed threads no slower than one (contention{suffix}.md)")
         if not all(r <= 1.0 for _, _, ratios in _ttft_ratios(load(f"ttft{suffix}.json")) for r in ratios):

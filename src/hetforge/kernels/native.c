@@ -3932,11 +3932,12 @@ static void pa_transpose(void *p, long t) {
     long j1 = 0; /* the keys from j1 on take the plain loop below */
 #if defined(HF_ACT8)
     /* fp32 keys 8 x 8 at a time, transposed in registers (pa_tr8) as the AVX-512 path does 16 x 16 (the plain loop
-     * stores one float per step, a tile row apart), up to the 16-key group of the last key (zeros past s) */
+     * stores one float per step, a tile row apart), up to the 16-key group of the last key (zeros past s); the
+     * groups past it are never read (pa_task's nv), so the plain loop has none left */
     if (!a->bf16) {
-        long d8 = a->d / 8 * 8;
-        j1 = (a->s + 15) / 16 * 16;
-        for (long j0 = 0; j0 < j1; j0 += 8) {
+        long d8 = a->d / 8 * 8, s16 = (a->s + 15) / 16 * 16; /* s rounded up to a 16-key group */
+        j1 = a->sp;
+        for (long j0 = 0; j0 < s16; j0 += 8) {
             float *tile = kt + (j0 / PA_KB) * a->d * PA_KB + j0 % PA_KB;
             for (long c0 = 0; c0 < d8; c0 += 8) {
                 __m256 rows[8];
@@ -3950,7 +3951,6 @@ static void pa_transpose(void *p, long t) {
                 for (long c = d8; c < a->d; c++)
                     tile[c * PA_KB + j - j0] = j < a->s ? ((const float *)(K + j * a->ks[2] * esz))[c] : 0.f;
         }
-        j1 = a->sp; /* the key groups past the last one: never read (pa_task's nv) */
     }
 #endif
     for (long j = j1; j < a->sp; j++) {
@@ -4080,9 +4080,7 @@ static inline float hmax8(__m256 v) {
 }
 
 static inline float hsum8(__m256 v) {
-    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
-    return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+    return hsum_halves128(_mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1)));
 }
 
 /* pa_softmax_rows with AVX2, row by row: each row's scores past cnt (its diagonal or nv) set to -inf, a mask
@@ -4104,8 +4102,10 @@ static void pa_softmax_rows8(const pa_ctx *a, float *restrict sb, const char *mb
         for (long c = 0; c < nw; c++) {
             __m256 x = _mm256_loadu_ps(sr + 8 * c);
             long n = cnt - 8 * c;
-            if (n < 8)
-                x = _mm256_blendv_ps(ninf, x, _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32((int)(n < 0 ? 0 : n)), iota)));
+            if (n < 8) { /* lanes from n on: -inf */
+                __m256i live = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(n < 0 ? 0 : n)), iota);
+                x = _mm256_blendv_ps(ninf, x, _mm256_castsi256_ps(live));
+            }
             if (apply && n > 0) {
                 if (a->mask_kind == 1 && a->ms[3] == 1 && n >= 8) {
                     __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(mrow + j0 + 8 * c)));
