@@ -151,8 +151,8 @@ def main() -> None:
         sys.exit(2)
     from hetforge.kernels import native
 
-    if native.library() is None or native.q4a_path() != "vnni":
-        print("error: hf_gemm_q4a needs the native kernels with AVX512-VNNI + VBMI: "
+    if native.library() is None or native.q4a_path() == "portable":
+        print("error: hf_gemm_q4a needs the native kernels with AVX512-VNNI + VBMI or AVX2 + FMA: "
               + (native.status().reason or "this CPU lacks them"), file=sys.stderr)
         sys.exit(2)
     os.environ.setdefault("HETFORGE_CACHE", tempfile.mkdtemp(prefix="hetforge-w4ab-"))  # no stale programs

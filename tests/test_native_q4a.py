@@ -21,12 +21,13 @@ pytestmark = needs_cc
 
 @pytest.fixture(autouse=True)
 def _q4_host(monkeypatch):
-    """These tests run the kernels: they need the library and its VNNI path (the portable path is compared with
-    it; on hosts without VNNI+VBMI w4 stays on ATen's kernels, which test_quant.py covers)."""
+    """These tests run the kernels: they need the library and its VNNI or AVX2 path (the portable path is compared
+    with it; on hosts with neither w4 stays on ATen's kernels, which test_quant.py covers)."""
     if native.library() is None:
         pytest.skip(f"native C kernels not built on this host ({native.status().reason})")
-    if native.q4a_path() != "vnni":
-        pytest.skip("no AVX512-VNNI + VBMI on this host: w4 runs ATen's int4 kernels here (test_quant.py)")
+    if native.q4a_path() == "portable":
+        pytest.skip("neither AVX512-VNNI + VBMI nor AVX2 + FMA on this host: w4 runs ATen's int4 kernels here "
+                    "(test_quant.py)")
     monkeypatch.delenv("HETFORGE_W4_ACT", raising=False)
 
 
@@ -76,13 +77,25 @@ def test_q4a_equals_the_reference_bit_for_bit_on_every_path(m, n, k, group):
     assert k % group == 0  # every K above is a multiple of every group size
     q, s, packed, sz, x, b = _case(m, n, k, group)
     want = _reference(q, s, x, b, group)
-    vnni = _run(packed, sz, x, b, group)
-    assert torch.equal(vnni, want)
-    assert torch.equal(_run(packed, sz, x, b, group, path="portable"), vnni)  # plain C: the same bits
-    assert torch.equal(_run(packed, sz, x, b, group, threads=1), vnni)  # any thread count
+    best = _run(packed, sz, x, b, group)  # the VNNI or AVX2 path, whichever this build has
+    assert torch.equal(best, want)
+    assert torch.equal(_run(packed, sz, x, b, group, path="portable"), best)  # plain C: the same bits
+    assert torch.equal(_run(packed, sz, x, b, group, threads=1), best)  # any thread count
     if m > 1:  # row r of a prefill has the bits of a decode step on row r
         rows = torch.cat([_run(packed, sz, x[r:r + 1].clone(), b, group) for r in range(m)])
-        assert torch.equal(rows, vnni)
+        assert torch.equal(rows, best)
+
+
+@pytest.mark.parametrize(("m", "blocks", "k", "group"), [(1, 3, 512, 32), (9, 3, 768, 256), (4, 5, 1024, 128)])
+def test_q4a_reads_an_odd_number_of_row_blocks_of_its_build(m, blocks, k, group):
+    """N an odd multiple of the build's row block (32 on AVX2 builds, 64 on VNNI ones): every block read where
+    it sits, and the weight fits the kernels (w4_weight_fits checks the layout against ATen's kernel)."""
+    n = blocks * native.q4_row_block()
+    q, s, packed, sz, x, b = _case(m, n, k, group, seed=6)
+    assert w4_weight_fits(packed, sz, group)
+    got = _run(packed, sz, x, b, group)
+    assert torch.equal(got, _reference(q, s, x, b, group))
+    assert torch.equal(_run(packed, sz, x, b, group, path="portable"), got)
 
 
 @pytest.mark.parametrize("act", ["relu", "silu", "gelu", "gelu_tanh"])
@@ -123,7 +136,8 @@ def test_the_kernels_refuse_shapes_outside_them():
 
 
 def test_weights_the_kernels_cannot_read_keep_the_aten_path():
-    """N not a multiple of 64, or nonzero zeros: w4_weight_fits says no and linear_w4 computes what ATen does."""
+    """N not a multiple of the kernels' row block (64 or 32), or nonzero zeros: w4_weight_fits says no and
+    linear_w4 computes what ATen does."""
     q, s, packed, sz, x, b = _case(3, 48, 256, 64, seed=4)
     assert not w4_weight_fits(packed, sz, 64)
     want = torch.nn.functional.linear(x, dequantize_w4(packed, sz, 64), b)
@@ -216,8 +230,9 @@ def test_compiled_w4_prefill_records_and_runs_the_gemm_kernel(monkeypatch):
         exe = res.executable
         w4 = [i for i in exe.program.instrs if i.op == "hetforge.linear_w4.default" and rows(i, exe.program) > 1]
         native_ones = [i for i in w4 if exe.kernels[i.id] == "native:hf_gemm_q4a"]
-        if mode == "q8":  # q, o, gate, up, down per layer read by the kernels; k, v (N = 32) are not; the last
-            # layer's o, gate, up and down run on the selected row only (passes/rowprune.py), its q on every row
+        if mode == "q8":  # q, o, gate, up, down per layer read by the kernels (k, v: N = 32, on 32-row block
+            # builds only); the last layer's o, gate, up and down run on the selected row only (passes/rowprune.py),
+            # its q on every row
             assert len(native_ones) >= 5 * (m.config.num_hidden_layers - 1) + 1
             assert all(i.attrs["kernel"] == "native:hf_gemm_q4a" for i in native_ones)
             cost = estimate_instr(native_ones[0], exe.program, res.soc.device(native_ones[0].device),
@@ -246,7 +261,7 @@ def test_compiled_w4_decode_step_records_and_runs_the_gemv_kernel():
     exe = res.executable
     w4 = [i for i in exe.program.instrs if i.op == "hetforge.linear_w4.default"]
     native_ones = [i for i in w4 if exe.kernels[i.id] == "native:hf_gemv_q4a"]
-    assert len(native_ones) >= 5 * layers  # q, o, gate, up, down per layer; k, v (N = 32) are not read
+    assert len(native_ones) >= 5 * layers  # q, o, gate, up, down per layer; k, v (N = 32): 32-row builds only
     assert all(i.attrs["kernel"] == "native:hf_gemv_q4a" for i in native_ones) and "hf_gemv_q4a" in exe.source
     got = [t.clone() for t in exe.run_flat(*inputs)]
     with torch.no_grad():

@@ -2246,34 +2246,60 @@ int hf_gemm_q8a(const int8_t *q, const float *scales, const float *x, const floa
  * takes u (0..15) as its unsigned side and x_q's four bytes broadcast as the signed side, the int32
  * accumulator starting at −8·Σ x_q of the block, so it ends at Σ (u − 8)·x_q. The GEMV (decode) widens in
  * registers; the GEMM widens each 64-row block once into a per-thread buffer (64·K bytes) and runs 6 x rows ×
- * 32 outputs tiles over it (12 int32 + 12 float accumulators). Without VNNI+VBMI the portable C path runs (the
- * Python side routes such hosts to the ATen path instead). */
+ * 32 outputs tiles over it (12 int32 + 12 float accumulators).
+ *
+ * AVX2 + FMA path (no AVX-512): the layout of AVX2 torch builds, blocks of 32 rows (byte blk·16K + 16k + i,
+ * i < 16: rows blk·32 + i low, blk·32 + 16 + i high). Two 32-byte loads hold four k columns of the block; one
+ * vpermd each and two rounds of byte/word unpacks give vectors whose dword j holds the four k bytes of row j
+ * (8 rows per vector, natural row order, bytes in the order k, k+2, k+1, k+3: x_q's bytes are stored in that order
+ * by q4q_chunk on this path). vpmaddubsw (u unsigned, x_q signed) sums byte pairs into int16 without saturation
+ * (|2·15·127| = 3810), eight such sums per block add in int16 (at most 30480), and one vpmaddwd by 1 per block
+ * widens them to the row's int32 sum; the int32 offset −8·Σ x_q is added after. The GEMV widens in registers;
+ * the GEMM widens each 32-row block once into a per-thread buffer (32·K bytes) and runs 4 x rows × 16 outputs
+ * tiles over it (int16 sums in registers, the float sums in a small tile in L1).
+ *
+ * Elsewhere the portable C path runs (the Python side routes such hosts to the ATen path instead). Each path
+ * reads the block size of its own build (:c:func:`hf_q4_block`): a torch build that packs another one (an
+ * AVX-512 host without VNNI + VBMI packs 64-row blocks) fails the caller's layout check and keeps ATen's path. */
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VBMI__)
 #define HF_Q4A_VNNI 1
+#define HF_Q4A_AVX2 0
+#include <immintrin.h>
+#elif defined(__AVX2__) && defined(__FMA__)
+#define HF_Q4A_VNNI 0
+#define HF_Q4A_AVX2 1
 #include <immintrin.h>
 #else
 #define HF_Q4A_VNNI 0
+#define HF_Q4A_AVX2 0
 #endif
 
-enum { Q4A_PORTABLE = 0, Q4A_VNNI = 1 };
+enum { Q4A_PORTABLE = 0, Q4A_VNNI = 1, Q4A_AVX2 = 2 };
+#if HF_Q4A_AVX2
+#define Q4_BLK 32 /* rows per block of ATen's packed layout (AVX2 builds) */
+#else
 #define Q4_BLK 64 /* rows per block of ATen's packed layout (AVX-512 builds) */
-#define Q4G_R 6   /* x rows per GEMM tile */
+#endif
+#define Q4G_R 6   /* x rows per GEMM tile (VNNI) */
+#define Q4G_R2 4  /* x rows per GEMM tile (AVX2) */
 
-static int q4a_best(void) { return HF_Q4A_VNNI ? Q4A_VNNI : Q4A_PORTABLE; }
+/* Rows per block of the packed layout this build's kernels read. */
+int hf_q4_block(void) { return Q4_BLK; }
 
-static _Atomic int q4a_forced = -1; /* test hook: a lower path than the best compiled one, or -1 */
+static int q4a_best(void) { return HF_Q4A_VNNI ? Q4A_VNNI : HF_Q4A_AVX2 ? Q4A_AVX2 : Q4A_PORTABLE; }
 
-/* Force path ``path`` (0 portable, 1 AVX512-VNNI+VBMI; clamped to the best compiled), -1 for the best, -2 to
- * leave it; returns the best path this build has. */
+static _Atomic int q4a_forced = -1; /* test hook: the portable path instead of the best compiled one, or -1 */
+
+/* Force path ``path`` (0 portable; any other value means the best compiled: 1 AVX512-VNNI+VBMI or 2 AVX2 + FMA,
+ * a build has one of them), -1 for the best, -2 to leave it; returns the best path this build has. */
 int hf_q4a_path(int path) {
     if (path != -2) atomic_store(&q4a_forced, path); /* -2: only ask */
     return q4a_best();
 }
 
 static int q4a_path(void) {
-    int p = q4a_best(), f = atomic_load(&q4a_forced);
-    return f >= 0 && f < p ? f : p;
+    return atomic_load(&q4a_forced) == Q4A_PORTABLE ? Q4A_PORTABLE : q4a_best();
 }
 
 typedef struct {
@@ -2302,6 +2328,11 @@ static void q4q_chunk(void *p, long c) {
             for (int i = 0; i < 32; i++) s += xq[b * 32 + i];
             ((int32_t *)a->xc)[r * nb + b] = -8 * s;
         }
+        if (a->path == Q4A_AVX2) /* bytes k, k+2, k+1, k+3 per 4, as the AVX2 path's widened weight holds them */
+            for (long i = 0; i < k; i += 4) {
+                int8_t t = xq[i + 1];
+                xq[i + 1] = xq[i + 2], xq[i + 2] = t;
+            }
     }
 }
 
@@ -2366,14 +2397,87 @@ static inline void q4_store16(const q4_ctx *a, __m512 v, long n, float *yr) {
 }
 #endif
 
-/* GEMV chunk c: outputs [64c, 64c + 64) of the one row. */
+#if HF_Q4A_AVX2
+/* vpermd indices: dwords (c0 rows 0-3, 8-11, c1 rows 0-3, 8-11, c0 rows 4-7, 12-15, c1 rows 4-7, 12-15) of a
+ * 32-byte load holding packed columns c0 (bytes 0..15) and c1 (16..31). */
+static inline __m256i q4_perm8(void) { return _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7); }
+
+/* Four k columns (k = 4s..4s+3) of a 32-row block at p (64 bytes): v[i] = u of rows 8i..8i+7, dword per row
+ * holding columns (k, k+2, k+1, k+3). */
+static inline void q4_unpack4x8(const uint8_t *p, __m256i perm, __m256i m, __m256i *v) {
+    __m256i p0 = _mm256_permutevar8x32_epi32(_mm256_loadu_si256((const __m256i *)p), perm);
+    __m256i p1 = _mm256_permutevar8x32_epi32(_mm256_loadu_si256((const __m256i *)(p + 32)), perm);
+    __m256i a = _mm256_unpacklo_epi8(p0, p1), b = _mm256_unpackhi_epi8(p0, p1); /* (c0, c2) / (c1, c3) pairs */
+    __m256i d0 = _mm256_unpacklo_epi16(a, b), d1 = _mm256_unpackhi_epi16(a, b);  /* rows 0-7 / 8-15 */
+    v[0] = _mm256_and_si256(d0, m), v[1] = _mm256_and_si256(d1, m);
+    v[2] = _mm256_and_si256(_mm256_srli_epi16(d0, 4), m), v[3] = _mm256_and_si256(_mm256_srli_epi16(d1, 4), m);
+}
+
+/* s[g, n..n+7] from the interleaved (scale, zero) pairs. */
+static inline __m256 q4_scales8(const float *sz, long nn, long g, long n) {
+    const float *p = sz + (g * nn + n) * 2;
+    __m256 e = _mm256_shuffle_ps(_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8), 0x88); /* rows 0 1 4 5 | 2 3 6 7 */
+    return _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(e), 0xD8));
+}
+
+static inline int32_t q4_x4b(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+/* The block's int32 sums of 8 rows: the int16 pair sums widened and added by vpmaddwd, + the −8·Σ x_q offset. */
+static inline __m256i q4_dot8(__m256i s16, int32_t c) {
+    return _mm256_add_epi32(_mm256_madd_epi16(s16, _mm256_set1_epi16(1)), _mm256_set1_epi32(c));
+}
+
+/* acc + (d·s)·(float)dot: three roundings, as every path. */
+static inline __m256 q4_fold8(__m256 acc, __m256 d, __m256 s, __m256i dot) {
+    return _mm256_add_ps(acc, _mm256_mul_ps(_mm256_mul_ps(d, s), _mm256_cvtepi32_ps(dot)));
+}
+
+/* 8 results (+ bias), act, stored at yr (ReLU/none on the vector, other activations per element). */
+static inline void q4_store8(const q4_ctx *a, __m256 v, long n, float *yr) {
+    if (a->bias) v = _mm256_add_ps(v, _mm256_loadu_ps(a->bias + n));
+    if (a->act == ACT_RELU) v = _mm256_blendv_ps(v, _mm256_setzero_ps(), _mm256_cmp_ps(v, _mm256_setzero_ps(), _CMP_LE_OQ));
+    _mm256_storeu_ps(yr + n, v);
+    if (a->act != ACT_NONE && a->act != ACT_RELU)
+        for (int e = 0; e < 8; e++) yr[n + e] = act_of(yr[n + e], a->act);
+}
+#endif
+
+/* GEMV chunk c: outputs [Q4_BLK·c, Q4_BLK·(c + 1)) of the one row. */
 static void q4v_chunk(void *p, long c) {
     const q4_ctx *a = p;
     long n0 = c * Q4_BLK;
-    if (a->path != Q4A_VNNI) {
+    if (a->path == Q4A_PORTABLE) {
         q4_rows_portable(a, a->xq, a->xd, n0, n0 + Q4_BLK, a->y);
         return;
     }
+#if HF_Q4A_AVX2
+    long k = a->k, bpg = a->group / 32;
+    const uint8_t *w = a->w + n0 * k / 2;
+    const __m256i perm = q4_perm8(), m = _mm256_set1_epi8(15);
+    __m256 acc[4], sv[4];
+    for (int j = 0; j < 4; j++) acc[j] = sv[j] = _mm256_setzero_ps();
+    for (long b = 0; b < a->nb; b++) {
+        if (b % bpg == 0)
+            for (int j = 0; j < 4; j++) sv[j] = q4_scales8(a->sz, a->n, b / bpg, n0 + 8 * j);
+        __m256i s16[4], v[4];
+        for (int j = 0; j < 4; j++) s16[j] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+        for (int s = 0; s < 8; s++) {
+            q4_unpack4x8(w + (b * 8 + s) * 64, perm, m, v);
+            __m256i xb = _mm256_set1_epi32(q4_x4b(a->xq + b * 32 + 4 * s));
+#pragma GCC unroll 4
+            for (int j = 0; j < 4; j++) s16[j] = _mm256_add_epi16(s16[j], _mm256_maddubs_epi16(v[j], xb));
+        }
+        __m256 d = _mm256_set1_ps(a->xd[b]);
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; j++) acc[j] = q4_fold8(acc[j], d, sv[j], q4_dot8(s16[j], a->xc[b]));
+    }
+    for (int j = 0; j < 4; j++) q4_store8(a, acc[j], n0 + 8 * j, a->y);
+#endif
 #if HF_Q4A_VNNI
     long k = a->k, bpg = a->group / 32;
     const uint8_t *w = a->w + n0 * k / 2;
@@ -2401,14 +2505,70 @@ static void q4v_chunk(void *p, long c) {
 #endif
 }
 
-/* GEMM chunk c: outputs [64c, 64c + 64) of every x row. */
+/* GEMM chunk c: outputs [Q4_BLK·c, Q4_BLK·(c + 1)) of every x row. */
 static void q4g_chunk(void *p, long c) {
     const q4_ctx *a = p;
     long n0 = c * Q4_BLK, k = a->k, nn = a->n, nb = a->nb;
-    if (a->path != Q4A_VNNI) {
+    if (a->path == Q4A_PORTABLE) {
         for (long r = 0; r < a->m; r++) q4_rows_portable(a, a->xq + r * k, a->xd + r * nb, n0, n0 + Q4_BLK, a->y + r * nn);
         return;
     }
+#if HF_Q4A_AVX2
+    long bpg = a->group / 32;
+    uint8_t *buf = a->scratch + (long)omp_get_thread_num() * a->scratch_bytes;
+    float *sc = (float *)(buf + k / 4 * 128); /* [K/G][32] scales */
+    const uint8_t *w = a->w + n0 * k / 2;
+    const __m256i perm = q4_perm8(), m = _mm256_set1_epi8(15);
+    for (long s = 0; s < k / 4; s++) { /* per 4 columns: rows 0-7, 8-15, 16-23, 24-31 */
+        __m256i v[4];
+        q4_unpack4x8(w + s * 64, perm, m, v);
+        for (int j = 0; j < 4; j++) _mm256_store_si256((__m256i *)(buf + s * 128 + 32 * j), v[j]);
+    }
+    for (long g = 0; g < k / a->group; g++)
+        for (int j = 0; j < 4; j++) _mm256_store_ps(sc + g * 32 + 8 * j, q4_scales8(a->sz, nn, g, n0 + 8 * j));
+    for (int h = 0; h < 2; h++) { /* outputs 16h..16h+15 */
+        for (long r0 = 0; r0 < a->m; r0 += Q4G_R2) {
+            const int8_t *xq[Q4G_R2];
+            const float *xd[Q4G_R2];
+            const int32_t *xc[Q4G_R2];
+            long rr[Q4G_R2];
+            for (int i = 0; i < Q4G_R2; i++) {
+                rr[i] = r0 + i < a->m ? r0 + i : a->m - 1;
+                xq[i] = a->xq + rr[i] * k, xd[i] = a->xd + rr[i] * nb, xc[i] = a->xc + rr[i] * nb;
+            }
+            __attribute__((aligned(32))) float ft[Q4G_R2][16] = {{0}};
+            for (long b = 0; b < nb; b++) {
+                __m256i s16[Q4G_R2][2];
+#pragma GCC unroll 8
+                for (int i = 0; i < Q4G_R2; i++) s16[i][0] = s16[i][1] = _mm256_setzero_si256();
+                const uint8_t *wp = buf + b * 8 * 128 + 64 * h;
+#pragma GCC unroll 8
+                for (int s = 0; s < 8; s++) {
+                    __m256i w0 = _mm256_load_si256((const __m256i *)(wp + s * 128));
+                    __m256i w1 = _mm256_load_si256((const __m256i *)(wp + s * 128 + 32));
+#pragma GCC unroll 8
+                    for (int i = 0; i < Q4G_R2; i++) {
+                        __m256i xb = _mm256_set1_epi32(q4_x4b(xq[i] + b * 32 + 4 * s));
+                        s16[i][0] = _mm256_add_epi16(s16[i][0], _mm256_maddubs_epi16(w0, xb));
+                        s16[i][1] = _mm256_add_epi16(s16[i][1], _mm256_maddubs_epi16(w1, xb));
+                    }
+                }
+                const float *sg = sc + (b / bpg) * 32 + 16 * h;
+                __m256 s0 = _mm256_load_ps(sg), s1 = _mm256_load_ps(sg + 8);
+#pragma GCC unroll 8
+                for (int i = 0; i < Q4G_R2; i++) {
+                    __m256 d = _mm256_set1_ps(xd[i][b]);
+                    _mm256_store_ps(ft[i], q4_fold8(_mm256_load_ps(ft[i]), d, s0, q4_dot8(s16[i][0], xc[i][b])));
+                    _mm256_store_ps(ft[i] + 8, q4_fold8(_mm256_load_ps(ft[i] + 8), d, s1, q4_dot8(s16[i][1], xc[i][b])));
+                }
+            }
+            for (int i = 0; i < Q4G_R2 && r0 + i < a->m; i++) {
+                q4_store8(a, _mm256_load_ps(ft[i]), n0 + 16 * h, a->y + rr[i] * nn);
+                q4_store8(a, _mm256_load_ps(ft[i] + 8), n0 + 16 * h + 8, a->y + rr[i] * nn);
+            }
+        }
+    }
+#endif
 #if HF_Q4A_VNNI
     long bpg = a->group / 32, half = k / 4 * 128;
     uint8_t *buf = a->scratch + (long)omp_get_thread_num() * a->scratch_bytes;
@@ -2505,14 +2665,14 @@ int hf_gemm_q4a(const uint8_t *w, const float *sz, const float *x, const float *
     if (m <= 0) return 0;
     if (!q4_shape_ok(n, k, group)) return -2;
     threads = clamp_threads(threads);
-    long nb = k / 32, per = 2 * (k / 4 * 128) + (k / group) * 64 * (long)sizeof(float);
+    long nb = k / 32, per = Q4_BLK * k + (k / group) * Q4_BLK * (long)sizeof(float); /* widened + scales */
     per = (per + 63) / 64 * 64;
     int path = q4a_path();
     int8_t *xq = aligned_alloc(64, (size_t)((m * k + 63) / 64 * 64));
     float *xd = malloc((size_t)(m * nb) * sizeof(float));
     int32_t *xc = malloc((size_t)(m * nb) * sizeof(int32_t));
-    uint8_t *scratch = path == Q4A_VNNI ? aligned_alloc(64, (size_t)(per * threads)) : NULL;
-    if (!xq || !xd || !xc || (path == Q4A_VNNI && !scratch)) {
+    uint8_t *scratch = path != Q4A_PORTABLE ? aligned_alloc(64, (size_t)(per * threads)) : NULL;
+    if (!xq || !xd || !xc || (path != Q4A_PORTABLE && !scratch)) {
         free(xq), free(xd), free(xc), free(scratch);
         return -1;
     }

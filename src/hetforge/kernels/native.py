@@ -99,6 +99,7 @@ SIGNATURES = {
     "hf_gemv_q4a": [_P, _P, _P, _P, _P, _L, _L, _L, _I, _I],
     "hf_gemm_q4a": [_P, _P, _P, _P, _P, _L, _L, _L, _L, _I, _I],
     "hf_q4a_path": [_I],
+    "hf_q4_block": [],
     "hf_pool_info": [_P],
     "hf_pool_config": [_I, _I, _I, _I],
     "hf_pool_team": [_I],
@@ -136,7 +137,8 @@ RESTYPES = {  # the functions that return a value (every other one returns void)
     "hf_read_stream": _F, "hf_q8a_path": _I, "hf_bf16_path": _I, "hf_prefill_attention": _I, "hf_gemv_nk_multi": _I,
     "hf_prefill_attention_bf16_products": _I, "hf_mask_is_causal": _I, "hf_prefill_attention_simd": _I,
     "hf_gemv_q8a": _I, "hf_gemm_q8a": _I,  # 0, or -1: scratch not allocated
-    "hf_gemv_q4a": _I, "hf_gemm_q4a": _I, "hf_q4a_path": _I, "hf_quantize_i8_chunks": _L, "hf_quantize_i8": _I,
+    "hf_gemv_q4a": _I, "hf_gemm_q4a": _I, "hf_q4a_path": _I, "hf_q4_block": _I, "hf_quantize_i8_chunks": _L,
+    "hf_quantize_i8": _I,
     "hf_transpose": _I, "hf_gemm_few": _I, "hf_gemm_few_kn": _I, "hf_gated_mlp_few": _I, "hf_panel_simd": _I,
     "hf_gemm_amx_bf16": _I, "hf_amx_bf16_ok": _I, "hf_bf16_panel_ok": _I, "hf_gemm_bf16_panel": _I,
     "hf_gemm_panel": _I, "hf_gemm_panel_multi": _I,
@@ -1692,8 +1694,15 @@ def gemm_q8a(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias:
 W4_ACT_MODES = W8_ACT_MODES
 W4_ACT_DEFAULT = "q8"
 W4_ACT_ENV = "HETFORGE_W4_ACT"
-Q4A_PATHS = ("portable", "vnni")  # native.c's Q4A_* (hf_q4a_path): lowest to best
-Q4_ROW_BLOCK = 64  # rows per block of ATen's packed int4 layout that hf_gemv_q4a/hf_gemm_q4a read
+Q4A_PATHS = ("portable", "vnni", "avx2")  # native.c's Q4A_* (hf_q4a_path), by their codes
+Q4_ROW_BLOCK_DEFAULT = 64  # the block a build without the library would read (AVX-512 torch builds' layout)
+
+
+def q4_row_block() -> int:
+    """Rows per block of ATen's packed int4 layout that this build's ``hf_gemv_q4a`` / ``hf_gemm_q4a`` read
+    (native.c ``hf_q4_block``): 64 on the AVX512-VNNI build, 32 on the AVX2 one, as torch's AVX-512 and AVX2
+    builds pack them."""
+    return _answer("hf_q4_block") or Q4_ROW_BLOCK_DEFAULT
 
 
 def check_w4_act(mode: str) -> str:
@@ -1713,8 +1722,8 @@ def w4_act_mode() -> str:
 
     * ``q8`` (default): x quantized per block of 32 as under w8's ``q8`` and int4·int8 products with exact int32
       block sums — ``hf_gemv_q4a`` for one row, ``hf_gemm_q4a`` for several (row r of a prefill has the bits a
-      decode step gives for that row), where the host has AVX512-VNNI and VBMI and the weight is in the layout
-      those kernels read (:func:`hetforge.ops.quant.w4_native_fits`);
+      decode step gives for that row), where the build has their AVX512-VNNI + VBMI or AVX2 + FMA path and the
+      weight is in the layout those kernels read (:func:`hetforge.ops.quant.w4_native_fits`);
     * ``weight-only``: fp32 x — ATen's ``_weight_int4pack_mm_for_cpu`` for one row, the weight dequantized per
       call and one float GEMM for several.
 
@@ -1724,8 +1733,9 @@ def w4_act_mode() -> str:
 
 
 def q4a_path(force: str | None | bool = False) -> str:
-    """The best int4·int8 path this build has (``vnni``: AVX512-VNNI + VBMI; ``portable``: plain C, the same bits);
-    ``force`` a name makes the kernels use a lower one, None resets (test hooks); False only asks."""
+    """The best int4·int8 path this build has (``vnni``: AVX512-VNNI + VBMI; ``avx2``: AVX2 + FMA; ``portable``:
+    plain C, the same bits); ``force="portable"`` makes the kernels run plain C, None resets (test hooks); False
+    only asks."""
     lib = library()
     assert lib is not None, status().reason
     best = lib.hf_q4a_path(-2 if force is False else -1 if force is None else Q4A_PATHS.index(force))
@@ -1734,9 +1744,9 @@ def q4a_path(force: str | None | bool = False) -> str:
 
 def q4_kernel(rows: int = 1) -> str | None:
     """The native function a w4 product of ``rows`` rows runs under :func:`w4_act_mode` (None: the ATen path):
-    only under ``q8``, with the library built and its VNNI path compiled (the portable C path is there for
-    checking; on hosts without VNNI ATen's kernels are faster)."""
-    if w4_act_mode() != "q8" or rows < 1 or library() is None or q4a_path() != "vnni":
+    only under ``q8``, with the library built and its VNNI or AVX2 path compiled (the portable C path is there for
+    checking; on hosts with neither ATen's kernels are faster)."""
+    if w4_act_mode() != "q8" or rows < 1 or library() is None or q4a_path() == "portable":
         return None
     return "hf_gemv_q4a" if rows == 1 else "hf_gemm_q4a"
 
@@ -1752,7 +1762,7 @@ def check_q4_rc(rc: int, fn: str = "hf_gemm_q4a") -> None:
     if rc == -1:
         raise MemoryError(f"{fn}: could not allocate the scratch for the quantized activations")
     if rc:
-        raise ValueError(f"{fn}: shape outside the kernel (N a multiple of {Q4_ROW_BLOCK}, G a multiple of 32 "
+        raise ValueError(f"{fn}: shape outside the kernel (N a multiple of {q4_row_block()}, G a multiple of 32 "
                          "dividing K)")
 
 

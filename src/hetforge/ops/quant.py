@@ -243,20 +243,21 @@ def _w4_layout_agrees(packed: torch.Tensor, scales_zeros: torch.Tensor, group_si
 def w4_weight_fits(packed: torch.Tensor, scales_zeros: torch.Tensor, group_size: int) -> bool:
     """Whether a w4 weight can run on hetforge's native int4 kernels (``hf_gemv_q4a``/``hf_gemm_q4a``): packed
     uint8 ``[N, K/2]`` and fp32 ``[K/G, N, 2]`` with zeros 0 (symmetric, as hetforge quantizes), contiguous real
-    CPU tensors, N a multiple of 64, G a multiple of 32, this torch build's layout the 64-row block layout the
-    kernels read (:func:`_int4_layout`, then checked against ATen's kernel once per shape). Cached per weight."""
+    CPU tensors, N a multiple of the kernels' row block (:func:`native.q4_row_block`), G a multiple of 32, this
+    torch build's layout the block layout the kernels read (:func:`_int4_layout`, then checked against ATen's
+    kernel once per shape). Cached per weight."""
     if not isinstance(group_size, int) or group_size < 32 or group_size % 32 or packed.dim() != 2 \
             or packed.dtype != torch.uint8 or not native._f32(scales_zeros) or not packed.is_contiguous() \
             or packed.device.type != "cpu" or is_fake(packed):
         return False
     n, k = packed.shape[0], packed.shape[1] * 2
-    if n % native.Q4_ROW_BLOCK or k % group_size or tuple(scales_zeros.shape) != (k // group_size, n, 2):
+    if n % native.q4_row_block() or k % group_size or tuple(scales_zeros.shape) != (k // group_size, n, 2):
         return False
     versions = (packed._version, scales_zeros._version, id(scales_zeros))
     hit = _W4_WEIGHTS.get(id(packed))
     if hit is not None and hit[0]() is packed and hit[1] == versions:
         return hit[2]
-    ok = _int4_layout(n, k) == ("block", native.Q4_ROW_BLOCK) and not bool(scales_zeros[..., 1].any()) \
+    ok = _int4_layout(n, k) == ("block", native.q4_row_block()) and not bool(scales_zeros[..., 1].any()) \
         and _w4_layout_agrees(packed, scales_zeros, group_size)
 
     def forget(ref: weakref.ref, i: int = id(packed)) -> None:
@@ -270,8 +271,8 @@ def w4_weight_fits(packed: torch.Tensor, scales_zeros: torch.Tensor, group_size:
 def w4_native_fits(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor, group_size: int,
                    bias: torch.Tensor | None, act: str) -> bool:
     """Whether ``hetforge::linear_w4`` of fp32 rows ``x`` runs on the native int4·int8 kernels: the ``q8``
-    activation mode on a host with their VNNI path (:func:`native.q4_kernel`), a known activation, contiguous fp32
-    x (and bias), and a weight they read (:func:`w4_weight_fits`)."""
+    activation mode on a build with their VNNI or AVX2 path (:func:`native.q4_kernel`), a known activation,
+    contiguous fp32 x (and bias), and a weight they read (:func:`w4_weight_fits`)."""
     if x.dim() < 1 or act not in native.ACT_CODES or packed.dim() != 2 or x.shape[-1] != packed.shape[1] * 2:
         return False
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
