@@ -2135,9 +2135,65 @@ static void q8g_tile_vnni(const q8g_ctx *a, const int8_t *const *w, const uint8_
 }
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__)
+/* One block b of x rows xq[0..1] against weight rows w[0..1] (AVX2): |w| made once per weight row and shared by
+ * both x rows, the lane sums maddubs(|w|, sign(x, w)) widened by madd, folded as q8a_dot4's AVX2 path does. */
+static inline void q8g_blk2x2(const int8_t *const *w, const int8_t *const *xq, const float *const *xd8, long b,
+                              __m256 acc[2][2]) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i w0 = _mm256_loadu_si256((const __m256i *)(w[0] + b * 32));
+    __m256i w1 = _mm256_loadu_si256((const __m256i *)(w[1] + b * 32));
+    __m256i a0 = _mm256_abs_epi8(w0), a1 = _mm256_abs_epi8(w1);
+#pragma GCC unroll 2
+    for (int i = 0; i < 2; i++) {
+        __m256i xv = _mm256_loadu_si256((const __m256i *)(xq[i] + b * 32));
+        __m256 dv = _mm256_loadu_ps(xd8[i] + b * 8);
+        __m256 f0 = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(a0, _mm256_sign_epi8(xv, w0)), ones));
+        __m256 f1 = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(a1, _mm256_sign_epi8(xv, w1)), ones));
+        acc[i][0] = _mm256_fmadd_ps(f0, dv, acc[i][0]), acc[i][1] = _mm256_fmadd_ps(f1, dv, acc[i][1]);
+    }
+}
+
+/* q8a_reduce of the 16 accumulators (lo = acc[0..7], hi = acc[8..15]) on vectors: the same sums in the same
+ * order (halves 8, 4, 2, 1). */
+static inline float q8g_reduce_avx2(__m256 lo, __m256 hi) {
+    __m256 h8 = _mm256_add_ps(lo, hi);
+    __m128 h4 = _mm_add_ps(_mm256_castps256_ps128(h8), _mm256_extractf128_ps(h8, 1));
+    __m128 h2 = _mm_add_ps(h4, _mm_movehl_ps(h4, h4));
+    return _mm_cvtss_f32(_mm_add_ss(h2, _mm_movehdup_ps(h2)));
+}
+
+/* The tile of x rows xq[0..1] × weight rows w[0..1] into out[i][j] (q8a_dot4's bits): the full blocks in pairs
+ * (even blocks into lo, odd into hi, all in registers), the partial last block in scalar code. */
+static void q8g_tile_avx2(const int8_t *const *w, const int8_t *const *xq, const float *const *xd,
+                          const float *const *xd8, long k, float out[2][2]) {
+    long nb = (k + 31) / 32, full = k / 32, b = 0;
+    __m256 lo[2][2], hi[2][2];
+    for (int i = 0; i < 2; i++)
+        for (int j = 0; j < 2; j++) lo[i][j] = hi[i][j] = _mm256_setzero_ps();
+    for (; b + 2 <= full; b += 2) {
+        q8g_blk2x2(w, xq, xd8, b, lo);
+        q8g_blk2x2(w, xq, xd8, b + 1, hi);
+    }
+    if (b < full) q8g_blk2x2(w, xq, xd8, b++, lo);
+    if (b == nb) {
+        for (int i = 0; i < 2; i++)
+            for (int j = 0; j < 2; j++) out[i][j] = q8g_reduce_avx2(lo[i][j], hi[i][j]);
+        return;
+    }
+    for (int i = 0; i < 2; i++)
+        for (int j = 0; j < 2; j++) {
+            float acc[16];
+            _mm256_storeu_ps(acc, lo[i][j]), _mm256_storeu_ps(acc + 8, hi[i][j]);
+            q8a_block_scalar(w[j], xq[i], xd[i][b], b, k, acc);
+            out[i][j] = q8a_reduce(acc);
+        }
+}
+#endif
+
 /* Chunk c: weight rows [c*HF_Q8G_WROWS, ...) against every x row, in tiles of x rows × weight rows (R × C on
- * VNNI, 4 × 4 otherwise). A tile edge past the last row repeats that row (its products are computed and
- * dropped): every tile is full. */
+ * VNNI, 4 × 4 otherwise: four 2 × 2 register tiles on AVX2). A tile edge past the last row repeats that row (its
+ * products are computed and dropped): every tile is full. */
 static void q8g_chunk(void *p, long c) {
     const q8g_ctx *a = p;
     long j0 = c * HF_Q8G_WROWS, j1 = j0 + HF_Q8G_WROWS < a->n ? j0 + HF_Q8G_WROWS : a->n, k = a->k, kp = a->kp;
@@ -2177,8 +2233,23 @@ static void q8g_chunk(void *p, long c) {
                 w[j] = a->q + jr[j] * k;
             }
             float out[4][4];
-            for (int i = 0; i < 4; i++)
-                q8a_dot4(w, a->xq + rr[i] * kp, a->xd + rr[i] * a->nb, a->xd8 + rr[i] * a->nb * 8, k, a->path, out[i]);
+#if defined(__AVX2__) && defined(__FMA__)
+            if (a->path == Q8A_AVX2) {
+                for (int i = 0; i < 4; i += 2) {
+                    const int8_t *xq[2] = {a->xq + rr[i] * kp, a->xq + rr[i + 1] * kp};
+                    const float *xd[2] = {a->xd + rr[i] * a->nb, a->xd + rr[i + 1] * a->nb};
+                    const float *xd8[2] = {a->xd8 + rr[i] * a->nb * 8, a->xd8 + rr[i + 1] * a->nb * 8};
+                    for (int j = 0; j < 4; j += 2) {
+                        float o[2][2];
+                        q8g_tile_avx2(w + j, xq, xd, xd8, k, o);
+                        out[i][j] = o[0][0], out[i][j + 1] = o[0][1], out[i + 1][j] = o[1][0], out[i + 1][j + 1] = o[1][1];
+                    }
+                }
+            } else
+#endif
+                for (int i = 0; i < 4; i++)
+                    q8a_dot4(w, a->xq + rr[i] * kp, a->xd + rr[i] * a->nb, a->xd8 + rr[i] * a->nb * 8, k, a->path,
+                             out[i]);
             for (int i = 0; i < 4 && r0 + i < a->m; i++)
                 for (int j = 0; j < 4 && jj + j < j1; j++) a->y[rr[i] * a->n + jr[j]] = q8g_out(a, rr[i], jr[j], out[i][j]);
         }
