@@ -1533,15 +1533,6 @@ def why_we_lose(peers: J, kf: J, pg: J) -> str:
   without `-ffast-math` ({slow}). Fusion wins where ATen makes several passes
   (the largest: {', '.join(f"{p.s('name')} {times(p.f('speedup'))}" for p in fast)}).
   See [bench/kforge.md](bench/kforge.md).
-- **Time to first token with int4 weights on a CPU without AVX512-VNNI and VBMI** (the AVX2-only host,
-  [bench/ttft_avx2.md](bench/ttft_avx2.md)): hetforge's int4·int8 kernels (`hf_gemv_q4a`, `hf_gemm_q4a`) have only
-  an AVX512-VNNI + VBMI path besides plain C, so there a w4 product takes ATen's path: a prompt's several-row
-  products unpack and dequantize the whole int4 weight to fp32 on every call before one float GEMM (since session
-  56 by a reshape of the 32-row block layout that build packs, before through a gather index), and one row runs
-  ATen's int4 kernel, which on that build took about as long as dequantizing and a float product (one-off figures
-  in [arch/quant.md](arch/quant.md)). On that page (run after the layout fix) a short prompt costs several times
-  llama.cpp Q4_0's time; at 500 tokens, where the products dominate, it is level or ahead. An AVX2 int4 kernel (u4 × s8
-  products with `vpmaddubsw`/`vpmaddwd` on that block layout) is what is missing.
 - **Decode vs HF:** the decode step runs every one-row weight product on hetforge's native C GEMV (each thread
   streams one block of the weight as several streams; ATen's one-row GEMM uses one core and one stream here), and
   every norm, rotary, decode attention and MLP block as one native call writing its arena slice
