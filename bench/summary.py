@@ -816,7 +816,7 @@ def _peers_decode(d: J, page: str, label: str) -> Row:
     rows = [r for r in d["rows"] if r.s("status") == "ok"]
     names = {"hetforge": "hetforge", "ov-stateful-f32": "OpenVINO stateful f32", "ov-stateful": "OpenVINO stateful "
              "bf16", "llamacpp-f32": "llama.cpp f32", "llamacpp-q8": "llama.cpp Q8_0", "hetforge-w8": "hetforge w8",
-             "eager": "HF eager"}
+             "llamacpp-q4": "llama.cpp Q4_0", "hetforge-w4": "hetforge w4", "eager": "HF eager"}
     parts, ttft, kl = [], [], []
     for model in dict.fromkeys(r.s("model") for r in rows):
         mine = {r.s("system"): r for r in rows if r.s("model") == model}
@@ -832,6 +832,9 @@ def _peers_decode(d: J, page: str, label: str) -> Row:
                     f"{_side(x['decode_ms_per_token_at_or_below_best_f32_peer'])}" for m, x in t)
     w8 = ", ".join(f"{m} {times(x['w8_decode_at_or_below_llamacpp_q8'].f('ratio'))}"
                    f"{_side(x['w8_decode_at_or_below_llamacpp_q8'])}" for m, x in t)
+    w4t = [(m, x) for m, x in t if x.has("w4_decode_at_or_below_llamacpp_q4")]  # pages since session 57
+    w4 = ", ".join(f"{m} {times(x['w4_decode_at_or_below_llamacpp_q4'].f('ratio'))}"
+                   f"{_side(x['w4_decode_at_or_below_llamacpp_q4'])}" for m, x in w4t)
     m = d["machine"]
     reps = min(r["decode_ms_per_token"].f("n") for r in rows)
     # the 1-minute load average at the end of a run of several minutes is the run's own; at the start it still
@@ -843,12 +846,15 @@ def _peers_decode(d: J, page: str, label: str) -> Row:
               f"{m.f('logical_cpus'):.0f} cores{'' if quiet else LOADED_NOTE}. Decode ms/token: "
               + "; ".join(parts) + ". TTFT (ms): " + "; ".join(ttft)
               + f". hetforge fp32 ÷ best f32 peer: {f32}; w8 ÷ llama.cpp Q8_0: {w8}"
+              + (f"; w4 ÷ llama.cpp Q4_0: {w4}" if w4t else "")
               + (f". llama.cpp f32 KL vs eager {', '.join(kl)} (GGUF export checked)" if kl else ""))
     status = ("f32 " + met(all(x["decode_ms_per_token_at_or_below_best_f32_peer"].b("met") for _, x in t))
               + "; w8 " + met(all(x["w8_decode_at_or_below_llamacpp_q8"].b("met") for _, x in t))
+              + ("; w4 " + met(all(x["w4_decode_at_or_below_llamacpp_q4"].b("met") for _, x in w4t)) if w4t else "")
               + ("" if quiet else "; not decided: rerun quiet"))
     return Row("peers (decode)" + label, "fp32 decode ≤ best of llama.cpp / OpenVINO stateful; `--quantize w8` ≤ "
-               "llama.cpp Q8_0", result, status, link(page))
+               "llama.cpp Q8_0" + ("; `--quantize w4` ≤ llama.cpp Q4_0 (not an issue-24 target)" if w4t else ""),
+               result, status, link(page))
 
 
 PEERS_DECODE_RERUNS = (("", ""), ("_avx2", " (AVX2-only host)"))
@@ -1634,6 +1640,7 @@ def _still_open() -> list[str]:
              "decode_ms_per_token_at_or_below_best_f32_peer": "fp32 decode at or below the best f32 peer (on "
              "peers_decode: llama.cpp f32 and OpenVINO's stateful model)",
              "w8_decode_at_or_below_llamacpp_q8": "--quantize w8 decode at or below llama.cpp Q8_0",
+             "w4_decode_at_or_below_llamacpp_q4": "--quantize w4 decode at or below llama.cpp Q4_0",
              "prefill_ms_bf16_at_or_below_openvino_bf16": "bf16 prefill at or below OpenVINO bf16",
              "step_ms_bf16_at_or_below_openvino_bf16": "the bf16 one-token forward at or below OpenVINO bf16",
              "decode_ms_per_token_bf16_at_or_below_openvino_bf16": "bf16 decode at or below OpenVINO bf16"}
@@ -1642,7 +1649,7 @@ def _still_open() -> list[str]:
                  + [f"peers_decode{s}.json" for s, _ in PEERS_DECODE_RERUNS]):
         for c in load(page)["comparisons"].value:
             for key, t in (c.get("targets") or {}).items():
-                if isinstance(t, dict) and t.get("met") is False:
+                if isinstance(t, dict) and t.get("met") is False and key not in NOT_ISSUE_TARGETS:
                     missed.setdefault(names.get(key, key), []).append(f"{c['model']} ({page.removesuffix('.json')})")
     open_ += [f"{what}: not met on {', '.join(where)}" for what, where in missed.items()]
     if not all(r.f("warm_median_s") <= 0.2 for r in load("compile_cache.json")["rows"]):
@@ -1655,6 +1662,9 @@ def _still_open() -> list[str]:
                          f"(ttft{suffix}.md)")
     return open_
 
+
+# targets a page judges that issue 24 does not set (shown in their rows, not listed as still open)
+NOT_ISSUE_TARGETS = {"w4_decode_at_or_below_llamacpp_q4"}
 
 CPU_KEYS = (("host", "cpu"), ("meta", "host", "cpu"), ("machine", "cpu"), ("meta", "cpu"))
 

@@ -14,18 +14,22 @@ def _stat(x: float) -> Stat:
 
 
 def test_decode_peers_are_registered():
-    assert {"ov-stateful-f32", "ov-stateful", "llamacpp-f32", "llamacpp-q8", "hetforge-w8"} <= set(SYSTEMS)
+    assert {"ov-stateful-f32", "ov-stateful", "llamacpp-f32", "llamacpp-q8", "llamacpp-q4", "hetforge-w8",
+            "hetforge-w4"} <= set(SYSTEMS)
     assert SYSTEMS["ov-stateful"].requires == ("openvino",)
 
 
-def test_compare_checks_w8_decode_against_llamacpp_q8_and_keeps_w8_out_of_the_peers():
+def test_compare_checks_w8_and_w4_decode_against_llamacpp_q8_and_q4_and_keeps_them_out_of_the_peers():
     mk = lambda s, dec, prec="f32": Row("m", s, s, "ok", runs_ok=1, runs=1, precision=prec, prep_s=_stat(1.0),
                                         decode_ms_per_token=_stat(dec))
     rows = [mk("hetforge", 10.0), mk("hetforge-w8", 6.0, "w8"), mk("llamacpp-q8", 5.0, "q8_0"),
+            mk("hetforge-w4", 3.0, "w4"), mk("llamacpp-q4", 4.0, "q4_0"),
             mk("llamacpp-f32", 9.0), mk("ov-stateful-f32", 12.0)]
     cmp = compare(rows)[0]
     t = cmp["targets"]
-    assert "hetforge-w8" not in cmp["ratios"]
+    assert "hetforge-w8" not in cmp["ratios"] and "hetforge-w4" not in cmp["ratios"]
+    w4 = t["w4_decode_at_or_below_llamacpp_q4"]
+    assert w4["best_peer"] == "llamacpp-q4" and w4["ratio"] == pytest.approx(0.75) and w4["met"]
     assert t["decode_ms_per_token_at_or_below_best_f32_peer"]["best_peer"] == "llamacpp-f32"  # Q8_0 is not f32
     assert not t["decode_ms_per_token_at_or_below_best_f32_peer"]["met"]
     w8 = t["w8_decode_at_or_below_llamacpp_q8"]

@@ -44,17 +44,19 @@ def _dec(row: Row, ms: float) -> Row:
     return row
 
 
-def test_decode_is_timed_with_the_decode_peers_and_w8_against_llamacpp_q8():
+def test_decode_is_timed_with_the_decode_peers_and_w8_w4_against_llamacpp_q8_q4():
     """Decode joins a group where the suite ran a decode peer (llama.cpp, OpenVINO stateful), never HF eager's
-    generate; hetforge-w8 gets a decode-only group against llama.cpp Q8_0."""
+    generate; hetforge-w8 / hetforge-w4 get a decode-only group against llama.cpp Q8_0 / Q4_0."""
     rows = [_dec(_row("hetforge", 90, 9), 12), _dec(_row("eager", 300, 11), 30), _row("ort", 100, 12),
             _dec(_row("llamacpp-f32", 95, 14), 11), _dec(_row("ov-stateful-f32", 97, 15), 13),
-            _dec(_row("hetforge-w8", 80, 8, "w8"), 6), _dec(_row("llamacpp-q8", 70, 9, "q8_0"), 6.5)]
+            _dec(_row("hetforge-w8", 80, 8, "w8"), 6), _dec(_row("llamacpp-q8", 70, 9, "q8_0"), 6.5),
+            _dec(_row("hetforge-w4", 75, 7, "w4"), 4), _dec(_row("llamacpp-q4", 65, 8, "q4_0"), 4.5)]
     groups = {m: (p, metrics) for m, p, metrics in side.pick_groups(rows, MODEL)}
     # prefill: llamacpp-f32, ov-stateful-f32; one token: eager, ort; decode: llamacpp-f32, ov-stateful-f32 (not eager)
     assert groups["hetforge"] == (["llamacpp-f32", "ov-stateful-f32", "eager"],
                                   ["prefill_ms", "step_ms", "decode_ms_per_token"])
     assert groups["hetforge-w8"] == (["llamacpp-q8"], ["decode_ms_per_token"])
+    assert groups["hetforge-w4"] == (["llamacpp-q4"], ["decode_ms_per_token"])
     no_peer = [r for r in rows if not r.system.startswith(("llamacpp", "ov-stateful"))]
     assert {m: metrics for m, _, metrics in side.pick_groups(no_peer, MODEL)} == {"hetforge": ["prefill_ms", "step_ms"]}
 

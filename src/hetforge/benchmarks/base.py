@@ -85,3 +85,10 @@ def is_f32(precision: str | None) -> bool:
 def is_bf16(precision: str | None) -> bool:
     """Whether a row's recorded precision is bf16 (OpenVINO reports its hint as "bfloat16")."""
     return (precision or "").lower() in ("bf16", "bfloat16")
+
+
+# hetforge's quantized systems and the llama.cpp row each decodes against (decode only), with the target's key
+QUANT_DECODE_PAIRS: dict[str, tuple[str, str]] = {
+    "hetforge-w8": ("llamacpp-q8", "w8_decode_at_or_below_llamacpp_q8"),
+    "hetforge-w4": ("llamacpp-q4", "w4_decode_at_or_below_llamacpp_q4"),
+}

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from hetforge.benchmarks.base import is_bf16, is_f32
+from hetforge.benchmarks.base import QUANT_DECODE_PAIRS, is_bf16, is_f32
 from hetforge.benchmarks.side import run_side, verdict
 from hetforge.benchmarks.systems import (
     PEER_KEYS_FOR_PREP_TARGET,
@@ -487,14 +487,15 @@ def compare(rows: list[Row], runs: list | None = None, side: list[dict] | None =
                     {"best_peer": best.system, "peer": bv, "hetforge": mv, "ratio": mv / bv, "mark": mark,
                      "met": mv <= mark * bv, "paired": paired(runs, model, "hetforge", best.system, metric)},
                     verdict(side, model, "hetforge", metric, mark))
-        w8 = next((r for r in rows if r.model == model and r.system == "hetforge-w8" and r.runs_ok), None)
-        q8 = next((r for r in rows if r.model == model and r.system == "llamacpp-q8" and r.runs_ok), None)
-        if w8 is not None and q8 is not None and w8.decode_ms_per_token and q8.decode_ms_per_token:
-            mv, bv = w8.decode_ms_per_token.median, q8.decode_ms_per_token.median
-            entry["targets"]["w8_decode_at_or_below_llamacpp_q8"] = _judged(
-                {"best_peer": "llamacpp-q8", "peer": bv, "hetforge": mv, "ratio": mv / bv, "met": mv <= bv,
-                 "paired": paired(runs, model, "hetforge-w8", "llamacpp-q8", "decode_ms_per_token")},
-                verdict(side, model, "hetforge-w8", "decode_ms_per_token"))
+        for quant, (peer, key) in QUANT_DECODE_PAIRS.items():
+            qr = next((r for r in rows if r.model == model and r.system == quant and r.runs_ok), None)
+            pr = next((r for r in rows if r.model == model and r.system == peer and r.runs_ok), None)
+            if qr is not None and pr is not None and qr.decode_ms_per_token and pr.decode_ms_per_token:
+                mv, bv = qr.decode_ms_per_token.median, pr.decode_ms_per_token.median
+                entry["targets"][key] = _judged(
+                    {"best_peer": peer, "peer": bv, "hetforge": mv, "ratio": mv / bv, "met": mv <= bv,
+                     "paired": paired(runs, model, quant, peer, "decode_ms_per_token")},
+                    verdict(side, model, quant, "decode_ms_per_token"))
         if mine.kl_max is not None:
             entry["targets"]["kl_le_1e-8"] = {"kl_max": mine.kl_max, "met": mine.kl_max <= 1e-8}
         entry["targets"].update(_bf16_targets(rows, model, runs, side))

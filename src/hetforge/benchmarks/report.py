@@ -182,12 +182,14 @@ def target_lines(cmp: dict) -> list[str]:
             per = "" if side else _per_repeat(x)
             out.append(f"- {name} at or below {at}the best f32 peer ({x['best_peer']}, {x['peer']:.1f} ms): hetforge "
                        f"{x['hetforge']:.1f} ms ({x['ratio']:.2f}×{per}){side and ';' + side} — {mark(x['met'])}")
-    if "w8_decode_at_or_below_llamacpp_q8" in t:
-        x = t["w8_decode_at_or_below_llamacpp_q8"]
-        side = _side_text(x)
-        out.append(f"- decode per token with 8-bit weights at or below llama.cpp Q8_0 ({x['peer']:.1f} ms): hetforge "
-                   f"--quantize w8 {x['hetforge']:.1f} ms ({x['ratio']:.2f}×{'' if side else _per_repeat(x)})"
-                   f"{side and ';' + side} — {mark(x['met'])}")
+    for bits, key, peer in ((8, "w8_decode_at_or_below_llamacpp_q8", "Q8_0"),
+                            (4, "w4_decode_at_or_below_llamacpp_q4", "Q4_0")):
+        if key in t:
+            x = t[key]
+            side = _side_text(x)
+            out.append(f"- decode per token with {bits}-bit weights at or below llama.cpp {peer} ({x['peer']:.1f} ms): "
+                       f"hetforge --quantize w{bits} {x['hetforge']:.1f} ms "
+                       f"({x['ratio']:.2f}×{'' if side else _per_repeat(x)}){side and ';' + side} — {mark(x['met'])}")
     if "kl_le_1e-8" in t:
         x = t["kl_le_1e-8"]
         out.append(f"- fidelity KL ≤ 1e-8 at fp32: hetforge KL max {x['kl_max']:.1e} — {mark(x['met'])}")

@@ -21,8 +21,9 @@ suite's rows time too.
 
 Who: for hetforge (fp32), the two fastest f32 peers of the suite's rows per metric (prefill, one token; decode among
 the decode peers), at most three peers; for ``hetforge-bf16``, the fastest OpenVINO row that ran in bf16 per metric;
-for ``hetforge-w8``, llama.cpp's Q8_0 row (decode only). A group is cut to fewer peers (slowest first) when the
-peak RSS the suite measured for its systems does not fit in the memory available now, and the group's notes say so.
+for ``hetforge-w8`` / ``hetforge-w4``, llama.cpp's Q8_0 / Q4_0 row (decode only). A group is cut to fewer peers
+(slowest first) when the peak RSS the suite measured for its systems does not fit in the memory available now, and
+the group's notes say so.
 
 The targets are judged on these ratios where a group ran (the median over rounds of hetforge's batch median, or
 request, ÷ the peer's in the same round, against the peer with the lowest median over rounds); the suite's serial
@@ -45,7 +46,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from hetforge.benchmarks.base import is_bf16, is_f32
+from hetforge.benchmarks.base import QUANT_DECODE_PAIRS, is_bf16, is_f32
 
 METRICS = ("prefill_ms", "step_ms", "decode_ms_per_token")
 SHAPE = {"prefill_ms": "prefill", "step_ms": "step", "decode_ms_per_token": "decode"}
@@ -61,7 +62,7 @@ class SideGroup:
     """One group timed side by side on one model: per system, its batch median in each round (ms, measured)."""
 
     model: str
-    mine: str  # "hetforge", "hetforge-bf16" or "hetforge-w8"
+    mine: str  # "hetforge", "hetforge-bf16", "hetforge-w8" or "hetforge-w4"
     systems: list[str]  # mine first, then its peers
     rounds: int = 0  # rounds every system completed
     metrics: list[str] = field(default_factory=lambda: list(METRICS[:2]))  # what the rounds time
@@ -101,9 +102,10 @@ def pick_groups(rows: list, model: str) -> list[tuple[str, list[str], list[str]]
             is_decode_peer(p) and _median(ok[p].decode_ms_per_token) is not None for p in peers)
         if peers:
             groups.append((mine, peers, list(METRICS if decodes else METRICS[:2])))
-    w8, q8 = ok.get("hetforge-w8"), ok.get("llamacpp-q8")
-    if w8 is not None and q8 is not None and _median(w8.decode_ms_per_token) and _median(q8.decode_ms_per_token):
-        groups.append(("hetforge-w8", ["llamacpp-q8"], ["decode_ms_per_token"]))
+    for quant, (peer, _) in QUANT_DECODE_PAIRS.items():
+        mine, q = ok.get(quant), ok.get(peer)
+        if mine is not None and q is not None and _median(mine.decode_ms_per_token) and _median(q.decode_ms_per_token):
+            groups.append((quant, [peer], ["decode_ms_per_token"]))
     return groups
 
 

@@ -247,6 +247,8 @@ SYSTEMS: dict[str, System] = {
                requires=("llama_cpp", "gguf"), install=LLAMACPP_INSTALL),
         System("llamacpp-q8", "llama.cpp (GGUF Q8_0)", lambda c: _prepare_llamacpp(c, "q8_0"),
                requires=("llama_cpp", "gguf"), install=LLAMACPP_INSTALL),
+        System("llamacpp-q4", "llama.cpp (GGUF Q4_0)", lambda c: _prepare_llamacpp(c, "q4_0"),
+               requires=("llama_cpp", "gguf"), install=LLAMACPP_INSTALL),
         # OpenVINO's stateful KV-cache model (what optimum-intel exports), made with OpenVINO's own API
         System("ov-stateful-f32", "OpenVINO stateful KV cache (f32 hint)", lambda c: _prepare_ov_stateful(c, True),
                requires=("openvino",)),
@@ -254,6 +256,8 @@ SYSTEMS: dict[str, System] = {
                lambda c: _prepare_ov_stateful(c, False), requires=("openvino",)),
         # hetforge with 8-bit weights (``hetforge run --quantize w8``), the counterpart of llama.cpp's Q8_0
         System("hetforge-w8", "hetforge --quantize w8", lambda c: _prepare_hetforge(c, "w8"), is_hetforge=True),
+        # and with 4-bit weights (``--quantize w4``), the counterpart of llama.cpp's Q4_0
+        System("hetforge-w4", "hetforge --quantize w4", lambda c: _prepare_hetforge(c, "w4"), is_hetforge=True),
     ]
 }
 

@@ -47,9 +47,9 @@ def peers(
                                             help="zoo names (repeat or comma-separate); default gpt2, llama-110m, "
                                                  "mixtral-small (gpt2-tiny, llama-tiny with --quick)"),
     systems: list[str] | None = typer.Option(None, "--systems", "-s",
-                                             help="subset of: hetforge, hetforge-bf16, hetforge-w8, eager, export, "
-                                                  "compile, ort, ov-default, ov-f32, ov-stateful-f32, ov-stateful, "
-                                                  "llamacpp-f32, llamacpp-q8 (default all)"),
+                                             help="subset of: hetforge, hetforge-bf16, hetforge-w8, hetforge-w4, "
+                                                  "eager, export, compile, ort, ov-default, ov-f32, ov-stateful-f32, "
+                                                  "ov-stateful, llamacpp-f32, llamacpp-q8, llamacpp-q4 (default all)"),
     repeats: int = typer.Option(3, "--repeats", "-n", help="fresh-process repeats per system"),
     quick: bool = typer.Option(False, "--quick", help="1 repeat, few calls per figure, no warm-cache runs, "
                                                       "tiny models unless --models is given"),
