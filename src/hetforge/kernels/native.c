@@ -2302,9 +2302,10 @@ int hf_gemm_q8a(const int8_t *q, const float *scales, const float *x, const floa
  * block of 32 as hf_quantize_q8_blocks does it, the weight nibbles widened to bytes in registers, int8 products
  * with exact int32 block sums, one float epilogue per (block × 16 outputs).
  *
- * Weight: read in place from ATen's _convert_weight_to_int4pack_for_cpu layout of an AVX-512 torch build (no
- * second copy): rows in blocks of 64, byte blk·32K + 32k + i (i < 32) holds u[blk·64 + i, k] (low nibble) and
- * u[blk·64 + 32 + i, k] (high), u = q + 8 in 0..15 (the caller checks the build's layout and N % 64 == 0);
+ * Weight: read in place from ATen's _convert_weight_to_int4pack_for_cpu layout (no second copy): rows in blocks of
+ * B = Q4_BLK (64 on an AVX-512 torch build, 32 on an AVX2 one), byte blk·(B/2)·K + (B/2)·k + i (i < B/2) holds
+ * u[blk·B + i, k] (low nibble) and u[blk·B + B/2 + i, k] (high), u = q + 8 in 0..15 (the caller checks the build's
+ * layout and N % B == 0);
  * scales_zeros [K/G, N, 2] fp32 with zeros 0 (hetforge's int4 is symmetric; the caller checks).
  *
  * Arithmetic (every path, the same bits): for output n and x block b (group g = 32b / G):
@@ -2427,6 +2428,22 @@ static void q4_rows_portable(const q4_ctx *a, const int8_t *xq, const float *xd,
     }
 }
 
+/* Four bytes of x_q (a dword to broadcast). */
+static inline int32_t q4_x4(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+/* The x rows r0..r0+R-1 of a GEMM tile (an edge past the last row repeats it): their x_q, d and offset rows. */
+static inline void q4_tile_rows(const q4_ctx *a, long r0, int R, const int8_t **xq, const float **xd,
+                                const int32_t **xc, long *rr) {
+    for (int i = 0; i < R; i++) {
+        rr[i] = r0 + i < a->m ? r0 + i : a->m - 1;
+        xq[i] = a->xq + rr[i] * a->k, xd[i] = a->xd + rr[i] * a->nb, xc[i] = a->xc + rr[i] * a->nb;
+    }
+}
+
 #if HF_Q4A_VNNI
 /* vpermt2b indices: dword j of the result holds bytes k..k+3 of packed column i = j (+16 for the second). */
 static inline __m512i q4_perm(int second) {
@@ -2449,12 +2466,6 @@ static inline __m512 q4_scales16(const float *sz, long nn, long g, long n) {
     const float *p = sz + (g * nn + n) * 2;
     const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
     return _mm512_permutex2var_ps(_mm512_loadu_ps(p), even, _mm512_loadu_ps(p + 16));
-}
-
-static inline int32_t q4_x4(const int8_t *p) {
-    int32_t v;
-    memcpy(&v, p, 4);
-    return v;
 }
 
 /* 16 results (+ bias), act, stored at yr (ReLU/none on the vector, other activations per element). */
@@ -2489,12 +2500,6 @@ static inline __m256 q4_scales8(const float *sz, long nn, long g, long n) {
     const float *p = sz + (g * nn + n) * 2;
     __m256 e = _mm256_shuffle_ps(_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8), 0x88); /* rows 0 1 4 5 | 2 3 6 7 */
     return _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(e), 0xD8));
-}
-
-static inline int32_t q4_x4b(const int8_t *p) {
-    int32_t v;
-    memcpy(&v, p, 4);
-    return v;
 }
 
 /* The block's int32 sums of 8 rows: the int16 pair sums widened and added by vpmaddwd, + the −8·Σ x_q offset. */
@@ -2539,7 +2544,7 @@ static void q4v_chunk(void *p, long c) {
 #pragma GCC unroll 8
         for (int s = 0; s < 8; s++) {
             q4_unpack4x8(w + (b * 8 + s) * 64, perm, m, v);
-            __m256i xb = _mm256_set1_epi32(q4_x4b(a->xq + b * 32 + 4 * s));
+            __m256i xb = _mm256_set1_epi32(q4_x4(a->xq + b * 32 + 4 * s));
 #pragma GCC unroll 4
             for (int j = 0; j < 4; j++) s16[j] = _mm256_add_epi16(s16[j], _mm256_maddubs_epi16(v[j], xb));
         }
@@ -2603,10 +2608,7 @@ static void q4g_chunk(void *p, long c) {
             const float *xd[Q4G_R2];
             const int32_t *xc[Q4G_R2];
             long rr[Q4G_R2];
-            for (int i = 0; i < Q4G_R2; i++) {
-                rr[i] = r0 + i < a->m ? r0 + i : a->m - 1;
-                xq[i] = a->xq + rr[i] * k, xd[i] = a->xd + rr[i] * nb, xc[i] = a->xc + rr[i] * nb;
-            }
+            q4_tile_rows(a, r0, Q4G_R2, xq, xd, xc, rr);
             __attribute__((aligned(32))) float ft[Q4G_R2][16] = {{0}};
             for (long b = 0; b < nb; b++) {
                 __m256i s16[Q4G_R2][2];
@@ -2619,7 +2621,7 @@ static void q4g_chunk(void *p, long c) {
                     __m256i w1 = _mm256_load_si256((const __m256i *)(wp + s * 128 + 32));
 #pragma GCC unroll 8
                     for (int i = 0; i < Q4G_R2; i++) {
-                        __m256i xb = _mm256_set1_epi32(q4_x4b(xq[i] + b * 32 + 4 * s));
+                        __m256i xb = _mm256_set1_epi32(q4_x4(xq[i] + b * 32 + 4 * s));
                         s16[i][0] = _mm256_add_epi16(s16[i][0], _mm256_maddubs_epi16(w0, xb));
                         s16[i][1] = _mm256_add_epi16(s16[i][1], _mm256_maddubs_epi16(w1, xb));
                     }
@@ -2662,10 +2664,7 @@ static void q4g_chunk(void *p, long c) {
             const float *xd[Q4G_R];
             const int32_t *xc[Q4G_R];
             long rr[Q4G_R];
-            for (int i = 0; i < Q4G_R; i++) {
-                rr[i] = r0 + i < a->m ? r0 + i : a->m - 1;
-                xq[i] = a->xq + rr[i] * k, xd[i] = a->xd + rr[i] * nb, xc[i] = a->xc + rr[i] * nb;
-            }
+            q4_tile_rows(a, r0, Q4G_R, xq, xd, xc, rr);
             __m512 acc[Q4G_R][2];
 #pragma GCC unroll 8
             for (int i = 0; i < Q4G_R; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
