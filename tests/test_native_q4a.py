@@ -26,8 +26,7 @@ def _q4_host(monkeypatch):
     if native.library() is None:
         pytest.skip(f"native C kernels not built on this host ({native.status().reason})")
     if native.q4a_path() == "portable":
-        pytest.skip("neither AVX512-VNNI + VBMI nor AVX2 + FMA on this host: w4 runs ATen's int4 kernels here "
-                    "(test_quant.py)")
+        pytest.skip("no AVX512-VNNI+VBMI or AVX2+FMA on this host: w4 runs ATen's int4 kernels (test_quant.py)")
     monkeypatch.delenv("HETFORGE_W4_ACT", raising=False)
 
 

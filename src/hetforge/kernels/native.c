@@ -2331,8 +2331,9 @@ int hf_gemm_q8a(const int8_t *q, const float *scales, const float *x, const floa
  * tiles over it (int16 sums in registers, the float sums in a small tile in L1).
  *
  * Elsewhere the portable C path runs (the Python side routes such hosts to the ATen path instead). Each path
- * reads the block size of its own build (:c:func:`hf_q4_block`): a torch build that packs another one (an
- * AVX-512 host without VNNI + VBMI packs 64-row blocks) fails the caller's layout check and keeps ATen's path. */
+ * reads the block size of its own build (:c:func:`hf_q4_block`): a torch build that packs another one (the
+ * AVX-512 builds seen packed 64-row blocks, which an AVX2-path build here does not read) fails the caller's layout
+ * check and keeps ATen's path. */
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VBMI__)
 #define HF_Q4A_VNNI 1

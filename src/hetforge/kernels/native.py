@@ -1735,11 +1735,12 @@ def w4_act_mode() -> str:
 def q4a_path(force: str | None | bool = False) -> str:
     """The best int4·int8 path this build has (``vnni``: AVX512-VNNI + VBMI; ``avx2``: AVX2 + FMA; ``portable``:
     plain C, the same bits); ``force="portable"`` makes the kernels run plain C, None resets (test hooks); False
-    only asks."""
+    only asks (the build's answer, asked once: :func:`_answer`)."""
     lib = library()
     assert lib is not None, status().reason
-    best = lib.hf_q4a_path(-2 if force is False else -1 if force is None else Q4A_PATHS.index(force))
-    return Q4A_PATHS[best]
+    if force is False:
+        return Q4A_PATHS[_answer("hf_q4a_path", -2)]
+    return Q4A_PATHS[lib.hf_q4a_path(-1 if force is None else Q4A_PATHS.index(force))]
 
 
 def q4_kernel(rows: int = 1) -> str | None:

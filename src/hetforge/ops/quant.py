@@ -250,14 +250,14 @@ def w4_weight_fits(packed: torch.Tensor, scales_zeros: torch.Tensor, group_size:
             or packed.dtype != torch.uint8 or not native._f32(scales_zeros) or not packed.is_contiguous() \
             or packed.device.type != "cpu" or is_fake(packed):
         return False
-    n, k = packed.shape[0], packed.shape[1] * 2
-    if n % native.q4_row_block() or k % group_size or tuple(scales_zeros.shape) != (k // group_size, n, 2):
+    n, k, block = packed.shape[0], packed.shape[1] * 2, native.q4_row_block()
+    if n % block or k % group_size or tuple(scales_zeros.shape) != (k // group_size, n, 2):
         return False
     versions = (packed._version, scales_zeros._version, id(scales_zeros))
     hit = _W4_WEIGHTS.get(id(packed))
     if hit is not None and hit[0]() is packed and hit[1] == versions:
         return hit[2]
-    ok = _int4_layout(n, k) == ("block", native.q4_row_block()) and not bool(scales_zeros[..., 1].any()) \
+    ok = _int4_layout(n, k) == ("block", block) and not bool(scales_zeros[..., 1].any()) \
         and _w4_layout_agrees(packed, scales_zeros, group_size)
 
     def forget(ref: weakref.ref, i: int = id(packed)) -> None:
