@@ -5541,7 +5541,8 @@ static void panel_block(const float *xp, long k, long q, const float *pan, long 
      * (step, then stream), so every output is the same chain of multiply-adds as the other paths'. The panel block
      * is read once per pass, from L1 after the first; the first pass fetches the same k-rows of the next block (or
      * of pnext's first block) as the AVX-512 loop for many groups does, the groups taking turns by step. */
-    long pfi = i0 + g;
+    const int gp = 2 * (HF_PMR / 4), np_ = ng * gp, lpn = 2 * ((mr + 3) / 4); /* passes: a full group's, the
+                                                                                 * block's, this group's */
     for (int h = 0; h < HF_PNB; h += 24)
         for (int r0 = 0; r0 < mr; r0 += 4) {
             __m256 c[4][3];
@@ -5549,13 +5550,14 @@ static void panel_block(const float *xp, long k, long q, const float *pan, long 
                 for (int x = 0; x < 3; x++)
                     c[r][x] = init ? _mm256_loadu_ps(init + h + 8 * x)
                               : r0 + r < mr ? _mm256_loadu_ps(acc + (r0 + r) * ldo + h + 8 * x) : _mm256_setzero_ps();
-            const int fetch = h == 0 && r0 == 0;
+            const int lp = (h / 24) * (lpn / 2) + r0 / 4;
+            int slot = 0;
             for (long i = i0; i < i1; i++) {
-                if (fetch && i == pfi) {
+                unsigned d = (unsigned)(slot - g * gp);
+                if (d < (unsigned)gp && (int)(d & (unsigned)(lpn - 1)) == lp)
                     for (int s = 0; s < HF_PSTREAMS && s * q + i < k; s++)
                         panel_prefetch(pfb + (s * q + i) * HF_PNB * (long)sizeof(float));
-                    pfi += ng;
-                }
+                slot = slot + 1 == np_ ? 0 : slot + 1;
                 for (int s = 0; s < HF_PSTREAMS; s++) {
                     long kk = s * q + i;
                     if (kk >= k) break;
