@@ -5364,7 +5364,15 @@ int hf_gemm_few_kn(const float *w, const float *x, const float *bias, float *y, 
 #define HF_PCHUNK 4
 #define HF_PSTREAMS 4
 #define HF_PKB 32
-#define HF_PKB_FEW 16 /* k-steps per block for one or two row groups (panel_block) */
+/* k-steps per block for one or two row groups (panel_block). On the AVX2 path a group's passes read the block
+ * from L1 while the next block is prefetched into it, so the two must fit there: blocks of 16 steps (12 KiB each)
+ * took 1.10-1.20x the time of blocks of 8 at 8-16 rows, and one group ran faster still with 4 (bench/kernel_ab.py
+ * --groups panel on calibration widths; docs/arch/runtime.md). */
+#if defined(__AVX512F__)
+#define HF_PKB_FEW(ng) 16
+#else
+#define HF_PKB_FEW(ng) ((ng) == 1 ? 4 : 8)
+#endif
 #define HF_PPF 2048
 #define HF_PSUP 128
 #define HF_PSLICE_ROWS 32 /* the fewest rows of a row slice of a panel (panel_span) */
@@ -5668,7 +5676,7 @@ __attribute__((flatten)) static void panel_chunk_gated(void *ctx, long c) {
         for (long s0 = ra; s0 < rb; s0 += HF_PSUP) {
             long ms = rb - s0 < HF_PSUP ? rb - s0 : HF_PSUP;
             int ng = (int)((ms + HF_PMR - 1) / HF_PMR);
-            long kb = ng <= 2 ? HF_PKB_FEW : HF_PKB; /* see panel_block */
+            long kb = ng <= 2 ? HF_PKB_FEW(ng) : HF_PKB; /* see panel_block */
             for (int w = 0; w < 2; w++)
                 for (long i0 = 0; i0 == 0 || i0 < q; i0 += kb) {
                     long i1 = i0 + kb < q ? i0 + kb : q;
@@ -5707,7 +5715,7 @@ __attribute__((flatten)) static void panel_chunk(void *ctx, long c) { /* flatten
         for (long s0 = ra; s0 < rb; s0 += HF_PSUP) {
             long ms = rb - s0 < HF_PSUP ? rb - s0 : HF_PSUP;
             int ng = (int)((ms + HF_PMR - 1) / HF_PMR);
-            long kb = ng <= 2 ? HF_PKB_FEW : HF_PKB; /* see panel_block */
+            long kb = ng <= 2 ? HF_PKB_FEW(ng) : HF_PKB; /* see panel_block */
             for (long i0 = 0; i0 == 0 || i0 < q; i0 += kb) { /* once with no steps when k is 0: the bias */
                 long i1 = i0 + kb < q ? i0 + kb : q;
                 for (long r0 = 0; r0 < ms; r0 += HF_PMR) {
