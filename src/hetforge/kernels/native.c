@@ -5363,7 +5363,11 @@ int hf_gemm_few_kn(const float *w, const float *x, const float *bias, float *y, 
 #define HF_PMR 8
 #define HF_PCHUNK 4
 #define HF_PSTREAMS 4
+#if defined(__AVX512F__)
 #define HF_PKB 32
+#else
+#define HF_PKB 16
+#endif
 /* k-steps per block for one or two row groups (panel_block). On the AVX2 path a group's passes read the block
  * from L1 while the next block is prefetched into it, so the two must fit there: blocks of 16 steps (12 KiB each)
  * took 1.10-1.20x the time of blocks of 8 at 8-16 rows, and one group ran faster still with 4 (bench/kernel_ab.py
