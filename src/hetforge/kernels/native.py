@@ -158,8 +158,10 @@ FEW_MAX = 8
 # 2..128 after the 16-row fix, which the page holds — 160 rows 0.98-1.00 and 192 rows 1.02-1.04 of oneDNN's time
 # there; session 32's: 4..128; 2-3 rows stay on the few-row kernels, docs/arch/runtime.md says why). The one Intel
 # Xeon run (4..32) was of an earlier kernel. A CPU with AVX2 and FMA but no AVX-512 runs the kernel's AVX2 path
-# (4 x 24 sums per pass): there the same page found 8..16 rows (docs/bench/panel_gemm_avx2.md, session 54).
-PANEL_RANGE_AVX512, PANEL_RANGE_AVX2 = (4, 128), (8, 16)
+# (4 x 24 sums per pass): there the same page found 8..16 rows (session 54), and 2..48 after session 58 spread
+# that path's prefetches over all its passes and sized its blocks to L1 (docs/bench/panel_gemm_avx2.md); as on
+# AVX-512 the few-row kernels keep 2-3 rows (3 rows is not on the page).
+PANEL_RANGE_AVX512, PANEL_RANGE_AVX2 = (4, 128), (4, 48)
 PANEL_MIN, PANEL_MAX = PANEL_RANGE_AVX512 if "avx512f" in cpuinfo.flag_text(cpuinfo.fields()).split() \
     else PANEL_RANGE_AVX2
 # bf16 products of 2..AMX_ROWS_MAX rows run on hf_gemm_amx_bf16 instead of oneDNN (where AMX runs): the row counts at
