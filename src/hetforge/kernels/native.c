@@ -5562,18 +5562,28 @@ static void panel_block(const float *xp, long k, long q, const float *pan, long 
                 for (int x = 0; x < 3; x++)
                     c[r][x] = init ? _mm256_loadu_ps(init + h + 8 * x)
                               : r0 + r < mr ? _mm256_loadu_ps(acc + (r0 + r) * ldo + h + 8 * x) : _mm256_setzero_ps();
+            /* this pass prefetches the steps i0 + g * gp + lp (+ lpn where a short group has fewer passes than
+             * gp), then every np_ steps: strides st[0], st[1] in turn */
             const int lp = (h / 24) * (lpn / 2) + r0 / 4;
-            int slot = 0;
+            const long st[2] = {lpn < gp ? lpn : np_, lpn < gp ? np_ - lpn : np_};
+            long pfi = i0 + g * gp + lp;
+            int t = 0;
+            const long sb = q * HF_PNB, sx = q * HF_PMR; /* one stream's k-rows to the next's, in floats */
+            const long full = k - (HF_PSTREAMS - 1) * q; /* steps i < full have a k-row in every stream */
             for (long i = i0; i < i1; i++) {
-                unsigned d = (unsigned)(slot - g * gp);
-                if (d < (unsigned)gp && (int)(d & (unsigned)(lpn - 1)) == lp)
+                if (i == pfi) {
                     for (int s = 0; s < HF_PSTREAMS && s * q + i < k; s++)
                         panel_prefetch(pfb + (s * q + i) * HF_PNB * (long)sizeof(float));
-                slot = slot + 1 == np_ ? 0 : slot + 1;
+                    pfi += st[t], t ^= 1;
+                }
+                const float *bi = pan + i * HF_PNB + h, *xi = xp + i * HF_PMR + r0;
+                int ns = HF_PSTREAMS;
+                if (i >= full)
+                    for (ns = 0; ns < HF_PSTREAMS && ns * q + i < k; ns++) {}
+#pragma GCC unroll 4
                 for (int s = 0; s < HF_PSTREAMS; s++) {
-                    long kk = s * q + i;
-                    if (kk >= k) break;
-                    const float *b = pan + kk * HF_PNB + h, *xs = xp + kk * HF_PMR + r0;
+                    if (s >= ns) break;
+                    const float *b = bi + s * sb, *xs = xi + s * sx;
                     __m256 b0 = _mm256_loadu_ps(b), b1 = _mm256_loadu_ps(b + 8), b2 = _mm256_loadu_ps(b + 16);
                     __asm__("" : "+x"(b0), "+x"(b1), "+x"(b2)); /* one load each, as in panel_step */
                     for (int r = 0; r < 4; r++) {
@@ -5656,6 +5666,15 @@ static inline void panel_span(const panel_ctx *a, long c, long *j0, long *j1, lo
     if (*rb > a->m) *rb = a->m;
 }
 
+/* The k-rows per stream: ceil(k / HF_PSTREAMS), raised where needed so that the streams start about a quarter
+ * of the L1's sets apart (experiment). */
+static inline long panel_q(long k) {
+    long q = (k + HF_PSTREAMS - 1) / HF_PSTREAMS;
+    if (k < 256) return q;
+    while (((q * HF_PNB * 4 / 64) % 64) < 12 || ((q * HF_PNB * 4 / 64) % 64) > 20) q++;
+    return q;
+}
+
 /* Chunk c's panels of a gated product (see panel_ctx): per row block, the gate's panel through all k-blocks into
  * gs, then the up product's into us (each sum the chain panel_chunk makes for it), then both through
  * panel_store. Why one call: the gate's result no longer goes to memory and back, and X is packed once.
@@ -5663,7 +5682,7 @@ static inline void panel_span(const panel_ctx *a, long c, long *j0, long *j1, lo
  * line, and plain products ran 5-9% slower (measured: docs/arch/runtime.md, session 35). */
 __attribute__((flatten)) static void panel_chunk_gated(void *ctx, long c) {
     const panel_ctx *a = ctx;
-    long k = a->k, q = (k + HF_PSTREAMS - 1) / HF_PSTREAMS, n = a->n[0];
+    long k = a->k, q = panel_q(k), n = a->n[0];
     long j0, j1, ra, rb;
     panel_span(a, c, &j0, &j1, &ra, &rb);
     float gs[HF_PSUP * HF_PNB] __attribute__((aligned(64)));
@@ -5702,7 +5721,7 @@ __attribute__((flatten)) static void panel_chunk_gated(void *ctx, long c) {
  * same few L1 sets (evicted to L2 between blocks) and made the last, partial panel need a scratch of its own. */
 __attribute__((flatten)) static void panel_chunk(void *ctx, long c) { /* flattened: see panel_chunk_gated */
     const panel_ctx *a = ctx;
-    long k = a->k, q = (k + HF_PSTREAMS - 1) / HF_PSTREAMS;
+    long k = a->k, q = panel_q(k);
     long j0, j1, ra, rb;
     panel_span(a, c, &j0, &j1, &ra, &rb);
     float tmp[HF_PSUP * HF_PNB] __attribute__((aligned(64)));
