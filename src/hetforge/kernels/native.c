@@ -5363,6 +5363,8 @@ int hf_gemm_few_kn(const float *w, const float *x, const float *bias, float *y, 
 #define HF_PMR 8
 #define HF_PCHUNK 4
 #define HF_PSTREAMS 4
+/* k-steps per block from three row groups (see the header); on the AVX2 path 16, for the reason given below for
+ * fewer groups (32: 1.02-1.03x the time at 24-32 rows from memory, level at 64-128, session 58) */
 #if defined(__AVX512F__)
 #define HF_PKB 32
 #else
@@ -5551,8 +5553,11 @@ static void panel_block(const float *xp, long k, long q, const float *pan, long 
     /* AVX2's 16 registers cannot hold a group's HF_PMR x HF_PNB sums (48 vectors of 8): the block runs in passes of
      * 4 rows x 24 columns (12 sums, 3 panel vectors and a broadcast), each over the block's steps in the order above
      * (step, then stream), so every output is the same chain of multiply-adds as the other paths'. The panel block
-     * is read once per pass, from L1 after the first; the first pass fetches the same k-rows of the next block (or
-     * of pnext's first block) as the AVX-512 loop for many groups does, the groups taking turns by step. */
+     * is read once per pass, from L1 after the first. The next block's k-rows (or pnext's first block's) are
+     * fetched by all the block's passes in turn, step by step: pass lp of group g takes the steps i0 + g * gp + lp,
+     * then every np_ steps (a group with fewer passes than gp takes its missing passes' steps too). Until session
+     * 58 only the first pass of each group fetched, a burst of prefetches while the other passes ran with memory
+     * idle: products of 8-32 rows from memory took 1.10-1.25x the time (bench/kernel_ab.py --groups panel). */
     const int gp = 2 * (HF_PMR / 4), np_ = ng * gp, lpn = 2 * ((mr + 3) / 4); /* passes: a full group's, the
                                                                                  * block's, this group's */
     for (int h = 0; h < HF_PNB; h += 24)
@@ -5666,8 +5671,13 @@ static inline void panel_span(const panel_ctx *a, long c, long *j0, long *j1, lo
     if (*rb > a->m) *rb = a->m;
 }
 
-/* The k-rows per stream: ceil(k / HF_PSTREAMS), raised where needed so that the streams start about a quarter
- * of the L1's sets apart (experiment). */
+/* The k-rows per stream (q): ceil(k / HF_PSTREAMS), raised where needed so that the streams start about a quarter
+ * of a 64-set L1 apart: the k-rows of one step of the HF_PSTREAMS streams are q * HF_PNB floats apart, which for q a
+ * multiple of 64 (k = 768, 1024, 3072, ...) put all four in the same L1 sets, and a block's reads together with
+ * the next block's prefetches then exceeded the sets' ways. With the skew the 4-row passes of the AVX2 path ran
+ * a 128-row product from cache at 1.04x the rate (one-off, docs/arch/runtime.md). It decides each output's chain
+ * of multiply-adds, so every path takes the same q (bits do not depend on the build). k < 256: no skew (few
+ * k-rows, and the raise could empty a stream). */
 static inline long panel_q(long k) {
     long q = (k + HF_PSTREAMS - 1) / HF_PSTREAMS;
     if (k < 256) return q;
