@@ -1447,9 +1447,29 @@ per_cpu_rows("ttft", _ttft_row, WITH_AVX2)
 
 # ---------------------------------------------------------------- prose
 
-def why_we_lose(peers: J, kf: J, pg: J) -> str:
-    """The losses, with figures from the peer, KForge and prefill-GEMM JSON; the rest is explanation without
-    numbers."""
+def _w8_ttft_text(tt: J) -> str:
+    """The w8 time-to-first-token bullet of :func:`why_we_lose` from an AVX2 TTFT page (empty where that page met
+    the w8 target or ran no w8)."""
+    w8 = next((r for sch, _, r in _ttft_ratios(tt) if sch == "w8"), None)
+    if not w8 or all(r <= 1.0 for r in w8):
+        return ""
+    t, mode = _ttft(tt), _ttft_mode(tt)
+    own = [sy[f"hetforge w8 {mode}"][n] / sy[f"hetforge fp32 {mode}"][n] for sy in t.values()
+           for n in sy.get(f"hetforge w8 {mode}", {}) if n in sy.get(f"hetforge fp32 {mode}", {}) and int(n) >= 64]
+    w8_span, own_span = span(w8, lambda x: num(x, 2)), span(own, times)
+    return f"""- **Time to first token with `--quantize w8` on the AVX2 host:** {w8_span} of llama.cpp
+  Q8_0 over the lengths and models ([bench/ttft_avx2.md](bench/ttft_avx2.md)). Both run int8 × int8 block products
+  (the activations quantized to Q8_0's blocks) on a CPU without AVX512-VNNI, where each 32-element block product
+  takes `vpsignb` + `vpmaddubsw` + `vpmaddwd`, then a float conversion and a multiply-add for the block's scale
+  (llama.cpp's AVX2 Q8_0 dot product has the same steps); at 84 and more tokens hetforge's w8 prompt took
+  {own_span} its own fp32 prompt's time (oneDNN fp32 products), so the int8 GEMM (`hf_gemm_q8a`, 2 × 2 register
+  tiles) is what is left to speed up.
+"""
+
+
+def why_we_lose(peers: J, kf: J, pg: J, tt: J | None = None) -> str:
+    """The losses, with figures from the peer, KForge, prefill-GEMM and (AVX2) TTFT JSON; the rest is explanation
+    without numbers."""
     pre = [c["targets"]["prefill_ms_at_or_below_best_f32_peer"] for c in peers["comparisons"]]
     ov = [p.f("ratio") for p in pre if p.s("best_peer") == "ov-f32"]
     probs = [p for p in kf["problems"] if p.b("correct")]
@@ -1498,7 +1518,7 @@ def why_we_lose(peers: J, kf: J, pg: J) -> str:
     return f"""## Why hetforge loses where it loses
 
 - **Prefill vs OpenVINO / ONNX Runtime:** the multi-row products run packed GEMMs chosen at build time (fp32: the
-  native panel GEMM for 4..128 rows (8..16 on a CPU with AVX2 and no AVX-512), else oneDNN's or MKL's packed GEMM
+  native panel GEMM for 4..128 rows (4..48 on a CPU with AVX2 and no AVX-512), else oneDNN's or MKL's packed GEMM
   by a measured choice; bf16: oneDNN's, AMX's
   where the CPU has it, the native AVX512-BF16 panel kernel for 8..48 rows where it has no AMX), so most of prefill
   is GEMM time ([bench/prefill_gemm.md](bench/prefill_gemm.md); on a CPU with AVX2 and no AVX-512:
@@ -1545,7 +1565,7 @@ def why_we_lose(peers: J, kf: J, pg: J) -> str:
   ([arch/runtime.md](arch/runtime.md#native-cpu-kernels-hetforgekernels)); figures on
   [bench/generate.md](bench/generate.md). Without a C compiler the older path (split GEMV over a weight view) runs
   instead.
-"""
+{_w8_ttft_text(tt) if tt is not None else ""}"""
 
 
 # The commands of the pages without a JSON `command` field; the others come from their JSON.
@@ -1704,7 +1724,8 @@ def render() -> str:
     for ex in HEADLINE:
         r = build(ex)
         out.append(f"| {cell(r.area)} | {cell(r.target)} | {cell(r.result)} | {cell(r.status)} | {r.link} |")
-    out += ["", why_we_lose(load("peers.json"), load("kforge.json"), load("prefill_gemm.json")), reproducing(),
+    out += ["", why_we_lose(load("peers.json"), load("kforge.json"), load("prefill_gemm.json"),
+                            load("ttft_avx2.json")), reproducing(),
             "## CPU speed against the CPU peers (issue 24, first pass)", "",
             "Every page records the CPU model and its ISA flags; rows measured under load say so (only ratios "
             "between interleaved rows mean anything there).", "",
