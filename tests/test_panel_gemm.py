@@ -56,6 +56,21 @@ def test_panel_gemm_matches_a_float64_product_for_both_layouts_and_any_tail(m, k
     assert torch.equal(native.gemm_panel(x, packed, b, n, threads=1), got)  # no dependence on the thread count
 
 
+@pytest.mark.parametrize("k", [256, 517, 768, 1024, 3072])
+def test_panel_gemm_sums_every_k_row_when_its_streams_are_skewed_apart(k):
+    """From k = 256 the k-rows per stream are raised so the four streams start apart in L1 (native.c's panel_q;
+    k = 768, 1024 and 3072 would otherwise give a multiple of 64 rows per stream): the last stream is then shorter
+    and every k-row must still be summed exactly once, at the row counts of every code path (one or two row groups,
+    three and more, a row block past the 128-row scratch)."""
+    for m in (5, 16, 48, 130):
+        x, w, b = _case(m, k, 72, False, k + m)
+        packed = native.pack_panels(w)
+        got = native.gemm_panel(x, packed, b, 72)
+        ref = F.linear(x.double(), w.double(), b.double())
+        torch.testing.assert_close(got.double(), ref, rtol=0, atol=2e-6 * (k + 1) ** 0.5 * 4)
+        assert torch.equal(native.gemm_panel(x, packed, b, 72, threads=1), got)
+
+
 def test_panel_gemm_keeps_the_leading_dimensions_and_refuses_what_does_not_fit():
     x, w, b = _case(24, 64, 100, False, 0)
     packed = native.pack_panels(w)
