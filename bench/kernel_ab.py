@@ -278,8 +278,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("error: the base's panel width (HF_PNB) differs from the working tree's: the two builds "
                          "pack weights differently, and this script packs one layout's size for both")
     if not native.panel_available():
-        raise SystemExit("error: the native library is not built with AVX-512 here: its kernels are not the ones "
-                         "this compares")
+        raise SystemExit("error: the native library has no vector path here (AVX-512, or AVX2 with FMA): its "
+                         "kernels are not the ones this compares")
     torch.set_num_threads(args.threads)
     names = [f"base ({args.base})", "working tree"]
     with tempfile.TemporaryDirectory(prefix="hf-kernel-ab-") as td:
