@@ -1467,7 +1467,7 @@ def _w8_ttft_text(tt: J) -> str:
 """
 
 
-def why_we_lose(peers: J, kf: J, pg: J, tt: J | None = None) -> str:
+def why_we_lose(peers: J, kf: J, pg: J, tt: J) -> str:
     """The losses, with figures from the peer, KForge, prefill-GEMM and (AVX2) TTFT JSON; the rest is explanation
     without numbers."""
     pre = [c["targets"]["prefill_ms_at_or_below_best_f32_peer"] for c in peers["comparisons"]]
@@ -1565,7 +1565,7 @@ def why_we_lose(peers: J, kf: J, pg: J, tt: J | None = None) -> str:
   ([arch/runtime.md](arch/runtime.md#native-cpu-kernels-hetforgekernels)); figures on
   [bench/generate.md](bench/generate.md). Without a C compiler the older path (split GEMV over a weight view) runs
   instead.
-{_w8_ttft_text(tt) if tt is not None else ""}"""
+{_w8_ttft_text(tt)}"""
 
 
 # The commands of the pages without a JSON `command` field; the others come from their JSON.

@@ -10,6 +10,7 @@ import re
 import statistics
 from pathlib import Path
 
+from hetforge.benchmarks.base import QUANT_DECODE_PAIRS
 from hetforge.benchmarks.harness import Row, Stat, SuiteResult
 from hetforge.files import save_figure, write_text
 
@@ -182,13 +183,12 @@ def target_lines(cmp: dict) -> list[str]:
             per = "" if side else _per_repeat(x)
             out.append(f"- {name} at or below {at}the best f32 peer ({x['best_peer']}, {x['peer']:.1f} ms): hetforge "
                        f"{x['hetforge']:.1f} ms ({x['ratio']:.2f}×{per}){side and ';' + side} — {mark(x['met'])}")
-    for bits, key, peer in ((8, "w8_decode_at_or_below_llamacpp_q8", "Q8_0"),
-                            (4, "w4_decode_at_or_below_llamacpp_q4", "Q4_0")):
+    for quant, (_, key) in QUANT_DECODE_PAIRS.items():  # hetforge-w8 against Q8_0, hetforge-w4 against Q4_0
         if key in t:
-            x = t[key]
+            x, bits = t[key], quant.removeprefix("hetforge-w")
             side = _side_text(x)
-            out.append(f"- decode per token with {bits}-bit weights at or below llama.cpp {peer} ({x['peer']:.1f} ms): "
-                       f"hetforge --quantize w{bits} {x['hetforge']:.1f} ms "
+            out.append(f"- decode per token with {bits}-bit weights at or below llama.cpp Q{bits}_0 ({x['peer']:.1f} "
+                       f"ms): hetforge --quantize w{bits} {x['hetforge']:.1f} ms "
                        f"({x['ratio']:.2f}×{'' if side else _per_repeat(x)}){side and ';' + side} — {mark(x['met'])}")
     if "kl_le_1e-8" in t:
         x = t["kl_le_1e-8"]

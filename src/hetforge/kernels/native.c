@@ -5678,10 +5678,11 @@ static inline void panel_span(const panel_ctx *a, long c, long *j0, long *j1, lo
  * a 128-row product from cache at 1.04x the rate (one-off, docs/arch/runtime.md). It decides each output's chain
  * of multiply-adds, so every path takes the same q (bits do not depend on the build). k < 256: no skew (few
  * k-rows, and the raise could empty a stream). */
+_Static_assert(HF_PNB * sizeof(float) == 3 * 64, "panel_q: a k-row of a panel is three cache lines");
 static inline long panel_q(long k) {
     long q = (k + HF_PSTREAMS - 1) / HF_PSTREAMS;
     if (k < 256) return q;
-    while (((q * HF_PNB * 4 / 64) % 64) < 12 || ((q * HF_PNB * 4 / 64) % 64) > 20) q++;
+    for (long set = q * HF_PNB * (long)sizeof(float) / 64 % 64; set < 12 || set > 20; set = (set + 3) % 64) q++;
     return q;
 }
 
