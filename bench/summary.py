@@ -1467,9 +1467,9 @@ def _w8_ttft_text(tt: J) -> str:
 """
 
 
-def why_we_lose(peers: J, kf: J, pg: J, tt: J) -> str:
-    """The losses, with figures from the peer, KForge, prefill-GEMM and (AVX2) TTFT JSON; the rest is explanation
-    without numbers."""
+def why_we_lose(peers: J, kf: J, pg: J, tt: J | None = None) -> str:
+    """The losses, with figures from the peer, KForge, prefill-GEMM and (optional: AVX2) TTFT JSON; the rest is
+    explanation without numbers."""
     pre = [c["targets"]["prefill_ms_at_or_below_best_f32_peer"] for c in peers["comparisons"]]
     ov = [p.f("ratio") for p in pre if p.s("best_peer") == "ov-f32"]
     probs = [p for p in kf["problems"] if p.b("correct")]
@@ -1565,7 +1565,7 @@ def why_we_lose(peers: J, kf: J, pg: J, tt: J) -> str:
   ([arch/runtime.md](arch/runtime.md#native-cpu-kernels-hetforgekernels)); figures on
   [bench/generate.md](bench/generate.md). Without a C compiler the older path (split GEMV over a weight view) runs
   instead.
-{_w8_ttft_text(tt)}"""
+{_w8_ttft_text(tt) if tt is not None else ""}"""
 
 
 # The commands of the pages without a JSON `command` field; the others come from their JSON.
