@@ -9,6 +9,8 @@ bits, so no test saw it. This script builds both sources with the project's own 
 - the panel GEMM (``hf_gemm_panel``) at ``--rows`` rows over a pool of calibration weights (1024/4096-wide, no zoo
   model has them) of at least 3 last-level caches, each library on weights packed by its own ``hf_pack_panels``;
 - the one-row products ``hf_gemv_nk`` and ``hf_gemv_kn`` over pools of the same size;
+- the w8 products with int8 activation blocks (``hf_gemm_q8a`` at ``--rows`` rows, ``hf_gemv_q8a`` for one row) over
+  a pool of the same calibration weights quantized per channel to int8, of at least 3 last-level caches;
 - the prefill attention (``hf_prefill_attention``, causal: ``is_causal`` and the same pattern as a bool mask) on two
   calibration head layouts at 16, 128 and 512 rows, and in bf16 (``is_causal``, its bf16-product path: AMX or
   AVX512-BF16 where the CPU has them);
@@ -23,7 +25,7 @@ ratio is above R (a guard before committing a change to native.c; the host is sh
 that fails by a little). Nothing is written unless ``--json`` names a file.
 
     python bench/kernel_ab.py [--base HEAD] [--rows 16,128] [--rounds 7] [--threads 2] [--max-ratio 1.03] \\
-        [--groups panel,gemv,attention,decode] [--json ab.json]
+        [--groups panel,gemv,w8,attention,decode] [--json ab.json]
 """
 
 from __future__ import annotations
@@ -46,13 +48,14 @@ from _pages import int_list, run_meta
 from hetforge.errors import UsageError
 from hetforge.files import check_output, write_json
 from hetforge.kernels import native
+from hetforge.quant.schemes import quantize_int8
 
 PANEL_SHAPES = [(3072, 1024), (1024, 1024), (4096, 1024), (1024, 4096)]  # (N, K): calibration widths
 GEMV_SHAPES = [("nk", 4096, 1024), ("kn", 1024, 4096)]  # (layout, N, K)
 ATTENTION = [(32, 8, 64), (16, 4, 128)]  # (query heads, kv heads, head dim): calibration layouts
 ATTENTION_ROWS = (16, 128, 512)
 DECODE_CACHES = (256, 1024)  # positions of the decode attention's cache (the first 3/4 written)
-GROUPS = ("panel", "gemv", "attention", "decode")  # --groups: the kernels timed
+GROUPS = ("panel", "gemv", "w8", "attention", "decode")  # --groups: the kernels timed
 POOL_LLCS = 3
 
 
@@ -68,8 +71,8 @@ def _panel_width(source: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-KERNELS = ("hf_pack_panels", "hf_gemm_panel", "hf_gemv_nk", "hf_gemv_kn", "hf_prefill_attention", "hf_decode_attention",
-           "hf_decode_attention_bf16")  # what it times
+KERNELS = ("hf_pack_panels", "hf_gemm_panel", "hf_gemv_nk", "hf_gemv_kn", "hf_gemm_q8a", "hf_gemv_q8a",
+           "hf_prefill_attention", "hf_decode_attention", "hf_decode_attention_bf16")  # what it times
 
 
 def build(source: str, folder: Path, name: str) -> ctypes.CDLL:
@@ -142,6 +145,34 @@ def gemv_cases(libs: dict[str, ctypes.CDLL], threads: int) -> list[dict]:
 
         cases.append({"case": f"one-row {layout} [{n}, {k}]" if layout == "nk" else f"one-row split-K [{k}, {n}]",
                       "call": call, "outs": outs})
+    return cases
+
+
+def w8_cases(libs: dict[str, ctypes.CDLL], rows_list: list[int], threads: int) -> list[dict]:
+    """One case per row count (one row: ``hf_gemv_q8a``, more: ``hf_gemm_q8a``) over a pool of int8 weights."""
+    g = torch.Generator().manual_seed(5)
+    layer = sum(n * k for n, k in PANEL_SHAPES)
+    ws = [(*quantize_int8(torch.randn(n, k, generator=g) * 0.02), n, k) for _ in range(pool_count(layer))
+          for n, k in PANEL_SHAPES]
+    cases = []
+    for rows in sorted({1, *rows_list}):
+        xs = {k: torch.randn(rows, k, generator=g) for k in {k for *_, k in ws}}
+        outs = {name: [torch.empty(rows, n) for *_, n, _ in ws] for name in libs}
+
+        def call(name: str, xs=xs, outs=outs, rows=rows) -> None:
+            lib = libs[name]
+            for (q, s, n, k), y in zip(ws, outs[name], strict=True):
+                if rows == 1:
+                    rc = lib.hf_gemv_q8a(q.data_ptr(), s.data_ptr(), xs[k].data_ptr(), None, y.data_ptr(), n, k, 0,
+                                         threads)
+                else:
+                    rc = lib.hf_gemm_q8a(q.data_ptr(), s.data_ptr(), xs[k].data_ptr(), None, y.data_ptr(), rows, n,
+                                         k, 0, threads)
+                if rc:
+                    raise SystemExit(f"error: the w8 product returned {rc} in the {name} build")
+
+        what = "one-row w8 GEMV (hf_gemv_q8a)" if rows == 1 else f"w8 GEMM (hf_gemm_q8a), {rows} rows"
+        cases.append({"case": what, "call": call, "outs": outs})
     return cases
 
 
@@ -251,7 +282,7 @@ def run_case(case: dict, names: list[str], rounds: int) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--base", default="HEAD", help="the git revision whose native.c is the base (default HEAD)")
-    ap.add_argument("--rows", default="16,128", help="row counts of the panel GEMM cases")
+    ap.add_argument("--rows", default="16,128", help="row counts of the panel and w8 GEMM cases")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--max-ratio", type=float, default=None,
@@ -287,6 +318,7 @@ def main(argv: list[str] | None = None) -> int:
                 names[1]: build(native.SOURCE.read_text(), Path(td), "tree")}
         results = []
         make = {"panel": lambda: panel_cases(libs, rows, args.threads), "gemv": lambda: gemv_cases(libs, args.threads),
+                "w8": lambda: w8_cases(libs, rows, args.threads),
                 "attention": lambda: attention_cases(libs, args.threads),
                 "decode": lambda: decode_cases(libs, args.threads)}
         for group in groups:

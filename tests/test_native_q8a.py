@@ -62,10 +62,31 @@ def test_block_quantization_equals_torch_round_half_even():
     assert torch.equal(xd, want_d) and torch.equal(xd8, want_d.repeat_interleave(8))
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_block_quantization_gives_a_block_with_nan_or_inf_scale_nan_and_zero_codes(bad):
+    """A block holding NaN or ±Inf: scale NaN (so every sum it meets is NaN) and codes 0, the other blocks as
+    torch rounds them; the vector paths take the full blocks, the scalar loop the partial last one."""
+    g = torch.Generator().manual_seed(3)
+    k = 32 * 5 + 9
+    x = torch.randn(k, generator=g)
+    x[32 + 7] = bad
+    x[k - 2] = bad  # the partial last block
+    nb = (k + 31) // 32
+    xq, xd, xd8 = torch.empty(nb * 32, dtype=torch.int8), torch.empty(nb), torch.empty(nb * 8)
+    native.library().hf_quantize_q8_blocks(x.data_ptr(), k, xq.data_ptr(), xd.data_ptr(), xd8.data_ptr())
+    want_q, want_d = _quantize_blocks(torch.where(x.isfinite(), x, torch.zeros_like(x)))
+    want_q[1] = want_q[nb - 1] = 0
+    want_d[1] = want_d[nb - 1] = float("nan")
+    assert torch.equal(xq.view(nb, 32).to(torch.int64), want_q)
+    assert torch.allclose(xd, want_d, rtol=0, atol=0, equal_nan=True)
+    assert torch.allclose(xd8, want_d.repeat_interleave(8), rtol=0, atol=0, equal_nan=True)
+
+
 @pytest.mark.parametrize("k", [1, 15, 16, 17, 31, 32, 33, 48, 64, 97, 200])
 @pytest.mark.parametrize("mag", [1.0, 1e30, 1e-36])  # 1e-36: subnormal block scales (1/d finite or Inf)
 def test_block_quantization_of_any_length_and_magnitude_equals_torch(k, mag):
-    """The AVX-512 quantizer (16 lanes, masked partial blocks) rounds and clamps as the scalar loop."""
+    """The vector quantizers (AVX-512: 16 lanes, masked partial blocks; AVX2: 8 lanes, full blocks) round and clamp
+    as the scalar loop."""
     g = torch.Generator().manual_seed(k)
     x = torch.randn(k, generator=g) * mag
     x[::7] = torch.round(x[::7] / mag * 4) / 4 * mag  # quarter steps: many ties after scaling

@@ -1929,6 +1929,37 @@ void hf_quantize_q8_blocks(const float *x, long k, int8_t *xq, float *xd, float 
         xd[b] = d;
         _mm256_storeu_ps(xd8 + b * 8, _mm256_set1_ps(d));
     }
+#elif defined(__AVX2__)
+    /* The same on 8 lanes for the full blocks (the partial last one below): a NaN product (only in a block with
+     * NaN or ±Inf, whose scale is NaN) becomes 0 before the conversion, as the (int8_t) cast of NaN gives. */
+    const __m256 big = _mm256_set1_ps(3.40282347e38f), hi = _mm256_set1_ps(127.f), lo = _mm256_set1_ps(-127.f);
+    const __m256 absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (; b < k / 32; b++) {
+        __m256 v[4], a[4];
+        int ok = 0xff;
+        for (int i = 0; i < 4; i++) {
+            v[i] = _mm256_loadu_ps(x + b * 32 + i * 8), a[i] = _mm256_and_ps(v[i], absm);
+            ok &= _mm256_movemask_ps(_mm256_cmp_ps(a[i], big, _CMP_LE_OQ));
+        }
+        __m256 m = _mm256_max_ps(_mm256_max_ps(a[0], a[1]), _mm256_max_ps(a[2], a[3]));
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+        int bad = ok != 0xff;
+        float d = bad ? NAN : amax / 127.f, id = bad || d == 0.f ? 0.f : 1.f / d;
+        __m256 idv = _mm256_set1_ps(id);
+        __m256i r[4];
+        for (int i = 0; i < 4; i++) {
+            __m256 t = _mm256_round_ps(_mm256_mul_ps(v[i], idv), _MM_FROUND_CUR_DIRECTION);
+            t = _mm256_and_ps(t, _mm256_cmp_ps(t, t, _CMP_ORD_Q)); /* NaN -> 0 */
+            r[i] = _mm256_cvttps_epi32(_mm256_max_ps(lo, _mm256_min_ps(hi, t)));
+        }
+        __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(r[0], r[1]), _mm256_packs_epi32(r[2], r[3]));
+        _mm256_storeu_si256((__m256i *)(xq + b * 32), _mm256_permutevar8x32_epi32(p, order));
+        xd[b] = d;
+        _mm256_storeu_ps(xd8 + b * 8, _mm256_set1_ps(d));
+    }
 #endif
     for (; b < nb; b++) {
         float amax = 0.f;
@@ -2154,19 +2185,27 @@ static inline void q8g_blk2x2(const int8_t *const *w, const int8_t *const *xq, c
     }
 }
 
-/* q8a_reduce of the 16 accumulators (lo = acc[0..7], hi = acc[8..15]) on vectors: the same sums in the same
- * order (halves 8, 4, 2, 1). */
-static inline float q8g_reduce_avx2(__m256 lo, __m256 hi) {
-    __m256 h8 = _mm256_add_ps(lo, hi);
-    __m128 h4 = _mm_add_ps(_mm256_castps256_ps128(h8), _mm256_extractf128_ps(h8, 1));
-    __m128 h2 = _mm_add_ps(h4, _mm_movehl_ps(h4, h4));
-    return _mm_cvtss_f32(_mm_add_ss(h2, _mm_movehdup_ps(h2)));
+/* q8a_reduce (halves 8, 4, 2, 1: the same sums in the same order, each with the same first operand) of the 2 × 2
+ * tile's four accumulator pairs (lo = lanes 0..7, hi = lanes 8..15) at once: [o00, o01, o10, o11]. */
+static inline __m128 q8g_reduce4_avx2(__m256 lo[2][2], __m256 hi[2][2]) {
+    __m256 h00 = _mm256_add_ps(lo[0][0], hi[0][0]), h01 = _mm256_add_ps(lo[0][1], hi[0][1]);
+    __m256 h10 = _mm256_add_ps(lo[1][0], hi[1][0]), h11 = _mm256_add_ps(lo[1][1], hi[1][1]);
+    /* [h4(00) | h4(01)] and [h4(10) | h4(11)]: the low 128 bits plus the high 128 bits */
+    __m256 t0 = _mm256_add_ps(_mm256_permute2f128_ps(h00, h01, 0x20), _mm256_permute2f128_ps(h00, h01, 0x31));
+    __m256 t1 = _mm256_add_ps(_mm256_permute2f128_ps(h10, h11, 0x20), _mm256_permute2f128_ps(h10, h11, 0x31));
+    /* per 128-bit lane [h2 of t0's | h2 of t1's]: elements 0, 1 plus elements 2, 3 */
+    __m256 h2 = _mm256_add_ps(_mm256_shuffle_ps(t0, t1, _MM_SHUFFLE(1, 0, 1, 0)),
+                              _mm256_shuffle_ps(t0, t1, _MM_SHUFFLE(3, 2, 3, 2)));
+    /* element 0 plus element 1: [o00, o10, o00, o10 | o01, o11, o01, o11] */
+    __m256 h1 = _mm256_add_ps(_mm256_shuffle_ps(h2, h2, _MM_SHUFFLE(2, 0, 2, 0)),
+                              _mm256_shuffle_ps(h2, h2, _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm_unpacklo_ps(_mm256_castps256_ps128(h1), _mm256_extractf128_ps(h1, 1));
 }
 
-/* The tile of x rows xq[0..1] × weight rows w[0..1] into out[i][j] (q8a_dot4's bits): the full blocks in pairs
- * (even blocks into lo, odd into hi, all in registers), the partial last block in scalar code. */
-static void q8g_tile_avx2(const int8_t *const *w, const int8_t *const *xq, const float *const *xd,
-                          const float *const *xd8, long k, float out[2][2]) {
+/* The tile of x rows xq[0..1] × weight rows w[0..1] (q8a_dot4's bits), as [o00, o01, o10, o11]: the full blocks in
+ * pairs (even blocks into lo, odd into hi, all in registers), the partial last block in scalar code. */
+static __m128 q8g_tile_avx2(const int8_t *const *w, const int8_t *const *xq, const float *const *xd,
+                            const float *const *xd8, long k) {
     long nb = (k + 31) / 32, full = k / 32, b = 0;
     __m256 lo[2][2], hi[2][2];
     for (int i = 0; i < 2; i++)
@@ -2176,18 +2215,49 @@ static void q8g_tile_avx2(const int8_t *const *w, const int8_t *const *xq, const
         q8g_blk2x2(w, xq, xd8, b + 1, hi);
     }
     if (b < full) q8g_blk2x2(w, xq, xd8, b++, lo);
-    if (b == nb) {
-        for (int i = 0; i < 2; i++)
-            for (int j = 0; j < 2; j++) out[i][j] = q8g_reduce_avx2(lo[i][j], hi[i][j]);
-        return;
-    }
+    if (b == nb) return q8g_reduce4_avx2(lo, hi);
+    float out[4];
     for (int i = 0; i < 2; i++)
         for (int j = 0; j < 2; j++) {
             float acc[16];
             _mm256_storeu_ps(acc, lo[i][j]), _mm256_storeu_ps(acc + 8, hi[i][j]);
             q8a_block_scalar(w[j], xq[i], xd[i][b], b, k, acc);
-            out[i][j] = q8a_reduce(acc);
+            out[2 * i + j] = q8a_reduce(acc);
         }
+    return _mm_loadu_ps(out);
+}
+
+/* The 4 × 4 tile of x rows rr[0..3] × weight rows jr[0..3] (four 2 × 2 register tiles) into y: q8g_out's float
+ * ops on 4 columns at once for ReLU or no activation, act_of per output for the others. */
+static void q8g_tile4_avx2(const q8g_ctx *a, const int8_t *const *w, const long *rr, const long *jr, long jj,
+                           long j1) {
+    long kp = a->kp, nb = a->nb;
+    __m128 row[4];
+    for (int i = 0; i < 4; i += 2) {
+        const int8_t *xq[2] = {a->xq + rr[i] * kp, a->xq + rr[i + 1] * kp};
+        const float *xd[2] = {a->xd + rr[i] * nb, a->xd + rr[i + 1] * nb};
+        const float *xd8[2] = {a->xd8 + rr[i] * nb * 8, a->xd8 + rr[i + 1] * nb * 8};
+        __m128 o0 = q8g_tile_avx2(w, xq, xd, xd8, a->k), o1 = q8g_tile_avx2(w + 2, xq, xd, xd8, a->k);
+        row[i] = _mm_movelh_ps(o0, o1), row[i + 1] = _mm_movehl_ps(o1, o0); /* [x row, weight rows 0..3] */
+    }
+    int cols = j1 - jj < 4 ? (int)(j1 - jj) : 4, rows = a->m - rr[0] < 4 ? (int)(a->m - rr[0]) : 4;
+    if (a->act != ACT_NONE && a->act != ACT_RELU) {
+        float o[4];
+        for (int i = 0; i < rows; i++) {
+            _mm_storeu_ps(o, row[i]);
+            for (int j = 0; j < cols; j++) a->y[rr[i] * a->n + jr[j]] = q8g_out(a, rr[i], jr[j], o[j]);
+        }
+        return;
+    }
+    __m128 sc = _mm_setr_ps(a->scales[jr[0]], a->scales[jr[1]], a->scales[jr[2]], a->scales[jr[3]]), bv = sc;
+    if (a->bias) bv = _mm_setr_ps(a->bias[jr[0]], a->bias[jr[1]], a->bias[jr[2]], a->bias[jr[3]]);
+    __m128i keep = _mm_cmpgt_epi32(_mm_set1_epi32(cols), _mm_setr_epi32(0, 1, 2, 3));
+    for (int i = 0; i < rows; i++) {
+        __m128 v = _mm_mul_ps(row[i], sc);
+        if (a->bias) v = _mm_add_ps(v, bv);
+        if (a->act == ACT_RELU) v = _mm_blendv_ps(v, _mm_setzero_ps(), _mm_cmp_ps(v, _mm_setzero_ps(), _CMP_LE_OQ));
+        _mm_maskstore_ps(a->y + rr[i] * a->n + jj, keep, v); /* columns jj.. are jr[0..cols) */
+    }
 }
 #endif
 
@@ -2232,24 +2302,15 @@ static void q8g_chunk(void *p, long c) {
                 jr[j] = jj + j < j1 ? jj + j : j1 - 1;
                 w[j] = a->q + jr[j] * k;
             }
-            float out[4][4];
 #if defined(__AVX2__) && defined(__FMA__)
             if (a->path == Q8A_AVX2) {
-                for (int i = 0; i < 4; i += 2) {
-                    const int8_t *xq[2] = {a->xq + rr[i] * kp, a->xq + rr[i + 1] * kp};
-                    const float *xd[2] = {a->xd + rr[i] * a->nb, a->xd + rr[i + 1] * a->nb};
-                    const float *xd8[2] = {a->xd8 + rr[i] * a->nb * 8, a->xd8 + rr[i + 1] * a->nb * 8};
-                    for (int j = 0; j < 4; j += 2) {
-                        float o[2][2];
-                        q8g_tile_avx2(w + j, xq, xd, xd8, k, o);
-                        out[i][j] = o[0][0], out[i][j + 1] = o[0][1], out[i + 1][j] = o[1][0], out[i + 1][j + 1] = o[1][1];
-                    }
-                }
-            } else
+                q8g_tile4_avx2(a, w, rr, jr, jj, j1);
+                continue;
+            }
 #endif
-                for (int i = 0; i < 4; i++)
-                    q8a_dot4(w, a->xq + rr[i] * kp, a->xd + rr[i] * a->nb, a->xd8 + rr[i] * a->nb * 8, k, a->path,
-                             out[i]);
+            float out[4][4];
+            for (int i = 0; i < 4; i++)
+                q8a_dot4(w, a->xq + rr[i] * kp, a->xd + rr[i] * a->nb, a->xd8 + rr[i] * a->nb * 8, k, a->path, out[i]);
             for (int i = 0; i < 4 && r0 + i < a->m; i++)
                 for (int j = 0; j < 4 && jj + j < j1; j++) a->y[rr[i] * a->n + jr[j]] = q8g_out(a, rr[i], jr[j], out[i][j]);
         }
