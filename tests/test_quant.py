@@ -228,21 +228,59 @@ def test_quantized_tiny_models_run_close_with_real_kernels(captured, name, schem
     assert res.report.graph_bytes_after < res.report.graph_bytes_before
 
 
-def test_skip_list_and_unfit_group_size_are_listed(captured):
+@pytest.mark.parametrize("w4_unfit", ["w8", "float"])
+def test_skip_list_and_unfit_group_size_are_listed(captured, w4_unfit):
+    """Skipped layers stay float; layers whose K the group size does not divide get int8 (``w4_unfit="w8"``, the
+    default) or stay float, each listed with the reason."""
     cg, inputs = captured["llama-tiny"]
-    res = quantize_graph(cg.gm, "w4", group_size=128, skip=("lm_head", "layers.0", "no_such_layer"))
+    res = quantize_graph(cg.gm, "w4", group_size=128, skip=("lm_head", "layers.0", "no_such_layer"),
+                         w4_unfit=w4_unfit)
     by_path = {e.path: e for e in res.report.entries}
     assert by_path["lm_head"].scheme == "fp32" and "skip pattern 'lm_head'" in by_path["lm_head"].reason
     assert all(e.scheme == "fp32" for p, e in by_path.items() if ".layers.0." in f".{p}.")
     # layer 1: down_proj has K=128 (fits), the others K=64 (group 128 does not divide 64)
     assert by_path["model.layers.1.mlp.down_proj"].scheme == "w4"
     q1 = by_path["model.layers.1.self_attn.q_proj"]
-    assert q1.scheme == "fp32" and "does not divide the input dimension 64" in q1.reason
+    assert q1.scheme == ("w8" if w4_unfit == "w8" else "fp32")
+    assert "does not divide the input dimension 64" in q1.reason
+    unfit = [e for e in res.report.entries if "does not divide" in e.reason]
     assert res.report.unmatched_skip == ["no_such_layer"]
-    # skipped layers still run as float linears with their original weights
-    assert op_counts(res.gm)["aten.linear.default"] == len(res.report.skipped)
-    assert op_counts(res.gm)["hetforge.linear_w4.default"] == 1
-    res.gm(*inputs)
+    # skipped (and, under float, unfit) layers still run as float linears with their original weights
+    counts = op_counts(res.gm)
+    assert counts["aten.linear.default"] == len(res.report.skipped)
+    assert counts["hetforge.linear_w4.default"] == 1
+    assert counts.get("hetforge.linear_w8.default", 0) == (len(unfit) if w4_unfit == "w8" else 0)
+    ref = cg.gm(*inputs)
+    got = res.gm(*inputs)
+    assert torch.allclose(got[0] if isinstance(got, tuple) else got, ref[0] if isinstance(ref, tuple) else ref,
+                          atol=0.5)
+
+
+def test_w4_gives_a_layer_with_n_not_a_multiple_of_16_int8_weights():
+    """GPT-2's LM head has 50257 rows, which the int4 kernel cannot tile: under w4 it gets int8 per channel (the
+    report says why) unless ``w4_unfit="float"``; the quantized graph matches the dequantized weights' product."""
+    g = torch.Generator().manual_seed(7)
+    lin = torch.nn.Linear(64, 40, bias=False)  # 40 rows: not a multiple of 16
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(40, 64, generator=g))
+    x = torch.randn(1, 3, 64, generator=g)
+    cg = capture(lin, (x,))
+    res = quantize_graph(cg.gm, "w4", group_size=32)
+    (e,) = res.report.entries
+    assert e.scheme == "w8" and "not a multiple of 16" in e.reason and e.bytes_after < e.bytes_before / 3
+    assert op_counts(res.gm)["hetforge.linear_w8.default"] == 1
+    q, s = quantize_int8(lin.weight.detach())
+    want = x @ (q.float() * s[:, None]).t()
+    got = res.gm(x)
+    got = got[0] if isinstance(got, tuple) else got
+    assert torch.allclose(got, want, rtol=1e-2, atol=1e-2 * want.abs().max().item())
+    kept = quantize_graph(cg.gm, "w4", group_size=32, w4_unfit="float")
+    assert kept.report.entries[0].scheme == "fp32" and "not a multiple of 16" in kept.report.entries[0].reason
+
+
+def test_bad_w4_unfit_choice_is_refused_by_name():
+    with pytest.raises(UsageError, match="--w4-unfit 'int2' is not one of w8, float"):
+        check_options("w4", 128, (), "int2")
 
 
 def test_skip_pattern_matching():

@@ -10,9 +10,11 @@ nodes and whose nodes carry ``meta["val"]``. What it rewrites:
 * ``hetforge::gated_mlp`` → quantized gate (with ``act``), up and down linears and an ``aten.mul``.
 
 Only weights that are ``get_attr`` 2-D float tensors are touched. A layer is kept in float (and listed
-with the reason) when its module path matches a ``skip`` pattern or the int4 kernel cannot take its
-shape (group size not dividing K, N not a multiple of 16). A graph that already holds quantized ops or
-integer linear weights is reported and returned as is.
+with the reason) when its module path matches a ``skip`` pattern. Under ``w4`` a layer whose shape the int4
+kernel cannot take (group size not dividing K, N not a multiple of 16: GPT-2's 50257-row LM head) gets int8
+per-channel weights (``linear_w8``) and the reason in its report entry, as llama.cpp's Q4_0 files keep the
+output matrix at a wider type; ``w4_unfit="float"`` keeps such layers in float instead. A graph that already
+holds quantized ops or integer linear weights is reported and returned as is.
 
 The input graph module is not mutated: the result is a new GraphModule over a copied graph whose
 submodules are fresh containers; float weights that no node reads any more are not carried over, new
@@ -63,8 +65,13 @@ class _Linear:
     weight_t: bool
 
 
-def check_options(scheme: str, group_size: int, skip: tuple[str, ...] | list[str]) -> None:
-    """Raise UsageError naming the valid values for a bad scheme, group size or skip pattern."""
+W4_UNFIT = ("w8", "float")  # what a layer the int4 kernel cannot take gets under w4
+
+
+def check_options(scheme: str, group_size: int, skip: tuple[str, ...] | list[str], w4_unfit: str = "w8") -> None:
+    """Raise UsageError naming the valid values for a bad scheme, group size, skip pattern or w4 fallback."""
+    if w4_unfit not in W4_UNFIT:
+        raise UsageError(f"--w4-unfit {w4_unfit!r} is not one of {', '.join(W4_UNFIT)}")
     if scheme not in SCHEMES:
         raise UsageError(f"unknown quantization scheme '{scheme}'; valid schemes: {', '.join(SCHEMES)}")
     if scheme == "w4" and group_size not in INT4_GROUP_SIZES:
@@ -120,14 +127,15 @@ def matches(path: str, pattern: str) -> bool:
 
 
 def quantize_graph(gm: GraphModule, scheme: str = "w8", group_size: int = 128,
-                   skip: tuple[str, ...] | list[str] = ()) -> QuantizeResult:
-    """Quantize every float linear of ``gm`` with ``scheme`` (``w8``/``w4``/``w8a8``/``none``).
+                   skip: tuple[str, ...] | list[str] = (), w4_unfit: str = "w8") -> QuantizeResult:
+    """Quantize every float linear of ``gm`` with ``scheme`` (``w8``/``w4``/``w8a8``/``none``); under ``w4`` the
+    layers the int4 kernel cannot take get ``w4_unfit`` (``w8``: int8 per channel, or ``float``).
 
     >>> res = quantize_graph(captured.gm, "w4", group_size=64, skip=("lm_head",))  # doctest: +SKIP
     >>> res.gm(*inputs); res.report.summary_line()                                  # doctest: +SKIP
     """
     skip = tuple(skip)
-    check_options(scheme, group_size, skip)
+    check_options(scheme, group_size, skip, w4_unfit)
     report = QuantReport(scheme, group_size if scheme == "w4" else None, skip)
     report.graph_bytes_before = _graph_bytes(gm)
     already = already_quantized(gm)
@@ -136,7 +144,7 @@ def quantize_graph(gm: GraphModule, scheme: str = "w8", group_size: int = 128,
         report.graph_bytes_after = report.graph_bytes_before
         return QuantizeResult(gm, report)
     new_gm = _copy_graph_module(gm)
-    _Rewriter(new_gm, scheme, group_size, skip, report).run()
+    _Rewriter(new_gm, scheme, group_size, skip, report, w4_unfit).run()
     report.graph_bytes_after = _graph_bytes(new_gm)
     used = {p for e in report.entries for p in skip if matches(e.path, p)}
     report.unmatched_skip = [p for p in skip if p not in used]
@@ -184,9 +192,11 @@ def _linears(n: Node) -> list[_Linear]:
 class _Rewriter:
     """Walks the copied graph once, quantizing each weight once and rewriting every node that reads it."""
 
-    def __init__(self, gm: GraphModule, scheme: str, group_size: int, skip: tuple[str, ...], report: QuantReport):
+    def __init__(self, gm: GraphModule, scheme: str, group_size: int, skip: tuple[str, ...], report: QuantReport,
+                 w4_unfit: str = "w8"):
         self.gm, self.graph = gm, gm.graph
         self.scheme, self.group_size, self.skip, self.report = scheme, group_size, skip, report
+        self.w4_unfit = w4_unfit
         self.fake_mode = _fake_mode(gm)
         self.entries: dict[tuple[str, bool], TensorEntry] = {}
         self.qweights: dict[tuple[str, bool], QuantizedWeight] = {}
@@ -237,11 +247,18 @@ class _Rewriter:
         entry = TensorEntry(path, str(lin.weight.target), [op], (n_out, k_in), "fp32", nbytes, nbytes)
         self.entries[key] = entry
         reason = self._why_float(lin, path, n_out, k_in)
+        scheme = self.scheme
+        if not reason and scheme == "w4":
+            unfit = int4_unfit_reason(n_out, k_in, self.group_size)
+            if unfit and self.w4_unfit == "float":
+                reason = unfit
+            elif unfit:
+                scheme, entry.reason = "w8", f"int8 per channel: {unfit}"
         if reason:
             entry.reason = reason
             return None
-        qw = shared_quantized(src, w_nk, self.scheme, self.group_size, lin.weight_t)
-        entry.scheme, entry.rel_error, entry.group_size = self.scheme, qw.rel_error, qw.group_size
+        qw = shared_quantized(src, w_nk, scheme, self.group_size, lin.weight_t)
+        entry.scheme, entry.rel_error, entry.group_size = scheme, qw.rel_error, qw.group_size
         entry.bytes_after = qw.nbytes
         self.qweights[key] = qw
         self.qnodes[key] = self._add_tensors(str(lin.weight.target), qw, lin.weight.meta)
@@ -258,8 +275,6 @@ class _Rewriter:
             return "input has no float meta['val']"
         if self.scheme == "w8a8" and xv.dtype != torch.float32:
             return f"w8a8 kernel (FBGEMM) takes float32 activations, not {xv.dtype}"
-        if self.scheme == "w4":
-            return int4_unfit_reason(n_out, k_in, self.group_size) or ""
         return ""
 
     # -- emission
@@ -314,7 +329,8 @@ class _Rewriter:
                 e.bytes_after += e.bytes_before
                 users = sorted({op_name(u) for m in self.graph.nodes if m.op == "get_attr" and m.target == e.target
                                 for u in m.users})
-                e.reason = f"float copy kept: also read by {', '.join(users)}"
+                kept = f"float copy kept: also read by {', '.join(users)}"
+                e.reason = f"{e.reason}; {kept}" if e.reason else kept
 
 
 def _rest(lin: _Linear) -> tuple:

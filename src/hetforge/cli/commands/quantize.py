@@ -23,6 +23,9 @@ def quantize(
     w4_act: opt.W4Act = None,
     skip: list[str] = typer.Option([], "--skip", help="keep layers whose module path matches in float "
                                    "(repeatable; 'lm_head', 'layers.0', globs like '*.mlp.*')"),
+    w4_unfit: str = typer.Option("w8", "--w4-unfit", help="under w4, what a layer the int4 kernel cannot take "
+                                 "(N not a multiple of 16, group size not dividing K) gets: w8 (int8 per channel) "
+                                 "or float"),
     seq: opt.Seq = 16,
     show_report: bool = typer.Option(False, "--report", help="print the per-tensor table"),
     json_out: opt.Json = False,
@@ -35,10 +38,10 @@ def quantize(
 
     native.set_w8_act(w8_act)
     native.set_w4_act(w4_act)
-    check_options(scheme, group_size, skip)  # fail fast, before loading the model
+    check_options(scheme, group_size, skip, w4_unfit)  # fail fast, before loading the model
     loaded, inputs, cg = capture_model(model, seq, "sdpa", False)
     t0 = time.perf_counter()
-    res = quantize_graph(cg.gm, scheme, group_size=group_size, skip=tuple(skip))
+    res = quantize_graph(cg.gm, scheme, group_size=group_size, skip=tuple(skip), w4_unfit=w4_unfit)
     seconds = time.perf_counter() - t0
     fid = verify(loaded.logits_module(), res.gm, inputs, kl_threshold=float("inf"))
     rep = res.report
@@ -54,6 +57,9 @@ def quantize(
     for e in rep.skipped:
         if not show_report:
             console.print(f"  kept in float: {e.path} ({e.reason})")
+    for e in rep.quantized:
+        if not show_report and e.scheme != rep.scheme:
+            console.print(f"  {e.scheme} instead of {rep.scheme}: {e.path} ({e.reason})")
     for p in rep.unmatched_skip:
         console.print(f"  [yellow]note:[/] --skip '{p}' matched no linear layer")
     console.print(f"  fidelity vs eager fp32 (measured, [1,{seq}]): KL mean {fid.kl_mean:.3e}, "
