@@ -36,6 +36,7 @@ def test_kernel_ab_builds_both_sources_and_times_every_case_with_the_bits_compar
     cases = [r["case"] for r in doc["results"]]
     assert any(c.startswith("panel GEMM, 8 rows") for c in cases)
     assert any(c.startswith("one-row nk") for c in cases) and any(c.startswith("one-row split-K") for c in cases)
+    assert "one-row w8 GEMV (hf_gemv_q8a)" in cases and "w8 GEMM (hf_gemm_q8a), 8 rows" in cases
     att = [c for c in cases if c.startswith("prefill attention")]
     assert len(att) == 18  # 2 layouts x 16/128/512 rows x (fp32 is_causal, fp32 causal bool mask, bf16 is_causal)
     assert sum(c.endswith("bool causal mask") for c in att) == 6 and sum(c.endswith("is_causal") for c in att) == 12
@@ -62,5 +63,5 @@ def test_kernel_ab_refuses_a_revision_git_does_not_know_with_one_line_and_exit_2
 def test_kernel_ab_refuses_an_unknown_group_with_one_line_and_exit_2() -> None:
     got = run("--groups", "attention,gemm")
     assert got.returncode == 2
-    assert "--groups 'attention,gemm'" in got.stderr and "panel, gemv, attention, decode" in got.stderr
+    assert "--groups 'attention,gemm'" in got.stderr and "panel, gemv, w8, attention, decode" in got.stderr
     assert "Traceback" not in got.stderr
