@@ -28,7 +28,8 @@ def _q4_host(monkeypatch):
     # A CPU or compiler with neither AVX512-VNNI+VBMI nor AVX2+FMA builds only the plain C path, which w4 never
     # runs there (q4_kernel returns None): nothing these tests compare is in use; ATen's path is test_quant.py's.
     if native.q4a_path() == "portable":
-        pytest.skip("no VNNI or AVX2 int4 kernel in this build: w4 runs ATen's int4 path, tested in test_quant.py")
+        pytest.skip("this CPU/compiler has neither AVX512-VNNI+VBMI nor AVX2+FMA, so hetforge never runs its int4 "
+                    "kernels here (w4 uses ATen's int4 path, tested in test_quant.py)")
     monkeypatch.delenv("HETFORGE_W4_ACT", raising=False)
 
 

@@ -12,9 +12,8 @@ nodes and whose nodes carry ``meta["val"]``. What it rewrites:
 Only weights that are ``get_attr`` 2-D float tensors are touched. A layer is kept in float (and listed
 with the reason) when its module path matches a ``skip`` pattern. Under ``w4`` a layer whose shape the int4
 kernel cannot take (group size not dividing K, N not a multiple of 16: GPT-2's 50257-row LM head) gets int8
-per-channel weights (``linear_w8``) and the reason in its report entry, as llama.cpp's Q4_0 files keep the
-output matrix at a wider type; ``w4_unfit="float"`` keeps such layers in float instead. A graph that already
-holds quantized ops or integer linear weights is reported and returned as is.
+per-channel weights (``linear_w8``) and the reason in its report entry; ``w4_unfit="float"`` keeps such layers
+in float instead. A graph that already holds quantized ops or integer linear weights is reported and returned as is.
 
 The input graph module is not mutated: the result is a new GraphModule over a copied graph whose
 submodules are fresh containers; float weights that no node reads any more are not carried over, new
